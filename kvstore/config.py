@@ -1,0 +1,422 @@
+"""The typed configuration of every component, loaded in one place from a file and the environment.
+
+Precedence, lowest first: defaults, a TOML or YAML file, environment variables,
+then explicit overrides (command-line flags). Environment variables name a
+field by its dotted path, upper-cased, with ``__`` between levels::
+
+    KVSTORE_STORE__MEMORY__CAPACITY_BYTES=8GiB
+    KVSTORE_SERVER__PORT=50051
+
+and the common settings have short aliases (see ``ENV_ALIASES``). Fields whose
+name ends in ``_bytes`` accept sizes such as ``8GiB``, ``512MB`` or ``4096``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from kvstore.errors import ConfigError
+from kvstore.policy import DEFAULT_PRIORITY
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int | float) -> int:
+    """Parse a size such as ``8GiB``, ``1.5GB``, ``512MiB`` or ``4096`` into bytes.
+
+    Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB,
+    GB, TB) powers of 1000, as in IEC 80000-13.
+
+    Raises:
+        ValueError: on anything else, or a negative size.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return int(value)
+    match = _SIZE.match(str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 8GiB, 512MB, 4096)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _require(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(name, message)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTierConfig:
+    """The memory tier: a preallocated page pool on the host or a GPU.
+
+    Attributes:
+        enabled: whether the store has a memory tier.
+        capacity_bytes: pool size, bytes.
+        device: ``cpu`` or ``cuda:N``.
+        page_bytes: page size of the pool, bytes; a block takes ``ceil(nbytes / page_bytes)`` pages.
+        pin_memory: use pinned host memory for a ``cpu`` pool when CUDA is available.
+    """
+
+    enabled: bool = True
+    capacity_bytes: int = 1 * GiB
+    device: str = "cpu"
+    page_bytes: int = 64 * KiB
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.page_bytes > 0, "page_bytes", "must be > 0")
+        _require(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
+        _require(self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None,
+                 "device", f"must be 'cpu' or 'cuda:N', got {self.device!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierConfig:
+    """The disk tier: an LMDB environment.
+
+    Attributes:
+        path: directory of the LMDB environment; empty disables the tier.
+        capacity_bytes: bytes of blocks the tier may hold.
+        sync: fsync every write transaction (durable, slower).
+    """
+
+    path: str = ""
+    capacity_bytes: int = 8 * GiB
+    sync: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierConfig:
+    """The shared Redis (or Redis Cluster) tier.
+
+    Attributes:
+        url: ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL; empty disables the tier.
+        cluster: use redis-py's cluster client (the URL names any one node).
+        prefix: first part of every key, ``<prefix>:<namespace tag hex>:<block hash hex>``.
+        mode: ``write_back`` (only demoted blocks reach Redis) or ``write_through``
+            (every put reaches Redis asynchronously, so other nodes can hit it).
+        ttl_s: expiry of every key, seconds; 0 for none (Redis' ``maxmemory`` evicts).
+        connect_timeout_s: TCP connect timeout, seconds.
+        socket_timeout_s: per-command timeout, seconds.
+        max_value_bytes: larger values are refused before they are sent, bytes.
+        breaker_failures: consecutive failures that open the circuit breaker.
+        breaker_reset_s: seconds the breaker stays open before one trial call.
+        username: ACL user name (Redis 6+), empty for the default user.
+        password: AUTH password, empty for none.
+        password_file: file holding the password; read once at start.
+        ssl_ca_certs: CA bundle for ``rediss://``.
+        ssl_certfile: client certificate for mutual TLS.
+        ssl_keyfile: client key for mutual TLS.
+    """
+
+    url: str = ""
+    cluster: bool = False
+    prefix: str = "kvstore"
+    mode: str = "write_through"
+    ttl_s: float = 0.0
+    connect_timeout_s: float = 0.5
+    socket_timeout_s: float = 0.5
+    max_value_bytes: int = 512 * MiB
+    breaker_failures: int = 3
+    breaker_reset_s: float = 1.0
+    username: str = ""
+    password: str = ""
+    password_file: str = ""
+    ssl_ca_certs: str = ""
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.mode in ("write_back", "write_through"), "mode",
+                 f"must be 'write_back' or 'write_through', got {self.mode!r}")
+        _require(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
+        _require(self.socket_timeout_s > 0, "socket_timeout_s", "must be > 0")
+        _require(self.ttl_s >= 0, "ttl_s", "must be >= 0")
+        _require(":" not in self.prefix, "prefix", "must not contain ':'")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """The tiered store: which tiers, and how blocks move between them.
+
+    Attributes:
+        memory: the memory tier.
+        disk: the LMDB tier (enabled by a path).
+        redis: the Redis tier (enabled by a URL).
+        promote_on_hit: copy a lower-tier hit into the memory tier.
+        demote_min_priority: evicted blocks below this priority are dropped, not demoted.
+        max_block_bytes: the largest encoded block accepted, bytes.
+        default_priority: priority of puts that name none, and after retention ends.
+    """
+
+    memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    promote_on_hit: bool = True
+    demote_min_priority: int = 0
+    max_block_bytes: int = 64 * MiB
+    default_priority: int = DEFAULT_PRIORITY
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.demote_min_priority <= 101, "demote_min_priority", "must be in [0, 101]")
+        _require(0 <= self.default_priority <= 100, "default_priority", "must be in [0, 100]")
+        _require(self.max_block_bytes > 0, "max_block_bytes", "must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The gRPC server.
+
+    Attributes:
+        host: bind address.
+        port: gRPC port; 0 picks a free one.
+        metrics_port: Prometheus HTTP port; 0 picks a free one, -1 disables.
+        metrics_host: bind address of the metrics endpoint.
+        max_message_bytes: largest gRPC message sent or received, bytes; blocks move in chunks of this size.
+        grace_s: seconds in-flight calls get to drain on shutdown.
+        log_level: ``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR``.
+        log_format: ``json`` (one object a line) or ``text``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    metrics_host: str = "127.0.0.1"
+    max_message_bytes: int = 4 * MiB
+    grace_s: float = 10.0
+    log_level: str = "INFO"
+    log_format: str = "json"
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
+        _require(-1 <= self.metrics_port <= 65535, "metrics_port", f"must be in [-1, 65535], got {self.metrics_port}")
+        _require(64 * KiB <= self.max_message_bytes <= 64 * MiB, "max_message_bytes", "must be in [64KiB, 64MiB]")
+        _require(self.grace_s >= 0, "grace_s", "must be >= 0")
+        _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
+                 f"must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        _require(self.log_format in ("json", "text"), "log_format", "must be 'json' or 'text'")
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """Per-request and per-tenant limits enforced by the server.
+
+    Attributes:
+        max_hashes_per_request: block hashes one Lookup, Get, Put or Delete may name.
+        max_inflight_per_connection: concurrent calls one client connection may have.
+        tenant_quota_bytes: bytes one tenant (``cache_salt``) may hold across local tiers; 0 for no quota.
+    """
+
+    max_hashes_per_request: int = 8192
+    max_inflight_per_connection: int = 256
+    tenant_quota_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_hashes_per_request > 0, "max_hashes_per_request", "must be > 0")
+        _require(self.max_inflight_per_connection > 0, "max_inflight_per_connection", "must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """TLS and bearer-token authentication of the gRPC server.
+
+    Attributes:
+        tls_cert_file: PEM server certificate; TLS is on when set.
+        tls_key_file: PEM server key.
+        tls_client_ca_file: PEM CA that client certificates must chain to (mutual TLS).
+        auth_tokens_file: file mapping tokens to tenants; auth is on when this or
+            ``auth_tokens`` is set (format in ``kvstore.server.auth``).
+        auth_tokens: the same mapping inline, e.g. from ``KVSTORE_SECURITY__AUTH_TOKENS``.
+        require_sha256: refuse namespaces hashed with xxh3; on by default whenever auth is on.
+    """
+
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    auth_tokens_file: str = ""
+    auth_tokens: str = ""
+    require_sha256: bool | None = None
+
+    def __post_init__(self) -> None:
+        _require(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_key_file",
+                 "tls_cert_file and tls_key_file must be set together")
+        _require(not self.tls_client_ca_file or bool(self.tls_cert_file), "tls_client_ca_file",
+                 "mutual TLS needs tls_cert_file and tls_key_file")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything ``kvstore serve`` and the embedded store read."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+
+ENV_PREFIX = "KVSTORE_"
+ENV_ALIASES: dict[str, str] = {
+    "KVSTORE_HOST": "server.host",
+    "KVSTORE_PORT": "server.port",
+    "KVSTORE_METRICS_PORT": "server.metrics_port",
+    "KVSTORE_LOG_LEVEL": "server.log_level",
+    "KVSTORE_MEMORY_CAPACITY": "store.memory.capacity_bytes",
+    "KVSTORE_DISK_PATH": "store.disk.path",
+    "KVSTORE_DISK_CAPACITY": "store.disk.capacity_bytes",
+    "KVSTORE_REDIS_URL": "store.redis.url",
+}
+"""Short environment names of the common settings, and the dotted field each sets."""
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load the configuration: defaults, then the file, the environment and the overrides.
+
+    Args:
+        path: a ``.toml``, ``.yaml`` or ``.yml`` file whose tables mirror :class:`Config`.
+        env: environment to read ``KVSTORE_*`` variables from; ``os.environ`` when ``None``.
+        overrides: dotted field paths to values, e.g. ``{"server.port": 0}``; ``None`` values are skipped.
+
+    Raises:
+        ConfigError: naming the field, for an unknown field, a value of the wrong
+            type, an out-of-range value or an unreadable file.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        _merge(tree, _read_file(Path(path)), "")
+    environ = os.environ if env is None else env
+    for name, value in sorted(environ.items()):
+        if name in ENV_ALIASES:
+            _set_path(tree, ENV_ALIASES[name], value)
+        elif name.startswith(ENV_PREFIX) and "__" in name:
+            _set_path(tree, name[len(ENV_PREFIX):].lower().replace("__", "."), value)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_path(tree, dotted, value)
+    return build(Config, tree, "")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("config file", f"cannot read {path}: {exc}") from exc
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError("config file", f"cannot parse {path}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config file", f"{path} must hold a table at the top level")
+    return data
+
+
+def _merge(tree: dict[str, Any], data: Mapping[str, Any], prefix: str) -> None:
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            _merge(tree.setdefault(key, {}), value, f"{prefix}{key}.")
+        else:
+            tree[key] = value
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(dotted, "is a section, not a value")
+        node = child
+    node[leaf] = value
+
+
+_T = typing.TypeVar("_T")
+
+
+def build(cls: type[_T], data: Mapping[str, Any], prefix: str) -> _T:
+    """Build the config dataclass ``cls`` from a nested mapping, coercing strings to field types.
+
+    Raises:
+        ConfigError: naming the dotted field on any error.
+    """
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{prefix}{key}", f"unknown field; known: {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for name in known:
+        if name not in data:
+            continue
+        hint, dotted = hints[name], f"{prefix}{name}"
+        value = data[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, Mapping):
+                raise ConfigError(dotted, "must be a table")
+            kwargs[name] = build(hint, value, f"{dotted}.")
+        else:
+            kwargs[name] = _coerce(dotted, name, hint, value)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}{exc.field}", str(exc).split(": ", 1)[1]) from None
+
+
+def _coerce(dotted: str, name: str, hint: Any, value: Any) -> Any:
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+    if optional:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "auto")):
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        if hint is int:
+            if name.endswith("_bytes"):
+                return parse_size(value)
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(f"not an integer: {value!r}")
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError(f"not a number: {value!r}")
+            return float(value)
+        if hint is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError(f"not a string: {value!r}")
+            return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(dotted, str(exc)) from None
+    raise ConfigError(dotted, f"unsupported field type {hint}")

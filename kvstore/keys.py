@@ -1,0 +1,217 @@
+"""Namespaces and chained token-prefix block hashes: the keys of every tier.
+
+A block hash commits to the whole prefix before it, as in vLLM's prefix caching
+(``vllm/v1/core/kv_cache_utils.py``) and LMCache's chunk hashes, but computed with
+a documented, seed-free hash over a canonical byte encoding so that every
+process, language and restart agrees:
+
+    h_{-1} = H(canonical encoding of the namespace)        (the namespace root)
+    h_i    = H(h_{i-1} || token ids of block i as little-endian uint32)
+
+``H`` is xxh3-128 by default and SHA-256 where clients are not trusted (xxh3
+collisions can be forced on purpose, SHA-256 collisions cannot).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Iterable, NewType, Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import InvalidArgumentError
+
+BlockHash = NewType("BlockHash", bytes)
+"""The chained hash of one full block: 16 bytes (xxh3-128) or 32 bytes (SHA-256)."""
+
+BlockKey = NewType("BlockKey", bytes)
+"""A tier key: the 8-byte namespace tag followed by the block hash (24 or 40 bytes)."""
+
+NAMESPACE_TAG_BYTES = 8
+_NAMESPACE_MAGIC = b"kvstore/namespace/v1\x00"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+class HashAlgorithm(str, enum.Enum):
+    """The hash ``H`` of the block-hash chain."""
+
+    XXH3_128 = "xxh3_128"
+    SHA256 = "sha256"
+
+    @property
+    def digest_bytes(self) -> int:
+        """Length in bytes of one block hash under this algorithm."""
+        return 16 if self is HashAlgorithm.XXH3_128 else 32
+
+    def digest(self, data: bytes | memoryview) -> bytes:
+        """Return ``H(data)``."""
+        if self is HashAlgorithm.XXH3_128:
+            return xxhash.xxh3_128_digest(data)
+        return hashlib.sha256(data).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that makes KV bytes of one model incompatible with another's.
+
+    Two namespaces that differ in any field have different roots, so no block
+    hash is ever shared between them (``tests/test_keys.py`` checks every field).
+
+    Attributes:
+        model: model name or path, e.g. ``meta-llama/Llama-3.1-8B``.
+        revision: model revision (commit or tag).
+        dtype: KV dtype name, e.g. ``float16`` (see ``kvstore.codec.DTYPES``).
+        layout: layout tag of the block bytes, e.g. ``kv`` or ``mla``
+            (see ``kvstore.codec.Layout``).
+        block_size: tokens per block.
+        tp_size: tensor-parallel world size of the writer.
+        tp_rank: tensor-parallel rank of the writer, ``0 <= tp_rank < tp_size``.
+        adapter: LoRA adapter id, empty for the base model.
+        cache_salt: per-tenant salt; tenants with different salts never share
+            blocks and cannot probe each other's prefixes through timing.
+        hash_algorithm: ``H`` of the chain.
+
+    Raises:
+        InvalidArgumentError: on an empty model, a non-positive block size or
+            an out-of-range rank.
+    """
+
+    model: str
+    revision: str = ""
+    dtype: str = "float16"
+    layout: str = "kv"
+    block_size: int = 16
+    tp_size: int = 1
+    tp_rank: int = 0
+    adapter: str = ""
+    cache_salt: str = ""
+    hash_algorithm: HashAlgorithm = HashAlgorithm.XXH3_128
+    root: BlockHash = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise InvalidArgumentError("namespace.model must not be empty")
+        if not 0 < self.block_size <= 1 << 20:
+            raise InvalidArgumentError(f"namespace.block_size must be in [1, 2^20], got {self.block_size}")
+        if not 0 < self.tp_size <= 1 << 16 or not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgumentError(
+                f"namespace tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})"
+            )
+        object.__setattr__(self, "hash_algorithm", HashAlgorithm(self.hash_algorithm))
+        object.__setattr__(self, "root", BlockHash(self.hash_algorithm.digest(self.encode())))
+
+    def encode(self) -> bytes:
+        """Canonical bytes of the namespace: a magic, then each field in declaration order.
+
+        Strings are UTF-8 behind a little-endian uint32 length; integers are
+        little-endian uint32. The encoding is stable across processes and
+        languages; changing it changes every hash (bump the magic).
+        """
+        parts = [_NAMESPACE_MAGIC]
+        for text in (self.model, self.revision, self.dtype, self.layout):
+            _put_str(parts, text)
+        parts.append(struct.pack("<III", self.block_size, self.tp_size, self.tp_rank))
+        for text in (self.adapter, self.cache_salt, self.hash_algorithm.value):
+            _put_str(parts, text)
+        return b"".join(parts)
+
+    @property
+    def tag(self) -> bytes:
+        """The first 8 bytes of the root: the namespace part of every :data:`BlockKey`."""
+        return self.root[:NAMESPACE_TAG_BYTES]
+
+    @property
+    def hash_bytes(self) -> int:
+        """Length of one block hash in this namespace (16 or 32 bytes)."""
+        return self.hash_algorithm.digest_bytes
+
+
+def _put_str(parts: list[bytes], text: str) -> None:
+    data = text.encode("utf-8")
+    parts.append(struct.pack("<I", len(data)))
+    parts.append(data)
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Return token ids as a contiguous little-endian uint32 array of shape ``[num_tokens]``.
+
+    Accepts a list, a NumPy array or a CPU torch tensor.
+
+    Raises:
+        InvalidArgumentError: if the ids are not 1-D or an id is outside ``[0, 2^32)``.
+    """
+    array = np.asarray(token_ids)
+    if array.ndim != 1:
+        raise InvalidArgumentError(f"token ids must be 1-D, got shape {array.shape}")
+    if array.size and array.dtype != np.dtype("<u4"):
+        if array.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"token ids must be integers, got {array.dtype}")
+        if int(array.min()) < 0 or int(array.max()) > _MAX_TOKEN_ID:
+            raise InvalidArgumentError("token ids must lie in [0, 2^32)")
+    return np.ascontiguousarray(array, dtype="<u4")
+
+
+def hash_blocks(
+    namespace: Namespace,
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``token_ids``; a partial last block is not hashed.
+
+    Args:
+        namespace: supplies ``H``, the block size and the root ``h_{-1}``.
+        token_ids: ``[num_tokens]`` token ids, each in ``[0, 2^32)``.
+        parent: hash of the block just before ``token_ids[0]``, to extend a
+            chain; the namespace root when ``None``.
+
+    Returns:
+        ``num_tokens // block_size`` block hashes, in order.
+
+    Raises:
+        InvalidArgumentError: on malformed token ids or a parent of the wrong length.
+    """
+    ids = token_bytes(token_ids)
+    previous = namespace.root if parent is None else parent
+    if len(previous) != namespace.hash_bytes:
+        raise InvalidArgumentError(f"parent hash must be {namespace.hash_bytes} bytes, got {len(previous)}")
+    block_nbytes = namespace.block_size * 4
+    data = ids.tobytes()
+    digest = (
+        xxhash.xxh3_128_digest
+        if namespace.hash_algorithm is HashAlgorithm.XXH3_128
+        else lambda b: hashlib.sha256(b).digest()
+    )
+    hashes: list[BlockHash] = []
+    for start in range(0, len(ids) // namespace.block_size * block_nbytes, block_nbytes):
+        previous = digest(previous + data[start : start + block_nbytes])
+        hashes.append(BlockHash(previous))
+    return hashes
+
+
+def block_key(namespace: Namespace, block_hash: bytes) -> BlockKey:
+    """The tier key of ``block_hash`` in ``namespace``: ``namespace.tag || block_hash``.
+
+    Raises:
+        InvalidArgumentError: if the hash length does not match the namespace's algorithm.
+    """
+    if len(block_hash) != namespace.hash_bytes:
+        raise InvalidArgumentError(
+            f"block hash must be {namespace.hash_bytes} bytes for {namespace.hash_algorithm.value}, "
+            f"got {len(block_hash)}"
+        )
+    return BlockKey(namespace.tag + block_hash)
+
+
+def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[BlockKey]:
+    """:func:`block_key` over a sequence of hashes."""
+    return [block_key(namespace, h) for h in block_hashes]
+
+
+def split_key(key: BlockKey) -> tuple[bytes, BlockHash]:
+    """Split a tier key into its namespace tag and block hash."""
+    return key[:NAMESPACE_TAG_BYTES], BlockHash(key[NAMESPACE_TAG_BYTES:])

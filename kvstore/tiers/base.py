@@ -1,0 +1,110 @@
+"""The one small interface every tier implements: async, batch-first, no eviction of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockKey
+from kvstore.policy import DEFAULT_PRIORITY
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a tier keeps beside a block's bytes so that a restart restores its eviction order.
+
+    Attributes:
+        priority: retention priority in ``[0, 100]`` (TensorRT-LLM convention, default 35).
+        expires_at: wall-clock time (``time.time()``, seconds) when the priority
+            reverts to the default; 0.0 for none.
+        last_access: wall-clock time of the last put or get, seconds.
+    """
+
+    priority: int = DEFAULT_PRIORITY
+    expires_at: float = 0.0
+    last_access: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentEntry:
+    """One block a tier holds, as listed by :meth:`Tier.resident` after a restart.
+
+    Attributes:
+        key: the block key.
+        nbytes: length of the stored value, bytes.
+        meta: its priority, retention and recency.
+    """
+
+    key: BlockKey
+    nbytes: int
+    meta: BlockMeta
+
+
+class TierFullError(KVStoreError):
+    """A tier could not store a batch for lack of space (e.g. an LMDB map that is full).
+
+    The store reacts by evicting more and retrying; it never reaches a client.
+    """
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A place that holds encoded blocks by key.
+
+    Every method takes a batch and returns per-key results in the same order.
+    Tiers never evict on their own (Redis under its own ``maxmemory`` is the
+    exception); the store decides, through its policies, what goes where.
+    Blocking work (LMDB transactions, large copies, network I/O) runs off the
+    event loop inside the tier.
+
+    Attributes:
+        name: short tier name used in stats and metrics, e.g. ``memory``, ``disk``.
+        capacity_bytes: bytes the tier may hold, or ``None`` when the tier
+            manages its own capacity (Redis).
+        persistent: whether :meth:`resident` survives a restart.
+    """
+
+    name: str
+    capacity_bytes: int | None
+    persistent: bool
+
+    def footprint(self, nbytes: int) -> int:
+        """Bytes of capacity a value of ``nbytes`` occupies (e.g. rounded up to pages)."""
+        ...
+
+    async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is stored."""
+        ...
+
+    async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """The value of each key, or ``None`` for a miss.
+
+        A value that fails its checksum is a miss, is deleted, and is counted
+        in :meth:`counters` as ``corrupt_records``; it is never returned.
+        """
+        ...
+
+    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
+        """Store each value; ``False`` where the tier skipped it (e.g. a remote tier that is down).
+
+        Raises:
+            TierFullError: if the tier ran out of space; nothing of the batch is stored.
+        """
+        ...
+
+    async def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove each key; missing keys are ignored."""
+        ...
+
+    async def resident(self) -> list[ResidentEntry]:
+        """Every block held, with its meta; used to rebuild the index after a restart."""
+        ...
+
+    def counters(self) -> dict[str, int]:
+        """Tier-specific event counts since start, e.g. ``{"corrupt_records": 0}``; pulled by the server."""
+        ...
+
+    async def close(self) -> None:
+        """Flush and release everything; the tier is unusable afterwards."""
+        ...

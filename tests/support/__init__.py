@@ -1,0 +1,1 @@
+"""Helpers that start real processes (redis-server, kvstore nodes) for tests."""
