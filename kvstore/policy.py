@@ -188,8 +188,10 @@ class PriorityLRUPolicy:
     def expire(self, now: float) -> int:
         """Revert every retention that ended at or before ``now`` to the default priority.
 
-        A reverted block keeps its recency rank among its new level's blocks by
-        joining it as the most recent. Returns how many blocks were reverted.
+        A reverted block joins its new level as the least recent: its retention
+        already kept it longer than plain LRU would have, so it is the next
+        victim there (O(1), where keeping its exact rank would cost O(n)).
+        Returns how many blocks were reverted.
         """
         reverted = 0
         while self._heap and self._heap[0][0] <= now:
@@ -200,7 +202,9 @@ class PriorityLRUPolicy:
             packed = self._entries[key]
             del self._levels[packed & ((1 << _PRIORITY_BITS) - 1)][key]
             self._entries[key] = (packed >> _PRIORITY_BITS << _PRIORITY_BITS) | self.default_priority
-            self._levels[self.default_priority][key] = None
+            level = self._levels[self.default_priority]
+            level[key] = None
+            level.move_to_end(key, last=False)
             reverted += 1
         return reverted
 

@@ -1,0 +1,34 @@
+# Set-up and the two everyday commands: `make demo` (the main job) and `make test`.
+# Everything installs into ./.venv; redis-server comes from Debian's packages.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0          # CPU build; a bare `torch` would pull a CUDA build
+	$(PY) -m pip install -q -e '.[hf,dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+system-deps:
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools; }
+
+demo: setup
+	$(VENV)/bin/kvstore demo
+
+test: setup system-deps
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup system-deps
+	for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache kvstore-demo-out

@@ -1,0 +1,121 @@
+"""The block-store API shared by the embedded store and the gRPC clients, so connectors work with either."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from kvstore.keys import BlockHash, Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest cached prefix of a list of block hashes.
+
+    Attributes:
+        num_blocks: length of the cached prefix, in blocks; block ``i`` is cached
+            for every ``i < num_blocks`` (prefix semantics: the first miss ends it).
+        tiers: name of the tier holding each block of the prefix, ``len == num_blocks``.
+    """
+
+    num_blocks: int
+    tiers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Counts of one tier since the store opened.
+
+    Attributes:
+        name: tier name (``memory``, ``disk``, ``redis``).
+        blocks: blocks resident (``-1`` when the tier cannot tell, e.g. shared Redis).
+        bytes: capacity bytes those blocks occupy.
+        capacity_bytes: capacity, bytes; 0 when the tier manages its own (Redis).
+        hits: blocks served from this tier by get.
+        misses: blocks looked for in this tier by get and not found there.
+        evictions: blocks evicted from this tier (demoted or dropped).
+        demotions: blocks written into this tier by eviction from the tier above.
+        promotions: blocks copied from this tier into the top tier on a hit.
+        corrupt_records: records that failed their checksum and were deleted.
+        counters: further tier-specific counts (e.g. Redis ``errors``, ``skipped_writes``).
+    """
+
+    name: str
+    blocks: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    corrupt_records: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Stats of every tier, fastest first."""
+
+    tiers: tuple[TierStats, ...]
+
+    def tier(self, name: str) -> TierStats:
+        """The stats of the tier called ``name``. Raises ``KeyError`` if there is none."""
+        for stats in self.tiers:
+            if stats.name == name:
+                return stats
+        raise KeyError(name)
+
+
+Block = bytes | torch.Tensor
+"""A block as the API takes it: encoded bytes (``kvstore.codec``) or a tensor to encode.
+
+Tensors are ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for the ``kv``
+layout and ``[num_layers, 1, block_size, latent_dim]`` for ``mla``.
+"""
+
+
+@runtime_checkable
+class BlockClient(Protocol):
+    """What a connector needs from kvstore: ``kvstore.open_store`` and ``KVStoreClient`` both provide it.
+
+    Every method takes a namespace and chained block hashes (``kvstore.keys.hash_blocks``).
+    """
+
+    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
+        """The longest cached prefix of ``block_hashes``."""
+        ...
+
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+        """Encoded blocks of the longest cached prefix, in order; stops at the first miss."""
+        ...
+
+    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
+        """Like :meth:`get`, decoded into CPU tensors of the namespace's layout."""
+        ...
+
+    def put(
+        self,
+        namespace: Namespace,
+        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[Block],
+        *,
+        priority: int | None = None,
+        retention_s: float | None = None,
+    ) -> int:
+        """Store blocks; returns how many were newly stored (already cached ones are skipped)."""
+        ...
+
+    def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
+        """Delete blocks from every tier; returns how many were found."""
+        ...
+
+    def stats(self) -> StoreStats:
+        """Per-tier stats."""
+        ...
+
+    def close(self) -> None:
+        """Release connections or close the embedded store."""
+        ...

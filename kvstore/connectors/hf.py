@@ -1,0 +1,693 @@
+"""Prefix-KV reuse for HF transformers causal LMs: load cached blocks into a ``DynamicCache``, save new ones.
+
+The connector sits between a ``transformers`` causal LM that uses the standard
+``DynamicCache`` (Llama, Qwen2, Mistral, ...) and any
+:class:`kvstore.api.BlockClient` (the embedded store or a gRPC
+``KVStoreClient``). It uses only the block-client and key APIs, never store
+internals.
+
+Per request (:meth:`HFConnector.generate`)::
+
+    load:    hash the prompt's full blocks, fetch the longest cached prefix,
+             build a DynamicCache of those tokens on the model's device/dtype
+    prefill: run the model on the uncached suffix only (>= 1 token, so the
+             logits of the last prompt token are always computed)
+    decode:  greedy, one token at a time, through the same cache
+    save:    in a background thread, after the first token: slice the prompt's
+             KV into full blocks and put those the store lacks
+
+Block layout is ``kv`` (``kvstore.codec``): ``[num_layers, 2, num_kv_heads,
+block_size, head_dim]``, K at index 0 and V at 1 of dim 1, i.e. the per-layer
+``DynamicLayer.keys``/``values`` (``[batch=1, num_kv_heads, seq, head_dim]``,
+heads before ``repeat_kv``, so GQA/MQA store only the KV heads) cut along the
+sequence and stacked.
+
+transformers compatibility: ``transformers>=5.0,<6``. Since 5.x (5.24 checked)
+the forward keyword of the cache is ``cache=`` and ``past_key_values=`` is a
+deprecated alias (removal announced for 5.40); earlier 5.x releases take
+``past_key_values=``. The connector inspects ``model.forward``'s signature and
+uses whichever the installed version declares, and never reads the output's
+cache field: the ``DynamicCache`` it passes in is updated in place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from kvstore.api import BlockClient
+from kvstore.codec import dtype_name
+from kvstore.errors import InvalidArgumentError
+from kvstore.keys import BlockHash, HashAlgorithm, Namespace, hash_blocks
+
+try:  # transformers is the optional ``hf`` extra
+    from transformers import DynamicCache
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("kvstore.connectors.hf needs transformers: pip install 'kvstore[hf]'") from exc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 256
+"""Tokens per block when the caller names none (a 2 MiB float32 block for the demo model)."""
+
+DEFAULT_LOAD_TIMEOUT_S = 10.0
+"""Seconds a load may take before the connector gives up and prefills everything."""
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+"""Prompt token ids: ``[num_tokens]`` or ``[1, num_tokens]`` (batch size 1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The KV-relevant shape of a causal LM, read from its config.
+
+    Attributes:
+        model_type: ``config.model_type``, e.g. ``llama``.
+        num_layers: decoder layers (``num_hidden_layers``).
+        num_kv_heads: key/value heads per layer (``num_key_value_heads``; equals
+            ``num_attention_heads`` without GQA).
+        head_dim: channels per head (``head_dim``, else ``hidden_size // num_attention_heads``).
+        sliding_window: tokens a sliding-window layer keeps, or ``None`` when
+            every layer attends to the whole sequence.
+    """
+
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+
+def model_shape(config: Any) -> ModelShape:
+    """Read the :class:`ModelShape` of a transformers config (the decoder's, for multimodal configs).
+
+    Raises:
+        InvalidArgumentError: if the config lacks the layer or head counts.
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        num_layers = int(text.num_hidden_layers)
+        num_heads = int(text.num_attention_heads)
+    except (AttributeError, TypeError) as exc:
+        raise InvalidArgumentError(f"config of type {type(config).__name__} lacks layer/head counts: {exc}") from None
+    num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_heads)
+    sliding: int | None = None
+    probe = DynamicCache(config=config)
+    windows = [int(layer.sliding_window) for layer in probe.layers if getattr(layer, "is_sliding", False)]
+    if windows:
+        sliding = min(windows)
+    return ModelShape(str(getattr(text, "model_type", "") or ""), num_layers, num_kv_heads, head_dim, sliding)
+
+
+def model_namespace(
+    model: Any,
+    *,
+    block_size: int,
+    model_id: str | None = None,
+    revision: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    cache_salt: str = "",
+    hash_algorithm: HashAlgorithm | str = HashAlgorithm.XXH3_128,
+) -> Namespace:
+    """The namespace of a model's KV blocks: any difference in weights or KV shape changes it.
+
+    ``Namespace.model`` is ``"<model id>|<model_type>|L<layers>|KV<kv heads>|D<head dim>"``,
+    so the layer count, KV-head count and head size each change the root even
+    when two models share a name; ``revision``, ``dtype`` and ``cache_salt`` go
+    into their own namespace fields.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (its ``config`` and ``dtype`` are read).
+        block_size: tokens per block.
+        model_id: name or path of the weights; defaults to ``config._name_or_path``.
+            Models built from a config with random weights have none, and must
+            pass one that names the weights (e.g. including the seed).
+        revision: weights revision; defaults to ``config._commit_hash`` or ``""``.
+        dtype: KV dtype; defaults to ``model.dtype``.
+        cache_salt: per-tenant salt; different salts never share blocks.
+        hash_algorithm: ``H`` of the block-hash chain (``sha256`` for untrusted clients).
+
+    Raises:
+        InvalidArgumentError: if no model id is known, or block_size is not positive.
+        UnknownDtypeError: if the KV dtype has no codec code.
+    """
+    config = model.config
+    name = model_id or getattr(config, "_name_or_path", "") or ""
+    if not name:
+        raise InvalidArgumentError(
+            "the model has no name or path (config._name_or_path is empty, e.g. random weights "
+            "built from a config); pass model_id= naming its weights"
+        )
+    shape = model_shape(config)
+    kv_dtype = dtype_name(dtype if dtype is not None else model.dtype)
+    tag = f"{name}|{shape.model_type}|L{shape.num_layers}|KV{shape.num_kv_heads}|D{shape.head_dim}"
+    return Namespace(
+        model=tag,
+        revision=revision if revision is not None else (getattr(config, "_commit_hash", None) or ""),
+        dtype=kv_dtype,
+        layout="kv",
+        block_size=block_size,
+        cache_salt=cache_salt,
+        hash_algorithm=HashAlgorithm(hash_algorithm),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What :meth:`HFConnector.load` found for a prompt.
+
+    Attributes:
+        cache: a ``DynamicCache`` holding the first ``num_cached_tokens`` tokens'
+            KV on the model's device and dtype (empty on a miss); the caller may
+            extend it in place.
+        num_cached_tokens: prompt tokens covered by the cache, a multiple of the
+            block size and always ``< len(prompt)``.
+        load_s: seconds spent fetching and building the cache.
+        fell_back: the store failed or timed out, so the cache is empty.
+    """
+
+    cache: Any
+    num_cached_tokens: int
+    load_s: float
+    fell_back: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """One :meth:`HFConnector.generate` call.
+
+    Attributes:
+        token_ids: generated token ids (the prompt excluded), ``len <= max_new_tokens``.
+        num_prompt_tokens: prompt length, tokens.
+        num_cached_tokens: prompt tokens whose KV came from the store.
+        ttft_s: seconds from the call to the first generated token: load, prefill
+            of the uncached suffix, and the first token's argmax.
+        load_s: seconds of the load (part of ``ttft_s``).
+        prefill_s: seconds of the suffix prefill (part of ``ttft_s``).
+        total_s: seconds of the whole call, decoding included (background save excluded).
+        fell_back: the store failed or timed out and the whole prompt was prefilled.
+    """
+
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft_s: float
+    load_s: float
+    prefill_s: float
+    total_s: float
+    fell_back: bool = False
+
+    @property
+    def hit_ratio(self) -> float:
+        """Fraction of prompt tokens served from the store, in ``[0, 1)``."""
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Prompt tokens prefilled by the model (``num_prompt_tokens - num_cached_tokens``)."""
+        return self.num_prompt_tokens - self.num_cached_tokens
+
+
+@dataclass(slots=True)
+class ConnectorStats:
+    """Counts since the connector was made (a snapshot; see :meth:`HFConnector.stats`).
+
+    Attributes:
+        num_requests: prompts loaded through the store.
+        num_prompt_tokens: their tokens.
+        num_cached_tokens: of those, tokens served from the store.
+        num_load_failures: loads that raised or timed out and fell back to a full prefill.
+        num_rejected_blocks: fetched blocks dropped for a wrong shape or dtype.
+        num_saves: background saves finished.
+        num_blocks_saved: blocks newly stored by them.
+        num_save_failures: saves that raised (logged; the request was unaffected).
+        num_saves_skipped: saves skipped because the cache no longer held every token
+            (a sliding-window layer past its window).
+    """
+
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_load_failures: int = 0
+    num_rejected_blocks: int = 0
+    num_saves: int = 0
+    num_blocks_saved: int = 0
+    num_save_failures: int = 0
+    num_saves_skipped: int = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        """Fraction of loaded prompt tokens served from the store."""
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    """KV references taken after prefill, for a background save."""
+
+    token_ids: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def _token_list(token_ids: TokenIds) -> list[int]:
+    """Token ids as a flat list, batch size 1.
+
+    Raises:
+        InvalidArgumentError: for a batch of more than one prompt, more than 2
+            dims, or an empty prompt.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        array = token_ids.detach().to("cpu").numpy()
+    else:
+        array = np.asarray(token_ids)
+    if array.ndim == 2:
+        if array.shape[0] != 1:
+            raise InvalidArgumentError(
+                f"batch size {array.shape[0]} is not supported: the HF connector takes one prompt "
+                "per call ([num_tokens] or [1, num_tokens]); call it once per prompt"
+            )
+        array = array[0]
+    if array.ndim != 1:
+        raise InvalidArgumentError(f"token ids must be [num_tokens] or [1, num_tokens], got shape {array.shape}")
+    if array.size == 0:
+        raise InvalidArgumentError("the prompt must hold at least one token")
+    if array.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"token ids must be integers, got {array.dtype}")
+    return [int(t) for t in array.tolist()]
+
+
+def _cache_keyword(model: Any) -> str:
+    """The forward keyword that takes the KV cache: ``cache`` (5.24) or ``past_key_values`` (earlier 5.x)."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise InvalidArgumentError(
+        f"{type(model).__name__}.forward takes neither cache= nor past_key_values=; not a cached causal LM"
+    )
+
+
+class HFConnector:
+    """Reuses prefix KV blocks from kvstore for one HF transformers causal LM.
+
+    Not safe for concurrent :meth:`generate` calls on one connector (the model
+    is shared); saves run on one background thread and may overlap requests.
+
+    Store failures never reach the caller: a load that raises or exceeds
+    ``load_timeout_s`` is logged, counted (:attr:`ConnectorStats.num_load_failures`)
+    and replaced by a full prefill; a save that raises is logged and counted.
+
+    Immutability: blocks from ``get_tensors`` may view immutable bytes
+    (``kvstore.codec.decode_block``). The connector concatenates them into
+    fresh memory before building the cache, so a cache changed in place by
+    decoding or ``model.generate`` never writes into fetched or stored blocks.
+    Saves hold references to the per-layer K/V tensors taken right after
+    prefill; ``DynamicLayer.update`` replaces (``torch.cat``) rather than writes
+    those tensors, so later decoding does not change what is saved.
+
+    Args:
+        model: a transformers causal LM using ``DynamicCache`` (batch size 1).
+        client: any :class:`~kvstore.api.BlockClient`; the connector does not close it.
+        block_size: tokens per block.
+        model_id: name of the weights when ``config._name_or_path`` is empty or
+            ambiguous (see :func:`model_namespace`).
+        revision: weights revision (see :func:`model_namespace`).
+        cache_salt: per-tenant salt.
+        hash_algorithm: ``H`` of the block-hash chain.
+        load_timeout_s: seconds a load may take before falling back to a full prefill.
+        priority: priority of saved blocks (0..100), ``None`` for the store's default.
+        retention_s: seconds saved blocks keep ``priority``, ``None`` for no limit.
+
+    Raises:
+        InvalidArgumentError: on a model without a cache keyword or model id,
+            or a non-positive block size or timeout.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        client: BlockClient,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        model_id: str | None = None,
+        revision: str | None = None,
+        cache_salt: str = "",
+        hash_algorithm: HashAlgorithm | str = HashAlgorithm.XXH3_128,
+        load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+        priority: int | None = None,
+        retention_s: float | None = None,
+    ) -> None:
+        if load_timeout_s <= 0:
+            raise InvalidArgumentError(f"load_timeout_s must be > 0, got {load_timeout_s}")
+        self._model = model
+        self._client = client
+        self._cache_kw = _cache_keyword(model)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.shape = model_shape(model.config)
+        self.namespace = model_namespace(
+            model, block_size=block_size, model_id=model_id, revision=revision,
+            cache_salt=cache_salt, hash_algorithm=hash_algorithm,
+        )
+        self.load_timeout_s = load_timeout_s
+        self._priority = priority
+        self._retention_s = retention_s
+        self._dtype: torch.dtype = model.dtype
+        self._device: torch.device = next(model.parameters()).device
+        self._stats = ConnectorStats()
+        self._lock = threading.Lock()
+        self._pending: set[concurrent.futures.Future[int]] = set()
+        # Loads run on their own pool so a hung store costs at most load_timeout_s per request.
+        self._load_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-hf-load")
+        self._save_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-hf-save")
+        self._closed = False
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.namespace.block_size
+
+    @property
+    def model(self) -> Any:
+        """The wrapped model."""
+        return self._model
+
+    def stats(self) -> ConnectorStats:
+        """A copy of the connector's counts."""
+        with self._lock:
+            s = self._stats
+            return ConnectorStats(
+                s.num_requests, s.num_prompt_tokens, s.num_cached_tokens, s.num_load_failures,
+                s.num_rejected_blocks, s.num_saves, s.num_blocks_saved, s.num_save_failures, s.num_saves_skipped,
+            )
+
+    def new_cache(self) -> Any:
+        """An empty ``DynamicCache`` for the model (its layer types follow the config)."""
+        return DynamicCache(config=self._model.config)
+
+    def block_hashes(self, token_ids: TokenIds) -> list[BlockHash]:
+        """Chained hashes of the prompt's full blocks in this connector's namespace.
+
+        Raises:
+            InvalidArgumentError: on a batch > 1 or malformed ids.
+        """
+        return hash_blocks(self.namespace, _token_list(token_ids))
+
+    def _max_cached_blocks(self, num_tokens: int) -> int:
+        # Leave at least one prompt token to compute: its logits give the first new token.
+        limit = (num_tokens - 1) // self.block_size
+        if self.shape.sliding_window is not None:
+            # A sliding layer keeps sliding_window - 1 tokens; preload no more than it retains.
+            limit = min(limit, (self.shape.sliding_window - 1) // self.block_size)
+        return max(limit, 0)
+
+    def load(self, token_ids: TokenIds) -> LoadResult:
+        """Fetch the longest cached prefix of a prompt and build a cache from it.
+
+        At most ``(len(prompt) - 1) // block_size`` blocks are used, so at least one
+        prompt token is left to compute even when the whole prompt is cached.
+
+        Args:
+            token_ids: the prompt, ``[num_tokens]`` or ``[1, num_tokens]``.
+
+        Returns:
+            The cache and how many tokens it covers; an empty cache with
+            ``fell_back=True`` if the store raised or timed out.
+
+        Raises:
+            InvalidArgumentError: on a batch > 1 or malformed ids (never for store failures).
+        """
+        ids = _token_list(token_ids)
+        started = time.perf_counter()
+        cache = self.new_cache()
+        num_blocks = self._max_cached_blocks(len(ids))
+        blocks: list[torch.Tensor] = []
+        fell_back = False
+        if num_blocks:
+            hashes = hash_blocks(self.namespace, ids[: num_blocks * self.block_size])
+            try:
+                future = self._load_pool.submit(self._client.get_tensors, self.namespace, hashes)
+                blocks = list(future.result(timeout=self.load_timeout_s))[:num_blocks]
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                fell_back = True
+                logger.warning("kvstore load timed out after %.3f s; prefilling all %s tokens", self.load_timeout_s, len(ids))
+            except Exception as exc:  # noqa: BLE001 - any store failure means "recompute"
+                fell_back = True
+                logger.warning("kvstore load failed (%s: %s); prefilling all %s tokens", type(exc).__name__, exc, len(ids))
+            blocks = self._valid_prefix(blocks)
+        if blocks:
+            with torch.inference_mode():
+                # torch.cat allocates: the cache never aliases fetched (possibly read-only) bytes.
+                kv = torch.cat(blocks, dim=3).to(device=self._device, dtype=self._dtype)
+                for layer in range(self.shape.num_layers):
+                    cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
+        num_cached = len(blocks) * self.block_size
+        with self._lock:
+            self._stats.num_requests += 1
+            self._stats.num_prompt_tokens += len(ids)
+            self._stats.num_cached_tokens += num_cached
+            self._stats.num_load_failures += int(fell_back)
+        return LoadResult(cache, num_cached, time.perf_counter() - started, fell_back)
+
+    def _valid_prefix(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        expected = (self.shape.num_layers, 2, self.shape.num_kv_heads, self.block_size, self.shape.head_dim)
+        for i, block in enumerate(blocks):
+            if tuple(block.shape) != expected or block.dtype != self._dtype:
+                logger.warning(
+                    "dropping fetched block %s onward: shape %s %s, expected %s %s",
+                    i, list(block.shape), block.dtype, list(expected), self._dtype,
+                )
+                with self._lock:
+                    self._stats.num_rejected_blocks += len(blocks) - i
+                return blocks[:i]
+        return blocks
+
+    def snapshot(self, token_ids: TokenIds, cache: Any) -> _Snapshot:
+        """References to the KV of ``token_ids`` in ``cache``, cheap enough for the critical path.
+
+        Raises:
+            InvalidArgumentError: on a batch > 1 or malformed ids.
+        """
+        ids = _token_list(token_ids)
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        return _Snapshot(ids, layers)
+
+    def save(self, token_ids: TokenIds, cache: Any, *, background: bool = True) -> concurrent.futures.Future[int]:
+        """Store the full blocks of ``token_ids`` whose KV ``cache`` holds; a partial last block is not stored.
+
+        The cache must hold exactly the KV of ``token_ids`` (``cache.get_seq_length()
+        == len(token_ids)``) or of a longer sequence starting with them. Blocks the
+        store already has (by lookup) are neither built nor sent.
+
+        Args:
+            token_ids: the tokens whose KV ``cache`` holds, ``[num_tokens]``.
+            cache: a ``DynamicCache`` after prefill (or decoding).
+            background: save on the connector's save thread (returns at once);
+                ``False`` saves before returning.
+
+        Returns:
+            A future of the number of blocks newly stored (0 after a logged failure).
+
+        Raises:
+            InvalidArgumentError: on a batch > 1 or malformed ids.
+        """
+        snap = self.snapshot(token_ids, cache)
+        return self._submit_save(snap, background)
+
+    def _submit_save(self, snap: _Snapshot, background: bool) -> concurrent.futures.Future[int]:
+        if not background:
+            done: concurrent.futures.Future[int] = concurrent.futures.Future()
+            done.set_result(self._save_now(snap))
+            return done
+        future = self._save_pool.submit(self._save_now, snap)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: concurrent.futures.Future[int]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def _save_now(self, snap: _Snapshot) -> int:
+        try:
+            stored = self._save_blocks(snap)
+        except Exception as exc:  # noqa: BLE001 - a failed save must not fail the request
+            logger.warning("kvstore save failed (%s: %s); blocks not stored", type(exc).__name__, exc)
+            with self._lock:
+                self._stats.num_save_failures += 1
+            return 0
+        with self._lock:
+            self._stats.num_saves += 1
+            self._stats.num_blocks_saved += stored
+        return stored
+
+    def _save_blocks(self, snap: _Snapshot) -> int:
+        bs = self.block_size
+        num_blocks = len(snap.token_ids) // bs
+        if num_blocks == 0:
+            return 0
+        num_tokens = num_blocks * bs
+        for keys, values in snap.layers:
+            if keys is None or keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[-2] < num_tokens:
+                with self._lock:
+                    self._stats.num_saves_skipped += 1
+                logger.debug("not saving: a cache layer holds %s, not the first %s tokens",
+                             None if keys is None else list(keys.shape), num_tokens)
+                return 0
+        hashes = hash_blocks(self.namespace, snap.token_ids[:num_tokens])
+        first = self._client.lookup(self.namespace, hashes).num_blocks
+        if first >= num_blocks:
+            return 0
+        with torch.inference_mode():
+            # [L, 2, H, T, D] for the missing tokens, then cut into [L, 2, H, bs, D] blocks.
+            kv = torch.stack(
+                [torch.stack((k[0, :, first * bs : num_tokens], v[0, :, first * bs : num_tokens])) for k, v in snap.layers]
+            ).to("cpu")
+            blocks = [kv[:, :, :, i * bs : (i + 1) * bs].contiguous() for i in range(num_blocks - first)]
+        return self._client.put(
+            self.namespace, hashes[first:], blocks, priority=self._priority, retention_s=self._retention_s
+        )
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for every background save submitted so far.
+
+        Raises:
+            TimeoutError: if ``timeout_s`` seconds pass first.
+        """
+        with self._lock:
+            pending = list(self._pending)
+        _, not_done = concurrent.futures.wait(pending, timeout=timeout_s)
+        if not_done:
+            raise TimeoutError(f"{len(not_done)} kvstore saves still running after {timeout_s} s")
+
+    def prefill(self, token_ids: TokenIds, cache: Any | None = None) -> tuple[int, Any]:
+        """Run the model on the tokens the cache lacks and return the greedy first token.
+
+        Args:
+            token_ids: the whole prompt, ``[num_tokens]``.
+            cache: a cache holding the KV of the prompt's first ``cache.get_seq_length()``
+                tokens (< ``num_tokens``), extended in place; a new one when ``None``.
+
+        Returns:
+            ``(first generated token id, cache)``.
+
+        Raises:
+            InvalidArgumentError: on a batch > 1, or a cache covering the whole prompt.
+        """
+        ids = _token_list(token_ids)
+        cache = self.new_cache() if cache is None else cache
+        num_cached = cache.get_seq_length()
+        if num_cached >= len(ids):
+            raise InvalidArgumentError(f"the cache holds {num_cached} of {len(ids)} prompt tokens; leave one to compute")
+        suffix = torch.tensor([ids[num_cached:]], dtype=torch.long, device=self._device)
+        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        with torch.inference_mode():
+            logits = self._model(input_ids=suffix, **kwargs).logits
+            return int(logits[0, -1].argmax()), cache
+
+    def decode(self, first_token: int, cache: Any, max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+        """Greedy decoding after prefill: ``first_token`` then up to ``max_new_tokens - 1`` more.
+
+        Args:
+            first_token: the token prefill produced.
+            cache: the cache after prefill, extended in place by one token a step.
+            max_new_tokens: total generated tokens including ``first_token``.
+            eos_token_id: stop after this token, ``None`` to never stop early.
+
+        Returns:
+            Generated token ids, ``first_token`` first.
+        """
+        tokens = [first_token]
+        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+        with torch.inference_mode():
+            while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+                step = torch.tensor([[tokens[-1]]], dtype=torch.long, device=self._device)
+                logits = self._model(input_ids=step, **kwargs).logits
+                tokens.append(int(logits[0, -1].argmax()))
+        return tokens
+
+    def generate(
+        self,
+        token_ids: TokenIds,
+        max_new_tokens: int = 16,
+        *,
+        use_store: bool = True,
+        save: bool = True,
+        save_generated: bool = False,
+        eos_token_id: int | None = None,
+    ) -> GenerationResult:
+        """Greedy generation with prefix reuse: load → prefill the suffix → decode → save in the background.
+
+        With ``use_store=False`` the same code path runs with no load and no save
+        (the no-cache baseline). Greedy output with a cache hit equals the output
+        without one (``tests/connectors/test_hf.py`` checks float32 and bf16).
+
+        Args:
+            token_ids: the prompt, ``[num_tokens]`` or ``[1, num_tokens]``.
+            max_new_tokens: tokens to generate, >= 1.
+            use_store: load from and save to the store.
+            save: save the prompt's new full blocks after the first token.
+            save_generated: after decoding, also save the blocks of prompt plus
+                generated tokens (all but the last, whose KV is never computed).
+            eos_token_id: stop after this token.
+
+        Returns:
+            The tokens, TTFT and hit counts.
+
+        Raises:
+            InvalidArgumentError: on a batch > 1, an empty prompt or ``max_new_tokens < 1``
+                (store failures never raise: they fall back to a full prefill).
+        """
+        if max_new_tokens < 1:
+            raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = _token_list(token_ids)
+        started = time.perf_counter()
+        if use_store:
+            loaded = self.load(ids)
+        else:
+            loaded = LoadResult(self.new_cache(), 0, 0.0)
+        prefill_started = time.perf_counter()
+        first, cache = self.prefill(ids, loaded.cache)
+        first_at = time.perf_counter()
+        if use_store and save:
+            self._submit_save(self.snapshot(ids, cache), background=True)
+        tokens = self.decode(first, cache, max_new_tokens, eos_token_id)
+        finished = time.perf_counter()
+        if use_store and save_generated and len(tokens) > 1:
+            self._submit_save(self.snapshot(ids + tokens[:-1], cache), background=True)
+        return GenerationResult(
+            token_ids=tuple(tokens),
+            num_prompt_tokens=len(ids),
+            num_cached_tokens=loaded.num_cached_tokens,
+            ttft_s=first_at - started,
+            load_s=loaded.load_s,
+            prefill_s=first_at - prefill_started,
+            total_s=finished - started,
+            fell_back=loaded.fell_back,
+        )
+
+    def close(self) -> None:
+        """Wait for pending saves and stop the connector's threads (the client stays open); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._save_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> HFConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,167 @@
+"""The embedded store: a synchronous, in-process :class:`~kvstore.api.BlockClient` with no server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+from typing import Any, Coroutine, Sequence, TypeVar
+
+import torch
+
+from kvstore.api import Block, LookupResult, StoreStats
+from kvstore.codec import decode_block, encode_block
+from kvstore.config import Config, StoreConfig, load_config
+from kvstore.errors import UnavailableError
+from kvstore.keys import BlockHash, Namespace
+from kvstore.store import TieredStore, open_async_store
+
+_T = TypeVar("_T")
+
+
+def encode_blocks(namespace: Namespace, blocks: Sequence[Block]) -> list[bytes]:
+    """Encode tensors with the namespace's layout; bytes pass through unchanged.
+
+    Raises:
+        CodecError: if a tensor's dtype or shape does not fit the codec.
+    """
+    return [b if isinstance(b, (bytes, bytearray, memoryview)) else encode_block(b, namespace.layout) for b in blocks]
+
+
+class EmbeddedStore:
+    """A :class:`TieredStore` driven from synchronous code, on a private event-loop thread.
+
+    It implements :class:`kvstore.api.BlockClient`, so a connector takes it or a
+    ``KVStoreClient`` alike. Methods are thread-safe. After ``fork`` the child
+    cannot use its parent's store (the loop thread does not survive fork); it
+    gets :class:`UnavailableError` and should open its own.
+
+    Args:
+        config: the store configuration; defaults to one memory tier of 1 GiB.
+    """
+
+    def __init__(self, config: StoreConfig | None = None) -> None:
+        self._pid = os.getpid()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-embedded", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self._store: TieredStore = self._call(open_async_store(config))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            raise
+
+    @property
+    def store(self) -> TieredStore:
+        """The underlying async store (use only from :meth:`run`)."""
+        return self._store
+
+    def run(self, coro: Coroutine[Any, Any, _T], timeout_s: float | None = None) -> _T:
+        """Run a coroutine on the store's loop and return its result.
+
+        Raises:
+            UnavailableError: if the store is closed or used in a forked child.
+            TimeoutError: if ``timeout_s`` passes first.
+        """
+        return self._call(coro, timeout_s)
+
+    def _call(self, coro: Coroutine[Any, Any, _T], timeout_s: float | None = None) -> _T:
+        if os.getpid() != self._pid:
+            coro.close()
+            raise UnavailableError("an EmbeddedStore cannot be used after fork; open a new one in the child")
+        if self._closed:
+            coro.close()
+            raise UnavailableError("the embedded store is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
+        """The longest cached prefix of ``block_hashes`` (see :meth:`TieredStore.lookup`)."""
+        return self._call(self._store.lookup(namespace, block_hashes))
+
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+        """Encoded blocks of the longest cached prefix (see :meth:`TieredStore.get`)."""
+        return self._call(self._store.get(namespace, block_hashes))
+
+    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
+        """Blocks of the longest cached prefix as CPU tensors that view the fetched bytes.
+
+        Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
+        ``[num_layers, 1, block_size, latent_dim]`` (``mla``); read-only: clone before writing.
+        """
+        return [decode_block(b, verify=False) for b in self.get(namespace, block_hashes)]
+
+    def put(
+        self,
+        namespace: Namespace,
+        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[Block],
+        *,
+        priority: int | None = None,
+        retention_s: float | None = None,
+    ) -> int:
+        """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`)."""
+        encoded = encode_blocks(namespace, blocks)
+        return self._call(self._store.put(namespace, block_hashes, encoded, priority=priority, retention_s=retention_s))
+
+    def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
+        """Delete blocks from every tier; returns how many were found."""
+        return self._call(self._store.delete(namespace, block_hashes))
+
+    def clear(self, namespace: Namespace) -> int:
+        """Delete every block of ``namespace``; returns how many local blocks went."""
+        return self._call(self._store.clear(namespace))
+
+    def stats(self) -> StoreStats:
+        """Per-tier stats (see :meth:`TieredStore.stats`)."""
+        async def collect() -> StoreStats:
+            return self._store.stats()
+        return self._call(collect())
+
+    def drain(self) -> None:
+        """Wait for background promotions and write-through puts."""
+        self._call(self._store.drain())
+
+    def close(self) -> None:
+        """Close the store (LMDB is flushed) and stop its loop thread; idempotent."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        try:
+            self._call(self._store.close())
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> EmbeddedStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_store(config: Config | StoreConfig | str | os.PathLike[str] | None = None) -> EmbeddedStore:
+    """Open an embedded, in-process store: the one obvious entry point.
+
+    Args:
+        config: a :class:`StoreConfig`, a whole :class:`Config` (its ``store``
+            part is used), a path to a TOML/YAML config file, or ``None`` for
+            defaults plus ``KVSTORE_*`` environment variables.
+
+    Raises:
+        ConfigError: naming the field, if the configuration is invalid.
+
+    Example:
+        >>> store = open_store(StoreConfig(disk=DiskTierConfig(path="/tmp/kv")))  # doctest: +SKIP
+        >>> hashes = hash_blocks(namespace, token_ids)  # doctest: +SKIP
+        >>> store.put(namespace, hashes, block_tensors)  # doctest: +SKIP
+    """
+    if config is None or isinstance(config, (str, Path, os.PathLike)):
+        config = load_config(config)
+    if isinstance(config, Config):
+        config = config.store
+    return EmbeddedStore(config)

@@ -1,0 +1,1 @@
+"""Offline eviction-policy simulator."""

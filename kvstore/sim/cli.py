@@ -1,0 +1,217 @@
+"""``kvstore simulate``: replay request traces through eviction policies and print hit ratios per capacity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+from kvstore.config import parse_size
+from kvstore.errors import InvalidArgumentError
+from kvstore.sim.replay import POLICIES, SimResult, simulate
+from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, read_trace
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRACE = Path("benchmarks/traces/mooncake_conversation_trace.jsonl")
+"""The trace used when ``--trace`` is not given, relative to the current directory (the repository root)."""
+
+DEFAULT_CAPACITIES = "1000,2000,5859,10000,20000,50000,inf"
+
+_EPILOG = """\
+capacities are block counts (5859), sizes (3GiB; divided by --block-bytes) or inf.
+examples:
+  kvstore simulate --policy lru,priority,belady --capacity 1000,5859,20000,inf
+  kvstore simulate --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --capacity 3GiB --block-bytes 512KiB
+  kvstore simulate --capacity 5859 --disk-capacity 50000 --json out.json --plot out.png
+"""
+
+
+def parse_capacity(text: str, block_bytes: int | None) -> int | None:
+    """Parse one capacity into blocks: ``inf``, a block count, or a size divided by ``block_bytes``.
+
+    Args:
+        text: ``inf``, an integer count of blocks (``5859``), or a size with a unit
+            (``3GiB``, ``512MB``; see ``kvstore.config.parse_size``).
+        block_bytes: bytes of one block; required for a size with a unit.
+
+    Returns:
+        Blocks (a size is rounded down to whole blocks), or ``None`` for infinite.
+
+    Raises:
+        InvalidArgumentError: on anything else, or a size without ``block_bytes``.
+    """
+    value = text.strip()
+    if value.lower() in ("inf", "infinite", "none"):
+        return None
+    if value.isdigit():
+        return int(value)
+    if block_bytes is None:
+        raise InvalidArgumentError(f"capacity {text!r} is a size: give --block-bytes to turn it into blocks")
+    try:
+        return parse_size(value) // block_bytes
+    except ValueError as exc:
+        raise InvalidArgumentError(f"bad capacity {text!r}: {exc}") from None
+
+
+def _split(values: Sequence[str]) -> list[str]:
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+def _label(capacity_blocks: int | None) -> str:
+    return "inf" if capacity_blocks is None else str(capacity_blocks)
+
+
+def format_table(rows: Sequence[tuple[str, SimResult]]) -> str:
+    """Plain aligned text: one row per (trace, result), with block, token and per-tier hit ratios."""
+    header = ("trace", "policy", "capacity", "disk", "hit_ratio", "token_hit", "tier_hits", "vs_lru", "time_s")
+    lru = {(trace, r.capacity_blocks, r.disk_capacity_blocks): r.hit_ratio for trace, r in rows if r.policy == "lru"}
+    lines = [header]
+    for trace, r in rows:
+        base = lru.get((trace, r.capacity_blocks, r.disk_capacity_blocks))
+        lines.append((
+            trace, r.policy, _label(r.capacity_blocks), str(r.disk_capacity_blocks or "-"),
+            f"{r.hit_ratio:.4f}", f"{r.token_hit_ratio:.4f}",
+            "/".join(f"{x:.4f}" for x in r.tier_hit_ratios),
+            f"{r.hit_ratio / base:.3f}" if base else "-", f"{r.elapsed_s:.2f}",
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+                     for line in lines)
+
+
+def plot(rows: Sequence[tuple[str, SimResult]], path: str | os.PathLike[str]) -> None:
+    """Write a PNG of hit ratio against capacity, one line per (trace, policy); infinite is a dashed line.
+
+    Raises:
+        OSError: if the file cannot be written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(trace for trace, _ in rows))
+    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.2), squeeze=False)
+    for ax, trace in zip(axes[0], traces):
+        mine = [r for t, r in rows if t == trace]
+        for policy in dict.fromkeys(r.policy for r in mine):
+            points = sorted((r.capacity_blocks, r.hit_ratio) for r in mine
+                            if r.policy == policy and r.capacity_blocks is not None)
+            if points:
+                ax.plot([c for c, _ in points], [h for _, h in points], marker="o", label=policy)
+        infinite = [r.hit_ratio for r in mine if r.capacity_blocks is None]
+        if infinite:
+            ax.axhline(infinite[0], color="grey", linestyle="--", label="infinite")
+        ax.set_xscale("log")
+        ax.set_xlabel("capacity (blocks)")
+        ax.set_ylabel("prefix hit ratio (blocks)")
+        ax.set_title(trace)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``simulate`` subcommand to ``subparsers``; it sets ``func=run``.
+
+    Returns:
+        The subcommand's parser.
+    """
+    parser = subparsers.add_parser(
+        "simulate",
+        help="replay request traces through eviction policies and report prefix hit ratios",
+        description=("Replay request traces (Mooncake or generic JSONL, see kvstore.trace) through the store's "
+                     "eviction policies and report the prefix hit ratio at each capacity. A request hits the "
+                     "longest prefix of its blocks that is resident; then all its blocks count as accessed."),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``simulate`` to ``parser``."""
+    parser.add_argument("--trace", action="append", default=[], metavar="PATH",
+                        help=f"trace file; repeatable or a comma list (default: {DEFAULT_TRACE})")
+    parser.add_argument("--format", choices=FORMATS, default="auto", help="trace format (default: auto)")
+    parser.add_argument("--policy", default="lru,priority,belady",
+                        help=f"comma list of {', '.join(POLICIES)} (default: all)")
+    parser.add_argument("--capacity", default=DEFAULT_CAPACITIES,
+                        help=f"comma list of top-tier capacities: blocks, sizes or inf (default: {DEFAULT_CAPACITIES})")
+    parser.add_argument("--disk-capacity", default=None,
+                        help="capacity of a second tier that takes the top tier's victims: blocks or a size")
+    parser.add_argument("--block-bytes", default=None,
+                        help="bytes of one block, to turn sizes into blocks (e.g. 512KiB)")
+    parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
+                        help=f"tokens per block, for the token hit ratio (default: {MOONCAKE_BLOCK_TOKENS})")
+    parser.add_argument("--plot", default=None, metavar="PATH.png", help="write hit ratio vs capacity as a PNG")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``simulate`` with parsed ``args``; print the table. Returns the exit status (0, or 2 on bad input)."""
+    try:
+        block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
+        if block_bytes is not None and block_bytes <= 0:
+            raise InvalidArgumentError("--block-bytes must be > 0")
+        capacities = [parse_capacity(c, block_bytes) for c in _split([args.capacity])]
+        disk_blocks = 0
+        if args.disk_capacity:
+            disk = parse_capacity(args.disk_capacity, block_bytes)
+            if disk is None:
+                raise InvalidArgumentError("--disk-capacity cannot be infinite")
+            disk_blocks = disk
+        policies = _split([args.policy])
+        for policy in policies:
+            if policy not in POLICIES:
+                raise InvalidArgumentError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        traces = _split(args.trace) or [str(DEFAULT_TRACE)]
+        if not capacities or not policies:
+            raise InvalidArgumentError("give at least one capacity and one policy")
+        rows: list[tuple[str, SimResult]] = []
+        for trace in traces:
+            requests = read_trace(trace, args.format)
+            name = Path(trace).stem
+            for capacity in capacities:
+                if capacity is None:  # nothing is evicted, so every policy gives the same: one row
+                    result = simulate(requests, "lru", None, block_tokens=args.block_tokens)
+                    rows.append((name, replace(result, policy="infinite")))
+                    continue
+                for policy in policies:
+                    rows.append((name, simulate(requests, policy, capacity, disk_capacity_blocks=disk_blocks,
+                                                block_tokens=args.block_tokens)))
+    except (InvalidArgumentError, OSError) as exc:
+        print(f"kvstore simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    if args.json:
+        payload = {"traces": traces, "block_tokens": args.block_tokens, "block_bytes": block_bytes,
+                   "results": [{"trace": t, **r.to_dict()} for t, r in rows]}
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``simulate`` as a program of its own: ``python -m kvstore.sim.cli [options]``."""
+    parser = argparse.ArgumentParser(prog="kvstore")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register(subparsers)
+    args = parser.parse_args(["simulate", *(argv if argv is not None else sys.argv[1:])])
+    logging.basicConfig(level=logging.WARNING)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

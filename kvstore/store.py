@@ -1,0 +1,663 @@
+"""The tiered store: the one place that composes tiers, policies and leases.
+
+Tiers are ordered fastest first. Every bounded local tier (memory, disk) has one
+eviction policy, and the policies together are the index: a block lives in
+exactly one local tier (tiers are exclusive, so capacity is not spent twice). An
+optional shared tier (Redis) sits below them: it is not indexed, because other
+nodes write to it too, so lookups and gets ask it for what the local tiers miss.
+
+Data flow:
+
+* put: validate, reserve room in the top tier (evicting victims first), write,
+  then publish to the policy. What the top tier evicts is demoted to the next
+  tier if its priority is at least ``demote_min_priority``, else dropped; the
+  last local tier demotes into the shared tier in ``write_back`` mode. In
+  ``write_through`` mode every put also reaches the shared tier in the background.
+* get: pin the prefix (a lease), read each tier's part in one batch, unpin, and
+  promote lower-tier hits into the top tier in the background.
+
+All of this runs on one asyncio loop, which owns the policies and leases, so no
+locks are needed; the tiers run their blocking work in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from kvstore.api import LookupResult, StoreStats, TierStats
+from kvstore.codec import Layout, verify_block
+from kvstore.config import StoreConfig
+from kvstore.errors import (
+    CodecError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
+from kvstore.policy import PriorityLRUPolicy, check_priority
+from kvstore.tiers.base import BlockMeta, Tier, TierFullError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+
+
+class TieredStore:
+    """KV blocks under chained prefix hashes, across ordered tiers. Use from one asyncio loop.
+
+    Args:
+        tiers: bounded local tiers, fastest first (e.g. memory, then disk).
+        config: store settings (promotion, demotion floor, size limit, default priority).
+        shared: an optional shared tier below the local ones (Redis), with
+            ``config.redis.mode`` deciding write-back or write-through.
+        clock: wall clock in seconds, for retention; ``time.time`` by default.
+
+    Raises:
+        ValueError: if no tier is given or a local tier is unbounded.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        config: StoreConfig | None = None,
+        *,
+        shared: Tier | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not tiers and shared is None:
+            raise ValueError("a store needs at least one tier")
+        for tier in tiers:
+            if tier.capacity_bytes is None:
+                raise ValueError(f"local tier {tier.name!r} must be bounded; pass it as shared=")
+        self.config = config or StoreConfig()
+        self._tiers = list(tiers)
+        self._shared = shared
+        self._write_through = shared is not None and self.config.redis.mode == "write_through"
+        self._clock = clock
+        self._policies = [PriorityLRUPolicy(self.config.default_priority) for _ in self._tiers]
+        self._locks = [asyncio.Lock() for _ in self._tiers]
+        self._counters = [_Counters() for _ in range(len(self._tiers) + (shared is not None))]
+        self._pending: dict[BlockKey, asyncio.Future[BaseException | None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Rebuild the index from what persistent tiers hold (e.g. LMDB after a restart).
+
+        Entries are inserted oldest access first, so the eviction order survives the restart.
+        """
+        for level, (tier, policy) in enumerate(zip(self._tiers, self._policies)):
+            entries = await tier.resident()
+            entries.sort(key=lambda e: e.meta.last_access)
+            stale = []
+            for entry in entries:
+                if self._tier_of(entry.key) is not None:
+                    stale.append(entry.key)  # a copy left by a crash mid-move; the upper tier wins
+                    continue
+                policy.insert(entry.key, tier.footprint(entry.nbytes), entry.meta.priority, entry.meta.expires_at)
+            if stale:
+                await tier.delete(stale)
+            if entries:
+                logger.info("tier %s: restored %d blocks (%d bytes)", tier.name, len(policy), policy.nbytes)
+
+    async def close(self) -> None:
+        """Stop taking calls, finish background work, demote volatile tiers, and close every tier.
+
+        Blocks in a volatile tier (memory) above a persistent one (LMDB) are
+        demoted on close, so a restart on the same disk path serves them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        await self.drain()
+        for level, tier in enumerate(self._tiers[:-1]):
+            if not tier.persistent and any(t.persistent for t in self._tiers[level + 1:]):
+                policy = self._policies[level]
+                try:
+                    await self._evict(level, policy.victims(policy.nbytes, self._clock()))
+                except Exception:
+                    logger.exception("demoting tier %s on close failed", tier.name)
+        for tier in [*self._tiers, *([self._shared] if self._shared else [])]:
+            try:
+                await tier.close()
+            except Exception:  # close the others all the same
+                logger.exception("closing tier %s failed", tier.name)
+
+    async def __aenter__(self) -> TieredStore:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def tier_names(self) -> list[str]:
+        """Names of the tiers, fastest first, the shared tier last."""
+        return [t.name for t in self._tiers] + ([self._shared.name] if self._shared else [])
+
+    # ------------------------------------------------------------------ API
+
+    async def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
+        """The longest cached prefix of ``block_hashes`` and the tier of each of its blocks.
+
+        Lookup does not change recency; a following :meth:`get` does.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        self._check_open()
+        keys = block_keys(namespace, block_hashes)
+        names: list[str] = []
+        for key in keys:
+            level = self._tier_of(key)
+            if level is None:
+                break
+            names.append(self._tiers[level].name)
+        if self._shared is not None and len(names) < len(keys):
+            for present in await self._shared.contains(keys[len(names):]):
+                if not present:
+                    break
+                names.append(self._shared.name)
+        return LookupResult(len(names), tuple(names))
+
+    async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+        """Encoded blocks of the longest cached prefix, in order, stopping at the first miss.
+
+        The prefix is leased while it is read, so eviction cannot take it; a
+        block that turns out corrupt ends the prefix there. Lower-tier hits are
+        promoted to the top tier in the background when ``promote_on_hit`` is set.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        self._check_open()
+        keys = block_keys(namespace, block_hashes)
+        levels: list[int] = []
+        for key in keys:
+            level = self._tier_of(key)
+            if level is None:
+                break
+            levels.append(level)
+        leased = list(zip(keys, levels))
+        for key, level in leased:
+            self._policies[level].pin(key)
+        try:
+            values = await self._read_local(leased)
+        finally:
+            for key, level in leased:
+                self._policies[level].unpin(key)
+        hit = len(values)
+        if hit < len(leased):  # a corrupt record ends the prefix; the tier deleted it
+            key, level = leased[hit]
+            self._policies[level].remove(key)
+        elif self._shared is not None and hit < len(keys):
+            for value in await self._shared.get(keys[hit:]):
+                if value is None:
+                    break
+                values.append(value)
+        self._count_get(levels[: min(hit, len(levels))], len(values), len(keys))
+        for key, level in reversed(leased[:hit]):  # tail first: the head ends most recent
+            if key in self._policies[level]:
+                self._policies[level].touch(key)
+        self._promote(keys, levels, values)
+        return values
+
+    async def put(
+        self,
+        namespace: Namespace,
+        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[bytes],
+        *,
+        priority: int | None = None,
+        retention_s: float | None = None,
+    ) -> int:
+        """Store encoded blocks in the top tier; returns how many were newly stored.
+
+        A block already resident, or being written by a concurrent put, is not
+        written twice: the concurrent caller waits for the first write and both
+        succeed. Every block is validated first, so a bad batch stores nothing.
+
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: one chained hash per block.
+            blocks: encoded blocks (``kvstore.codec``), matching the namespace's
+                dtype, layout and block size.
+            priority: retention priority in ``[0, 100]``; the configured default when ``None``.
+            retention_s: seconds the priority holds before it reverts to the default.
+
+        Raises:
+            InvalidArgumentError: on a malformed hash, a block that fails to decode
+                (a ``CodecError`` naming the cause), a block that does not match
+                the namespace, or a bad priority or retention.
+            ResourceExhaustedError: on a block over ``max_block_bytes`` or larger than
+                every tier, or when nothing can be evicted to make room.
+            UnavailableError: if the store is closed.
+        """
+        self._check_open()
+        keys = block_keys(namespace, block_hashes)
+        if len(blocks) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} hashes but {len(blocks)} blocks")
+        meta = self._meta(priority, retention_s)
+        for index, block in enumerate(blocks):
+            self._validate_block(namespace, index, block)
+            if not self._fits_somewhere(len(block)):
+                raise ResourceExhaustedError(f"block {index}: {len(block)} bytes is larger than every tier")
+        fresh: dict[BlockKey, bytes] = {}
+        waits: list[asyncio.Future[BaseException | None]] = []
+        for key, block in zip(keys, blocks):
+            if key in fresh or self._tier_of(key) is not None:
+                continue
+            if key in self._pending:
+                waits.append(self._pending[key])
+                continue
+            fresh[key] = bytes(block)
+        if fresh:
+            done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+            for key in fresh:
+                self._pending[key] = done
+            error: BaseException | None = None
+            try:
+                # shielded: a cancelled caller still leaves the batch whole, never half-indexed
+                await asyncio.shield(self._place(list(fresh), list(fresh.values()), [meta] * len(fresh)))
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                done.set_result(error)
+                for key in fresh:
+                    del self._pending[key]
+        for waited in waits:
+            error = await asyncio.shield(waited)
+            if error is not None and not isinstance(error, asyncio.CancelledError):
+                raise error
+        if self._write_through and fresh:
+            self._spawn(self._write_shared(list(fresh), list(fresh.values()), meta))
+        return len(fresh)
+
+    async def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
+        """Delete blocks from every tier; returns how many local blocks were found.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        self._check_open()
+        return await self._delete_keys(block_keys(namespace, block_hashes))
+
+    async def clear(self, namespace: Namespace) -> int:
+        """Delete every block of ``namespace`` from every tier; returns how many local blocks went.
+
+        Raises:
+            UnavailableError: if the store is closed.
+        """
+        self._check_open()
+        tag = namespace.tag
+        keys = [key for policy in self._policies for key in policy if key.startswith(tag)]
+        removed = await self._delete_keys(keys)
+        clear_shared = getattr(self._shared, "clear_namespace", None)
+        if clear_shared is not None:
+            await clear_shared(tag)
+        return removed
+
+    def stats(self) -> StoreStats:
+        """Blocks, bytes, capacity and event counts of every tier, fastest first."""
+        tiers = [*self._tiers, *([self._shared] if self._shared else [])]
+        result = []
+        for level, (tier, counts) in enumerate(zip(tiers, self._counters)):
+            extra = dict(tier.counters())
+            local = level < len(self._policies)
+            result.append(
+                TierStats(
+                    name=tier.name,
+                    blocks=len(self._policies[level]) if local else -1,
+                    bytes=self._policies[level].nbytes if local else 0,
+                    capacity_bytes=tier.capacity_bytes or 0,
+                    hits=counts.hits,
+                    misses=counts.misses,
+                    evictions=counts.evictions,
+                    demotions=counts.demotions,
+                    promotions=counts.promotions,
+                    corrupt_records=extra.pop("corrupt_records", 0),
+                    counters=extra,
+                )
+            )
+        return StoreStats(tuple(result))
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UnavailableError("the store is closed")
+
+    def _tier_of(self, key: BlockKey) -> int | None:
+        for level, policy in enumerate(self._policies):
+            if key in policy:
+                return level
+        return None
+
+    def _meta(self, priority: int | None, retention_s: float | None) -> BlockMeta:
+        priority = self.config.default_priority if priority is None else priority
+        try:
+            check_priority(priority)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        if retention_s is not None and not retention_s >= 0:
+            raise InvalidArgumentError(f"retention_s must be >= 0, got {retention_s}")
+        now = self._clock()
+        return BlockMeta(priority, now + retention_s if retention_s else 0.0, now)
+
+    def _validate_block(self, namespace: Namespace, index: int, block: bytes) -> None:
+        if not isinstance(block, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"block {index}: expected encoded bytes, got {type(block).__name__}")
+        if len(block) > self.config.max_block_bytes:
+            raise ResourceExhaustedError(
+                f"block {index}: {len(block)} bytes is over max_block_bytes={self.config.max_block_bytes}"
+            )
+        try:
+            header = verify_block(block)
+        except CodecError as exc:
+            raise type(exc)(f"block {index}: {exc}") from None
+        if header.dtype != namespace.dtype or header.layout.value != namespace.layout:
+            raise InvalidArgumentError(
+                f"block {index}: {header.dtype}/{header.layout.value} does not match the namespace's "
+                f"{namespace.dtype}/{namespace.layout}"
+            )
+        tokens = header.shape[3] if header.layout is Layout.KV else header.shape[2]
+        if tokens != namespace.block_size:
+            raise InvalidArgumentError(
+                f"block {index}: holds {tokens} tokens, the namespace's block size is {namespace.block_size}"
+            )
+
+    async def _read_local(self, leased: list[tuple[BlockKey, int]]) -> list[bytes]:
+        """Read leased blocks, one batch per tier; returns the prefix up to the first missing value."""
+        if not leased:
+            return []
+        by_level: dict[int, list[int]] = {}
+        for position, (_, level) in enumerate(leased):
+            by_level.setdefault(level, []).append(position)
+        batches = await asyncio.gather(
+            *(self._tiers[level].get([leased[p][0] for p in positions]) for level, positions in by_level.items())
+        )
+        values: list[bytes | None] = [None] * len(leased)
+        for positions, batch in zip(by_level.values(), batches):
+            for position, value in zip(positions, batch):
+                values[position] = value
+        prefix: list[bytes] = []
+        for value in values:
+            if value is None:
+                break
+            prefix.append(value)
+        return prefix
+
+    def _count_get(self, levels: list[int], num_hit: int, num_asked: int) -> None:
+        for level in levels:
+            self._counters[level].hits += 1
+            for above in range(level):
+                self._counters[above].misses += 1
+        shared_hits = num_hit - len(levels)
+        if self._shared is not None:
+            self._counters[-1].hits += shared_hits
+        if num_hit < num_asked:  # the first miss was looked for in every tier
+            for counts in self._counters:
+                counts.misses += 1
+
+    def _promote(self, keys: list[BlockKey], levels: list[int], values: list[bytes]) -> None:
+        if not self.config.promote_on_hit or not self._tiers:
+            return
+        moves: dict[int | None, list[int]] = {}
+        for position in range(len(values)):
+            level = levels[position] if position < len(levels) else None  # None: the shared tier
+            if level != 0:
+                moves.setdefault(level, []).append(position)
+        for level, positions in moves.items():
+            self._spawn(self._promote_from(level, [keys[p] for p in positions], [values[p] for p in positions]))
+
+    async def _promote_from(self, source: int | None, keys: list[BlockKey], values: list[bytes]) -> None:
+        """Move hits from ``source`` (``None``: the shared tier, which keeps its copy) into the top tier."""
+        wanted = [
+            i for i, key in enumerate(keys)
+            if key not in self._pending and (self._tier_of(key) == source if source is not None else self._tier_of(key) is None)
+        ]
+        if not wanted:
+            return
+        keys = [keys[i] for i in wanted]
+        if source is None:
+            metas = [BlockMeta(last_access=self._clock())] * len(keys)
+        else:
+            policy = self._policies[source]
+            metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), self._clock()) for k in keys]
+        placed = await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0)
+        self._counters[len(self._tiers) if source is None else source].promotions += len(placed)
+        if source is not None and placed:
+            for key in placed:
+                self._policies[source].remove(key)
+            await self._tiers[source].delete(placed)
+
+    async def _place(
+        self,
+        keys: list[BlockKey],
+        values: list[bytes],
+        metas: list[BlockMeta],
+        *,
+        source: int | None = None,
+        target: int = 0,
+        last: int | None = None,
+    ) -> list[BlockKey]:
+        """Write blocks into local tier ``target`` (down to ``last``), evicting to make room, and publish them.
+
+        A block larger than a tier goes to the next one down. With ``source``
+        set (a move between tiers) a block that left the source while it was
+        being written is not published and is removed again, and blocks that
+        fit no tier are left where they are.
+
+        Returns:
+            The keys published.
+
+        Raises:
+            ResourceExhaustedError: if a new block (``source is None``) fits no tier, or
+                room cannot be made because the rest is pinned.
+        """
+        published: list[BlockKey] = []
+        last = len(self._tiers) - 1 if last is None else last
+        for level in range(target, last + 1):
+            tier = self._tiers[level]
+            capacity = tier.capacity_bytes or 0
+            fits = {i for i, v in enumerate(values) if tier.footprint(len(v)) <= capacity}
+            if fits:
+                chosen = sorted(fits)
+                published += await self._write_tier(
+                    level, [keys[i] for i in chosen], [values[i] for i in chosen], [metas[i] for i in chosen], source
+                )
+            rest = [i for i in range(len(keys)) if i not in fits]
+            keys, values, metas = [keys[i] for i in rest], [values[i] for i in rest], [metas[i] for i in rest]
+            if not keys:
+                return published
+        if source is None:
+            if self._shared is not None and not self._write_through:
+                await self._shared.put(keys, values, metas)
+            else:
+                raise ResourceExhaustedError(
+                    f"{len(keys)} block(s) of up to {max(map(len, values))} bytes fit no tier "
+                    f"(capacities: {[t.capacity_bytes for t in self._tiers]})"
+                )
+        return published
+
+    def _fits_somewhere(self, nbytes: int) -> bool:
+        if self._shared is not None and not self._write_through:
+            return True
+        return any(t.footprint(nbytes) <= (t.capacity_bytes or 0) for t in self._tiers)
+
+    def _stale(self, key: BlockKey, level: int, source: int | None) -> bool:
+        """Whether a block just written into ``level`` must not be published there."""
+        if source is not None and key not in self._policies[source]:
+            return True  # deleted (or moved) while it was being written
+        return any(key in policy for i, policy in enumerate(self._policies) if i != source)
+
+    async def _write_tier(
+        self,
+        level: int,
+        keys: list[BlockKey],
+        values: list[bytes],
+        metas: list[BlockMeta],
+        source: int | None,
+    ) -> list[BlockKey]:
+        tier, policy = self._tiers[level], self._policies[level]
+        sizes = [tier.footprint(len(v)) for v in values]
+        capacity = tier.capacity_bytes or 0
+        published: list[BlockKey] = []
+        end = len(keys)
+        while end > 0:  # batches that fit the tier at once, tail first, so a head written last evicts the tail
+            start, need = end, 0
+            while start > 0 and need + sizes[start - 1] <= capacity:
+                start -= 1
+                need += sizes[start]
+            async with self._locks[level]:  # make room, write and publish as one step per tier
+                await self._make_room(level, need)
+                try:
+                    await tier.put(keys[start:end], values[start:end], metas[start:end])
+                except TierFullError:
+                    await self._make_room(level, min(capacity, 2 * need))
+                    try:
+                        await tier.put(keys[start:end], values[start:end], metas[start:end])
+                    except TierFullError as exc:
+                        raise ResourceExhaustedError(f"tier {tier.name} is full: {exc}") from exc
+                stale = []
+                for i in reversed(range(start, end)):  # tail first: the head ends most recent
+                    if self._stale(keys[i], level, source):
+                        stale.append(keys[i])
+                    else:
+                        policy.insert(keys[i], sizes[i], metas[i].priority, metas[i].expires_at)
+                        published.append(keys[i])
+                if stale:
+                    await tier.delete(stale)
+            end = start
+        return published
+
+    async def _make_room(self, level: int, need: int) -> None:
+        """Evict from tier ``level`` until ``need`` more bytes fit; victims are demoted or dropped.
+
+        The caller holds the tier's lock.
+
+        Raises:
+            ResourceExhaustedError: if pinned blocks leave too little to evict.
+        """
+        tier, policy = self._tiers[level], self._policies[level]
+        capacity = tier.capacity_bytes or 0
+        excess = policy.nbytes + need - capacity
+        if excess <= 0:
+            return
+        victims = policy.victims(excess, self._clock())
+        if sum(policy.size_of(v) for v in victims) < excess:
+            raise ResourceExhaustedError(
+                f"no room in tier {tier.name}: {need} bytes needed and the rest of its {capacity} bytes is leased"
+            )
+        for key in victims:
+            policy.pin(key)  # claimed while they move out
+        await self._evict(level, victims)
+
+    async def _evict(self, level: int, victims: list[BlockKey]) -> None:
+        policy = self._policies[level]
+        floor = self.config.demote_min_priority
+        demote = [k for k in victims if policy.priority_of(k) >= floor]
+        below = level + 1 < len(self._tiers)
+        to_shared = not below and self._shared is not None and not self._write_through
+        if demote and (below or to_shared):
+            values = await self._tiers[level].get(demote)
+            found = [(k, v) for k, v in zip(demote, values) if v is not None]
+            keys = [k for k, _ in found]
+            metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), self._clock()) for k in keys]
+            if below:
+                try:
+                    placed = await self._place(keys, [v for _, v in found], metas, source=level, target=level + 1)
+                except ResourceExhaustedError as exc:
+                    logger.warning("demotion from %s dropped %d blocks: %s", self._tiers[level].name, len(keys), exc)
+                    placed = []
+                self._counters[level + 1].demotions += len(placed)
+            else:
+                stored = await self._shared.put(keys, [v for _, v in found], metas)
+                self._counters[-1].demotions += sum(stored)
+        for key in victims:
+            policy.remove(key)
+        self._counters[level].evictions += len(victims)
+        await self._tiers[level].delete(victims)
+
+    async def _delete_keys(self, keys: list[BlockKey]) -> int:
+        by_level: dict[int, list[BlockKey]] = {}
+        for key in keys:
+            for level, policy in enumerate(self._policies):
+                if key in policy:
+                    policy.remove(key)
+                    by_level.setdefault(level, []).append(key)
+        for level, found in by_level.items():
+            await self._tiers[level].delete(found)
+        if self._shared is not None and keys:
+            await self._shared.delete(keys)
+        return sum(map(len, by_level.values()))
+
+    async def _write_shared(self, keys: list[BlockKey], values: list[bytes], meta: BlockMeta) -> None:
+        await self._shared.put(keys, values, [meta] * len(keys))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background store task failed", exc_info=task.exception())
+
+    async def drain(self) -> None:
+        """Wait until background promotions and write-through puts have finished (for tests and shutdown)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+async def open_async_store(config: StoreConfig | None = None) -> TieredStore:
+    """Build the tiers named by ``config`` and open a started :class:`TieredStore`.
+
+    The memory tier comes first when enabled, then the LMDB tier when
+    ``disk.path`` is set, then Redis as the shared tier when ``redis.url`` is set.
+
+    Raises:
+        ConfigError: if no tier is enabled.
+    """
+    from kvstore.errors import ConfigError
+
+    config = config or StoreConfig()
+    tiers: list[Tier] = []
+    if config.memory.enabled and config.memory.capacity_bytes > 0:
+        from kvstore.tiers.memory import MemoryTier
+
+        tiers.append(MemoryTier.from_config(config.memory))
+    if config.disk.path:
+        from kvstore.tiers.lmdb import LMDBTier
+
+        tiers.append(LMDBTier.from_config(config.disk))
+    shared = None
+    if config.redis.url:
+        from kvstore.tiers.redis import RedisTier
+
+        shared = RedisTier.from_config(config.redis)
+    if not tiers and shared is None:
+        raise ConfigError("store", "no tier is enabled: enable memory, or set disk.path or redis.url")
+    store = TieredStore(tiers, config, shared=shared)
+    await store.start()
+    return store
+
+

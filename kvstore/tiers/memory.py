@@ -1,0 +1,461 @@
+"""The memory tier: encoded blocks in one preallocated page pool on the host (pinned) or a GPU.
+
+The pool is a single ``torch.empty(num_pages, page_bytes, dtype=uint8)`` made at
+start, as in vLLM's PagedAttention block pool (``vllm/v1/core/block_pool.py``): a
+block of ``n`` bytes takes ``ceil(n / page_bytes)`` pages, which need not be
+contiguous, so the pool never fragments and a put never allocates tensor
+memory. Free pages are kept as coalesced runs (extents); a put takes one run
+that fits (best fit) whenever there is one, so most blocks are a single run and
+move with a single copy, and otherwise gathers pages from the largest runs.
+
+Concurrency. Every method is called from the store's one asyncio loop, which
+owns the index and the free runs, so neither needs a lock. A batch of at least
+``offload_min_bytes`` is copied in a worker thread (``asyncio.to_thread``); a
+smaller one is copied on the loop thread. Pages are never reused while a copy
+of them is in flight:
+
+* a put is reserve -> write -> publish: its pages are taken from the free runs
+  before the copy starts and the key is published only after it ends, so no
+  reader sees half a value and no other put gets the same pages;
+* a get pins the records it reads; a delete or overwrite of a pinned record
+  unpublishes it at once but returns its pages to the free runs only when the
+  last reader that pinned it is done.
+
+Checksums are not verified on reads: blocks were verified when they entered
+the store and RAM is trusted, so ``corrupt_records`` stays 0 for this tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import warnings
+from typing import Sequence, Union
+
+import torch
+
+from kvstore.config import MemoryTierConfig
+from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.keys import BlockKey
+from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError
+
+logger = logging.getLogger(__name__)
+
+KiB = 1024
+MiB = 1024 * KiB
+
+_COUNT_BITS = 32
+_COUNT_MASK = (1 << _COUNT_BITS) - 1
+
+_Extents = Union[int, tuple[int, ...]]
+"""Pages of one block: one packed run ``start << 32 | count``, or a tuple of them, in value order."""
+
+_Record = tuple[_Extents, int, BlockMeta]
+"""The tier's per-key record: (pages, nbytes, meta); about 100 bytes beside the shared key and meta."""
+
+
+def _pack(runs: Sequence[tuple[int, int]]) -> _Extents:
+    packed = tuple(start << _COUNT_BITS | count for start, count in runs)
+    return packed[0] if len(packed) == 1 else packed
+
+
+def _unpack(extents: _Extents) -> list[tuple[int, int]]:
+    if isinstance(extents, int):
+        return [(extents >> _COUNT_BITS, extents & _COUNT_MASK)]
+    return [(p >> _COUNT_BITS, p & _COUNT_MASK) for p in extents]
+
+
+def _num_pages_of(extents: _Extents) -> int:
+    return sum(count for _, count in _unpack(extents))
+
+
+class PageAllocator:
+    """Free pages of a pool as coalesced runs; hands out runs, best fit first.
+
+    Pure bookkeeping over page indices ``[0, num_pages)``; it never touches memory.
+
+    Args:
+        num_pages: pages in the pool.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.num_free_pages = 0
+        self._length_at: dict[int, int] = {}  # run start -> run length
+        self._start_ending_at: dict[int, int] = {}  # run end (exclusive) -> run start
+        self._starts_of_length: dict[int, set[int]] = {}
+        self._lengths: list[int] = []  # sorted distinct lengths of free runs
+        if num_pages:
+            self._add(0, num_pages)
+
+    @property
+    def num_free_runs(self) -> int:
+        """Number of separate free runs (1 for an empty pool)."""
+        return len(self._length_at)
+
+    def allocate(self, num_pages: int) -> list[tuple[int, int]]:
+        """Take ``num_pages`` free pages.
+
+        Returns:
+            ``(start, count)`` runs whose counts sum to ``num_pages``: one run
+            whenever a free run is long enough (the shortest such run), else
+            pieces of the longest runs.
+
+        Raises:
+            TierFullError: if fewer than ``num_pages`` pages are free; nothing is taken.
+        """
+        if num_pages > self.num_free_pages:
+            raise TierFullError(f"{num_pages} pages wanted, {self.num_free_pages} free")
+        if num_pages == 0:
+            return []
+        i = bisect.bisect_left(self._lengths, num_pages)
+        if i < len(self._lengths):
+            return [self._take(self._lengths[i], num_pages)]
+        runs = []
+        remaining = num_pages
+        while remaining:
+            run = self._take(self._lengths[-1], remaining)
+            runs.append(run)
+            remaining -= run[1]
+        return runs
+
+    def free(self, start: int, count: int) -> None:
+        """Return the run ``[start, start + count)``, merging it with free neighbours."""
+        assert 0 <= start and start + count <= self.num_pages, (start, count)
+        if count == 0:
+            return
+        if start in self._start_ending_at:
+            before = self._start_ending_at[start]
+            before_count = self._length_at[before]
+            self._remove(before, before_count)
+            start, count = before, before_count + count
+        after = start + count
+        if after in self._length_at:
+            after_count = self._length_at[after]
+            self._remove(after, after_count)
+            count += after_count
+        self._add(start, count)
+
+    def _take(self, length: int, wanted: int) -> tuple[int, int]:
+        start = next(iter(self._starts_of_length[length]))
+        self._remove(start, length)
+        taken = min(length, wanted)
+        if length > taken:
+            self._add(start + taken, length - taken)
+        return start, taken
+
+    def _add(self, start: int, count: int) -> None:
+        self._length_at[start] = count
+        self._start_ending_at[start + count] = start
+        starts = self._starts_of_length.get(count)
+        if starts is None:
+            self._starts_of_length[count] = {start}
+            bisect.insort(self._lengths, count)
+        else:
+            starts.add(start)
+        self.num_free_pages += count
+
+    def _remove(self, start: int, count: int) -> None:
+        del self._length_at[start]
+        del self._start_ending_at[start + count]
+        starts = self._starts_of_length[count]
+        starts.discard(start)
+        if not starts:
+            del self._starts_of_length[count]
+            del self._lengths[bisect.bisect_left(self._lengths, count)]
+        self.num_free_pages -= count
+
+
+class MemoryTier:
+    """Encoded blocks in a preallocated page pool on the host or a CUDA device.
+
+    Implements :class:`kvstore.tiers.base.Tier`. It never evicts: a put that
+    does not fit raises :class:`TierFullError` and stores nothing of its batch.
+    A put of a key already held replaces its value and meta (last writer wins);
+    within one batch the last occurrence of a key wins.
+
+    Args:
+        capacity_bytes: pool size, bytes; rounded down to whole pages, and
+            :attr:`capacity_bytes` reports the rounded value.
+        device: ``cpu`` or ``cuda[:N]``; with a CUDA pool, puts copy host to
+            device and gets copy device to host.
+        page_bytes: page size, bytes; a block of ``n`` bytes takes ``ceil(n / page_bytes)`` pages.
+        pin_memory: pin a ``cpu`` pool (page-locked) when CUDA is available, so
+            that later host<->device copies of its pages are DMA transfers.
+        name: tier name in stats and metrics.
+        offload_min_bytes: batches of at least this many bytes are copied in a
+            worker thread instead of on the event loop.
+
+    Raises:
+        InvalidArgumentError: on a non-positive page size, negative capacity or unknown device.
+    """
+
+    persistent = False
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        device: str = "cpu",
+        page_bytes: int = 64 * KiB,
+        pin_memory: bool = True,
+        name: str = "memory",
+        offload_min_bytes: int = 4 * MiB,
+    ) -> None:
+        if page_bytes <= 0:
+            raise InvalidArgumentError(f"page_bytes must be > 0, got {page_bytes}")
+        if capacity_bytes < 0:
+            raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.name = name
+        self.page_bytes = page_bytes
+        self.offload_min_bytes = offload_min_bytes
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+        num_pages = capacity_bytes // page_bytes
+        self.capacity_bytes: int | None = num_pages * page_bytes
+        self.pinned = self.device.type == "cpu" and pin_memory and torch.cuda.is_available()
+        self._pool: torch.Tensor | None = torch.empty(
+            (num_pages, page_bytes), dtype=torch.uint8, device=self.device, pin_memory=self.pinned
+        )
+        if self.device.type == "cpu" and not self.pinned:
+            self._pool.zero_()  # fault the pages in now: a steady footprint, and no page faults on puts
+        self._flat = self._pool.view(-1)
+        self._host_view = memoryview(self._flat.numpy()) if self.device.type == "cpu" else None
+        self._allocator = PageAllocator(num_pages)
+        self._index: dict[BlockKey, _Record] = {}
+        self._readers: dict[int, int] = {}  # id(record) -> gets copying it now
+        self._unpublished: dict[int, _Record] = {}  # pinned records already deleted or replaced
+        logger.info(
+            "memory tier %s: %s pages of %s bytes on %s (pinned=%s)",
+            name, num_pages, page_bytes, self.device, self.pinned,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: MemoryTierConfig, *, name: str = "memory") -> MemoryTier:
+        """Build the tier from its config section (``store.memory``)."""
+        return cls(
+            cfg.capacity_bytes, device=cfg.device, page_bytes=cfg.page_bytes, pin_memory=cfg.pin_memory, name=name
+        )
+
+    # -- accounting ---------------------------------------------------------------
+
+    def footprint(self, nbytes: int) -> int:
+        """Bytes of capacity a value of ``nbytes`` takes: whole pages, ``ceil(nbytes / page_bytes) * page_bytes``."""
+        return -(-nbytes // self.page_bytes) * self.page_bytes
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool."""
+        return self._allocator.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages free now (pages of deleted blocks that a get is still copying are not free yet)."""
+        return self._allocator.num_free_pages
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the pool in use, whole pages."""
+        return (self._allocator.num_pages - self._allocator.num_free_pages) * self.page_bytes
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def counters(self) -> dict[str, int]:
+        """Event counts since start: ``corrupt_records`` (always 0: memory reads are not re-verified)."""
+        return {"corrupt_records": 0}
+
+    # -- the Tier protocol --------------------------------------------------------------
+
+    async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is stored (published: a put in flight is not yet)."""
+        self._check_open()
+        index = self._index
+        return [key in index for key in keys]
+
+    async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """A copy of each key's value, or ``None`` for a miss; values are not re-verified.
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        records = [self._index.get(key) for key in keys]
+        hits = [r for r in records if r is not None]
+        if not hits:
+            return [None] * len(keys)
+        pool = (self._flat, self._host_view)
+        if sum(r[1] for r in hits) < self.offload_min_bytes:
+            return self._copy_out_all(pool, records)
+        for record in hits:
+            self._readers[id(record)] = self._readers.get(id(record), 0) + 1
+        try:
+            return await asyncio.to_thread(self._copy_out_all, pool, records)
+        finally:
+            for record in hits:
+                self._unpin(record)
+
+    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
+        """Store each value with its meta, replacing any value held under the same key.
+
+        Args:
+            keys: block keys.
+            values: encoded blocks (any bytes-like object), one per key.
+            metas: priority and recency, one per key.
+
+        Returns:
+            ``True`` for every key.
+
+        Raises:
+            InvalidArgumentError: if the three sequences differ in length.
+            TierFullError: if the batch does not fit in the free pages (counting
+                the pages of values it replaces); nothing of the batch is stored.
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        if not len(keys) == len(values) == len(metas):
+            raise InvalidArgumentError(
+                f"put needs one value and meta per key: {len(keys)} keys, {len(values)} values, {len(metas)} metas"
+            )
+        last = {key: i for i, key in enumerate(keys)}  # the last occurrence of a key wins
+        order = list(last.values())
+        views = [memoryview(values[i]).cast("B") for i in order]
+        pages_needed = [-(-v.nbytes // self.page_bytes) for v in views]
+        self._make_room(sum(pages_needed), [keys[i] for i in order])
+        reserved = [_pack(self._allocator.allocate(n)) for n in pages_needed]
+        try:
+            if sum(v.nbytes for v in views) < self.offload_min_bytes:
+                self._copy_in_all(self._flat, reserved, views)
+            else:
+                await asyncio.to_thread(self._copy_in_all, self._flat, reserved, views)
+        except BaseException:
+            for extents in reserved:
+                self._free(extents)
+            raise
+        self._check_open()  # closed while the copy ran: nothing to publish into
+        for i, extents, view in zip(order, reserved, views):
+            old = self._index.get(keys[i])
+            self._index[keys[i]] = (extents, view.nbytes, metas[i])
+            if old is not None:
+                self._release(old)
+        return [True] * len(keys)
+
+    async def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove each key; missing keys are ignored. Pages a get is copying are freed when it ends.
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        for key in keys:
+            record = self._index.pop(key, None)
+            if record is not None:
+                self._release(record)
+
+    async def resident(self) -> list[ResidentEntry]:
+        """Every block held, with its meta (this tier is empty after a restart)."""
+        self._check_open()
+        return [ResidentEntry(key, nbytes, meta) for key, (_, nbytes, meta) in self._index.items()]
+
+    async def close(self) -> None:
+        """Drop every block and release the pool; idempotent. Copies in flight keep their own reference."""
+        if self._pool is None:
+            return
+        self._index.clear()
+        self._unpublished.clear()
+        self._pool = self._flat = None
+        self._host_view = None
+        logger.info("memory tier %s closed", self.name)
+
+    # -- internals ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._pool is None:
+            raise UnavailableError(f"memory tier {self.name} is closed")
+
+    def _make_room(self, num_pages: int, keys: Sequence[BlockKey]) -> None:
+        """Ensure ``num_pages`` are free, releasing the unpinned values that ``keys`` will replace if needed."""
+        free = self._allocator.num_free_pages
+        if num_pages <= free:
+            return
+        replaced = [
+            r for r in (self._index.get(k) for k in keys) if r is not None and id(r) not in self._readers
+        ]
+        if num_pages > free + sum(_num_pages_of(r[0]) for r in replaced):
+            raise TierFullError(
+                f"memory tier {self.name}: batch needs {num_pages} pages of {self.page_bytes} bytes, {free} free"
+            )
+        for key in keys:
+            record = self._index.get(key)
+            if record is not None and id(record) not in self._readers:
+                del self._index[key]
+                self._free(record[0])
+
+    def _release(self, record: _Record) -> None:
+        """Return an unpublished record's pages, or defer that until the gets copying it end."""
+        if id(record) in self._readers:
+            self._unpublished[id(record)] = record
+        else:
+            self._free(record[0])
+
+    def _unpin(self, record: _Record) -> None:
+        count = self._readers[id(record)] - 1
+        if count:
+            self._readers[id(record)] = count
+            return
+        del self._readers[id(record)]
+        if self._unpublished.pop(id(record), None) is not None:
+            self._free(record[0])
+
+    def _free(self, extents: _Extents) -> None:
+        if self._pool is None:
+            return  # closed while a copy was in flight: the pool is gone
+        for start, count in _unpack(extents):
+            self._allocator.free(start, count)
+
+    def _copy_in_all(self, flat: torch.Tensor, reserved: Sequence[_Extents], views: Sequence[memoryview]) -> None:
+        page_bytes = self.page_bytes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only sources are only read
+            for extents, view in zip(reserved, views):
+                if not view.nbytes:
+                    continue
+                src = torch.frombuffer(view, dtype=torch.uint8)
+                offset = 0
+                for start, count in _unpack(extents):
+                    seg = min(count * page_bytes, view.nbytes - offset)
+                    base = start * page_bytes
+                    flat[base : base + seg].copy_(src[offset : offset + seg])
+                    offset += seg
+
+    def _copy_out_all(
+        self, pool: tuple[torch.Tensor, memoryview | None], records: Sequence[_Record | None]
+    ) -> list[bytes | None]:
+        flat, host_view = pool
+        return [None if r is None else self._copy_out(flat, host_view, r) for r in records]
+
+    def _copy_out(self, flat: torch.Tensor, host_view: memoryview | None, record: _Record) -> bytes:
+        extents, nbytes, _ = record
+        page_bytes = self.page_bytes
+        runs = _unpack(extents)
+        if host_view is not None:
+            view = host_view
+            if len(runs) == 1:
+                base = runs[0][0] * page_bytes
+                return bytes(view[base : base + nbytes])
+            parts, remaining = [], nbytes
+            for start, count in runs:
+                seg = min(count * page_bytes, remaining)
+                parts.append(view[start * page_bytes : start * page_bytes + seg])
+                remaining -= seg
+            return b"".join(parts)
+        # CUDA pool: one device-to-host copy per run into pinned memory (torch's caching host allocator)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        offset = 0
+        for start, count in runs:
+            seg = min(count * page_bytes, nbytes - offset)
+            host[offset : offset + seg].copy_(flat[start * page_bytes : start * page_bytes + seg])
+            offset += seg
+        return bytes(memoryview(host.numpy()))

@@ -1,0 +1,673 @@
+"""The shared Redis (or Redis Cluster) tier: one key per block, batched, bounded, never failing its caller.
+
+Keys and values. A :data:`~kvstore.keys.BlockKey` (``namespace tag (8 bytes) ||
+block hash``) is stored under ``<prefix>:<tag hex>:<block hash hex>``, e.g.
+``kvstore:1f2e3d4c5b6a7988:00112233445566778899aabbccddeeff``, so one namespace
+can be found with ``SCAN MATCH <prefix>:<tag hex>:*``. The value is the block's
+codec bytes (:mod:`kvstore.codec`), header and checksum included; a get
+verifies the checksum, and a corrupt value is a miss, is deleted and is counted.
+
+Batches. A get is one ``MGET`` per chunk of about :data:`CHUNK_BYTES` (in a
+cluster, ``mget_nonatomic``: one ``MGET`` per slot, pipelined per node); puts,
+existence checks and deletes are non-transactional pipelines. Large batches are
+cut into chunks because redis-py bounds the whole send of a pipeline, and the
+whole read of one reply, by ``socket_timeout_s``: a chunk must cross the network
+within it. The checksum of one chunk is verified in a worker thread while the
+next chunk is fetched.
+
+Failures. Redis is a cache here, so nothing it does reaches the caller as an
+error: a server that is down, restarting, slow, full ("OOM command not
+allowed") or a black hole makes a get miss, a contains answer ``False``, a put
+return ``False`` and a delete do nothing. Every call is bounded twice: by
+redis-py's connect and socket timeouts, and by an ``asyncio.wait_for`` around
+each round trip, so a server that accepts TCP and never answers cannot hang a
+call. Consecutive failures open a :class:`~kvstore.tiers.breaker.CircuitBreaker`;
+while it is open calls return at once, and after ``breaker_reset_s`` one trial
+call probes the server. redis-py reconnects on the next command (the pool
+replaces dead connections on checkout), and a cluster client is rebuilt after a
+failure so that a stale slot map cannot outlive a restart.
+
+Capacity. Redis manages its own memory (``maxmemory`` with ``allkeys-lru``), so
+the tier is unbounded to the store (``capacity_bytes = None``), is not indexed
+by it, and :meth:`RedisTier.resident` lists nothing: the store asks Redis
+instead. See ``docs/redis.md`` for the server settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Sequence, TypeVar
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.utils import HIREDIS_AVAILABLE
+
+from kvstore.codec import verify_block
+from kvstore.config import RedisTierConfig
+from kvstore.errors import CodecError, ConfigError, UnavailableError
+from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
+from kvstore.tiers.base import BlockMeta, ResidentEntry
+from kvstore.tiers.breaker import BreakerState, CircuitBreaker
+
+logger = logging.getLogger(__name__)
+
+KiB = 1024
+MiB = 1024 * KiB
+
+CHUNK_BYTES = 8 * MiB
+"""Bytes of values one round trip carries at most (one value larger than this goes alone).
+
+With ``socket_timeout_s`` of 0.5 s this needs at least 16 MiB/s between the
+store and Redis; raise ``socket_timeout_s`` for slower links or larger blocks.
+"""
+
+VERIFY_OFFLOAD_BYTES = 1 * MiB
+"""Chunks of at least this many bytes are checksummed in a worker thread, not on the event loop."""
+
+DEFAULT_VALUE_BYTES_HINT = 64 * KiB
+"""Assumed value size for cutting the first gets into chunks, before any value size was seen."""
+
+SCAN_COUNT = 1000
+"""``COUNT`` hint of each ``SCAN`` step of :meth:`RedisTier.clear_namespace`, and keys per ``UNLINK`` batch."""
+
+DEFAULT_PROTO_MAX_BULK_LEN = 512 * MiB
+"""Redis' default ``proto-max-bulk-len``, used when ``CONFIG GET`` is not allowed."""
+
+_T = TypeVar("_T")
+
+_UNREACHABLE = (
+    rexc.ConnectionError,  # includes AuthenticationError, BusyLoadingError, MaxConnectionsError
+    rexc.TimeoutError,
+    rexc.ClusterError,  # includes ClusterDownError, MasterDownError
+    rexc.RedisClusterException,  # includes SlotNotCoveredError
+    asyncio.TimeoutError,
+    OSError,
+)
+"""Errors that mean the server could not be reached or answered nothing useful: they count against the breaker."""
+
+
+class _RoundTripFailed(Exception):
+    """Internal: one round trip failed; it never leaves the tier.
+
+    Attributes:
+        unreachable: whether it counts against the breaker (a connection error or
+            timeout), as opposed to an error reply from a server that is up.
+    """
+
+    def __init__(self, message: str, *, unreachable: bool) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def _verify_all(values: Sequence[bytes | None]) -> list[bool]:
+    """Whether each value passes :func:`kvstore.codec.verify_block`; ``None`` counts as valid (a miss)."""
+    ok = []
+    for value in values:
+        if value is None:
+            ok.append(True)
+            continue
+        try:
+            verify_block(value)
+        except CodecError:
+            ok.append(False)
+        else:
+            ok.append(True)
+    return ok
+
+
+def _chunks_by_bytes(sizes: Sequence[int], limit_bytes: int) -> list[range]:
+    """Cut ``range(len(sizes))`` into consecutive runs of at most ``limit_bytes`` (at least one item each)."""
+    chunks: list[range] = []
+    start, total = 0, 0
+    for i, nbytes in enumerate(sizes):
+        if i > start and total + nbytes > limit_bytes:
+            chunks.append(range(start, i))
+            start, total = i, 0
+        total += nbytes
+    if start < len(sizes):
+        chunks.append(range(start, len(sizes)))
+    return chunks
+
+
+class RedisTier:
+    """Blocks in a shared Redis or Redis Cluster, one key each; implements :class:`~kvstore.tiers.base.Tier`.
+
+    Every method must be called from one asyncio loop (the store's). No method
+    raises for a Redis failure; see the module docstring and :meth:`counters`.
+
+    Args:
+        cfg: the ``store.redis`` config section; ``cfg.url`` must be set.
+        name: tier name in stats and metrics.
+
+    Attributes:
+        name: tier name.
+        capacity_bytes: always ``None``: Redis bounds itself with ``maxmemory``.
+        persistent: ``False``: :meth:`resident` always lists nothing, because the
+            store does not index a tier that other nodes write to; blocks do
+            outlive this process, and the store finds them by asking.
+        mode: ``write_back`` or ``write_through``, from the config; the store acts on it.
+
+    Raises:
+        ConfigError: if the URL is empty or not ``redis://``, ``rediss://`` or
+            ``unix://``, if TLS files are given without ``rediss://``, if both
+            ``password`` and ``password_file`` are set, or if the password file
+            cannot be read.
+    """
+
+    capacity_bytes: int | None = None
+    persistent = False
+
+    def __init__(self, cfg: RedisTierConfig, *, name: str = "redis") -> None:
+        self.name = name
+        self.cfg = cfg
+        self.mode = cfg.mode
+        self._scheme = self._check_url(cfg)
+        self._password = self._read_password(cfg)
+        self._prefix = cfg.prefix
+        self._px_ms = max(1, round(cfg.ttl_s * 1000)) if cfg.ttl_s > 0 else None
+        self._op_bound_s = 2 * (cfg.connect_timeout_s + 2 * cfg.socket_timeout_s)
+        self._breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
+        self._client: Any = self._make_client()
+        self._client_stale = False
+        self._old_clients: set[asyncio.Task[None]] = set()
+        self._server_max_value_bytes: int | None = None
+        self._value_bytes_hint = DEFAULT_VALUE_BYTES_HINT
+        self._closed = False
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "written", "skipped_writes", "oversized", "oom_rejected", "errors",
+             "timeouts", "breaker_open", "corrupt_records"),
+            0,
+        )
+        if not HIREDIS_AVAILABLE:
+            logger.warning("redis tier %s: hiredis is not installed; replies are parsed in Python (slower)", name)
+        logger.info(
+            "redis tier %s: %s%s, prefix %r, mode %s, ttl %ss, hiredis %s",
+            name, self._redacted_url(), " (cluster)" if cfg.cluster else "", cfg.prefix, cfg.mode,
+            cfg.ttl_s, HIREDIS_AVAILABLE,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: RedisTierConfig, *, name: str = "redis") -> RedisTier:
+        """Build the tier from its config section (``store.redis``); see :class:`RedisTier`."""
+        return cls(cfg, name=name)
+
+    # -- set-up ---------------------------------------------------------------------
+
+    @staticmethod
+    def _check_url(cfg: RedisTierConfig) -> str:
+        if not cfg.url:
+            raise ConfigError("url", "is empty: the Redis tier is disabled")
+        scheme = urlsplit(cfg.url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError("url", f"must start with redis://, rediss:// or unix://, got {scheme!r}")
+        if cfg.cluster and scheme == "unix":
+            raise ConfigError("cluster", "a Redis Cluster is reached over TCP, not unix://")
+        if scheme != "rediss" and (cfg.ssl_ca_certs or cfg.ssl_certfile or cfg.ssl_keyfile):
+            raise ConfigError("url", "ssl_ca_certs, ssl_certfile and ssl_keyfile need a rediss:// URL")
+        return scheme
+
+    @staticmethod
+    def _read_password(cfg: RedisTierConfig) -> str:
+        if cfg.password and cfg.password_file:
+            raise ConfigError("password_file", "set password or password_file, not both")
+        if not cfg.password_file:
+            return cfg.password
+        try:
+            with open(cfg.password_file, encoding="utf-8") as handle:
+                return handle.read().rstrip("\r\n")
+        except OSError as exc:
+            raise ConfigError("password_file", f"cannot read {cfg.password_file}: {exc}") from exc
+
+    def _redacted_url(self) -> str:
+        parts = urlsplit(self.cfg.url)
+        if parts.password is None:
+            return self.cfg.url
+        return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")).geturl()
+
+    def _make_client(self) -> Any:
+        cfg = self.cfg
+        kwargs: dict[str, Any] = {
+            "socket_connect_timeout": cfg.connect_timeout_s,
+            "socket_timeout": cfg.socket_timeout_s,
+            # One immediate retry on a dropped connection (e.g. a pooled socket
+            # that a restarted server closed); timeouts are not retried.
+            "retry": Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
+            "health_check_interval": 0,
+            "client_name": "kvstore",
+        }
+        if cfg.username:
+            kwargs["username"] = cfg.username
+        if self._password:
+            kwargs["password"] = self._password
+        if self._scheme == "rediss":
+            for field in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+                if getattr(cfg, field):
+                    kwargs[field] = getattr(cfg, field)
+        if cfg.cluster:
+            return RedisCluster.from_url(cfg.url, **kwargs)
+        return aioredis.Redis.from_url(cfg.url, **kwargs)
+
+    # -- key encoding ---------------------------------------------------------------
+
+    def redis_key(self, key: BlockKey) -> str:
+        """The Redis key of a block: ``<prefix>:<namespace tag hex>:<block hash hex>``."""
+        text = key.hex()
+        return f"{self._prefix}:{text[: 2 * NAMESPACE_TAG_BYTES]}:{text[2 * NAMESPACE_TAG_BYTES :]}"
+
+    def namespace_pattern(self, tag: bytes) -> str:
+        """The ``SCAN MATCH`` pattern of every key of one namespace: ``<prefix>:<tag hex>:*``."""
+        return f"{self._prefix}:{tag.hex()}:*"
+
+    # -- accounting -------------------------------------------------------------------
+
+    def footprint(self, nbytes: int) -> int:
+        """Bytes a value of ``nbytes`` counts for: ``nbytes`` (Redis accounts its own overhead)."""
+        return nbytes
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        """State of the circuit breaker: ``closed``, ``open`` or ``half_open``."""
+        return self._breaker.state
+
+    def counters(self) -> dict[str, int]:
+        """Event counts since start.
+
+        Keys: ``hits`` and ``misses`` (keys read), ``written`` and
+        ``skipped_writes`` (keys put or not put, for any reason), ``oversized``
+        (keys refused before sending: over ``max_value_bytes`` or the server's
+        ``proto-max-bulk-len``), ``oom_rejected`` (keys refused by a full
+        server), ``errors`` (round trips that failed: unreachable, timed out or
+        an error reply other than OOM), ``timeouts`` (those of ``errors`` that
+        timed out), ``breaker_open`` (calls short-circuited by the open
+        breaker), ``breaker_trips`` (times it opened) and ``corrupt_records``
+        (values that failed their checksum, deleted).
+        """
+        return {**self._counts, "breaker_trips": self._breaker.num_trips}
+
+    # -- the Tier protocol ------------------------------------------------------------
+
+    async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is in Redis (one pipelined ``EXISTS`` each); ``False`` for all while Redis fails.
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        if not keys:
+            return []
+        if not self._admit():
+            return [False] * len(keys)
+        names = [self.redis_key(k) for k in keys]
+        try:
+            replies = await self._round_trip(self._pipelined("exists", names), self._op_bound_s)
+        except _RoundTripFailed as exc:
+            self._on_failure(exc)
+            return [False] * len(keys)
+        self._on_success()
+        self._count_reply_errors(replies)
+        return [isinstance(r, int) and r > 0 for r in replies]
+
+    async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """Each key's verified value, or ``None`` for a miss, a corrupt value or a Redis failure.
+
+        Values are fetched with ``MGET`` in chunks of about :data:`CHUNK_BYTES`; a
+        value failing its checksum is deleted and counted as ``corrupt_records``.
+        If Redis fails part-way, the chunks fetched before the failure still hit.
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        results: list[bytes | None] = [None] * len(keys)
+        if not keys:
+            return results
+        if not self._admit():
+            self._counts["misses"] += len(keys)
+            return results
+        names = [self.redis_key(k) for k in keys]
+        per_chunk = max(1, CHUNK_BYTES // self._value_bytes_hint)
+        verdicts: list[tuple[range, Awaitable[list[bool]] | list[bool]]] = []
+        failure: _RoundTripFailed | None = None
+        for start in range(0, len(keys), per_chunk):
+            chunk = range(start, min(start + per_chunk, len(keys)))
+            try:
+                values = await self._round_trip(self._mget([names[i] for i in chunk]), self._op_bound_s)
+            except _RoundTripFailed as exc:
+                failure = exc
+                break
+            sizes = [len(v) for v in values if v is not None]
+            for i, value in zip(chunk, values):
+                results[i] = value
+            if sizes:
+                self._value_bytes_hint = max(self._value_bytes_hint, max(sizes))
+            if sum(sizes) >= VERIFY_OFFLOAD_BYTES:  # checksum in a thread while the next chunk arrives
+                verdicts.append((chunk, asyncio.ensure_future(asyncio.to_thread(_verify_all, values))))
+            else:
+                verdicts.append((chunk, _verify_all(values)))
+        corrupt: list[int] = []
+        for chunk, verdict in verdicts:
+            ok = verdict if isinstance(verdict, list) else await verdict
+            corrupt.extend(i for i, good in zip(chunk, ok) if not good)
+        self._on_outcome(failure)
+        if corrupt:
+            for i in corrupt:
+                results[i] = None
+            await self._drop_corrupt([names[i] for i in corrupt])
+        num_hits = sum(v is not None for v in results)
+        self._counts["hits"] += num_hits
+        self._counts["misses"] += len(keys) - num_hits
+        return results
+
+    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
+        """``SET`` each value (with ``PX`` when ``ttl_s`` is set); ``False`` where it was not written.
+
+        A value over ``max_value_bytes`` or the server's ``proto-max-bulk-len`` is
+        refused before it is sent (``oversized``; nothing is written under its
+        key); a full server's "OOM command not allowed" refuses that key
+        (``oom_rejected``); while Redis fails, the rest of the batch is skipped.
+        Priorities in ``metas`` are not stored: Redis evicts by its own
+        ``maxmemory-policy``. Never raises :class:`~kvstore.tiers.base.TierFullError`.
+
+        Raises:
+            UnavailableError: if the tier is closed.
+            ValueError: if ``keys`` and ``values`` differ in length.
+        """
+        self._check_open()
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        stored = [False] * len(keys)
+        if not keys:
+            return stored
+        if not self._admit():
+            self._counts["skipped_writes"] += len(keys)
+            return stored
+        failure: _RoundTripFailed | None = None
+        try:
+            limit_bytes = await self._max_value_bytes()
+        except _RoundTripFailed as exc:
+            self._on_failure(exc)
+            self._counts["skipped_writes"] += len(keys)
+            return stored
+        sendable = [i for i, value in enumerate(values) if len(value) <= limit_bytes]
+        num_oversized = len(keys) - len(sendable)
+        if num_oversized:
+            self._counts["oversized"] += num_oversized
+            logger.warning("redis tier %s: refused %s values over %s bytes", self.name, num_oversized, limit_bytes)
+        if sendable:
+            self._value_bytes_hint = max(self._value_bytes_hint, max(len(values[i]) for i in sendable))
+        for chunk in _chunks_by_bytes([len(values[i]) for i in sendable], CHUNK_BYTES):
+            items = [sendable[j] for j in chunk]
+            work = self._set_many([self.redis_key(keys[i]) for i in items], [values[i] for i in items])
+            try:
+                replies = await self._round_trip(work, self._op_bound_s)
+            except _RoundTripFailed as exc:
+                failure = exc
+                break
+            for i, reply in zip(items, replies):
+                stored[i] = reply is True
+            self._count_reply_errors(replies)
+        self._on_outcome(failure)
+        num_written = sum(stored)
+        self._counts["written"] += num_written
+        self._counts["skipped_writes"] += len(keys) - num_written
+        return stored
+
+    async def delete(self, keys: Sequence[BlockKey]) -> None:
+        """``UNLINK`` each key (pipelined); best effort: nothing happens while Redis fails.
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        if not keys or not self._admit():
+            return
+        try:
+            await self._unlink([self.redis_key(k) for k in keys])
+        except _RoundTripFailed as exc:
+            self._on_failure(exc)
+        else:
+            self._on_success()
+
+    async def resident(self) -> list[ResidentEntry]:
+        """Always ``[]``: the store does not index the shared tier, it asks Redis (see the class docstring).
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        return []
+
+    async def close(self) -> None:
+        """Close the connection pool(s); idempotent. Every method raises :class:`UnavailableError` afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._close_client(self._client)
+        if self._old_clients:
+            await asyncio.gather(*self._old_clients, return_exceptions=True)
+        logger.info("redis tier %s closed", self.name)
+
+    # -- extras used by the store -----------------------------------------------------
+
+    async def ping(self) -> bool:
+        """Whether Redis answers ``PING`` within the call bound; the outcome feeds the breaker.
+
+        A ping is sent even while the breaker is open, so a health check can
+        close the breaker as soon as Redis is back.
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        self._refresh_client()
+        try:
+            ok = await self._round_trip(self._client.ping(), self._op_bound_s)
+        except _RoundTripFailed as exc:
+            self._on_failure(exc)
+            return False
+        self._on_success()
+        return bool(ok)
+
+    async def clear_namespace(self, tag: bytes) -> int:
+        """Delete every key of one namespace: ``SCAN MATCH <prefix>:<tag hex>:*`` and batched ``UNLINK``.
+
+        In a cluster every primary is scanned. Keys written while the scan runs
+        may survive it (``SCAN`` guarantees only the keys present throughout).
+
+        Args:
+            tag: the 8-byte namespace tag (:attr:`kvstore.keys.Namespace.tag`).
+
+        Returns:
+            Number of keys unlinked.
+
+        Raises:
+            UnavailableError: if the tier is closed, the breaker is open, or Redis
+                fails part-way (keys unlinked before the failure stay unlinked).
+        """
+        self._check_open()
+        if not self._admit():
+            raise UnavailableError(f"redis tier {self.name}: circuit breaker open, namespace not cleared")
+        pattern = self.namespace_pattern(tag)
+        num_removed = 0
+        try:
+            if self.cfg.cluster:
+                await self._round_trip(self._client.initialize(), self._op_bound_s)
+                targets: list[Any] = list(self._client.get_primaries())
+            else:
+                targets = [None]
+            for node in targets:
+                cursor = 0
+                while True:
+                    cursor, names = await self._round_trip(self._scan(node, cursor, pattern), self._op_bound_s)
+                    if names:
+                        num_removed += sum(r for r in await self._unlink(names) if isinstance(r, int))
+                    if cursor == 0:
+                        break
+        except _RoundTripFailed as exc:
+            self._on_failure(exc)
+            raise UnavailableError(
+                f"redis tier {self.name}: clearing {pattern} failed after {num_removed} keys: {exc}"
+            ) from exc
+        self._on_success()
+        logger.info("redis tier %s: cleared %s keys of %s", self.name, num_removed, pattern)
+        return num_removed
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UnavailableError(f"redis tier {self.name} is closed")
+
+    def _admit(self) -> bool:
+        """Ask the breaker; count a short-circuited call; swap in a fresh client after a failure."""
+        if not self._breaker.allow():
+            self._counts["breaker_open"] += 1
+            return False
+        self._refresh_client()
+        return True
+
+    def _on_outcome(self, failure: _RoundTripFailed | None) -> None:
+        if failure is None:
+            self._on_success()
+        else:
+            self._on_failure(failure)
+
+    def _on_success(self) -> None:
+        if self._breaker.state is not BreakerState.CLOSED:
+            logger.info("redis tier %s: Redis answers again; circuit breaker closed", self.name)
+        self._breaker.record_success()
+
+    def _on_failure(self, failure: _RoundTripFailed) -> None:
+        if not failure.unreachable:
+            # An error reply: the server is up, so the breaker counts a success.
+            self._breaker.record_success()
+            return
+        was_open = self._breaker.state is BreakerState.OPEN
+        self._breaker.record_failure()
+        if self.cfg.cluster:
+            self._client_stale = True
+        if not was_open and self._breaker.state is BreakerState.OPEN:
+            logger.warning(
+                "redis tier %s: %s consecutive failures (last: %s); circuit breaker open for %ss",
+                self.name, self._breaker.num_consecutive_failures, failure, self.cfg.breaker_reset_s,
+            )
+
+    def _refresh_client(self) -> None:
+        """Replace a cluster client that failed: its slot map and node connections may be stale."""
+        if not self._client_stale:
+            return
+        self._client_stale = False
+        old, self._client = self._client, self._make_client()
+        task = asyncio.ensure_future(self._close_client(old))
+        self._old_clients.add(task)
+        task.add_done_callback(self._old_clients.discard)
+
+    async def _close_client(self, client: Any) -> None:
+        try:
+            await asyncio.wait_for(client.aclose(), self._op_bound_s)
+        except Exception as exc:  # noqa: BLE001 - closing is best effort
+            logger.debug("redis tier %s: closing a client: %s", self.name, exc)
+
+    async def _round_trip(self, work: Awaitable[_T], bound_s: float) -> _T:
+        """Await one round trip under ``bound_s`` seconds; every error becomes :class:`_RoundTripFailed`, counted."""
+        try:
+            return await asyncio.wait_for(work, bound_s)
+        except rexc.ResponseError as exc:
+            if isinstance(exc, rexc.ClusterError):  # CLUSTERDOWN and friends: unusable
+                return self._failed(exc, unreachable=True)
+            # A whole-command error reply (e.g. NOAUTH, NOPERM): the server is up.
+            logger.warning("redis tier %s: error reply: %s", self.name, exc)
+            return self._failed(exc, unreachable=False)
+        except _UNREACHABLE as exc:
+            if isinstance(exc, (asyncio.TimeoutError, rexc.TimeoutError)):
+                self._counts["timeouts"] += 1
+            logger.debug("redis tier %s: %s: %s", self.name, type(exc).__name__, exc)
+            return self._failed(exc, unreachable=True)
+        except Exception as exc:  # noqa: BLE001 - a cache must not fail its caller
+            logger.warning("redis tier %s: unexpected error from redis-py", self.name, exc_info=True)
+            return self._failed(exc, unreachable=True)
+
+    def _failed(self, exc: Exception, *, unreachable: bool) -> Any:
+        self._counts["errors"] += 1
+        raise _RoundTripFailed(f"{type(exc).__name__}: {exc}", unreachable=unreachable) from exc
+
+    async def _mget(self, names: list[str]) -> list[bytes | None]:
+        if self.cfg.cluster:
+            return await self._client.mget_nonatomic(names)
+        return await self._client.mget(names)
+
+    async def _set_many(self, names: list[str], values: list[bytes]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for name, value in zip(names, values):
+            pipe.set(name, value, px=self._px_ms)
+        return await pipe.execute(raise_on_error=False)
+
+    async def _pipelined(self, command: str, names: Sequence[str | bytes]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.execute_command(command.upper(), name)
+        return await pipe.execute(raise_on_error=False)
+
+    async def _unlink(self, names: Sequence[str | bytes]) -> list[Any]:
+        """Pipelined ``UNLINK`` of ``names``; error replies are counted, a failed round trip raises.
+
+        Raises:
+            _RoundTripFailed: if the round trip failed.
+        """
+        replies = await self._round_trip(self._pipelined("unlink", names), self._op_bound_s)
+        self._count_reply_errors(replies)
+        return replies
+
+    async def _scan(self, node: Any, cursor: int, pattern: str) -> tuple[int, list[bytes]]:
+        if node is None:
+            next_cursor, names = await self._client.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
+            return int(next_cursor), list(names)
+        cursors, names = await self._client.scan(cursor=cursor, match=pattern, count=SCAN_COUNT, target_nodes=node)
+        return int(cursors[node.name]), list(names)
+
+    def _count_reply_errors(self, replies: Sequence[Any]) -> None:
+        for reply in replies:
+            if not isinstance(reply, Exception):
+                continue
+            if isinstance(reply, rexc.OutOfMemoryError) or str(reply).startswith("OOM"):
+                self._counts["oom_rejected"] += 1
+            else:
+                self._counts["errors"] += 1
+                logger.warning("redis tier %s: error reply: %s", self.name, reply)
+
+    async def _drop_corrupt(self, names: list[str]) -> None:
+        self._counts["corrupt_records"] += len(names)
+        logger.warning("redis tier %s: %s values failed their checksum; deleting %s", self.name, len(names),
+                       ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
+        try:
+            await self._unlink(names)
+        except _RoundTripFailed as exc:
+            self._on_failure(exc)
+
+    async def _max_value_bytes(self) -> int:
+        """``min(max_value_bytes, proto-max-bulk-len)``; the server's limit is read once, when allowed."""
+        if self._server_max_value_bytes is None:
+            self._server_max_value_bytes = await self._read_proto_max_bulk_len()
+        return min(self.cfg.max_value_bytes, self._server_max_value_bytes)
+
+    async def _read_proto_max_bulk_len(self) -> int:
+        kwargs = {"target_nodes": RedisCluster.RANDOM} if self.cfg.cluster else {}
+        try:
+            reply = await self._round_trip(self._client.config_get("proto-max-bulk-len", **kwargs), self._op_bound_s)
+        except _RoundTripFailed as exc:
+            if exc.unreachable:
+                raise
+            return DEFAULT_PROTO_MAX_BULK_LEN  # CONFIG is disabled, renamed or not allowed to this user
+        value = None
+        if isinstance(reply, dict):
+            value = reply.get("proto-max-bulk-len", reply.get(b"proto-max-bulk-len"))
+        try:
+            return int(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            logger.warning("redis tier %s: unexpected CONFIG GET reply %r; assuming 512 MiB", self.name, reply)
+            return DEFAULT_PROTO_MAX_BULK_LEN

@@ -1,0 +1,138 @@
+"""Tests of namespaces and chained block hashes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from kvstore.errors import InvalidArgumentError
+from kvstore.keys import HashAlgorithm, Namespace, block_key, hash_blocks, split_key
+
+NS = Namespace(model="meta-llama/Llama-3.1-8B", revision="main", dtype="float16", layout="kv", block_size=4)
+
+# Frozen vectors: changing the encoding or the chain breaks every stored cache.
+XXH3_ROOT = "ad85ade15dcff64ef6efa34fb947f90f"
+XXH3_CHAIN = ["a65996850ca81aa5bae83fe568ddf3cc", "85b57cb70a3a5da2dceb087261b48050"]
+SHA256_ROOT = "4e77d640bdadbd86525fbd5e2ddaeed970b5d77d640b3caa52a26736e908e9bf"
+SHA256_CHAIN = [
+    "faefc97def6ca14c41afc040084f68fada001895c360b3f9cb6cd9ddf6333bd4",
+    "91b30ce5981d4420c39e51b2eeea38c238b67383f33b2ae3980f0ec279a69cc6",
+]
+
+
+def test_frozen_vectors_xxh3() -> None:
+    assert NS.root.hex() == XXH3_ROOT
+    assert [h.hex() for h in hash_blocks(NS, list(range(10)))] == XXH3_CHAIN
+
+
+def test_frozen_vectors_sha256() -> None:
+    ns = dataclasses.replace(NS, hash_algorithm=HashAlgorithm.SHA256)
+    assert ns.root.hex() == SHA256_ROOT
+    assert [h.hex() for h in hash_blocks(ns, list(range(10)))] == SHA256_CHAIN
+
+
+def test_chain_formula_is_the_documented_one() -> None:
+    """h_i = H(h_{i-1} || token ids as little-endian uint32), h_{-1} = H(namespace encoding)."""
+    root = xxhash.xxh3_128_digest(NS.encode())
+    h0 = xxhash.xxh3_128_digest(root + struct.pack("<4I", 0, 1, 2, 3))
+    h1 = xxhash.xxh3_128_digest(h0 + struct.pack("<4I", 4, 5, 6, 7))
+    assert hash_blocks(NS, range(8)) == [h0, h1]
+    ns = dataclasses.replace(NS, hash_algorithm="sha256")
+    assert ns.root == hashlib.sha256(ns.encode()).digest()
+
+
+def test_only_full_blocks_are_hashed() -> None:
+    assert len(hash_blocks(NS, range(3))) == 0
+    assert len(hash_blocks(NS, range(11))) == 2
+    assert hash_blocks(NS, range(11)) == hash_blocks(NS, range(8))
+
+
+def test_prefix_property_and_parent_extension() -> None:
+    tokens = list(range(100, 120))
+    full = hash_blocks(NS, tokens)
+    assert hash_blocks(NS, tokens[:8]) == full[:2]
+    assert hash_blocks(NS, tokens[8:], parent=full[1]) == full[2:]
+    changed = tokens.copy()
+    changed[1] += 1
+    assert all(a != b for a, b in zip(hash_blocks(NS, changed), full))  # a change poisons the whole tail
+
+
+def test_input_types_agree() -> None:
+    tokens = [5, 70000, 2**32 - 1, 0, 9, 9, 9, 9]
+    expected = hash_blocks(NS, tokens)
+    assert hash_blocks(NS, np.array(tokens, dtype=np.int64)) == expected
+    assert hash_blocks(NS, torch.tensor(tokens, dtype=torch.int64)) == expected
+    assert hash_blocks(NS, np.array(tokens, dtype=np.uint32)) == expected
+
+
+@pytest.mark.parametrize("bad", [[-1, 0, 0, 0], [2**32, 0, 0, 0], [[1, 2], [3, 4]], [0.5, 1, 2, 3]])
+def test_bad_token_ids(bad: object) -> None:
+    with pytest.raises(InvalidArgumentError):
+        hash_blocks(NS, bad)
+
+
+def test_every_namespace_field_changes_every_hash() -> None:
+    tokens = list(range(64))
+    base = hash_blocks(NS, tokens)
+    variants = {
+        "model": "meta-llama/Llama-3.1-70B", "revision": "v2", "dtype": "bfloat16", "layout": "mla",
+        "tp_size": 2, "tp_rank": 1, "adapter": "lora-a", "cache_salt": "tenant-b",
+        "hash_algorithm": HashAlgorithm.SHA256,
+    }
+    fields = {f.name for f in dataclasses.fields(Namespace) if f.init}
+    assert fields - {"block_size"} == set(variants), "a new namespace field needs a test here"
+    for name, value in variants.items():
+        if name == "tp_rank":
+            other = dataclasses.replace(NS, tp_size=2, tp_rank=1)
+            reference = hash_blocks(dataclasses.replace(NS, tp_size=2), tokens)
+        else:
+            other = dataclasses.replace(NS, **{name: value})
+            reference = base
+        hashes = hash_blocks(other, tokens)
+        assert other.root != NS.root, name
+        assert not set(hashes) & set(reference), name
+    bigger = dataclasses.replace(NS, block_size=8)
+    assert not set(hash_blocks(bigger, tokens)) & set(base)
+
+
+def test_encoding_is_unambiguous() -> None:
+    a = Namespace(model="ab", revision="c")
+    b = Namespace(model="a", revision="bc")
+    assert a.encode() != b.encode() and a.root != b.root
+
+
+def test_hashes_agree_across_processes_with_different_hash_seeds() -> None:
+    code = "from kvstore.keys import Namespace, hash_blocks; ns = Namespace(model='m', block_size=4, cache_salt='s');" \
+           "print(','.join(h.hex() for h in hash_blocks(ns, list(range(32)))))"
+    outputs = set()
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outputs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                   capture_output=True, text=True).stdout.strip())
+    assert len(outputs) == 1 and outputs.pop().count(",") == 7
+
+
+def test_block_key_layout_and_validation() -> None:
+    h = hash_blocks(NS, range(4))[0]
+    key = block_key(NS, h)
+    assert split_key(key) == (NS.tag, h) and len(key) == 24
+    with pytest.raises(InvalidArgumentError):
+        block_key(NS, h[:15])
+    with pytest.raises(InvalidArgumentError):
+        block_key(dataclasses.replace(NS, hash_algorithm="sha256"), h)
+
+
+@pytest.mark.parametrize("kwargs", [{"model": ""}, {"model": "m", "block_size": 0},
+                                    {"model": "m", "tp_size": 2, "tp_rank": 2}, {"model": "m", "hash_algorithm": "md5"}])
+def test_bad_namespaces(kwargs: dict) -> None:
+    with pytest.raises((InvalidArgumentError, ValueError)):
+        Namespace(**kwargs)

@@ -1,0 +1,326 @@
+"""Tests of the tiered store over real memory and LMDB tiers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import mmap
+import os
+
+import lmdb
+import pytest
+import torch
+
+from kvstore.codec import encode_block
+from kvstore.config import DiskTierConfig, MemoryTierConfig, StoreConfig
+from kvstore.embedded import open_store
+from kvstore.errors import ChecksumError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kvstore.keys import Namespace, block_key, hash_blocks
+from kvstore.store import TieredStore
+from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, LMDBTier
+from kvstore.tiers.memory import MemoryTier
+
+BLOCK_SIZE = 4
+NS = Namespace(model="test-model", dtype="float16", block_size=BLOCK_SIZE)
+PAGE = 4096
+
+
+def make_blocks(n: int, seed: int = 0, ns: Namespace = NS) -> tuple[list[bytes], list[bytes]]:
+    """``n`` chained hashes and encoded ``[2, 2, 2, block_size, 64]`` blocks (about 4 KiB each)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50_000, (n * ns.block_size,), generator=generator)
+    hashes = hash_blocks(ns, tokens)
+    blocks = [
+        encode_block(torch.randn(2, 2, 2, ns.block_size, 64, generator=generator).to(torch.float16)) for _ in range(n)
+    ]
+    return hashes, blocks
+
+
+def memory_tier(num_blocks: int) -> MemoryTier:
+    return MemoryTier(num_blocks * 2 * PAGE, page_bytes=PAGE)  # an encoded block takes two pages
+
+
+@pytest.fixture
+async def two_tier(tmp_path):
+    """Memory for 3 blocks over LMDB for 8 blocks."""
+    memory = memory_tier(3)
+    disk = LMDBTier(tmp_path / "disk", 8 * disk_footprint())
+    store = TieredStore([memory, disk])
+    await store.start()
+    yield store
+    await store.close()
+
+
+def disk_footprint() -> int:
+    """Capacity bytes one test block takes in the LMDB tier (overflow pages plus record overhead)."""
+    _, blocks = make_blocks(1)
+    pages = -(-(len(blocks[0]) + 16) // mmap.PAGESIZE)
+    return pages * mmap.PAGESIZE + RECORD_OVERHEAD_BYTES
+
+
+async def test_put_lookup_get_round_trip() -> None:
+    async with TieredStore([memory_tier(16)]) as store:
+        hashes, blocks = make_blocks(5)
+        assert await store.put(NS, hashes, blocks) == 5
+        assert await store.put(NS, hashes, blocks) == 0  # already resident: not written twice
+        result = await store.lookup(NS, hashes)
+        assert result.num_blocks == 5 and result.tiers == ("memory",) * 5
+        assert await store.get(NS, hashes) == blocks
+
+
+async def test_prefix_semantics_stop_at_first_miss() -> None:
+    async with TieredStore([memory_tier(16)]) as store:
+        hashes, blocks = make_blocks(5)
+        await store.put(NS, hashes[:2] + hashes[3:], blocks[:2] + blocks[3:])
+        assert (await store.lookup(NS, hashes)).num_blocks == 2
+        assert await store.get(NS, hashes) == blocks[:2]
+        other, _ = make_blocks(2, seed=9)
+        assert (await store.lookup(NS, other + hashes)).num_blocks == 0
+
+
+async def test_demotion_chain_and_promotion(two_tier: TieredStore) -> None:
+    store = two_tier
+    hashes, blocks = make_blocks(6)
+    await store.put(NS, hashes[:3], blocks[:3])
+    await store.put(NS, hashes[3:], blocks[3:])
+    result = await store.lookup(NS, hashes)
+    assert result.num_blocks == 6
+    assert result.tiers == ("disk",) * 3 + ("memory",) * 3
+    stats = store.stats()
+    assert stats.tier("memory").evictions == 3 and stats.tier("disk").demotions == 3
+    assert await store.get(NS, hashes) == blocks  # served from both tiers, in order
+    await store.drain()
+    stats = store.stats()
+    assert stats.tier("disk").hits == 3 and stats.tier("memory").hits == 3
+    assert stats.tier("disk").promotions == 3
+    assert (await store.lookup(NS, hashes[:3])).tiers == ("memory",) * 3  # promoted
+    assert stats.tier("memory").blocks == 3 and stats.tier("disk").blocks == 3  # exclusive tiers
+
+
+async def test_tail_of_a_chain_is_evicted_before_its_head(two_tier: TieredStore) -> None:
+    store = two_tier
+    hashes, blocks = make_blocks(4)
+    await store.put(NS, hashes, blocks)  # 4 blocks into 3 slots: one must go
+    assert (await store.lookup(NS, hashes)).tiers == ("memory", "memory", "memory", "disk")
+
+
+async def test_low_priority_goes_first_and_below_floor_is_dropped(tmp_path) -> None:
+    config = StoreConfig(demote_min_priority=10)
+    memory, disk = memory_tier(2), LMDBTier(tmp_path / "d", 8 * disk_footprint())
+    async with TieredStore([memory, disk], config) as store:
+        hashes, blocks = make_blocks(4)
+        await store.put(NS, hashes[:1], blocks[:1], priority=90)
+        await store.put(NS, hashes[1:2], blocks[1:2], priority=0)
+        await store.put(NS, hashes[2:3], blocks[2:3], priority=50)
+        # the priority-0 block went first, and below the floor it was dropped, not demoted
+        assert (await store.lookup(NS, hashes[1:2])).num_blocks == 0
+        await store.put(NS, hashes[3:], blocks[3:])
+        assert (await store.lookup(NS, hashes[2:3])).tiers == ("disk",)  # 50 < 90: demoted
+        assert (await store.lookup(NS, hashes[:1])).tiers == ("memory",)
+        assert store.stats().tier("disk").demotions == 1
+
+
+async def test_retention_expires_to_default_priority() -> None:
+    now = [1000.0]
+    async with TieredStore([memory_tier(2)], clock=lambda: now[0]) as store:
+        hashes, blocks = make_blocks(3)
+        await store.put(NS, hashes[:1], blocks[:1], priority=90, retention_s=10)
+        await store.put(NS, hashes[1:2], blocks[1:2])
+        await store.put(NS, hashes[2:3], blocks[2:3])  # evicts the default-priority block
+        assert (await store.lookup(NS, hashes[:1])).num_blocks == 1
+        other, more = make_blocks(2, seed=3)
+        await store.put(NS, other[:1], more[:1])
+        assert (await store.lookup(NS, hashes[:1])).num_blocks == 1  # priority 90 outlives newer blocks
+        now[0] += 11  # retention over: block 0 drops to priority 35 like the rest
+        await store.put(NS, other, more)
+        assert (await store.lookup(NS, hashes[:1])).num_blocks == 0
+
+
+async def test_leased_blocks_survive_eviction_pressure(tmp_path) -> None:
+    disk = LMDBTier(tmp_path / "d", 3 * disk_footprint())  # threaded reads: the get really is in flight
+    async with TieredStore([disk]) as store:
+        hashes, blocks = make_blocks(3)
+        await store.put(NS, hashes, blocks)
+        reader = asyncio.create_task(store.get(NS, hashes))
+        await asyncio.sleep(0)  # the get has leased its prefix and awaits the disk read
+        newcomer, newblock = make_blocks(1, seed=5)
+        with pytest.raises(ResourceExhaustedError, match="leased"):
+            await store.put(NS, newcomer, newblock)
+        assert await reader == blocks
+        assert await store.put(NS, newcomer, newblock) == 1  # leases released: eviction works again
+        assert (await store.lookup(NS, hashes)).num_blocks == 2  # the tail made room, the head stays
+
+
+async def test_cancelled_get_releases_its_leases(tmp_path) -> None:
+    disk = LMDBTier(tmp_path / "d", 2 * disk_footprint())
+    async with TieredStore([disk]) as store:
+        hashes, blocks = make_blocks(2)
+        await store.put(NS, hashes, blocks)
+        reader = asyncio.create_task(store.get(NS, hashes))
+        await asyncio.sleep(0)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        newcomer, newblock = make_blocks(2, seed=5)
+        assert await store.put(NS, newcomer, newblock) == 2
+
+
+async def test_concurrent_puts_of_one_key_store_one_value(tmp_path) -> None:
+    disk = LMDBTier(tmp_path / "d", 16 * disk_footprint())
+    async with TieredStore([disk]) as store:
+        hashes, blocks = make_blocks(4)
+        results = await asyncio.gather(*(store.put(NS, hashes, blocks) for _ in range(5)))
+        assert sum(results) == 4 and all(r in (0, 4) for r in results)
+        assert await store.get(NS, hashes) == blocks
+        assert store.stats().tier("disk").blocks == 4 and disk.used_bytes == 4 * disk_footprint()
+
+
+async def test_bad_blocks_store_nothing() -> None:
+    async with TieredStore([memory_tier(16)], StoreConfig(max_block_bytes=64 * 1024)) as store:
+        hashes, blocks = make_blocks(3)
+        corrupt = bytearray(blocks[1])
+        corrupt[-1] ^= 1
+        with pytest.raises(ChecksumError, match="block 1"):
+            await store.put(NS, hashes, [blocks[0], bytes(corrupt), blocks[2]])
+        wrong_dtype = encode_block(torch.zeros(2, 2, 2, BLOCK_SIZE, 64, dtype=torch.float32))
+        with pytest.raises(InvalidArgumentError, match="does not match"):
+            await store.put(NS, hashes[:1], [wrong_dtype])
+        wrong_size = encode_block(torch.zeros(2, 2, 2, BLOCK_SIZE + 1, 64, dtype=torch.float16))
+        with pytest.raises(InvalidArgumentError, match="block size"):
+            await store.put(NS, hashes[:1], [wrong_size])
+        huge = encode_block(torch.zeros(64, 2, 2, BLOCK_SIZE, 64, dtype=torch.float16))
+        with pytest.raises(ResourceExhaustedError, match="max_block_bytes"):
+            await store.put(NS, hashes[:1], [huge])
+        with pytest.raises(InvalidArgumentError):
+            await store.put(NS, [h[:8] for h in hashes], blocks)
+        with pytest.raises(InvalidArgumentError):
+            await store.put(NS, hashes, blocks, priority=101)
+        with pytest.raises(InvalidArgumentError):
+            await store.put(NS, hashes, blocks[:2])
+        assert (await store.lookup(NS, hashes)).num_blocks == 0
+        assert store.stats().tier("memory").blocks == 0
+
+
+async def test_block_larger_than_the_top_tier_goes_below(tmp_path) -> None:
+    memory = MemoryTier(PAGE, page_bytes=PAGE)  # smaller than any block
+    disk = LMDBTier(tmp_path / "d", 4 * disk_footprint())
+    async with TieredStore([memory, disk]) as store:
+        hashes, blocks = make_blocks(2)
+        await store.put(NS, hashes, blocks)
+        assert (await store.lookup(NS, hashes)).tiers == ("disk", "disk")
+        assert await store.get(NS, hashes) == blocks
+    async with TieredStore([MemoryTier(PAGE, page_bytes=PAGE)]) as store:
+        with pytest.raises(ResourceExhaustedError, match="larger than every tier"):
+            await store.put(NS, hashes, blocks)
+
+
+async def test_delete_and_clear_one_namespace(two_tier: TieredStore) -> None:
+    store = two_tier
+    other_ns = dataclasses.replace(NS, cache_salt="tenant-b")
+    hashes, blocks = make_blocks(5)
+    other_hashes, other_blocks = make_blocks(2, ns=other_ns)
+    await store.put(NS, hashes, blocks)
+    await store.put(other_ns, other_hashes, other_blocks)
+    assert await store.delete(NS, hashes[:1]) == 1
+    assert (await store.lookup(NS, hashes)).num_blocks == 0
+    assert (await store.lookup(NS, hashes[1:])).num_blocks == 4
+    assert await store.clear(NS) == 4
+    assert store.stats().tier("memory").blocks + store.stats().tier("disk").blocks == 2
+    assert await store.get(other_ns, other_hashes) == other_blocks
+
+
+async def test_namespaces_never_share_blocks() -> None:
+    async with TieredStore([memory_tier(16)]) as store:
+        hashes, blocks = make_blocks(2)
+        await store.put(NS, hashes, blocks)
+        salted = dataclasses.replace(NS, cache_salt="other-tenant")
+        assert (await store.lookup(salted, hashes)).num_blocks == 0  # same hash bytes, other namespace
+
+
+async def test_stored_bytes_never_exceed_capacity(tmp_path) -> None:
+    memory = memory_tier(4)
+    disk = LMDBTier(tmp_path / "d", 6 * disk_footprint())
+    async with TieredStore([memory, disk]) as store:
+        for seed in range(12):
+            hashes, blocks = make_blocks(1 + seed % 3, seed=seed)
+            await store.put(NS, hashes, blocks, priority=seed * 7 % 101)
+            if seed % 4 == 0:
+                await store.get(NS, hashes)
+            await store.drain()
+            for tier in (memory, disk):
+                stats = store.stats().tier(tier.name)
+                assert stats.bytes <= stats.capacity_bytes
+                assert tier.used_bytes <= tier.capacity_bytes
+                assert tier.used_bytes == stats.bytes  # the index and the tier agree
+
+
+async def test_restart_restores_blocks_priority_and_recency(tmp_path) -> None:
+    path = tmp_path / "d"
+    hashes, blocks = make_blocks(3)
+    async with TieredStore([LMDBTier(path, 3 * disk_footprint())]) as store:
+        await store.put(NS, hashes[:1], blocks[:1], priority=80)
+        await store.put(NS, hashes[1:2], blocks[1:2])
+        await store.put(NS, hashes[2:3], blocks[2:3])
+        await store.get(NS, hashes[1:2])  # block 1 is now more recent than block 2
+    async with TieredStore([LMDBTier(path, 3 * disk_footprint())]) as store:
+        assert await store.get(NS, hashes[:1]) == blocks[:1]
+        assert await store.get(NS, hashes[1:2]) == blocks[1:2]
+        assert store.stats().tier("disk").blocks == 3
+        newcomer, newblock = make_blocks(1, seed=7)
+        await store.put(NS, newcomer, newblock)
+        # block 2 had the default priority and the oldest access: it is the victim
+        assert [(await store.lookup(NS, [h])).num_blocks for h in hashes] == [1, 1, 0]
+
+
+async def test_corrupt_lmdb_record_is_a_miss_and_cleaned_up(tmp_path) -> None:
+    path = tmp_path / "d"
+    hashes, blocks = make_blocks(3)
+    async with TieredStore([LMDBTier(path, 8 * disk_footprint())]) as store:
+        await store.put(NS, hashes, blocks)
+    env = lmdb.open(str(path), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        key = block_key(NS, hashes[1])
+        value = bytearray(txn.get(key))
+        value[len(value) // 2] ^= 0xFF
+        txn.put(key, bytes(value))
+    env.close()
+    async with TieredStore([LMDBTier(path, 8 * disk_footprint())]) as store:
+        assert await store.get(NS, hashes) == blocks[:1]  # the prefix ends at the corrupt block
+        stats = store.stats().tier("disk")
+        assert stats.corrupt_records == 1 and stats.blocks == 2
+        assert (await store.lookup(NS, hashes)).num_blocks == 1
+        await store.put(NS, hashes[1:2], blocks[1:2])  # healed by a new put
+        assert await store.get(NS, hashes) == blocks
+
+
+async def test_closed_store_is_unavailable() -> None:
+    store = TieredStore([memory_tier(2)])
+    await store.start()
+    await store.close()
+    with pytest.raises(UnavailableError):
+        await store.lookup(NS, [])
+
+
+def test_embedded_store_round_trip_and_fork(tmp_path) -> None:
+    config = StoreConfig(memory=MemoryTierConfig(capacity_bytes=1 << 20), disk=DiskTierConfig(path=str(tmp_path / "d")))
+    tensors = [torch.randn(2, 2, 2, BLOCK_SIZE, 8).half() for _ in range(2)]
+    hashes = hash_blocks(NS, range(2 * BLOCK_SIZE))
+    with open_store(config) as store:
+        assert store.put(NS, hashes, tensors) == 2
+        assert store.lookup(NS, hashes).num_blocks == 2
+        assert all(torch.equal(a, b) for a, b in zip(store.get_tensors(NS, hashes), tensors))
+        pid = os.fork()
+        if pid == 0:  # the child must get a clear error, never a hang
+            try:
+                store.lookup(NS, hashes)
+                os._exit(1)
+            except UnavailableError:
+                os._exit(0)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert store.stats().tier("memory").blocks == 2
+    with open_store(config) as store:  # closing demoted the memory tier to disk
+        assert store.stats().tier("disk").blocks == 2
+        assert store.get(NS, hashes) == [encode_block(t) for t in tensors]

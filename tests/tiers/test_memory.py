@@ -1,0 +1,255 @@
+"""Tests of the memory tier: the shared contract (copies inline and in threads), then the page pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvstore.config import MemoryTierConfig
+from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.tiers.base import TierFullError
+from kvstore.tiers.memory import MemoryTier, PageAllocator
+from tests.tiers.contract import TierContract, make_block, make_key, make_sized_block, meta
+
+KiB = 1024
+MiB = 1024 * KiB
+PAGE = 16 * KiB
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class TestMemoryTierContract(TierContract):
+    @pytest.fixture(params=["inline", "threads"])
+    async def tier(self, request):
+        offload_min_bytes = 1 << 62 if request.param == "inline" else 0
+        tier = MemoryTier(4 * MiB, page_bytes=PAGE, offload_min_bytes=offload_min_bytes)
+        yield tier
+        await tier.close()
+
+
+def _block_of_pages(seed: int, num_pages: int, page_bytes: int = PAGE) -> bytes:
+    """An encoded block that fills exactly ``num_pages`` pages."""
+    return make_sized_block(seed, num_pages * page_bytes)
+
+
+# -- the page allocator ------------------------------------------------------------
+
+
+def test_allocator_takes_the_shortest_run_that_fits():
+    alloc = PageAllocator(10)
+    assert alloc.allocate(2) == [(0, 2)]
+    assert alloc.allocate(3) == [(2, 3)]
+    assert alloc.allocate(1) == [(5, 1)]
+    alloc.free(2, 3)  # free runs: [2, 5) and [6, 10)
+    assert alloc.allocate(3) == [(2, 3)]
+    assert alloc.num_free_pages == 4 and alloc.num_free_runs == 1
+
+
+def test_allocator_gathers_pieces_when_no_run_is_long_enough():
+    alloc = PageAllocator(8)
+    runs = [alloc.allocate(1)[0] for _ in range(8)]
+    for start, count in runs[::2]:
+        alloc.free(start, count)
+    pieces = alloc.allocate(3)
+    assert sum(count for _, count in pieces) == 3 and len(pieces) == 3
+    assert len({start for start, _ in pieces}) == 3
+    assert alloc.num_free_pages == 1
+
+
+def test_allocator_refuses_more_than_is_free_and_takes_nothing():
+    alloc = PageAllocator(4)
+    alloc.allocate(3)
+    with pytest.raises(TierFullError):
+        alloc.allocate(2)
+    assert alloc.num_free_pages == 1
+    assert alloc.allocate(0) == []
+
+
+def test_allocator_coalesces_freed_neighbours_back_into_one_run():
+    alloc = PageAllocator(12)
+    runs = [alloc.allocate(3)[0] for _ in range(4)]
+    for start, count in (runs[1], runs[3], runs[0], runs[2]):
+        alloc.free(start, count)
+    assert alloc.num_free_runs == 1 and alloc.num_free_pages == 12
+    assert alloc.allocate(12) == [(0, 12)]
+
+
+# -- the tier -----------------------------------------------------------------------------
+
+
+def test_capacity_is_whole_pages_and_footprint_rounds_up_to_pages():
+    tier = MemoryTier(4 * MiB + 100, page_bytes=PAGE)
+    assert tier.capacity_bytes == 4 * MiB
+    assert tier.num_pages == tier.num_free_pages == 4 * MiB // PAGE
+    assert tier.footprint(1) == PAGE
+    assert tier.footprint(PAGE) == PAGE
+    assert tier.footprint(PAGE + 1) == 2 * PAGE
+    assert tier.footprint(0) == 0
+
+
+def test_from_config():
+    tier = MemoryTier.from_config(MemoryTierConfig(capacity_bytes=2 * MiB, page_bytes=32 * KiB, pin_memory=False))
+    assert (tier.capacity_bytes, tier.page_bytes, tier.name, tier.persistent) == (2 * MiB, 32 * KiB, "memory", False)
+    assert tier.pinned is False
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(InvalidArgumentError):
+        MemoryTier(MiB, page_bytes=0)
+    with pytest.raises(InvalidArgumentError):
+        MemoryTier(-1)
+
+
+def test_pool_is_pinned_only_when_cuda_is_there():
+    assert MemoryTier(MiB, page_bytes=PAGE).pinned == torch.cuda.is_available()
+    assert MemoryTier(MiB, page_bytes=PAGE, pin_memory=False).pinned is False
+
+
+async def test_pages_are_reused_and_the_pool_never_grows():
+    tier = MemoryTier(2 * MiB, page_bytes=PAGE)
+    pool_ptr, pool_shape = tier._pool.data_ptr(), tuple(tier._pool.shape)
+    sizes = [1, 3, 7, 2, 5, 16, 4]  # pages per block
+    for cycle in range(20):
+        keys = [make_key(cycle * 100 + i) for i in range(len(sizes))]
+        values = [_block_of_pages(cycle * 100 + i, n) for i, n in enumerate(sizes)]
+        await tier.put(keys, values, [meta()] * len(keys))
+        assert tier.num_free_pages == tier.num_pages - sum(sizes)
+        assert await tier.get(keys) == values
+        await tier.delete(keys[::-1] if cycle % 2 else keys)
+    assert (tier._pool.data_ptr(), tuple(tier._pool.shape)) == (pool_ptr, pool_shape)
+    assert tier.num_free_pages == tier.num_pages and tier.used_bytes == 0
+    await tier.close()
+
+
+async def test_a_block_spans_scattered_pages_when_the_pool_is_fragmented():
+    tier = MemoryTier(16 * PAGE, page_bytes=PAGE)
+    keys = [make_key(i) for i in range(16)]
+    await tier.put(keys, [_block_of_pages(i, 1) for i in range(16)], [meta()] * 16)
+    await tier.delete(keys[::2])  # 8 free pages, no two adjacent
+    big = make_sized_block(100, 8 * PAGE - 64)  # needs all 8 scattered pages
+    await tier.put([make_key(100)], [big], [meta()])
+    assert tier.num_free_pages == 0
+    assert await tier.get([make_key(100)]) == [big]
+    assert await tier.get(keys[1::2]) == [_block_of_pages(i, 1) for i in range(1, 16, 2)]
+    with pytest.raises(TierFullError):
+        await tier.put([make_key(200)], [_block_of_pages(200, 1)], [meta()])
+    await tier.close()
+
+
+async def test_a_batch_that_does_not_fit_stores_nothing():
+    tier = MemoryTier(8 * PAGE, page_bytes=PAGE)
+    await tier.put([make_key(0)], [_block_of_pages(0, 3)], [meta()])
+    with pytest.raises(TierFullError):
+        await tier.put(
+            [make_key(1), make_key(2)], [_block_of_pages(1, 2), _block_of_pages(2, 4)], [meta()] * 2
+        )
+    assert await tier.contains([make_key(1), make_key(2)]) == [False, False]
+    assert tier.num_free_pages == 5
+    assert await tier.get([make_key(0)]) == [_block_of_pages(0, 3)]
+    await tier.close()
+
+
+async def test_a_full_pool_can_still_replace_a_block_in_place():
+    tier = MemoryTier(4 * PAGE, page_bytes=PAGE)
+    keys = [make_key(0), make_key(1)]
+    await tier.put(keys, [_block_of_pages(0, 2), _block_of_pages(1, 2)], [meta()] * 2)
+    newer = _block_of_pages(9, 2)
+    assert await tier.put([keys[0]], [newer], [meta(80)]) == [True]
+    assert await tier.get(keys) == [newer, _block_of_pages(1, 2)]
+    assert tier.num_free_pages == 0
+    with pytest.raises(TierFullError):  # three pages do not fit in the two that key 0 frees
+        await tier.put([keys[0]], [_block_of_pages(10, 3)], [meta()])
+    assert await tier.get([keys[0]]) == [newer]
+    await tier.close()
+
+
+@pytest.mark.parametrize("num_blocks_room", [1, 2])
+async def test_pages_a_get_is_copying_are_not_reused_until_it_ends(num_blocks_room):
+    """A delete during a threaded get must not let a put overwrite the pages being copied."""
+    block_pages = 16
+    tier = MemoryTier(num_blocks_room * block_pages * PAGE, page_bytes=PAGE, offload_min_bytes=0)
+    old, new = _block_of_pages(1, block_pages), _block_of_pages(2, block_pages)
+    await tier.put([make_key(1)], [old], [meta()])
+
+    async def delete_then_reuse():
+        await tier.delete([make_key(1)])
+        return await tier.put([make_key(2)], [new], [meta()])
+
+    got, reused = await asyncio.gather(tier.get([make_key(1)]), delete_then_reuse(), return_exceptions=True)
+    assert got == [old]
+    if num_blocks_room == 1:
+        assert isinstance(reused, TierFullError)  # the only pages were still being read
+        assert tier.num_free_pages == tier.num_pages  # ...and came back when the get ended
+        await tier.put([make_key(2)], [new], [meta()])
+    else:
+        assert reused == [True]
+        assert tier.num_free_pages == tier.num_pages - block_pages
+    assert await tier.get([make_key(1), make_key(2)]) == [None, new]
+    await tier.close()
+
+
+async def test_concurrent_overwrite_during_threaded_get_frees_the_old_pages_once():
+    tier = MemoryTier(64 * PAGE, page_bytes=PAGE, offload_min_bytes=0)
+    key = make_key(0)
+    values = [_block_of_pages(i, 8) for i in range(4)]
+    await tier.put([key], [values[0]], [meta()])
+    results = await asyncio.gather(
+        tier.get([key]), tier.put([key], [values[1]], [meta()]),
+        tier.get([key]), tier.put([key], [values[2]], [meta()]), tier.get([key, key]),
+    )
+    for got in (results[0], results[2], results[4]):
+        assert all(v in values[:3] for v in got)
+    assert results[1] == results[3] == [True]
+    await tier.put([key], [values[3]], [meta()])
+    assert await tier.get([key]) == [values[3]]
+    assert tier.num_free_pages == tier.num_pages - 8
+    await tier.delete([key])
+    assert tier.num_free_pages == tier.num_pages
+    await tier.close()
+
+
+async def test_bytes_like_values_are_accepted_and_bytes_come_back():
+    tier = MemoryTier(MiB, page_bytes=PAGE)
+    value = make_block(0)
+    await tier.put([make_key(0), make_key(1)], [bytearray(value), memoryview(value)], [meta()] * 2)
+    got = await tier.get([make_key(0), make_key(1)])
+    assert got == [value, value] and all(type(v) is bytes for v in got)
+    await tier.close()
+
+
+async def test_use_after_close_raises_unavailable():
+    tier = MemoryTier(MiB, page_bytes=PAGE)
+    await tier.close()
+    for call in (tier.get([make_key(0)]), tier.contains([make_key(0)]), tier.delete([make_key(0)]),
+                 tier.put([make_key(0)], [make_block(0)], [meta()]), tier.resident()):
+        with pytest.raises(UnavailableError):
+            await call
+
+
+async def test_counters_stay_zero_because_memory_is_not_reverified():
+    tier = MemoryTier(MiB, page_bytes=PAGE)
+    await tier.put([make_key(0)], [make_block(0)], [meta()])
+    await tier.get([make_key(0)])
+    assert tier.counters() == {"corrupt_records": 0}
+    await tier.close()
+
+
+@cuda_only
+async def test_cuda_pool_round_trip_inline_and_threaded():
+    for offload_min_bytes in (1 << 62, 0):
+        tier = MemoryTier(8 * MiB, device="cuda:0", page_bytes=PAGE, offload_min_bytes=offload_min_bytes)
+        assert tier._pool.device.type == "cuda"
+        keys = [make_key(i) for i in range(4)]
+        values = [make_block(i, shape=(4, 2, 8, 16, 64)) for i in range(4)]
+        await tier.put(keys, values, [meta()] * 4)
+        await tier.delete([keys[1]])
+        assert await tier.get(keys) == [values[0], None, values[2], values[3]]
+        await tier.close()
+
+
+@cuda_only
+def test_cpu_pool_is_pinned_with_cuda():
+    tier = MemoryTier(MiB, page_bytes=PAGE)
+    assert tier.pinned and tier._pool.is_pinned()
