@@ -18,8 +18,8 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 system-deps:
-	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools; }
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v docker-compose >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools docker-compose; }
 
 demo: setup
 	$(VENV)/bin/kvstore demo

@@ -8,28 +8,44 @@ Embedded use::
     hashes = kvstore.hash_blocks(ns, token_ids)        # one hash per full block
     store.put(ns, hashes, blocks)                      # [L, 2, H, block_size, D] tensors
     hit = store.lookup(ns, hashes).num_blocks          # longest cached prefix
+
+Names are imported lazily, so light entry points (``kvstore health``) do not load torch.
 """
 
-from kvstore.api import BlockClient, LookupResult, StoreStats, TierStats
-from kvstore.codec import Layout, decode_block, encode_block
-from kvstore.config import Config, StoreConfig, load_config
-from kvstore.embedded import EmbeddedStore, open_store
-from kvstore.errors import (
-    CodecError,
-    ConfigError,
-    InvalidArgumentError,
-    KVStoreError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
-from kvstore.keys import BlockHash, BlockKey, HashAlgorithm, Namespace, hash_blocks
-from kvstore.policy import DEFAULT_PRIORITY
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BlockClient", "BlockHash", "BlockKey", "CodecError", "Config", "ConfigError", "DEFAULT_PRIORITY",
-    "EmbeddedStore", "HashAlgorithm", "InvalidArgumentError", "KVStoreError", "Layout", "LookupResult",
-    "Namespace", "ResourceExhaustedError", "StoreConfig", "StoreStats", "TierStats", "UnavailableError",
-    "decode_block", "encode_block", "hash_blocks", "load_config", "open_store",
-]
+_EXPORTS = {
+    "BlockClient": "kvstore.api", "LookupResult": "kvstore.api", "StoreStats": "kvstore.api",
+    "TierStats": "kvstore.api",
+    "Layout": "kvstore.codec", "decode_block": "kvstore.codec", "encode_block": "kvstore.codec",
+    "Config": "kvstore.config", "StoreConfig": "kvstore.config", "load_config": "kvstore.config",
+    "EmbeddedStore": "kvstore.embedded", "open_store": "kvstore.embedded",
+    "CodecError": "kvstore.errors", "ConfigError": "kvstore.errors", "InvalidArgumentError": "kvstore.errors",
+    "KVStoreError": "kvstore.errors", "ResourceExhaustedError": "kvstore.errors",
+    "UnavailableError": "kvstore.errors",
+    "BlockHash": "kvstore.keys", "BlockKey": "kvstore.keys", "HashAlgorithm": "kvstore.keys",
+    "Namespace": "kvstore.keys", "hash_blocks": "kvstore.keys",
+    "DEFAULT_PRIORITY": "kvstore.policy",
+    "KVStoreClient": "kvstore.client", "AsyncKVStoreClient": "kvstore.client",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import public names on first use (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

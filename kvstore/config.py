@@ -120,7 +120,7 @@ class RedisTierConfig:
         connect_timeout_s: TCP connect timeout, seconds.
         socket_timeout_s: per-command timeout, seconds.
         max_value_bytes: larger values are refused before they are sent, bytes.
-        breaker_failures: consecutive failures that open the circuit breaker.
+        breaker_failures: consecutive failures that open the circuit breaker; <= 0 turns it off.
         breaker_reset_s: seconds the breaker stays open before one trial call.
         username: ACL user name (Redis 6+), empty for the default user.
         password: AUTH password, empty for none.
@@ -154,6 +154,8 @@ class RedisTierConfig:
         _require(self.socket_timeout_s > 0, "socket_timeout_s", "must be > 0")
         _require(self.ttl_s >= 0, "ttl_s", "must be >= 0")
         _require(":" not in self.prefix, "prefix", "must not contain ':'")
+        _require(self.breaker_reset_s >= 0, "breaker_reset_s", "must be >= 0")
+        _require(self.max_value_bytes > 0, "max_value_bytes", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

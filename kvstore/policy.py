@@ -87,7 +87,7 @@ class PriorityLRUPolicy:
         default_priority: the priority a block reverts to when its retention expires.
     """
 
-    __slots__ = ("_entries", "_levels", "_pins", "_expiry", "_heap", "_nbytes", "default_priority")
+    __slots__ = ("_entries", "_levels", "_pins", "_expiry", "_heap", "_nbytes", "_interned", "default_priority")
 
     def __init__(self, default_priority: int = DEFAULT_PRIORITY) -> None:
         self.default_priority = check_priority(default_priority)
@@ -97,6 +97,11 @@ class PriorityLRUPolicy:
         self._expiry: dict[K, float] = {}
         self._heap: list[tuple[float, int, K]] = []
         self._nbytes = 0
+        self._interned: dict[int, int] = {}  # one int object per (size, priority): blocks mostly share sizes
+
+    def _pack(self, nbytes: int, priority: int) -> int:
+        packed = (nbytes << _PRIORITY_BITS) | priority
+        return self._interned.setdefault(packed, packed) if len(self._interned) < 65536 else packed
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -146,7 +151,7 @@ class PriorityLRUPolicy:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if key in self._entries:
             raise ValueError(f"key {key!r} is already tracked")
-        self._entries[key] = (nbytes << _PRIORITY_BITS) | priority
+        self._entries[key] = self._pack(nbytes, priority)
         self._levels[priority][key] = None
         self._nbytes += nbytes
         if expires_at and priority != self.default_priority:
@@ -201,7 +206,7 @@ class PriorityLRUPolicy:
             del self._expiry[key]
             packed = self._entries[key]
             del self._levels[packed & ((1 << _PRIORITY_BITS) - 1)][key]
-            self._entries[key] = (packed >> _PRIORITY_BITS << _PRIORITY_BITS) | self.default_priority
+            self._entries[key] = self._pack(packed >> _PRIORITY_BITS, self.default_priority)
             level = self._levels[self.default_priority]
             level[key] = None
             level.move_to_end(key, last=False)

@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 256
 """Tokens per block when the caller names none (a 2 MiB float32 block for the demo model)."""
 
-DEFAULT_LOAD_TIMEOUT_S = 10.0
+DEFAULT_LOAD_TIMEOUT_S = 5.0
 """Seconds a load may take before the connector gives up and prefills everything."""
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
@@ -445,7 +445,7 @@ class HFConnector:
                 logger.warning("kvstore load failed (%s: %s); prefilling all %s tokens", type(exc).__name__, exc, len(ids))
             blocks = self._valid_prefix(blocks)
         if blocks:
-            with torch.inference_mode():
+            with torch.no_grad():
                 # torch.cat allocates: the cache never aliases fetched (possibly read-only) bytes.
                 kv = torch.cat(blocks, dim=3).to(device=self._device, dtype=self._dtype)
                 for layer in range(self.shape.num_layers):
@@ -548,7 +548,7 @@ class HFConnector:
         first = self._client.lookup(self.namespace, hashes).num_blocks
         if first >= num_blocks:
             return 0
-        with torch.inference_mode():
+        with torch.no_grad():
             # [L, 2, H, T, D] for the missing tokens, then cut into [L, 2, H, bs, D] blocks.
             kv = torch.stack(
                 [torch.stack((k[0, :, first * bs : num_tokens], v[0, :, first * bs : num_tokens])) for k, v in snap.layers]
@@ -593,7 +593,7 @@ class HFConnector:
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        with torch.inference_mode():
+        with torch.no_grad():
             logits = self._model(input_ids=suffix, **kwargs).logits
             return int(logits[0, -1].argmax()), cache
 
@@ -611,7 +611,7 @@ class HFConnector:
         """
         tokens = [first_token]
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
-        with torch.inference_mode():
+        with torch.no_grad():
             while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
                 step = torch.tensor([[tokens[-1]]], dtype=torch.long, device=self._device)
                 logits = self._model(input_ids=step, **kwargs).logits

@@ -15,7 +15,10 @@ The replay model (kept equal to the figures in ``benchmarks/traces/README.md``):
    exclusive, a block lives in exactly one).
 4. Eviction is ``policy.victims(need)`` and then ``remove``, as in the store.
    Victims of the top tier are demoted to the next tier (whose own victims
-   are dropped); victims of the last tier are dropped.
+   are dropped); victims of the last tier are dropped. A demoted block enters
+   the second tier as its most recent block at the default priority without
+   retention (a raised priority is tuned to the top tier's horizon, and kept
+   it costs 6 % on the conversation trace), except that priority 0 stays 0.
 
 Capacity is counted in ``block_bytes`` units per block: 1 for a capacity in
 blocks, or the bytes of one block for a capacity in bytes; ``None`` is infinite.
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.policy import DEFAULT_PRIORITY, LRUPolicy, PriorityLRUPolicy
+from kvstore.policy import DEFAULT_PRIORITY, MIN_PRIORITY, LRUPolicy, PriorityLRUPolicy
 from kvstore.sim.belady import BeladyPolicy, NextUseOracle
 from kvstore.sim.priority import ChainPriorityAssigner
 from kvstore.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -63,8 +66,6 @@ class SimPolicy(Protocol):
     def victims(self, nbytes: int, now: float = 0.0) -> list[int]: ...
 
     def priority_of(self, key: int) -> int: ...
-
-    def expiry_of(self, key: int) -> float: ...
 
     def __contains__(self, key: object) -> bool: ...
 
@@ -217,7 +218,7 @@ def simulate(
     disk = _make_policy(policy, oracle) if disk_capacity_blocks > 0 else None
     assigner: PriorityAssigner | None = None
     if policy == "priority" and not infinite:
-        assigner = (assigner_factory or ChainPriorityAssigner)()
+        assigner = assigner_factory() if assigner_factory else ChainPriorityAssigner(block_tokens=block_tokens)
     ram_cap = capacity_blocks if capacity_blocks is not None else 0
 
     num_blocks = hit_ram = hit_disk = input_tokens = hit_tokens = evicted = demoted = 0
@@ -240,12 +241,12 @@ def simulate(
                 ram.remove(key)
             evicted += len(victims)
             return
-        moved = [(key, ram.priority_of(key), ram.expiry_of(key)) for key in victims]
-        for key, _, _ in moved:
+        moved = [(key, ram.priority_of(key)) for key in victims]
+        for key, _ in moved:
             ram.remove(key)
         make_room_in_disk(len(moved), now)
-        for key, priority, expires_at in moved:
-            disk.insert(key, 1, priority, expires_at)
+        for key, priority in moved:
+            disk.insert(key, 1, DEFAULT_PRIORITY if priority else MIN_PRIORITY)
         demoted += len(moved)
 
     for index, request in enumerate(requests):

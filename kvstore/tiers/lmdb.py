@@ -37,7 +37,7 @@ from kvstore.codec import verify_block
 from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.policy import MAX_PRIORITY
+from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
 from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError
 
 logger = logging.getLogger(__name__)
@@ -90,8 +90,9 @@ class LMDBTier:
     a key already held replaces its value and meta (last writer wins); within
     one batch the last occurrence of a key wins.
 
-    A put or delete whose caller is cancelled still runs to completion in the
-    writer thread (LMDB transactions are not interruptible).
+    A put or delete whose caller is cancelled may still be committed: once its
+    transaction has started in the writer thread it runs to completion (LMDB
+    transactions are not interruptible); a restart lists such blocks in :meth:`resident`.
 
     Args:
         path: directory of the environment; created if missing.
@@ -227,7 +228,8 @@ class LMDBTier:
             ``True`` for every key.
 
         Raises:
-            InvalidArgumentError: if the three sequences differ in length.
+            InvalidArgumentError: if the three sequences differ in length or a
+                priority is outside ``[0, 100]``.
             TierFullError: if the batch would take the tier over ``capacity_bytes``
                 or the LMDB map is full; the transaction is aborted and nothing of
                 the batch is stored.
@@ -240,6 +242,9 @@ class LMDBTier:
             )
         if not keys:
             return []
+        for m in metas:
+            if not MIN_PRIORITY <= m.priority <= MAX_PRIORITY:
+                raise InvalidArgumentError(f"priority must be in [0, 100], got {m.priority}")
         last = {key: i for i, key in enumerate(keys)}  # the last occurrence of a key wins
         batch = [(keys[i], values[i], metas[i]) for i in last.values()]
         await self._write(self._put_txn, batch)
@@ -319,7 +324,9 @@ class LMDBTier:
         try:
             return await self._run(self._writer, fn, *args, touched)
         except BaseException:
-            pass
+            for key, when in touched.items():  # not written: keep them for the next write
+                if self._touched.get(key, 0.0) < when:
+                    self._touched[key] = when
             raise
 
     # -- transactions (worker threads) ----------------------------------------------------

@@ -10,16 +10,18 @@ move with a single copy, and otherwise gathers pages from the largest runs.
 
 Concurrency. Every method is called from the store's one asyncio loop, which
 owns the index and the free runs, so neither needs a lock. A batch of at least
-``offload_min_bytes`` is copied in a worker thread (``asyncio.to_thread``); a
-smaller one is copied on the loop thread. Pages are never reused while a copy
-of them is in flight:
+``offload_min_bytes`` is copied in a worker thread of the loop's default
+executor; a smaller one is copied on the loop thread. Pages are never reused
+while a copy of them is in flight:
 
 * a put is reserve -> write -> publish: its pages are taken from the free runs
   before the copy starts and the key is published only after it ends, so no
   reader sees half a value and no other put gets the same pages;
 * a get pins the records it reads; a delete or overwrite of a pinned record
   unpublishes it at once but returns its pages to the free runs only when the
-  last reader that pinned it is done.
+  last reader that pinned it is done;
+* a caller cancelled during a threaded copy does not stop the thread, so the
+  pages it reserved or pinned are freed or unpinned only when the thread ends.
 
 Checksums are not verified on reads: blocks were verified when they entered
 the store and RAM is trusted, so ``corrupt_records`` stays 0 for this tier.
@@ -30,14 +32,16 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import struct
 import warnings
-from typing import Sequence, Union
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
+from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
 from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError
 
 logger = logging.getLogger(__name__)
@@ -45,29 +49,66 @@ logger = logging.getLogger(__name__)
 KiB = 1024
 MiB = 1024 * KiB
 
-_COUNT_BITS = 32
-_COUNT_MASK = (1 << _COUNT_BITS) - 1
+_T = TypeVar("_T")
 
-_Extents = Union[int, tuple[int, ...]]
-"""Pages of one block: one packed run ``start << 32 | count``, or a tuple of them, in value order."""
+_HEAD = struct.Struct("<QBddII")
+"""Head of a record: nbytes, priority, expires_at, last_access, then the first run (start page, page count)."""
+_RUN = struct.Struct("<II")
+"""Each further run of a record: start page, page count."""
 
-_Record = tuple[_Extents, int, BlockMeta]
-"""The tier's per-key record: (pages, nbytes, meta); about 100 bytes beside the shared key and meta."""
+_Record = bytes
+"""The tier's per-key record: ``_HEAD`` then zero or more ``_RUN``; 66 bytes for a one-run block.
 
-
-def _pack(runs: Sequence[tuple[int, int]]) -> _Extents:
-    packed = tuple(start << _COUNT_BITS | count for start, count in runs)
-    return packed[0] if len(packed) == 1 else packed
-
-
-def _unpack(extents: _Extents) -> list[tuple[int, int]]:
-    if isinstance(extents, int):
-        return [(extents >> _COUNT_BITS, extents & _COUNT_MASK)]
-    return [(p >> _COUNT_BITS, p & _COUNT_MASK) for p in extents]
+One immutable ``bytes`` object per block keeps the tier's RAM per block small
+(``benchmarks/bench_index.py``); its fields are unpacked only when used.
+"""
 
 
-def _num_pages_of(extents: _Extents) -> int:
-    return sum(count for _, count in _unpack(extents))
+def _make_record(nbytes: int, meta: BlockMeta, runs: Sequence[tuple[int, int]]) -> _Record:
+    first = runs[0] if runs else (0, 0)
+    head = _HEAD.pack(nbytes, meta.priority, meta.expires_at, meta.last_access, *first)
+    return head + b"".join(_RUN.pack(*run) for run in runs[1:]) if len(runs) > 1 else head
+
+
+def _record_nbytes(record: _Record) -> int:
+    return int.from_bytes(record[:8], "little")
+
+
+def _record_meta(record: _Record) -> BlockMeta:
+    _, priority, expires_at, last_access, _, _ = _HEAD.unpack_from(record)
+    return BlockMeta(priority, expires_at, last_access)
+
+
+def _record_runs(record: _Record) -> list[tuple[int, int]]:
+    *_, start, count = _HEAD.unpack_from(record)
+    runs = [(start, count)] if count else []
+    if len(record) > _HEAD.size:
+        runs.extend(_RUN.iter_unpack(memoryview(record)[_HEAD.size :]))
+    return runs
+
+
+async def _await_copy(
+    copy: asyncio.Future[_T], *, on_failure: Callable[[], None], on_success: Callable[[], None] | None = None
+) -> _T:
+    """Await a copy running in a worker thread, then run ``on_success`` or ``on_failure`` on the loop.
+
+    A cancelled caller does not stop the thread, so ``on_failure`` (which frees
+    or unpins the pages the copy touches) then runs only once the thread is done.
+    """
+    try:
+        result = await asyncio.shield(copy)
+    except asyncio.CancelledError:
+        if copy.done():
+            on_failure()
+        else:
+            copy.add_done_callback(lambda f: (f.cancelled() or f.exception(), on_failure()))
+        raise
+    except BaseException:
+        on_failure()
+        raise
+    if on_success is not None:
+        on_success()
+    return result
 
 
 class PageAllocator:
@@ -225,7 +266,7 @@ class MemoryTier:
         self._host_view = memoryview(self._flat.numpy()) if self.device.type == "cpu" else None
         self._allocator = PageAllocator(num_pages)
         self._index: dict[BlockKey, _Record] = {}
-        self._readers: dict[int, int] = {}  # id(record) -> gets copying it now
+        self._readers: dict[int, int] = {}  # id(record) -> gets copying it now (records are distinct objects)
         self._unpublished: dict[int, _Record] = {}  # pinned records already deleted or replaced
         logger.info(
             "memory tier %s: %s pages of %s bytes on %s (pinned=%s)",
@@ -260,7 +301,9 @@ class MemoryTier:
         """Bytes of the pool in use, whole pages."""
         return (self._allocator.num_pages - self._allocator.num_free_pages) * self.page_bytes
 
-    def __len__(self) -> int:
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held (published)."""
         return len(self._index)
 
     def counters(self) -> dict[str, int]:
@@ -287,15 +330,17 @@ class MemoryTier:
         if not hits:
             return [None] * len(keys)
         pool = (self._flat, self._host_view)
-        if sum(r[1] for r in hits) < self.offload_min_bytes:
+        if sum(_record_nbytes(r) for r in hits) < self.offload_min_bytes:
             return self._copy_out_all(pool, records)
         for record in hits:
             self._readers[id(record)] = self._readers.get(id(record), 0) + 1
-        try:
-            return await asyncio.to_thread(self._copy_out_all, pool, records)
-        finally:
+
+        def unpin_all() -> None:
             for record in hits:
                 self._unpin(record)
+
+        copy = asyncio.get_running_loop().run_in_executor(None, self._copy_out_all, pool, records)
+        return await _await_copy(copy, on_failure=unpin_all, on_success=unpin_all)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
         """Store each value with its meta, replacing any value held under the same key.
@@ -309,9 +354,12 @@ class MemoryTier:
             ``True`` for every key.
 
         Raises:
-            InvalidArgumentError: if the three sequences differ in length.
+            InvalidArgumentError: if the three sequences differ in length or a
+                priority is outside ``[0, 100]``.
             TierFullError: if the batch does not fit in the free pages (counting
                 the pages of values it replaces); nothing of the batch is stored.
+                When it fits only by reusing the pages of values it replaces,
+                those keys read as misses until the put returns.
             UnavailableError: if the tier is closed.
         """
         self._check_open()
@@ -322,22 +370,30 @@ class MemoryTier:
         last = {key: i for i, key in enumerate(keys)}  # the last occurrence of a key wins
         order = list(last.values())
         views = [memoryview(values[i]).cast("B") for i in order]
+        for i in order:
+            if not MIN_PRIORITY <= metas[i].priority <= MAX_PRIORITY:
+                raise InvalidArgumentError(f"priority must be in [0, 100], got {metas[i].priority}")
         pages_needed = [-(-v.nbytes // self.page_bytes) for v in views]
         self._make_room(sum(pages_needed), [keys[i] for i in order])
-        reserved = [_pack(self._allocator.allocate(n)) for n in pages_needed]
-        try:
-            if sum(v.nbytes for v in views) < self.offload_min_bytes:
+        reserved = [self._allocator.allocate(n) for n in pages_needed]
+
+        def free_all() -> None:
+            for runs in reserved:
+                self._free(runs)
+
+        if sum(v.nbytes for v in views) < self.offload_min_bytes:
+            try:
                 self._copy_in_all(self._flat, reserved, views)
-            else:
-                await asyncio.to_thread(self._copy_in_all, self._flat, reserved, views)
-        except BaseException:
-            for extents in reserved:
-                self._free(extents)
-            raise
+            except BaseException:
+                free_all()
+                raise
+        else:
+            copy = asyncio.get_running_loop().run_in_executor(None, self._copy_in_all, self._flat, reserved, views)
+            await _await_copy(copy, on_failure=free_all)
         self._check_open()  # closed while the copy ran: nothing to publish into
-        for i, extents, view in zip(order, reserved, views):
+        for i, runs, view in zip(order, reserved, views):
             old = self._index.get(keys[i])
-            self._index[keys[i]] = (extents, view.nbytes, metas[i])
+            self._index[keys[i]] = _make_record(view.nbytes, metas[i], runs)
             if old is not None:
                 self._release(old)
         return [True] * len(keys)
@@ -357,7 +413,7 @@ class MemoryTier:
     async def resident(self) -> list[ResidentEntry]:
         """Every block held, with its meta (this tier is empty after a restart)."""
         self._check_open()
-        return [ResidentEntry(key, nbytes, meta) for key, (_, nbytes, meta) in self._index.items()]
+        return [ResidentEntry(key, _record_nbytes(r), _record_meta(r)) for key, r in self._index.items()]
 
     async def close(self) -> None:
         """Drop every block and release the pool; idempotent. Copies in flight keep their own reference."""
@@ -383,7 +439,7 @@ class MemoryTier:
         replaced = [
             r for r in (self._index.get(k) for k in keys) if r is not None and id(r) not in self._readers
         ]
-        if num_pages > free + sum(_num_pages_of(r[0]) for r in replaced):
+        if num_pages > free + sum(count for r in replaced for _, count in _record_runs(r)):
             raise TierFullError(
                 f"memory tier {self.name}: batch needs {num_pages} pages of {self.page_bytes} bytes, {free} free"
             )
@@ -391,14 +447,14 @@ class MemoryTier:
             record = self._index.get(key)
             if record is not None and id(record) not in self._readers:
                 del self._index[key]
-                self._free(record[0])
+                self._free(_record_runs(record))
 
     def _release(self, record: _Record) -> None:
         """Return an unpublished record's pages, or defer that until the gets copying it end."""
         if id(record) in self._readers:
             self._unpublished[id(record)] = record
         else:
-            self._free(record[0])
+            self._free(_record_runs(record))
 
     def _unpin(self, record: _Record) -> None:
         count = self._readers[id(record)] - 1
@@ -407,24 +463,26 @@ class MemoryTier:
             return
         del self._readers[id(record)]
         if self._unpublished.pop(id(record), None) is not None:
-            self._free(record[0])
+            self._free(_record_runs(record))
 
-    def _free(self, extents: _Extents) -> None:
+    def _free(self, runs: Sequence[tuple[int, int]]) -> None:
         if self._pool is None:
             return  # closed while a copy was in flight: the pool is gone
-        for start, count in _unpack(extents):
+        for start, count in runs:
             self._allocator.free(start, count)
 
-    def _copy_in_all(self, flat: torch.Tensor, reserved: Sequence[_Extents], views: Sequence[memoryview]) -> None:
+    def _copy_in_all(
+        self, flat: torch.Tensor, reserved: Sequence[Sequence[tuple[int, int]]], views: Sequence[memoryview]
+    ) -> None:
         page_bytes = self.page_bytes
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only sources are only read
-            for extents, view in zip(reserved, views):
+            for runs, view in zip(reserved, views):
                 if not view.nbytes:
                     continue
                 src = torch.frombuffer(view, dtype=torch.uint8)
                 offset = 0
-                for start, count in _unpack(extents):
+                for start, count in runs:
                     seg = min(count * page_bytes, view.nbytes - offset)
                     base = start * page_bytes
                     flat[base : base + seg].copy_(src[offset : offset + seg])
@@ -437,9 +495,9 @@ class MemoryTier:
         return [None if r is None else self._copy_out(flat, host_view, r) for r in records]
 
     def _copy_out(self, flat: torch.Tensor, host_view: memoryview | None, record: _Record) -> bytes:
-        extents, nbytes, _ = record
+        nbytes = _record_nbytes(record)
         page_bytes = self.page_bytes
-        runs = _unpack(extents)
+        runs = _record_runs(record)
         if host_view is not None:
             view = host_view
             if len(runs) == 1:

@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -58,6 +59,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def free_cluster_port(host: str = "127.0.0.1") -> int:
+    """A port ``P`` for a cluster node such that ``P`` and its cluster bus port ``P + 10000`` are free.
+
+    Redis requires ``P <= 55535``; ``P`` is drawn from 10000-22767 so that both
+    ports stay below Linux's default ephemeral range (32768-60999), where a
+    client connection could take the bus port later.
+
+    Raises:
+        RuntimeError: if no such port is found after many tries.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, 22768)
+        socks = []
+        try:
+            for candidate in (port, port + 10000):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind((host, candidate))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def redis_binaries() -> tuple[str, str] | None:
@@ -384,7 +413,7 @@ class RedisClusterProcess:
         self.startup_timeout_s = startup_timeout_s
         self.nodes: list[RedisProcess] = []
         for _ in range(num_nodes):
-            port = free_port()
+            port = free_cluster_port()
             self.nodes.append(RedisProcess(
                 port=port, maxmemory_bytes=maxmemory_bytes, maxmemory_policy=maxmemory_policy,
                 workdir=self.workdir,

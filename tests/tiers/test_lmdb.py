@@ -27,7 +27,7 @@ class TestLMDBTierContract(TierContract):
 
 
 def _edit_records(path, edit):
-    """Open the environment directly through the lmdb module (the tier must be closed) and run ``edit(txn, blocks, meta)``."""
+    """Open the environment through the lmdb module (the tier closed) and run ``edit(txn, blocks, meta)``."""
     env = lmdb.open(str(path), max_dbs=2)
     try:
         blocks, meta_db = env.open_db(b"blocks"), env.open_db(b"meta")
@@ -244,3 +244,11 @@ async def test_use_after_close_raises_unavailable(tmp_path):
                  tier.put([make_key(0)], [make_block(0)], [meta()]), tier.resident()):
         with pytest.raises(UnavailableError):
             await call
+
+
+async def test_priority_outside_0_to_100_is_refused(tmp_path):
+    tier = LMDBTier(tmp_path / "env", 4 * MiB)
+    with pytest.raises(InvalidArgumentError):
+        await tier.put([make_key(0)], [make_block(0)], [BlockMeta(101)])
+    assert await tier.contains([make_key(0)]) == [False]
+    await tier.close()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
-from kvstore.tiers.base import TierFullError
+from kvstore.tiers.base import BlockMeta, TierFullError
 from kvstore.tiers.memory import MemoryTier, PageAllocator
 from tests.tiers.contract import TierContract, make_block, make_key, make_sized_block, meta
 
@@ -253,3 +254,62 @@ async def test_cuda_pool_round_trip_inline_and_threaded():
 def test_cpu_pool_is_pinned_with_cuda():
     tier = MemoryTier(MiB, page_bytes=PAGE)
     assert tier.pinned and tier._pool.is_pinned()
+
+
+async def test_priority_outside_0_to_100_is_refused():
+    tier = MemoryTier(MiB, page_bytes=PAGE)
+    with pytest.raises(InvalidArgumentError):
+        await tier.put([make_key(0)], [make_block(0)], [BlockMeta(101)])
+    assert await tier.contains([make_key(0)]) == [False] and tier.num_free_pages == tier.num_pages
+    await tier.close()
+
+
+async def test_record_keeps_meta_exactly_and_stays_small():
+    tier = MemoryTier(64 * PAGE, page_bytes=PAGE)
+    m = BlockMeta(77, 1234.5, 987.25)
+    await tier.put([make_key(0)], [_block_of_pages(0, 3)], [m])
+    [entry] = await tier.resident()
+    assert entry.meta == m and entry.nbytes == 3 * PAGE and tier.num_blocks == 1
+    assert len(tier._index[make_key(0)]) == 33  # one run: the fixed head only
+    await tier.close()
+
+
+@pytest.mark.parametrize("operation", ["put", "get"])
+async def test_a_cancelled_threaded_copy_keeps_its_pages_until_the_thread_ends(operation):
+    """Cancelling the caller must not free pages a worker thread is still copying."""
+    block_pages = 8
+    tier = MemoryTier(block_pages * PAGE, page_bytes=PAGE, offload_min_bytes=0)
+    value, other = _block_of_pages(1, block_pages), _block_of_pages(2, block_pages)
+    started, release = threading.Event(), threading.Event()
+    real_copy = tier._copy_in_all if operation == "put" else tier._copy_out_all
+
+    def held_copy(*args):
+        started.set()
+        release.wait(10)
+        return real_copy(*args)
+
+    if operation == "get":
+        await tier.put([make_key(1)], [value], [meta()])
+        tier._copy_out_all = held_copy
+        task = asyncio.create_task(tier.get([make_key(1)]))
+    else:
+        tier._copy_in_all = held_copy
+        task = asyncio.create_task(tier.put([make_key(1)], [value], [meta()]))
+    while not started.is_set():
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await tier.delete([make_key(1)])
+    with pytest.raises(TierFullError):  # the thread still holds every page
+        await tier.put([make_key(2)], [other], [meta()])
+    release.set()
+    for _ in range(1000):
+        if tier.num_free_pages == tier.num_pages:
+            break
+        await asyncio.sleep(0.01)
+    assert tier.num_free_pages == tier.num_pages
+    assert await tier.contains([make_key(1)]) == [False]
+    await tier.put([make_key(2)], [other], [meta()])
+    assert await tier.get([make_key(2)]) == [other]
+    await tier.close()

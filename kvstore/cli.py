@@ -1,0 +1,192 @@
+"""The ``kvstore`` command line: ``serve`` a node, ask one for its ``stats`` or ``health``, and more subcommands.
+
+Subcommands of other components live in their own modules, listed in
+:data:`SUBCOMMAND_MODULES`; each has a ``register(subparsers)`` function that
+adds its parser and sets ``func`` (called with the parsed arguments; it returns
+the exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+from typing import Any, Callable, Sequence
+
+SUBCOMMAND_MODULES: tuple[str, ...] = ("kvstore.sim.cli",)
+"""Modules that add subcommands through ``register(subparsers)``."""
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+_SERVE_EXAMPLES = """\
+examples:
+  kvstore serve                                   # memory tier of 1 GiB on 127.0.0.1:50051, metrics on :9400
+  kvstore serve --host 0.0.0.0 --memory-capacity 8GiB --disk-path /var/lib/kvstore --disk-capacity 100GiB
+  kvstore serve --config kvstore.toml --redis-url redis://cache:6379/0
+  kvstore serve --port 0 --metrics-port 0         # free ports; the "serving" log line names them
+  KVSTORE_MEMORY_CAPACITY=4GiB kvstore serve      # any setting from the environment (KVSTORE_*)
+
+Settings are read from defaults, then --config, then KVSTORE_* variables, then
+these flags. The server logs one JSON object a line on stderr, e.g.
+{"event": "serving", "port": 50051, "metrics_port": 9400, ...}, and on SIGTERM or
+SIGINT reports NOT_SERVING, drains calls for server.grace_s seconds and closes
+the store (LMDB is flushed)."""
+
+_STATS_EXAMPLES = """\
+examples:
+  kvstore stats                                   # the node on 127.0.0.1:50051
+  kvstore stats --target kv-0.kv:50051 | jq '.tiers[] | {name, blocks, hits}'
+
+Prints {"tiers": [{"name": ..., "blocks": ..., "bytes": ..., "capacity_bytes": ...,
+"hits": ..., "misses": ..., "evictions": ..., ...}, ...]} as JSON, fastest tier first."""
+
+_HEALTH_EXAMPLES = """\
+examples:
+  kvstore health                                  # exit 0 if SERVING
+  kvstore health --target 10.0.0.7:50051 --timeout 2
+  HEALTHCHECK CMD ["kvstore", "health", "--timeout", "2"]   # in a Dockerfile
+
+Prints the grpc.health.v1 status (SERVING, NOT_SERVING, ...) and exits 0 only
+when it is SERVING; 1 otherwise, also when the node cannot be reached."""
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, metavar="HOST:PORT",
+                        help=f"address of the node (default {DEFAULT_TARGET})")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="deadline of the call, seconds (default 5)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstore`` argument parser with every subcommand (including :data:`SUBCOMMAND_MODULES`)."""
+    parser = argparse.ArgumentParser(
+        prog="kvstore",
+        description="A multi-tier KV-cache store for LLM inference, served over gRPC.",
+        epilog="Run 'kvstore COMMAND --help' for the options and examples of a command.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = subparsers.add_parser(
+        "serve", help="run a kvstore node (gRPC, health, reflection, Prometheus metrics)",
+        description="Run a kvstore node: the KVStore gRPC service with grpc.health.v1 and reflection, "
+                    "and Prometheus metrics over HTTP.",
+        epilog=_SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--config", metavar="FILE", help="TOML or YAML file whose tables mirror kvstore.config.Config")
+    serve.add_argument("--host", help="bind address (server.host, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="gRPC port; 0 picks a free one (server.port, default 50051)")
+    serve.add_argument("--metrics-port", type=int,
+                       help="Prometheus port; 0 picks a free one, -1 disables (server.metrics_port, default 9400)")
+    serve.add_argument("--memory-capacity", metavar="SIZE",
+                       help="memory tier size, e.g. 8GiB; 0 disables it (store.memory.capacity_bytes)")
+    serve.add_argument("--disk-path", metavar="DIR", help="LMDB directory; enables the disk tier (store.disk.path)")
+    serve.add_argument("--disk-capacity", metavar="SIZE", help="disk tier size, e.g. 100GiB (store.disk.capacity_bytes)")
+    serve.add_argument("--redis-url", metavar="URL", help="redis:// or rediss:// URL; enables the Redis tier")
+    serve.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper,
+                       help="server.log_level (default INFO)")
+    serve.add_argument("--log-format", choices=("json", "text"), help="server.log_format (default json)")
+    serve.set_defaults(func=_serve)
+
+    stats = subparsers.add_parser(
+        "stats", help="print a node's per-tier stats as JSON",
+        description="Print a node's per-tier stats (blocks, bytes, hits, misses, evictions, ...) as JSON.",
+        epilog=_STATS_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_target(stats)
+    stats.set_defaults(func=_stats)
+
+    health = subparsers.add_parser(
+        "health", help="check a node's health; exit 0 if SERVING",
+        description="Ask a node for its grpc.health.v1 status; exit 0 if SERVING, 1 otherwise.",
+        epilog=_HEALTH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_target(health)
+    health.add_argument("--service", default="", help="service to check; empty for the whole server (default)")
+    health.set_defaults(func=_health)
+
+    for name in SUBCOMMAND_MODULES:
+        _register(name, subparsers)
+    return parser
+
+
+def _register(module_name: str, subparsers: Any) -> None:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:  # the module exists but a dependency of it is missing
+            raise
+        return  # an optional component that is not installed
+    register: Callable[[Any], None] = module.register
+    register(subparsers)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvstore.config import load_config
+    from kvstore.errors import ConfigError
+    from kvstore.server.app import run
+
+    overrides = {
+        "server.host": args.host,
+        "server.port": args.port,
+        "server.metrics_port": args.metrics_port,
+        "server.log_level": args.log_level,
+        "server.log_format": args.log_format,
+        "store.memory.capacity_bytes": args.memory_capacity,
+        "store.disk.path": args.disk_path,
+        "store.disk.capacity_bytes": args.disk_capacity,
+        "store.redis.url": args.redis_url,
+    }
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"kvstore serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvstore.client import KVStoreClient
+    from kvstore.errors import KVStoreError
+
+    with KVStoreClient(args.target, timeout_s=args.timeout, retries=0) as client:
+        try:
+            stats = client.stats()
+        except KVStoreError as exc:
+            print(f"kvstore stats: {args.target}: {exc}", file=sys.stderr)
+            return 1
+    print(json.dumps(dataclasses.asdict(stats), indent=2))
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from kvstore.client import KVStoreClient
+    from kvstore.errors import KVStoreError
+
+    with KVStoreClient(args.target, timeout_s=args.timeout, retries=0) as client:
+        try:
+            status = client.health(args.service)
+        except KVStoreError as exc:
+            print(f"UNREACHABLE: {args.target}: {exc}", file=sys.stderr)
+            return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvstore`` command line; returns the exit status (the ``kvstore`` console script).
+
+    Args:
+        argv: arguments after the program name; ``sys.argv[1:]`` when ``None``.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The gRPC server: composes the store, the servicer, health, reflection and metrics, and shuts down in order.
+
+Shutdown order (grpc's ``examples/python/`` and the house style): health reports
+NOT_SERVING and the servicer refuses new calls with UNAVAILABLE, then
+``server.stop(grace_s)`` lets running calls finish, then the store is closed
+(LMDB flushed), then the metrics endpoint stops. ``kvstore serve`` runs
+:func:`serve`, which does this on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.config import Config
+from kvstore.errors import ConfigError
+from kvstore.server.logs import configure_logging
+from kvstore.server.metrics import ServiceMetrics, StoreCollector
+from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
+from kvstore.server.wire import channel_options
+from kvstore.store import TieredStore, open_async_store
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class KVStoreServer:
+    """One kvstore node: a ``grpc.aio`` server around a :class:`TieredStore`.
+
+    Use from one asyncio loop (the store's owner)::
+
+        server = KVStoreServer(load_config())
+        await server.start()
+        ...
+        await server.stop()
+
+    Args:
+        config: the whole configuration (``store``, ``server``, ``limits``, ``security``).
+        store: an already started store to serve; it is then not closed by
+            :meth:`stop`. ``None`` opens one from ``config.store``.
+        interceptors: extra ``grpc.aio.ServerInterceptor`` s (e.g. authentication),
+            run in order before the servicer.
+
+    Raises:
+        ConfigError: from :meth:`start`, if token authentication is configured (it
+            is not implemented by this server yet, so it refuses to run open).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        store: TieredStore | None = None,
+        interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
+    ) -> None:
+        self.config = config
+        self._store = store
+        self._own_store = store is None
+        self._interceptors = interceptors
+        self.metrics = ServiceMetrics()
+        self.health = health.aio.HealthServicer()
+        self.servicer: KVStoreServicer | None = None
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = -1
+        self._stopped: asyncio.Event | None = None
+
+    @property
+    def store(self) -> TieredStore:
+        """The store being served (after :meth:`start`)."""
+        if self._store is None:
+            raise RuntimeError("the server is not started")
+        return self._store
+
+    @property
+    def target(self) -> str:
+        """``host:port`` that clients connect to (after :meth:`start`)."""
+        return f"{self.config.server.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Open the store (unless given), bind the port, report SERVING and start the metrics endpoint.
+
+        Raises:
+            ConfigError: on an unusable security setting.
+            RuntimeError: if the port cannot be bound.
+        """
+        server_cfg, security = self.config.server, self.config.security
+        if (security.auth_tokens or security.auth_tokens_file) and not self._interceptors:
+            raise ConfigError("security.auth_tokens", "token authentication is not available in this server yet")
+        self._stopped = asyncio.Event()
+        if self._store is None:
+            self._store = await open_async_store(self.config.store)
+        try:
+            self.servicer = KVStoreServicer(self._store, self.config, self.metrics)
+            server = grpc.aio.server(
+                interceptors=self._interceptors,
+                options=[*channel_options(server_cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
+            )
+            pb_grpc.add_KVStoreServicer_to_server(self.servicer, server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
+            address = f"{server_cfg.host}:{server_cfg.port}"
+            if security.tls_cert_file:
+                self.port = server.add_secure_port(address, _server_credentials(self.config))
+            else:
+                self.port = server.add_insecure_port(address)
+            if self.port == 0:
+                raise RuntimeError(f"cannot bind the gRPC port at {address}")
+            await server.start()
+            self._server = server
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            if server_cfg.metrics_port >= 0:
+                self.metrics.add_store(StoreCollector.on_loop(asyncio.get_running_loop(), self._store.stats))
+                self.metrics_port = self.metrics.start_http(server_cfg.metrics_host, server_cfg.metrics_port)
+        except BaseException:
+            await self._abandon()
+            self._stopped.set()
+            raise
+        logger.info(
+            "serving",
+            extra={"fields": {"host": server_cfg.host, "port": self.port, "metrics_port": self.metrics_port,
+                              "tiers": self._store.tier_names, "tls": bool(security.tls_cert_file)}},
+        )
+
+    async def begin_shutdown(self) -> None:
+        """Report NOT_SERVING and refuse new calls with UNAVAILABLE; running calls go on."""
+        await self.health.enter_graceful_shutdown()
+        if self.servicer is not None:
+            self.servicer.begin_shutdown()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Shut down in order: NOT_SERVING, ``server.stop(grace_s)``, close the store, stop metrics.
+
+        Args:
+            grace_s: seconds running calls get to finish; ``server.grace_s`` when ``None``.
+        """
+        if self._stopped is None or self._stopped.is_set():
+            return
+        grace_s = self.config.server.grace_s if grace_s is None else grace_s
+        logger.info("shutting down", extra={"fields": {"grace_s": grace_s}})
+        await self.begin_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        await self._close_store()
+        self.metrics.stop_http()
+        self._stopped.set()
+        logger.info("stopped")
+
+    async def wait_stopped(self) -> None:
+        """Return once :meth:`stop` has finished."""
+        assert self._stopped is not None, "start() first"
+        await self._stopped.wait()
+
+    async def _abandon(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0)
+        await self._close_store()
+        self.metrics.stop_http()
+
+    async def _close_store(self) -> None:
+        if self._own_store and self._store is not None:
+            await self._store.close()
+
+    async def __aenter__(self) -> KVStoreServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _server_credentials(config: Config) -> grpc.ServerCredentials:
+    security = config.security
+    try:
+        key = Path(security.tls_key_file).read_bytes()
+        cert = Path(security.tls_cert_file).read_bytes()
+        client_ca = Path(security.tls_client_ca_file).read_bytes() if security.tls_client_ca_file else None
+    except OSError as exc:
+        raise ConfigError("security", f"cannot read a TLS file: {exc}") from exc
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+async def serve(config: Config, *, stop: asyncio.Event | None = None) -> None:
+    """Run a node until SIGTERM or SIGINT (or ``stop`` is set), then shut it down in order.
+
+    Args:
+        config: the whole configuration.
+        stop: an extra event that ends serving when set (tests, embedding).
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = KVStoreServer(config)
+    try:
+        await server.start()
+        await stop.wait()
+        logger.info("signal received")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await server.stop()
+
+
+def run(config: Config) -> int:
+    """Configure logging from ``config.server`` and :func:`serve` until a signal; the exit status.
+
+    Returns:
+        0 after a clean shutdown, 1 if the server failed to start.
+    """
+    configure_logging(config.server.log_level, config.server.log_format)
+    try:
+        asyncio.run(serve(config))
+    except (ConfigError, RuntimeError, OSError) as exc:
+        logger.error("cannot serve: %s", exc, extra={"fields": {"error": type(exc).__name__}})
+        return 1
+    return 0

@@ -1,0 +1,176 @@
+"""Prometheus metrics of the service: request counts and latencies, and the store's stats pulled at scrape time.
+
+The store never imports Prometheus (pull model, as vLLM's ``BlockPool.take_events``):
+the servicer counts requests, and :class:`StoreCollector` asks the store for its
+:class:`~kvstore.api.StoreStats` on the store's own event loop whenever
+``/metrics`` is scraped. Every metric lives in a private ``CollectorRegistry``,
+so several servers in one process (tests) do not collide.
+
+Exported series (conventional ``_total``, ``_bytes`` and ``_seconds`` suffixes):
+
+* ``kvstore_requests_total{method, code}``: finished calls by gRPC method and status code.
+* ``kvstore_request_duration_seconds{method}``: call latency histogram.
+* ``kvstore_tier_blocks{tier}``, ``kvstore_tier_bytes{tier}``, ``kvstore_tier_capacity_bytes{tier}``: gauges.
+* ``kvstore_tier_hits_total``, ``kvstore_tier_misses_total``, ``kvstore_tier_evictions_total``,
+  ``kvstore_tier_demotions_total``, ``kvstore_tier_promotions_total``,
+  ``kvstore_tier_corrupt_records_total`` ``{tier}``: counters.
+* ``kvstore_tier_events_total{tier, event}``: the tiers' extra counters (e.g. Redis ``errors``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore.api import StoreStats
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+"""Histogram buckets of ``kvstore_request_duration_seconds``, seconds (100 us to 10 s)."""
+
+SCRAPE_TIMEOUT_S = 5.0
+"""Seconds a scrape waits for the store's loop to report its stats."""
+
+
+class StoreCollector(Collector):
+    """A custom collector that reads the store's stats at scrape time.
+
+    Args:
+        stats: returns the store's current stats; must be safe to call from the
+            scrape thread (see :meth:`on_loop`), and may raise to skip the tier metrics.
+    """
+
+    def __init__(self, stats: Callable[[], StoreStats]) -> None:
+        self._stats = stats
+
+    @staticmethod
+    def on_loop(loop: asyncio.AbstractEventLoop, stats: Callable[[], StoreStats]) -> Callable[[], StoreStats]:
+        """Wrap ``stats`` so that it runs on ``loop`` (the store's owner) and the caller waits for it.
+
+        The store's counters and index belong to its loop; reading them from the
+        HTTP thread directly could see a dict change size mid-iteration.
+        """
+
+        def call() -> StoreStats:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:  # already on the owner (e.g. a test calling generate_latest)
+                return stats()
+
+            async def collect() -> StoreStats:
+                return stats()
+
+            return asyncio.run_coroutine_threadsafe(collect(), loop).result(SCRAPE_TIMEOUT_S)
+
+        return call
+
+    def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        """Nothing up front, so that registering never calls the store (the families depend on its tiers)."""
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Yield one family per stat, labelled by tier (called by ``prometheus_client`` on scrape)."""
+        try:
+            stats = self._stats()
+        except Exception as exc:  # a closed loop or a slow store must not break /metrics
+            logger.warning("store stats unavailable for /metrics: %s", exc)
+            return
+        gauges = {
+            "blocks": GaugeMetricFamily("kvstore_tier_blocks", "Blocks resident in the tier (-1: unknown).",
+                                        labels=["tier"]),
+            "bytes": GaugeMetricFamily("kvstore_tier_bytes", "Capacity bytes the tier's blocks occupy.",
+                                       labels=["tier"]),
+            "capacity_bytes": GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity of the tier, bytes.",
+                                                labels=["tier"]),
+        }
+        counters = {
+            name: CounterMetricFamily(f"kvstore_tier_{name}", help_text, labels=["tier"])
+            for name, help_text in (
+                ("hits", "Blocks served from the tier by get."),
+                ("misses", "Blocks looked for in the tier by get and not found."),
+                ("evictions", "Blocks evicted from the tier (demoted or dropped)."),
+                ("demotions", "Blocks written into the tier by eviction from the tier above."),
+                ("promotions", "Blocks copied from the tier into the top tier on a hit."),
+                ("corrupt_records", "Records that failed their checksum and were deleted."),
+            )
+        }
+        events = CounterMetricFamily("kvstore_tier_events", "Tier-specific event counts.", labels=["tier", "event"])
+        for tier in stats.tiers:
+            for name, family in gauges.items():
+                family.add_metric([tier.name], getattr(tier, name))
+            for name, family in counters.items():
+                family.add_metric([tier.name], getattr(tier, name))
+            for event, count in sorted(tier.counters.items()):
+                events.add_metric([tier.name, event], count)
+        yield from gauges.values()
+        yield from counters.values()
+        yield events
+
+
+class ServiceMetrics:
+    """The service's Prometheus registry: request metrics plus the store collector.
+
+    Args:
+        registry: where to register; a fresh private registry when ``None``.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvstore_requests", "Finished gRPC calls by method and status code.",
+            ["method", "code"], registry=self.registry,
+        )
+        self.latency = Histogram(
+            "kvstore_request_duration_seconds", "gRPC call latency by method, seconds.",
+            ["method"], buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self._http_server = None
+        self._http_thread = None
+
+    def observe(self, method: str, code: str, duration_s: float) -> None:
+        """Count one finished call and its latency.
+
+        Args:
+            method: RPC name, e.g. ``Get``.
+            code: status code name, e.g. ``OK``, ``INVALID_ARGUMENT``.
+            duration_s: seconds from the call's start to its end.
+        """
+        self.requests.labels(method, code).inc()
+        self.latency.labels(method).observe(duration_s)
+
+    def add_store(self, stats: Callable[[], StoreStats]) -> None:
+        """Export the store's stats through ``stats`` (see :meth:`StoreCollector.on_loop`)."""
+        self.registry.register(StoreCollector(stats))
+
+    def start_http(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` over HTTP in a daemon thread.
+
+        Args:
+            host: bind address.
+            port: TCP port; 0 picks a free one.
+
+        Returns:
+            The bound port.
+        """
+        self._http_server, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http_server.server_port)
+
+    def stop_http(self) -> None:
+        """Stop the HTTP endpoint, if running."""
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None
+        if self._http_thread is not None:
+            self._http_thread.join(timeout=5)
+            self._http_thread = None

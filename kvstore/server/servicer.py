@@ -1,0 +1,207 @@
+"""The thin ``kvstore.v1.KVStore`` servicer: wire messages in, store calls, wire messages out.
+
+Every method runs inside :meth:`KVStoreServicer._call`, the one place that
+counts the call in the metrics, logs it, and turns a raised kvstore error into
+its status code (``kvstore.server.errors.status_of``). The data path (chunking
+and reassembly) is in ``kvstore.server.wire``, so a later same-host zero-copy
+data plane can replace it without touching the servicer's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator, Sequence
+
+import grpc
+
+from kvstore.config import Config
+from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.keys import HashAlgorithm, Namespace, block_key
+from kvstore.server.errors import DeadlineExceededError, status_of
+from kvstore.server.metrics import ServiceMetrics
+from kvstore.server.wire import (
+    BlockAssembler,
+    chunk_bytes_for,
+    iter_chunks,
+    lookup_to_pb,
+    namespace_from_pb,
+    stats_to_pb,
+)
+from kvstore.store import TieredStore
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+"""``kvstore.v1.KVStore``: the service name for health checks and reflection."""
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    """Serves one :class:`~kvstore.store.TieredStore` over gRPC (``grpc.aio``).
+
+    Args:
+        store: the started store; the servicer never closes it.
+        config: the whole configuration; ``server.max_message_bytes`` sets the
+            chunk size, ``limits.max_hashes_per_request`` the largest request and
+            ``store.max_block_bytes`` the largest block of a Put.
+        metrics: where to count calls; ``None`` for no metrics.
+    """
+
+    def __init__(self, store: TieredStore, config: Config, metrics: ServiceMetrics | None = None) -> None:
+        self._store = store
+        self._config = config
+        self._metrics = metrics
+        self._chunk_bytes = chunk_bytes_for(config.server.max_message_bytes)
+        self._max_hashes = config.limits.max_hashes_per_request
+        security = config.security
+        require = security.require_sha256
+        if require is None:
+            require = bool(security.auth_tokens or security.auth_tokens_file)
+        self._require_sha256 = require
+        self.accepting = True
+
+    def begin_shutdown(self) -> None:
+        """Refuse every new call with UNAVAILABLE; calls already running go on."""
+        self.accepting = False
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        """The longest cached prefix of ``request.block_hashes`` and each block's tier."""
+        async with self._call("Lookup", context):
+            namespace = self._namespace(request.namespace)
+            hashes = self._hashes(request.block_hashes)
+            return lookup_to_pb(await self._store.lookup(namespace, hashes))
+        raise AssertionError("unreachable")  # _call re-raises as an abort
+
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> None:
+        """Stream the blocks of the longest cached prefix as chunks; a miss ends the stream.
+
+        The store pins the prefix only while it reads it; if the client goes away
+        during that read, cancellation reaches the store's ``finally`` and the
+        leases are released.
+        """
+        async with self._call("Get", context):
+            namespace = self._namespace(request.namespace)
+            hashes = self._hashes(request.block_hashes)
+            blocks = await self._store.get(namespace, hashes)
+            for index, block in enumerate(blocks):
+                total = len(block)
+                for offset, data, last in iter_chunks(block, self._chunk_bytes):
+                    await context.write(
+                        pb.BlockChunk(block_index=index, offset=offset, total_bytes=total, data=data, last=last)
+                    )
+
+    async def Put(
+        self, request_iterator: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
+        """Receive a whole Put stream, validate it, then store every block in one ``store.put``.
+
+        Nothing is stored unless the whole stream arrives: a cancelled, truncated
+        or malformed stream leaves the store unchanged.
+        """
+        async with self._call("Put", context):
+            namespace: Namespace | None = None
+            priority: int | None = None
+            retention_s: float | None = None
+            hashes: list[bytes] = []
+            assembler = BlockAssembler(self._config.store.max_block_bytes, self._max_hashes)
+            async for message in request_iterator:
+                if namespace is None:
+                    if not message.HasField("namespace"):
+                        raise InvalidArgumentError("the first Put message must carry the namespace")
+                    namespace = self._namespace(message.namespace)
+                    priority = message.priority if message.HasField("priority") else None
+                    retention_s = message.retention_s if message.HasField("retention_s") else None
+                if message.block_hash:
+                    block_key(namespace, message.block_hash)  # the hash length, before buffering anything
+                    assembler.begin(message.block_index, message.total_bytes)
+                    hashes.append(message.block_hash)
+                assembler.add(message.block_index, message.offset, message.data)
+            blocks = assembler.finish()
+            if namespace is None:
+                return pb.PutResponse(num_stored=0, num_blocks=0)
+            self._check_deadline(context)
+            stored = await self._store.put(namespace, hashes, blocks, priority=priority, retention_s=retention_s)
+            return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
+        raise AssertionError("unreachable")
+
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        """Delete blocks from every tier."""
+        async with self._call("Delete", context):
+            namespace = self._namespace(request.namespace)
+            hashes = self._hashes(request.block_hashes)
+            return pb.DeleteResponse(num_deleted=await self._store.delete(namespace, hashes))
+        raise AssertionError("unreachable")
+
+    async def Clear(self, request: pb.ClearRequest, context: grpc.aio.ServicerContext) -> pb.ClearResponse:
+        """Delete every block of one namespace."""
+        async with self._call("Clear", context):
+            namespace = self._namespace(request.namespace)
+            return pb.ClearResponse(num_deleted=await self._store.clear(namespace))
+        raise AssertionError("unreachable")
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        """Per-tier counts."""
+        async with self._call("Stats", context):
+            return stats_to_pb(self._store.stats())
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _namespace(self, message: pb.Namespace) -> Namespace:
+        namespace = namespace_from_pb(message)
+        if self._require_sha256 and namespace.hash_algorithm is not HashAlgorithm.SHA256:
+            raise InvalidArgumentError("this server requires namespace.hash_algorithm='sha256'")
+        return namespace
+
+    def _hashes(self, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
+        if len(block_hashes) > self._max_hashes:
+            raise InvalidArgumentError(
+                f"{len(block_hashes)} block hashes is over max_hashes_per_request={self._max_hashes}; "
+                "split the request"
+            )
+        return block_hashes
+
+    @staticmethod
+    def _check_deadline(context: grpc.aio.ServicerContext) -> None:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceededError("the deadline passed before the blocks were stored")
+
+    @contextlib.asynccontextmanager
+    async def _call(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Run one call: refuse it while shutting down, time it, count it, map its error to a status.
+
+        Raises:
+            grpc.aio.AbortError: (through ``context.abort``) carrying the mapped status.
+            asyncio.CancelledError: when the client cancelled or its deadline passed.
+        """
+        start_s = time.perf_counter()
+        code = "OK"
+        try:
+            if not self.accepting:
+                raise UnavailableError("the server is shutting down")
+            yield
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            logger.debug("%s %s", method, code)
+            raise
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):  # aborted below already
+                raise
+            status, message = status_of(exc)
+            code = status.name
+            if status is grpc.StatusCode.INTERNAL:
+                logger.exception("%s failed", method, extra={"fields": {"method": method, "code": code}})
+            else:
+                logger.debug("%s %s: %s", method, code, message)
+            await context.abort(status, message)
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe(method, code, time.perf_counter() - start_s)

@@ -1,0 +1,1 @@
+"""Tests of the gRPC service, its clients and the kvstore CLI."""

@@ -1,0 +1,189 @@
+"""Client policies against real servers: deadlines, retries, the in-flight bound, error mapping, fork safety."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import threading
+import time
+import urllib.request
+from typing import Callable, Iterator
+
+import grpc
+import pytest
+
+from kvstore.client import KVStoreClient, backoff_s
+from kvstore.errors import InvalidArgumentError, KVStoreError, ResourceExhaustedError, UnavailableError
+from kvstore.server.errors import DeadlineExceededError, RemoteError, error_of, status_of
+from tests.support.kvnode import KVNode
+from tests.support.redis import black_hole  # noqa: F401 - a fixture
+
+from .conftest import ThreadedServer, kv_blocks, namespace
+
+
+def _requests_total(server: ThreadedServer, method: str, code: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read()
+    match = re.search(rf'^kvstore_requests_total{{code="{code}",method="{method}"}} (\S+)$', text.decode(), re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_deadline_covers_a_server_that_never_answers(black_hole) -> None:  # noqa: F811
+    with KVStoreClient(f"127.0.0.1:{black_hole.port}", timeout_s=0.5, retries=3) as kv:
+        for call in (kv.health, kv.stats, lambda: kv.lookup(namespace(), [b"\x00" * 16])):
+            with pytest.raises(DeadlineExceededError) as info:
+                call()
+            assert isinstance(info.value, (UnavailableError, TimeoutError))
+
+
+def test_unavailable_is_retried_and_invalid_argument_is_not(fresh_server: ThreadedServer) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 1)
+    with KVStoreClient(fresh_server.target, retries=3, backoff_s=0.01, max_backoff_s=0.02) as kv:
+        with pytest.raises(InvalidArgumentError):
+            kv.lookup(ns, [b"short"])
+        assert _requests_total(fresh_server, "Lookup", "INVALID_ARGUMENT") == 1
+
+        fresh_server.call(fresh_server.server.begin_shutdown())  # every call now gets UNAVAILABLE
+        with pytest.raises(UnavailableError, match="shutting down"):
+            kv.lookup(ns, hashes)
+        assert _requests_total(fresh_server, "Lookup", "UNAVAILABLE") == 4  # 1 + 3 retries
+        with pytest.raises(UnavailableError):
+            kv.put(ns, hashes, tensors)
+        assert _requests_total(fresh_server, "Put", "UNAVAILABLE") == 4  # put is idempotent: retried too
+
+
+def test_inflight_calls_are_bounded(server: ThreadedServer) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 1)
+    release = threading.Event()
+    with KVStoreClient(server.target, max_inflight=1, timeout_s=1.0, retries=0) as kv:
+        from kvstore.server.wire import put_requests
+        from kvstore.codec import encode_block
+
+        messages = list(put_requests(ns, hashes, [encode_block(tensors[0])], 1024))
+
+        def slow_stream() -> Iterator[object]:
+            yield from messages[:-1]
+            release.wait(30)
+            yield messages[-1]
+
+        def hold_the_slot() -> None:  # one call in flight that waits for `release`
+            kv._call(lambda t: kv._channel.stub.Put(slow_stream(), timeout=30))
+
+        holder = threading.Thread(target=hold_the_slot)
+        holder.start()
+        try:
+            time.sleep(0.2)  # let the holder take the only slot
+            with pytest.raises(DeadlineExceededError, match="max_inflight=1"):
+                kv.lookup(ns, hashes)
+        finally:
+            release.set()
+            holder.join()
+        assert kv.lookup(ns, hashes).num_blocks == 1  # the slot is free again
+
+
+def test_error_mapping_round_trips() -> None:
+    for error in (InvalidArgumentError("a"), ResourceExhaustedError("b"), UnavailableError("c"),
+                  DeadlineExceededError("d")):
+        code, message = status_of(error)
+        assert type(error_of(code, message)) is type(error) and message == str(error)
+    code, message = status_of(KeyError("secret"))
+    assert code == grpc.StatusCode.INTERNAL and "secret" not in message
+    remote = error_of(grpc.StatusCode.UNAUTHENTICATED, "who?")
+    assert isinstance(remote, RemoteError) and isinstance(remote, KVStoreError)
+    assert remote.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_backoff_is_exponential_with_full_jitter() -> None:
+    samples = [backoff_s(attempt, 0.1, 1.0) for attempt in range(8) for _ in range(50)]
+    assert all(0 <= s <= 1.0 for s in samples)
+    assert max(backoff_s(0, 0.1, 1.0) for _ in range(200)) <= 0.1
+    assert max(backoff_s(5, 0.1, 1.0) for _ in range(200)) > 0.1
+
+
+# ---------------------------------------------------------------------- fork safety
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[KVNode]:
+    """A separate server process, so that forking this test process forks no server."""
+    with KVNode(memory_capacity="32MiB", metrics=False) as kv_node:
+        yield kv_node
+
+
+def _in_child(work: Callable[[], bytes], *, use_multiprocessing: bool) -> bytes:
+    """Run ``work`` in a forked child and return what it reported; fail (not hang) if the child hangs."""
+    read_fd, write_fd = os.pipe()
+
+    def child() -> None:
+        os.close(read_fd)
+        try:
+            result = work()
+        except BaseException as exc:  # reported to the parent
+            result = f"error {type(exc).__name__}: {exc}".encode()
+        os.write(write_fd, result)
+        os.close(write_fd)
+
+    if use_multiprocessing:
+        process = multiprocessing.get_context("fork").Process(target=child)
+        process.start()
+        os.close(write_fd)
+        process.join(60)
+        hung = process.is_alive()
+        if hung:
+            process.kill()
+            process.join()
+    else:
+        pid = os.fork()
+        if pid == 0:  # the child
+            try:
+                child()
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        deadline = time.monotonic() + 60
+        while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hung = time.monotonic() >= deadline
+        if hung:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    with os.fdopen(read_fd, "rb") as reader:
+        report = reader.read()
+    assert not hung, "the forked child hung"
+    return report
+
+
+@pytest.mark.parametrize("use_multiprocessing", [False, True], ids=["os.fork", "multiprocessing-fork"])
+def test_sync_client_works_in_a_forked_child(node: KVNode, use_multiprocessing: bool) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 3)
+    other_hashes, other_tensors = kv_blocks(ns, 2, first_token=50_000)
+    with KVStoreClient(node.target, retries=2) as kv:
+        kv.put(ns, hashes, tensors)
+        kv.put(ns, other_hashes, other_tensors)
+        assert kv.lookup(ns, hashes).num_blocks == 3  # the parent's channel is open before the fork
+
+        def work() -> bytes:
+            got = kv.get_tensors(ns, other_hashes)  # the inherited client, in the child
+            equal = all(a.equal(b) for a, b in zip(got, other_tensors)) and len(got) == 2
+            return b"ok" if equal and kv.lookup(ns, hashes).num_blocks == 3 else b"wrong"
+
+        assert _in_child(work, use_multiprocessing=use_multiprocessing) == b"ok"
+        got = kv.get_tensors(ns, hashes)  # the parent's channel still works, with its own replies
+        assert len(got) == 3 and all(a.equal(b) for a, b in zip(got, tensors))
+
+
+def test_forked_child_fails_clearly_when_grpc_fork_support_is_off(node: KVNode) -> None:
+    with KVStoreClient(node.target) as kv:
+        kv.health()
+
+        def work() -> bytes:
+            os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+            kv.health()
+            return b"no error"
+
+        report = _in_child(work, use_multiprocessing=False)
+        assert report.startswith(b"error UnavailableError") and b"GRPC_ENABLE_FORK_SUPPORT" in report
+        assert kv.health() == "SERVING"

@@ -1,0 +1,132 @@
+"""A real ``kvstore serve`` process: SIGTERM shutdown, restart on the same LMDB path, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from kvstore.cli import SUBCOMMAND_MODULES, build_parser, main
+from kvstore.client import KVStoreClient
+from kvstore.errors import UnavailableError
+from tests.support.kvnode import REPO_ROOT, KVNode, free_port
+
+from .conftest import kv_blocks, namespace
+
+
+@pytest.fixture(scope="module")
+def disk_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVNode]:
+    """A node whose only tier is LMDB (memory disabled), so every block is on disk."""
+    path = tmp_path_factory.mktemp("lmdb")
+    with KVNode(memory_capacity="0", disk_path=path, disk_capacity="64MiB",
+                env={"KVSTORE_SERVER__GRACE_S": "5"}) as node:
+        yield node
+
+
+def test_sigterm_shuts_down_in_order_and_a_restart_serves_the_earlier_blocks(disk_node: KVNode) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 4)
+    with KVStoreClient(disk_node.target, retries=0, timeout_s=30) as kv:
+        assert kv.put(ns, hashes, tensors) == 4
+        assert kv.lookup(ns, hashes).tiers == ("disk",) * 4
+    port = disk_node.port
+
+    assert disk_node.stop() == 0  # SIGTERM: a clean exit
+    events = [r["event"] for r in disk_node.log_records(since_start=True)]
+    assert events.index("serving") < events.index("signal received") < events.index("shutting down") \
+        < events.index("stopped")
+    assert any(r["event"].startswith("disk tier") and "closed" in r["event"]
+               for r in disk_node.log_records(since_start=True))
+    with KVStoreClient(f"127.0.0.1:{port}", retries=0, timeout_s=5) as kv:
+        with pytest.raises(UnavailableError):
+            kv.health()
+
+    disk_node.start()
+    assert disk_node.port == port
+    with KVStoreClient(disk_node.target, retries=0, timeout_s=30) as kv:
+        assert kv.lookup(ns, hashes).num_blocks == 4
+        for sent, received in zip(tensors, kv.get_tensors(ns, hashes)):
+            assert torch.equal(sent, received)
+        assert kv.stats().tier("disk").blocks >= 4
+
+
+def test_client_retries_ride_out_a_restart(disk_node: KVNode) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 1)
+    with KVStoreClient(disk_node.target, retries=1000, backoff_s=0.05, max_backoff_s=0.5, timeout_s=120) as kv:
+        kv.put(ns, hashes, tensors)
+        disk_node.stop()
+        with KVStoreClient(disk_node.target, retries=0, timeout_s=5) as impatient:
+            with pytest.raises(UnavailableError):
+                impatient.lookup(ns, hashes)
+        import threading
+
+        restarter = threading.Thread(target=disk_node.start)
+        restarter.start()
+        try:
+            assert kv.lookup(ns, hashes).num_blocks == 1  # retried on UNAVAILABLE until the node is back
+        finally:
+            restarter.join()
+
+
+def test_cli_stats_and_health_against_a_node(disk_node: KVNode, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["health", "--target", disk_node.target]) == 0
+    assert capsys.readouterr().out.strip() == "SERVING"
+    assert main(["health", "--target", disk_node.target, "--service", "kvstore.v1.KVStore"]) == 0
+    capsys.readouterr()
+
+    assert main(["stats", "--target", disk_node.target]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in stats["tiers"]] == ["disk"]
+    assert {"blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "corrupt_records"} \
+        <= set(stats["tiers"][0])
+
+    dead = f"127.0.0.1:{free_port()}"
+    assert main(["health", "--target", dead, "--timeout", "2"]) == 1
+    assert "UNREACHABLE" in capsys.readouterr().err
+    assert main(["stats", "--target", dead, "--timeout", "2"]) == 1
+
+
+def test_cli_health_exit_status_through_the_real_entry_point(disk_node: KVNode) -> None:
+    ok = subprocess.run([sys.executable, "-m", "kvstore.cli", "health", "--target", disk_node.target],
+                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == "SERVING"
+
+
+def test_serve_with_a_bad_setting_exits_nonzero(tmp_path: Path) -> None:
+    node = KVNode(memory_capacity="lots", metrics=False, startup_timeout_s=60)
+    try:
+        with pytest.raises(RuntimeError, match="memory.capacity_bytes"):
+            node.start()
+        assert node.returncode == 2
+    finally:
+        node.close()
+
+
+@pytest.mark.parametrize("command", [None, "serve", "stats", "health"])
+def test_help_of_each_command_stands_on_its_own(command: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"] if command is None else [command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    if command is None:
+        assert "serve" in text and "stats" in text and "health" in text
+    else:
+        assert "examples:" in text and f"kvstore {command}" in text
+    if command == "serve":
+        for flag in ("--config", "--host", "--port", "--metrics-port", "--memory-capacity", "--disk-path",
+                     "--disk-capacity", "--redis-url", "--log-level"):
+            assert flag in text
+
+
+def test_subcommand_modules_are_registered() -> None:
+    assert "kvstore.sim.cli" in SUBCOMMAND_MODULES
+    choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert {"serve", "stats", "health"} <= set(choices)
+    assert "simulate" in choices  # registered by kvstore.sim.cli

@@ -1,0 +1,264 @@
+"""End to end through a real gRPC server: the client API, chunking, health, reflection, metrics, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvstore.api import BlockClient, LookupResult
+from kvstore.client import AsyncKVStoreClient, KVStoreClient
+from kvstore.errors import UnavailableError
+from kvstore.server.wire import chunk_bytes_for, namespace_to_pb
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+from .conftest import MiB, ThreadedServer, encoded, kv_blocks, make_config, namespace
+
+
+def test_put_lookup_get_delete_clear_stats_end_to_end(client: KVStoreClient) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 4)
+
+    assert isinstance(client, BlockClient)
+    assert client.lookup(ns, hashes) == LookupResult(0, ())
+    assert client.put(ns, hashes[:3], tensors[:3], priority=80, retention_s=60) == 3
+    assert client.put(ns, hashes[:3], tensors[:3]) == 0  # already stored: a no-op
+    assert client.lookup(ns, hashes) == LookupResult(3, ("memory",) * 3)
+
+    got = client.get_tensors(ns, hashes)  # prefix semantics: stops at the first miss
+    assert len(got) == 3
+    for sent, received in zip(tensors, got):
+        assert torch.equal(sent, received)
+    assert client.get(ns, hashes[:2]) == encoded(ns, tensors[:2])
+    assert client.get(ns, hashes[3:]) == []
+
+    assert client.delete(ns, hashes[1:2]) == 1
+    assert client.lookup(ns, hashes).num_blocks == 1  # the hole ends the prefix
+    stats = client.stats()
+    assert stats.tier("memory").blocks >= 2
+    assert stats.tier("memory").hits >= 5
+    assert client.clear(ns) == 2
+    assert client.lookup(ns, hashes).num_blocks == 0
+
+
+def test_namespaces_are_isolated(client: KVStoreClient) -> None:
+    ns = namespace()
+    other = namespace(model=ns.model, cache_salt="tenant-b")
+    hashes, tensors = kv_blocks(ns, 2)
+    client.put(ns, hashes, tensors)
+    assert client.lookup(other, hashes).num_blocks == 0
+    assert client.get(other, hashes) == []
+
+
+def test_mla_layout_and_sha256_round_trip(client: KVStoreClient) -> None:
+    ns = namespace(layout="mla", dtype="bfloat16", block_size=8, hash_algorithm="sha256")
+    hashes = [bytes([i]) * 32 for i in range(2)]
+    tensors = [torch.randn(3, 1, 8, 32).to(torch.bfloat16) for _ in hashes]
+    assert client.put(ns, hashes, tensors) == 2
+    for sent, received in zip(tensors, client.get_tensors(ns, hashes)):
+        assert torch.equal(sent, received)
+
+
+@pytest.mark.parametrize(
+    "payload_bytes",
+    [
+        12 * MiB,  # several chunks
+        4 * MiB + 1 - 64,  # encoded 4 MiB + 1 byte: just over one message
+        chunk_bytes_for(4 * MiB) - 64,  # exactly one chunk
+        chunk_bytes_for(4 * MiB) - 64 + 1,  # one chunk and one byte
+    ],
+    ids=["12MiB", "4MiB+1", "one-chunk", "one-chunk+1"],
+)
+def test_large_blocks_round_trip_in_chunks(client: KVStoreClient, payload_bytes: int) -> None:
+    # mla with block_size 1 and uint8 admits any payload size; its header is 64 bytes
+    ns = namespace(layout="mla", dtype="uint8", block_size=1)
+    hashes = [bytes([7]) * 16, bytes([8]) * 16]
+    generator = torch.Generator().manual_seed(payload_bytes)
+    tensors = [torch.randint(0, 256, (1, 1, 1, payload_bytes), dtype=torch.uint8, generator=generator)
+               for _ in hashes]
+    blocks = encoded(ns, tensors)
+    assert len(blocks[0]) == payload_bytes + 64
+    assert client.put(ns, hashes, blocks) == 2
+    assert client.get(ns, hashes) == blocks
+    client.delete(ns, hashes)
+
+
+def test_kv_block_of_12_mib_round_trips(client: KVStoreClient) -> None:
+    ns = namespace()
+    hashes, _ = kv_blocks(ns, 1)
+    tensor = torch.randn(4, 2, 8, 16, 6144).to(torch.float16)  # 12 MiB of payload
+    assert tensor.numel() * 2 == 12 * MiB
+    assert client.put(ns, hashes, [tensor]) == 1
+    (received,) = client.get_tensors(ns, hashes)
+    assert torch.equal(received, tensor)
+    client.delete(ns, hashes)
+
+
+def test_get_stream_is_chunked_below_max_message(stub: pb_grpc.KVStoreStub, client: KVStoreClient) -> None:
+    ns = namespace(layout="mla", dtype="uint8", block_size=1)
+    block = encoded(ns, [torch.zeros(1, 1, 1, 9 * MiB, dtype=torch.uint8)])[0]
+    client.put(ns, [b"\x01" * 16], [block])
+    chunks = list(stub.Get(pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=[b"\x01" * 16])))
+    assert len(chunks) == 3
+    assert [c.offset for c in chunks] == [0, chunk_bytes_for(4 * MiB), 2 * chunk_bytes_for(4 * MiB)]
+    assert [c.last for c in chunks] == [False, False, True]
+    assert all(c.total_bytes == len(block) and c.block_index == 0 for c in chunks)
+    assert b"".join(c.data for c in chunks) == block
+
+
+def test_cancelled_get_leaves_no_lease_behind() -> None:
+    server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "8MiB"}))
+    try:
+        ns = namespace()
+        with KVStoreClient(server.target, retries=0) as kv:
+            old, old_tensors = kv_blocks(ns, 6, num_layers=4, num_kv_heads=8, head_dim=512)  # 1 MiB each
+            assert kv.put(ns, old, old_tensors) == 6
+            channel = grpc.insecure_channel(server.target)
+            stub = pb_grpc.KVStoreStub(channel)
+            request = pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=old)
+            for read_first in (False, True, True):
+                stream = stub.Get(request)
+                if read_first:
+                    next(stream)
+                stream.cancel()
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stream)
+                assert info.value.code() == grpc.StatusCode.CANCELLED
+            channel.close()
+            # eviction may now take every old block: 8 new ones need the whole tier
+            new, new_tensors = kv_blocks(ns, 7, num_layers=4, num_kv_heads=8, head_dim=512, first_token=10_000)
+            assert kv.put(ns, new, new_tensors) == 7
+            assert kv.lookup(ns, old).num_blocks == 0
+            assert kv.lookup(ns, new).num_blocks == 7
+    finally:
+        server.stop()
+
+
+def test_health_reports_serving_for_server_and_service(server: ThreadedServer) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvstore.v1.KVStore"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_the_services(server: ThreadedServer) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = list(reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert {"kvstore.v1.KVStore", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+        replies = list(reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvstore.v1.KVStore")]), timeout=10))
+        assert replies[0].file_descriptor_response.file_descriptor_proto
+
+
+def _scrape(server: ThreadedServer) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read()
+    samples = {}
+    for line in text.decode().splitlines():
+        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
+    before = _scrape(fresh_server)
+    assert before['kvstore_tier_blocks{tier="memory"}'] == 0
+    assert before['kvstore_tier_capacity_bytes{tier="memory"}'] == 48 * MiB
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 3)
+    with KVStoreClient(fresh_server.target, retries=0) as kv:
+        kv.put(ns, hashes, tensors)
+        kv.get(ns, hashes)
+        kv.lookup(ns, hashes)
+        with pytest.raises(Exception):
+            kv.lookup(ns, [b"short"])
+    after = _scrape(fresh_server)
+    assert after['kvstore_requests_total{code="OK",method="Put"}'] == 1
+    assert after['kvstore_requests_total{code="OK",method="Get"}'] == 1
+    assert after['kvstore_requests_total{code="OK",method="Lookup"}'] == 1
+    assert after['kvstore_requests_total{code="INVALID_ARGUMENT",method="Lookup"}'] == 1
+    assert after['kvstore_request_duration_seconds_count{method="Put"}'] == 1
+    assert after['kvstore_tier_blocks{tier="memory"}'] == 3
+    assert after['kvstore_tier_bytes{tier="memory"}'] > 0
+    assert after['kvstore_tier_hits_total{tier="memory"}'] == 3
+    assert after['kvstore_tier_evictions_total{tier="memory"}'] == 0
+
+
+def test_new_calls_during_shutdown_are_unavailable(fresh_server: ThreadedServer) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 2)
+    with KVStoreClient(fresh_server.target, retries=0) as kv:
+        kv.put(ns, hashes, tensors)
+        fresh_server.call(fresh_server.server.begin_shutdown())
+        assert kv.health() == "NOT_SERVING"
+        for call in (lambda: kv.lookup(ns, hashes), lambda: kv.get(ns, hashes),
+                     lambda: kv.put(ns, hashes, tensors), lambda: kv.stats()):
+            with pytest.raises(UnavailableError, match="shutting down"):
+                call()
+    assert fresh_server.call(fresh_server.server.store.lookup(ns, hashes)).num_blocks == 2
+
+
+def test_stop_closes_the_store_and_refuses_calls(fresh_server: ThreadedServer) -> None:
+    target = fresh_server.target
+    store = fresh_server.server.store
+    fresh_server.stop()
+    with pytest.raises(UnavailableError):
+        asyncio.run(store.lookup(namespace(), []))  # the store was closed after the server stopped
+    with KVStoreClient(target, retries=0, timeout_s=5) as kv:
+        with pytest.raises(UnavailableError):
+            kv.health()
+
+
+async def test_async_client_twin(server: ThreadedServer) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 3)
+    async with AsyncKVStoreClient(server.target, retries=0) as kv:
+        assert isinstance(kv, AsyncKVStoreClient)
+        assert await kv.health() == "SERVING"
+        assert await kv.put(ns, hashes, tensors) == 3
+        results = await asyncio.gather(*(kv.lookup(ns, hashes[:n]) for n in range(1, 4)))
+        assert [r.num_blocks for r in results] == [1, 2, 3]
+        for sent, received in zip(tensors, await kv.get_tensors(ns, hashes)):
+            assert torch.equal(sent, received)
+        assert (await kv.stats()).tier("memory").blocks >= 3
+        assert await kv.delete(ns, hashes[2:]) == 1
+        assert await kv.clear(ns) == 2
+        assert await kv.get(ns, hashes) == []
+
+
+def test_sync_client_is_thread_safe_and_bounded(server: ThreadedServer) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 8)
+    errors: list[BaseException] = []
+    with KVStoreClient(server.target, retries=0, max_inflight=2) as kv:
+        kv.put(ns, hashes, tensors)
+
+        def reader(n: int) -> None:
+            try:
+                for _ in range(5):
+                    got = kv.get_tensors(ns, hashes[: n + 1])
+                    assert len(got) == n + 1 and torch.equal(got[-1], tensors[n])
+            except BaseException as exc:  # collected and re-raised below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors

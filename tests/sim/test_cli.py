@@ -1,0 +1,57 @@
+"""``kvstore simulate`` end to end: table, JSON and PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstore.sim.cli import main, parse_capacity, register
+from kvstore.trace import TraceRequest, write_trace
+
+TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
+
+
+def test_cli_writes_table_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code = main(["--trace", str(TRACES / "mooncake_synthetic_trace.jsonl"), "--policy", "lru,priority",
+                 "--capacity", "1000,3GiB,inf", "--block-bytes", "512KiB", "--json", str(out_json),
+                 "--plot", str(out_png)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "mooncake_synthetic_trace" in table and "infinite" in table and "6144" in table
+    data = json.loads(out_json.read_text())
+    rows = data["results"]
+    assert [(r["policy"], r["capacity_blocks"]) for r in rows] == [
+        ("lru", 1000), ("priority", 1000), ("lru", 6144), ("priority", 6144), ("infinite", None)]
+    assert rows[-1]["hit_ratio"] == pytest.approx(0.6396, abs=0.002)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_tiers_and_generic_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "g.jsonl"
+    write_trace(path, [TraceRequest(i, 1024, 0, (1, 2)) for i in range(3)])
+    assert main(["--trace", str(path), "--format", "generic", "--policy", "lru", "--capacity", "1",
+                 "--disk-capacity", "4", "--json", str(tmp_path / "g.json")]) == 0
+    row = json.loads((tmp_path / "g.json").read_text())["results"][0]
+    assert row["disk_capacity_blocks"] == 4 and row["hit_blocks"] == 4
+
+
+def test_cli_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"t_s": 0, "tokens": 1, "blocks": [-1]}\n')
+    assert main(["--trace", str(bad), "--capacity", "10"]) == 2
+    assert f"{bad}:1:" in capsys.readouterr().err
+    assert main(["--policy", "fifo", "--capacity", "10"]) == 2
+    assert main(["--capacity", "3GiB"]) == 2  # a size needs --block-bytes
+
+
+def test_register_adds_the_subcommand() -> None:
+    parser = argparse.ArgumentParser(prog="kvstore")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", "--capacity", "inf"])
+    assert callable(args.func) and args.capacity == "inf"
+    assert parse_capacity("inf", None) is None
+    assert parse_capacity("3GiB", 512 * 1024) == 6144
