@@ -229,8 +229,8 @@ class TieredStore:
         """Store encoded blocks in the top tier; returns how many were newly stored.
 
         A block already resident, or being written by a concurrent put, is not
-        written twice: the concurrent caller waits for the first write and both
-        succeed. Every block is validated first, so a bad batch stores nothing.
+        written twice (a resident one counts as accessed): the concurrent caller
+        waits for the first write and both succeed. Every block is validated first, so a bad batch stores nothing.
 
         Args:
             namespace: namespace of the blocks.
@@ -259,6 +259,10 @@ class TieredStore:
                 raise ResourceExhaustedError(f"block {index}: {len(block)} bytes is larger than every tier")
         fresh: dict[BlockKey, bytes] = {}
         waits: list[asyncio.Future[BaseException | None]] = []
+        for key in reversed(keys):  # a block put again is in use: it counts as accessed, tail first
+            level = self._tier_of(key)
+            if level is not None:
+                self._policies[level].touch(key)
         for key, block in zip(keys, blocks):
             if key in fresh or self._tier_of(key) is not None:
                 continue

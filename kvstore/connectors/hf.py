@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 256
-"""Tokens per block when the caller names none (a 2 MiB float32 block for the demo model)."""
+"""Tokens per block when the caller names none (a 4 MiB float32 block for the demo model)."""
 
 DEFAULT_LOAD_TIMEOUT_S = 5.0
 """Seconds a load may take before the connector gives up and prefills everything."""

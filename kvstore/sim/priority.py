@@ -20,15 +20,16 @@ Why these three classes (measured on the Mooncake FAST '25 traces in
   with shorter gaps. A re-requested block gets ``default + step * min(uses, max_uses)``.
 * **Protection must end**, or stale popular chains fill the cache for good
   (strict priority levels never age on their own). Raised priorities carry a
-  retention of ``retention_s`` seconds of trace time, after which they revert
-  to the default. This is the one tuning knob: too short protects nothing,
-  too long hurts large caches; ``DEFAULT_RETENTION_S`` = 300 s with
-  ``max_uses`` = 1 is at least as good as LRU at every capacity tried on both
-  traces. It is not robust: 180 s loses up to 15 % to LRU at 20k-50k blocks on
-  the conversation trace, because ``PriorityLRUPolicy.expire`` puts a reverted
-  block at the *most recent* end of the default level, so a burst of expiries
-  pushes fresh blocks out. More counted uses (``max_uses`` 2-3) win on the
-  conversation trace at 1k-2k blocks but lose on the synthetic one.
+  retention of ``retention_s`` seconds of trace time, after which
+  ``PriorityLRUPolicy.expire`` reverts them to the default level as its
+  least recent blocks (the next victims). This is the one tuning knob and it
+  is sensitive: too short and large caches lose the reverted blocks before
+  LRU would have (600 s: 0.994x LRU at 50k blocks on the conversation
+  trace), too long and protected blocks crowd medium caches (1200 s: 0.92x
+  at 20k). ``DEFAULT_RETENTION_S`` = 900 s with ``max_uses`` = 1 is at least
+  as good as LRU at every capacity of the sweep (1k-50k blocks) on both
+  traces. More counted uses (``max_uses`` 2-3) win on the conversation trace
+  at 1k-2k blocks but lose on the synthetic one.
 
 New full blocks keep the default priority, so among them the replay's
 tail-first order is plain LRU.
@@ -42,7 +43,7 @@ from kvstore.errors import InvalidArgumentError
 from kvstore.policy import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, check_priority
 from kvstore.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-DEFAULT_RETENTION_S = 300.0
+DEFAULT_RETENTION_S = 900.0
 """Seconds of trace time a re-requested block keeps its raised priority."""
 
 

@@ -17,8 +17,8 @@ The replay model (kept equal to the figures in ``benchmarks/traces/README.md``):
    Victims of the top tier are demoted to the next tier (whose own victims
    are dropped); victims of the last tier are dropped. A demoted block enters
    the second tier as its most recent block at the default priority without
-   retention (a raised priority is tuned to the top tier's horizon, and kept
-   it costs 6 % on the conversation trace), except that priority 0 stays 0.
+   retention (a raised priority is tuned to the top tier's horizon; kept,
+   it lost hits in the second tier in our runs), except that priority 0 stays 0.
 
 Capacity is counted in ``block_bytes`` units per block: 1 for a capacity in
 blocks, or the bytes of one block for a capacity in bytes; ``None`` is infinite.
