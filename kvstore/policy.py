@@ -27,8 +27,6 @@ MAX_PRIORITY = 100
 DEFAULT_PRIORITY = 35
 """TensorRT-LLM's default retention priority."""
 
-_PRIORITY_BITS = 7  # 0..100 fits in 7 bits; entries pack (nbytes << 7) | priority in one int
-
 K = TypeVar("K", bound=Hashable)
 
 
@@ -79,38 +77,44 @@ class EvictionPolicy(Protocol[K]):
 class PriorityLRUPolicy:
     """LRU within each priority level, lowest level first: TensorRT-LLM's retention semantics.
 
-    Memory: one dict entry holding a packed int per key, one ``OrderedDict`` node
-    per key in its level, plus small maps for pinned and retained keys only,
-    about 200 bytes per key beside the key itself (``benchmarks/bench_index.py``).
+    Memory: one ``OrderedDict`` node per key in its level, holding its size (size
+    ints are interned, blocks mostly share a few sizes), plus small maps for keys
+    off the default priority, pinned keys and retained keys only: about 110
+    bytes per key beside the key itself (``benchmarks/bench_index.py``).
 
     Args:
         default_priority: the priority a block reverts to when its retention expires.
     """
 
-    __slots__ = ("_entries", "_levels", "_pins", "_expiry", "_heap", "_nbytes", "_interned", "default_priority")
+    __slots__ = ("_levels", "_priority", "_pins", "_expiry", "_heap", "_nbytes", "_count", "_interned",
+                 "default_priority")
 
     def __init__(self, default_priority: int = DEFAULT_PRIORITY) -> None:
         self.default_priority = check_priority(default_priority)
-        self._entries: dict[K, int] = {}
-        self._levels: list[OrderedDict[K, None]] = [OrderedDict() for _ in range(MAX_PRIORITY + 1)]
+        self._levels: list[OrderedDict[K, int]] = [OrderedDict() for _ in range(MAX_PRIORITY + 1)]
+        self._priority: dict[K, int] = {}  # only keys whose priority is not the default
         self._pins: dict[K, int] = {}
         self._expiry: dict[K, float] = {}
         self._heap: list[tuple[float, int, K]] = []
         self._nbytes = 0
-        self._interned: dict[int, int] = {}  # one int object per (size, priority): blocks mostly share sizes
+        self._count = 0
+        self._interned: dict[int, int] = {}
 
-    def _pack(self, nbytes: int, priority: int) -> int:
-        packed = (nbytes << _PRIORITY_BITS) | priority
-        return self._interned.setdefault(packed, packed) if len(self._interned) < 65536 else packed
+    def _intern(self, nbytes: int) -> int:
+        return self._interned.setdefault(nbytes, nbytes) if len(self._interned) < 65536 else nbytes
+
+    def _level_of(self, key: K) -> int:
+        return self._priority.get(key, self.default_priority)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._levels[self._priority.get(key, self.default_priority)]
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._count
 
     def __iter__(self) -> Iterator[K]:
-        return iter(self._entries)
+        for level in self._levels:
+            yield from level
 
     @property
     def nbytes(self) -> int:
@@ -119,11 +123,14 @@ class PriorityLRUPolicy:
 
     def size_of(self, key: K) -> int:
         """Bytes of ``key``. Raises ``KeyError`` if it is not tracked."""
-        return self._entries[key] >> _PRIORITY_BITS
+        return self._levels[self._level_of(key)][key]
 
     def priority_of(self, key: K) -> int:
         """Current priority of ``key``. Raises ``KeyError`` if it is not tracked."""
-        return self._entries[key] & ((1 << _PRIORITY_BITS) - 1)
+        level = self._level_of(key)
+        if key not in self._levels[level]:
+            raise KeyError(key)
+        return level
 
     def expiry_of(self, key: K) -> float:
         """When the retention of ``key`` ends (0.0 when it has none)."""
@@ -149,34 +156,35 @@ class PriorityLRUPolicy:
         check_priority(priority)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if key in self._entries:
+        if key in self:
             raise ValueError(f"key {key!r} is already tracked")
-        self._entries[key] = self._pack(nbytes, priority)
-        self._levels[priority][key] = None
+        if priority != self.default_priority:
+            self._priority[key] = priority
+            if expires_at:
+                self._expiry[key] = expires_at
+                heapq.heappush(self._heap, (expires_at, id(key), key))
+        self._levels[priority][key] = self._intern(nbytes)
         self._nbytes += nbytes
-        if expires_at and priority != self.default_priority:
-            self._expiry[key] = expires_at
-            heapq.heappush(self._heap, (expires_at, id(key), key))
+        self._count += 1
 
     def touch(self, key: K) -> None:
         """Move ``key`` to the most recent end of its level. Raises ``KeyError`` if unknown."""
-        self._levels[self._entries[key] & ((1 << _PRIORITY_BITS) - 1)].move_to_end(key)
+        self._levels[self._level_of(key)].move_to_end(key)
 
     def remove(self, key: K) -> int:
         """Forget ``key`` and its leases; return its bytes, or 0 if it was not tracked."""
-        packed = self._entries.pop(key, None)
-        if packed is None:
+        nbytes = self._levels[self._priority.pop(key, self.default_priority)].pop(key, None)
+        if nbytes is None:
             return 0
-        del self._levels[packed & ((1 << _PRIORITY_BITS) - 1)][key]
         self._pins.pop(key, None)
         self._expiry.pop(key, None)  # its heap item goes stale and is skipped
-        nbytes = packed >> _PRIORITY_BITS
         self._nbytes -= nbytes
+        self._count -= 1
         return nbytes
 
     def pin(self, key: K) -> None:
         """Take one lease on ``key``. Raises ``KeyError`` if unknown."""
-        if key not in self._entries:
+        if key not in self:
             raise KeyError(key)
         self._pins[key] = self._pins.get(key, 0) + 1
 
@@ -193,25 +201,23 @@ class PriorityLRUPolicy:
     def expire(self, now: float) -> int:
         """Revert every retention that ended at or before ``now`` to the default priority.
 
-        A reverted block joins its new level as the least recent: its retention
-        already kept it longer than plain LRU would have, so it is the next
-        victim there (O(1), where keeping its exact rank would cost O(n)).
-        Returns how many blocks were reverted.
+        Reverted blocks join the default level as its least recent, the earliest
+        expiry first in line: their retention already kept them longer than
+        plain LRU would have, so they are the next victims there (O(1) each,
+        where keeping their exact rank would cost O(n)). Returns how many were reverted.
         """
-        reverted = 0
+        reverted: list[K] = []
+        default = self._levels[self.default_priority]
         while self._heap and self._heap[0][0] <= now:
             expires_at, _, key = heapq.heappop(self._heap)
             if self._expiry.get(key) != expires_at:
                 continue  # removed or re-inserted since
             del self._expiry[key]
-            packed = self._entries[key]
-            del self._levels[packed & ((1 << _PRIORITY_BITS) - 1)][key]
-            self._entries[key] = self._pack(packed >> _PRIORITY_BITS, self.default_priority)
-            level = self._levels[self.default_priority]
-            level[key] = None
-            level.move_to_end(key, last=False)
-            reverted += 1
-        return reverted
+            default[key] = self._levels[self._priority.pop(key)].pop(key)
+            reverted.append(key)
+        for key in reversed(reverted):
+            default.move_to_end(key, last=False)
+        return len(reverted)
 
     def victims(self, nbytes: int, now: float = 0.0) -> list[K]:
         """Keys to evict, in order, to free at least ``nbytes``; pinned keys are skipped.
@@ -230,12 +236,13 @@ class PriorityLRUPolicy:
         self.expire(now)
         chosen: list[K] = []
         freed = 0
+        pins = self._pins
         for level in self._levels:
-            for key in level:
-                if key in self._pins:
+            for key, size in level.items():
+                if key in pins:
                     continue
                 chosen.append(key)
-                freed += self._entries[key] >> _PRIORITY_BITS
+                freed += size
                 if freed >= nbytes:
                     return chosen
         return chosen

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError
-from kvstore.server.logs import configure_logging
+from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.server.wire import channel_options
@@ -28,6 +28,7 @@ from kvstore.store import TieredStore, open_async_store
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+lifecycle = logging.getLogger(LIFECYCLE_LOGGER)
 
 
 class KVStoreServer:
@@ -125,7 +126,7 @@ class KVStoreServer:
             await self._abandon()
             self._stopped.set()
             raise
-        logger.info(
+        lifecycle.info(
             "serving",
             extra={"fields": {"host": server_cfg.host, "port": self.port, "metrics_port": self.metrics_port,
                               "tiers": self._store.tier_names, "tls": bool(security.tls_cert_file)}},
@@ -146,14 +147,14 @@ class KVStoreServer:
         if self._stopped is None or self._stopped.is_set():
             return
         grace_s = self.config.server.grace_s if grace_s is None else grace_s
-        logger.info("shutting down", extra={"fields": {"grace_s": grace_s}})
+        lifecycle.info("shutting down", extra={"fields": {"grace_s": grace_s}})
         await self.begin_shutdown()
         if self._server is not None:
             await self._server.stop(grace_s)
         await self._close_store()
         self.metrics.stop_http()
         self._stopped.set()
-        logger.info("stopped")
+        lifecycle.info("stopped")
 
     async def wait_stopped(self) -> None:
         """Return once :meth:`stop` has finished."""
@@ -206,7 +207,7 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None) -> None:
     try:
         await server.start()
         await stop.wait()
-        logger.info("signal received")
+        lifecycle.info("signal received")
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -18,6 +18,13 @@ from typing import Any, TextIO
 
 _RESERVED = ("ts", "level", "logger", "event")
 
+LIFECYCLE_LOGGER = "kvstore.server.lifecycle"
+"""Logger of the server's lifecycle events (``serving``, ``signal received``, ``shutting down``, ``stopped``).
+
+It logs at INFO whatever the configured level, so the ``serving`` line (with
+the bound ports) is always there for tools that start ``kvstore serve --port 0``.
+"""
+
 
 class JsonFormatter(logging.Formatter):
     """Formats a record as one JSON object: ``ts`` (UTC, ISO 8601), ``level``, ``logger``, ``event``, then its fields."""
@@ -65,3 +72,4 @@ def configure_logging(level: str = "INFO", fmt: str = "json", stream: TextIO | N
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.getLogger(LIFECYCLE_LOGGER).setLevel(logging.INFO)

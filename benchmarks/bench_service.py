@@ -1,0 +1,302 @@
+"""The gRPC service's Get/Put throughput and Lookup latency, as ratios to a raw gRPC echo and to redis-py.
+
+Three servers run as separate processes on loopback, each measured from this
+process with a synchronous client, one call at a time:
+
+* the service: a real ``kvstore serve`` node (memory tier) through :class:`KVStoreClient`;
+* a raw gRPC echo: a minimal ``grpc.aio`` server with bytes in and out (no
+  protobuf), the same ``max_message_bytes`` and the same chunking: Get streams
+  a stored ``bytes`` object in chunks, Put streams chunks in and joins them,
+  Empty answers an empty message;
+* Redis: a local ``redis-server`` through redis-py with hiredis (GET and SET).
+
+Throughput is GB/s (1e9 bytes per second) of encoded block bytes for one block
+per call; each cell is the median of ``--reps`` runs of about ``--run-bytes``
+bytes. Lookup latency is the median of ``--lookups`` calls naming 1, 64 or
+1,024 cached hashes, as a ratio to an empty call to the echo server.
+
+Goals: Get >= 0.9x the raw gRPC echo; Lookup(1,024) <= 1.5x an empty call.
+
+Usage::
+
+    python benchmarks/bench_service.py [--sizes 262144,2097152,16777216] [--run-bytes 201326592] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+MiB = 1 << 20
+MAX_MESSAGE_BYTES = 4 * MiB
+ECHO_SERVICE = "bench.Echo"
+
+
+# ---------------------------------------------------------------------- the raw echo server
+
+
+def run_echo_server(max_message_bytes: int) -> None:
+    """Serve ``bench.Echo`` (Get, Put, Empty) on a free loopback port; prints the port, runs until killed."""
+    import grpc
+
+    from kvstore.server.wire import channel_options, chunk_bytes_for
+
+    chunk_bytes = chunk_bytes_for(max_message_bytes)
+    stored: dict[int, bytes] = {}
+
+    def payload(size: int) -> bytes:
+        if size not in stored:
+            stored[size] = os.urandom(size)
+        return stored[size]
+
+    async def get(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        block = payload(int.from_bytes(request, "little"))
+        total = len(block)
+        if total <= chunk_bytes:
+            await context.write(block)
+            return
+        for offset in range(0, total, chunk_bytes):
+            await context.write(block[offset: offset + chunk_bytes])
+
+    async def put(request_iterator, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[no-untyped-def]
+        parts = [chunk async for chunk in request_iterator]
+        block = parts[0] if len(parts) == 1 else b"".join(parts)
+        return len(block).to_bytes(8, "little")
+
+    async def empty(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return b""
+
+    async def main() -> None:
+        server = grpc.aio.server(options=channel_options(max_message_bytes))
+        handlers = {
+            "Get": grpc.unary_stream_rpc_method_handler(get),
+            "Put": grpc.stream_unary_rpc_method_handler(put),
+            "Empty": grpc.unary_unary_rpc_method_handler(empty),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ECHO_SERVICE, handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(port, flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+class EchoClient:
+    """The raw gRPC client of :func:`run_echo_server`, chunking and joining like :class:`KVStoreClient`."""
+
+    def __init__(self, target: str, max_message_bytes: int) -> None:
+        import grpc
+
+        from kvstore.server.wire import channel_options, chunk_bytes_for
+
+        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        self._get = self._channel.unary_stream(f"/{ECHO_SERVICE}/Get")
+        self._put = self._channel.stream_unary(f"/{ECHO_SERVICE}/Put")
+        self._empty = self._channel.unary_unary(f"/{ECHO_SERVICE}/Empty")
+        self._chunk_bytes = chunk_bytes_for(max_message_bytes)
+
+    def get(self, size: int) -> bytes:
+        parts = list(self._get(size.to_bytes(8, "little"), timeout=60))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def put(self, block: bytes) -> int:
+        chunk = self._chunk_bytes
+        chunks = [block] if len(block) <= chunk else [block[o: o + chunk] for o in range(0, len(block), chunk)]
+        return int.from_bytes(self._put(iter(chunks), timeout=60), "little")
+
+    def empty(self) -> None:
+        self._empty(b"", timeout=60)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+# ---------------------------------------------------------------------- measuring
+
+
+def _gbps(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / 1e9
+
+
+def throughput(op: Callable[[int], object], size: int, run_bytes: int, reps: int) -> float:
+    """Median GB/s of ``reps`` runs of ``op(i)`` (one block of ``size`` bytes per call)."""
+    num_ops = max(4, run_bytes // size)
+    op(-1)  # warm up
+    results = []
+    counter = 0
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(num_ops):
+            op(counter)
+            counter += 1
+        results.append(_gbps(num_ops * size, time.perf_counter() - start))
+    return statistics.median(results)
+
+
+def latency_ms(op: Callable[[], object], num_calls: int) -> float:
+    """Median milliseconds of ``num_calls`` calls of ``op`` after a few warm-up calls."""
+    for _ in range(10):
+        op()
+    samples = []
+    for _ in range(num_calls):
+        start = time.perf_counter()
+        op()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=f"{256 * 1024},{2 * MiB},{16 * MiB}", help="block sizes, bytes")
+    parser.add_argument("--run-bytes", type=int, default=192 * MiB, help="bytes moved per run")
+    parser.add_argument("--reps", type=int, default=5, help="runs per cell (median)")
+    parser.add_argument("--lookups", type=int, default=300, help="calls per latency cell (median)")
+    parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "bench_service"),
+                        help="results path without suffix (.json and .md are written)")
+    args = parser.parse_args()
+    if args.echo_server:
+        run_echo_server(MAX_MESSAGE_BYTES)
+        return 0
+
+    import redis
+    import torch
+
+    from kvstore.client import KVStoreClient
+    from kvstore.codec import encode_block
+    from kvstore.keys import Namespace
+    from tests.support.kvnode import KVNode
+    from tests.support.redis import RedisProcess
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    ns = Namespace(model="bench", dtype="uint8", layout="mla", block_size=1)
+
+    def block_of(size: int) -> bytes:  # an encoded block of exactly `size` bytes (64-byte header)
+        return encode_block(torch.randint(0, 256, (1, 1, 1, size - 64), dtype=torch.uint8), "mla")
+
+    def key(size: int, i: int) -> bytes:
+        return (size * 1_000_003 + i).to_bytes(16, "little")
+
+    echo_proc = subprocess.Popen([sys.executable, __file__, "--echo-server"], stdout=subprocess.PIPE, cwd=REPO_ROOT)
+    node = KVNode(memory_capacity="1GiB", metrics=False, extra_args=["--log-level", "WARNING"])
+    redis_server = RedisProcess(maxmemory_bytes=1 << 30)
+    rows: list[dict[str, object]] = []
+    try:
+        echo_port = int(echo_proc.stdout.readline())  # type: ignore[union-attr]
+        node.start()
+        redis_server.start()
+        echo = EchoClient(f"127.0.0.1:{echo_port}", MAX_MESSAGE_BYTES)
+        kv = KVStoreClient(node.target, max_message_bytes=MAX_MESSAGE_BYTES, timeout_s=120)
+        rds = redis.Redis(host=redis_server.host, port=redis_server.port, socket_timeout=60)
+        assert redis.utils.HIREDIS_AVAILABLE, "hiredis is not installed"
+
+        for size in sizes:
+            block = block_of(size)
+            assert len(block) == size
+            kv.put(ns, [key(size, -2)], [block])
+            rds.set(b"get-%d" % size, block)
+            echo.get(size)
+            cell: dict[str, object] = {"size_bytes": size}
+            cell["service_get_gbps"] = throughput(lambda i: kv.get(ns, [key(size, -2)]), size, args.run_bytes,
+                                                  args.reps)
+            cell["echo_get_gbps"] = throughput(lambda i: echo.get(size), size, args.run_bytes, args.reps)
+            cell["redis_get_gbps"] = throughput(lambda i: rds.get(b"get-%d" % size), size, args.run_bytes,
+                                                args.reps)
+            cell["service_put_gbps"] = throughput(lambda i: kv.put(ns, [key(size, i)], [block]), size,
+                                                  args.run_bytes, args.reps)
+            cell["echo_put_gbps"] = throughput(lambda i: echo.put(block), size, args.run_bytes, args.reps)
+            cell["redis_put_gbps"] = throughput(lambda i: rds.set(b"put-%d-%d" % (size, i % 8), block), size,
+                                                args.run_bytes, args.reps)
+            for op in ("get", "put"):
+                cell[f"{op}_vs_echo"] = cell[f"service_{op}_gbps"] / cell[f"echo_{op}_gbps"]  # type: ignore[operator]
+                cell[f"{op}_vs_redis"] = cell[f"service_{op}_gbps"] / cell[f"redis_{op}_gbps"]  # type: ignore[operator]
+            rows.append(cell)
+            print(json.dumps(cell), flush=True)
+            kv.clear(ns)
+
+        small = encode_block(torch.zeros(1, 1, 1, 64, dtype=torch.uint8), "mla")
+        hashes = [key(0, i) for i in range(1024)]
+        for start in range(0, 1024, 256):
+            kv.put(ns, hashes[start: start + 256], [small] * 256)
+        empty_ms = latency_ms(echo.empty, args.lookups)
+        lookups = []
+        for n in (1, 64, 1024):
+            assert kv.lookup(ns, hashes[:n]).num_blocks == n
+            ms = latency_ms(lambda: kv.lookup(ns, hashes[:n]), args.lookups)
+            lookups.append({"num_hashes": n, "lookup_ms": ms, "empty_call_ms": empty_ms, "vs_empty": ms / empty_ms})
+            print(json.dumps(lookups[-1]), flush=True)
+        kv.close()
+        echo.close()
+        rds.close()
+    finally:
+        node.close()
+        redis_server.close()
+        echo_proc.kill()
+        echo_proc.wait()
+
+    goals = {
+        "get_vs_echo_min": min(float(r["get_vs_echo"]) for r in rows),  # type: ignore[arg-type]
+        "get_goal": 0.9,
+        "lookup_1024_vs_empty": lookups[-1]["vs_empty"],
+        "lookup_goal": 1.5,
+    }
+    goals["get_met"] = goals["get_vs_echo_min"] >= 0.9
+    goals["lookup_met"] = goals["lookup_1024_vs_empty"] <= 1.5
+    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_service.py", *sys.argv[1:]])
+    meta = {"command": command, "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "max_message_bytes": MAX_MESSAGE_BYTES,
+            "run_bytes": args.run_bytes, "reps": args.reps, "lookups": args.lookups}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "throughput": rows, "lookup": lookups,
+                                                    "goals": goals}, indent=2) + "\n")
+    lines = [
+        "# bench_service: the gRPC service against a raw gRPC echo and redis-py", "",
+        f"Command: `{command}`", "",
+        f"Python {meta['python']}, {meta['cpus']} CPUs, 1-minute load average {meta['load_avg_1m']:.1f} at the end; "
+        f"client, server, echo and redis-server share the machine. GB/s = 1e9 bytes/s, one block per call, "
+        f"median of {args.reps} runs of ~{args.run_bytes // MiB} MiB.", "",
+        "| block | service Get | echo Get | redis GET | Get vs echo | Get vs redis | service Put | echo Put "
+        "| redis SET | Put vs echo | Put vs redis |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        size = int(r["size_bytes"])  # type: ignore[arg-type]
+        label = f"{size // MiB} MiB" if size >= MiB else f"{size // 1024} KiB"
+        lines.append(
+            f"| {label} | {r['service_get_gbps']:.2f} | {r['echo_get_gbps']:.2f} | {r['redis_get_gbps']:.2f} "
+            f"| **{r['get_vs_echo']:.2f}x** | {r['get_vs_redis']:.2f}x | {r['service_put_gbps']:.2f} "
+            f"| {r['echo_put_gbps']:.2f} | {r['redis_put_gbps']:.2f} | {r['put_vs_echo']:.2f}x "
+            f"| {r['put_vs_redis']:.2f}x |"
+        )
+    lines += ["", "| hashes | Lookup ms | empty call ms | ratio |", "|---:|---:|---:|---:|"]
+    for row in lookups:
+        lines.append(f"| {row['num_hashes']} | {row['lookup_ms']:.3f} | {row['empty_call_ms']:.3f} "
+                     f"| **{row['vs_empty']:.2f}x** |")
+    lines += [
+        "",
+        f"Goals: Get >= 0.9x echo: worst {goals['get_vs_echo_min']:.2f}x "
+        f"({'met' if goals['get_met'] else 'MISSED'}); Lookup(1,024) <= 1.5x empty call: "
+        f"{goals['lookup_1024_vs_empty']:.2f}x ({'met' if goals['lookup_met'] else 'MISSED'}).",
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

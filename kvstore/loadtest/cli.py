@@ -1,0 +1,283 @@
+"""``kvstore loadtest``: replay a request trace against running kvstore nodes and report hits, rates and latencies."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from kvstore.client import AsyncKVStoreClient
+from kvstore.config import parse_size
+from kvstore.errors import InvalidArgumentError, KVStoreError
+from kvstore.loadtest.blocks import DEFAULT_MODEL, DEFAULT_PAYLOAD_BYTES
+from kvstore.loadtest.runner import (
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_TARGET,
+    DEFAULT_WINDOW_S,
+    LoadTestConfig,
+    LoadTestResult,
+    run_loadtest,
+)
+from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, TraceRequest, iter_trace
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRACE = Path("benchmarks/traces/mooncake_conversation_trace.jsonl")
+"""The trace used when ``--trace`` is not given, relative to the current directory (the repository root)."""
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+"""Exit status when a call failed, a block mismatched, or no node answered."""
+EXIT_USAGE = 2
+"""Exit status on a bad argument or a malformed trace."""
+
+_EPILOG = """\
+Per request: Lookup the longest cached prefix, Get it and check every block byte
+for byte, Put all blocks after it. Every trace block id is one block, the last
+(partial) one included; a block is a [1, 2, 1, block_tokens, head_dim] uint8
+tensor of --block-bytes bytes behind the codec's 128-byte header.
+
+examples:
+  kvstore loadtest --target 127.0.0.1:50051                      # conversation trace, 1 worker, file order
+  kvstore loadtest --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --concurrency 8 --duration 60
+  kvstore loadtest --speedup 10 --max-inflight 32 --json out.json --plot-dir plots/
+  kvstore loadtest --requests 2000 --sim-capacity 5859           # also print kvstore simulate's LRU hit ratio
+
+Exit status: 0 if every call succeeded and every block matched; 1 if a call
+failed, a block mismatched or the node is unreachable; 2 on a bad argument or
+a malformed trace (the message names the file and line)."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``loadtest`` subcommand to ``subparsers``; it sets ``func=run``.
+
+    Returns:
+        The subcommand's parser.
+    """
+    parser = subparsers.add_parser(
+        "loadtest",
+        help="replay a request trace against running nodes and report hit ratio, throughput and latency",
+        description=("Replay a request trace (Mooncake or generic JSONL, see kvstore.trace) against running "
+                     "kvstore nodes, closed loop or open loop, and report block and token hit ratios (overall, "
+                     "per tier and over time), requests/s, GB/s, lookup/get/put latency percentiles, errors "
+                     "and byte mismatches."),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``loadtest`` to ``parser``."""
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE), metavar="PATH",
+                        help=f"trace file (default: {DEFAULT_TRACE})")
+    parser.add_argument("--format", choices=FORMATS, default="auto", help="trace format (default: auto)")
+    parser.add_argument("--target", action="append", default=None, metavar="HOST:PORT",
+                        help=f"a node; repeatable (default: {DEFAULT_TARGET})")
+    pacing = parser.add_mutually_exclusive_group()
+    pacing.add_argument("--concurrency", type=_positive_int, default=None, metavar="N",
+                        help="closed loop: N workers, each starting its next request when the last ends (default: 1)")
+    pacing.add_argument("--speedup", type=_positive_float, default=None, metavar="X",
+                        help="open loop: start requests at their trace timestamps, X times faster")
+    parser.add_argument("--max-inflight", type=_positive_int, default=DEFAULT_MAX_INFLIGHT, metavar="N",
+                        help=f"open loop: requests in flight at most (default: {DEFAULT_MAX_INFLIGHT})")
+    parser.add_argument("--requests", type=int, default=None, metavar="N", help="stop after the first N requests")
+    parser.add_argument("--duration", type=_positive_float, default=None, metavar="SECONDS",
+                        help="start no request after this many seconds")
+    parser.add_argument("--block-bytes", default=None, metavar="SIZE",
+                        help=("payload bytes of one block, a multiple of 2 * block tokens (default: 63KiB, so that "
+                              "with the 128-byte header a block fills one 64 KiB page of the memory tier)"))
+    parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, metavar="N",
+                        help=f"tokens per trace block (default: {MOONCAKE_BLOCK_TOKENS}, Mooncake's)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"namespace model name (default: {DEFAULT_MODEL})")
+    parser.add_argument("--seed", type=int, default=0, help="payload seed (default: 0)")
+    parser.add_argument("--window", type=_positive_float, default=DEFAULT_WINDOW_S, metavar="SECONDS",
+                        help=f"window of the hit ratio over time (default: {DEFAULT_WINDOW_S:g})")
+    parser.add_argument("--timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+                        help="deadline of each call (default: 30)")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="do not compare got blocks with their expected bytes")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
+    parser.add_argument("--plot-dir", default=None, metavar="DIR",
+                        help="write loadtest_hit_ratio.png and loadtest_latency_cdf.png there")
+    parser.add_argument("--sim-capacity", default=None, metavar="BLOCKS",
+                        help="also run kvstore simulate on the replayed requests at this capacity (blocks or inf)")
+    parser.add_argument("--sim-policy", default="lru", help="policy of --sim-capacity (default: lru)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="live progress bar on stderr (default: only on a terminal)")
+
+
+def read_requests(path: str, format: str, limit: int | None) -> list[TraceRequest]:
+    """The first ``limit`` requests of a trace (all when ``None``), read before any load starts.
+
+    Raises:
+        TraceFormatError: naming the file and line of a malformed line.
+        InvalidArgumentError: on an unknown format.
+        OSError: if the file cannot be read.
+    """
+    return list(itertools.islice(iter_trace(path, format), limit))
+
+
+def _sim_capacity(text: str | None) -> tuple[bool, int | None]:
+    if text is None:
+        return False, None
+    value = text.strip().lower()
+    if value in ("inf", "infinite", "none"):
+        return True, None
+    if not value.isdigit():
+        raise InvalidArgumentError(f"--sim-capacity must be a block count or inf, got {text!r}")
+    return True, int(value)
+
+
+def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
+    """The :class:`LoadTestConfig` of parsed ``loadtest`` arguments.
+
+    Raises:
+        InvalidArgumentError: on an invalid size or value.
+    """
+    try:
+        payload_bytes = parse_size(args.block_bytes) if args.block_bytes is not None else DEFAULT_PAYLOAD_BYTES
+    except ValueError as exc:
+        raise InvalidArgumentError(f"--block-bytes: {exc}") from None
+    if args.requests is not None and args.requests < 0:
+        raise InvalidArgumentError(f"--requests must be >= 0, got {args.requests}")
+    return LoadTestConfig(
+        targets=tuple(args.target or (DEFAULT_TARGET,)),
+        concurrency=args.concurrency or 1,
+        speedup=args.speedup,
+        max_inflight=args.max_inflight,
+        max_requests=args.requests,
+        duration_s=args.duration,
+        payload_bytes=payload_bytes,
+        block_tokens=args.block_tokens,
+        model=args.model,
+        seed=args.seed,
+        window_s=args.window,
+        timeout_s=args.timeout,
+        verify=args.verify,
+    )
+
+
+def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = None) -> str:
+    """Plain aligned text: hit ratios, per-tier hits, rates, latency percentiles, errors and mismatches."""
+    rows: list[tuple[str, str]] = [
+        ("requests", f"{result.num_requests} completed, {result.num_failed} failed, stop: {result.stop_reason}"),
+        ("targets", ", ".join(result.client_targets)),
+        ("block hit ratio", f"{result.hit_ratio:.4f} ({result.hit_blocks} / {result.num_blocks} blocks)"),
+        ("token hit ratio", f"{result.token_hit_ratio:.4f}"),
+        ("hits per tier", ", ".join(f"{t}={n}" for t, n in result.hit_blocks_per_tier.items()) or "-"),
+        ("elapsed", f"{result.elapsed_s:.2f} s"),
+        ("requests/s", f"{result.requests_per_s:.1f}"),
+        ("GB/s moved", f"{result.gb_per_s:.3f} (read {result.bytes_read / 1e9:.3f} GB, "
+                       f"written {result.bytes_written / 1e9:.3f} GB)"),
+    ]
+    for name in ("lookup", "get", "put", "request"):
+        s = result.latency_ms.get(name, {})
+        if s.get("count"):
+            rows.append((f"{name} latency", f"p50 {s['p50_ms']:.2f} ms, p90 {s['p90_ms']:.2f} ms, "
+                                            f"p99 {s['p99_ms']:.2f} ms ({s['count']} calls)"))
+    if result.schedule_lag_ms.get("count"):
+        lag = result.schedule_lag_ms
+        rows.append(("start lag", f"p50 {lag['p50_ms']:.2f} ms, p99 {lag['p99_ms']:.2f} ms"))
+    errors = ", ".join(f"{k} x{v}" for k, v in result.errors.items())
+    rows.append(("errors", f"{result.num_errors}" + (f" ({errors})" if errors else "")))
+    rows.append(("byte mismatches", str(result.byte_mismatches)))
+    rows.append(("short gets", str(result.short_gets)))
+    if comparison is not None:
+        rows.append(("simulator", f"{comparison['policy']}@{comparison['capacity_blocks']}: hit ratio "
+                                  f"{comparison['sim_hit_ratio']:.4f}, loadtest - sim = {comparison['hit_ratio_diff']:+.4f}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+async def _check_reachable(targets: Sequence[str], timeout_s: float) -> str | None:
+    """``None`` if every target reports SERVING, else what is wrong with the first that does not."""
+    for target in targets:
+        async with AsyncKVStoreClient(target, timeout_s=timeout_s, retries=1) as client:
+            try:
+                status = await client.health()
+            except KVStoreError as exc:
+                return f"{target}: {exc}"
+        if status != "SERVING":
+            return f"{target} is {status}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``loadtest`` with parsed ``args``; print a summary. Returns the exit status (0, 1 or 2)."""
+    try:
+        config = config_from_args(args)
+        compare, sim_capacity = _sim_capacity(args.sim_capacity)
+        requests = read_requests(args.trace, args.format, config.max_requests)
+    except (InvalidArgumentError, OSError) as exc:
+        print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    unreachable = asyncio.run(_check_reachable(config.targets, min(config.timeout_s, 10.0)))
+    if unreachable is not None:
+        print(f"kvstore loadtest: node not serving: {unreachable}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        result = asyncio.run(run_loadtest(requests, config, progress=args.progress))
+    except InvalidArgumentError as exc:
+        print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    comparison = None
+    if compare:
+        from kvstore.loadtest.compare import compare_with_simulator
+
+        try:
+            comparison = compare_with_simulator(requests, result, sim_capacity, policy=args.sim_policy)
+        except InvalidArgumentError as exc:
+            print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    print(format_summary(result, comparison))
+    if args.json:
+        payload = {"trace": str(args.trace), **result.to_dict(), "simulator": comparison}
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    if args.plot_dir:
+        from kvstore.loadtest.plot import write_plots
+
+        write_plots(result, args.plot_dir, sim_hit_ratio=comparison["sim_hit_ratio"] if comparison else None)
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``loadtest`` as a program of its own: ``python -m kvstore.loadtest.cli [options]``.
+
+    Args:
+        argv: the options (without ``loadtest``); ``sys.argv[1:]`` when ``None``.
+
+    Returns:
+        The exit status (see the epilog).
+    """
+    parser = argparse.ArgumentParser(prog="kvstore")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register(subparsers)
+    args = parser.parse_args(["loadtest", *(argv if argv is not None else sys.argv[1:])])
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
