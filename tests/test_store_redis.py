@@ -1,0 +1,93 @@
+"""The tiered store over a real shared Redis: write-through, write-back, Redis failures and tenant isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from kvstore.config import RedisTierConfig, StoreConfig
+from kvstore.keys import block_key
+from kvstore.store import TieredStore
+from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.redis import RedisTier
+from tests.support.redis import RedisProcess, redis_server  # noqa: F401
+from tests.test_store import NS, PAGE, disk_footprint, make_blocks, memory_tier
+
+
+def redis_config(url: str, mode: str) -> StoreConfig:
+    return StoreConfig(redis=RedisTierConfig(url=url, mode=mode, breaker_failures=2, breaker_reset_s=0.2,
+                                             connect_timeout_s=0.2, socket_timeout_s=0.2))
+
+
+def store_key(store: TieredStore, block_hash: bytes) -> str:
+    """The Redis key of a block of ``NS`` (``<prefix>:<namespace tag hex>:<hash hex>``)."""
+    return store._shared.redis_key(block_key(NS, block_hash))
+
+
+def store_with_redis(url: str, mode: str, num_blocks: int = 8) -> TieredStore:
+    config = redis_config(url, mode)
+    return TieredStore([memory_tier(num_blocks)], config, shared=RedisTier(config.redis))
+
+
+async def test_write_through_put_on_one_node_hits_on_another(redis_server: RedisProcess) -> None:
+    hashes, blocks = make_blocks(4)
+    async with store_with_redis(redis_server.url, "write_through") as node_a, \
+            store_with_redis(redis_server.url, "write_through") as node_b:
+        await node_a.put(NS, hashes, blocks)
+        await node_a.drain()  # the write-through has reached Redis
+        result = await node_b.lookup(NS, hashes)
+        assert result.num_blocks == 4 and result.tiers == ("redis",) * 4
+        assert await node_b.get(NS, hashes) == blocks
+        await node_b.drain()
+        assert (await node_b.lookup(NS, hashes)).tiers == ("memory",) * 4  # promoted locally
+        assert node_b.stats().tier("redis").hits == 4 and node_b.stats().tier("redis").promotions == 4
+
+
+async def test_write_back_demotes_evicted_blocks_to_redis(redis_server: RedisProcess) -> None:
+    hashes, blocks = make_blocks(4)
+    async with store_with_redis(redis_server.url, "write_back", num_blocks=2) as store:
+        await store.put(NS, hashes, blocks)
+        assert (await store.lookup(NS, hashes)).tiers == ("memory", "memory", "redis", "redis")
+        assert store.stats().tier("redis").demotions == 2
+        assert await store.get(NS, hashes) == blocks
+        assert redis_server.client().exists(store_key(store, hashes[3]))
+
+
+async def test_redis_killed_mid_loop_never_reaches_the_caller(redis_server: RedisProcess) -> None:
+    async with store_with_redis(redis_server.url, "write_through", num_blocks=64) as store:
+        raw = redis_server.client()
+        for round_ in range(12):
+            if round_ == 4:
+                redis_server.kill()
+            if round_ == 8:
+                redis_server.start()
+                await asyncio.sleep(0.3)  # past breaker_reset_s: the next call is the trial
+            hashes, blocks = make_blocks(2, seed=round_)
+            assert await store.put(NS, hashes, blocks) == 2
+            assert await store.get(NS, hashes) == blocks  # the memory tier keeps answering
+            await store.drain()
+        counters = store.stats().tier("redis").counters
+        assert counters["errors"] + counters["timeouts"] + counters["breaker_open"] > 0
+        raw = redis_server.client()  # writes resumed after the restart
+        late, _ = make_blocks(2, seed=11)
+        assert all(raw.exists(store_key(store, h)) for h in late)
+
+
+async def test_tenants_never_hit_each_other_in_any_tier(redis_server: RedisProcess, tmp_path) -> None:
+    """Tenant B never hits tenant A's blocks in memory, LMDB or Redis, after eviction too."""
+    from kvstore.tiers.lmdb import LMDBTier
+
+    tenant_a, tenant_b = NS, dataclasses.replace(NS, cache_salt="tenant-b")
+    tokens_hashes_a, blocks = make_blocks(6)
+    config = redis_config(redis_server.url, "write_back")
+    memory = MemoryTier(2 * 2 * PAGE, page_bytes=PAGE)
+    disk = LMDBTier(tmp_path / "d", 2 * disk_footprint())
+    async with TieredStore([memory, disk], config, shared=RedisTier(config.redis)) as store:
+        await store.put(tenant_a, tokens_hashes_a, blocks)
+        tiers = (await store.lookup(tenant_a, tokens_hashes_a)).tiers
+        assert {"memory", "disk", "redis"} <= set(tiers), tiers  # A's blocks now sit in every tier
+        # B asks with the very same hash bytes (a client that guessed them); the namespace keeps them apart
+        assert (await store.lookup(tenant_b, tokens_hashes_a)).num_blocks == 0
+        assert await store.get(tenant_b, tokens_hashes_a) == []
+        assert await store.clear(tenant_b) == 0
+        assert (await store.lookup(tenant_a, tokens_hashes_a)).num_blocks == 6
