@@ -7,19 +7,22 @@ process with a synchronous client, one call at a time:
 * a raw gRPC echo: a minimal ``grpc.aio`` server with bytes in and out (no
   protobuf), the same ``max_message_bytes`` and the same chunking: Get streams
   a stored ``bytes`` object in chunks, Put streams chunks in and joins them,
-  Empty answers an empty message;
+  Empty answers an empty message; it tunes malloc as ``kvstore serve`` does
+  (``kvstore.server.app.tune_malloc``), so both servers allocate alike;
 * Redis: a local ``redis-server`` through redis-py with hiredis (GET and SET).
 
-Throughput is GB/s (1e9 bytes per second) of encoded block bytes for one block
-per call; each cell is the median of ``--reps`` runs of about ``--run-bytes``
-bytes. Lookup latency is the median of ``--lookups`` calls naming 1, 64 or
-1,024 cached hashes, as a ratio to an empty call to the echo server.
+Throughput is GB/s (1e9 bytes per second) of encoded block bytes, one block
+per call, from the median latency of ``max(--min-rounds, --run-bytes / size)``
+calls. The ops of one block size are called in turn (service Get, echo Get,
+Redis GET, service Put, echo Put, Redis SET, ...), so that each sees the same
+background load. Lookup latency is the median of ``--lookups`` calls naming 1,
+64 or 1,024 cached hashes, interleaved with empty calls to the echo server.
 
 Goals: Get >= 0.9x the raw gRPC echo; Lookup(1,024) <= 1.5x an empty call.
 
 Usage::
 
-    python benchmarks/bench_service.py [--sizes 262144,2097152,16777216] [--run-bytes 201326592] [--reps 5]
+    python benchmarks/bench_service.py [--sizes 262144,2097152,16777216] [--run-bytes 268435456] [--lookups 300]
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ def run_echo_server(max_message_bytes: int) -> None:
     """Serve ``bench.Echo`` (Get, Put, Empty) on a free loopback port; prints the port, runs until killed."""
     import grpc
 
+    from kvstore.server.app import tune_malloc
     from kvstore.server.wire import channel_options, chunk_bytes_for
 
+    tune_malloc()  # as `kvstore serve` does, so that both servers allocate alike
     chunk_bytes = chunk_bytes_for(max_message_bytes)
     stored: dict[int, bytes] = {}
 
@@ -128,42 +133,28 @@ class EchoClient:
 # ---------------------------------------------------------------------- measuring
 
 
-def _gbps(num_bytes: int, seconds: float) -> float:
-    return num_bytes / seconds / 1e9
+def interleaved_ms(ops: dict[str, Callable[[], object]], num_rounds: int) -> dict[str, float]:
+    """Median milliseconds per call of each op, calling the ops in turn, ``num_rounds`` times.
 
-
-def throughput(op: Callable[[int], object], size: int, run_bytes: int, reps: int) -> float:
-    """Median GB/s of ``reps`` runs of ``op(i)`` (one block of ``size`` bytes per call)."""
-    num_ops = max(4, run_bytes // size)
-    op(-1)  # warm up
-    results = []
-    counter = 0
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(num_ops):
-            op(counter)
-            counter += 1
-        results.append(_gbps(num_ops * size, time.perf_counter() - start))
-    return statistics.median(results)
-
-
-def latency_ms(op: Callable[[], object], num_calls: int) -> float:
-    """Median milliseconds of ``num_calls`` calls of ``op`` after a few warm-up calls."""
-    for _ in range(10):
+    Interleaving makes every op see the same background load, so ratios stay
+    meaningful on a busy machine.
+    """
+    for op in ops.values():  # warm up
         op()
-    samples = []
-    for _ in range(num_calls):
-        start = time.perf_counter()
-        op()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(num_rounds):
+        for name, op in ops.items():
+            start = time.perf_counter()
+            op()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=f"{256 * 1024},{2 * MiB},{16 * MiB}", help="block sizes, bytes")
-    parser.add_argument("--run-bytes", type=int, default=192 * MiB, help="bytes moved per run")
-    parser.add_argument("--reps", type=int, default=5, help="runs per cell (median)")
+    parser.add_argument("--run-bytes", type=int, default=256 * MiB, help="bytes each op moves per block size")
+    parser.add_argument("--min-rounds", type=int, default=30, help="fewest calls of each op per block size")
     parser.add_argument("--lookups", type=int, default=300, help="calls per latency cell (median)")
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "bench_service"),
@@ -204,26 +195,29 @@ def main() -> int:
         rds = redis.Redis(host=redis_server.host, port=redis_server.port, socket_timeout=60)
         assert redis.utils.HIREDIS_AVAILABLE, "hiredis is not installed"
 
+        counter = iter(range(1 << 40))
         for size in sizes:
             block = block_of(size)
             assert len(block) == size
             kv.put(ns, [key(size, -2)], [block])
             rds.set(b"get-%d" % size, block)
-            echo.get(size)
-            cell: dict[str, object] = {"size_bytes": size}
-            cell["service_get_gbps"] = throughput(lambda i: kv.get(ns, [key(size, -2)]), size, args.run_bytes,
-                                                  args.reps)
-            cell["echo_get_gbps"] = throughput(lambda i: echo.get(size), size, args.run_bytes, args.reps)
-            cell["redis_get_gbps"] = throughput(lambda i: rds.get(b"get-%d" % size), size, args.run_bytes,
-                                                args.reps)
-            cell["service_put_gbps"] = throughput(lambda i: kv.put(ns, [key(size, i)], [block]), size,
-                                                  args.run_bytes, args.reps)
-            cell["echo_put_gbps"] = throughput(lambda i: echo.put(block), size, args.run_bytes, args.reps)
-            cell["redis_put_gbps"] = throughput(lambda i: rds.set(b"put-%d-%d" % (size, i % 8), block), size,
-                                                args.run_bytes, args.reps)
+            assert kv.get(ns, [key(size, -2)]) == [block] and rds.get(b"get-%d" % size) == block
+            ops: dict[str, Callable[[], object]] = {
+                "service_get": lambda: kv.get(ns, [key(size, -2)]),
+                "echo_get": lambda: echo.get(size),
+                "redis_get": lambda: rds.get(b"get-%d" % size),
+                "service_put": lambda: kv.put(ns, [key(size, next(counter))], [block]),  # a new key each time
+                "echo_put": lambda: echo.put(block),
+                "redis_put": lambda: rds.set(b"put-%d" % size, block),
+            }
+            num_rounds = max(args.min_rounds, args.run_bytes // size)
+            ms = interleaved_ms(ops, num_rounds)
+            cell: dict[str, object] = {"size_bytes": size, "num_rounds": num_rounds}
+            for name, value in ms.items():
+                cell[f"{name}_gbps"] = size / (value / 1e3) / 1e9
             for op in ("get", "put"):
-                cell[f"{op}_vs_echo"] = cell[f"service_{op}_gbps"] / cell[f"echo_{op}_gbps"]  # type: ignore[operator]
-                cell[f"{op}_vs_redis"] = cell[f"service_{op}_gbps"] / cell[f"redis_{op}_gbps"]  # type: ignore[operator]
+                cell[f"{op}_vs_echo"] = ms[f"echo_{op}"] / ms[f"service_{op}"]
+                cell[f"{op}_vs_redis"] = ms[f"redis_{op}"] / ms[f"service_{op}"]
             rows.append(cell)
             print(json.dumps(cell), flush=True)
             kv.clear(ns)
@@ -232,13 +226,16 @@ def main() -> int:
         hashes = [key(0, i) for i in range(1024)]
         for start in range(0, 1024, 256):
             kv.put(ns, hashes[start: start + 256], [small] * 256)
-        empty_ms = latency_ms(echo.empty, args.lookups)
-        lookups = []
         for n in (1, 64, 1024):
             assert kv.lookup(ns, hashes[:n]).num_blocks == n
-            ms = latency_ms(lambda: kv.lookup(ns, hashes[:n]), args.lookups)
-            lookups.append({"num_hashes": n, "lookup_ms": ms, "empty_call_ms": empty_ms, "vs_empty": ms / empty_ms})
-            print(json.dumps(lookups[-1]), flush=True)
+        ms = interleaved_ms({
+            "empty": echo.empty,
+            **{f"lookup_{n}": (lambda n=n: kv.lookup(ns, hashes[:n])) for n in (1, 64, 1024)},
+        }, args.lookups)
+        lookups = [{"num_hashes": n, "lookup_ms": ms[f"lookup_{n}"], "empty_call_ms": ms["empty"],
+                    "vs_empty": ms[f"lookup_{n}"] / ms["empty"]} for n in (1, 64, 1024)]
+        for row in lookups:
+            print(json.dumps(row), flush=True)
         kv.close()
         echo.close()
         rds.close()
@@ -259,7 +256,7 @@ def main() -> int:
     command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_service.py", *sys.argv[1:]])
     meta = {"command": command, "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "max_message_bytes": MAX_MESSAGE_BYTES,
-            "run_bytes": args.run_bytes, "reps": args.reps, "lookups": args.lookups}
+            "run_bytes": args.run_bytes, "min_rounds": args.min_rounds, "lookups": args.lookups}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "throughput": rows, "lookup": lookups,
@@ -268,8 +265,10 @@ def main() -> int:
         "# bench_service: the gRPC service against a raw gRPC echo and redis-py", "",
         f"Command: `{command}`", "",
         f"Python {meta['python']}, {meta['cpus']} CPUs, 1-minute load average {meta['load_avg_1m']:.1f} at the end; "
-        f"client, server, echo and redis-server share the machine. GB/s = 1e9 bytes/s, one block per call, "
-        f"median of {args.reps} runs of ~{args.run_bytes // MiB} MiB.", "",
+        f"client, server, echo and redis-server share the machine (and other work: see the load). "
+        f"GB/s = 1e9 bytes/s from the median latency of one block per call; the six ops are called in turn, "
+        f"max({args.min_rounds}, {args.run_bytes // MiB} MiB / block) times each, so all see the same load. "
+        f"Ratios are service / baseline (above 1: the service is faster).", "",
         "| block | service Get | echo Get | redis GET | Get vs echo | Get vs redis | service Put | echo Put "
         "| redis SET | Put vs echo | Put vs redis |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ("kvstore.sim.cli",)
+SUBCOMMAND_MODULES: tuple[str, ...] = ("kvstore.sim.cli", "kvstore.loadtest.cli", "kvstore.demo.cli")
 """Modules that add subcommands through ``register(subparsers)``."""
 
 DEFAULT_TARGET = "127.0.0.1:50051"

@@ -55,9 +55,13 @@ from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.server.errors import RETRYABLE_CODES, DeadlineExceededError, error_of
 from kvstore.server.wire import (
+    GET_METHOD,
+    PUT_METHOD,
     BlockAssembler,
     channel_options,
     chunk_bytes_for,
+    decode_block_chunk,
+    identity,
     lookup_from_pb,
     namespace_to_pb,
     put_requests,
@@ -78,6 +82,8 @@ DEFAULT_MAX_BACKOFF_S = 2.0
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 RECONNECT_BACKOFF_MS = (100, 2000)
 """First and largest pause between reconnection attempts of a channel, milliseconds."""
+CONNECT_TIMEOUT_MS = 1000
+"""Shortest time one connection attempt may take (gRPC's ``min_reconnect_backoff_ms``), milliseconds."""
 _FALSE = ("0", "false", "no", "off")
 _NO_BLOCK_LIMIT = sys.maxsize
 
@@ -118,14 +124,16 @@ class TargetChannel:
             ("grpc.use_local_subchannel_pool", 1),  # a child's channel must not reuse the parent's connections
             # reconnect soon after a node restarts (gRPC's default backoff grows to 120 s)
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+            ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
             *options,
         ]
         self._pid = -1
         self._channel: Any = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
+        self._get: Any = None
+        self._put: Any = None
         self._orphans: list[Any] = []  # parents' channels, kept alive and untouched in a forked child
         self._closed = False
 
@@ -148,6 +156,11 @@ class TargetChannel:
         self._channel = channel
         self._stub = pb_grpc.KVStoreStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
+        # the data path: block bytes are (de)serialized by kvstore.server.wire, not copied through protobuf
+        self._get = channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+                                         response_deserializer=identity)
+        self._put = channel.stream_unary(PUT_METHOD, request_serializer=identity,
+                                         response_deserializer=pb.PutResponse.FromString)
         self._pid = pid
 
     def _check(self) -> None:
@@ -167,6 +180,18 @@ class TargetChannel:
         self._check()
         assert self._stub is not None
         return self._stub
+
+    @property
+    def get_call(self) -> Any:
+        """The Get multicallable of the data path: ``GetRequest`` in, serialized ``BlockChunk`` s out."""
+        self._check()
+        return self._get
+
+    @property
+    def put_call(self) -> Any:
+        """The Put multicallable of the data path: serialized ``PutRequest`` s in, ``PutResponse`` out."""
+        self._check()
+        return self._put
 
     @property
     def health_stub(self) -> health_pb2_grpc.HealthStub:
@@ -313,12 +338,13 @@ class KVStoreClient:
 
         def attempt(timeout_s: float) -> list[bytes]:
             assembler = _assembler(len(block_hashes))
-            stream = self._channel.stub.Get(request, timeout=timeout_s, metadata=self.metadata)
+            stream = self._channel.get_call(request, timeout=timeout_s, metadata=self.metadata)
             try:
-                for chunk in stream:
+                for raw in stream:
+                    chunk, data = decode_block_chunk(raw)
                     if chunk.offset == 0:
                         assembler.begin(chunk.block_index, chunk.total_bytes)
-                    assembler.add(chunk.block_index, chunk.offset, chunk.data)
+                    assembler.add(chunk.block_index, chunk.offset, data)
             finally:
                 stream.cancel()  # no-op once the stream ended; frees it on an error
             return assembler.finish()
@@ -369,7 +395,7 @@ class KVStoreClient:
         def attempt(timeout_s: float) -> int:
             requests = put_requests(namespace, block_hashes, encoded, self._chunk_bytes,
                                     priority=priority, retention_s=retention_s)
-            reply = self._channel.stub.Put(requests, timeout=timeout_s, metadata=self.metadata)
+            reply = self._channel.put_call(requests, timeout=timeout_s, metadata=self.metadata)
             return int(reply.num_stored)
 
         return self._call(attempt)
@@ -519,12 +545,13 @@ class AsyncKVStoreClient:
 
         async def attempt(timeout_s: float) -> list[bytes]:
             assembler = _assembler(len(block_hashes))
-            stream = self._channel.stub.Get(request, timeout=timeout_s, metadata=self.metadata)
+            stream = self._channel.get_call(request, timeout=timeout_s, metadata=self.metadata)
             try:
-                async for chunk in stream:
+                async for raw in stream:
+                    chunk, data = decode_block_chunk(raw)
                     if chunk.offset == 0:
                         assembler.begin(chunk.block_index, chunk.total_bytes)
-                    assembler.add(chunk.block_index, chunk.offset, chunk.data)
+                    assembler.add(chunk.block_index, chunk.offset, data)
             finally:
                 stream.cancel()
             return assembler.finish()
@@ -549,10 +576,10 @@ class AsyncKVStoreClient:
         encoded = encode_blocks(namespace, blocks)
 
         async def attempt(timeout_s: float) -> int:
-            requests: Iterable[pb.PutRequest] = put_requests(
+            requests: Iterable[bytes] = put_requests(
                 namespace, block_hashes, encoded, self._chunk_bytes, priority=priority, retention_s=retention_s
             )
-            reply = await self._channel.stub.Put(requests, timeout=timeout_s, metadata=self.metadata)
+            reply = await self._channel.put_call(requests, timeout=timeout_s, metadata=self.metadata)
             return int(reply.num_stored)
 
         return await self._call(attempt)

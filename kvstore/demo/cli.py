@@ -1,4 +1,8 @@
-"""``kvstore demo``: end-to-end prefill reuse with a small random-weight Llama on real text, with and without kvstore."""
+"""``kvstore demo``: end-to-end prefill reuse with a small random-weight Llama on real text, with and without kvstore.
+
+Importing this module is cheap (torch and transformers load when the demo runs),
+so ``kvstore --help`` stays fast.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
-
-import torch
 
 from kvstore.api import BlockClient
 from kvstore.errors import KVStoreError
@@ -45,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--intermediate", type=int, help="MLP width")
     model.add_argument("--seed", type=int, help="weight seed (default 0)")
     model.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model and KV dtype (default float32)")
-    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    model.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (cuda when available)")
     model.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     work = parser.add_argument_group("workload (tinyshakespeare)")
     work.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=f"tokens per block (default {DEFAULT_BLOCK_SIZE})")
@@ -107,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     save new blocks in the background), and compares TTFT and the tokens.
     Writes ``summary.json`` and ``ttft.png`` under ``--out``.
     """
+    import torch
     from tqdm import tqdm
 
     from kvstore.connectors.hf import HFConnector
@@ -117,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.block_size < 1 or args.max_new_tokens < 1 or args.passage_tokens < 1 or args.turns < 0:
         print("ERROR: --block-size, --max-new-tokens and --passage-tokens must be >= 1, --turns >= 0", file=sys.stderr)
         return 2
@@ -213,13 +218,15 @@ def _store_stats(client: BlockClient) -> list[dict[str, Any]]:
 
 def _summary(args: argparse.Namespace, spec: Any, store_label: str, rows: list[dict[str, Any]],
              connector_stats: Any, store_stats: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    import torch
+
     hits = [r for r in rows if r["cached_tokens"]]
     base_total = sum(r["ttft_no_cache_s"] for r in rows)
     cache_total = sum(r["ttft_cache_s"] for r in rows)
     hits_base = sum(r["ttft_no_cache_s"] for r in hits)
     hits_cache = sum(r["ttft_cache_s"] for r in hits)
     return {
-        "command": getattr(args, "command", None) or "kvstore " + " ".join(sys.argv[1:]),
+        "command": getattr(args, "demo_command", None) or "kvstore " + " ".join(sys.argv[1:]),
         "model": {**asdict(spec), "model_id": spec.model_id, "num_params": spec.num_params(), "device": args.device},
         "store": store_label,
         "block_size": args.block_size,
@@ -249,6 +256,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvstore.demo [flags]``: parse flags and :func:`run`."""
     parser = add_arguments(argparse.ArgumentParser(prog="kvstore demo", description=__doc__))
     args = parser.parse_args(argv)
-    args.command = "python -m kvstore.demo " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.demo_command = "python -m kvstore.demo " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return run(args)

@@ -85,6 +85,23 @@ def _words(block_id: int) -> list[int]:
     return words
 
 
+def check_payload_bytes(block_tokens: int, payload_bytes: int) -> None:
+    """Check that ``payload_bytes`` fills a ``[1, 2, 1, block_tokens, head_dim]`` uint8 tensor.
+
+    Raises:
+        InvalidArgumentError: unless it is a positive multiple of ``2 * block_tokens``; the
+            message suggests the nearest sizes that are.
+    """
+    unit = 2 * block_tokens
+    if payload_bytes <= 0 or payload_bytes % unit:
+        lower = max(unit, payload_bytes // unit * unit)
+        raise InvalidArgumentError(
+            f"block payload must be a positive multiple of 2 * block_tokens = {unit} bytes "
+            f"(a [1, 2, 1, {block_tokens}, head_dim] uint8 tensor), got {payload_bytes}; "
+            f"try {lower} or {lower + unit}"
+        )
+
+
 def trace_tokens(block_tokens: int, block_ids: tuple[int, ...] | list[int]) -> np.ndarray:
     """The token ids that stand for ``block_ids``: ``[len(block_ids) * block_tokens]`` uint32.
 
@@ -150,16 +167,11 @@ class PayloadFactory:
     def __init__(self, namespace: Namespace, payload_bytes: int = DEFAULT_PAYLOAD_BYTES, *, seed: int = 0) -> None:
         if namespace.dtype != PAYLOAD_DTYPE or namespace.layout != Layout.KV.value:
             raise InvalidArgumentError(
-                f"payload blocks are {PAYLOAD_DTYPE}/{Layout.KV.value}; the namespace is {namespace.dtype}/{namespace.layout}"
+                f"payload blocks are {PAYLOAD_DTYPE}/{Layout.KV.value}; "
+                f"the namespace is {namespace.dtype}/{namespace.layout}"
             )
+        check_payload_bytes(namespace.block_size, payload_bytes)
         unit = 2 * namespace.block_size
-        if payload_bytes <= 0 or payload_bytes % unit:
-            lower = max(unit, payload_bytes // unit * unit)
-            raise InvalidArgumentError(
-                f"block payload must be a positive multiple of 2 * block_tokens = {unit} bytes "
-                f"(a [1, 2, 1, {namespace.block_size}, head_dim] uint8 tensor), got {payload_bytes}; "
-                f"try {lower} or {lower + unit}"
-            )
         self.namespace = namespace
         self.payload_bytes = payload_bytes
         self.seed = seed

@@ -206,7 +206,8 @@ def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = N
     rows.append(("short gets", str(result.short_gets)))
     if comparison is not None:
         rows.append(("simulator", f"{comparison['policy']}@{comparison['capacity_blocks']}: hit ratio "
-                                  f"{comparison['sim_hit_ratio']:.4f}, loadtest - sim = {comparison['hit_ratio_diff']:+.4f}"))
+                                  f"{comparison['sim_hit_ratio']:.4f}, "
+                                  f"loadtest - sim = {comparison['hit_ratio_diff']:+.4f}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

@@ -45,6 +45,7 @@ from kvstore.loadtest.blocks import (
     DEFAULT_MODEL,
     DEFAULT_PAYLOAD_BYTES,
     PayloadFactory,
+    check_payload_bytes,
     loadtest_namespace,
     trace_block_hashes,
 )
@@ -82,7 +83,8 @@ class LoadTestConfig:
         verify: compare every got block with its expected bytes.
 
     Raises:
-        InvalidArgumentError: on a value out of range.
+        InvalidArgumentError: on a value out of range, ``block_tokens`` below 3, or a
+            ``payload_bytes`` that is not a positive multiple of ``2 * block_tokens``.
     """
 
     targets: tuple[str, ...] = (DEFAULT_TARGET,)
@@ -106,7 +108,8 @@ class LoadTestConfig:
             (self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}"),
             (self.speedup is None or self.speedup > 0, f"speedup must be > 0, got {self.speedup}"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
-            (self.max_requests is None or self.max_requests >= 0, f"max_requests must be >= 0, got {self.max_requests}"),
+            (self.max_requests is None or self.max_requests >= 0,
+             f"max_requests must be >= 0, got {self.max_requests}"),
             (self.duration_s is None or self.duration_s > 0, f"duration_s must be > 0, got {self.duration_s}"),
             (self.window_s > 0, f"window_s must be > 0, got {self.window_s}"),
             (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
@@ -114,6 +117,8 @@ class LoadTestConfig:
         for ok, message in checks:
             if not ok:
                 raise InvalidArgumentError(message)
+        loadtest_namespace(self.block_tokens, model=self.model)
+        check_payload_bytes(self.block_tokens, self.payload_bytes)
 
     @property
     def mode(self) -> str:

@@ -10,7 +10,10 @@ NOT_SERVING and the servicer refuses new calls with UNAVAILABLE, then
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -25,7 +28,6 @@ from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.server.wire import channel_options
 from kvstore.store import TieredStore, open_async_store
-from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 lifecycle = logging.getLogger(LIFECYCLE_LOGGER)
@@ -103,7 +105,7 @@ class KVStoreServer:
                 interceptors=self._interceptors,
                 options=[*channel_options(server_cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
             )
-            pb_grpc.add_KVStoreServicer_to_server(self.servicer, server)
+            self.servicer.add_to_server(server)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
             reflection.enable_server_reflection(
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -214,6 +216,56 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None) -> None:
         await server.stop()
 
 
+MALLOC_MMAP_THRESHOLD_BYTES = 256 << 20
+MALLOC_TRIM_THRESHOLD_BYTES = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def tune_malloc() -> bool:
+    """Keep glibc from returning freed block buffers to the kernel, so the next ones reuse faulted pages.
+
+    Every Get and Put allocates block-sized ``bytes`` (up to ``max_block_bytes``).
+    By default glibc serves allocations over 128 KiB to 32 MiB with fresh
+    ``mmap`` s and unmaps them on free, so each call page-faults its buffers in
+    again; on a 2 MiB block that cost more than the copy itself
+    (``benchmarks/bench_service.py``, ``benchmarks/bench_tiers.py``). This sets
+    ``M_MMAP_THRESHOLD`` to 256 MiB and ``M_TRIM_THRESHOLD`` to 1 GiB (as
+    ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824``):
+    a node keeps up to 1 GiB of freed heap for reuse, which suits a dedicated
+    cache process. Nothing is changed when ``GLIBC_TUNABLES`` already sets
+    malloc options, or outside glibc.
+
+    Returns:
+        Whether both settings were applied.
+    """
+    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD_BYTES)
+    )
+
+
+def limit_torch_threads() -> None:
+    """Run torch's CPU kernels on the calling thread only (``torch.set_num_threads(1)``).
+
+    The memory tier moves blocks with ``Tensor.copy_``; with intra-op
+    parallelism a 256 KiB copy waits for a thread pool, which on a busy host
+    took 4 ms instead of 0.2 ms. A node's parallelism comes from concurrent
+    calls and the tiers' worker threads instead. ``OMP_NUM_THREADS``, when set,
+    is left to decide.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def run(config: Config) -> int:
     """Configure logging from ``config.server`` and :func:`serve` until a signal; the exit status.
 
@@ -221,6 +273,8 @@ def run(config: Config) -> int:
         0 after a clean shutdown, 1 if the server failed to start.
     """
     configure_logging(config.server.log_level, config.server.log_format)
+    logger.debug("malloc tuned for block buffers: %s", tune_malloc())
+    limit_torch_threads()
     try:
         asyncio.run(serve(config))
     except (ConfigError, RuntimeError, OSError) as exc:

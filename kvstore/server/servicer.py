@@ -25,7 +25,9 @@ from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.wire import (
     BlockAssembler,
     chunk_bytes_for,
-    iter_chunks,
+    decode_put_request,
+    identity,
+    iter_block_chunks,
     lookup_to_pb,
     namespace_from_pb,
     stats_to_pb,
@@ -64,6 +66,28 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._require_sha256 = require
         self.accepting = True
 
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the service on ``server``, with the data path's own (de)serializers.
+
+        Get replies and Put requests are serialized by ``kvstore.server.wire``
+        (block bytes are not copied through protobuf); the wire format is the
+        ``.proto``'s all the same.
+        """
+        handlers = {
+            "Lookup": grpc.unary_unary_rpc_method_handler(
+                self.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString),
+            "Get": grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, identity),
+            "Put": grpc.stream_unary_rpc_method_handler(self.Put, identity, pb.PutResponse.SerializeToString),
+            "Delete": grpc.unary_unary_rpc_method_handler(
+                self.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString),
+            "Clear": grpc.unary_unary_rpc_method_handler(
+                self.Clear, pb.ClearRequest.FromString, pb.ClearResponse.SerializeToString),
+            "Stats": grpc.unary_unary_rpc_method_handler(
+                self.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
     def begin_shutdown(self) -> None:
         """Refuse every new call with UNAVAILABLE; calls already running go on."""
         self.accepting = False
@@ -89,16 +113,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             namespace = self._namespace(request.namespace)
             hashes = self._hashes(request.block_hashes)
             blocks = await self._store.get(namespace, hashes)
-            for index, block in enumerate(blocks):
-                total = len(block)
-                for offset, data, last in iter_chunks(block, self._chunk_bytes):
-                    await context.write(
-                        pb.BlockChunk(block_index=index, offset=offset, total_bytes=total, data=data, last=last)
-                    )
+            for message in iter_block_chunks(blocks, self._chunk_bytes):
+                await context.write(message)
 
-    async def Put(
-        self, request_iterator: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext
-    ) -> pb.PutResponse:
+    async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """Receive a whole Put stream, validate it, then store every block in one ``store.put``.
 
         Nothing is stored unless the whole stream arrives: a cancelled, truncated
@@ -110,7 +128,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             retention_s: float | None = None
             hashes: list[bytes] = []
             assembler = BlockAssembler(self._config.store.max_block_bytes, self._max_hashes)
-            async for message in request_iterator:
+            async for raw in request_iterator:
+                message, data = decode_put_request(raw)
                 if namespace is None:
                     if not message.HasField("namespace"):
                         raise InvalidArgumentError("the first Put message must carry the namespace")
@@ -121,7 +140,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     block_key(namespace, message.block_hash)  # the hash length, before buffering anything
                     assembler.begin(message.block_index, message.total_bytes)
                     hashes.append(message.block_hash)
-                assembler.add(message.block_index, message.offset, message.data)
+                assembler.add(message.block_index, message.offset, data)
             blocks = assembler.finish()
             if namespace is None:
                 return pb.PutResponse(num_stored=0, num_blocks=0)

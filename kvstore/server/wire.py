@@ -4,17 +4,32 @@ Shared by the server and the clients, so both sides agree on one definition of
 the wire. Blocks move as encoded codec bytes split into chunks of at most
 :func:`chunk_bytes_for` bytes, so that no gRPC message exceeds
 ``max_message_bytes``; a receiver reassembles them with :class:`BlockAssembler`.
+
+The data path. The two messages that carry block bytes (``BlockChunk`` of Get,
+``PutRequest`` of Put) are written and read here without copying the bytes
+through protobuf: a sender serializes the small fields with protobuf and appends
+the ``data`` field itself (:func:`encode_with_data`), one copy in all; a
+receiver walks the top-level fields (:func:`split_data_field`), parses the
+small ones with protobuf and keeps ``data`` as a ``memoryview`` of the received
+message. Both are plain protobuf on the wire (fields may come in any order), so
+any other protobuf client interoperates. :data:`GET_METHOD` and
+:data:`PUT_METHOD` name the methods that use them.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import Layout, dtype_name
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import HashAlgorithm, Namespace
 from kvstore.v1 import kvstore_pb2 as pb
+
+GET_METHOD = "/kvstore.v1.KVStore/Get"
+PUT_METHOD = "/kvstore.v1.KVStore/Put"
+_CHUNK_DATA_FIELD = pb.BlockChunk.DESCRIPTOR.fields_by_name["data"].number
+_PUT_DATA_FIELD = pb.PutRequest.DESCRIPTOR.fields_by_name["data"].number
 
 MESSAGE_OVERHEAD_BYTES = 4096
 """Room left in every data message for its other fields (namespace, hash, offsets), bytes."""
@@ -129,11 +144,12 @@ def stats_from_pb(message: pb.StatsResponse) -> StoreStats:
     )
 
 
-def iter_chunks(block: bytes, chunk_bytes: int) -> Iterator[tuple[int, bytes, bool]]:
+def iter_chunks(block: bytes | memoryview, chunk_bytes: int) -> Iterator[tuple[int, bytes | memoryview, bool]]:
     """Split one encoded block into ``(offset, data, last)`` chunks of at most ``chunk_bytes`` bytes.
 
-    A block that fits one chunk is yielded as is, without a copy; an empty
-    block is one empty chunk.
+    A block that fits one chunk is yielded as is; otherwise chunks are slices
+    of ``block`` (views, without a copy, when ``block`` is a ``memoryview``).
+    An empty block is one empty chunk.
     """
     total = len(block)
     if total <= chunk_bytes:
@@ -144,6 +160,147 @@ def iter_chunks(block: bytes, chunk_bytes: int) -> Iterator[tuple[int, bytes, bo
         yield offset, block[offset:end], end == total
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise InvalidArgumentError("malformed message: a varint runs past its end")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def encode_with_data(head: bytes, field_number: int, data: bytes | memoryview) -> bytes:
+    """A serialized message: ``head`` (its other fields, already serialized) plus the bytes field ``data``.
+
+    Args:
+        head: ``SerializeToString()`` of the message with ``data`` unset.
+        field_number: number of the ``data`` field.
+        data: the field's value; copied once, into the result.
+    """
+    return b"".join((head, _varint(field_number << 3 | 2), _varint(len(data)), data))
+
+
+def split_data_field(message: bytes, field_number: int) -> tuple[bytes, memoryview]:
+    """Split a serialized message into its other fields and the value of one bytes field, without copying it.
+
+    Args:
+        message: a serialized protobuf message.
+        field_number: number of a length-delimited field (the last occurrence wins, as in protobuf).
+
+    Returns:
+        ``(rest, data)``: the message without that field (for protobuf to parse)
+        and a view of the field's bytes inside ``message`` (empty if absent).
+
+    Raises:
+        InvalidArgumentError: if the message is not well-formed protobuf.
+    """
+    view = memoryview(message)
+    kept: list[memoryview] = []
+    data = view[0:0]
+    pos, end = 0, len(view)
+    while pos < end:
+        start = pos
+        tag, pos = _read_varint(view, pos)
+        wire_type = tag & 7
+        if wire_type == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(view, pos)
+            if tag >> 3 == field_number:
+                if pos + length > end:
+                    raise InvalidArgumentError("malformed message: a field runs past its end")
+                data = view[pos: pos + length]
+                pos += length
+                continue
+            pos += length
+        else:
+            raise InvalidArgumentError(f"malformed message: unsupported wire type {wire_type}")
+        if pos > end:
+            raise InvalidArgumentError("malformed message: a field runs past its end")
+        kept.append(view[start:pos])
+    rest = kept[0].tobytes() if len(kept) == 1 else b"".join(kept)
+    return rest, data
+
+
+class Chunk(NamedTuple):
+    """A received data message: its small fields parsed by protobuf, its ``data`` as a view.
+
+    Attributes:
+        message: the ``BlockChunk`` or ``PutRequest`` without its ``data`` field.
+        data: the block bytes it carried, a view of the received message.
+    """
+
+    message: pb.BlockChunk | pb.PutRequest
+    data: memoryview
+
+
+def encode_block_chunk(block_index: int, offset: int, total_bytes: int, data: bytes | memoryview,
+                       last: bool) -> bytes:
+    """A serialized ``BlockChunk`` (the Get reply message) carrying ``data``."""
+    head = pb.BlockChunk(block_index=block_index, offset=offset, total_bytes=total_bytes, last=last)
+    return encode_with_data(head.SerializeToString(), _CHUNK_DATA_FIELD, data)
+
+
+def decode_block_chunk(message: bytes) -> Chunk:
+    """Parse a serialized ``BlockChunk``; the data stays in ``message``.
+
+    Raises:
+        InvalidArgumentError: on malformed protobuf.
+    """
+    rest, data = split_data_field(message, _CHUNK_DATA_FIELD)
+    return Chunk(_parse(pb.BlockChunk, rest), data)
+
+
+def decode_put_request(message: bytes) -> Chunk:
+    """Parse a serialized ``PutRequest``; the data stays in ``message``.
+
+    Raises:
+        InvalidArgumentError: on malformed protobuf.
+    """
+    rest, data = split_data_field(message, _PUT_DATA_FIELD)
+    return Chunk(_parse(pb.PutRequest, rest), data)
+
+
+def _parse(message_type: type, data: bytes):  # type: ignore[no-untyped-def]
+    try:
+        return message_type.FromString(data)
+    except Exception as exc:  # google.protobuf.message.DecodeError
+        raise InvalidArgumentError(f"malformed {message_type.__name__}: {exc}") from None
+
+
+def identity(message: bytes) -> bytes:
+    """The (de)serializer of messages that :func:`encode_with_data` already serialized."""
+    return message
+
+
+def iter_block_chunks(blocks: Sequence[bytes], chunk_bytes: int) -> Iterator[bytes]:
+    """Serialized ``BlockChunk`` messages of a Get reply: every block's chunks, in order."""
+    for index, block in enumerate(blocks):
+        total = len(block)
+        view = memoryview(block) if total > chunk_bytes else block
+        for offset, data, last in iter_chunks(view, chunk_bytes):
+            yield encode_block_chunk(index, offset, total, data, last)
+
+
 def put_requests(
     namespace: Namespace,
     block_hashes: Sequence[bytes],
@@ -152,8 +309,8 @@ def put_requests(
     *,
     priority: int | None = None,
     retention_s: float | None = None,
-) -> Iterator[pb.PutRequest]:
-    """The client-streaming messages of one Put, lazily: namespace first, then every block's chunks.
+) -> Iterator[bytes]:
+    """The serialized client-streaming messages of one Put, lazily: namespace first, then every block's chunks.
 
     Args:
         namespace: namespace of every block.
@@ -162,31 +319,36 @@ def put_requests(
         chunk_bytes: largest data field of one message, bytes.
         priority: retention priority, or ``None`` for the server's default.
         retention_s: seconds the priority holds, or ``None``.
+
+    Yields:
+        ``PutRequest`` messages, serialized (send them with :func:`identity`).
     """
     first = True
     for index, (block_hash, block) in enumerate(zip(block_hashes, blocks)):
-        for offset, data, _ in iter_chunks(block, chunk_bytes):
-            message = pb.PutRequest(block_index=index, offset=offset, data=data)
+        view = memoryview(block) if len(block) > chunk_bytes else block
+        for offset, data, _ in iter_chunks(view, chunk_bytes):
+            head = pb.PutRequest(block_index=index, offset=offset)
             if offset == 0:
-                message.block_hash = bytes(block_hash)
-                message.total_bytes = len(block)
+                head.block_hash = bytes(block_hash)
+                head.total_bytes = len(block)
             if first:
-                message.namespace.CopyFrom(namespace_to_pb(namespace))
+                head.namespace.CopyFrom(namespace_to_pb(namespace))
                 if priority is not None:
-                    message.priority = priority
+                    head.priority = priority
                 if retention_s is not None:
-                    message.retention_s = retention_s
+                    head.retention_s = retention_s
                 first = False
-            yield message
+            yield encode_with_data(head.SerializeToString(), _PUT_DATA_FIELD, data)
 
 
 class BlockAssembler:
     """Reassembles blocks from in-order chunks and checks that the stream is whole.
 
     Used by the server for Put streams and by the clients for Get streams.
-    Chunks of one block are kept as a list and joined once at the end (one
-    copy, and none for a block that arrived as a single chunk), so the result
-    is immutable ``bytes`` that the store keeps without copying again.
+    Chunks of one block (views of the received messages) are kept as a list
+    and joined once when the block is complete: one copy, whose result is
+    immutable ``bytes`` that the store keeps without copying again (the store
+    would copy a ``bytearray``, so preallocating one would cost a second copy).
 
     Args:
         max_block_bytes: largest block accepted, bytes; a larger ``total_bytes``
@@ -198,7 +360,7 @@ class BlockAssembler:
         self.max_block_bytes = max_block_bytes
         self.max_blocks = max_blocks
         self.blocks: list[bytes] = []
-        self._parts: list[bytes] = []
+        self._parts: list[bytes | memoryview] = []
         self._received = 0
         self._total = -1  # no block open
 
@@ -230,7 +392,7 @@ class BlockAssembler:
         self._received = 0
         self._parts = []
 
-    def add(self, block_index: int, offset: int, data: bytes) -> None:
+    def add(self, block_index: int, offset: int, data: bytes | memoryview) -> None:
         """Append one chunk of the open block.
 
         Raises:
@@ -273,7 +435,13 @@ class BlockAssembler:
                 f"block {len(self.blocks)} is truncated: {self._received} of {self._total} bytes arrived"
             )
         parts = self._parts
-        self.blocks.append(parts[0] if len(parts) == 1 else b"".join(parts))
+        if len(parts) == 1 and type(parts[0]) is bytes:
+            block = parts[0]
+        elif len(parts) == 1:
+            block = parts[0].tobytes()  # type: ignore[union-attr]
+        else:
+            block = b"".join(parts)
+        self.blocks.append(block)
         self._parts = []
         self._total = -1
         self._received = 0

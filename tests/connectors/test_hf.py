@@ -278,3 +278,36 @@ def test_prompt_shorter_than_a_block_works_and_stores_nothing(store):
         conn.flush()
         assert conn.stats().num_blocks_saved == 0
     assert result.token_ids == reference(model, ids)
+
+
+def test_cache_keyword_follows_the_installed_transformers():
+    from kvstore.connectors.hf import _cache_keyword
+
+    class EarlierFiveX:  # transformers 5.0 spelled the keyword past_key_values
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return None
+
+    class NoCache:
+        def forward(self, input_ids=None):
+            return None
+
+    assert _cache_keyword(tiny_model()) == "cache"  # 5.24: cache=, past_key_values= deprecated
+    assert _cache_keyword(EarlierFiveX()) == "past_key_values"
+    with pytest.raises(InvalidArgumentError, match="neither"):
+        _cache_keyword(NoCache())
+
+
+def test_sliding_window_past_the_window_still_matches(store):
+    config = tiny_model("mistral").config
+    config.sliding_window = 20  # the cache keeps 19 tokens per layer
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    ids = prompt(45)
+    with HFConnector(model, store, block_size=8, model_id="tiny-window") as conn:
+        conn.generate(ids, MAX_NEW_TOKENS)
+        conn.flush()
+        result = conn.generate(ids, MAX_NEW_TOKENS)
+        stats = conn.stats()
+    assert stats.num_saves_skipped >= 1  # the layers no longer hold the whole prompt: nothing saved
+    assert result.num_cached_tokens == 0
+    assert result.token_ids == reference(model, ids)

@@ -99,9 +99,14 @@ def test_malformed_hash_length_is_invalid_argument(stub: pb_grpc.KVStoreStub, cl
         assert code == INVALID and "block hash must be 16 bytes" in details
     if length:  # an empty hash is indistinguishable from a continuation chunk: a different error
         code, details = _code_of(lambda: stub.Put(
-            put_requests(ns, [hashes[0], b"\x01" * length], encode_blocks_of(ns, tensors), 1 << 20)))
+            iter(_messages(ns, [hashes[0], b"\x01" * length], encode_blocks_of(ns, tensors), 1 << 20))))
         assert code == INVALID and "block hash must be 16 bytes" in details
     _unchanged(client, server, stored, before)
+
+
+def _messages(ns: Namespace, hashes: list[bytes], blocks: list[bytes], chunk_bytes: int) -> list[pb.PutRequest]:
+    """The client's serialized Put stream, parsed back by plain protobuf (which also checks it interoperates)."""
+    return [pb.PutRequest.FromString(m) for m in put_requests(ns, hashes, blocks, chunk_bytes)]
 
 
 def encode_blocks_of(ns: Namespace, tensors: list[torch.Tensor]) -> list[bytes]:
@@ -154,7 +159,7 @@ def test_truncated_put_stream_stores_nothing(stub: pb_grpc.KVStoreStub, client: 
     ns, _, _ = stored
     before = client.stats().tier("memory").blocks
     hashes, tensors = kv_blocks(ns, 2, first_token=7000)
-    messages = list(put_requests(ns, hashes, encode_blocks_of(ns, tensors), 4096))
+    messages = _messages(ns, hashes, encode_blocks_of(ns, tensors), 4096)
     code, details = _code_of(lambda: stub.Put(iter(messages[:-1])))  # the last chunk never comes
     assert code == INVALID and "truncated" in details
     code, details = _code_of(lambda: stub.Put(iter(messages[:3] + messages[4:])))  # a chunk goes missing
@@ -170,7 +175,7 @@ def test_put_stream_past_its_deadline_stores_nothing(stub: pb_grpc.KVStoreStub, 
     ns, _, _ = stored
     before = client.stats().tier("memory").blocks
     hashes, tensors = kv_blocks(ns, 2, first_token=8000)
-    messages = list(put_requests(ns, hashes, encode_blocks_of(ns, tensors), 4096))
+    messages = _messages(ns, hashes, encode_blocks_of(ns, tensors), 4096)
 
     def stalling() -> Iterator[pb.PutRequest]:
         yield from messages[:-1]
