@@ -208,8 +208,18 @@ def block_key(namespace: Namespace, block_hash: bytes) -> BlockKey:
 
 
 def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[BlockKey]:
-    """:func:`block_key` over a sequence of hashes."""
-    return [block_key(namespace, h) for h in block_hashes]
+    """:func:`block_key` over a sequence of hashes (one length check each, no per-key call).
+
+    Raises:
+        InvalidArgumentError: if any hash length does not match the namespace's algorithm.
+    """
+    hashes = list(block_hashes)
+    width = namespace.hash_bytes
+    for h in hashes:
+        if len(h) != width:
+            block_key(namespace, h)  # raises, naming the lengths
+    tag = namespace.tag
+    return [tag + h for h in hashes]  # type: ignore[misc]
 
 
 def split_key(key: BlockKey) -> tuple[bytes, BlockHash]:

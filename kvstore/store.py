@@ -37,7 +37,7 @@ from kvstore.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
+from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.policy import PriorityLRUPolicy, check_priority
 from kvstore.tiers.base import BlockMeta, Tier, TierFullError
 
@@ -87,6 +87,7 @@ class TieredStore:
         self._clock = clock
         self._policies = [PriorityLRUPolicy(self.config.default_priority) for _ in self._tiers]
         self._locks = [asyncio.Lock() for _ in self._tiers]
+        self._tag_bytes: dict[bytes, int] = {}  # namespace tag -> local bytes, for tenant quotas
         self._counters = [_Counters() for _ in range(len(self._tiers) + (shared is not None))]
         self._pending: dict[BlockKey, asyncio.Future[BaseException | None]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -107,7 +108,7 @@ class TieredStore:
                 if self._tier_of(entry.key) is not None:
                     stale.append(entry.key)  # a copy left by a crash mid-move; the upper tier wins
                     continue
-                policy.insert(entry.key, tier.footprint(entry.nbytes), entry.meta.priority, entry.meta.expires_at)
+                self._publish(level, entry.key, tier.footprint(entry.nbytes), entry.meta.priority, entry.meta.expires_at)
             if stale:
                 await tier.delete(stale)
             if entries:
@@ -161,12 +162,8 @@ class TieredStore:
         """
         self._check_open()
         keys = block_keys(namespace, block_hashes)
-        names: list[str] = []
-        for key in keys:
-            level = self._tier_of(key)
-            if level is None:
-                break
-            names.append(self._tiers[level].name)
+        tier_names = [tier.name for tier in self._tiers]
+        names = [tier_names[level] for level in self._locate_prefix(keys)]
         if self._shared is not None and len(names) < len(keys):
             for present in await self._shared.contains(keys[len(names):]):
                 if not present:
@@ -187,12 +184,7 @@ class TieredStore:
         """
         self._check_open()
         keys = block_keys(namespace, block_hashes)
-        levels: list[int] = []
-        for key in keys:
-            level = self._tier_of(key)
-            if level is None:
-                break
-            levels.append(level)
+        levels = self._locate_prefix(keys)
         leased = list(zip(keys, levels))
         for key, level in leased:
             self._policies[level].pin(key)
@@ -204,7 +196,7 @@ class TieredStore:
         hit = len(values)
         if hit < len(leased):  # a corrupt record ends the prefix; the tier deleted it
             key, level = leased[hit]
-            self._policies[level].remove(key)
+            self._forget(level, key)
         elif self._shared is not None and hit < len(keys):
             for value in await self._shared.get(keys[hit:]):
                 if value is None:
@@ -348,6 +340,44 @@ class TieredStore:
         if self._closed:
             raise UnavailableError("the store is closed")
 
+    def namespace_bytes(self, tag: bytes) -> int:
+        """Capacity bytes the blocks of one namespace (by its :attr:`Namespace.tag`) hold in local tiers."""
+        return self._tag_bytes.get(tag, 0)
+
+    def _publish(self, level: int, key: BlockKey, nbytes: int, priority: int, expires_at: float) -> None:
+        self._policies[level].insert(key, nbytes, priority, expires_at)
+        tag = key[:NAMESPACE_TAG_BYTES]
+        self._tag_bytes[tag] = self._tag_bytes.get(tag, 0) + nbytes
+
+    def _forget(self, level: int, key: BlockKey) -> None:
+        nbytes = self._policies[level].remove(key)
+        if nbytes:
+            tag = key[:NAMESPACE_TAG_BYTES]
+            left = self._tag_bytes[tag] - nbytes
+            if left:
+                self._tag_bytes[tag] = left
+            else:
+                del self._tag_bytes[tag]
+
+    def _locate_prefix(self, keys: list[BlockKey]) -> list[int]:
+        """The local tier of each block of the longest locally cached prefix of ``keys``."""
+        levels: list[int | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for level, policy in enumerate(self._policies):
+            if not pending:
+                break
+            found = policy.contains_many([keys[i] for i in pending])
+            for i, hit in zip(pending, found):
+                if hit:
+                    levels[i] = level
+            pending = [i for i, hit in zip(pending, found) if not hit]
+        prefix: list[int] = []
+        for level in levels:
+            if level is None:
+                break
+            prefix.append(level)
+        return prefix
+
     def _tier_of(self, key: BlockKey) -> int | None:
         for level, policy in enumerate(self._policies):
             if key in policy:
@@ -449,7 +479,7 @@ class TieredStore:
         self._counters[len(self._tiers) if source is None else source].promotions += len(placed)
         if source is not None and placed:
             for key in placed:
-                self._policies[source].remove(key)
+                self._forget(source, key)
             await self._tiers[source].delete(placed)
 
     async def _place(
@@ -545,7 +575,7 @@ class TieredStore:
                     if self._stale(keys[i], level, source):
                         stale.append(keys[i])
                     else:
-                        policy.insert(keys[i], sizes[i], metas[i].priority, metas[i].expires_at)
+                        self._publish(level, keys[i], sizes[i], metas[i].priority, metas[i].expires_at)
                         published.append(keys[i])
                 if stale:
                     await tier.delete(stale)
@@ -596,7 +626,7 @@ class TieredStore:
                 stored = await self._shared.put(keys, [v for _, v in found], metas)
                 self._counters[-1].demotions += sum(stored)
         for key in victims:
-            policy.remove(key)
+            self._forget(level, key)
         self._counters[level].evictions += len(victims)
         await self._tiers[level].delete(victims)
 
@@ -605,7 +635,7 @@ class TieredStore:
         for key in keys:
             for level, policy in enumerate(self._policies):
                 if key in policy:
-                    policy.remove(key)
+                    self._forget(level, key)
                     by_level.setdefault(level, []).append(key)
         for level, found in by_level.items():
             await self._tiers[level].delete(found)

@@ -324,3 +324,17 @@ def test_embedded_store_round_trip_and_fork(tmp_path) -> None:
     with open_store(config) as store:  # closing demoted the memory tier to disk
         assert store.stats().tier("disk").blocks == 2
         assert store.get(NS, hashes) == [encode_block(t) for t in tensors]
+
+
+async def test_namespace_bytes_follow_puts_evictions_and_deletes(two_tier: TieredStore) -> None:
+    store = two_tier
+    other_ns = dataclasses.replace(NS, cache_salt="tenant-b")
+    hashes, blocks = make_blocks(5)
+    await store.put(NS, hashes, blocks)
+    await store.put(other_ns, *make_blocks(1, ns=other_ns))
+    stats = store.stats()
+    total = stats.tier("memory").bytes + stats.tier("disk").bytes
+    assert store.namespace_bytes(NS.tag) + store.namespace_bytes(other_ns.tag) == total
+    assert store.namespace_bytes(other_ns.tag) > 0
+    await store.clear(NS)
+    assert store.namespace_bytes(NS.tag) == 0
