@@ -7,7 +7,10 @@ status code and a message (gRPC's own guidance in ``doc/statuscodes.md``):
 exception                      status code             typical cause
 =============================  ======================  ==========================================
 InvalidArgumentError (+codec)  INVALID_ARGUMENT        bad hash, namespace, dtype, header, checksum
-ResourceExhaustedError         RESOURCE_EXHAUSTED      block over max_block_bytes, no room to evict
+ResourceExhaustedError         RESOURCE_EXHAUSTED      block over max_block_bytes, no room to evict,
+                                                       tenant quota spent, too many calls in flight
+UnauthenticatedError           UNAUTHENTICATED         no bearer token, or an unknown one
+PermissionDeniedError          PERMISSION_DENIED       the token does not cover the namespace's tenant
 UnavailableError               UNAVAILABLE             store closed, server shutting down
 DeadlineExceededError          DEADLINE_EXCEEDED       the call's deadline passed
 anything else                  INTERNAL                a bug; logged with its traceback
@@ -34,7 +37,7 @@ class DeadlineExceededError(UnavailableError, TimeoutError):
 
 
 class RemoteError(KVStoreError):
-    """A status with no more specific kvstore error (e.g. INTERNAL, UNIMPLEMENTED, UNAUTHENTICATED).
+    """A status with no more specific kvstore error (e.g. INTERNAL, UNIMPLEMENTED); base of the auth errors.
 
     Attributes:
         code: the gRPC status code.
@@ -45,9 +48,31 @@ class RemoteError(KVStoreError):
         self.code = code
 
 
+class UnauthenticatedError(RemoteError):
+    """A call carried no bearer token, or one the server does not know (gRPC UNAUTHENTICATED).
+
+    Raised by the server's call guard (``kvstore.server.auth``) and, client
+    side, by :func:`error_of`. The message never repeats the token.
+    """
+
+    def __init__(self, message: str) -> None:
+        KVStoreError.__init__(self, message)
+        self.code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(RemoteError):
+    """A valid token that does not cover the tenant (``cache_salt``) of the call's namespace (gRPC PERMISSION_DENIED)."""
+
+    def __init__(self, message: str) -> None:
+        KVStoreError.__init__(self, message)
+        self.code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _ERROR_TO_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     # most specific first: DeadlineExceededError is also an UnavailableError
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
@@ -60,6 +85,8 @@ _STATUS_TO_ERROR: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -91,8 +118,9 @@ def error_of(code: grpc.StatusCode, details: str | None) -> KVStoreError:
 
     Returns:
         An :class:`InvalidArgumentError`, :class:`ResourceExhaustedError`,
-        :class:`UnavailableError`, :class:`DeadlineExceededError` or, for any
-        other code, a :class:`RemoteError` carrying it.
+        :class:`UnavailableError`, :class:`DeadlineExceededError`,
+        :class:`UnauthenticatedError`, :class:`PermissionDeniedError` or, for
+        any other code, a :class:`RemoteError` carrying it.
     """
     message = details or code.name
     error_type = _STATUS_TO_ERROR.get(code)

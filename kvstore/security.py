@@ -1,0 +1,126 @@
+"""Client-side security helpers: TLS channel credentials, bearer-token metadata, and making tokens.
+
+A client of a node that runs with TLS and token authentication (see
+``docs/security.md``)::
+
+    from kvstore.client import KVStoreClient
+    from kvstore.security import bearer_metadata, channel_credentials
+
+    client = KVStoreClient(
+        "kvstore.internal:50051",
+        credentials=channel_credentials("ca.crt", cert_file="client.crt", key_file="client.key"),
+        metadata=bearer_metadata(os.environ["KVSTORE_TOKEN"]),
+    )
+
+``python -m kvstore.security`` prints a fresh random token and the
+``token_sha256`` line that puts it in a tokens file without the token itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from pathlib import Path
+
+import grpc
+
+from kvstore.errors import ConfigError
+
+AUTHORIZATION_KEY = "authorization"
+"""The metadata key of the bearer token (gRPC metadata keys are lower case; RFC 6750 section 2.1)."""
+
+BEARER_SCHEME = "Bearer"
+"""The authentication scheme of :data:`AUTHORIZATION_KEY` values (RFC 6750)."""
+
+MIN_TOKEN_CHARS = 16
+"""The shortest token a server accepts in its configuration, characters."""
+
+DEFAULT_TOKEN_BYTES = 32
+"""Random bytes in a token made by :func:`new_token` (256 bits, URL-safe base64: 43 characters)."""
+
+
+def token_sha256(token: str) -> str:
+    """The lowercase hex SHA-256 of a token's UTF-8 bytes: what a tokens file stores as ``token_sha256``.
+
+    Args:
+        token: the bearer token, as sent by clients.
+
+    Returns:
+        64 hex characters.
+    """
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def new_token(num_bytes: int = DEFAULT_TOKEN_BYTES) -> str:
+    """A fresh random bearer token from the OS CSPRNG (``secrets.token_urlsafe``).
+
+    Args:
+        num_bytes: random bytes in the token (the text is about 1.3 times longer).
+
+    Raises:
+        ValueError: if ``num_bytes`` is under 16 (128 bits).
+    """
+    if num_bytes < 16:
+        raise ValueError(f"a token needs at least 16 random bytes, got {num_bytes}")
+    return secrets.token_urlsafe(num_bytes)
+
+
+def bearer_metadata(token: str) -> list[tuple[str, str]]:
+    """The call metadata that authenticates a client: ``[("authorization", "Bearer <token>")]``.
+
+    Pass it as ``KVStoreClient(..., metadata=bearer_metadata(token))``.
+
+    Raises:
+        ValueError: if the token is empty or holds whitespace or non-ASCII
+            characters (gRPC metadata values must be printable ASCII).
+    """
+    if not token or not token.isascii() or any(c.isspace() or not c.isprintable() for c in token):
+        raise ValueError("a bearer token must be non-empty printable ASCII without whitespace")
+    return [(AUTHORIZATION_KEY, f"{BEARER_SCHEME} {token}")]
+
+
+def channel_credentials(
+    ca_file: str | Path | None = None,
+    *,
+    cert_file: str | Path | None = None,
+    key_file: str | Path | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS credentials for a client channel, from PEM files; pass them as ``KVStoreClient(credentials=...)``.
+
+    Args:
+        ca_file: CA certificate(s) that the server's certificate must chain to;
+            ``None`` for the system's roots.
+        cert_file: client certificate, for a server that requires mutual TLS.
+        key_file: the client certificate's private key.
+
+    Raises:
+        ConfigError: if only one of ``cert_file`` and ``key_file`` is given, or a
+            file cannot be read.
+    """
+    if bool(cert_file) != bool(key_file):
+        raise ConfigError("tls", "a client certificate and its key must be given together")
+
+    def read(path: str | Path | None) -> bytes | None:
+        if not path:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError("tls", f"cannot read {path}: {exc}") from exc
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca_file), private_key=read(key_file), certificate_chain=read(cert_file)
+    )
+
+
+def main() -> None:
+    """Print a new token and the tokens-file entry that holds only its SHA-256."""
+    token = new_token()
+    print(f"token:        {token}")
+    print(f"token_sha256: {token_sha256(token)}")
+    print("tokens file entry:")
+    print(f"  - name: <who>\n    token_sha256: {token_sha256(token)}\n    tenants: [<cache_salt>]")
+
+
+if __name__ == "__main__":
+    main()
