@@ -1,31 +1,61 @@
-"""Clients of a ``kvstore serve`` node: ``KVStoreClient`` (synchronous) and ``AsyncKVStoreClient`` (asyncio).
+"""Clients of ``kvstore serve`` nodes: ``KVStoreClient`` (synchronous) and ``AsyncKVStoreClient`` (asyncio).
 
 Both implement :class:`kvstore.api.BlockClient`, so a connector takes either
 or the embedded store. Every call has a deadline (``timeout_s``, covering all
-its retries), the number of calls in flight is bounded (``max_inflight``), and
-calls that are safe to repeat are retried on UNAVAILABLE with exponential
-backoff and full jitter (the AWS Architecture Blog's "Exponential Backoff and
-Jitter"). Status errors are raised as kvstore's typed errors through the one
-mapping in ``kvstore.server.errors``.
+its retries and, with several nodes, all of its fan-out), the number of calls
+in flight is bounded (``max_inflight``), and calls that are safe to repeat are
+retried on UNAVAILABLE with exponential backoff and full jitter (the AWS
+Architecture Blog's "Exponential Backoff and Jitter"). Status errors are raised
+as kvstore's typed errors through the one mapping in ``kvstore.server.errors``.
 
 Retried calls: lookup, get, delete, clear, stats, health and put. Put is
 idempotent because a block hash names its content (the chained hash of the
 prefix in the namespace) and a put of a key already stored is a no-op; a put
 retried after a lost reply may therefore report fewer blocks as newly stored.
 
+Several nodes. ``KVStoreClient(["a:50051", "b:50051", "c:50051"])`` (or
+``targets=[...]``) spreads blocks over the nodes by rendezvous hashing
+(:mod:`kvstore.routing`: ``owner(h) = argmax_n XXH3_64(h, seed=XXH3_64(node id))``,
+Thaler & Ravishankar 1998; the node id is the target string, so every client
+must list a node under the same name):
+
+* lookup asks every node that owns some of the hashes, in parallel, for its own
+  hashes in order, and merges the answers into the longest prefix (block ``i``
+  is a hit iff its position in its owner's sub-list is below that owner's
+  prefix; the prefix ends at the first miss);
+* get fetches from the owners in parallel and merges in order, cutting at the
+  first miss; put sends each block to its owner, delete to the owners; clear
+  goes to every node and returns the sum; stats returns the tier-by-tier sum
+  over the nodes that answered (:meth:`KVStoreClient.node_stats` gives each node's).
+
+A node that cannot be reached (UNAVAILABLE or DEADLINE_EXCEEDED after the
+retries) is marked down and the call goes on without it: its blocks are misses,
+puts, deletes and clears to it are skipped, and no error reaches the caller.
+Other errors (a malformed request, RESOURCE_EXHAUSTED, an auth failure) still
+raise, as with one node. A down node's blocks are not re-routed, so a node that
+flaps moves no keys. The node stays down for a backoff (``down_backoff_s``,
+doubling per failure up to ``max_down_backoff_s``); after it, the next call
+starts a ``grpc.health.v1`` probe in the background, and a SERVING answer
+brings the node back. Health is thus probed lazily, by the client's own
+traffic; a client that makes no calls probes nothing.
+
+With a single target the client behaves as before: a failed call raises (after
+its retries). Credentials, metadata and channel options apply to every target.
+
 Fork safety: gRPC channels must not cross ``fork``. Each client remembers the
 process id that opened its channel; in a forked child the first call opens a
 fresh channel (with its own subchannel pool, so no connection of the parent is
 reused) and leaves the parent's untouched. gRPC's core fork handling must be
 on, which it is unless ``GRPC_ENABLE_FORK_SUPPORT`` is set false; then a child
-gets :class:`UnavailableError` at once instead of a hang.
+gets :class:`UnavailableError` at once instead of a hang. The worker threads of
+a synchronous client of several nodes are likewise started afresh in a child.
 
 Example::
 
     from kvstore import Namespace, hash_blocks
     from kvstore.client import KVStoreClient
 
-    with KVStoreClient("127.0.0.1:50051") as client:
+    with KVStoreClient(["10.0.0.1:50051", "10.0.0.2:50051"]) as client:
         ns = Namespace(model="my-llama", dtype="float16", block_size=16)
         hashes = hash_blocks(ns, token_ids)
         client.put(ns, hashes, tensors)            # [L, 2, H, 16, D] each
@@ -42,17 +72,27 @@ import random
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.api import Block, LookupResult, StoreStats
+from kvstore.api import Block, LookupResult, StoreStats, TierStats
 from kvstore.codec import decode_block
 from kvstore.embedded import encode_blocks
-from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
 from kvstore.keys import BlockHash, Namespace
+from kvstore.routing import (
+    DEFAULT_DOWN_BACKOFF_S,
+    DEFAULT_MAX_DOWN_BACKOFF_S,
+    Membership,
+    NodeStatus,
+    Partition,
+    RendezvousRouter,
+)
 from kvstore.server.errors import RETRYABLE_CODES, DeadlineExceededError, error_of
 from kvstore.server.wire import (
     GET_METHOD,
@@ -84,7 +124,13 @@ RECONNECT_BACKOFF_MS = (100, 2000)
 """First and largest pause between reconnection attempts of a channel, milliseconds."""
 CONNECT_TIMEOUT_MS = 1000
 """Shortest time one connection attempt may take (gRPC's ``min_reconnect_backoff_ms``), milliseconds."""
+DEFAULT_PROBE_TIMEOUT_S = 1.0
+"""Deadline of one health probe of a down node, seconds."""
 _FALSE = ("0", "false", "no", "off")
+_MAX_WORKERS = 256
+"""Most worker threads of a synchronous client of several nodes (created as calls need them)."""
+_GRACE_S = 0.5
+"""How long past a call's deadline its caller waits for a node's part to finish, seconds (each part has the deadline itself)."""
 _NO_BLOCK_LIMIT = sys.maxsize
 
 
@@ -219,8 +265,12 @@ def _raise_typed(exc: grpc.RpcError) -> None:
     raise error_of(exc.code(), exc.details()) from None  # type: ignore[attr-defined]
 
 
+def _hash_list(block_hashes: Sequence[BlockHash]) -> list[bytes]:
+    return [bytes(h) for h in block_hashes]
+
+
 def _get_request(namespace: Namespace, block_hashes: Sequence[BlockHash]) -> pb.GetRequest:
-    return pb.GetRequest(namespace=namespace_to_pb(namespace), block_hashes=[bytes(h) for h in block_hashes])
+    return pb.GetRequest(namespace=namespace_to_pb(namespace), block_hashes=_hash_list(block_hashes))
 
 
 def _check_put(block_hashes: Sequence[BlockHash], blocks: Sequence[Block]) -> None:
@@ -232,28 +282,155 @@ def _assembler(num_blocks: int) -> BlockAssembler:
     return BlockAssembler(_NO_BLOCK_LIMIT, max(1, num_blocks))
 
 
-class KVStoreClient:
-    """A synchronous, thread-safe client of one kvstore node; a :class:`~kvstore.api.BlockClient`.
+def resolve_targets(target: str | Sequence[str] | None, targets: Sequence[str] | None) -> tuple[str, ...]:
+    """The node targets of a client from its ``target`` and ``targets`` arguments, duplicates dropped.
 
     Args:
-        target: ``host:port`` of the node.
-        timeout_s: deadline of every call, seconds, covering its retries.
+        target: one ``host:port``, or a sequence of them.
+        targets: a sequence of ``host:port`` (give this or ``target``, not both).
+
+    Returns:
+        The targets in the order given, each once (a node listed twice is one node).
+
+    Raises:
+        InvalidArgumentError: if both or neither are given, or no target, or an empty one.
+    """
+    if (target is None) == (targets is None):
+        raise InvalidArgumentError("give either target or targets")
+    given = target if target is not None else targets
+    listed = [given] if isinstance(given, str) else list(given or ())
+    if not listed or not all(isinstance(t, str) and t for t in listed):
+        raise InvalidArgumentError(f"targets must be non-empty host:port strings, got {given!r}")
+    return tuple(dict.fromkeys(listed))
+
+
+def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
+    """The tier-by-tier sum of several nodes' stats (tiers in order of first appearance).
+
+    Every count is summed, ``counters`` key by key; ``blocks`` is ``-1`` when any
+    node reports ``-1`` for that tier (e.g. a shared Redis). Nodes that share one
+    Redis each count their own Redis hits, so the sums stay meaningful.
+
+    Args:
+        node_stats: one :class:`StoreStats` per node.
+    """
+    merged: dict[str, dict[str, Any]] = {}
+    for stats in node_stats:
+        for tier in stats.tiers:
+            acc = merged.get(tier.name)
+            if acc is None:
+                merged[tier.name] = {f: getattr(tier, f) for f in _TIER_FIELDS} | {"counters": dict(tier.counters)}
+                continue
+            for f in _TIER_FIELDS:
+                value = getattr(tier, f)
+                acc[f] = -1 if f == "blocks" and (value < 0 or acc[f] < 0) else acc[f] + value
+            for key, count in tier.counters.items():
+                acc["counters"][key] = acc["counters"].get(key, 0) + count
+    return StoreStats(tuple(TierStats(name=name, **fields) for name, fields in merged.items()))
+
+
+_TIER_FIELDS = ("blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions",
+                "corrupt_records")
+
+
+def _merge_health(statuses: Sequence[str | None]) -> str:
+    """``SERVING`` if any node serves, else the first answer; raises if no node answered."""
+    answered = [s for s in statuses if s is not None]
+    if not answered:
+        raise UnavailableError("no kvstore node answered the health check")
+    return "SERVING" if "SERVING" in answered else answered[0]
+
+
+_Job = Callable[[TargetChannel, float], _T]
+"""One node's part of a call: ``job(channel, timeout_s)`` makes one attempt on that node."""
+_AsyncJob = Callable[[TargetChannel, float], Awaitable[_T]]
+
+
+# ---------------------------------------------------------------------- per-node jobs (synchronous)
+
+
+def _lookup_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
+                metadata: Sequence[tuple[str, str]]) -> _Job[LookupResult]:
+    request = pb.LookupRequest(namespace=namespace, block_hashes=_hash_list(block_hashes))
+    return lambda channel, timeout_s: lookup_from_pb(channel.stub.Lookup(request, timeout=timeout_s,
+                                                                         metadata=metadata))
+
+
+def _get_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
+             metadata: Sequence[tuple[str, str]]) -> _Job[list[bytes]]:
+    request = _get_request(namespace, block_hashes)
+
+    def job(channel: TargetChannel, timeout_s: float) -> list[bytes]:
+        assembler = _assembler(len(block_hashes))
+        stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
+        try:
+            for raw in stream:
+                chunk, data = decode_block_chunk(raw)
+                if chunk.offset == 0:
+                    assembler.begin(chunk.block_index, chunk.total_bytes)
+                assembler.add(chunk.block_index, chunk.offset, data)
+        finally:
+            stream.cancel()  # no-op once the stream ended; frees it on an error
+        return assembler.finish()
+
+    return job
+
+
+def _put_job(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: Sequence[bytes], chunk_bytes: int,
+             priority: int | None, retention_s: float | None, metadata: Sequence[tuple[str, str]]) -> _Job[int]:
+    def job(channel: TargetChannel, timeout_s: float) -> int:
+        requests = put_requests(namespace, block_hashes, encoded, chunk_bytes,
+                                priority=priority, retention_s=retention_s)
+        return int(channel.put_call(requests, timeout=timeout_s, metadata=metadata).num_stored)
+
+    return job
+
+
+def _delete_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
+                metadata: Sequence[tuple[str, str]]) -> _Job[int]:
+    request = pb.DeleteRequest(namespace=namespace, block_hashes=_hash_list(block_hashes))
+    return lambda channel, timeout_s: int(channel.stub.Delete(request, timeout=timeout_s,
+                                                              metadata=metadata).num_deleted)
+
+
+def _health_name(reply: health_pb2.HealthCheckResponse) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class KVStoreClient:
+    """A synchronous, thread-safe client of one kvstore node or several; a :class:`~kvstore.api.BlockClient`.
+
+    With several targets, blocks are spread over the nodes by rendezvous hashing
+    and an unreachable node is a miss, not an error (see the module docstring).
+
+    Args:
+        target: ``host:port`` of the node, or a sequence of them (one per node).
+        targets: the nodes' ``host:port``, as a keyword (instead of ``target``).
+        timeout_s: deadline of every call, seconds, covering its retries and its fan-out.
         max_inflight: calls in flight at once across threads; more wait (within
-            their deadline) for a slot.
-        retries: retries of an idempotent call on UNAVAILABLE (0 for none).
+            their deadline) for a slot. A call fanned out to several nodes is one call.
+        retries: retries of an idempotent call on UNAVAILABLE, per node (0 for none).
         backoff_s: base of the exponential backoff, seconds.
         max_backoff_s: cap of one backoff, seconds.
         max_message_bytes: largest gRPC message, bytes; must match the server's
             ``server.max_message_bytes`` (blocks are chunked to fit).
-        credentials: TLS channel credentials (``grpc.ssl_channel_credentials``); ``None`` for plaintext.
-        metadata: ``(key, value)`` pairs sent with every call (e.g. ``authorization``).
-        channel_options: extra gRPC channel options.
+        credentials: TLS channel credentials (``grpc.ssl_channel_credentials``), for every target;
+            ``None`` for plaintext.
+        metadata: ``(key, value)`` pairs sent with every call to every target (e.g. ``authorization``).
+        channel_options: extra gRPC channel options, for every target.
+        probe_timeout_s: deadline of one health probe of a down node, seconds (capped at ``timeout_s``).
+        down_backoff_s: how long a node stays down after its first failure before it is probed, seconds.
+        max_down_backoff_s: cap of that backoff, which doubles per consecutive failure, seconds.
+
+    Raises:
+        InvalidArgumentError: on no target, both ``target`` and ``targets``, or a bad setting.
     """
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str] | None = None,
         *,
+        targets: Sequence[str] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         retries: int = DEFAULT_RETRIES,
@@ -263,93 +440,226 @@ class KVStoreClient:
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         channel_options: Sequence[tuple[str, Any]] = (),
+        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
+        max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
     ) -> None:
-        if timeout_s <= 0 or max_inflight <= 0 or retries < 0:
-            raise InvalidArgumentError("timeout_s and max_inflight must be > 0 and retries >= 0")
-        self.target = target
+        if timeout_s <= 0 or max_inflight <= 0 or retries < 0 or probe_timeout_s <= 0:
+            raise InvalidArgumentError("timeout_s, probe_timeout_s and max_inflight must be > 0 and retries >= 0")
+        self.targets = resolve_targets(target, targets)
+        self.target = self.targets[0]
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.probe_timeout_s = min(probe_timeout_s, timeout_s)
         self.metadata = tuple(metadata)
         self._chunk_bytes = chunk_bytes_for(max_message_bytes)
-        self._channel = TargetChannel(
-            target, max_message_bytes=max_message_bytes, credentials=credentials, options=channel_options
+        self.router = RendezvousRouter(self.targets)
+        self.membership = Membership(self.router.node_ids, base_backoff_s=down_backoff_s,
+                                     max_backoff_s=max_down_backoff_s)
+        self._channels = tuple(
+            TargetChannel(t, max_message_bytes=max_message_bytes, credentials=credentials, options=channel_options)
+            for t in self.router.node_ids
         )
+        self._channel = self._channels[self.router.index(self.target)]
+        self._single = len(self._channels) == 1
         self._pid = os.getpid()
         self._slots = threading.BoundedSemaphore(max_inflight)
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
 
     # ------------------------------------------------------------------ plumbing
 
+    def _after_fork(self) -> None:
+        """In a forked child: fresh slots, lock and worker threads (a parent's thread may have held them)."""
+        if self._pid != os.getpid():
+            self._pid, self._slots = os.getpid(), threading.BoundedSemaphore(self.max_inflight)
+            self._lock, self._executor = threading.Lock(), None
+
+    def _acquire_slot(self) -> threading.BoundedSemaphore:
+        self._after_fork()
+        slots = self._slots
+        if not slots.acquire(timeout=self.timeout_s):
+            raise DeadlineExceededError(f"no free slot of max_inflight={self.max_inflight} within {self.timeout_s} s")
+        return slots
+
+    def _attempts(self, fn: Callable[[float], _T], deadline: float, idempotent: bool = True) -> _T:
+        """Run ``fn(timeout_s)`` until it succeeds, under the deadline and the retry policy.
+
+        Raises:
+            DeadlineExceededError: if the deadline passes.
+            KVStoreError: the typed error of any other failed status.
+        """
+        attempt = 0
+        while True:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
+            try:
+                return fn(remaining_s)
+            except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                if not (idempotent and code in RETRYABLE_CODES and attempt < self.retries):
+                    _raise_typed(exc)
+                pause_s = min(backoff_s(attempt, self.backoff_s, self.max_backoff_s), deadline - time.monotonic())
+                logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
+                time.sleep(max(0.0, pause_s))
+                attempt += 1
+
     def _call(self, fn: Callable[[float], _T], *, idempotent: bool = True) -> _T:
-        """Run ``fn(timeout_s)`` under the deadline, an in-flight slot and the retry policy.
+        """Run ``fn(timeout_s)`` under the deadline, an in-flight slot and the retry policy (one node).
 
         Raises:
             DeadlineExceededError: if the deadline passes (also while waiting for a slot).
             KVStoreError: the typed error of any other failed status.
         """
-        if self._pid != os.getpid():  # a parent's thread may have held slots at fork time
-            self._pid, self._slots = os.getpid(), threading.BoundedSemaphore(self.max_inflight)
         deadline = time.monotonic() + self.timeout_s
-        slots = self._slots
-        if not slots.acquire(timeout=self.timeout_s):
-            raise DeadlineExceededError(f"no free slot of max_inflight={self.max_inflight} within {self.timeout_s} s")
+        slots = self._acquire_slot()
         try:
-            attempt = 0
-            while True:
-                remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0:
-                    raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
-                try:
-                    return fn(remaining_s)
-                except grpc.RpcError as exc:
-                    code = exc.code()  # type: ignore[attr-defined]
-                    if not (idempotent and code in RETRYABLE_CODES and attempt < self.retries):
-                        _raise_typed(exc)
-                    pause_s = min(backoff_s(attempt, self.backoff_s, self.max_backoff_s), deadline - time.monotonic())
-                    logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
-                    time.sleep(max(0.0, pause_s))
-                    attempt += 1
+            return self._attempts(fn, deadline, idempotent)
         finally:
             slots.release()
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=min(_MAX_WORKERS, len(self._channels) * self.max_inflight),
+                    thread_name_prefix="kvstore-client",
+                )
+            return self._executor
+
+    def _fan_out(self, jobs: dict[int, _Job[_T]]) -> list[_T | None]:
+        """Run ``jobs[j]`` on node ``j`` for every key, in parallel, under one deadline and one slot.
+
+        With one target the job runs as a plain call and its errors raise.
+
+        Returns:
+            Per node (in router order): the job's result, or ``None`` for a node
+            with no job, a node that is down, or one the job could not reach.
+
+        Raises:
+            UnavailableError: if the client is closed.
+            KVStoreError: the typed error of a node's failure other than UNAVAILABLE
+                and DEADLINE_EXCEEDED (e.g. INVALID_ARGUMENT).
+        """
+        results: list[_T | None] = [None] * len(self._channels)
+        if self._single:
+            for node, job in jobs.items():
+                results[node] = self._call(lambda t: job(self._channels[node], t))
+            return results
+        if self._closed:
+            raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
+        deadline = time.monotonic() + self.timeout_s
+        slots = self._acquire_slot()
+        try:
+            self._start_probes()
+            with self._lock:
+                live = [node for node in jobs if self.membership.is_up(self.router.node_ids[node])]
+            if not live:
+                return results
+            pool = self._pool() if len(live) > 1 else None
+            futures = {node: pool.submit(self._on_node, node, jobs[node], deadline)
+                       for node in live[1:]} if pool is not None else {}
+            results[live[0]] = self._on_node(live[0], jobs[live[0]], deadline)
+            if futures:
+                done, _ = futures_wait(futures.values(), timeout=max(0.0, deadline - time.monotonic()) + _GRACE_S)
+                for node, future in futures.items():
+                    if future in done:
+                        results[node] = future.result()
+                    else:  # queued behind busy workers until the deadline: a miss, not the node's fault
+                        future.cancel()
+            return results
+        finally:
+            slots.release()
+
+    def _on_node(self, node: int, job: _Job[_T], deadline: float) -> _T | None:
+        """One node's part of a fanned-out call; ``None`` (and the node marked down) if it cannot be reached."""
+        if time.monotonic() >= deadline:
+            return None
+        node_id = self.router.node_ids[node]
+        try:
+            result = self._attempts(lambda t: job(self._channels[node], t), deadline)
+        except UnavailableError as exc:  # also DeadlineExceededError
+            with self._lock:
+                was_up = self.membership.is_up(node_id)
+                wait_s = self.membership.record_failure(node_id)
+            if was_up:
+                logger.warning("kvstore node %s is down (%s); its blocks are misses for %.1f s", node_id, exc, wait_s)
+            return None
+        with self._lock:
+            rejoined = self.membership.record_success(node_id)
+        if rejoined:
+            logger.info("kvstore node %s is up again", node_id)
+        return result
+
+    def _start_probes(self) -> None:
+        with self._lock:
+            due = self.membership.due_probes()
+        for node_id in due:
+            self._pool().submit(self._probe, node_id)
+
+    def _probe(self, node_id: str) -> None:
+        """Health-check a down node (waiting for its connection up to ``probe_timeout_s``) and report the result."""
+        channel = self._channels[self.router.index(node_id)]
+        try:
+            reply = channel.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s,
+                                              metadata=self.metadata, wait_for_ready=True)
+            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except (grpc.RpcError, KVStoreError) as exc:
+            logger.debug("probe of kvstore node %s failed: %s", node_id, exc)
+            ok = False
+        with self._lock:
+            self.membership.probe_done(node_id, ok)
+        if ok:
+            logger.info("kvstore node %s answers SERVING again; it rejoins", node_id)
+
+    def _partition(self, block_hashes: Sequence[BlockHash]) -> tuple[Partition, list[int]]:
+        """The split of ``block_hashes`` by owner and the nodes to ask (every owner; the one node if single)."""
+        partition = self.router.split(block_hashes)
+        return partition, [0] if self._single else partition.nodes_with_blocks()
 
     # ------------------------------------------------------------------ API
 
     def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest cached prefix of ``block_hashes`` and the tier of each of its blocks.
 
+        With several nodes, each owner is asked for its own hashes in parallel and
+        the answers are merged (see the module docstring); a down node's blocks are misses.
+
         Raises:
             InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
-            UnavailableError: if the node cannot be reached within the deadline.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
-        request = pb.LookupRequest(namespace=namespace_to_pb(namespace), block_hashes=[bytes(h) for h in block_hashes])
-        return self._call(lambda t: lookup_from_pb(
-            self._channel.stub.Lookup(request, timeout=t, metadata=self.metadata)))
+        if self._single:
+            job = _lookup_job(namespace_to_pb(namespace), block_hashes, self.metadata)
+            return self._call(lambda t: job(self._channel, t))
+        partition, nodes = self._partition(block_hashes)
+        ns = namespace_to_pb(namespace)
+        results = self._fan_out({j: _lookup_job(ns, partition.sub_list(j, block_hashes), self.metadata)
+                                 for j in nodes})
+        return partition.merge_lookup(results)
 
     def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
         """Encoded blocks of the longest cached prefix, in order; stops at the first miss.
 
+        With several nodes, the owners are asked in parallel and their blocks
+        merged in order up to the first miss (a down node's blocks are misses).
+
         Raises:
             InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
-            UnavailableError: if the node cannot be reached within the deadline.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
-        request = _get_request(namespace, block_hashes)
-
-        def attempt(timeout_s: float) -> list[bytes]:
-            assembler = _assembler(len(block_hashes))
-            stream = self._channel.get_call(request, timeout=timeout_s, metadata=self.metadata)
-            try:
-                for raw in stream:
-                    chunk, data = decode_block_chunk(raw)
-                    if chunk.offset == 0:
-                        assembler.begin(chunk.block_index, chunk.total_bytes)
-                    assembler.add(chunk.block_index, chunk.offset, data)
-            finally:
-                stream.cancel()  # no-op once the stream ended; frees it on an error
-            return assembler.finish()
-
-        return self._call(attempt)
+        if self._single:
+            job = _get_job(namespace, block_hashes, self.metadata)
+            return self._call(lambda t: job(self._channel, t))
+        partition, nodes = self._partition(block_hashes)
+        results = self._fan_out({j: _get_job(namespace, partition.sub_list(j, block_hashes), self.metadata)
+                                 for j in nodes})
+        return partition.merge_blocks(results)
 
     def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
         """Like :meth:`get`, decoded (checksums verified) into CPU tensors that view the received bytes.
@@ -371,10 +681,12 @@ class KVStoreClient:
         priority: int | None = None,
         retention_s: float | None = None,
     ) -> int:
-        """Store blocks (encoded bytes or tensors); returns how many were newly stored.
+        """Store blocks (encoded bytes or tensors), each on its owner; returns how many were newly stored.
 
-        The blocks stream to the node in chunks; it stores them only once the
-        whole stream has arrived and validated, so a failed put stores nothing.
+        The blocks stream to a node in chunks; it stores them only once the
+        whole stream has arrived and validated, so a failed put stores nothing
+        there. With several nodes, each owner gets its blocks in parallel and
+        blocks of a down node are skipped (not counted, no error).
 
         Args:
             namespace: namespace of the blocks.
@@ -387,52 +699,87 @@ class KVStoreClient:
         Raises:
             InvalidArgumentError: on a malformed hash, namespace or block, or a bad priority.
             ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
-            UnavailableError: if the node cannot be reached within the deadline.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
         _check_put(block_hashes, blocks)
         encoded = encode_blocks(namespace, blocks)
-
-        def attempt(timeout_s: float) -> int:
-            requests = put_requests(namespace, block_hashes, encoded, self._chunk_bytes,
-                                    priority=priority, retention_s=retention_s)
-            reply = self._channel.put_call(requests, timeout=timeout_s, metadata=self.metadata)
-            return int(reply.num_stored)
-
-        return self._call(attempt)
+        if self._single:
+            job = _put_job(namespace, block_hashes, encoded, self._chunk_bytes, priority, retention_s, self.metadata)
+            return self._call(lambda t: job(self._channel, t))
+        partition, nodes = self._partition(block_hashes)
+        results = self._fan_out({
+            j: _put_job(namespace, partition.sub_list(j, block_hashes), partition.sub_list(j, encoded),
+                        self._chunk_bytes, priority, retention_s, self.metadata)
+            for j in nodes
+        })
+        return sum(r for r in results if r is not None)
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
-        """Delete blocks from every tier of the node; returns how many were found."""
-        request = pb.DeleteRequest(namespace=namespace_to_pb(namespace), block_hashes=[bytes(h) for h in block_hashes])
-        return self._call(lambda t: int(
-            self._channel.stub.Delete(request, timeout=t, metadata=self.metadata).num_deleted))
+        """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
+        ns = namespace_to_pb(namespace)
+        if self._single:
+            job = _delete_job(ns, block_hashes, self.metadata)
+            return self._call(lambda t: job(self._channel, t))
+        partition, nodes = self._partition(block_hashes)
+        results = self._fan_out({j: _delete_job(ns, partition.sub_list(j, block_hashes), self.metadata)
+                                 for j in nodes})
+        return sum(r for r in results if r is not None)
 
     def clear(self, namespace: Namespace) -> int:
-        """Delete every block of ``namespace`` on the node; returns how many local blocks went."""
+        """Delete every block of ``namespace`` on every node; returns how many local blocks went.
+
+        A node that is down keeps its blocks (no error); clear again once it is back.
+        """
         request = pb.ClearRequest(namespace=namespace_to_pb(namespace))
-        return self._call(lambda t: int(
-            self._channel.stub.Clear(request, timeout=t, metadata=self.metadata).num_deleted))
+        results = self._fan_out({j: (lambda channel, t: int(channel.stub.Clear(
+            request, timeout=t, metadata=self.metadata).num_deleted)) for j in range(len(self._channels))})
+        return sum(r for r in results if r is not None)
 
     def stats(self) -> StoreStats:
-        """Per-tier stats of the node."""
-        return self._call(lambda t: stats_from_pb(
-            self._channel.stub.Stats(pb.StatsRequest(), timeout=t, metadata=self.metadata)))
+        """Per-tier stats: the node's, or with several nodes the tier-by-tier sum (:func:`merge_store_stats`)
+        over the nodes that answered (empty when none did)."""
+        return merge_store_stats(list(self.node_stats().values()))
+
+    def node_stats(self) -> dict[str, StoreStats]:
+        """Per-tier stats of each node that answered, by target.
+
+        Raises:
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        results = self._fan_out({j: (lambda channel, t: stats_from_pb(channel.stub.Stats(
+            pb.StatsRequest(), timeout=t, metadata=self.metadata))) for j in range(len(self._channels))})
+        return {self.router.node_ids[j]: r for j, r in enumerate(results) if r is not None}
 
     def health(self, service: str = "") -> str:
-        """The node's ``grpc.health.v1`` status: ``SERVING``, ``NOT_SERVING``, ``SERVICE_UNKNOWN`` or ``UNKNOWN``.
+        """The ``grpc.health.v1`` status: ``SERVING``, ``NOT_SERVING``, ``SERVICE_UNKNOWN`` or ``UNKNOWN``.
+
+        With several nodes: ``SERVING`` if any up node serves (the client can
+        serve calls), else the first answer in router order.
 
         Args:
             service: ``""`` for the whole server, or ``kvstore.v1.KVStore``.
 
         Raises:
-            UnavailableError: if the node cannot be reached within the deadline.
+            UnavailableError: if no node can be reached within the deadline.
         """
         request = health_pb2.HealthCheckRequest(service=service)
-        reply = self._call(lambda t: self._channel.health_stub.Check(request, timeout=t, metadata=self.metadata))
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        results = self._fan_out({j: (lambda channel, t: _health_name(channel.health_stub.Check(
+            request, timeout=t, metadata=self.metadata))) for j in range(len(self._channels))})
+        return _merge_health(results)
+
+    def nodes(self) -> tuple[NodeStatus, ...]:
+        """A snapshot of each node's membership (up or down, failures, next probe), in router order."""
+        with self._lock:
+            return self.membership.status()
 
     def close(self) -> None:
-        """Close the channel; idempotent. In a forked child this leaves the parent's connection alone."""
-        self._channel.close()
+        """Close the channels and worker threads; idempotent. In a forked child this leaves the parent's connections alone."""
+        self._closed = True
+        executor, self._executor = self._executor, None
+        if executor is not None and self._pid == os.getpid():
+            executor.shutdown(wait=False, cancel_futures=True)
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -441,31 +788,121 @@ class KVStoreClient:
         self.close()
 
     def __repr__(self) -> str:
-        return f"KVStoreClient({self.target!r})"
+        return f"KVStoreClient({self.target!r})" if self._single else f"KVStoreClient({list(self.targets)!r})"
+
+
+# ---------------------------------------------------------------------- per-node jobs (asyncio)
+
+
+def _alookup_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
+                 metadata: Sequence[tuple[str, str]]) -> _AsyncJob[LookupResult]:
+    request = pb.LookupRequest(namespace=namespace, block_hashes=_hash_list(block_hashes))
+
+    async def job(channel: TargetChannel, timeout_s: float) -> LookupResult:
+        return lookup_from_pb(await channel.stub.Lookup(request, timeout=timeout_s, metadata=metadata))
+
+    return job
+
+
+def _aget_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
+              metadata: Sequence[tuple[str, str]]) -> _AsyncJob[list[bytes]]:
+    request = _get_request(namespace, block_hashes)
+
+    async def job(channel: TargetChannel, timeout_s: float) -> list[bytes]:
+        assembler = _assembler(len(block_hashes))
+        stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
+        try:
+            async for raw in stream:
+                chunk, data = decode_block_chunk(raw)
+                if chunk.offset == 0:
+                    assembler.begin(chunk.block_index, chunk.total_bytes)
+                assembler.add(chunk.block_index, chunk.offset, data)
+        finally:
+            stream.cancel()
+        return assembler.finish()
+
+    return job
+
+
+def _aput_job(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: Sequence[bytes], chunk_bytes: int,
+              priority: int | None, retention_s: float | None,
+              metadata: Sequence[tuple[str, str]]) -> _AsyncJob[int]:
+    async def job(channel: TargetChannel, timeout_s: float) -> int:
+        requests: Iterable[bytes] = put_requests(namespace, block_hashes, encoded, chunk_bytes,
+                                                 priority=priority, retention_s=retention_s)
+        reply = await channel.put_call(requests, timeout=timeout_s, metadata=metadata)
+        return int(reply.num_stored)
+
+    return job
+
+
+def _adelete_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
+                 metadata: Sequence[tuple[str, str]]) -> _AsyncJob[int]:
+    request = pb.DeleteRequest(namespace=namespace, block_hashes=_hash_list(block_hashes))
+
+    async def job(channel: TargetChannel, timeout_s: float) -> int:
+        return int((await channel.stub.Delete(request, timeout=timeout_s, metadata=metadata)).num_deleted)
+
+    return job
+
+
+def _aclear_job(namespace: pb.Namespace, metadata: Sequence[tuple[str, str]]) -> _AsyncJob[int]:
+    request = pb.ClearRequest(namespace=namespace)
+
+    async def job(channel: TargetChannel, timeout_s: float) -> int:
+        return int((await channel.stub.Clear(request, timeout=timeout_s, metadata=metadata)).num_deleted)
+
+    return job
+
+
+def _astats_job(metadata: Sequence[tuple[str, str]]) -> _AsyncJob[StoreStats]:
+    async def job(channel: TargetChannel, timeout_s: float) -> StoreStats:
+        return stats_from_pb(await channel.stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=metadata))
+
+    return job
+
+
+def _ahealth_job(service: str, metadata: Sequence[tuple[str, str]]) -> _AsyncJob[str]:
+    request = health_pb2.HealthCheckRequest(service=service)
+
+    async def job(channel: TargetChannel, timeout_s: float) -> str:
+        return _health_name(await channel.health_stub.Check(request, timeout=timeout_s, metadata=metadata))
+
+    return job
 
 
 class AsyncKVStoreClient:
     """The asyncio twin of :class:`KVStoreClient`: the same methods as coroutines, the same policies.
 
-    Use from one event loop; the channel is opened on the first call.
+    Use from one event loop; the channels are opened on the first call. With
+    several targets the nodes are asked concurrently on that loop, and health
+    probes of down nodes run as tasks on it.
 
     Args:
-        target: ``host:port`` of the node.
-        timeout_s: deadline of every call, seconds, covering its retries.
+        target: ``host:port`` of the node, or a sequence of them (one per node).
+        targets: the nodes' ``host:port``, as a keyword (instead of ``target``).
+        timeout_s: deadline of every call, seconds, covering its retries and its fan-out.
         max_inflight: calls in flight at once; more wait (within their deadline) for a slot.
-        retries: retries of an idempotent call on UNAVAILABLE (0 for none).
+        retries: retries of an idempotent call on UNAVAILABLE, per node (0 for none).
         backoff_s: base of the exponential backoff, seconds.
         max_backoff_s: cap of one backoff, seconds.
         max_message_bytes: largest gRPC message, bytes; must match the server's.
-        credentials: TLS channel credentials; ``None`` for plaintext.
-        metadata: ``(key, value)`` pairs sent with every call.
-        channel_options: extra gRPC channel options.
+        credentials: TLS channel credentials, for every target; ``None`` for plaintext.
+        metadata: ``(key, value)`` pairs sent with every call to every target.
+        channel_options: extra gRPC channel options, for every target.
+        probe_timeout_s: deadline of one health probe of a down node, seconds (capped at ``timeout_s``).
+        down_backoff_s: how long a node stays down after its first failure before it is probed, seconds.
+        max_down_backoff_s: cap of that backoff, which doubles per consecutive failure, seconds.
+
+    Raises:
+        InvalidArgumentError: on no target, both ``target`` and ``targets``, or a bad setting.
     """
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str] | None = None,
         *,
+        targets: Sequence[str] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         retries: int = DEFAULT_RETRIES,
@@ -475,34 +912,42 @@ class AsyncKVStoreClient:
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         channel_options: Sequence[tuple[str, Any]] = (),
+        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
+        max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
     ) -> None:
-        if timeout_s <= 0 or max_inflight <= 0 or retries < 0:
-            raise InvalidArgumentError("timeout_s and max_inflight must be > 0 and retries >= 0")
-        self.target = target
+        if timeout_s <= 0 or max_inflight <= 0 or retries < 0 or probe_timeout_s <= 0:
+            raise InvalidArgumentError("timeout_s, probe_timeout_s and max_inflight must be > 0 and retries >= 0")
+        self.targets = resolve_targets(target, targets)
+        self.target = self.targets[0]
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.probe_timeout_s = min(probe_timeout_s, timeout_s)
         self.metadata = tuple(metadata)
         self._chunk_bytes = chunk_bytes_for(max_message_bytes)
-        self._channel = TargetChannel(
-            target, aio=True, max_message_bytes=max_message_bytes, credentials=credentials, options=channel_options
+        self.router = RendezvousRouter(self.targets)
+        self.membership = Membership(self.router.node_ids, base_backoff_s=down_backoff_s,
+                                     max_backoff_s=max_down_backoff_s)
+        self._channels = tuple(
+            TargetChannel(t, aio=True, max_message_bytes=max_message_bytes, credentials=credentials,
+                          options=channel_options)
+            for t in self.router.node_ids
         )
+        self._channel = self._channels[self.router.index(self.target)]
+        self._single = len(self._channels) == 1
         self._slots: asyncio.Semaphore | None = None
         self._slots_pid = -1
+        self._probes: set[asyncio.Task[None]] = set()
+        self._closed = False
 
-    async def _call(self, fn: Callable[[float], Awaitable[_T]], *, idempotent: bool = True) -> _T:
-        """Await ``fn(timeout_s)`` under the deadline, an in-flight slot and the retry policy.
+    # ------------------------------------------------------------------ plumbing
 
-        Raises:
-            DeadlineExceededError: if the deadline passes (also while waiting for a slot).
-            KVStoreError: the typed error of any other failed status.
-        """
+    async def _acquire_slot(self) -> asyncio.Semaphore:
         if self._slots is None or self._slots_pid != os.getpid():
             self._slots, self._slots_pid = asyncio.Semaphore(self.max_inflight), os.getpid()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
         slots = self._slots
         try:
             await asyncio.wait_for(slots.acquire(), self.timeout_s)
@@ -510,53 +955,144 @@ class AsyncKVStoreClient:
             raise DeadlineExceededError(
                 f"no free slot of max_inflight={self.max_inflight} within {self.timeout_s} s"
             ) from None
+        return slots
+
+    async def _attempts(self, fn: Callable[[float], Awaitable[_T]], deadline: float, idempotent: bool = True) -> _T:
+        """Await ``fn(timeout_s)`` until it succeeds, under the deadline (loop time) and the retry policy.
+
+        Raises:
+            DeadlineExceededError: if the deadline passes.
+            KVStoreError: the typed error of any other failed status.
+        """
+        loop = asyncio.get_running_loop()
+        attempt = 0
+        while True:
+            remaining_s = deadline - loop.time()
+            if remaining_s <= 0:
+                raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
+            try:
+                return await fn(remaining_s)
+            except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                if not (idempotent and code in RETRYABLE_CODES and attempt < self.retries):
+                    _raise_typed(exc)
+                pause_s = min(backoff_s(attempt, self.backoff_s, self.max_backoff_s), deadline - loop.time())
+                logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
+                await asyncio.sleep(max(0.0, pause_s))
+                attempt += 1
+
+    async def _call(self, fn: Callable[[float], Awaitable[_T]], *, idempotent: bool = True) -> _T:
+        """Await ``fn(timeout_s)`` under the deadline, an in-flight slot and the retry policy (one node).
+
+        Raises:
+            DeadlineExceededError: if the deadline passes (also while waiting for a slot).
+            KVStoreError: the typed error of any other failed status.
+        """
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        slots = await self._acquire_slot()
         try:
-            attempt = 0
-            while True:
-                remaining_s = deadline - loop.time()
-                if remaining_s <= 0:
-                    raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
-                try:
-                    return await fn(remaining_s)
-                except grpc.RpcError as exc:
-                    code = exc.code()  # type: ignore[attr-defined]
-                    if not (idempotent and code in RETRYABLE_CODES and attempt < self.retries):
-                        _raise_typed(exc)
-                    pause_s = min(backoff_s(attempt, self.backoff_s, self.max_backoff_s), deadline - loop.time())
-                    logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
-                    await asyncio.sleep(max(0.0, pause_s))
-                    attempt += 1
+            return await self._attempts(fn, deadline, idempotent)
         finally:
             slots.release()
 
+    async def _fan_out(self, jobs: dict[int, _AsyncJob[_T]]) -> list[_T | None]:
+        """Await ``jobs[j]`` on node ``j`` for every key, concurrently, under one deadline and one slot.
+
+        With one target the job runs as a plain call and its errors raise.
+
+        Returns:
+            Per node (in router order): the job's result, or ``None`` for a node
+            with no job, a node that is down, or one the job could not reach.
+
+        Raises:
+            UnavailableError: if the client is closed.
+            KVStoreError: the typed error of a node's failure other than UNAVAILABLE
+                and DEADLINE_EXCEEDED (e.g. INVALID_ARGUMENT).
+        """
+        results: list[_T | None] = [None] * len(self._channels)
+        if self._single:
+            for node, job in jobs.items():
+                results[node] = await self._call(lambda t: job(self._channels[node], t))
+            return results
+        if self._closed:
+            raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        slots = await self._acquire_slot()
+        try:
+            self._start_probes()
+            live = [node for node in jobs if self.membership.is_up(self.router.node_ids[node])]
+            outcomes = await asyncio.gather(*(self._on_node(node, jobs[node], deadline) for node in live),
+                                            return_exceptions=True)
+            for node, outcome in zip(live, outcomes):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results[node] = outcome
+            return results
+        finally:
+            slots.release()
+
+    async def _on_node(self, node: int, job: _AsyncJob[_T], deadline: float) -> _T | None:
+        """One node's part of a fanned-out call; ``None`` (and the node marked down) if it cannot be reached."""
+        node_id = self.router.node_ids[node]
+        try:
+            result = await self._attempts(lambda t: job(self._channels[node], t), deadline)
+        except UnavailableError as exc:  # also DeadlineExceededError
+            was_up = self.membership.is_up(node_id)
+            wait_s = self.membership.record_failure(node_id)
+            if was_up:
+                logger.warning("kvstore node %s is down (%s); its blocks are misses for %.1f s", node_id, exc, wait_s)
+            return None
+        if self.membership.record_success(node_id):
+            logger.info("kvstore node %s is up again", node_id)
+        return result
+
+    def _start_probes(self) -> None:
+        for node_id in self.membership.due_probes():
+            task = asyncio.get_running_loop().create_task(self._probe(node_id))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, node_id: str) -> None:
+        """Health-check a down node (waiting for its connection up to ``probe_timeout_s``) and report the result."""
+        channel = self._channels[self.router.index(node_id)]
+        try:
+            reply = await channel.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s,
+                                                    metadata=self.metadata, wait_for_ready=True)
+            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except (grpc.RpcError, KVStoreError) as exc:
+            logger.debug("probe of kvstore node %s failed: %s", node_id, exc)
+            ok = False
+        self.membership.probe_done(node_id, ok)
+        if ok:
+            logger.info("kvstore node %s answers SERVING again; it rejoins", node_id)
+
+    def _partition(self, block_hashes: Sequence[BlockHash]) -> tuple[Partition, list[int]]:
+        """The split of ``block_hashes`` by owner and the nodes to ask (every owner; the one node if single)."""
+        partition = self.router.split(block_hashes)
+        return partition, [0] if self._single else partition.nodes_with_blocks()
+
+    # ------------------------------------------------------------------ API
+
     async def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest cached prefix of ``block_hashes`` (see :meth:`KVStoreClient.lookup`)."""
-        request = pb.LookupRequest(namespace=namespace_to_pb(namespace), block_hashes=[bytes(h) for h in block_hashes])
-
-        async def attempt(timeout_s: float) -> LookupResult:
-            reply = await self._channel.stub.Lookup(request, timeout=timeout_s, metadata=self.metadata)
-            return lookup_from_pb(reply)
-
-        return await self._call(attempt)
+        if self._single:
+            job = _alookup_job(namespace_to_pb(namespace), block_hashes, self.metadata)
+            return await self._call(lambda t: job(self._channel, t))
+        partition, nodes = self._partition(block_hashes)
+        ns = namespace_to_pb(namespace)
+        results = await self._fan_out({j: _alookup_job(ns, partition.sub_list(j, block_hashes), self.metadata)
+                                       for j in nodes})
+        return partition.merge_lookup(results)
 
     async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
         """Encoded blocks of the longest cached prefix (see :meth:`KVStoreClient.get`)."""
-        request = _get_request(namespace, block_hashes)
-
-        async def attempt(timeout_s: float) -> list[bytes]:
-            assembler = _assembler(len(block_hashes))
-            stream = self._channel.get_call(request, timeout=timeout_s, metadata=self.metadata)
-            try:
-                async for raw in stream:
-                    chunk, data = decode_block_chunk(raw)
-                    if chunk.offset == 0:
-                        assembler.begin(chunk.block_index, chunk.total_bytes)
-                    assembler.add(chunk.block_index, chunk.offset, data)
-            finally:
-                stream.cancel()
-            return assembler.finish()
-
-        return await self._call(attempt)
+        if self._single:
+            job = _aget_job(namespace, block_hashes, self.metadata)
+            return await self._call(lambda t: job(self._channel, t))
+        partition, nodes = self._partition(block_hashes)
+        results = await self._fan_out({j: _aget_job(namespace, partition.sub_list(j, block_hashes), self.metadata)
+                                       for j in nodes})
+        return partition.merge_blocks(results)
 
     async def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
         """Like :meth:`get`, decoded (checksums verified) into read-only CPU tensors (see :meth:`KVStoreClient.get_tensors`)."""
@@ -574,58 +1110,60 @@ class AsyncKVStoreClient:
         """Store blocks (bytes or tensors); returns how many were newly stored (see :meth:`KVStoreClient.put`)."""
         _check_put(block_hashes, blocks)
         encoded = encode_blocks(namespace, blocks)
-
-        async def attempt(timeout_s: float) -> int:
-            requests: Iterable[bytes] = put_requests(
-                namespace, block_hashes, encoded, self._chunk_bytes, priority=priority, retention_s=retention_s
-            )
-            reply = await self._channel.put_call(requests, timeout=timeout_s, metadata=self.metadata)
-            return int(reply.num_stored)
-
-        return await self._call(attempt)
+        if self._single:
+            job = _aput_job(namespace, block_hashes, encoded, self._chunk_bytes, priority, retention_s, self.metadata)
+            return await self._call(lambda t: job(self._channel, t))
+        partition, nodes = self._partition(block_hashes)
+        results = await self._fan_out({
+            j: _aput_job(namespace, partition.sub_list(j, block_hashes), partition.sub_list(j, encoded),
+                         self._chunk_bytes, priority, retention_s, self.metadata)
+            for j in nodes
+        })
+        return sum(r for r in results if r is not None)
 
     async def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
-        """Delete blocks from every tier of the node; returns how many were found."""
-        request = pb.DeleteRequest(namespace=namespace_to_pb(namespace), block_hashes=[bytes(h) for h in block_hashes])
-
-        async def attempt(timeout_s: float) -> int:
-            reply = await self._channel.stub.Delete(request, timeout=timeout_s, metadata=self.metadata)
-            return int(reply.num_deleted)
-
-        return await self._call(attempt)
+        """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
+        ns = namespace_to_pb(namespace)
+        if self._single:
+            job = _adelete_job(ns, block_hashes, self.metadata)
+            return await self._call(lambda t: job(self._channel, t))
+        partition, nodes = self._partition(block_hashes)
+        results = await self._fan_out({j: _adelete_job(ns, partition.sub_list(j, block_hashes), self.metadata)
+                                       for j in nodes})
+        return sum(r for r in results if r is not None)
 
     async def clear(self, namespace: Namespace) -> int:
-        """Delete every block of ``namespace`` on the node; returns how many local blocks went."""
-        request = pb.ClearRequest(namespace=namespace_to_pb(namespace))
-
-        async def attempt(timeout_s: float) -> int:
-            reply = await self._channel.stub.Clear(request, timeout=timeout_s, metadata=self.metadata)
-            return int(reply.num_deleted)
-
-        return await self._call(attempt)
+        """Delete every block of ``namespace`` on every node; returns how many local blocks went (see :meth:`KVStoreClient.clear`)."""
+        job = _aclear_job(namespace_to_pb(namespace), self.metadata)
+        results = await self._fan_out({j: job for j in range(len(self._channels))})
+        return sum(r for r in results if r is not None)
 
     async def stats(self) -> StoreStats:
-        """Per-tier stats of the node."""
+        """Per-tier stats, summed over the nodes that answered (see :meth:`KVStoreClient.stats`)."""
+        return merge_store_stats(list((await self.node_stats()).values()))
 
-        async def attempt(timeout_s: float) -> StoreStats:
-            reply = await self._channel.stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self.metadata)
-            return stats_from_pb(reply)
-
-        return await self._call(attempt)
+    async def node_stats(self) -> dict[str, StoreStats]:
+        """Per-tier stats of each node that answered, by target (see :meth:`KVStoreClient.node_stats`)."""
+        job = _astats_job(self.metadata)
+        results = await self._fan_out({j: job for j in range(len(self._channels))})
+        return {self.router.node_ids[j]: r for j, r in enumerate(results) if r is not None}
 
     async def health(self, service: str = "") -> str:
-        """The node's ``grpc.health.v1`` status name (see :meth:`KVStoreClient.health`)."""
-        request = health_pb2.HealthCheckRequest(service=service)
+        """The ``grpc.health.v1`` status name (see :meth:`KVStoreClient.health`)."""
+        job = _ahealth_job(service, self.metadata)
+        return _merge_health(await self._fan_out({j: job for j in range(len(self._channels))}))
 
-        async def attempt(timeout_s: float) -> str:
-            reply = await self._channel.health_stub.Check(request, timeout=timeout_s, metadata=self.metadata)
-            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-        return await self._call(attempt)
+    def nodes(self) -> tuple[NodeStatus, ...]:
+        """A snapshot of each node's membership (up or down, failures, next probe), in router order."""
+        return self.membership.status()
 
     async def close(self) -> None:
-        """Close the channel; idempotent."""
-        await self._channel.aclose()
+        """Close the channels and cancel running probes; idempotent."""
+        self._closed = True
+        for task in list(self._probes):
+            task.cancel()
+        for channel in self._channels:
+            await channel.aclose()
 
     async def __aenter__(self) -> AsyncKVStoreClient:
         return self
@@ -634,4 +1172,4 @@ class AsyncKVStoreClient:
         await self.close()
 
     def __repr__(self) -> str:
-        return f"AsyncKVStoreClient({self.target!r})"
+        return f"AsyncKVStoreClient({self.target!r})" if self._single else f"AsyncKVStoreClient({list(self.targets)!r})"

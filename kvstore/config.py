@@ -222,11 +222,15 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
-    """Per-request and per-tenant limits enforced by the server.
+    """Per-request and per-tenant limits enforced by the server (``kvstore.server.limits``, ``docs/security.md``).
+
+    Each breach has its status: too many hashes is INVALID_ARGUMENT; a block over
+    ``store.max_block_bytes``, too many calls in flight, or a Put over the quota
+    is RESOURCE_EXHAUSTED.
 
     Attributes:
         max_hashes_per_request: block hashes one Lookup, Get, Put or Delete may name.
-        max_inflight_per_connection: concurrent calls one client connection may have.
+        max_inflight_per_connection: concurrent calls one client connection (``context.peer()``) may have.
         tenant_quota_bytes: bytes one tenant (``cache_salt``) may hold across local tiers; 0 for no quota.
     """
 
@@ -237,20 +241,25 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         _require(self.max_hashes_per_request > 0, "max_hashes_per_request", "must be > 0")
         _require(self.max_inflight_per_connection > 0, "max_inflight_per_connection", "must be > 0")
+        _require(self.tenant_quota_bytes >= 0, "tenant_quota_bytes", "must be >= 0 (0 for no quota)")
 
 
 @dataclass(frozen=True, slots=True)
 class SecurityConfig:
-    """TLS and bearer-token authentication of the gRPC server.
+    """TLS and bearer-token authentication of the gRPC server (``docs/security.md``, ``SECURITY.md``).
 
     Attributes:
-        tls_cert_file: PEM server certificate; TLS is on when set.
+        tls_cert_file: PEM server certificate (chain); TLS is on when set.
         tls_key_file: PEM server key.
-        tls_client_ca_file: PEM CA that client certificates must chain to (mutual TLS).
-        auth_tokens_file: file mapping tokens to tenants; auth is on when this or
-            ``auth_tokens`` is set (format in ``kvstore.server.auth``).
-        auth_tokens: the same mapping inline, e.g. from ``KVSTORE_SECURITY__AUTH_TOKENS``.
-        require_sha256: refuse namespaces hashed with xxh3; on by default whenever auth is on.
+        tls_client_ca_file: PEM CA that client certificates must chain to; when
+            set, clients without such a certificate cannot connect (mutual TLS).
+        auth_tokens_file: YAML/JSON file mapping tokens (or their SHA-256) to
+            tenants; auth is on when this or ``auth_tokens`` is set (format in
+            ``kvstore.server.auth``).
+        auth_tokens: the same mapping inline, or the compact ``<token>=<tenant>,...;...``
+            form, e.g. from ``KVSTORE_SECURITY__AUTH_TOKENS``.
+        require_sha256: refuse namespaces hashed with xxh3 (INVALID_ARGUMENT);
+            ``None`` (the default) means on exactly when auth is on.
     """
 
     tls_cert_file: str = ""

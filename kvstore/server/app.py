@@ -23,6 +23,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError
+from kvstore.server.auth import Authenticator, CallGuard
+from kvstore.server.limits import InflightLimiter
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
@@ -47,12 +49,19 @@ class KVStoreServer:
         config: the whole configuration (``store``, ``server``, ``limits``, ``security``).
         store: an already started store to serve; it is then not closed by
             :meth:`stop`. ``None`` opens one from ``config.store``.
-        interceptors: extra ``grpc.aio.ServerInterceptor`` s (e.g. authentication),
-            run in order before the servicer.
+        interceptors: extra ``grpc.aio.ServerInterceptor`` s, run in order after
+            the server's own :class:`~kvstore.server.auth.CallGuard` (bearer-token
+            authentication from ``config.security``, and
+            ``limits.max_inflight_per_connection``) and before the servicer.
+
+    Attributes:
+        servicer: the ``kvstore.v1.KVStore`` servicer (after :meth:`start`).
+        guard: the interceptor that authenticates calls and limits them per
+            connection (after :meth:`start`).
 
     Raises:
-        ConfigError: from :meth:`start`, if token authentication is configured (it
-            is not implemented by this server yet, so it refuses to run open).
+        ConfigError: from :meth:`start`, on an unreadable TLS file or a malformed
+            tokens file (see ``kvstore.server.auth`` and ``docs/security.md``).
     """
 
     def __init__(
@@ -69,6 +78,7 @@ class KVStoreServer:
         self.metrics = ServiceMetrics()
         self.health = health.aio.HealthServicer()
         self.servicer: KVStoreServicer | None = None
+        self.guard: CallGuard | None = None
         self._server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = -1
@@ -90,19 +100,28 @@ class KVStoreServer:
         """Open the store (unless given), bind the port, report SERVING and start the metrics endpoint.
 
         Raises:
-            ConfigError: on an unusable security setting.
+            ConfigError: on an unusable security setting (a TLS or tokens file).
             RuntimeError: if the port cannot be bound.
         """
         server_cfg, security = self.config.server, self.config.security
-        if (security.auth_tokens or security.auth_tokens_file) and not self._interceptors:
-            raise ConfigError("security.auth_tokens", "token authentication is not available in this server yet")
+        authenticator = Authenticator.from_config(security)  # before anything opens: a bad file fails fast
+        credentials = _server_credentials(self.config) if security.tls_cert_file else None
+        if authenticator is not None and credentials is None and not _is_loopback(server_cfg.host):
+            logger.warning("bearer tokens are on without TLS on %s: tokens cross the network in plaintext; "
+                           "set security.tls_cert_file and security.tls_key_file", server_cfg.host)
+        guard = CallGuard(
+            authenticator=authenticator,
+            inflight=InflightLimiter(self.config.limits.max_inflight_per_connection),
+            metrics=self.metrics,
+        )
+        self.guard = guard
         self._stopped = asyncio.Event()
         if self._store is None:
             self._store = await open_async_store(self.config.store)
         try:
             self.servicer = KVStoreServicer(self._store, self.config, self.metrics)
             server = grpc.aio.server(
-                interceptors=self._interceptors,
+                interceptors=(guard, *self._interceptors),
                 options=[*channel_options(server_cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
             )
             self.servicer.add_to_server(server)
@@ -111,8 +130,8 @@ class KVStoreServer:
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
             address = f"{server_cfg.host}:{server_cfg.port}"
-            if security.tls_cert_file:
-                self.port = server.add_secure_port(address, _server_credentials(self.config))
+            if credentials is not None:
+                self.port = server.add_secure_port(address, credentials)
             else:
                 self.port = server.add_insecure_port(address)
             if self.port == 0:
@@ -131,7 +150,9 @@ class KVStoreServer:
         lifecycle.info(
             "serving",
             extra={"fields": {"host": server_cfg.host, "port": self.port, "metrics_port": self.metrics_port,
-                              "tiers": self._store.tier_names, "tls": bool(security.tls_cert_file)}},
+                              "tiers": self._store.tier_names, "tls": credentials is not None,
+                              "mtls": bool(security.tls_client_ca_file), "auth": authenticator is not None,
+                              "require_sha256": self.servicer.require_sha256}},
         )
 
     async def begin_shutdown(self) -> None:
@@ -181,7 +202,16 @@ class KVStoreServer:
         await self.stop()
 
 
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _server_credentials(config: Config) -> grpc.ServerCredentials:
+    """TLS credentials of the server; with ``tls_client_ca_file``, client certificates are required and verified.
+
+    Raises:
+        ConfigError: if a file cannot be read.
+    """
     security = config.security
     try:
         key = Path(security.tls_key_file).read_bytes()

@@ -13,7 +13,7 @@ The tokens file (YAML or JSON, read with ``yaml.safe_load``)::
 
     tokens:
       - name: team-a                 # shown in logs instead of the token; optional
-        token_sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
+        token_sha256: 782051b3740e0649c260204084a0a947280e4c7709a09c558c7c5ff48a92c7a6
         tenants: [team-a]            # cache_salt values this token may use
       - name: ops
         token: "a-plaintext-token-of-16-chars-or-more"   # accepted, but prefer token_sha256

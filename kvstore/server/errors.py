@@ -61,7 +61,7 @@ class UnauthenticatedError(RemoteError):
 
 
 class PermissionDeniedError(RemoteError):
-    """A valid token that does not cover the tenant (``cache_salt``) of the call's namespace (gRPC PERMISSION_DENIED)."""
+    """A valid token that does not cover the tenant (``cache_salt``) of the call's namespace (PERMISSION_DENIED)."""
 
     def __init__(self, message: str) -> None:
         KVStoreError.__init__(self, message)

@@ -63,6 +63,10 @@ class InflightLimiter:
         """Calls of ``peer`` in flight now."""
         return self._inflight.get(peer, 0)
 
+    def snapshot(self) -> dict[str, int]:
+        """A copy of the calls in flight per connection (``peer -> calls``), for tests and debugging."""
+        return dict(self._inflight)
+
     @property
     def num_connections(self) -> int:
         """Connections with at least one call in flight."""

@@ -2,7 +2,13 @@
 
 Every method runs inside :meth:`KVStoreServicer._call`, the one place that
 counts the call in the metrics, logs it, and turns a raised kvstore error into
-its status code (``kvstore.server.errors.status_of``). The data path (chunking
+its status code (``kvstore.server.errors.status_of``). Requests arrive as raw
+bytes and are parsed inside it, so a malformed message is INVALID_ARGUMENT (not
+gRPC's UNKNOWN) and is parsed only after ``kvstore.server.auth.CallGuard`` has
+checked the caller. With authentication on, every namespace must be one of the
+caller's tenants (``cache_salt``; PERMISSION_DENIED otherwise), and with
+``limits.tenant_quota_bytes`` a Put must fit the tenant's quota
+(``kvstore.server.limits.TenantQuota``). The data path (chunking
 and reassembly) is in ``kvstore.server.wire``, so a later same-host zero-copy
 data plane can replace it without touching the servicer's shape.
 """
@@ -13,14 +19,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence, TypeVar
 
 import grpc
+
+from google.protobuf.message import Message
 
 from kvstore.config import Config
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import HashAlgorithm, Namespace, block_key
-from kvstore.server.errors import DeadlineExceededError, status_of
+from kvstore.server.auth import Principal, current_principal
+from kvstore.server.errors import DeadlineExceededError, UnauthenticatedError, status_of
+from kvstore.server.limits import TenantQuota
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.wire import (
     BlockAssembler,
@@ -38,6 +48,8 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+_M = TypeVar("_M", bound=Message)
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 """``kvstore.v1.KVStore``: the service name for health checks and reflection."""
 
@@ -49,8 +61,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         store: the started store; the servicer never closes it.
         config: the whole configuration; ``server.max_message_bytes`` sets the
             chunk size, ``limits.max_hashes_per_request`` the largest request and
-            ``store.max_block_bytes`` the largest block of a Put.
+            ``store.max_block_bytes`` the largest block of a Put,
+            ``limits.tenant_quota_bytes`` the bytes one tenant may hold; with
+            ``security.auth_tokens[_file]`` set, every call must come through
+            ``kvstore.server.auth.CallGuard`` (else UNAUTHENTICATED: it fails closed).
         metrics: where to count calls; ``None`` for no metrics.
+
+    Attributes:
+        require_sha256: namespaces must use SHA-256 (``security.require_sha256``;
+            when unset, on exactly when authentication is on).
+        quota: the per-tenant byte quota, ``None`` without one.
+        accepting: ``False`` once shutdown began (new calls get UNAVAILABLE).
     """
 
     def __init__(self, store: TieredStore, config: Config, metrics: ServiceMetrics | None = None) -> None:
@@ -60,10 +81,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._chunk_bytes = chunk_bytes_for(config.server.max_message_bytes)
         self._max_hashes = config.limits.max_hashes_per_request
         security = config.security
-        require = security.require_sha256
-        if require is None:
-            require = bool(security.auth_tokens or security.auth_tokens_file)
-        self._require_sha256 = require
+        self._auth = bool(security.auth_tokens or security.auth_tokens_file)
+        self.require_sha256 = self._auth if security.require_sha256 is None else security.require_sha256
+        quota_bytes = config.limits.tenant_quota_bytes
+        self.quota = TenantQuota(quota_bytes, store.namespace_bytes) if quota_bytes > 0 else None
         self.accepting = True
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -71,19 +92,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
         Get replies and Put requests are serialized by ``kvstore.server.wire``
         (block bytes are not copied through protobuf); the wire format is the
-        ``.proto``'s all the same.
+        ``.proto``'s all the same. Every request arrives as bytes and is parsed
+        in the method (see the module docstring).
         """
         handlers = {
-            "Lookup": grpc.unary_unary_rpc_method_handler(
-                self.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString),
-            "Get": grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, identity),
+            "Lookup": grpc.unary_unary_rpc_method_handler(self.Lookup, identity, pb.LookupResponse.SerializeToString),
+            "Get": grpc.unary_stream_rpc_method_handler(self.Get, identity, identity),
             "Put": grpc.stream_unary_rpc_method_handler(self.Put, identity, pb.PutResponse.SerializeToString),
-            "Delete": grpc.unary_unary_rpc_method_handler(
-                self.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString),
-            "Clear": grpc.unary_unary_rpc_method_handler(
-                self.Clear, pb.ClearRequest.FromString, pb.ClearResponse.SerializeToString),
-            "Stats": grpc.unary_unary_rpc_method_handler(
-                self.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
+            "Delete": grpc.unary_unary_rpc_method_handler(self.Delete, identity, pb.DeleteResponse.SerializeToString),
+            "Clear": grpc.unary_unary_rpc_method_handler(self.Clear, identity, pb.ClearResponse.SerializeToString),
+            "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, identity, pb.StatsResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -94,15 +112,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     # ------------------------------------------------------------------ RPCs
 
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    async def Lookup(self, raw: bytes | pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         """The longest cached prefix of ``request.block_hashes`` and each block's tier."""
         async with self._call("Lookup", context):
+            request = _parse(pb.LookupRequest, raw)
             namespace = self._namespace(request.namespace)
             hashes = self._hashes(request.block_hashes)
             return lookup_to_pb(await self._store.lookup(namespace, hashes))
         raise AssertionError("unreachable")  # _call re-raises as an abort
 
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Get(self, raw: bytes | pb.GetRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the blocks of the longest cached prefix as chunks; a miss ends the stream.
 
         The store pins the prefix only while it reads it; if the client goes away
@@ -110,6 +129,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         leases are released.
         """
         async with self._call("Get", context):
+            request = _parse(pb.GetRequest, raw)
             namespace = self._namespace(request.namespace)
             hashes = self._hashes(request.block_hashes)
             blocks = await self._store.get(namespace, hashes)
@@ -145,38 +165,64 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if namespace is None:
                 return pb.PutResponse(num_stored=0, num_blocks=0)
             self._check_deadline(context)
-            stored = await self._store.put(namespace, hashes, blocks, priority=priority, retention_s=retention_s)
+            with self._reserve(namespace, sum(len(b) for b in blocks)):
+                stored = await self._store.put(namespace, hashes, blocks, priority=priority, retention_s=retention_s)
             return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
         raise AssertionError("unreachable")
 
-    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+    async def Delete(self, raw: bytes | pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         """Delete blocks from every tier."""
         async with self._call("Delete", context):
+            request = _parse(pb.DeleteRequest, raw)
             namespace = self._namespace(request.namespace)
             hashes = self._hashes(request.block_hashes)
             return pb.DeleteResponse(num_deleted=await self._store.delete(namespace, hashes))
         raise AssertionError("unreachable")
 
-    async def Clear(self, request: pb.ClearRequest, context: grpc.aio.ServicerContext) -> pb.ClearResponse:
-        """Delete every block of one namespace."""
+    async def Clear(self, raw: bytes | pb.ClearRequest, context: grpc.aio.ServicerContext) -> pb.ClearResponse:
+        """Delete every block of one namespace (the token must cover its tenant)."""
         async with self._call("Clear", context):
+            request = _parse(pb.ClearRequest, raw)
             namespace = self._namespace(request.namespace)
             return pb.ClearResponse(num_deleted=await self._store.clear(namespace))
         raise AssertionError("unreachable")
 
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        """Per-tier counts."""
+    async def Stats(self, raw: bytes | pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        """Per-tier counts, summed over every tenant (any valid token may read them)."""
         async with self._call("Stats", context):
+            _parse(pb.StatsRequest, raw)
             return stats_to_pb(self._store.stats())
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ helpers
 
     def _namespace(self, message: pb.Namespace) -> Namespace:
+        """The namespace of a request, once the caller may use its tenant and its hash is acceptable.
+
+        Raises:
+            InvalidArgumentError: on a malformed namespace, or xxh3 where SHA-256 is required.
+            PermissionDeniedError: if the caller's token does not cover the namespace's ``cache_salt``.
+        """
         namespace = namespace_from_pb(message)
-        if self._require_sha256 and namespace.hash_algorithm is not HashAlgorithm.SHA256:
-            raise InvalidArgumentError("this server requires namespace.hash_algorithm='sha256'")
+        if self._auth:
+            self._principal().authorize(namespace.cache_salt)
+        if self.require_sha256 and namespace.hash_algorithm is not HashAlgorithm.SHA256:
+            raise InvalidArgumentError(
+                "this server requires namespace.hash_algorithm='sha256' (security.require_sha256, on by default "
+                "with authentication): xxh3 collisions can be forced, so untrusted clients must hash with SHA-256"
+            )
         return namespace
+
+    def _principal(self) -> Principal:
+        principal = current_principal()
+        if principal is None:  # the servicer runs without CallGuard: refuse rather than serve open
+            raise UnauthenticatedError("authentication is on but this call was not authenticated")
+        return principal
+
+    def _reserve(self, namespace: Namespace, incoming_bytes: int) -> contextlib.AbstractContextManager[None]:
+        if self.quota is None:
+            return contextlib.nullcontext()
+        return self.quota.reserve(namespace, incoming_bytes)
 
     def _hashes(self, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
         if len(block_hashes) > self._max_hashes:
@@ -205,6 +251,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             if not self.accepting:
                 raise UnavailableError("the server is shutting down")
+            if self._auth:
+                self._principal()
             yield
         except asyncio.CancelledError:
             remaining = context.time_remaining()
@@ -224,3 +272,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             if self._metrics is not None:
                 self._metrics.observe(method, code, time.perf_counter() - start_s)
+
+
+def _parse(message_type: type[_M], raw: bytes | _M) -> _M:
+    """Parse a request received as bytes (a message passes through, for direct calls).
+
+    Raises:
+        InvalidArgumentError: if the bytes are not a well-formed ``message_type``.
+    """
+    if isinstance(raw, Message):
+        return raw  # type: ignore[return-value]
+    try:
+        return message_type.FromString(raw)  # type: ignore[attr-defined,no-any-return]
+    except Exception as exc:  # google.protobuf.message.DecodeError, or a non-bytes value
+        raise InvalidArgumentError(f"malformed {message_type.__name__}: {exc}") from None

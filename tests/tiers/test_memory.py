@@ -237,6 +237,7 @@ async def test_counters_stay_zero_because_memory_is_not_reverified():
     await tier.close()
 
 
+@pytest.mark.cuda
 @cuda_only
 async def test_cuda_pool_round_trip_inline_and_threaded():
     for offload_min_bytes in (1 << 62, 0):
@@ -250,6 +251,7 @@ async def test_cuda_pool_round_trip_inline_and_threaded():
         await tier.close()
 
 
+@pytest.mark.cuda
 @cuda_only
 def test_cpu_pool_is_pinned_with_cuda():
     tier = MemoryTier(MiB, page_bytes=PAGE)
