@@ -66,6 +66,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -549,7 +550,7 @@ class KVStoreClient:
         results: list[_T | None] = [None] * len(self._channels)
         if self._single:
             for node, job in jobs.items():
-                results[node] = self._call(lambda t: job(self._channels[node], t))
+                results[node] = self._call(functools.partial(job, self._channels[node]))
             return results
         if self._closed:
             raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
@@ -773,13 +774,19 @@ class KVStoreClient:
             return self.membership.status()
 
     def close(self) -> None:
-        """Close the channels and worker threads; idempotent. In a forked child this leaves the parent's connections alone."""
+        """Close the channels, then wait for the worker threads to end; idempotent.
+
+        Closing a channel cancels its calls in flight (a health probe too), so
+        the wait is short, and no thread of the client is left inside gRPC
+        afterwards (which matters to a process that forks next). In a forked
+        child this leaves the parent's connections alone.
+        """
         self._closed = True
-        executor, self._executor = self._executor, None
-        if executor is not None and self._pid == os.getpid():
-            executor.shutdown(wait=False, cancel_futures=True)
         for channel in self._channels:
             channel.close()
+        executor, self._executor = self._executor, None
+        if executor is not None and self._pid == os.getpid():
+            executor.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -1012,7 +1019,7 @@ class AsyncKVStoreClient:
         results: list[_T | None] = [None] * len(self._channels)
         if self._single:
             for node, job in jobs.items():
-                results[node] = await self._call(lambda t: job(self._channels[node], t))
+                results[node] = await self._call(functools.partial(job, self._channels[node]))
             return results
         if self._closed:
             raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
@@ -1133,7 +1140,10 @@ class AsyncKVStoreClient:
         return sum(r for r in results if r is not None)
 
     async def clear(self, namespace: Namespace) -> int:
-        """Delete every block of ``namespace`` on every node; returns how many local blocks went (see :meth:`KVStoreClient.clear`)."""
+        """Delete every block of ``namespace`` on every node; returns how many local blocks went.
+
+        See :meth:`KVStoreClient.clear`.
+        """
         job = _aclear_job(namespace_to_pb(namespace), self.metadata)
         results = await self._fan_out({j: job for j in range(len(self._channels))})
         return sum(r for r in results if r is not None)
@@ -1158,10 +1168,12 @@ class AsyncKVStoreClient:
         return self.membership.status()
 
     async def close(self) -> None:
-        """Close the channels and cancel running probes; idempotent."""
+        """Cancel running health probes and close the channels; idempotent."""
         self._closed = True
-        for task in list(self._probes):
+        probes = list(self._probes)
+        for task in probes:
             task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
         for channel in self._channels:
             await channel.aclose()
 

@@ -117,15 +117,8 @@ class Partition:
         ``tiers[i]`` of the merge is the tier the owner of block ``i`` reported for it.
         """
         prefix = self.merge_prefix([0 if r is None else r.num_blocks for r in results])
-        seen = [0] * len(self.positions)
-        tiers = []
-        for i in range(prefix):
-            node = self.owners[i]
-            result = results[node]
-            assert result is not None
-            tiers.append(result.tiers[seen[node]] if seen[node] < len(result.tiers) else "")
-            seen[node] += 1
-        return LookupResult(prefix, tuple(tiers))
+        node_tiers = [iter(()) if r is None else iter(r.tiers) for r in results]
+        return LookupResult(prefix, tuple(next(node_tiers[node], "") for node in self.owners[:prefix]))
 
     def merge_blocks(self, per_node: Sequence[Sequence[_T] | None]) -> list[_T]:
         """The blocks of the merged prefix, in order, from each node's blocks of its sub-list (``None``: none).
@@ -133,15 +126,8 @@ class Partition:
         Each node's list is a prefix of its sub-list (a get cuts at its first miss).
         """
         prefix = self.merge_prefix([0 if b is None else len(b) for b in per_node])
-        seen = [0] * len(self.positions)
-        merged: list[_T] = []
-        for i in range(prefix):
-            node = self.owners[i]
-            blocks = per_node[node]
-            assert blocks is not None
-            merged.append(blocks[seen[node]])
-            seen[node] += 1
-        return merged
+        node_blocks = [iter(()) if b is None else iter(b) for b in per_node]
+        return [next(node_blocks[node]) for node in self.owners[:prefix]]
 
 
 class RendezvousRouter:

@@ -1,8 +1,9 @@
-"""One client over three real ``kvstore serve`` nodes: blocks on their owners, merged prefixes, dead and silent nodes."""
+"""One client over three real ``kvstore serve`` nodes: blocks on owners, merged prefixes, dead and silent nodes."""
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Iterator
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from kvstore.api import StoreStats, TierStats
 from kvstore.client import AsyncKVStoreClient, KVStoreClient, merge_store_stats, resolve_targets
 from kvstore.errors import InvalidArgumentError
+from kvstore.keys import Namespace
 from kvstore.routing import RendezvousRouter
 from tests.server.conftest import kv_blocks, namespace
 from tests.support.kvnode import KVNode
@@ -44,10 +46,23 @@ def owned_by(router: RendezvousRouter, hashes: list[bytes], node_id: str, *, own
     return [h for h in hashes if (router.owner(h) == node_id) == owner]
 
 
+def spread_blocks(router: RendezvousRouter, ns: Namespace, num_blocks: int,
+                  first_token: int = 0) -> tuple[list[bytes], list[torch.Tensor]]:
+    """:func:`kv_blocks` from the first ``first_token`` at or after the given one where every node owns a block.
+
+    The owners depend on the nodes' random ports; this keeps the tests' splits non-trivial on any ports.
+    """
+    while True:
+        hashes, tensors = kv_blocks(ns, num_blocks, first_token=first_token)
+        if len({router.owner(h) for h in hashes}) == router.num_nodes:
+            return hashes, tensors
+        first_token += 1
+
+
 def test_each_block_lives_on_its_owner_and_the_answers_merge_in_order(trio: list[KVNode]) -> None:
     ns = namespace()
-    hashes, tensors = kv_blocks(ns, 24)
     with KVStoreClient(targets(trio), timeout_s=30) as kv:
+        hashes, tensors = spread_blocks(kv.router, ns, 24)
         assert kv.put(ns, hashes, tensors) == 24
         assert kv.lookup(ns, hashes).tiers == ("disk",) * 24
         for sent, received in zip(tensors, kv.get_tensors(ns, hashes)):
@@ -115,11 +130,11 @@ def test_a_silent_target_costs_at_most_a_timeout_and_the_other_nodes_still_serve
     ns = namespace()
     with KVStoreClient([*targets(trio), silent], timeout_s=timeout_s, retries=1, **FAST_REJOIN) as kv:
         for round_ in range(4):
-            hashes, tensors = kv_blocks(ns, 16, first_token=round_ * 1000)
+            hashes, tensors = spread_blocks(kv.router, ns, 16, first_token=round_ * 1000)
             live = owned_by(kv.router, hashes, silent, owner=False)
             assert 0 < len(live) < 16
-            for call in (lambda: kv.put(ns, hashes, tensors), lambda: kv.lookup(ns, hashes),
-                         lambda: kv.get(ns, hashes), lambda: kv.lookup(ns, live), lambda: kv.stats()):
+            for call in (partial(kv.put, ns, hashes, tensors), partial(kv.lookup, ns, hashes),
+                         partial(kv.get, ns, hashes), partial(kv.lookup, ns, live), kv.stats):
                 started = time.monotonic()
                 call()
                 assert time.monotonic() - started < timeout_s * 3 + 1.0  # a hang check, not a performance one
@@ -132,11 +147,29 @@ def test_a_silent_target_costs_at_most_a_timeout_and_the_other_nodes_still_serve
         assert black_hole.num_accepted >= 1  # the client did try it
 
 
+async def test_the_async_twin_treats_a_silent_target_as_a_miss_too(
+    trio: list[KVNode], black_hole: BlackHole  # noqa: F811
+) -> None:
+    timeout_s = 1.0
+    silent = f"127.0.0.1:{black_hole.port}"
+    ns = namespace()
+    async with AsyncKVStoreClient([*targets(trio), silent], timeout_s=timeout_s, retries=1, **FAST_REJOIN) as kv:
+        for round_ in range(3):
+            hashes, tensors = spread_blocks(kv.router, ns, 16, first_token=round_ * 1000)
+            live = owned_by(kv.router, hashes, silent, owner=False)
+            started = time.monotonic()
+            assert await kv.put(ns, hashes, tensors) == len(live)
+            assert (await kv.lookup(ns, live)).num_blocks == len(live)
+            assert len(await kv.get(ns, live)) == len(live)
+            assert time.monotonic() - started < 3 * (timeout_s * 3 + 1.0)  # three calls; a hang check
+        assert [s.up for s in kv.nodes() if s.node_id == silent] == [False]
+
+
 def test_a_node_killed_mid_loop_is_a_miss_then_rejoins_with_its_lmdb_blocks(trio: list[KVNode]) -> None:
     ns = namespace()
     victim = trio[2]
-    durable, durable_tensors = kv_blocks(ns, 24, first_token=10**6)
     with KVStoreClient(targets(trio), timeout_s=10, retries=1, **FAST_REJOIN) as kv:
+        durable, durable_tensors = spread_blocks(kv.router, ns, 24, first_token=10**6)
         assert kv.put(ns, durable, durable_tensors) == 24
         victims_blocks = owned_by(kv.router, durable, victim.target)
         assert victims_blocks
@@ -154,11 +187,15 @@ def test_a_node_killed_mid_loop_is_a_miss_then_rejoins_with_its_lmdb_blocks(trio
                 assert kv.lookup(ns, durable).num_blocks < 24
         assert [s.up for s in kv.nodes() if s.node_id == victim.target] == [False]
 
+        # KVNode forks with a preexec_fn, which runs gRPC's fork handlers; a child forked while another thread
+        # is inside a gRPC call (here: a background probe of the dead node) can deadlock before its exec.
+        # Probes start only from calls, so once none is in flight none starts until the next call.
+        wait_until(lambda: not any(s.probing for s in kv.nodes()), 10.0, "no probe in flight while forking")
         victim.start()  # same port and LMDB path
         wait_until(lambda: kv.lookup(ns, victims_blocks).num_blocks == len(victims_blocks), 30.0,
                    "the restarted node rejoins with its LMDB blocks")
         assert kv.lookup(ns, durable).num_blocks == 24
-        fresh, fresh_tensors = kv_blocks(ns, 12, first_token=2 * 10**6)
+        fresh, fresh_tensors = spread_blocks(kv.router, ns, 12, first_token=2 * 10**6)
         assert kv.put(ns, fresh, fresh_tensors) == 12  # new puts reach it again
         with KVStoreClient(victim.target, retries=0) as single:
             mine = owned_by(kv.router, fresh, victim.target)
