@@ -84,7 +84,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.api import Block, LookupResult, StoreStats, TierStats
 from kvstore.codec import decode_block
 from kvstore.embedded import encode_blocks
-from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
+from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.routing import (
     DEFAULT_DOWN_BACKOFF_S,
@@ -525,7 +525,14 @@ class KVStoreClient:
             slots.release()
 
     def _pool(self) -> ThreadPoolExecutor:
+        """The worker threads of this process (started on first use), for the nodes' parts and the probes.
+
+        Raises:
+            UnavailableError: if the client is closed.
+        """
         with self._lock:
+            if self._closed:
+                raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     max_workers=min(_MAX_WORKERS, len(self._channels) * self.max_inflight),
@@ -610,7 +617,7 @@ class KVStoreClient:
             reply = channel.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s,
                                               metadata=self.metadata, wait_for_ready=True)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except (grpc.RpcError, KVStoreError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a background probe reports every failure as "still down"
             logger.debug("probe of kvstore node %s failed: %s", node_id, exc)
             ok = False
         with self._lock:
@@ -619,9 +626,9 @@ class KVStoreClient:
             logger.info("kvstore node %s answers SERVING again; it rejoins", node_id)
 
     def _partition(self, block_hashes: Sequence[BlockHash]) -> tuple[Partition, list[int]]:
-        """The split of ``block_hashes`` by owner and the nodes to ask (every owner; the one node if single)."""
+        """The split of ``block_hashes`` by owner, and the nodes to ask: those that own at least one."""
         partition = self.router.split(block_hashes)
-        return partition, [0] if self._single else partition.nodes_with_blocks()
+        return partition, partition.nodes_with_blocks()
 
     # ------------------------------------------------------------------ API
 
@@ -1066,7 +1073,7 @@ class AsyncKVStoreClient:
             reply = await channel.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s,
                                                     metadata=self.metadata, wait_for_ready=True)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except (grpc.RpcError, KVStoreError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a background probe reports every failure as "still down"
             logger.debug("probe of kvstore node %s failed: %s", node_id, exc)
             ok = False
         self.membership.probe_done(node_id, ok)
@@ -1074,9 +1081,9 @@ class AsyncKVStoreClient:
             logger.info("kvstore node %s answers SERVING again; it rejoins", node_id)
 
     def _partition(self, block_hashes: Sequence[BlockHash]) -> tuple[Partition, list[int]]:
-        """The split of ``block_hashes`` by owner and the nodes to ask (every owner; the one node if single)."""
+        """The split of ``block_hashes`` by owner, and the nodes to ask: those that own at least one."""
         partition = self.router.split(block_hashes)
-        return partition, [0] if self._single else partition.nodes_with_blocks()
+        return partition, partition.nodes_with_blocks()
 
     # ------------------------------------------------------------------ API
 
@@ -1184,4 +1191,5 @@ class AsyncKVStoreClient:
         await self.close()
 
     def __repr__(self) -> str:
-        return f"AsyncKVStoreClient({self.target!r})" if self._single else f"AsyncKVStoreClient({list(self.targets)!r})"
+        targets = repr(self.target) if self._single else repr(list(self.targets))
+        return f"AsyncKVStoreClient({targets})"

@@ -248,6 +248,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """
         start_s = time.perf_counter()
         code = "OK"
+        observed = False
         try:
             if not self.accepting:
                 raise UnavailableError("the server is shutting down")
@@ -268,9 +269,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 logger.exception("%s failed", method, extra={"fields": {"method": method, "code": code}})
             else:
                 logger.debug("%s %s: %s", method, code, message)
+            if self._metrics is not None:  # before the abort sends the status: a client never sees it uncounted
+                self._metrics.observe(method, code, time.perf_counter() - start_s)
+            observed = True
             await context.abort(status, message)
         finally:
-            if self._metrics is not None:
+            if self._metrics is not None and not observed:
                 self._metrics.observe(method, code, time.perf_counter() - start_s)
 
 

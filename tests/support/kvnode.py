@@ -19,10 +19,7 @@ Plain use::
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import os
 import shutil
@@ -35,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-_LIVE: set[subprocess.Popen[bytes]] = set()
-_PR_SET_PDEATHSIG = 1
+from tests.support.process import forget, spawn
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -47,24 +44,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _kill_leftovers() -> None:
-    for proc in list(_LIVE):
-        with contextlib.suppress(OSError):
-            proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-        _LIVE.discard(proc)
-
-
-atexit.register(_kill_leftovers)
 
 
 class KVNode:
@@ -178,12 +157,11 @@ class KVNode:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
-            proc = subprocess.Popen(
+            proc = spawn(
                 self.command_line(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=str(REPO_ROOT), preexec_fn=_die_with_parent,
+                env=env, cwd=str(REPO_ROOT),
             )
         self._proc = proc
-        _LIVE.add(proc)
         deadline = time.monotonic() + self.startup_timeout_s
         serving = self._wait_serving_line(deadline)
         self.port = int(serving["port"])
@@ -243,7 +221,7 @@ class KVNode:
 
     def _forget(self) -> None:
         if self._proc is not None:
-            _LIVE.discard(self._proc)
+            forget(self._proc)
 
     def restart(self) -> KVNode:
         """Stop gracefully (SIGTERM) and start again on the same ports with the same arguments."""

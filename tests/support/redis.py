@@ -22,10 +22,7 @@ As pytest fixtures, import them into a test module::
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import random
@@ -43,11 +40,11 @@ from typing import Iterator, Sequence
 import pytest
 import redis
 
+from tests.support.process import forget, spawn
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAXMEMORY_BYTES = 256 << 20
-_LIVE: set[subprocess.Popen[bytes]] = set()
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -95,24 +92,6 @@ def redis_binaries() -> tuple[str, str] | None:
     return (server, cli) if server and cli else None
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _kill_leftovers() -> None:
-    for proc in list(_LIVE):
-        with contextlib.suppress(OSError):
-            proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-        _LIVE.discard(proc)
-
-
-atexit.register(_kill_leftovers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,16 +277,12 @@ class RedisProcess:
         raise AssertionError("unreachable")
 
     def _spawn_and_wait(self) -> None:
-        proc = subprocess.Popen(
-            self.command_line(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
+        proc = spawn(self.command_line(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._proc = proc
-        _LIVE.add(proc)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                _LIVE.discard(proc)
+                forget(proc)
                 raise RuntimeError(f"redis-server on port {self.port} exited ({proc.returncode}):\n{self.log_tail()}")
             if self.ping():
                 return
@@ -347,7 +322,7 @@ class RedisProcess:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
-        _LIVE.discard(proc)
+        forget(proc)
 
     def restart(self) -> RedisProcess:
         """Kill and start again on the same port (data is gone: persistence is off)."""

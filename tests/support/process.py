@@ -1,0 +1,44 @@
+"""Child processes for tests: started without running Python between fork and exec, killed with their parent.
+
+``preexec_fn`` would make ``subprocess`` fork and run Python (and gRPC's fork
+handlers) in the child, which can hang when another thread is inside a gRPC
+call. Instead the command runs under util-linux's ``setpriv --pdeathsig KILL``,
+which asks the kernel to kill the child when the thread that started it dies,
+and ``subprocess`` is free to use vfork. Every child is also killed at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import shutil
+import subprocess
+from typing import Any, Sequence
+
+_LIVE: set[subprocess.Popen[bytes]] = set()
+_SETPRIV = shutil.which("setpriv")
+
+
+def spawn(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (``subprocess.Popen`` keyword arguments pass through) as a tracked child."""
+    prefix = [_SETPRIV, "--pdeathsig", "KILL", "--"] if _SETPRIV else []
+    proc = subprocess.Popen([*prefix, *argv], **kwargs)
+    _LIVE.add(proc)
+    return proc
+
+
+def forget(proc: subprocess.Popen[bytes]) -> None:
+    """Stop tracking a child that has exited."""
+    _LIVE.discard(proc)
+
+
+def _kill_leftovers() -> None:
+    for proc in list(_LIVE):
+        with contextlib.suppress(OSError):
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        _LIVE.discard(proc)
+
+
+atexit.register(_kill_leftovers)
