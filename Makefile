@@ -5,13 +5,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
+# The torch to install first. 2.13.0 comes as a CPU build from this project's machines' local wheels; elsewhere
+# use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
+TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup system-deps demo test bench bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0          # CPU build; a bare `torch` would pull a CUDA build
+	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[hf,dev]'
 	touch $@
 

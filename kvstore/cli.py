@@ -59,8 +59,11 @@ def _add_target(parser: argparse.ArgumentParser) -> None:
                         help="deadline of the call, seconds (default 5)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``kvstore`` argument parser with every subcommand (including :data:`SUBCOMMAND_MODULES`)."""
+_CORE_COMMANDS = ("serve", "stats", "health")
+
+
+def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.ArgumentParser:
+    """The ``kvstore`` argument parser: the core commands plus those of ``extra_modules``."""
     parser = argparse.ArgumentParser(
         prog="kvstore",
         description="A multi-tier KV-cache store for LLM inference, served over gRPC.",
@@ -106,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", help="service to check; empty for the whole server (default)")
     health.set_defaults(func=_health)
 
-    for name in SUBCOMMAND_MODULES:
+    for name in extra_modules:
         _register(name, subparsers)
     return parser
 
@@ -180,7 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: arguments after the program name; ``sys.argv[1:]`` when ``None``.
     """
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    core_only = bool(argv) and argv[0] in _CORE_COMMANDS  # `kvstore health` in a probe need not import torch
+    parser = build_parser(() if core_only else SUBCOMMAND_MODULES)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()

@@ -195,6 +195,8 @@ class GenerationResult:
         prefill_s: seconds of the suffix prefill (part of ``ttft_s``).
         total_s: seconds of the whole call, decoding included (background save excluded).
         fell_back: the store failed or timed out and the whole prompt was prefilled.
+        first_logits: ``[vocab_size]`` float32 CPU logits of the last prompt position
+            (what the first token came from), to compare runs more finely than by tokens.
     """
 
     token_ids: tuple[int, ...]
@@ -205,6 +207,7 @@ class GenerationResult:
     prefill_s: float
     total_s: float
     fell_back: bool = False
+    first_logits: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def hit_ratio(self) -> float:
@@ -584,6 +587,11 @@ class HFConnector:
         Raises:
             InvalidArgumentError: on a batch > 1, or a cache covering the whole prompt.
         """
+        logits, cache = self._prefill_logits(token_ids, cache)
+        return int(logits.argmax()), cache
+
+    def _prefill_logits(self, token_ids: TokenIds, cache: Any | None) -> tuple[torch.Tensor, Any]:
+        """:meth:`prefill`, returning the ``[vocab_size]`` logits of the last prompt position instead."""
         ids = _token_list(token_ids)
         cache = self.new_cache() if cache is None else cache
         num_cached = cache.get_seq_length()
@@ -595,7 +603,7 @@ class HFConnector:
             kwargs["logits_to_keep"] = 1
         with torch.no_grad():
             logits = self._model(input_ids=suffix, **kwargs).logits
-            return int(logits[0, -1].argmax()), cache
+            return logits[0, -1], cache
 
     def decode(self, first_token: int, cache: Any, max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
         """Greedy decoding after prefill: ``first_token`` then up to ``max_new_tokens - 1`` more.
@@ -659,7 +667,8 @@ class HFConnector:
         else:
             loaded = LoadResult(self.new_cache(), 0, 0.0)
         prefill_started = time.perf_counter()
-        first, cache = self.prefill(ids, loaded.cache)
+        logits, cache = self._prefill_logits(ids, loaded.cache)
+        first = int(logits.argmax())
         first_at = time.perf_counter()
         if use_store and save:
             self._submit_save(self.snapshot(ids, cache), background=True)
@@ -676,6 +685,7 @@ class HFConnector:
             prefill_s=first_at - prefill_started,
             total_s=finished - started,
             fell_back=loaded.fell_back,
+            first_logits=logits.detach().float().cpu(),
         )
 
     def close(self) -> None:

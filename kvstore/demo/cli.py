@@ -32,6 +32,16 @@ DEFAULT_MAX_NEW_TOKENS = 8
 EMBEDDED_MEMORY_BYTES = 256 << 20
 
 
+LOGIT_TOLERANCE = 1e-3
+"""Largest |logit difference| at the last prompt position that still counts as identical.
+
+Tokens alone are weak evidence with random weights (a model may emit the same
+tokens whatever its context), so the demo also compares the first token's
+logits: reused KV must give the full prefill's logits up to float32 rounding,
+which differs only because the suffix is computed in a shorter batch.
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the demo's flags to ``parser`` (shared by ``kvstore demo`` and ``python -m kvstore.demo``)."""
     parser.add_argument("--target", metavar="HOST:PORT", default="",
@@ -155,12 +165,13 @@ def run(args: argparse.Namespace) -> int:
         with HFConnector(model, client, block_size=args.block_size, model_id=spec.model_id,
                          cache_salt=args.cache_salt) as connector:
             connector.generate(tokenizer.encode(requests[0].text[:64]), 2, use_store=False)  # warm-up, untimed
-            progress = tqdm(requests, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
+            progress = tqdm(requests, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True, disable=None)
             for request in progress:
                 ids = tokenizer.encode(request.text)
                 base = connector.generate(ids, args.max_new_tokens, use_store=False)
                 hit = connector.generate(ids, args.max_new_tokens)
                 connector.flush()  # the next request may hit this one's blocks; not part of any TTFT
+                logit_diff = float((base.first_logits - hit.first_logits).abs().max())
                 row = {
                     "name": request.name,
                     "kind": request.kind,
@@ -173,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
                     "load_s": hit.load_s,
                     "prefill_s": hit.prefill_s,
                     "fell_back": hit.fell_back,
-                    "identical": base.token_ids == hit.token_ids,
+                    "identical": base.token_ids == hit.token_ids and logit_diff <= LOGIT_TOLERANCE,
+                    "max_logit_diff": logit_diff,
                     "output_tokens": list(hit.token_ids),
                     "output_text": tokenizer.decode(hit.token_ids),
                 }
@@ -182,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{row['name']:>11}: {row['prompt_tokens']:5d} tokens, {row['cached_tokens']:5d} cached "
                     f"({row['hit_ratio']:4.0%})  TTFT {row['ttft_no_cache_s']:7.3f} s -> {row['ttft_cache_s']:7.3f} s "
                     f"({row['speedup']:5.1f}x)  output {'identical' if row['identical'] else 'DIFFERS'}"
+                    f" (logits max |diff| {logit_diff:.1e})"
                     + ("  [store failed: full prefill]" if hit.fell_back else "")
                 )
             progress.close()

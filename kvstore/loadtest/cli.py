@@ -27,7 +27,8 @@ from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, TraceRequest, iter_tra
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TRACE = Path("benchmarks/traces/mooncake_conversation_trace.jsonl")
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
+"""The Mooncake conversation trace in a source checkout (not in a wheel: pass ``--trace`` there)."""
 """The trace used when ``--trace`` is not given, relative to the current directory (the repository root)."""
 
 EXIT_OK = 0

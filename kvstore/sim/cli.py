@@ -18,7 +18,8 @@ from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, read_trace
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TRACE = Path("benchmarks/traces/mooncake_conversation_trace.jsonl")
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
+"""The Mooncake conversation trace in a source checkout (not in a wheel: pass ``--trace`` there)."""
 """The trace used when ``--trace`` is not given, relative to the current directory (the repository root)."""
 
 DEFAULT_CAPACITIES = "1000,2000,5859,10000,20000,50000,inf"

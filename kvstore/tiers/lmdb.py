@@ -24,6 +24,7 @@ not checksums, so that a restart does not read the whole database.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import struct
@@ -64,6 +65,30 @@ def default_map_size_bytes(capacity_bytes: int) -> int:
     overflow value.
     """
     return -(-(capacity_bytes * 3 // 2 + 64 * MiB) // MiB) * MiB
+
+
+LOCK_FILE = "kvstore.lock"
+
+
+def _lock_directory(path: str) -> int:
+    """Take an exclusive ``flock`` on ``path/kvstore.lock``; returns its descriptor.
+
+    Each tier keeps its own byte count and eviction index, so two processes (or
+    two tiers) on one directory would overrun its capacity; the lock refuses the
+    second one. The kernel drops the lock when the holder exits, even by a crash.
+
+    Raises:
+        UnavailableError: if another tier holds the directory.
+    """
+    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UnavailableError(
+            f"the disk tier at {path} is in use by another kvstore process; give each node its own disk path"
+        ) from None
+    return fd
 
 
 def _pack_meta(meta: BlockMeta, nbytes: int) -> bytes:
@@ -129,6 +154,7 @@ class LMDBTier:
         self.sync = sync
         map_size = default_map_size_bytes(capacity_bytes) if map_size_bytes is None else map_size_bytes
         os.makedirs(self.path, exist_ok=True)
+        self._lock_fd = _lock_directory(self.path)
         try:
             self._env = lmdb.open(
                 self.path, map_size=map_size, max_dbs=2, sync=sync, metasync=sync,
@@ -137,6 +163,7 @@ class LMDBTier:
             self._blocks = self._env.open_db(b"blocks")
             self._meta = self._env.open_db(b"meta")
         except lmdb.Error as exc:
+            os.close(self._lock_fd)
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {exc}") from exc
         self.page_bytes: int = self._env.stat()["psize"]
         self._used_bytes = self._scan_used_bytes()
@@ -297,6 +324,7 @@ class LMDBTier:
             await asyncio.wrap_future(self._writer.submit(self._close_txn, touched))
         finally:
             await asyncio.to_thread(self._shutdown)
+            os.close(self._lock_fd)  # releases the directory for the next process
         logger.info("disk tier %s closed", self.name)
 
     # -- helpers on the loop ----------------------------------------------------------

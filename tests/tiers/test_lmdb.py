@@ -252,3 +252,13 @@ async def test_priority_outside_0_to_100_is_refused(tmp_path):
         await tier.put([make_key(0)], [make_block(0)], [BlockMeta(101)])
     assert await tier.contains([make_key(0)]) == [False]
     await tier.close()
+
+
+async def test_a_second_tier_on_the_same_directory_is_refused(tmp_path) -> None:
+    """Two processes (or tiers) on one LMDB directory would each count its capacity on their own."""
+    first = LMDBTier(tmp_path / "d", 1 << 20)
+    with pytest.raises(UnavailableError, match="in use"):
+        LMDBTier(tmp_path / "d", 1 << 20)
+    await first.close()
+    second = LMDBTier(tmp_path / "d", 1 << 20)  # the lock went with the first tier
+    await second.close()
