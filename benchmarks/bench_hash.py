@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from kvstore.keys import HashAlgorithm, Namespace, hash_blocks
 

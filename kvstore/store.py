@@ -550,7 +550,7 @@ class TieredStore:
         metas: list[BlockMeta],
         source: int | None,
     ) -> list[BlockKey]:
-        tier, policy = self._tiers[level], self._policies[level]
+        tier = self._tiers[level]
         sizes = [tier.footprint(len(v)) for v in values]
         capacity = tier.capacity_bytes or 0
         published: list[BlockKey] = []

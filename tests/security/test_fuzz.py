@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.keys import HashAlgorithm, Namespace, hash_blocks
+from kvstore.keys import Namespace, hash_blocks
 from kvstore.security import bearer_metadata
 from kvstore.server.wire import GET_METHOD, PUT_METHOD, namespace_to_pb, put_requests
 from kvstore.v1 import kvstore_pb2 as pb

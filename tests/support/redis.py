@@ -22,7 +22,6 @@ As pytest fixtures, import them into a test module::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
