@@ -232,16 +232,20 @@ class LimitsConfig:
         max_hashes_per_request: block hashes one Lookup, Get, Put or Delete may name.
         max_inflight_per_connection: concurrent calls one client connection (``context.peer()``) may have.
         tenant_quota_bytes: bytes one tenant (``cache_salt``) may hold across local tiers; 0 for no quota.
+        max_put_bytes: bytes one Put stream may carry; the server buffers a whole Put
+            before storing it, so this bounds that buffer (RESOURCE_EXHAUSTED beyond it).
     """
 
     max_hashes_per_request: int = 8192
     max_inflight_per_connection: int = 256
     tenant_quota_bytes: int = 0
+    max_put_bytes: int = 1 * GiB
 
     def __post_init__(self) -> None:
         _require(self.max_hashes_per_request > 0, "max_hashes_per_request", "must be > 0")
         _require(self.max_inflight_per_connection > 0, "max_inflight_per_connection", "must be > 0")
         _require(self.tenant_quota_bytes >= 0, "tenant_quota_bytes", "must be >= 0 (0 for no quota)")
+        _require(self.max_put_bytes > 0, "max_put_bytes", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,7 +147,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             priority: int | None = None
             retention_s: float | None = None
             hashes: list[bytes] = []
-            assembler = BlockAssembler(self._config.store.max_block_bytes, self._max_hashes)
+            assembler = BlockAssembler(self._config.store.max_block_bytes, self._max_hashes,
+                                       self._config.limits.max_put_bytes)
             async for raw in request_iterator:
                 message, data = decode_put_request(raw)
                 if namespace is None:

@@ -354,11 +354,14 @@ class BlockAssembler:
         max_block_bytes: largest block accepted, bytes; a larger ``total_bytes``
             is refused before anything of it is buffered.
         max_blocks: most blocks one stream may carry.
+        max_total_bytes: most bytes of all blocks one stream may carry; ``None`` for no limit.
     """
 
-    def __init__(self, max_block_bytes: int, max_blocks: int) -> None:
+    def __init__(self, max_block_bytes: int, max_blocks: int, max_total_bytes: int | None = None) -> None:
         self.max_block_bytes = max_block_bytes
         self.max_blocks = max_blocks
+        self.max_total_bytes = max_total_bytes
+        self._declared = 0  # sum of total_bytes of the blocks begun so far
         self.blocks: list[bytes] = []
         self._parts: list[bytes | memoryview] = []
         self._received = 0
@@ -375,7 +378,8 @@ class BlockAssembler:
         Raises:
             InvalidArgumentError: if the previous block is incomplete, the index
                 is not the next one, or there are more than ``max_blocks`` blocks.
-            ResourceExhaustedError: if ``total_bytes > max_block_bytes``.
+            ResourceExhaustedError: if ``total_bytes > max_block_bytes``, or the stream's
+                blocks add up to more than ``max_total_bytes``.
         """
         self._close_open_block()
         if block_index != len(self.blocks):
@@ -388,6 +392,12 @@ class BlockAssembler:
             raise ResourceExhaustedError(
                 f"block {block_index}: {total_bytes} bytes is over max_block_bytes={self.max_block_bytes}"
             )
+        if self.max_total_bytes is not None and self._declared + total_bytes > self.max_total_bytes:
+            raise ResourceExhaustedError(
+                f"block {block_index}: the Put would carry over max_put_bytes={self.max_total_bytes} bytes; "
+                "split it into several Puts"
+            )
+        self._declared += total_bytes
         self._total = total_bytes
         self._received = 0
         self._parts = []

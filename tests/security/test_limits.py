@@ -90,6 +90,21 @@ def test_too_many_hashes_is_invalid_argument_and_big_block_is_exhausted() -> Non
         threaded.stop()
 
 
+def test_a_put_stream_over_max_put_bytes_is_exhausted_and_stores_nothing() -> None:
+    ns = sha_namespace("tenant-a")
+    hashes, tensors = kv_blocks(ns, 4)
+    blocks = encoded(ns, tensors)
+    threaded = ThreadedServer(auth_config(**{"limits.max_put_bytes": 3 * len(blocks[0]) + 100}))
+    try:
+        with client_of(threaded, TOKEN_A) as kv:
+            with pytest.raises(ResourceExhaustedError, match="max_put_bytes"):
+                kv.put(ns, hashes, blocks)
+            assert kv.lookup(ns, hashes).num_blocks == 0
+            assert kv.put(ns, hashes[:3], blocks[:3]) == 3  # under the limit: stored
+    finally:
+        threaded.stop()
+
+
 def test_calls_in_flight_are_limited_per_connection() -> None:
     threaded = ThreadedServer(auth_config(**{"limits.max_inflight_per_connection": 2}))
     ns = sha_namespace("tenant-a")

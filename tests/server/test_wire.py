@@ -77,3 +77,11 @@ def _truncated() -> None:
     assembler.begin(0, 2)
     assembler.add(0, 0, b"x")
     assembler.finish()
+
+
+def test_assembler_bounds_the_bytes_of_one_stream() -> None:
+    assembler = BlockAssembler(max_block_bytes=100, max_blocks=10, max_total_bytes=150)
+    assembler.begin(0, 100)
+    assembler.add(0, 0, b"x" * 100)
+    with pytest.raises(ResourceExhaustedError, match="max_put_bytes"):
+        assembler.begin(1, 60)  # refused before any of its bytes are buffered
