@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,16 +31,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from tests.support.process import forget, spawn
+from tests.support.process import forget, free_port, spawn  # noqa: F401  (free_port is re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 

@@ -12,11 +12,23 @@ from __future__ import annotations
 import atexit
 import contextlib
 import shutil
+import socket
 import subprocess
 from typing import Any, Sequence
 
 _LIVE: set[subprocess.Popen[bytes]] = set()
 _SETPRIV = shutil.which("setpriv")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (the kernel picks it).
+
+    Another process may take it before it is used; callers that chose the port
+    themselves retry on a fresh one.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def spawn(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:

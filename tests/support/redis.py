@@ -39,22 +39,13 @@ from typing import Iterator, Sequence
 import pytest
 import redis
 
-from tests.support.process import forget, spawn
+from tests.support.process import forget, free_port, spawn
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAXMEMORY_BYTES = 256 << 20
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (the kernel picks it).
-
-    Another process may take it before it is used; :class:`RedisProcess` retries
-    on a fresh port when it chose the port itself.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def free_cluster_port(host: str = "127.0.0.1") -> int:
