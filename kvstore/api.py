@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, Union, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from kvstore.keys import BlockHash, Namespace
 
@@ -69,7 +70,7 @@ class StoreStats:
         raise KeyError(name)
 
 
-Block = bytes | torch.Tensor
+Block = Union[bytes, "torch.Tensor"]
 """A block as the API takes it: encoded bytes (``kvstore.codec``) or a tensor to encode.
 
 Tensors are ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for the ``kv``

@@ -75,10 +75,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.api import Block, LookupResult, StoreStats, TierStats
@@ -110,6 +109,9 @@ from kvstore.server.wire import (
 )
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,11 @@ import struct
 import warnings
 from dataclasses import dataclass
 
-import torch
+from typing import TYPE_CHECKING
 import xxhash
+
+if TYPE_CHECKING:  # torch is imported on first use, so parsing a header (the server, `kvstore health`) never loads it
+    import torch
 
 from kvstore.errors import (
     BadMagicError,
@@ -51,20 +54,19 @@ ALIGNMENT = 64
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sHBBBBHQQ")  # 28 bytes
 
-DTYPES: dict[str, tuple[int, torch.dtype]] = {
-    "float32": (1, torch.float32),
-    "float16": (2, torch.float16),
-    "bfloat16": (3, torch.bfloat16),
-    "float8_e4m3fn": (4, torch.float8_e4m3fn),
-    "float8_e5m2": (5, torch.float8_e5m2),
-    "int8": (6, torch.int8),
-    "uint8": (7, torch.uint8),
-    "float64": (8, torch.float64),
+DTYPES: dict[str, tuple[int, int]] = {
+    "float32": (1, 4),
+    "float16": (2, 2),
+    "bfloat16": (3, 2),
+    "float8_e4m3fn": (4, 1),
+    "float8_e5m2": (5, 1),
+    "int8": (6, 1),
+    "uint8": (7, 1),
+    "float64": (8, 8),
 }
-"""Codec dtype names, their one-byte codes and torch dtypes. Codes are frozen."""
+"""Codec dtype names (as ``torch.<name>``), their one-byte codes and item sizes in bytes. Codes are frozen."""
 
 _CODE_TO_NAME = {code: name for name, (code, _) in DTYPES.items()}
-_TORCH_TO_NAME = {dtype: name for name, (_, dtype) in DTYPES.items()}
 
 
 class Layout(str, enum.Enum):
@@ -100,7 +102,10 @@ def dtype_name(dtype: torch.dtype | str) -> str:
             raise UnknownDtypeError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
         return name
     try:
-        return _TORCH_TO_NAME[dtype]
+        name = str(dtype).removeprefix("torch.")
+        if name in DTYPES and getattr(_torch(), name) == dtype:
+            return name
+        raise KeyError(name)
     except KeyError:
         raise UnknownDtypeError(f"unknown dtype {dtype}; known: {sorted(DTYPES)}") from None
 
@@ -111,7 +116,13 @@ def torch_dtype(name: str) -> torch.dtype:
     Raises:
         UnknownDtypeError: if the name is unknown.
     """
-    return DTYPES[dtype_name(name)][1]
+    return getattr(_torch(), dtype_name(name))
+
+
+def _torch():  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +179,7 @@ def encode_header(dtype: str, layout: Layout | str, shape: tuple[int, ...], payl
     shape = tuple(int(d) for d in shape)
     _check_shape(layout, shape)
     payload = memoryview(payload).cast("B")
-    itemsize = DTYPES[name][1].itemsize
+    itemsize = DTYPES[name][1]
     if math.prod(shape) * itemsize != payload.nbytes:
         raise ElementCountError(
             f"payload of {payload.nbytes} bytes does not hold shape {list(shape)} of {name}"
@@ -199,6 +210,7 @@ def encode_block(tensor: torch.Tensor, layout: Layout | str = Layout.KV) -> byte
         UnknownDtypeError: if the tensor's dtype has no codec code.
         ElementCountError: if the shape does not fit the layout.
     """
+    torch = _torch()
     name = dtype_name(tensor.dtype)
     host = tensor.detach().to("cpu").contiguous()
     payload = memoryview(host.reshape(-1).view(torch.uint8).numpy())
@@ -235,7 +247,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     name = _CODE_TO_NAME[dtype_code]
     layout = _CODE_TO_LAYOUT[layout_code]
     _check_shape(layout, shape)
-    if math.prod(shape) * DTYPES[name][1].itemsize != payload_nbytes:
+    if math.prod(shape) * DTYPES[name][1] != payload_nbytes:
         raise ElementCountError(f"header shape {list(shape)} of {name} does not match payload of {payload_nbytes} bytes")
     if view.nbytes < hdr_nbytes + payload_nbytes:
         raise TruncatedBlockError(
@@ -281,6 +293,7 @@ def decode_block(buf: bytes | bytearray | memoryview, *, verify: bool = True) ->
     Raises:
         CodecError: a subclass naming the cause (see :func:`verify_block`).
     """
+    torch = _torch()
     header = verify_block(buf) if verify else decode_header(buf)
     if header.payload_nbytes == 0:
         return torch.empty(header.shape, dtype=torch_dtype(header.dtype))

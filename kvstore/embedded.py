@@ -6,9 +6,7 @@ import asyncio
 import os
 import threading
 from pathlib import Path
-from typing import Any, Coroutine, Sequence, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Coroutine, Sequence, TypeVar
 
 from kvstore.api import Block, LookupResult, StoreStats
 from kvstore.codec import decode_block, encode_block
@@ -16,6 +14,9 @@ from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.store import TieredStore, open_async_store
+
+if TYPE_CHECKING:
+    import torch
 
 _T = TypeVar("_T")
 

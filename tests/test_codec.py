@@ -17,6 +17,7 @@ from kvstore.codec import (
     encode_block,
     encode_header,
     header_nbytes,
+    torch_dtype,
     verify_block,
 )
 from kvstore.errors import (
@@ -35,7 +36,8 @@ def kv_block(dtype: torch.dtype = torch.float16, heads: int = 4) -> torch.Tensor
 
 @pytest.mark.parametrize("name", sorted(DTYPES))
 def test_round_trip_every_dtype(name: str) -> None:
-    tensor = torch.randn(2, 2, 2, 4, 8).to(DTYPES[name][1])
+    tensor = torch.randn(2, 2, 2, 4, 8).to(torch_dtype(name))
+    assert tensor.element_size() == DTYPES[name][1]
     buf = encode_block(tensor)
     out = decode_block(buf)
     assert out.dtype == tensor.dtype and out.shape == tensor.shape
