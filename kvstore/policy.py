@@ -74,7 +74,37 @@ class EvictionPolicy(Protocol[K]):
         """Bytes of every tracked key."""
 
 
-class PriorityLRUPolicy:
+class Leases:
+    """Lease counts shared by every policy: a pinned key is never a victim.
+
+    A subclass keeps the counts in a ``_pins`` dict (its own slot) and defines ``__contains__``.
+    """
+
+    __slots__ = ()
+    _pins: dict[Hashable, int]
+
+    def is_pinned(self, key: Hashable) -> bool:
+        """Whether ``key`` holds at least one lease."""
+        return key in self._pins
+
+    def pin(self, key: Hashable) -> None:
+        """Take one lease on ``key``. Raises ``KeyError`` if unknown."""
+        if key not in self:
+            raise KeyError(key)
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: Hashable) -> None:
+        """Release one lease on ``key``; unknown or unpinned keys are ignored."""
+        count = self._pins.get(key)
+        if count is None:
+            return
+        if count <= 1:
+            del self._pins[key]
+        else:
+            self._pins[key] = count - 1
+
+
+class PriorityLRUPolicy(Leases):
     """LRU within each priority level, lowest level first: TensorRT-LLM's retention semantics.
 
     Memory: one ``OrderedDict`` node per key in its level, holding its size (size
@@ -141,10 +171,6 @@ class PriorityLRUPolicy:
         """When the retention of ``key`` ends (0.0 when it has none)."""
         return self._expiry.get(key, 0.0)
 
-    def is_pinned(self, key: K) -> bool:
-        """Whether ``key`` holds at least one lease."""
-        return key in self._pins
-
     def insert(self, key: K, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0) -> None:
         """Track ``key`` as the most recently used block of its priority.
 
@@ -186,22 +212,6 @@ class PriorityLRUPolicy:
         self._nbytes -= nbytes
         self._count -= 1
         return nbytes
-
-    def pin(self, key: K) -> None:
-        """Take one lease on ``key``. Raises ``KeyError`` if unknown."""
-        if key not in self:
-            raise KeyError(key)
-        self._pins[key] = self._pins.get(key, 0) + 1
-
-    def unpin(self, key: K) -> None:
-        """Release one lease on ``key``; unknown or unpinned keys are ignored."""
-        count = self._pins.get(key)
-        if count is None:
-            return
-        if count <= 1:
-            del self._pins[key]
-        else:
-            self._pins[key] = count - 1
 
     def expire(self, now: float) -> int:
         """Revert every retention that ended at or before ``now`` to the default priority.

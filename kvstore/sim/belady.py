@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from typing import Hashable, Iterator, Sequence
 
-from kvstore.policy import DEFAULT_PRIORITY
+from kvstore.policy import DEFAULT_PRIORITY, Leases
 
 NEVER = 1 << 62
 """The next-use time of a block that is never requested again."""
@@ -76,7 +76,7 @@ class NextUseOracle:
         return (uses[cursor] << _POSITION_BITS) | self._position[key]
 
 
-class BeladyPolicy:
+class BeladyPolicy(Leases):
     """MIN as an eviction policy: victims are the blocks needed farthest in the future.
 
     A max-heap of next-use times with lazy invalidation: every insert or touch
@@ -151,22 +151,6 @@ class BeladyPolicy:
         self._pins.pop(key, None)
         self._nbytes -= entry[0]
         return entry[0]
-
-    def pin(self, key: Hashable) -> None:
-        """Take one lease on ``key``. Raises ``KeyError`` if unknown."""
-        if key not in self._entries:
-            raise KeyError(key)
-        self._pins[key] = self._pins.get(key, 0) + 1
-
-    def unpin(self, key: Hashable) -> None:
-        """Release one lease on ``key``; unknown or unpinned keys are ignored."""
-        count = self._pins.get(key)
-        if count is None:
-            return
-        if count <= 1:
-            del self._pins[key]
-        else:
-            self._pins[key] = count - 1
 
     def victims(self, nbytes: int, now: float = 0.0) -> list[Hashable]:
         """Keys to evict, farthest next use first, to free at least ``nbytes``; pinned keys are skipped.
