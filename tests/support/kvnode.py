@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from tests.support.process import forget, free_port, spawn  # noqa: F401  (free_port is re-exported)
+from tests.support.process import OwnedProcess, forget, free_port, spawn  # noqa: F401  (free_port is re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 
-class KVNode:
+class KVNode(OwnedProcess):
     """One real ``kvstore serve`` process on loopback ports, which can be stopped, killed and restarted.
 
     Args:
@@ -245,24 +244,8 @@ class KVNode:
                     records.append(record)
         return records
 
-    def log_tail(self, num_lines: int = 30) -> str:
-        """The last lines of the node's log, for error messages."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
-        except OSError:
-            return "(no log)"
 
-    def close(self) -> None:
-        """Kill the node and remove its temporary directory."""
-        self.kill()
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> KVNode:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"KVNode(port={self.port}, running={self.is_running})"

@@ -14,6 +14,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+from pathlib import Path
 from typing import Any, Sequence
 
 _LIVE: set[subprocess.Popen[bytes]] = set()
@@ -42,6 +43,42 @@ def spawn(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
 def forget(proc: subprocess.Popen[bytes]) -> None:
     """Stop tracking a child that has exited."""
     _LIVE.discard(proc)
+
+
+class OwnedProcess:
+    """What a test-owned server (redis-server, ``kvstore serve``) shares: log tail, close, context manager.
+
+    A subclass sets ``workdir``, ``log_path`` and ``_own_dir`` and defines ``start`` and ``kill``.
+    """
+
+    workdir: Path
+    log_path: Path
+    _own_dir: bool
+
+    def start(self) -> Any:  # pragma: no cover - defined by subclasses
+        raise NotImplementedError
+
+    def kill(self) -> None:  # pragma: no cover - defined by subclasses
+        raise NotImplementedError
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        """The last lines of the process's log, for error messages."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        """Kill the process and remove its temporary directory."""
+        self.kill()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Any:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _kill_leftovers() -> None:

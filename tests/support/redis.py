@@ -39,7 +39,7 @@ from typing import Iterator, Sequence
 import pytest
 import redis
 
-from tests.support.process import forget, free_port, spawn
+from tests.support.process import OwnedProcess, forget, free_port, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def make_tls_files(directory: str | os.PathLike[str]) -> TlsFiles:
     return TlsFiles(*(str(d / name) for name in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")))
 
 
-class RedisProcess:
+class RedisProcess(OwnedProcess):
     """One real ``redis-server`` on a loopback port, which can be stopped, killed and restarted there.
 
     Args:
@@ -319,24 +319,8 @@ class RedisProcess:
         self.kill()
         return self.start()
 
-    def log_tail(self, num_lines: int = 20) -> str:
-        """The last lines of the server log, for error messages."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
-        except OSError:
-            return "(no log)"
 
-    def close(self) -> None:
-        """Kill the server and remove its temporary directory."""
-        self.kill()
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> RedisProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"RedisProcess(port={self.port}, running={self.is_running})"
