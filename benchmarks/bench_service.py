@@ -106,9 +106,10 @@ class EchoClient:
     def __init__(self, target: str, max_message_bytes: int) -> None:
         import grpc
 
-        from kvstore.server.wire import channel_options, chunk_bytes_for
+        from kvstore.server.wire import chunk_bytes_for, sync_client_channel_options
 
-        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        # the same channel options as KVStoreClient's, so that the two clients differ only in kvstore's own work
+        self._channel = grpc.insecure_channel(target, options=sync_client_channel_options(max_message_bytes))
         self._get = self._channel.unary_stream(f"/{ECHO_SERVICE}/Get")
         self._put = self._channel.stream_unary(f"/{ECHO_SERVICE}/Put")
         self._empty = self._channel.unary_unary(f"/{ECHO_SERVICE}/Empty")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence, Union, runtime_checkable
 
@@ -23,6 +24,17 @@ class LookupResult:
 
     num_blocks: int
     tiers: tuple[str, ...] = ()
+
+    @classmethod
+    def from_block_tiers(cls, block_tiers: bytes, tier_names: Sequence[str]) -> LookupResult:
+        """The result whose block ``i`` is in tier ``tier_names[block_tiers[i]]`` (the wire's compact form).
+
+        Raises:
+            IndexError: if a tier index is not below ``len(tier_names)``.
+        """
+        if len(block_tiers) > 1:  # itemgetter builds the tuple in C: 1,024 blocks in ~15 us
+            return cls(len(block_tiers), operator.itemgetter(*block_tiers)(tuple(tier_names)))
+        return cls(len(block_tiers), tuple(tier_names[i] for i in block_tiers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +82,15 @@ class StoreStats:
         raise KeyError(name)
 
 
+Buffer = Union[bytes, memoryview]
+"""An encoded block as the API returns it: ``bytes``, or a read-only ``memoryview`` that avoided a copy.
+
+``KVStoreClient.get`` returns a block that arrived in one gRPC message as a
+view of that message (it holds the message alive); ``bytes(block)`` copies it.
+Both compare equal to ``bytes`` of the same content and decode with
+``kvstore.codec.decode_block``.
+"""
+
 Block = Union[bytes, "torch.Tensor"]
 """A block as the API takes it: encoded bytes (``kvstore.codec``) or a tensor to encode.
 
@@ -89,8 +110,8 @@ class BlockClient(Protocol):
         """The longest cached prefix of ``block_hashes``."""
         ...
 
-    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
-        """Encoded blocks of the longest cached prefix, in order; stops at the first miss."""
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[Buffer]:
+        """Encoded blocks of the longest cached prefix, in order; stops at the first miss (see :data:`Buffer`)."""
         ...
 
     def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:

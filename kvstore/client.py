@@ -80,7 +80,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.api import Block, LookupResult, StoreStats, TierStats
+from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats
 from kvstore.codec import decode_block
 from kvstore.embedded import encode_blocks
 from kvstore.errors import InvalidArgumentError, UnavailableError
@@ -99,6 +99,7 @@ from kvstore.server.wire import (
     PUT_METHOD,
     BlockAssembler,
     channel_options,
+    sync_client_channel_options,
     chunk_bytes_for,
     decode_block_chunk,
     identity,
@@ -116,6 +117,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_R = TypeVar("_R", pb.GetRequest, pb.LookupRequest, pb.DeleteRequest)
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_INFLIGHT = 64
@@ -169,7 +171,7 @@ class TargetChannel:
         self.max_message_bytes = max_message_bytes
         self._credentials = credentials
         self._options = [
-            *channel_options(max_message_bytes),
+            *(channel_options(max_message_bytes) if aio else sync_client_channel_options(max_message_bytes)),
             ("grpc.use_local_subchannel_pool", 1),  # a child's channel must not reuse the parent's connections
             # reconnect soon after a node restarts (gRPC's default backoff grows to 120 s)
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
@@ -268,12 +270,20 @@ def _raise_typed(exc: grpc.RpcError) -> None:
     raise error_of(exc.code(), exc.details()) from None  # type: ignore[attr-defined]
 
 
-def _hash_list(block_hashes: Sequence[BlockHash]) -> list[bytes]:
-    return [bytes(h) for h in block_hashes]
+def _with_hashes(message_type: type[_R], namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> _R:
+    """A ``message_type`` request for ``block_hashes`` in ``namespace``.
+
+    A list of ``bytes`` goes to protobuf as it is (converting 1,024 hashes one
+    by one costs a third of a millisecond); other bytes-like hashes are copied.
+    """
+    try:
+        return message_type(namespace=namespace, block_hashes=block_hashes)
+    except TypeError:  # bytearray or memoryview hashes
+        return message_type(namespace=namespace, block_hashes=[bytes(h) for h in block_hashes])
 
 
 def _get_request(namespace: Namespace, block_hashes: Sequence[BlockHash]) -> pb.GetRequest:
-    return pb.GetRequest(namespace=namespace_to_pb(namespace), block_hashes=_hash_list(block_hashes))
+    return _with_hashes(pb.GetRequest, namespace_to_pb(namespace), block_hashes)
 
 
 def _check_put(block_hashes: Sequence[BlockHash], blocks: Sequence[Block]) -> None:
@@ -282,7 +292,7 @@ def _check_put(block_hashes: Sequence[BlockHash], blocks: Sequence[Block]) -> No
 
 
 def _assembler(num_blocks: int) -> BlockAssembler:
-    return BlockAssembler(_NO_BLOCK_LIMIT, max(1, num_blocks))
+    return BlockAssembler(_NO_BLOCK_LIMIT, max(1, num_blocks), copy=False)  # one-chunk blocks stay views
 
 
 def resolve_targets(target: str | Sequence[str] | None, targets: Sequence[str] | None) -> tuple[str, ...]:
@@ -354,16 +364,16 @@ _AsyncJob = Callable[[TargetChannel, float], Awaitable[_T]]
 
 def _lookup_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
                 metadata: Sequence[tuple[str, str]]) -> _Job[LookupResult]:
-    request = pb.LookupRequest(namespace=namespace, block_hashes=_hash_list(block_hashes))
+    request = _with_hashes(pb.LookupRequest, namespace, block_hashes)
     return lambda channel, timeout_s: lookup_from_pb(channel.stub.Lookup(request, timeout=timeout_s,
                                                                          metadata=metadata))
 
 
 def _get_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
-             metadata: Sequence[tuple[str, str]]) -> _Job[list[bytes]]:
+             metadata: Sequence[tuple[str, str]]) -> _Job[list[Buffer]]:
     request = _get_request(namespace, block_hashes)
 
-    def job(channel: TargetChannel, timeout_s: float) -> list[bytes]:
+    def job(channel: TargetChannel, timeout_s: float) -> list[Buffer]:
         assembler = _assembler(len(block_hashes))
         stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
         try:
@@ -391,7 +401,7 @@ def _put_job(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: S
 
 def _delete_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
                 metadata: Sequence[tuple[str, str]]) -> _Job[int]:
-    request = pb.DeleteRequest(namespace=namespace, block_hashes=_hash_list(block_hashes))
+    request = _with_hashes(pb.DeleteRequest, namespace, block_hashes)
     return lambda channel, timeout_s: int(channel.stub.Delete(request, timeout=timeout_s,
                                                               metadata=metadata).num_deleted)
 
@@ -653,9 +663,12 @@ class KVStoreClient:
                                  for j in nodes})
         return partition.merge_lookup(results)
 
-    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[Buffer]:
         """Encoded blocks of the longest cached prefix, in order; stops at the first miss.
 
+        A block that arrived in one message (up to ``max_message_bytes`` less
+        4 KiB) is a read-only ``memoryview`` of it, with no copy; a larger one
+        is ``bytes`` joined from its chunks (:data:`kvstore.api.Buffer`).
         With several nodes, the owners are asked in parallel and their blocks
         merged in order up to the first miss (a down node's blocks are misses).
 
@@ -812,7 +825,7 @@ class KVStoreClient:
 
 def _alookup_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
                  metadata: Sequence[tuple[str, str]]) -> _AsyncJob[LookupResult]:
-    request = pb.LookupRequest(namespace=namespace, block_hashes=_hash_list(block_hashes))
+    request = _with_hashes(pb.LookupRequest, namespace, block_hashes)
 
     async def job(channel: TargetChannel, timeout_s: float) -> LookupResult:
         return lookup_from_pb(await channel.stub.Lookup(request, timeout=timeout_s, metadata=metadata))
@@ -821,10 +834,10 @@ def _alookup_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
 
 
 def _aget_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
-              metadata: Sequence[tuple[str, str]]) -> _AsyncJob[list[bytes]]:
+              metadata: Sequence[tuple[str, str]]) -> _AsyncJob[list[Buffer]]:
     request = _get_request(namespace, block_hashes)
 
-    async def job(channel: TargetChannel, timeout_s: float) -> list[bytes]:
+    async def job(channel: TargetChannel, timeout_s: float) -> list[Buffer]:
         assembler = _assembler(len(block_hashes))
         stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
         try:
@@ -854,7 +867,7 @@ def _aput_job(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: 
 
 def _adelete_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
                  metadata: Sequence[tuple[str, str]]) -> _AsyncJob[int]:
-    request = pb.DeleteRequest(namespace=namespace, block_hashes=_hash_list(block_hashes))
+    request = _with_hashes(pb.DeleteRequest, namespace, block_hashes)
 
     async def job(channel: TargetChannel, timeout_s: float) -> int:
         return int((await channel.stub.Delete(request, timeout=timeout_s, metadata=metadata)).num_deleted)
@@ -1100,7 +1113,7 @@ class AsyncKVStoreClient:
                                        for j in nodes})
         return partition.merge_lookup(results)
 
-    async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+    async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[Buffer]:
         """Encoded blocks of the longest cached prefix (see :meth:`KVStoreClient.get`)."""
         if self._single:
             job = _aget_job(namespace, block_hashes, self.metadata)

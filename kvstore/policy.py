@@ -144,8 +144,11 @@ class PriorityLRUPolicy(Leases):
 
     def contains_many(self, keys: Sequence[K]) -> list[bool]:
         """Whether each key is tracked; the batch form of ``in`` for hot paths (lookup of 1,024 hashes)."""
-        default, others = self._levels[self.default_priority], self._priority
-        return [key in default or key in others for key in keys]
+        found = list(map(self._levels[self.default_priority].__contains__, keys))  # a C loop
+        others = self._priority
+        if others and False in found:  # some keys hold a non-default priority
+            return [hit or key in others for hit, key in zip(found, keys)]
+        return found
 
     def __iter__(self) -> Iterator[K]:
         for level in self._levels:

@@ -23,10 +23,12 @@ locks are needed; the tiers run their blocking work in threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import Layout, verify_block
@@ -39,7 +41,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.policy import PriorityLRUPolicy, check_priority
-from kvstore.tiers.base import BlockMeta, Tier, TierFullError
+from kvstore.tiers.base import BlockMeta, Buffer, LeasingTier, Tier, TierFullError
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ class TieredStore:
         self.config = config or StoreConfig()
         self._tiers = list(tiers)
         self._shared = shared
+        self._lenders = [tier if isinstance(tier, LeasingTier) else None for tier in self._tiers]
+        self._tier_names = tuple(t.name for t in self._tiers) + ((shared.name,) if shared is not None else ())
         self._write_through = shared is not None and self.config.redis.mode == "write_through"
         self._clock = clock
         self._policies = [PriorityLRUPolicy(self.config.default_priority) for _ in self._tiers]
@@ -145,9 +149,9 @@ class TieredStore:
         await self.close()
 
     @property
-    def tier_names(self) -> list[str]:
+    def tier_names(self) -> tuple[str, ...]:
         """Names of the tiers, fastest first, the shared tier last."""
-        return [t.name for t in self._tiers] + ([self._shared.name] if self._shared else [])
+        return self._tier_names
 
     # ------------------------------------------------------------------ API
 
@@ -160,23 +164,65 @@ class TieredStore:
             InvalidArgumentError: on a hash of the wrong length.
             UnavailableError: if the store is closed.
         """
+        return LookupResult.from_block_tiers(await self.locate(namespace, block_hashes), self._tier_names)
+
+    async def locate(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> bytes:
+        """:meth:`lookup` in its compact form: the tier of each block of the longest cached prefix, as a byte.
+
+        Returns:
+            One byte per block of the prefix (``len`` is the prefix length, blocks):
+            the index of its tier in :attr:`tier_names`. The service sends it as
+            is (``LookupResponse.block_tiers``).
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
         self._check_open()
         keys = block_keys(namespace, block_hashes)
-        tier_names = [tier.name for tier in self._tiers]
-        names = [tier_names[level] for level in self._locate_prefix(keys)]
-        if self._shared is not None and len(names) < len(keys):
-            for present in await self._shared.contains(keys[len(names):]):
-                if not present:
-                    break
-                names.append(self._shared.name)
-        return LookupResult(len(names), tuple(names))
+        located = self._locate_prefix(keys)
+        if self._shared is not None and len(located) < len(keys):
+            present = await self._shared.contains(keys[len(located):])
+            run = present.index(False) if False in present else len(present)
+            located += bytes((len(self._tiers),)) * run
+        return located
 
     async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
-        """Encoded blocks of the longest cached prefix, in order, stopping at the first miss.
+        """Encoded blocks of the longest cached prefix, in order, stopping at the first miss; copies the caller owns.
 
         The prefix is leased while it is read, so eviction cannot take it; a
         block that turns out corrupt ends the prefix there. Lower-tier hits are
         promoted to the top tier in the background when ``promote_on_hit`` is set.
+        Large memory-tier copies run in a worker thread (``offload_min_bytes``).
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        async with self.read(namespace, block_hashes, lend=False) as blocks:
+            return blocks  # type: ignore[return-value]  # without lending, every block is bytes
+
+    @contextlib.asynccontextmanager
+    async def read(
+        self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, lend: bool = True
+    ) -> AsyncIterator[list[Buffer]]:
+        """The blocks of the longest cached prefix, leased for the body of ``async with store.read(...) as blocks``.
+
+        While the body runs, the prefix stays pinned, so eviction cannot take it,
+        and blocks of a tier that lends (:class:`~kvstore.tiers.base.LeasingTier`,
+        the host memory tier) are read-only views of its memory, not copies:
+        they are valid only inside the body. The service's Get streams from
+        them, copying each block once, into its gRPC messages. Leaving the body,
+        also by an error or a cancelled call, releases every lease. Otherwise
+        as :meth:`get` (recency, promotion, counters).
+
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: chained hashes, in prefix order.
+            lend: ``False`` to copy every block (what :meth:`get` returns).
+
+        Yields:
+            The blocks, ``bytes`` or ``memoryview``, in order up to the first miss.
 
         Raises:
             InvalidArgumentError: on a hash of the wrong length.
@@ -186,28 +232,32 @@ class TieredStore:
         keys = block_keys(namespace, block_hashes)
         levels = self._locate_prefix(keys)
         leased = list(zip(keys, levels))
+        policies = self._policies
         for key, level in leased:
-            self._policies[level].pin(key)
+            policies[level].pin(key)
+        releases: list[Callable[[], None]] = []
         try:
-            values = await self._read_local(leased)
+            values = await self._read_local(leased, releases if lend else None)
+            hit = len(values)
+            if hit < len(leased):  # a corrupt record ends the prefix; the tier deleted it
+                key, level = leased[hit]
+                self._forget(level, key)
+            elif self._shared is not None and hit < len(keys):
+                for value in await self._shared.get(keys[hit:]):
+                    if value is None:
+                        break
+                    values.append(value)
+            self._count_get(levels[: min(hit, len(levels))], len(values), len(keys))
+            for key, level in reversed(leased[:hit]):  # tail first: the head ends most recent
+                if key in policies[level]:
+                    policies[level].touch(key)
+            self._promote(keys, levels, values)
+            yield values
         finally:
+            for release in releases:
+                release()
             for key, level in leased:
-                self._policies[level].unpin(key)
-        hit = len(values)
-        if hit < len(leased):  # a corrupt record ends the prefix; the tier deleted it
-            key, level = leased[hit]
-            self._forget(level, key)
-        elif self._shared is not None and hit < len(keys):
-            for value in await self._shared.get(keys[hit:]):
-                if value is None:
-                    break
-                values.append(value)
-        self._count_get(levels[: min(hit, len(levels))], len(values), len(keys))
-        for key, level in reversed(leased[:hit]):  # tail first: the head ends most recent
-            if key in self._policies[level]:
-                self._policies[level].touch(key)
-        self._promote(keys, levels, values)
-        return values
+                policies[level].unpin(key)
 
     async def put(
         self,
@@ -359,24 +409,28 @@ class TieredStore:
             else:
                 del self._tag_bytes[tag]
 
-    def _locate_prefix(self, keys: list[BlockKey]) -> list[int]:
-        """The local tier of each block of the longest locally cached prefix of ``keys``."""
-        levels: list[int | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
-        for level, policy in enumerate(self._policies):
-            if not pending:
+    def _locate_prefix(self, keys: list[BlockKey]) -> bytes:
+        """The local tier of each block of the longest locally cached prefix of ``keys``, one byte per block.
+
+        Batched per tier (``contains_many``), and the common case, a prefix
+        wholly in the top tier, never leaves C loops: lookup of 1,024 hashes is
+        a hot path (``benchmarks/bench_service.py``).
+        """
+        policies = self._policies
+        if not policies or not keys:
+            return b""
+        top = policies[0].contains_many(keys)
+        if False not in top:
+            return bytes(len(keys))  # every block in tier 0
+        start = top.index(False)
+        rest = keys[start:]
+        found = [top[start:], *(policy.contains_many(rest) for policy in policies[1:])]
+        levels = bytearray(start)
+        for hits in zip(*found):
+            if True not in hits:
                 break
-            found = policy.contains_many([keys[i] for i in pending])
-            for i, hit in zip(pending, found):
-                if hit:
-                    levels[i] = level
-            pending = [i for i, hit in zip(pending, found) if not hit]
-        prefix: list[int] = []
-        for level in levels:
-            if level is None:
-                break
-            prefix.append(level)
-        return prefix
+            levels.append(hits.index(True))
+        return bytes(levels)
 
     def _tier_of(self, key: BlockKey) -> int | None:
         for level, policy in enumerate(self._policies):
@@ -417,26 +471,49 @@ class TieredStore:
                 f"block {index}: holds {tokens} tokens, the namespace's block size is {namespace.block_size}"
             )
 
-    async def _read_local(self, leased: list[tuple[BlockKey, int]]) -> list[bytes]:
-        """Read leased blocks, one batch per tier; returns the prefix up to the first missing value."""
+    async def _read_local(
+        self, leased: list[tuple[BlockKey, int]], releases: list[Callable[[], None]] | None
+    ) -> list[Buffer]:
+        """Read leased blocks, one batch per tier; returns the prefix up to the first missing value.
+
+        With ``releases``, tiers that lend return views and append their lease's
+        release to it; without, every value is a copy.
+        """
         if not leased:
             return []
         by_level: dict[int, list[int]] = {}
         for position, (_, level) in enumerate(leased):
             by_level.setdefault(level, []).append(position)
-        batches = await asyncio.gather(
-            *(self._tiers[level].get([leased[p][0] for p in positions]) for level, positions in by_level.items())
-        )
-        values: list[bytes | None] = [None] * len(leased)
+        if len(by_level) == 1:  # the common case: the whole prefix in one tier, read without a task per tier
+            (level,) = by_level
+            values = await self._read_tier(level, [key for key, _ in leased], releases)
+            return list(itertools.takewhile(lambda value: value is not None, values))  # type: ignore[arg-type]
+        batches = await asyncio.gather(*(
+            self._read_tier(level, [leased[p][0] for p in positions], releases)
+            for level, positions in by_level.items()
+        ))
+        values: list[Buffer | None] = [None] * len(leased)
         for positions, batch in zip(by_level.values(), batches):
             for position, value in zip(positions, batch):
                 values[position] = value
-        prefix: list[bytes] = []
+        prefix: list[Buffer] = []
         for value in values:
             if value is None:
                 break
             prefix.append(value)
         return prefix
+
+    async def _read_tier(
+        self, level: int, keys: list[BlockKey], releases: list[Callable[[], None]] | None
+    ) -> list[Buffer | None]:
+        """One tier's values of ``keys``: leased views when ``releases`` is given and the tier lends, else copies."""
+        lender = self._lenders[level]
+        if releases is not None and lender is not None:
+            lease = lender.lease(keys)
+            if lease is not None:
+                releases.append(lease.release)
+                return lease.values
+        return await self._tiers[level].get(keys)
 
     def _count_get(self, levels: list[int], num_hit: int, num_asked: int) -> None:
         for level in levels:
@@ -450,7 +527,8 @@ class TieredStore:
             for counts in self._counters:
                 counts.misses += 1
 
-    def _promote(self, keys: list[BlockKey], levels: list[int], values: list[bytes]) -> None:
+    def _promote(self, keys: list[BlockKey], levels: bytes, values: list[Buffer]) -> None:
+        """Copy lower-tier hits into the top tier in the background (leased views are copied first)."""
         if not self.config.promote_on_hit or not self._tiers:
             return
         moves: dict[int | None, list[int]] = {}
@@ -459,7 +537,8 @@ class TieredStore:
             if level != 0:
                 moves.setdefault(level, []).append(position)
         for level, positions in moves.items():
-            self._spawn(self._promote_from(level, [keys[p] for p in positions], [values[p] for p in positions]))
+            blocks = [bytes(values[p]) if isinstance(values[p], memoryview) else values[p] for p in positions]
+            self._spawn(self._promote_from(level, [keys[p] for p in positions], blocks))  # type: ignore[arg-type]
 
     async def _promote_from(self, source: int | None, keys: list[BlockKey], values: list[bytes]) -> None:
         """Move hits from ``source`` (``None``: the shared tier, which keeps its copy) into the top tier."""

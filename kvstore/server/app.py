@@ -23,8 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError
-from kvstore.server.auth import Authenticator, CallGuard
-from kvstore.server.limits import InflightLimiter
+from kvstore.server.admission import Admission
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
@@ -49,15 +48,14 @@ class KVStoreServer:
         config: the whole configuration (``store``, ``server``, ``limits``, ``security``).
         store: an already started store to serve; it is then not closed by
             :meth:`stop`. ``None`` opens one from ``config.store``.
-        interceptors: extra ``grpc.aio.ServerInterceptor`` s, run in order after
-            the server's own :class:`~kvstore.server.auth.CallGuard` (bearer-token
-            authentication from ``config.security``, and
-            ``limits.max_inflight_per_connection``) and before the servicer.
+        interceptors: ``grpc.aio.ServerInterceptor`` s to run on every call, in
+            order (none by default: the servicer admits calls itself, see
+            ``kvstore.server.admission``, and any interceptor slows every call).
 
     Attributes:
         servicer: the ``kvstore.v1.KVStore`` servicer (after :meth:`start`).
-        guard: the interceptor that authenticates calls and limits them per
-            connection (after :meth:`start`).
+        admission: authenticates calls and limits them per connection
+            (``kvstore.server.admission``; after :meth:`start`).
 
     Raises:
         ConfigError: from :meth:`start`, on an unreadable TLS file or a malformed
@@ -78,7 +76,7 @@ class KVStoreServer:
         self.metrics = ServiceMetrics()
         self.health = health.aio.HealthServicer()
         self.servicer: KVStoreServicer | None = None
-        self.guard: CallGuard | None = None
+        self.admission: Admission | None = None
         self._server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = -1
@@ -104,24 +102,19 @@ class KVStoreServer:
             RuntimeError: if the port cannot be bound.
         """
         server_cfg, security = self.config.server, self.config.security
-        authenticator = Authenticator.from_config(security)  # before anything opens: a bad file fails fast
+        admission = Admission.from_config(self.config)  # before anything opens: a bad tokens file fails fast
         credentials = _server_credentials(self.config) if security.tls_cert_file else None
-        if authenticator is not None and credentials is None and not _is_loopback(server_cfg.host):
+        if admission.authenticates and credentials is None and not _is_loopback(server_cfg.host):
             logger.warning("bearer tokens are on without TLS on %s: tokens cross the network in plaintext; "
                            "set security.tls_cert_file and security.tls_key_file", server_cfg.host)
-        guard = CallGuard(
-            authenticator=authenticator,
-            inflight=InflightLimiter(self.config.limits.max_inflight_per_connection),
-            metrics=self.metrics,
-        )
-        self.guard = guard
+        self.admission = admission
         self._stopped = asyncio.Event()
         if self._store is None:
             self._store = await open_async_store(self.config.store)
         try:
-            self.servicer = KVStoreServicer(self._store, self.config, self.metrics)
+            self.servicer = KVStoreServicer(self._store, self.config, self.metrics, admission)
             server = grpc.aio.server(
-                interceptors=(guard, *self._interceptors),
+                interceptors=self._interceptors or None,
                 options=[*channel_options(server_cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
             )
             self.servicer.add_to_server(server)
@@ -151,7 +144,7 @@ class KVStoreServer:
             "serving",
             extra={"fields": {"host": server_cfg.host, "port": self.port, "metrics_port": self.metrics_port,
                               "tiers": self._store.tier_names, "tls": credentials is not None,
-                              "mtls": bool(security.tls_client_ca_file), "auth": authenticator is not None,
+                              "mtls": bool(security.tls_client_ca_file), "auth": admission.authenticates,
                               "require_sha256": self.servicer.require_sha256}},
         )
 

@@ -3,11 +3,10 @@
 A node authenticates when ``security.auth_tokens_file`` or ``security.auth_tokens``
 is set. Every ``kvstore.v1.KVStore`` call must then carry the metadata
 ``authorization: Bearer <token>`` (RFC 6750); health and reflection stay open
-for probes. The :class:`CallGuard` interceptor checks the token (UNAUTHENTICATED
-when it is missing or unknown) and the per-connection in-flight limit
-(``kvstore.server.limits``), and hands the caller's :class:`Principal` to the
-servicer, which checks that the token covers the tenant (``cache_salt``) of each
-request's namespace (PERMISSION_DENIED otherwise).
+for probes. ``kvstore.server.admission`` checks the token of every call
+(UNAUTHENTICATED when it is missing or unknown) and hands the caller's
+:class:`Principal` to the servicer, which checks that the token covers the
+tenant (``cache_salt``) of each request's namespace (PERMISSION_DENIED otherwise).
 
 The tokens file (YAML or JSON, read with ``yaml.safe_load``)::
 
@@ -34,40 +33,28 @@ where in the list the match is.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import hashlib
 import hmac
-import inspect
 import logging
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-import grpc
 import yaml
 
 from kvstore.config import SecurityConfig
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError
 from kvstore.security import AUTHORIZATION_KEY, BEARER_SCHEME, MIN_TOKEN_CHARS
-from kvstore.server.errors import PermissionDeniedError, UnauthenticatedError, status_of
-from kvstore.server.limits import InflightLimiter
-from kvstore.server.metrics import ServiceMetrics
-from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.server.errors import PermissionDeniedError, UnauthenticatedError
 
 logger = logging.getLogger(__name__)
 
 ALL_TENANTS = "*"
 """The tenant entry that grants every tenant (an operator's token)."""
 
-GUARDED_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["KVStore"].full_name + "/"
-"""Method-name prefix of the calls :class:`CallGuard` checks: ``/kvstore.v1.KVStore/``."""
-
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _ENTRY_KEYS = frozenset({"name", "token", "token_sha256", "tenants"})
-_PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("kvstore_principal", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,99 +281,3 @@ class Authenticator:
         if principal is None:
             raise UnauthenticatedError("unknown bearer token")
         return principal
-
-
-def current_principal() -> Principal | None:
-    """The principal of the call being served (set by :class:`CallGuard`); ``None`` outside one or without auth."""
-    return _PRINCIPAL.get()
-
-
-class CallGuard(grpc.aio.ServerInterceptor):
-    """Checks every ``kvstore.v1.KVStore`` call before its handler runs: token, then in-flight limit.
-
-    Calls to other services (health, reflection) pass unchecked. The handler is
-    wrapped, so the checks see the call's context (peer, metadata) before the
-    request is parsed (the servicer's handlers take raw bytes). A refused call
-    is counted in ``metrics`` and ends with UNAUTHENTICATED or RESOURCE_EXHAUSTED.
-
-    Args:
-        authenticator: checks the bearer token; ``None`` when auth is off.
-        inflight: the per-connection limit of concurrent calls; ``None`` for none.
-        metrics: where refused calls are counted; ``None`` for nowhere.
-    """
-
-    def __init__(
-        self,
-        *,
-        authenticator: Authenticator | None,
-        inflight: InflightLimiter | None,
-        metrics: ServiceMetrics | None = None,
-    ) -> None:
-        self.authenticator = authenticator
-        self.inflight = inflight
-        self._metrics = metrics
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        """Wrap the handler of a ``kvstore.v1.KVStore`` method in the checks; others pass as they are."""
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
-        if handler is None or not method.startswith(GUARDED_PREFIX):
-            return handler
-        name = method[len(GUARDED_PREFIX):]
-        kind = ("stream_" if handler.request_streaming else "unary_") + (
-            "stream" if handler.response_streaming else "unary")
-        behaviour = getattr(handler, kind)
-        if inspect.isasyncgenfunction(behaviour):
-            wrapped: Any = self._wrap_generator(name, behaviour)
-        else:
-            wrapped = self._wrap(name, behaviour)
-        return handler._replace(**{kind: wrapped})  # type: ignore[attr-defined]
-
-    def _wrap(self, name: str, behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            async with self._admitted(name, context):
-                return await behaviour(request, context)
-
-        return guarded
-
-    def _wrap_generator(self, name: str, behaviour: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async with self._admitted(name, context):
-                async for response in behaviour(request, context):
-                    yield response
-
-        return guarded
-
-    @contextlib.asynccontextmanager
-    async def _admitted(self, name: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Authenticate and admit one call, set its principal for the servicer, and release it at the end.
-
-        Raises:
-            grpc.aio.AbortError: (through ``context.abort``) when the call is refused.
-        """
-        start_s = time.perf_counter()
-        peer = context.peer()
-        principal: Principal | None = None
-        try:
-            if self.authenticator is not None:
-                principal = self.authenticator.authenticate(context.invocation_metadata())
-            if self.inflight is not None:
-                self.inflight.acquire(peer)
-        except KVStoreError as exc:
-            code, message = status_of(exc)
-            logger.info("%s refused for %s: %s", name, peer,
-                        message, extra={"fields": {"method": name, "code": code.name, "peer": peer}})
-            if self._metrics is not None:
-                self._metrics.observe(name, code.name, time.perf_counter() - start_s)
-            await context.abort(code, message)
-        reset = _PRINCIPAL.set(principal)
-        try:
-            yield
-        finally:
-            _PRINCIPAL.reset(reset)
-            if self.inflight is not None:
-                self.inflight.release(peer)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -136,6 +136,7 @@ class ServiceMetrics:
         )
         self._http_server = None
         self._http_thread = None
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}  # (method, code) -> (counter, histogram)
 
     def observe(self, method: str, code: str, duration_s: float) -> None:
         """Count one finished call and its latency.
@@ -145,8 +146,12 @@ class ServiceMetrics:
             code: status code name, e.g. ``OK``, ``INVALID_ARGUMENT``.
             duration_s: seconds from the call's start to its end.
         """
-        self.requests.labels(method, code).inc()
-        self.latency.labels(method).observe(duration_s)
+        children = self._children.get((method, code))
+        if children is None:  # labels() takes a lock and builds a key; resolve each pair once
+            children = self._children[(method, code)] = (self.requests.labels(method, code),
+                                                         self.latency.labels(method))
+        children[0].inc()
+        children[1].observe(duration_s)
 
     def add_store(self, stats: Callable[[], StoreStats]) -> None:
         """Export the store's stats through ``stats`` (see :meth:`StoreCollector.on_loop`)."""

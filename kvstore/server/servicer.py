@@ -1,12 +1,12 @@
 """The thin ``kvstore.v1.KVStore`` servicer: wire messages in, store calls, wire messages out.
 
 Every method runs inside :meth:`KVStoreServicer._call`, the one place that
-counts the call in the metrics, logs it, and turns a raised kvstore error into
-its status code (``kvstore.server.errors.status_of``). Requests arrive as raw
-bytes and are parsed inside it, so a malformed message is INVALID_ARGUMENT (not
-gRPC's UNKNOWN) and is parsed only after ``kvstore.server.auth.CallGuard`` has
-checked the caller. With authentication on, every namespace must be one of the
-caller's tenants (``cache_salt``; PERMISSION_DENIED otherwise), and with
+admits the call (``kvstore.server.admission``: token, in-flight slot), counts
+it in the metrics, logs it, and turns a raised kvstore error into its status
+code (``kvstore.server.errors.status_of``). Requests arrive as raw bytes and are
+parsed inside it, so a malformed message is INVALID_ARGUMENT (not gRPC's
+UNKNOWN) and is parsed only after the caller was admitted. With authentication
+on, every namespace must be one of the caller's tenants (``cache_salt``; PERMISSION_DENIED otherwise), and with
 ``limits.tenant_quota_bytes`` a Put must fit the tenant's quota
 (``kvstore.server.limits.TenantQuota``). The data path (chunking
 and reassembly) is in ``kvstore.server.wire``, so a later same-host zero-copy
@@ -28,7 +28,8 @@ from google.protobuf.message import Message
 from kvstore.config import Config
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import HashAlgorithm, Namespace, block_key
-from kvstore.server.auth import Principal, current_principal
+from kvstore.server.admission import Admission, Ticket
+from kvstore.server.auth import Principal
 from kvstore.server.errors import DeadlineExceededError, UnauthenticatedError, status_of
 from kvstore.server.limits import TenantQuota
 from kvstore.server.metrics import ServiceMetrics
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=Message)
 
+NAMESPACE_CACHE_SIZE = 1024
+"""Validated namespaces a servicer keeps by their wire form (a node serves a handful)."""
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 """``kvstore.v1.KVStore``: the service name for health checks and reflection."""
 
@@ -62,27 +66,35 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         config: the whole configuration; ``server.max_message_bytes`` sets the
             chunk size, ``limits.max_hashes_per_request`` the largest request and
             ``store.max_block_bytes`` the largest block of a Put,
-            ``limits.tenant_quota_bytes`` the bytes one tenant may hold; with
-            ``security.auth_tokens[_file]`` set, every call must come through
-            ``kvstore.server.auth.CallGuard`` (else UNAUTHENTICATED: it fails closed).
+            ``limits.tenant_quota_bytes`` the bytes one tenant may hold,
+            ``security.auth_tokens[_file]`` the tokens (see ``admission``).
         metrics: where to count calls; ``None`` for no metrics.
+        admission: the token check and in-flight limit of every call; built
+            from ``config`` when ``None``.
+
+    Raises:
+        ConfigError: when ``admission`` is ``None`` and the tokens of ``config`` are unusable.
 
     Attributes:
+        admission: admits every call (token, in-flight slot).
         require_sha256: namespaces must use SHA-256 (``security.require_sha256``;
             when unset, on exactly when authentication is on).
         quota: the per-tenant byte quota, ``None`` without one.
         accepting: ``False`` once shutdown began (new calls get UNAVAILABLE).
     """
 
-    def __init__(self, store: TieredStore, config: Config, metrics: ServiceMetrics | None = None) -> None:
+    def __init__(self, store: TieredStore, config: Config, metrics: ServiceMetrics | None = None,
+                 admission: Admission | None = None) -> None:
         self._store = store
         self._config = config
         self._metrics = metrics
         self._chunk_bytes = chunk_bytes_for(config.server.max_message_bytes)
         self._max_hashes = config.limits.max_hashes_per_request
+        self.admission = admission if admission is not None else Admission.from_config(config)
         security = config.security
-        self._auth = bool(security.auth_tokens or security.auth_tokens_file)
+        self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
         self.require_sha256 = self._auth if security.require_sha256 is None else security.require_sha256
+        self._namespaces: dict[bytes, Namespace] = {}  # serialized wire namespace -> validated Namespace
         quota_bytes = config.limits.tenant_quota_bytes
         self.quota = TenantQuota(quota_bytes, store.namespace_bytes) if quota_bytes > 0 else None
         self.accepting = True
@@ -114,27 +126,27 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def Lookup(self, raw: bytes | pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         """The longest cached prefix of ``request.block_hashes`` and each block's tier."""
-        async with self._call("Lookup", context):
+        async with self._call("Lookup", context) as call:
             request = _parse(pb.LookupRequest, raw)
-            namespace = self._namespace(request.namespace)
+            namespace = self._namespace(request.namespace, call)
             hashes = self._hashes(request.block_hashes)
-            return lookup_to_pb(await self._store.lookup(namespace, hashes))
+            return lookup_to_pb(await self._store.locate(namespace, hashes), self._store.tier_names)
         raise AssertionError("unreachable")  # _call re-raises as an abort
 
     async def Get(self, raw: bytes | pb.GetRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the blocks of the longest cached prefix as chunks; a miss ends the stream.
 
-        The store pins the prefix only while it reads it; if the client goes away
-        during that read, cancellation reaches the store's ``finally`` and the
-        leases are released.
+        The prefix stays leased (pinned, and read in place from the memory
+        tier) until the last chunk is written; if the client goes away or its
+        deadline passes, cancellation leaves ``store.read`` and releases the leases.
         """
-        async with self._call("Get", context):
+        async with self._call("Get", context) as call:
             request = _parse(pb.GetRequest, raw)
-            namespace = self._namespace(request.namespace)
+            namespace = self._namespace(request.namespace, call)
             hashes = self._hashes(request.block_hashes)
-            blocks = await self._store.get(namespace, hashes)
-            for message in iter_block_chunks(blocks, self._chunk_bytes):
-                await context.write(message)
+            async with self._store.read(namespace, hashes) as blocks:  # leased views: one copy, into the messages
+                for message in iter_block_chunks(blocks, self._chunk_bytes):
+                    await context.write(message)
 
     async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """Receive a whole Put stream, validate it, then store every block in one ``store.put``.
@@ -142,7 +154,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         Nothing is stored unless the whole stream arrives: a cancelled, truncated
         or malformed stream leaves the store unchanged.
         """
-        async with self._call("Put", context):
+        async with self._call("Put", context) as call:
             namespace: Namespace | None = None
             priority: int | None = None
             retention_s: float | None = None
@@ -154,7 +166,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 if namespace is None:
                     if not message.HasField("namespace"):
                         raise InvalidArgumentError("the first Put message must carry the namespace")
-                    namespace = self._namespace(message.namespace)
+                    namespace = self._namespace(message.namespace, call)
                     priority = message.priority if message.HasField("priority") else None
                     retention_s = message.retention_s if message.HasField("retention_s") else None
                 if message.block_hash:
@@ -173,18 +185,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def Delete(self, raw: bytes | pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         """Delete blocks from every tier."""
-        async with self._call("Delete", context):
+        async with self._call("Delete", context) as call:
             request = _parse(pb.DeleteRequest, raw)
-            namespace = self._namespace(request.namespace)
+            namespace = self._namespace(request.namespace, call)
             hashes = self._hashes(request.block_hashes)
             return pb.DeleteResponse(num_deleted=await self._store.delete(namespace, hashes))
         raise AssertionError("unreachable")
 
     async def Clear(self, raw: bytes | pb.ClearRequest, context: grpc.aio.ServicerContext) -> pb.ClearResponse:
         """Delete every block of one namespace (the token must cover its tenant)."""
-        async with self._call("Clear", context):
+        async with self._call("Clear", context) as call:
             request = _parse(pb.ClearRequest, raw)
-            namespace = self._namespace(request.namespace)
+            namespace = self._namespace(request.namespace, call)
             return pb.ClearResponse(num_deleted=await self._store.clear(namespace))
         raise AssertionError("unreachable")
 
@@ -197,28 +209,36 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     # ------------------------------------------------------------------ helpers
 
-    def _namespace(self, message: pb.Namespace) -> Namespace:
+    def _namespace(self, message: pb.Namespace, call: _Call) -> Namespace:
         """The namespace of a request, once the caller may use its tenant and its hash is acceptable.
+
+        Validated namespaces are kept by their serialized form (at most
+        :data:`NAMESPACE_CACHE_SIZE`; the cache starts over when full), so a
+        worker's repeated namespace is parsed once; the tenant and hash checks
+        run on every call.
 
         Raises:
             InvalidArgumentError: on a malformed namespace, or xxh3 where SHA-256 is required.
+            UnauthenticatedError: if authentication is on and the call carries no principal.
             PermissionDeniedError: if the caller's token does not cover the namespace's ``cache_salt``.
         """
-        namespace = namespace_from_pb(message)
+        wire = message.SerializeToString()
+        namespace = self._namespaces.get(wire)
+        if namespace is None:
+            namespace = namespace_from_pb(message)
+            if len(self._namespaces) >= NAMESPACE_CACHE_SIZE:
+                self._namespaces.clear()
+            self._namespaces[wire] = namespace
         if self._auth:
-            self._principal().authorize(namespace.cache_salt)
+            if call.principal is None:  # fail closed: an authenticating node never serves an anonymous call
+                raise UnauthenticatedError("authentication is on but this call was not authenticated")
+            call.principal.authorize(namespace.cache_salt)
         if self.require_sha256 and namespace.hash_algorithm is not HashAlgorithm.SHA256:
             raise InvalidArgumentError(
                 "this server requires namespace.hash_algorithm='sha256' (security.require_sha256, on by default "
                 "with authentication): xxh3 collisions can be forced, so untrusted clients must hash with SHA-256"
             )
         return namespace
-
-    def _principal(self) -> Principal:
-        principal = current_principal()
-        if principal is None:  # the servicer runs without CallGuard: refuse rather than serve open
-            raise UnauthenticatedError("authentication is on but this call was not authenticated")
-        return principal
 
     def _reserve(self, namespace: Namespace, incoming_bytes: int) -> contextlib.AbstractContextManager[None]:
         if self.quota is None:
@@ -239,44 +259,86 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if remaining is not None and remaining <= 0:
             raise DeadlineExceededError("the deadline passed before the blocks were stored")
 
-    @contextlib.asynccontextmanager
-    async def _call(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Run one call: refuse it while shutting down, time it, count it, map its error to a status.
+    def _call(self, method: str, context: grpc.aio.ServicerContext) -> _Call:
+        """The scope of one call (``async with self._call(...) as call``): see :class:`_Call`."""
+        return _Call(self, method, context)
+
+    async def _fail(self, method: str, context: grpc.aio.ServicerContext, exc: BaseException, start_s: float) -> None:
+        """End a call with the status of ``exc``: log it, count it, then abort (which raises).
 
         Raises:
             grpc.aio.AbortError: (through ``context.abort``) carrying the mapped status.
-            asyncio.CancelledError: when the client cancelled or its deadline passed.
         """
-        start_s = time.perf_counter()
-        code = "OK"
-        observed = False
+        status, message = status_of(exc)
+        code = status.name
+        if status is grpc.StatusCode.INTERNAL:
+            logger.error("%s failed", method, exc_info=exc, extra={"fields": {"method": method, "code": code}})
+        else:
+            logger.debug("%s %s: %s", method, code, message)
+        if self._metrics is not None:  # before the abort sends the status: a client never sees it uncounted
+            self._metrics.observe(method, code, time.perf_counter() - start_s)
+        await context.abort(status, message)
+
+
+class _Call:
+    """One call of the servicer, from admission to its status: ``async with servicer._call(method, context)``.
+
+    On entry it refuses the call while shutting down (UNAVAILABLE) and admits it
+    (``kvstore.server.admission``: token, in-flight slot); on exit it releases
+    the slot, counts the call in the metrics, and turns a raised kvstore error
+    into its status code (``kvstore.server.errors.status_of``) with
+    ``context.abort``. A cancelled call (the client went away, or its deadline
+    passed) is counted as CANCELLED or DEADLINE_EXCEEDED and re-raised.
+
+    A plain class rather than ``contextlib.asynccontextmanager``: this runs on
+    every call, and a generator-based manager costs a few microseconds more.
+
+    Attributes:
+        principal: the caller (``None`` without authentication), once admitted.
+    """
+
+    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "principal")
+
+    def __init__(self, servicer: KVStoreServicer, method: str, context: grpc.aio.ServicerContext) -> None:
+        self._servicer = servicer
+        self._method = method
+        self._context = context
+        self._ticket: Ticket | None = None
+        self.principal: Principal | None = None
+
+    async def __aenter__(self) -> _Call:
+        self._start_s = time.perf_counter()
+        servicer = self._servicer
         try:
-            if not self.accepting:
+            if not servicer.accepting:
                 raise UnavailableError("the server is shutting down")
-            if self._auth:
-                self._principal()
-            yield
-        except asyncio.CancelledError:
-            remaining = context.time_remaining()
+            self._ticket = servicer.admission.admit(self._method, self._context)
+        except Exception as exc:  # noqa: BLE001 - every refusal becomes a status
+            await servicer._fail(self._method, self._context, exc, self._start_s)
+        self.principal = self._ticket.principal  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        traceback: object) -> bool:
+        servicer = self._servicer
+        if self._ticket is not None:
+            servicer.admission.release(self._ticket)
+        metrics = servicer._metrics
+        if exc is None:
+            if metrics is not None:
+                metrics.observe(self._method, "OK", time.perf_counter() - self._start_s)
+            return False
+        if isinstance(exc, asyncio.CancelledError):
+            remaining = self._context.time_remaining()
             code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
-            logger.debug("%s %s", method, code)
-            raise
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):  # aborted below already
-                raise
-            status, message = status_of(exc)
-            code = status.name
-            if status is grpc.StatusCode.INTERNAL:
-                logger.exception("%s failed", method, extra={"fields": {"method": method, "code": code}})
-            else:
-                logger.debug("%s %s: %s", method, code, message)
-            if self._metrics is not None:  # before the abort sends the status: a client never sees it uncounted
-                self._metrics.observe(method, code, time.perf_counter() - start_s)
-            observed = True
-            await context.abort(status, message)
-        finally:
-            if self._metrics is not None and not observed:
-                self._metrics.observe(method, code, time.perf_counter() - start_s)
+            logger.debug("%s %s", self._method, code)
+            if metrics is not None:
+                metrics.observe(self._method, code, time.perf_counter() - self._start_s)
+            return False
+        if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
+            return False  # already aborted with its status; or a BaseException (KeyboardInterrupt) to propagate
+        await servicer._fail(self._method, self._context, exc, self._start_s)
+        return False
 
 
 def _parse(message_type: type[_M], raw: bytes | _M) -> _M:

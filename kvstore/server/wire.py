@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from typing import Iterator, NamedTuple, Sequence
 
+import grpc
+import grpc.experimental
+
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import Layout, dtype_name
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
+from kvstore.server.errors import RemoteError
 from kvstore.keys import HashAlgorithm, Namespace
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -50,6 +54,21 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+def sync_client_channel_options(max_message_bytes: int) -> list[tuple[str, int | str]]:
+    """Options of a synchronous client channel: :func:`channel_options` plus single-threaded streams.
+
+    ``grpc.experimental.ChannelOptions.SingleThreadedUnaryStream`` makes a
+    unary-stream call (Get) read its replies on the calling thread; without it
+    gRPC's synchronous channel starts a helper thread per call, about 0.2 ms on
+    this machine class (``benchmarks/bench_service.py``). The option is
+    experimental in grpcio and ignored by ``grpc.aio`` channels.
+
+    Args:
+        max_message_bytes: largest message sent or received, bytes.
+    """
+    return [*channel_options(max_message_bytes), (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 
 def namespace_to_pb(namespace: Namespace) -> pb.Namespace:
@@ -106,14 +125,35 @@ def namespace_from_pb(message: pb.Namespace) -> Namespace:
     )
 
 
-def lookup_to_pb(result: LookupResult) -> pb.LookupResponse:
-    """The wire reply of a lookup."""
-    return pb.LookupResponse(num_blocks=result.num_blocks, tiers=result.tiers)
+def lookup_to_pb(block_tiers: bytes, tier_names: Sequence[str]) -> pb.LookupResponse:
+    """The wire reply of a lookup.
+
+    Args:
+        block_tiers: one byte per block of the cached prefix, its tier's index
+            in ``tier_names`` (``TieredStore.locate``).
+        tier_names: the node's tiers, fastest first.
+    """
+    return pb.LookupResponse(num_blocks=len(block_tiers), tier_names=tier_names, block_tiers=block_tiers)
 
 
 def lookup_from_pb(message: pb.LookupResponse) -> LookupResult:
-    """A :class:`LookupResult` from its wire reply."""
-    return LookupResult(message.num_blocks, tuple(message.tiers))
+    """A :class:`LookupResult` from its wire reply.
+
+    Raises:
+        RemoteError: if the reply is inconsistent (a tier index out of range, or
+            ``num_blocks`` not the number of tier bytes): a server bug, not a miss.
+    """
+    block_tiers = message.block_tiers
+    try:
+        if len(block_tiers) != message.num_blocks:
+            raise IndexError
+        return LookupResult.from_block_tiers(block_tiers, message.tier_names)
+    except IndexError:
+        raise RemoteError(
+            grpc.StatusCode.INTERNAL,
+            f"malformed LookupResponse: num_blocks={message.num_blocks}, {len(block_tiers)} tier bytes, "
+            f"{len(message.tier_names)} tier names"
+        ) from None
 
 
 def stats_to_pb(stats: StoreStats) -> pb.StatsResponse:
@@ -350,19 +390,26 @@ class BlockAssembler:
     immutable ``bytes`` that the store keeps without copying again (the store
     would copy a ``bytearray``, so preallocating one would cost a second copy).
 
+    With ``copy=False`` a block that arrived in one chunk is kept as the
+    ``memoryview`` of its message that it is, with no copy at all (the client's
+    Get: a 2 MiB copy costs about a tenth of the call).
+
     Args:
         max_block_bytes: largest block accepted, bytes; a larger ``total_bytes``
             is refused before anything of it is buffered.
         max_blocks: most blocks one stream may carry.
         max_total_bytes: most bytes of all blocks one stream may carry; ``None`` for no limit.
+        copy: make every block ``bytes``; ``False`` keeps one-chunk blocks as views.
     """
 
-    def __init__(self, max_block_bytes: int, max_blocks: int, max_total_bytes: int | None = None) -> None:
+    def __init__(self, max_block_bytes: int, max_blocks: int, max_total_bytes: int | None = None,
+                 *, copy: bool = True) -> None:
         self.max_block_bytes = max_block_bytes
         self.max_blocks = max_blocks
         self.max_total_bytes = max_total_bytes
+        self.copy = copy
         self._declared = 0  # sum of total_bytes of the blocks begun so far
-        self.blocks: list[bytes] = []
+        self.blocks: list[bytes | memoryview] = []
         self._parts: list[bytes | memoryview] = []
         self._received = 0
         self._total = -1  # no block open
@@ -428,7 +475,7 @@ class BlockAssembler:
         """Whether the open block has received all of its bytes."""
         return self._total >= 0 and self._received == self._total
 
-    def finish(self) -> list[bytes]:
+    def finish(self) -> list[bytes | memoryview]:
         """Close the stream and return every block, in order.
 
         Raises:
@@ -448,7 +495,7 @@ class BlockAssembler:
         if len(parts) == 1 and type(parts[0]) is bytes:
             block = parts[0]
         elif len(parts) == 1:
-            block = parts[0].tobytes()  # type: ignore[union-attr]
+            block = parts[0].tobytes() if self.copy else parts[0]  # type: ignore[union-attr]
         else:
             block = b"".join(parts)
         self.blocks.append(block)

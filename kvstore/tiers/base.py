@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
+from kvstore.api import Buffer
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.policy import DEFAULT_PRIORITY
@@ -107,4 +108,37 @@ class Tier(Protocol):
 
     async def close(self) -> None:
         """Flush and release everything; the tier is unusable afterwards."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TierLease:
+    """Blocks read in place: views of a tier's own memory, valid until :attr:`release` is called.
+
+    Attributes:
+        values: per key, the block (a read-only ``memoryview`` into the tier, or
+            ``bytes`` where the tier had to copy), or ``None`` for a miss.
+        release: gives the memory back; call exactly once, after the last use
+            of any view (the tier may reuse the pages afterwards).
+    """
+
+    values: list[Buffer | None]
+    release: Callable[[], None]
+
+
+@runtime_checkable
+class LeasingTier(Tier, Protocol):
+    """A tier that can also lend its blocks without a copy (the host memory tier).
+
+    The store uses it for the service's Get, which copies each block once, from
+    the tier straight into the gRPC message, instead of twice; a later
+    same-host data plane can hand the same views to another process.
+    """
+
+    def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
+        """Views of each key's value, pinned until ``release``; ``None`` when this tier cannot lend now.
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
         ...

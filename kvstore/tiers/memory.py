@@ -42,7 +42,7 @@ from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
-from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError
+from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease
 
 logger = logging.getLogger(__name__)
 
@@ -341,6 +341,50 @@ class MemoryTier:
 
         copy = asyncio.get_running_loop().run_in_executor(None, self._copy_out_all, pool, records)
         return await _await_copy(copy, on_failure=unpin_all, on_success=unpin_all)
+
+    def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
+        """Each key's value as a read-only view of the host pool, pinned until the lease is released.
+
+        A pinned value's pages are not reused (a delete or overwrite unpublishes
+        it at once and frees its pages at the release), so the views stay valid
+        however long the caller holds them; the pool itself outlives a
+        :meth:`close` for as long as a view exists. A value spread over several
+        page runs is copied into ``bytes`` instead (the allocator's best fit
+        makes that rare).
+
+        Returns:
+            The lease, or ``None`` for a GPU pool (use :meth:`get`).
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        host_view = self._host_view
+        if host_view is None:
+            return None
+        values: list[Buffer | None] = []
+        pinned: list[_Record] = []
+        readers, index, page_bytes = self._readers, self._index, self.page_bytes
+        for key in keys:
+            record = index.get(key)
+            if record is None:
+                values.append(None)
+                continue
+            runs = _record_runs(record)
+            if len(runs) != 1:
+                values.append(self._copy_out(self._flat, host_view, record))
+                continue
+            base = runs[0][0] * page_bytes
+            values.append(host_view[base: base + _record_nbytes(record)])
+            readers[id(record)] = readers.get(id(record), 0) + 1
+            pinned.append(record)
+
+        def release() -> None:
+            for record in pinned:
+                self._unpin(record)
+            pinned.clear()  # a second call releases nothing
+
+        return TierLease(values, release)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
         """Store each value with its meta, replacing any value held under the same key.

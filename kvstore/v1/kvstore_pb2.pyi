@@ -39,12 +39,14 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_blocks", "tiers")
+    __slots__ = ("num_blocks", "tier_names", "block_tiers")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    TIERS_FIELD_NUMBER: _ClassVar[int]
+    TIER_NAMES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TIERS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    tier_names: _containers.RepeatedScalarFieldContainer[str]
+    block_tiers: bytes
+    def __init__(self, num_blocks: _Optional[int] = ..., tier_names: _Optional[_Iterable[str]] = ..., block_tiers: _Optional[bytes] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace", "block_hashes")

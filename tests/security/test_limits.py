@@ -125,7 +125,7 @@ def test_calls_in_flight_are_limited_per_connection() -> None:
 
             def inflight() -> list[int]:
                 async def read() -> list[int]:
-                    return list(threaded.server.guard.inflight.snapshot().values())
+                    return list(threaded.server.admission.inflight.snapshot().values())
                 return threaded.call(read())
 
             deadline = time.monotonic() + 20
