@@ -11,18 +11,25 @@ process with a synchronous client, one call at a time:
   (``kvstore.server.app.tune_malloc``), so both servers allocate alike;
 * Redis: a local ``redis-server`` through redis-py with hiredis (GET and SET).
 
+This process, the client of all three, tunes malloc the same way: without it,
+every 2 MiB reply is a fresh ``mmap`` whose page faults depend on the
+allocation history of the process, and the echo's own Get swung between 0.3
+and 0.55 GB/s from run to run.
+
 Throughput is GB/s (1e9 bytes per second) of encoded block bytes, one block
-per call, from the median latency of ``max(--min-rounds, --run-bytes / size)``
-calls. The ops of one block size are called in turn (service Get, echo Get,
-Redis GET, service Put, echo Put, Redis SET, ...), so that each sees the same
-background load. Lookup latency is the median of ``--lookups`` calls naming 1,
-64 or 1,024 cached hashes, interleaved with empty calls to the echo server.
+per call: the ops of one block size take turns (service Get,
+echo Get, Redis GET, service Put, echo Put, Redis SET) in bursts
+of ``--burst`` consecutive calls (1 by default: strict turns), so each sees the same background load, and
+the figure comes from the median burst of ``max(--min-rounds, --run-bytes /
+size)`` calls in all. Lookup latency is measured the same way over
+``--lookups`` calls naming 1, 64 or 1,024 cached hashes, beside empty calls to
+the echo server.
 
 Goals: Get >= 0.9x the raw gRPC echo; Lookup(1,024) <= 1.5x an empty call.
 
 Usage::
 
-    python benchmarks/bench_service.py [--sizes 262144,2097152,16777216] [--run-bytes 268435456] [--lookups 300]
+    python benchmarks/bench_service.py [--sizes 262144,2097152,16777216] [--run-bytes 268435456] [--lookups 500]
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ sys.path.insert(0, str(REPO_ROOT))
 MiB = 1 << 20
 MAX_MESSAGE_BYTES = 4 * MiB
 ECHO_SERVICE = "bench.Echo"
+
 
 
 # ---------------------------------------------------------------------- the raw echo server
@@ -134,20 +142,21 @@ class EchoClient:
 # ---------------------------------------------------------------------- measuring
 
 
-def interleaved_ms(ops: dict[str, Callable[[], object]], num_rounds: int) -> dict[str, float]:
-    """Median milliseconds per call of each op, calling the ops in turn, ``num_rounds`` times.
+def interleaved_ms(ops: dict[str, Callable[[], object]], num_calls: int, burst: int) -> dict[str, float]:
+    """Milliseconds per call of each op: the median over bursts of ``burst`` back-to-back calls, ops taking turns.
 
-    Interleaving makes every op see the same background load, so ratios stay
-    meaningful on a busy machine.
+    Every op runs ``max(1, num_calls // burst)`` bursts. Taking turns makes every
+    op see the same background load, so ratios stay meaningful on a busy machine.
     """
     for op in ops.values():  # warm up
         op()
     samples: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(num_rounds):
+    for _ in range(max(1, num_calls // burst)):
         for name, op in ops.items():
             start = time.perf_counter()
-            op()
-            samples[name].append(time.perf_counter() - start)
+            for _ in range(burst):
+                op()
+            samples[name].append((time.perf_counter() - start) / burst)
     return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
 
 
@@ -156,7 +165,8 @@ def main() -> int:
     parser.add_argument("--sizes", default=f"{256 * 1024},{2 * MiB},{16 * MiB}", help="block sizes, bytes")
     parser.add_argument("--run-bytes", type=int, default=256 * MiB, help="bytes each op moves per block size")
     parser.add_argument("--min-rounds", type=int, default=30, help="fewest calls of each op per block size")
-    parser.add_argument("--lookups", type=int, default=300, help="calls per latency cell (median)")
+    parser.add_argument("--lookups", type=int, default=500, help="calls per latency cell")
+    parser.add_argument("--burst", type=int, default=1, help="back-to-back calls of one op before the next op's turn")
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "bench_service"),
                         help="results path without suffix (.json and .md are written)")
@@ -174,6 +184,9 @@ def main() -> int:
     from tests.support.kvnode import KVNode
     from tests.support.redis import RedisProcess
 
+    from kvstore.server.app import tune_malloc
+
+    tune_malloc()  # the clients' process allocates like the servers (see the module docstring)
     sizes = [int(s) for s in args.sizes.split(",")]
     ns = Namespace(model="bench", dtype="uint8", layout="mla", block_size=1)
 
@@ -211,9 +224,9 @@ def main() -> int:
                 "echo_put": lambda: echo.put(block),
                 "redis_put": lambda: rds.set(b"put-%d" % size, block),
             }
-            num_rounds = max(args.min_rounds, args.run_bytes // size)
-            ms = interleaved_ms(ops, num_rounds)
-            cell: dict[str, object] = {"size_bytes": size, "num_rounds": num_rounds}
+            num_calls = max(args.min_rounds, args.run_bytes // size)
+            ms = interleaved_ms(ops, num_calls, args.burst)
+            cell: dict[str, object] = {"size_bytes": size, "num_calls": num_calls}
             for name, value in ms.items():
                 cell[f"{name}_gbps"] = size / (value / 1e3) / 1e9
             for op in ("get", "put"):
@@ -232,7 +245,7 @@ def main() -> int:
         ms = interleaved_ms({
             "empty": echo.empty,
             **{f"lookup_{n}": (lambda n=n: kv.lookup(ns, hashes[:n])) for n in (1, 64, 1024)},
-        }, args.lookups)
+        }, args.lookups, args.burst)
         lookups = [{"num_hashes": n, "lookup_ms": ms[f"lookup_{n}"], "empty_call_ms": ms["empty"],
                     "vs_empty": ms[f"lookup_{n}"] / ms["empty"]} for n in (1, 64, 1024)]
         for row in lookups:
@@ -257,7 +270,8 @@ def main() -> int:
     command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_service.py", *sys.argv[1:]])
     meta = {"command": command, "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "max_message_bytes": MAX_MESSAGE_BYTES,
-            "run_bytes": args.run_bytes, "min_rounds": args.min_rounds, "lookups": args.lookups}
+            "run_bytes": args.run_bytes, "min_rounds": args.min_rounds, "lookups": args.lookups,
+            "burst": args.burst}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "throughput": rows, "lookup": lookups,
@@ -267,19 +281,21 @@ def main() -> int:
         f"Command: `{command}`", "",
         f"Python {meta['python']}, {meta['cpus']} CPUs, 1-minute load average {meta['load_avg_1m']:.1f} at the end; "
         f"client, server, echo and redis-server share the machine (and other work: see the load). "
-        f"GB/s = 1e9 bytes/s from the median latency of one block per call; the six ops are called in turn, "
-        f"max({args.min_rounds}, {args.run_bytes // MiB} MiB / block) times each, so all see the same load. "
+        f"GB/s = 1e9 bytes/s of one block per call; the six ops take turns in bursts of "
+        f"{args.burst} call(s), max({args.min_rounds}, {args.run_bytes // MiB} MiB / block) calls each, and each "
+        f"figure is from the median burst, so all see the same load. "
         f"Ratios are service / baseline (above 1: the service is faster).", "",
-        "| block | service Get | echo Get | redis GET | Get vs echo | Get vs redis | service Put | echo Put "
-        "| redis SET | Put vs echo | Put vs redis |",
+        "| block | service Get | echo Get | redis GET | Get vs echo | Get vs redis "
+        "| service Put | echo Put | redis SET | Put vs echo | Put vs redis |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         size = int(r["size_bytes"])  # type: ignore[arg-type]
         label = f"{size // MiB} MiB" if size >= MiB else f"{size // 1024} KiB"
         lines.append(
-            f"| {label} | {r['service_get_gbps']:.2f} | {r['echo_get_gbps']:.2f} | {r['redis_get_gbps']:.2f} "
-            f"| **{r['get_vs_echo']:.2f}x** | {r['get_vs_redis']:.2f}x | {r['service_put_gbps']:.2f} "
+            f"| {label} | {r['service_get_gbps']:.2f} | {r['echo_get_gbps']:.2f} "
+            f"| {r['redis_get_gbps']:.2f} | **{r['get_vs_echo']:.2f}x** "
+            f"| {r['get_vs_redis']:.2f}x | {r['service_put_gbps']:.2f} "
             f"| {r['echo_put_gbps']:.2f} | {r['redis_put_gbps']:.2f} | {r['put_vs_echo']:.2f}x "
             f"| {r['put_vs_redis']:.2f}x |"
         )

@@ -251,13 +251,15 @@ class TieredStore:
             for key, level in reversed(leased[:hit]):  # tail first: the head ends most recent
                 if key in policies[level]:
                     policies[level].touch(key)
-            self._promote(keys, levels, values)
+            promotions = self._promotions(keys, levels, values)
             yield values
         finally:
             for release in releases:
                 release()
             for key, level in leased:
                 policies[level].unpin(key)
+        for source, moved_keys, blocks in promotions:  # once unpinned: room is made by evicting others
+            self._spawn(self._promote_from(source, moved_keys, blocks))
 
     async def put(
         self,
@@ -527,18 +529,25 @@ class TieredStore:
             for counts in self._counters:
                 counts.misses += 1
 
-    def _promote(self, keys: list[BlockKey], levels: bytes, values: list[Buffer]) -> None:
-        """Copy lower-tier hits into the top tier in the background (leased views are copied first)."""
+    def _promotions(
+        self, keys: list[BlockKey], levels: bytes, values: list[Buffer]
+    ) -> list[tuple[int | None, list[BlockKey], list[bytes]]]:
+        """The lower-tier hits to copy into the top tier, by source tier (``None``: shared), views copied to bytes.
+
+        The caller spawns :meth:`_promote_from` for each once the read's leases are released.
+        """
         if not self.config.promote_on_hit or not self._tiers:
-            return
+            return []
         moves: dict[int | None, list[int]] = {}
         for position in range(len(values)):
             level = levels[position] if position < len(levels) else None  # None: the shared tier
             if level != 0:
                 moves.setdefault(level, []).append(position)
-        for level, positions in moves.items():
-            blocks = [bytes(values[p]) if isinstance(values[p], memoryview) else values[p] for p in positions]
-            self._spawn(self._promote_from(level, [keys[p] for p in positions], blocks))  # type: ignore[arg-type]
+        return [
+            (level, [keys[p] for p in positions],
+             [bytes(values[p]) if isinstance(values[p], memoryview) else values[p] for p in positions])  # type: ignore[misc]
+            for level, positions in moves.items()
+        ]
 
     async def _promote_from(self, source: int | None, keys: list[BlockKey], values: list[bytes]) -> None:
         """Move hits from ``source`` (``None``: the shared tier, which keeps its copy) into the top tier."""

@@ -338,3 +338,174 @@ async def test_namespace_bytes_follow_puts_evictions_and_deletes(two_tier: Tiere
     assert store.namespace_bytes(other_ns.tag) > 0
     await store.clear(NS)
     assert store.namespace_bytes(NS.tag) == 0
+
+
+# ---------------------------------------------------------------------- read(): leased, zero-copy reads
+
+from kvstore.api import LookupResult  # noqa: E402
+
+
+async def test_read_lends_memory_blocks_as_views_and_get_still_copies() -> None:
+    async with TieredStore([memory_tier(4)]) as store:
+        hashes, blocks = make_blocks(3)
+        await store.put(NS, hashes, blocks)
+        async with store.read(NS, hashes) as got:
+            assert got == blocks and all(type(b) is memoryview for b in got)
+        async with store.read(NS, hashes, lend=False) as got:
+            assert got == blocks and all(type(b) is bytes for b in got)
+        got = await store.get(NS, hashes)
+        assert got == blocks and all(type(b) is bytes for b in got)
+
+
+async def test_read_stops_at_the_first_miss_and_counts_like_get() -> None:
+    async with TieredStore([memory_tier(8)]) as store:
+        hashes, blocks = make_blocks(4)
+        await store.put(NS, hashes[:2] + hashes[3:], blocks[:2] + blocks[3:])
+        async with store.read(NS, hashes) as got:
+            assert got == blocks[:2]
+        async with store.read(NS, []) as got:
+            assert got == []
+        stats = store.stats().tier("memory")
+        assert (stats.hits, stats.misses) == (2, 1)
+
+
+async def test_blocks_being_read_cannot_be_evicted_until_the_read_ends() -> None:
+    memory = memory_tier(3)
+    async with TieredStore([memory]) as store:
+        hashes, blocks = make_blocks(3)
+        await store.put(NS, hashes, blocks)
+        newcomers, new_blocks = make_blocks(3, seed=5)
+        async with store.read(NS, hashes[:2]) as got:
+            assert await store.put(NS, newcomers[:1], new_blocks[:1]) == 1  # evicts the one block not being read
+            assert (await store.lookup(NS, hashes)).num_blocks == 2
+            with pytest.raises(ResourceExhaustedError, match="leased"):  # two slots wanted, one is not being read
+                await store.put(NS, newcomers[1:], new_blocks[1:])
+            assert (await store.lookup(NS, hashes)).num_blocks == 2
+            assert got == blocks[:2]
+        assert await store.put(NS, newcomers[1:], new_blocks[1:]) == 2  # released: eviction may take them again
+        assert (await store.lookup(NS, hashes)).num_blocks < 2
+        assert memory.num_free_pages == 0
+
+
+async def test_blocks_deleted_during_a_read_stay_intact_until_it_ends() -> None:
+    memory = memory_tier(3)
+    async with TieredStore([memory]) as store:
+        hashes, blocks = make_blocks(3)
+        await store.put(NS, hashes, blocks)
+        newcomers, new_blocks = make_blocks(3, seed=5)
+        async with store.read(NS, hashes) as got:
+            assert await store.delete(NS, hashes) == 3
+            assert (await store.lookup(NS, hashes)).num_blocks == 0
+            with pytest.raises(ResourceExhaustedError):  # the pages are still lent out
+                await store.put(NS, newcomers, new_blocks)
+            assert got == blocks
+        assert memory.num_free_pages == memory.num_pages
+        assert await store.put(NS, newcomers, new_blocks) == 3
+        assert await store.get(NS, newcomers) == new_blocks
+
+
+async def test_leaving_a_read_by_an_error_releases_its_leases() -> None:
+    memory = memory_tier(2)
+    async with TieredStore([memory]) as store:
+        hashes, blocks = make_blocks(2)
+        await store.put(NS, hashes, blocks)
+        with pytest.raises(RuntimeError, match="boom"):
+            async with store.read(NS, hashes) as got:
+                assert got == blocks
+                raise RuntimeError("boom")
+        newcomers, new_blocks = make_blocks(2, seed=5)
+        assert await store.put(NS, newcomers, new_blocks) == 2  # both read blocks could be evicted
+        assert await store.clear(NS) == 2
+        assert memory.num_free_pages == memory.num_pages  # and the tier holds no page back for a lease
+
+
+async def test_a_cancelled_read_releases_its_leases() -> None:
+    memory = memory_tier(2)
+    async with TieredStore([memory]) as store:
+        hashes, blocks = make_blocks(2)
+        await store.put(NS, hashes, blocks)
+        inside, never = asyncio.Event(), asyncio.Event()
+
+        async def reader() -> None:
+            async with store.read(NS, hashes) as got:
+                assert got == blocks
+                inside.set()
+                await never.wait()
+
+        task = asyncio.create_task(reader())
+        await inside.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        newcomers, new_blocks = make_blocks(2, seed=5)
+        assert await store.put(NS, newcomers, new_blocks) == 2
+        assert await store.clear(NS) == 2
+        assert memory.num_free_pages == memory.num_pages
+
+
+async def test_concurrent_reads_of_one_prefix_each_hold_it() -> None:
+    async with TieredStore([memory_tier(2)]) as store:
+        hashes, blocks = make_blocks(2)
+        await store.put(NS, hashes, blocks)
+        newcomer, new_block = make_blocks(1, seed=5)
+        async with store.read(NS, hashes) as first:
+            async with store.read(NS, hashes) as second:
+                assert first == second == blocks
+            with pytest.raises(ResourceExhaustedError):  # the first read still holds both blocks
+                await store.put(NS, newcomer, new_block)
+        assert await store.put(NS, newcomer, new_block) == 1
+
+
+async def test_locate_gives_the_tier_index_of_each_prefix_block(two_tier: TieredStore) -> None:
+    store = two_tier
+    assert store.tier_names == ("memory", "disk")
+    hashes, blocks = make_blocks(6)
+    await store.put(NS, hashes[:3], blocks[:3])
+    await store.put(NS, hashes[3:], blocks[3:])  # the first three were demoted to disk
+    located = await store.locate(NS, hashes)
+    assert located == bytes([1, 1, 1, 0, 0, 0])
+    assert await store.lookup(NS, hashes) == LookupResult.from_block_tiers(located, store.tier_names)
+    assert await store.locate(NS, hashes[3:]) == bytes(3)
+    assert await store.locate(NS, []) == b""
+    other, _ = make_blocks(2, seed=9)
+    assert await store.locate(NS, hashes[:2] + other + hashes[2:]) == bytes([1, 1])  # the miss ends the prefix
+    assert await store.locate(NS, other + hashes) == b""
+
+
+async def test_locate_gives_the_shared_tier_the_last_index() -> None:
+    memory, shared = memory_tier(2), MemoryTier(1 << 20, page_bytes=PAGE, name="shared")
+    async with TieredStore([memory], shared=shared) as store:  # write-through: every put also reaches it
+        assert store.tier_names == ("memory", "shared")
+        hashes, blocks = make_blocks(4)
+        await store.put(NS, hashes, blocks)  # memory keeps the head; the tail lives on in the shared tier
+        await store.drain()
+        assert await store.locate(NS, hashes) == bytes([0, 0, 1, 1])
+        assert (await store.lookup(NS, hashes)).tiers == ("memory", "memory", "shared", "shared")
+        async with store.read(NS, hashes) as got:
+            assert got == blocks and [type(b) for b in got] == [memoryview] * 2 + [bytes] * 2
+
+
+async def test_a_disk_hit_read_through_read_is_promoted_to_memory(two_tier: TieredStore) -> None:
+    store = two_tier
+    hashes, blocks = make_blocks(6)
+    await store.put(NS, hashes[:3], blocks[:3])
+    await store.put(NS, hashes[3:], blocks[3:])
+    async with store.read(NS, hashes) as got:
+        assert got == blocks
+        assert [type(b) for b in got] == [bytes] * 3 + [memoryview] * 3  # disk copies, memory views
+    await store.drain()
+    assert await store.locate(NS, hashes) == bytes([0, 0, 0, 1, 1, 1])
+    assert store.stats().tier("disk").promotions == 3
+    assert await store.get(NS, hashes) == blocks
+
+
+async def test_a_promotion_started_by_a_read_is_not_lost_when_the_body_awaits(two_tier: TieredStore) -> None:
+    store = two_tier
+    hashes, blocks = make_blocks(6)
+    await store.put(NS, hashes[:3], blocks[:3])
+    await store.put(NS, hashes[3:], blocks[3:])
+    async with store.read(NS, hashes) as got:
+        await store.drain()  # as the service's Get does while it writes its messages
+        assert got == blocks
+    await store.drain()
+    assert await store.locate(NS, hashes[:3]) == bytes(3)

@@ -57,7 +57,7 @@ _RUN = struct.Struct("<II")
 """Each further run of a record: start page, page count."""
 
 _Record = bytes
-"""The tier's per-key record: ``_HEAD`` then zero or more ``_RUN``; 66 bytes for a one-run block.
+"""The tier's per-key record: ``_HEAD`` then zero or more ``_RUN``; 33 bytes for a one-run block (66 with the ``bytes`` object's own header).
 
 One immutable ``bytes`` object per block keeps the tier's RAM per block small
 (``benchmarks/bench_index.py``); its fields are unpacked only when used.
@@ -263,7 +263,8 @@ class MemoryTier:
         if self.device.type == "cpu" and not self.pinned:
             self._pool.zero_()  # fault the pages in now: a steady footprint, and no page faults on puts
         self._flat = self._pool.view(-1)
-        self._host_view = memoryview(self._flat.numpy()) if self.device.type == "cpu" else None
+        # read-only: leases hand out slices of it, and only the tier writes (through torch)
+        self._host_view = memoryview(self._flat.numpy()).toreadonly() if self.device.type == "cpu" else None
         self._allocator = PageAllocator(num_pages)
         self._index: dict[BlockKey, _Record] = {}
         self._readers: dict[int, int] = {}  # id(record) -> gets copying it now (records are distinct objects)

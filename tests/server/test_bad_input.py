@@ -253,3 +253,72 @@ def test_no_room_when_everything_is_leased_is_resource_exhausted(fresh_server: T
         assert kv.lookup(ns, more).num_blocks == 0
         fresh_server.call(lease(False))
         assert kv.put(ns, more, more_tensors) == 2  # with the leases gone, eviction makes room
+
+
+# ---------------------------------------------------------------------- the servicer's namespace cache
+
+from kvstore.server import servicer as servicer_module  # noqa: E402
+
+
+def test_a_bad_namespace_is_refused_every_time_and_never_cached(stub: pb_grpc.KVStoreStub, client: KVStoreClient,
+                                                                server: ThreadedServer, stored: tuple) -> None:
+    ns, hashes, _ = stored
+    bad = _ns_pb(block_size=0)
+    for _ in range(3):
+        code, details = _code_of(lambda: stub.Lookup(pb.LookupRequest(namespace=bad, block_hashes=hashes)))
+        assert code == INVALID and "block_size" in details
+        code, _ = _code_of(lambda: list(stub.Get(pb.GetRequest(namespace=bad, block_hashes=hashes))))
+        assert code == INVALID
+    assert bad.SerializeToString() not in server.server.servicer._namespaces
+    good = namespace_to_pb(ns)
+    assert stub.Lookup(pb.LookupRequest(namespace=good, block_hashes=hashes)).num_blocks == 2
+    assert len(list(stub.Get(pb.GetRequest(namespace=good, block_hashes=hashes)))) == 2
+    code, _ = _code_of(lambda: stub.Lookup(pb.LookupRequest(namespace=bad, block_hashes=hashes)))
+    assert code == INVALID  # a good namespace in between changes nothing
+
+
+def test_namespaces_that_differ_in_one_field_are_not_confused(stub: pb_grpc.KVStoreStub, client: KVStoreClient,
+                                                              stored: tuple) -> None:
+    ns, hashes, _ = stored
+    good = namespace_to_pb(ns)
+    assert stub.Lookup(pb.LookupRequest(namespace=good, block_hashes=hashes)).num_blocks == 2
+    salted = namespace_to_pb(ns)
+    salted.cache_salt = "another-tenant"
+    assert stub.Lookup(pb.LookupRequest(namespace=salted, block_hashes=hashes)).num_blocks == 0
+    bad = namespace_to_pb(ns)
+    bad.dtype = "float13"
+    code, _ = _code_of(lambda: stub.Lookup(pb.LookupRequest(namespace=bad, block_hashes=hashes)))
+    assert code == INVALID
+    assert stub.Lookup(pb.LookupRequest(namespace=good, block_hashes=hashes)).num_blocks == 2
+
+
+def test_the_namespace_cache_starts_over_when_full(monkeypatch: pytest.MonkeyPatch, client: KVStoreClient,
+                                                   server: ThreadedServer) -> None:
+    monkeypatch.setattr(servicer_module, "NAMESPACE_CACHE_SIZE", 2)
+    cache = server.server.servicer._namespaces
+    namespaces = [namespace() for _ in range(5)]
+    for _ in range(2):
+        for ns in namespaces:
+            hashes, tensors = kv_blocks(ns, 1)
+            client.put(ns, hashes, tensors)
+            assert client.lookup(ns, hashes).num_blocks == 1
+            assert len(cache) <= 2
+    for ns in namespaces:
+        client.clear(ns)
+
+
+@pytest.mark.server_config({"security.require_sha256": True})
+def test_a_cached_namespace_is_still_checked_for_sha256_on_every_call(fresh_server: ThreadedServer) -> None:
+    channel = grpc.insecure_channel(fresh_server.target)
+    stub = pb_grpc.KVStoreStub(channel)
+    try:
+        xxh3 = namespace_to_pb(namespace())
+        sha = namespace_to_pb(namespace(hash_algorithm="sha256"))
+        assert stub.Lookup(pb.LookupRequest(namespace=sha, block_hashes=[b"\x00" * 32])).num_blocks == 0
+        for _ in range(2):
+            code, details = _code_of(lambda: stub.Lookup(pb.LookupRequest(namespace=xxh3, block_hashes=[b"\x00" * 16])))
+            assert code == INVALID and "sha256" in details
+            assert xxh3.SerializeToString() in fresh_server.server.servicer._namespaces  # well formed: kept
+        assert stub.Lookup(pb.LookupRequest(namespace=sha, block_hashes=[b"\x00" * 32])).num_blocks == 0
+    finally:
+        channel.close()

@@ -188,3 +188,65 @@ def test_forked_child_fails_clearly_when_grpc_fork_support_is_off(node: KVNode) 
         report = _in_child(work, use_multiprocessing=False)
         assert report.startswith(b"error UnavailableError") and b"GRPC_ENABLE_FORK_SUPPORT" in report
         assert kv.health() == "SERVING"
+
+
+# ---------------------------------------------------------------------- zero-copy Get replies
+
+import torch  # noqa: E402
+
+from kvstore.client import AsyncKVStoreClient  # noqa: E402
+from kvstore.codec import decode_block, encode_block  # noqa: E402
+from kvstore.keys import Namespace  # noqa: E402
+from kvstore.server.wire import chunk_bytes_for  # noqa: E402
+
+from .conftest import MiB  # noqa: E402
+
+
+def _small_and_large_blocks(ns: Namespace) -> tuple[list[bytes], list[torch.Tensor], list[bytes]]:
+    """Two blocks that fit one message each, then one of 12 MiB that takes several."""
+    hashes, tensors = kv_blocks(ns, 3)
+    generator = torch.Generator().manual_seed(12)
+    tensors[2] = torch.randn(4, 2, 8, 16, 6144, generator=generator).to(torch.float16)  # 12 MiB of payload
+    blocks = [encode_block(t) for t in tensors]
+    assert len(blocks[1]) <= chunk_bytes_for(4 * MiB) < len(blocks[2])
+    return hashes, tensors, blocks
+
+
+def _check_get_reply(got: list, tensors: list[torch.Tensor], blocks: list[bytes]) -> None:
+    assert [type(b) for b in got] == [memoryview, memoryview, bytes]
+    assert all(b.readonly for b in got[:2])
+    assert got == blocks and [bytes(b) for b in got] == blocks
+    for received, sent in zip(got, tensors):
+        assert torch.equal(decode_block(received), sent)
+
+
+def test_get_lends_one_message_blocks_as_views_and_joins_larger_ones(client: KVStoreClient) -> None:
+    ns = namespace()
+    hashes, tensors, blocks = _small_and_large_blocks(ns)
+    assert client.put(ns, hashes, blocks) == 3
+    _check_get_reply(client.get(ns, hashes), tensors, blocks)
+    for received, sent in zip(client.get_tensors(ns, hashes), tensors):
+        assert torch.equal(received, sent)
+    assert client.delete(ns, hashes) == 3
+
+
+async def test_async_get_lends_one_message_blocks_as_views_and_joins_larger_ones(server: ThreadedServer) -> None:
+    ns = namespace()
+    hashes, tensors, blocks = _small_and_large_blocks(ns)
+    async with AsyncKVStoreClient(server.target, timeout_s=30.0, retries=0) as kv:
+        assert await kv.put(ns, hashes, blocks) == 3
+        _check_get_reply(await kv.get(ns, hashes), tensors, blocks)
+        for received, sent in zip(await kv.get_tensors(ns, hashes), tensors):
+            assert torch.equal(received, sent)
+        assert await kv.delete(ns, hashes) == 3
+
+
+def test_a_view_from_get_stays_valid_after_later_calls(client: KVStoreClient) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 2)
+    client.put(ns, hashes, tensors)
+    first = client.get(ns, hashes[:1])[0]
+    client.delete(ns, hashes)
+    client.put(ns, *kv_blocks(ns, 2, first_token=1000))
+    client.get(ns, kv_blocks(ns, 2, first_token=1000)[0])
+    assert first == encode_block(tensors[0])  # the view holds its own message, not a server buffer

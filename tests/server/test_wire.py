@@ -85,3 +85,115 @@ def test_assembler_bounds_the_bytes_of_one_stream() -> None:
     assembler.add(0, 0, b"x" * 100)
     with pytest.raises(ResourceExhaustedError, match="max_put_bytes"):
         assembler.begin(1, 60)  # refused before any of its bytes are buffered
+
+
+# ---------------------------------------------------------------------- the compact Lookup reply
+
+import grpc  # noqa: E402
+
+from kvstore.api import LookupResult  # noqa: E402
+from kvstore.server.errors import RemoteError  # noqa: E402
+from kvstore.server.wire import (  # noqa: E402
+    decode_block_chunk,
+    encode_block_chunk,
+    lookup_from_pb,
+    lookup_to_pb,
+)
+from kvstore.v1 import kvstore_pb2 as pb  # noqa: E402
+
+TIERS = ("memory", "disk", "redis")
+
+
+@pytest.mark.parametrize(
+    ("block_tiers", "tiers"),
+    [
+        (b"", ()),
+        (b"\x01", ("disk",)),
+        (b"\x00\x00\x01\x02", ("memory", "memory", "disk", "redis")),
+        (bytes(1024), ("memory",) * 1024),
+    ],
+    ids=["none", "one", "several", "1024"],
+)
+def test_lookup_result_from_block_tiers(block_tiers: bytes, tiers: tuple[str, ...]) -> None:
+    result = LookupResult.from_block_tiers(block_tiers, TIERS)
+    assert result == LookupResult(len(block_tiers), tiers)
+    assert type(result.tiers) is tuple
+    assert LookupResult.from_block_tiers(block_tiers, list(TIERS)) == result
+
+
+@pytest.mark.parametrize("block_tiers", [b"\x03", b"\x00\x03", b"\x00\xff\x01"])
+def test_lookup_result_refuses_a_tier_index_out_of_range(block_tiers: bytes) -> None:
+    with pytest.raises(IndexError):
+        LookupResult.from_block_tiers(block_tiers, TIERS)
+
+
+def test_lookup_reply_round_trips_through_its_wire_form() -> None:
+    for block_tiers in (b"", b"\x02", b"\x00\x01\x01\x02"):
+        message = lookup_to_pb(block_tiers, TIERS)
+        assert message.num_blocks == len(block_tiers) and message.block_tiers == block_tiers
+        assert tuple(message.tier_names) == TIERS
+        received = pb.LookupResponse.FromString(message.SerializeToString())
+        assert lookup_from_pb(received) == LookupResult.from_block_tiers(block_tiers, TIERS)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        pb.LookupResponse(num_blocks=3, tier_names=TIERS, block_tiers=b"\x00\x01"),  # fewer tier bytes
+        pb.LookupResponse(num_blocks=1, tier_names=TIERS, block_tiers=b"\x00\x01"),  # more tier bytes
+        pb.LookupResponse(num_blocks=2, tier_names=TIERS, block_tiers=b"\x00\x07"),  # index out of range
+        pb.LookupResponse(num_blocks=1, tier_names=(), block_tiers=b"\x00"),  # no tier names at all
+    ],
+    ids=["short", "long", "out-of-range", "no-names"],
+)
+def test_a_malformed_lookup_reply_is_a_remote_error(message: pb.LookupResponse) -> None:
+    with pytest.raises(RemoteError) as info:
+        lookup_from_pb(message)
+    assert info.value.code is grpc.StatusCode.INTERNAL and "LookupResponse" in str(info.value)
+
+
+# ---------------------------------------------------------------------- assembling without copies
+
+
+def _assemble(block: bytes, chunk_bytes: int, *, copy: bool) -> bytes | memoryview:
+    """``block`` sent as serialized BlockChunks and reassembled from the received messages."""
+    assembler = BlockAssembler(max_block_bytes=1 << 20, max_blocks=1, copy=copy)
+    for offset, data, last in iter_chunks(block, chunk_bytes):
+        chunk, received = decode_block_chunk(encode_block_chunk(0, offset, len(block), data, last))
+        if chunk.offset == 0:
+            assembler.begin(chunk.block_index, chunk.total_bytes)
+        assembler.add(chunk.block_index, chunk.offset, received)
+    (assembled,) = assembler.finish()
+    return assembled
+
+
+def test_without_copy_a_one_chunk_block_stays_a_view_of_its_message() -> None:
+    block = bytes(range(100))
+    assembled = _assemble(block, 100, copy=False)
+    assert type(assembled) is memoryview and assembled.readonly and assembled == block
+    assert isinstance(assembled.obj, bytes) and len(assembled.obj) > len(block)  # the whole received message
+
+
+def test_without_copy_a_block_of_several_chunks_is_joined_into_bytes() -> None:
+    block = bytes(range(100))
+    assembled = _assemble(block, 30, copy=False)
+    assert type(assembled) is bytes and assembled == block
+
+
+@pytest.mark.parametrize("chunk_bytes", [30, 100])
+def test_with_copy_every_block_is_bytes(chunk_bytes: int) -> None:
+    block = bytes(range(100))
+    assembled = _assemble(block, chunk_bytes, copy=True)
+    assert type(assembled) is bytes and assembled == block
+
+
+def test_without_copy_empty_and_bytes_chunks_pass_through() -> None:
+    assembler = BlockAssembler(100, 3, copy=False)
+    block = b"y" * 10
+    assembler.begin(0, 0)
+    assembler.begin(1, 10)
+    assembler.add(1, 0, block)
+    assembler.begin(2, 4)
+    assembler.add(2, 0, memoryview(b"abcd"))
+    blocks = assembler.finish()
+    assert blocks[0] == b"" and blocks[1] is block and type(blocks[2]) is memoryview and blocks[2] == b"abcd"

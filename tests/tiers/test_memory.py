@@ -315,3 +315,171 @@ async def test_a_cancelled_threaded_copy_keeps_its_pages_until_the_thread_ends(o
     await tier.put([make_key(2)], [other], [meta()])
     assert await tier.get([make_key(2)]) == [other]
     await tier.close()
+
+
+# -- leases: blocks lent in place -----------------------------------------------------
+
+from kvstore.tiers.base import LeasingTier, TierLease  # noqa: E402
+
+
+def test_a_memory_tier_is_a_leasing_tier():
+    assert isinstance(MemoryTier(MiB, page_bytes=PAGE), LeasingTier)
+
+
+async def test_a_lease_lends_views_of_the_pool_and_none_for_misses():
+    tier = MemoryTier(MiB, page_bytes=PAGE)
+    values = [_block_of_pages(0, 2), make_block(1)]
+    await tier.put([make_key(0), make_key(1)], values, [meta()] * 2)
+    lease = tier.lease([make_key(0), make_key(9), make_key(1)])
+    assert isinstance(lease, TierLease)
+    assert lease.values[1] is None
+    for view, value in zip((lease.values[0], lease.values[2]), values):
+        assert isinstance(view, memoryview)
+        assert view.nbytes == len(value) and view == value
+    tier._flat.fill_(0x5A)  # the views are the pool itself, not copies
+    assert all(bytes(view) == b"\x5a" * view.nbytes for view in (lease.values[0], lease.values[2]))
+    lease.release()
+    await tier.close()
+
+
+async def test_leased_views_are_read_only():
+    tier = MemoryTier(MiB, page_bytes=PAGE)
+    await tier.put([make_key(0)], [make_block(0)], [meta()])
+    lease = tier.lease([make_key(0)])
+    try:
+        assert lease.values[0].readonly
+    finally:
+        lease.release()
+        await tier.close()
+
+
+async def test_a_lease_keeps_deleted_pages_until_it_is_released():
+    block_pages = 4
+    tier = MemoryTier(2 * block_pages * PAGE, page_bytes=PAGE)
+    old = _block_of_pages(1, block_pages)
+    await tier.put([make_key(1)], [old], [meta()])
+    lease = tier.lease([make_key(1)])
+    await tier.delete([make_key(1)])
+    assert await tier.contains([make_key(1)]) == [False]  # unpublished at once...
+    assert tier.num_free_pages == tier.num_pages - block_pages  # ...but its pages stay taken
+    await tier.put([make_key(2)], [_block_of_pages(2, block_pages)], [meta()])  # takes the other half
+    with pytest.raises(TierFullError):  # the only other pages are the leased ones
+        await tier.put([make_key(3)], [_block_of_pages(3, block_pages)], [meta()])
+    assert lease.values[0] == old
+    lease.release()
+    assert tier.num_free_pages == tier.num_pages - block_pages
+    await tier.put([make_key(3)], [_block_of_pages(3, block_pages)], [meta()])
+    assert await tier.get([make_key(2), make_key(3)]) == [_block_of_pages(2, block_pages),
+                                                          _block_of_pages(3, block_pages)]
+    await tier.close()
+
+
+async def test_an_overwrite_during_a_lease_leaves_the_leased_view_unchanged():
+    block_pages = 3
+    tier = MemoryTier(2 * block_pages * PAGE, page_bytes=PAGE)
+    old, new = _block_of_pages(1, block_pages), _block_of_pages(2, block_pages)
+    await tier.put([make_key(1)], [old], [meta()])
+    lease = tier.lease([make_key(1)])
+    assert await tier.put([make_key(1)], [new], [meta()]) == [True]
+    assert await tier.get([make_key(1)]) == [new]
+    assert lease.values[0] == old
+    assert tier.used_bytes == 2 * block_pages * PAGE  # the old value's pages wait for the release
+    with pytest.raises(TierFullError):  # replacing again needs the pages the lease holds
+        await tier.put([make_key(1)], [_block_of_pages(3, 2 * block_pages)], [meta()])
+    lease.release()
+    assert tier.used_bytes == block_pages * PAGE
+    await tier.close()
+
+
+async def test_a_full_pool_cannot_replace_a_leased_block_in_place():
+    tier = MemoryTier(4 * PAGE, page_bytes=PAGE)
+    keys = [make_key(0), make_key(1)]
+    await tier.put(keys, [_block_of_pages(0, 2), _block_of_pages(1, 2)], [meta()] * 2)
+    lease = tier.lease(keys[:1])
+    with pytest.raises(TierFullError):  # without the lease this reuses key 0's own pages
+        await tier.put(keys[:1], [_block_of_pages(9, 2)], [meta()])
+    assert await tier.get(keys[:1]) == [_block_of_pages(0, 2)] and lease.values[0] == _block_of_pages(0, 2)
+    lease.release()
+    assert await tier.put(keys[:1], [_block_of_pages(9, 2)], [meta()]) == [True]
+    assert await tier.get(keys[:1]) == [_block_of_pages(9, 2)]
+    await tier.close()
+
+
+async def test_releasing_a_lease_twice_releases_it_once():
+    block_pages = 2
+    tier = MemoryTier(block_pages * PAGE, page_bytes=PAGE)
+    value = _block_of_pages(1, block_pages)
+    await tier.put([make_key(1)], [value], [meta()])
+    first, second = tier.lease([make_key(1)]), tier.lease([make_key(1)])
+    first.release()
+    first.release()  # harmless: it must not give back the pin of the second lease
+    await tier.delete([make_key(1)])
+    assert tier.num_free_pages == 0
+    with pytest.raises(TierFullError):
+        await tier.put([make_key(2)], [_block_of_pages(2, block_pages)], [meta()])
+    assert second.values[0] == value
+    second.release()
+    assert tier.num_free_pages == tier.num_pages
+    second.release()
+    assert tier.num_free_pages == tier.num_pages
+    await tier.close()
+
+
+async def test_one_key_leased_twice_in_one_batch_is_pinned_twice():
+    tier = MemoryTier(2 * PAGE, page_bytes=PAGE)
+    value = _block_of_pages(1, 2)
+    await tier.put([make_key(1)], [value], [meta()])
+    lease = tier.lease([make_key(1), make_key(1)])
+    assert lease.values == [value, value]
+    await tier.delete([make_key(1)])
+    lease.release()
+    assert tier.num_free_pages == tier.num_pages
+    await tier.close()
+
+
+async def test_a_block_on_scattered_pages_is_leased_as_a_copy_and_pins_nothing():
+    tier = MemoryTier(16 * PAGE, page_bytes=PAGE)
+    keys = [make_key(i) for i in range(16)]
+    await tier.put(keys, [_block_of_pages(i, 1) for i in range(16)], [meta()] * 16)
+    await tier.delete(keys[::2])  # 8 free pages, no two adjacent
+    big = make_sized_block(100, 8 * PAGE - 64)
+    await tier.put([make_key(100)], [big], [meta()])
+    lease = tier.lease([make_key(100), keys[1]])
+    assert type(lease.values[0]) is bytes and lease.values[0] == big
+    assert isinstance(lease.values[1], memoryview) and lease.values[1] == _block_of_pages(1, 1)
+    await tier.delete([make_key(100)])
+    assert tier.num_free_pages == 8  # the copied block held no pin: its pages are free at once
+    assert lease.values[0] == big
+    lease.release()
+    await tier.close()
+
+
+async def test_a_lease_of_nothing_but_misses_can_be_released():
+    tier = MemoryTier(MiB, page_bytes=PAGE)
+    lease = tier.lease([make_key(0), make_key(1)])
+    assert lease.values == [None, None]
+    lease.release()
+    assert tier.lease([]).values == []
+    await tier.close()
+
+
+async def test_leased_views_outlive_a_close_and_release_after_it_is_harmless():
+    tier = MemoryTier(MiB, page_bytes=PAGE)
+    value = make_block(0)
+    await tier.put([make_key(0)], [value], [meta()])
+    lease = tier.lease([make_key(0)])
+    await tier.close()
+    assert lease.values[0] == value
+    lease.release()
+    with pytest.raises(UnavailableError):
+        tier.lease([make_key(0)])
+
+
+@pytest.mark.cuda
+@cuda_only
+async def test_a_cuda_pool_does_not_lend():
+    tier = MemoryTier(MiB, device="cuda:0", page_bytes=PAGE)
+    await tier.put([make_key(0)], [make_block(0)], [meta()])
+    assert tier.lease([make_key(0)]) is None
+    assert await tier.get([make_key(0)]) == [make_block(0)]
+    await tier.close()
