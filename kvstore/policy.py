@@ -206,11 +206,17 @@ class PriorityLRUPolicy(Leases):
         self._levels[self._level_of(key)].move_to_end(key)
 
     def remove(self, key: K) -> int:
-        """Forget ``key`` and its leases; return its bytes, or 0 if it was not tracked."""
+        """Forget ``key``; return its bytes, or 0 if it was not tracked.
+
+        Its leases stay: they belong to the readers that took them, and each is
+        released by its own :meth:`unpin`. A key stored again while an old
+        reader still holds it is thus not a victim until that reader is done
+        (dropping the leases here let the old reader's ``unpin`` release a new
+        reader's lease instead).
+        """
         nbytes = self._levels[self._priority.pop(key, self.default_priority)].pop(key, None)
         if nbytes is None:
             return 0
-        self._pins.pop(key, None)
         self._expiry.pop(key, None)  # its heap item goes stale and is skipped
         self._nbytes -= nbytes
         self._count -= 1

@@ -18,9 +18,11 @@ A client of a node that runs with TLS and token authentication (see
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import secrets
 from pathlib import Path
+from typing import Sequence
 
 import grpc
 
@@ -113,8 +115,16 @@ def channel_credentials(
     )
 
 
-def main() -> None:
-    """Print a new token and the tokens-file entry that holds only its SHA-256."""
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print a new token and the tokens-file entry that holds only its SHA-256 (``--help`` explains)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvstore.security",
+        description="Print a new random bearer token, its SHA-256, and the tokens-file entry that grants it "
+                    "without holding the token itself (docs/security.md).",
+        epilog="Example: python -m kvstore.security > token.txt; put the token_sha256 line in the node's "
+               "tokens file (security.auth_tokens_file) and give the token to the client (KVSTORE_TOKEN).",
+    )
+    parser.parse_args(argv)
     token = new_token()
     print(f"token:        {token}")
     print(f"token_sha256: {token_sha256(token)}")

@@ -120,3 +120,16 @@ def test_many_operations_keep_bytes_consistent() -> None:
     assert policy.nbytes == total
     victims = policy.victims(total, now=20.0)
     assert len(victims) == len(policy)
+
+
+def test_a_lease_outlives_a_remove_and_releases_only_itself() -> None:
+    policy = PriorityLRUPolicy()
+    policy.insert("a", 10)
+    policy.pin("a")  # an old reader
+    assert policy.remove("a") == 10
+    policy.insert("a", 10)  # stored again while the old reader still reads
+    policy.pin("a")  # a new reader
+    policy.unpin("a")  # the old reader ends: the new reader's lease must hold
+    assert policy.is_pinned("a") and policy.victims(10) == []
+    policy.unpin("a")
+    assert not policy.is_pinned("a") and policy.victims(10) == ["a"]

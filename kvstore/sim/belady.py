@@ -144,11 +144,17 @@ class BeladyPolicy(Leases):
         self._push(key, self._entries[key][0])
 
     def remove(self, key: Hashable) -> int:
-        """Forget ``key`` and its leases; return its bytes, or 0 if it was not tracked."""
+        """Forget ``key``; return its bytes, or 0 if it was not tracked.
+
+        Its leases stay: they belong to the readers that took them, and each is
+        released by its own :meth:`unpin`. A key stored again while an old
+        reader still holds it is thus not a victim until that reader is done
+        (dropping the leases here let the old reader's ``unpin`` release a new
+        reader's lease instead).
+        """
         entry = self._entries.pop(key, None)
         if entry is None:
             return 0
-        self._pins.pop(key, None)
         self._nbytes -= entry[0]
         return entry[0]
 

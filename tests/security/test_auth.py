@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore.config import SecurityConfig, load_config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import HashAlgorithm
-from kvstore.security import bearer_metadata, token_sha256
+from kvstore.security import bearer_metadata, main, token_sha256
 from kvstore.server.app import KVStoreServer
 from kvstore.server.auth import Authenticator, Principal, TokenEntry, parse_tokens
 from kvstore.server.errors import PermissionDeniedError, UnauthenticatedError
@@ -281,3 +281,13 @@ def test_the_documented_tokens_file_parses() -> None:
     entries = parse_tokens("tokens:" + document, "docs/security.md")
     assert [e.principal.name for e in entries] == ["team-a", "team-b-batch", "ops"]
     assert entries[2].principal.all_tenants
+
+
+def test_the_token_tool_prints_help_without_a_token_and_a_matching_digest_without_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "token:" not in capsys.readouterr().out
+    main([])
+    lines = dict(line.split(":", 1) for line in capsys.readouterr().out.splitlines()[:2])
+    assert token_sha256(lines["token"].strip()) == lines["token_sha256"].strip()
