@@ -6,9 +6,9 @@ it in the metrics, logs it, and turns a raised kvstore error into its status
 code (``kvstore.server.errors.status_of``). Requests arrive as raw bytes and are
 parsed inside it, so a malformed message is INVALID_ARGUMENT (not gRPC's
 UNKNOWN) and is parsed only after the caller was admitted. With authentication
-on, every namespace must be one of the caller's tenants (``cache_salt``; PERMISSION_DENIED otherwise), and with
-``limits.tenant_quota_bytes`` a Put must fit the tenant's quota
-(``kvstore.server.limits.TenantQuota``). The data path (chunking
+on, every namespace must be one of the caller's tenants (``cache_salt``;
+PERMISSION_DENIED otherwise), and with ``limits.tenant_quota_bytes`` a Put must
+fit the tenant's quota (``kvstore.server.limits.TenantQuota``). The data path (chunking
 and reassembly) is in ``kvstore.server.wire``, so a later same-host zero-copy
 data plane can replace it without touching the servicer's shape.
 """
