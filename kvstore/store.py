@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -122,7 +121,9 @@ class TieredStore:
         """Stop taking calls, finish background work, demote volatile tiers, and close every tier.
 
         Blocks in a volatile tier (memory) above a persistent one (LMDB) are
-        demoted on close, so a restart on the same disk path serves them.
+        demoted on close, so a restart on the same disk path serves them,
+        leased ones included: a Get stream that outlived the server's grace
+        period may still hold its prefix, and a read lease never stops a copy.
         """
         if self._closed:
             return
@@ -132,7 +133,7 @@ class TieredStore:
             if not tier.persistent and any(t.persistent for t in self._tiers[level + 1:]):
                 policy = self._policies[level]
                 try:
-                    await self._evict(level, policy.victims(policy.nbytes, self._clock()))
+                    await self._evict(level, list(policy))  # every block, in eviction order, leased or not
                 except Exception:
                     logger.exception("demoting tier %s on close failed", tier.name)
         for tier in [*self._tiers, *([self._shared] if self._shared else [])]:
@@ -181,11 +182,15 @@ class TieredStore:
         self._check_open()
         keys = block_keys(namespace, block_hashes)
         located = self._locate_prefix(keys)
-        if self._shared is not None and len(located) < len(keys):
-            present = await self._shared.contains(keys[len(located):])
-            run = present.index(False) if False in present else len(present)
-            located += bytes((len(self._tiers),)) * run
-        return located
+        if self._shared is None or len(located) == len(keys):
+            return located
+        rest = keys[len(located):]  # past the local prefix a block may be in Redis and the next one local again
+        shared, tail = len(self._tiers), bytearray()
+        for level, in_shared in zip(self._local_levels(rest), await self._shared.contains(rest)):
+            if level is None and not in_shared:
+                break
+            tail.append(shared if level is None else level)  # a local copy is the faster one
+        return located + bytes(tail)
 
     async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
         """Encoded blocks of the longest cached prefix, in order, stopping at the first miss; copies the caller owns.
@@ -230,36 +235,44 @@ class TieredStore:
         """
         self._check_open()
         keys = block_keys(namespace, block_hashes)
-        levels = self._locate_prefix(keys)
-        leased = list(zip(keys, levels))
+        # the tier of each block that may be cached, None for the shared tier: the local prefix, then (with a
+        # shared tier) every later block, since past a block in Redis the next one may be local again
+        sources: list[int | None] = list(self._locate_prefix(keys))
+        if self._shared is not None and len(sources) < len(keys):
+            sources += self._local_levels(keys[len(sources):])
+        local = [i for i, level in enumerate(sources) if level is not None]
+        leased = [(keys[i], sources[i]) for i in local]
         policies = self._policies
         for key, level in leased:
-            policies[level].pin(key)
+            policies[level].pin(key)  # type: ignore[index]
         releases: list[Callable[[], None]] = []
         try:
-            values = await self._read_local(leased, releases if lend else None)
-            hit = len(values)
-            if hit < len(leased):  # a corrupt record ends the prefix; the tier deleted it
-                key, level = leased[hit]
-                self._forget(level, key)
-            elif self._shared is not None and hit < len(keys):
-                for value in await self._shared.get(keys[hit:]):
-                    if value is None:
-                        break
-                    values.append(value)
-            self._count_get(levels[: min(hit, len(levels))], len(values), len(keys))
-            for key, level in reversed(leased[:hit]):  # tail first: the head ends most recent
-                if key in policies[level]:
+            found: list[Buffer | None] = [None] * len(sources)
+            for i, value in zip(local, await self._read_local(leased, releases if lend else None)):  # type: ignore[arg-type]
+                found[i] = value
+            wanted = [i for i, level in enumerate(sources) if level is None]
+            if wanted:
+                for i, value in zip(wanted, await self._shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
+                    found[i] = value
+            hit = found.index(None) if None in found else len(found)
+            values: list[Buffer] = found[:hit]  # type: ignore[assignment]
+            if hit < len(sources) and sources[hit] is not None:  # a corrupt record ends the prefix; the tier deleted it
+                self._forget(sources[hit], keys[hit])  # type: ignore[arg-type]
+            hit_levels = [level for level in sources[:hit] if level is not None]
+            self._count_get(hit_levels, hit, len(keys))
+            for key, level in reversed(list(zip(keys[:hit], sources[:hit]))):  # tail first: the head ends most recent
+                if level is not None and key in policies[level]:
                     policies[level].touch(key)
-            promotions = self._promotions(keys, levels, values)
+            promotions = self._promotions(keys, sources[:hit], values)
             yield values
         finally:
             for release in releases:
                 release()
             for key, level in leased:
                 policies[level].unpin(key)
-        for source, moved_keys, blocks in promotions:  # once unpinned: room is made by evicting others
-            self._spawn(self._promote_from(source, moved_keys, blocks))
+        if not self._closed:  # once unpinned, so that room is made by evicting others
+            for source, moved_keys, blocks in promotions:
+                self._spawn(self._promote_from(source, moved_keys, blocks))
 
     async def put(
         self,
@@ -411,6 +424,20 @@ class TieredStore:
             else:
                 del self._tag_bytes[tag]
 
+    def _local_levels(self, keys: list[BlockKey]) -> list[int | None]:
+        """The local tier holding each of ``keys``, ``None`` where none does (every key, not just a prefix)."""
+        levels: list[int | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for level, policy in enumerate(self._policies):
+            if not pending:
+                break
+            found = policy.contains_many([keys[i] for i in pending])
+            for i, hit in zip(pending, found):
+                if hit:
+                    levels[i] = level
+            pending = [i for i, hit in zip(pending, found) if not hit]
+        return levels
+
     def _locate_prefix(self, keys: list[BlockKey]) -> bytes:
         """The local tier of each block of the longest locally cached prefix of ``keys``, one byte per block.
 
@@ -475,8 +502,8 @@ class TieredStore:
 
     async def _read_local(
         self, leased: list[tuple[BlockKey, int]], releases: list[Callable[[], None]] | None
-    ) -> list[Buffer]:
-        """Read leased blocks, one batch per tier; returns the prefix up to the first missing value.
+    ) -> list[Buffer | None]:
+        """Read leased blocks, one batch per tier; returns each one's value, ``None`` where its tier had none.
 
         With ``releases``, tiers that lend return views and append their lease's
         release to it; without, every value is a copy.
@@ -488,8 +515,7 @@ class TieredStore:
             by_level.setdefault(level, []).append(position)
         if len(by_level) == 1:  # the common case: the whole prefix in one tier, read without a task per tier
             (level,) = by_level
-            values = await self._read_tier(level, [key for key, _ in leased], releases)
-            return list(itertools.takewhile(lambda value: value is not None, values))  # type: ignore[arg-type]
+            return await self._read_tier(level, [key for key, _ in leased], releases)
         batches = await asyncio.gather(*(
             self._read_tier(level, [leased[p][0] for p in positions], releases)
             for level, positions in by_level.items()
@@ -498,12 +524,7 @@ class TieredStore:
         for positions, batch in zip(by_level.values(), batches):
             for position, value in zip(positions, batch):
                 values[position] = value
-        prefix: list[Buffer] = []
-        for value in values:
-            if value is None:
-                break
-            prefix.append(value)
-        return prefix
+        return values
 
     async def _read_tier(
         self, level: int, keys: list[BlockKey], releases: list[Callable[[], None]] | None
@@ -530,17 +551,17 @@ class TieredStore:
                 counts.misses += 1
 
     def _promotions(
-        self, keys: list[BlockKey], levels: bytes, values: list[Buffer]
+        self, keys: list[BlockKey], sources: Sequence[int | None], values: list[Buffer]
     ) -> list[tuple[int | None, list[BlockKey], list[bytes]]]:
         """The lower-tier hits to copy into the top tier, by source tier (``None``: shared), views copied to bytes.
 
-        The caller spawns :meth:`_promote_from` for each once the read's leases are released.
+        ``sources[i]`` is the tier ``values[i]`` came from. The caller spawns
+        :meth:`_promote_from` for each once the read's leases are released.
         """
         if not self.config.promote_on_hit or not self._tiers:
             return []
         moves: dict[int | None, list[int]] = {}
-        for position in range(len(values)):
-            level = levels[position] if position < len(levels) else None  # None: the shared tier
+        for position, level in enumerate(sources[: len(values)]):
             if level != 0:
                 moves.setdefault(level, []).append(position)
         return [
@@ -690,7 +711,11 @@ class TieredStore:
             )
         for key in victims:
             policy.pin(key)  # claimed while they move out
-        await self._evict(level, victims)
+        try:
+            await self._evict(level, victims)
+        finally:
+            for key in victims:  # the claim ends with the move (a lease outlives the key's removal)
+                policy.unpin(key)
 
     async def _evict(self, level: int, victims: list[BlockKey]) -> None:
         policy = self._policies[level]

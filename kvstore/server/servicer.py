@@ -324,21 +324,34 @@ class _Call:
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
         metrics = servicer._metrics
-        if exc is None:
-            if metrics is not None:
-                metrics.observe(self._method, "OK", time.perf_counter() - self._start_s)
-            return False
-        if isinstance(exc, asyncio.CancelledError):
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        if cancelled or isinstance(exc, grpc.aio.InternalError) or (
+                not isinstance(exc, grpc.aio.AbortError) and _call_ended(self._context)):
+            # the client went away or its deadline passed: grpc.aio cancels the handler, or a write on the
+            # finished call fails (grpc.aio.InternalError: ExecuteBatchError, before the context knows the
+            # call is cancelled), or the handler ends unaware; either way the client has its status
             remaining = self._context.time_remaining()
             code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             logger.debug("%s %s", self._method, code)
             if metrics is not None:
                 metrics.observe(self._method, code, time.perf_counter() - self._start_s)
+            return not cancelled and isinstance(exc, Exception)  # swallow a failed write; cancellation goes on
+        if exc is None:
+            if metrics is not None:
+                metrics.observe(self._method, "OK", time.perf_counter() - self._start_s)
             return False
         if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
             return False  # already aborted with its status; or a BaseException (KeyboardInterrupt) to propagate
         await servicer._fail(self._method, self._context, exc, self._start_s)
         return False
+
+
+def _call_ended(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call is over from the client's side: cancelled, or past its deadline."""
+    if context.cancelled():
+        return True
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 def _parse(message_type: type[_M], raw: bytes | _M) -> _M:

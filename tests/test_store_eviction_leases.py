@@ -1,0 +1,70 @@
+"""Eviction claims its victims with a lease and releases it: an evicted key comes back unpinned.
+
+Regression: ``TieredStore._make_room`` pinned each victim and, once ``policy.remove`` kept leases
+(they belong to readers), never unpinned it, so every evicted block stayed pinned and a memory tier
+that saw blocks demoted and promoted back refused all puts.
+"""
+from kvstore.store import TieredStore
+from kvstore.tiers.lmdb import LMDBTier
+from tests.test_store import NS, disk_footprint, make_blocks, memory_tier
+
+
+async def test_evicted_key_keeps_no_lease(tmp_path) -> None:
+    memory = memory_tier(2)
+    disk = LMDBTier(tmp_path / "disk", 16 * disk_footprint())
+    async with TieredStore([memory, disk]) as store:
+        hashes, blocks = make_blocks(3)
+        await store.put(NS, hashes[:2], blocks[:2])
+        await store.put(NS, hashes[2:], blocks[2:])          # memory full: one block demoted to disk
+        mem_policy = store._policies[0]
+        assert len(mem_policy) == 2
+        # no read is in flight: nothing may hold a lease
+        assert mem_policy._pins == {}, f"evicted keys still pinned: {len(mem_policy._pins)}"
+
+
+async def test_promoted_back_block_is_evictable(tmp_path) -> None:
+    memory = memory_tier(2)
+    disk = LMDBTier(tmp_path / "disk", 16 * disk_footprint())
+    async with TieredStore([memory, disk]) as store:
+        hashes, blocks = make_blocks(8)
+        # cycle blocks through memory: each put evicts, each get of a demoted block promotes it back
+        for i in range(8):
+            await store.put(NS, hashes[i:i + 1], blocks[i:i + 1])
+        for i in range(8):
+            assert await store.get(NS, hashes[i:i + 1]) == blocks[i:i + 1]
+            await store.drain()                                # promotion into memory
+        fresh, fresh_blocks = make_blocks(2, seed=7)
+        # memory holds 2 blocks that were all evicted before => both pinned forever => no room
+        for h, b in zip(fresh, fresh_blocks):
+            await store.put(NS, [h], [b])                      # raises ResourceExhaustedError
+
+
+# End to end through a real server: after one demote/promote cycle the memory tier refuses every new put.
+import time
+
+from kvstore.client import KVStoreClient
+from tests.server.conftest import ThreadedServer, kv_blocks, make_config, namespace
+
+
+def test_server_still_takes_puts_after_blocks_were_promoted_back(tmp_path) -> None:
+    server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "8MiB",
+                                           "store.disk.path": str(tmp_path / "disk"),
+                                           "store.disk.capacity_bytes": "64MiB"}))
+    try:
+        ns = namespace()
+        with KVStoreClient(server.target, retries=0) as kv:
+            first, first_t = kv_blocks(ns, 7, num_layers=4, num_kv_heads=8, head_dim=512)            # ~1 MiB each
+            second, second_t = kv_blocks(ns, 7, num_layers=4, num_kv_heads=8, head_dim=512, first_token=10_000)
+            assert kv.put(ns, first, first_t) == 7
+            assert kv.put(ns, second, second_t) == 7          # demotes `first` to disk
+            assert kv.lookup(ns, first).tiers == ("disk",) * 7
+            assert len(kv.get(ns, first)) == 7                # promotes `first` back (evicts `second`)
+            for _ in range(100):
+                if kv.lookup(ns, first).tiers == ("memory",) * 7:
+                    break
+                time.sleep(0.02)
+            third, third_t = kv_blocks(ns, 7, num_layers=4, num_kv_heads=8, head_dim=512, first_token=20_000)
+            # no reader holds anything, `first` is evictable -> this must succeed
+            assert kv.put(ns, third, third_t) == 7            # raises ResourceExhaustedError
+    finally:
+        server.stop()
