@@ -238,9 +238,12 @@ class TieredStore:
         # the tier of each block that may be cached, None for the shared tier: the local prefix, then (with a
         # shared tier) every later block, since past a block in Redis the next one may be local again
         sources: list[int | None] = list(self._locate_prefix(keys))
+        local: Sequence[int] = range(len(sources))
+        wanted: list[int] = []  # positions to ask the shared tier for
         if self._shared is not None and len(sources) < len(keys):
             sources += self._local_levels(keys[len(sources):])
-        local = [i for i, level in enumerate(sources) if level is not None]
+            local = [i for i, level in enumerate(sources) if level is not None]
+            wanted = [i for i, level in enumerate(sources) if level is None]
         leased = [(keys[i], sources[i]) for i in local]
         policies = self._policies
         for key, level in leased:
@@ -250,7 +253,6 @@ class TieredStore:
             found: list[Buffer | None] = [None] * len(sources)
             for i, value in zip(local, await self._read_local(leased, releases if lend else None)):  # type: ignore[arg-type]
                 found[i] = value
-            wanted = [i for i, level in enumerate(sources) if level is None]
             if wanted:
                 for i, value in zip(wanted, await self._shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
                     found[i] = value
