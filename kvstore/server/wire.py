@@ -144,16 +144,16 @@ def lookup_from_pb(message: pb.LookupResponse) -> LookupResult:
             ``num_blocks`` not the number of tier bytes): a server bug, not a miss.
     """
     block_tiers = message.block_tiers
-    try:
-        if len(block_tiers) != message.num_blocks:
-            raise IndexError
-        return LookupResult.from_block_tiers(block_tiers, message.tier_names)
-    except IndexError:
-        raise RemoteError(
-            grpc.StatusCode.INTERNAL,
-            f"malformed LookupResponse: num_blocks={message.num_blocks}, {len(block_tiers)} tier bytes, "
-            f"{len(message.tier_names)} tier names"
-        ) from None
+    if len(block_tiers) == message.num_blocks:
+        try:
+            return LookupResult.from_block_tiers(block_tiers, message.tier_names)
+        except IndexError:  # a tier index past tier_names
+            pass
+    raise RemoteError(
+        grpc.StatusCode.INTERNAL,
+        f"malformed LookupResponse: num_blocks={message.num_blocks}, {len(block_tiers)} tier bytes, "
+        f"{len(message.tier_names)} tier names",
+    )
 
 
 def stats_to_pb(stats: StoreStats) -> pb.StatsResponse:
