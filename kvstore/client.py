@@ -102,6 +102,7 @@ from kvstore.server.wire import (
     sync_client_channel_options,
     chunk_bytes_for,
     decode_block_chunk,
+    encode_get_request,
     identity,
     lookup_from_pb,
     namespace_to_pb,
@@ -208,8 +209,7 @@ class TargetChannel:
         self._stub = pb_grpc.KVStoreStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
         # the data path: block bytes are (de)serialized by kvstore.server.wire, not copied through protobuf
-        self._get = channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
-                                         response_deserializer=identity)
+        self._get = channel.unary_stream(GET_METHOD, request_serializer=identity, response_deserializer=identity)
         self._put = channel.stream_unary(PUT_METHOD, request_serializer=identity,
                                          response_deserializer=pb.PutResponse.FromString)
         self._pid = pid
@@ -234,7 +234,7 @@ class TargetChannel:
 
     @property
     def get_call(self) -> Any:
-        """The Get multicallable of the data path: ``GetRequest`` in, serialized ``BlockChunk`` s out."""
+        """The Get multicallable of the data path: serialized ``GetRequest`` in, serialized ``BlockChunk`` s out."""
         self._check()
         return self._get
 
@@ -280,10 +280,6 @@ def _with_hashes(message_type: type[_R], namespace: pb.Namespace, block_hashes: 
         return message_type(namespace=namespace, block_hashes=block_hashes)
     except TypeError:  # bytearray or memoryview hashes
         return message_type(namespace=namespace, block_hashes=[bytes(h) for h in block_hashes])
-
-
-def _get_request(namespace: Namespace, block_hashes: Sequence[BlockHash]) -> pb.GetRequest:
-    return _with_hashes(pb.GetRequest, namespace_to_pb(namespace), block_hashes)
 
 
 def _check_put(block_hashes: Sequence[BlockHash], blocks: Sequence[Block]) -> None:
@@ -371,7 +367,7 @@ def _lookup_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
 
 def _get_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
              metadata: Sequence[tuple[str, str]]) -> _Job[list[Buffer]]:
-    request = _get_request(namespace, block_hashes)
+    request = encode_get_request(namespace, block_hashes)
 
     def job(channel: TargetChannel, timeout_s: float) -> list[Buffer]:
         assembler = _assembler(len(block_hashes))
@@ -835,7 +831,7 @@ def _alookup_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
 
 def _aget_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
               metadata: Sequence[tuple[str, str]]) -> _AsyncJob[list[Buffer]]:
-    request = _get_request(namespace, block_hashes)
+    request = encode_get_request(namespace, block_hashes)
 
     async def job(channel: TargetChannel, timeout_s: float) -> list[Buffer]:
         assembler = _assembler(len(block_hashes))

@@ -7,17 +7,20 @@ the wire. Blocks move as encoded codec bytes split into chunks of at most
 
 The data path. The two messages that carry block bytes (``BlockChunk`` of Get,
 ``PutRequest`` of Put) are written and read here without copying the bytes
-through protobuf: a sender serializes the small fields with protobuf and appends
-the ``data`` field itself (:func:`encode_with_data`), one copy in all; a
-receiver walks the top-level fields (:func:`split_data_field`), parses the
-small ones with protobuf and keeps ``data`` as a ``memoryview`` of the received
-message. Both are plain protobuf on the wire (fields may come in any order), so
-any other protobuf client interoperates. :data:`GET_METHOD` and
-:data:`PUT_METHOD` name the methods that use them.
+through protobuf: a sender serializes the small fields and appends the ``data``
+field itself, one copy in all; a receiver walks the top-level fields and keeps
+``data`` as a ``memoryview`` of the received message. Get's messages, sent once
+per call or per chunk, are coded by hand end to end (:func:`encode_get_request`,
+:func:`encode_block_chunk`, :func:`decode_block_chunk`); Put's small fields go
+through protobuf (:func:`encode_with_data`, :func:`split_data_field`). All are
+plain protobuf on the wire (fields may come in any order), so any other
+protobuf client interoperates. :data:`GET_METHOD` and :data:`PUT_METHOD` name
+the methods that use them.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator, NamedTuple, Sequence
 
 import grpc
@@ -200,7 +203,13 @@ def iter_chunks(block: bytes | memoryview, chunk_bytes: int) -> Iterator[tuple[i
         yield offset, block[offset:end], end == total
 
 
+_ONE_BYTE_VARINTS = tuple(bytes((value,)) for value in range(0x80))
+
+
 def _varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf base-128 varint."""
+    if value < 0x80:
+        return _ONE_BYTE_VARINTS[value]
     out = bytearray()
     while True:
         low, value = value & 0x7F, value >> 7
@@ -212,6 +221,13 @@ def _varint(value: int) -> bytes:
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    """The varint at ``buf[pos]`` and the position after it.
+
+    Raises:
+        InvalidArgumentError: if it runs past the end of ``buf`` or over 64 bits.
+    """
+    if pos < len(buf) and buf[pos] < 0x80:  # most tags and lengths: one byte
+        return buf[pos], pos + 1
     value = shift = 0
     while True:
         if pos >= len(buf) or shift > 63:
@@ -222,6 +238,10 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return value, pos
         shift += 7
+
+
+def _tag(number: int, wire_type: int) -> bytes:
+    return _varint(number << 3 | wire_type)
 
 
 def encode_with_data(head: bytes, field_number: int, data: bytes | memoryview) -> bytes:
@@ -282,32 +302,101 @@ def split_data_field(message: bytes, field_number: int) -> tuple[bytes, memoryvi
 
 
 class Chunk(NamedTuple):
-    """A received data message: its small fields parsed by protobuf, its ``data`` as a view.
+    """A received ``PutRequest``: its other fields parsed by protobuf, its ``data`` as a view.
 
     Attributes:
-        message: the ``BlockChunk`` or ``PutRequest`` without its ``data`` field.
+        message: the ``PutRequest`` without its ``data`` field.
         data: the block bytes it carried, a view of the received message.
     """
 
-    message: pb.BlockChunk | pb.PutRequest
+    message: pb.PutRequest
     data: memoryview
+
+
+class ChunkHead(NamedTuple):
+    """The small fields of a received ``BlockChunk`` (see the ``.proto``)."""
+
+    block_index: int
+    offset: int
+    total_bytes: int
+    last: bool
+
+
+_BLOCK_CHUNK = pb.BlockChunk.DESCRIPTOR.fields_by_name
+_CHUNK_INDEX, _CHUNK_OFFSET, _CHUNK_TOTAL, _CHUNK_LAST = (
+    _BLOCK_CHUNK[name].number for name in ("block_index", "offset", "total_bytes", "last")
+)
+_CHUNK_INDEX_TAG, _CHUNK_OFFSET_TAG, _CHUNK_TOTAL_TAG, _CHUNK_LAST_TAG = (
+    _tag(number, 0) for number in (_CHUNK_INDEX, _CHUNK_OFFSET, _CHUNK_TOTAL, _CHUNK_LAST)
+)
+_CHUNK_DATA_TAG = _tag(_CHUNK_DATA_FIELD, 2)
+_UINT32_MASK = (1 << 32) - 1
+_UINT64_MASK = (1 << 64) - 1
 
 
 def encode_block_chunk(block_index: int, offset: int, total_bytes: int, data: bytes | memoryview,
                        last: bool) -> bytes:
-    """A serialized ``BlockChunk`` (the Get reply message) carrying ``data``."""
-    head = pb.BlockChunk(block_index=block_index, offset=offset, total_bytes=total_bytes, last=last)
-    return encode_with_data(head.SerializeToString(), _CHUNK_DATA_FIELD, data)
+    """A serialized ``BlockChunk`` (the Get reply message) carrying ``data``, copied once.
+
+    Written by hand rather than through protobuf: this runs for every chunk of
+    every Get, and the fields are four integers. Zero-valued fields are left
+    out, as proto3 serializers do.
+    """
+    parts = []
+    if block_index:
+        parts += (_CHUNK_INDEX_TAG, _varint(block_index))
+    if offset:
+        parts += (_CHUNK_OFFSET_TAG, _varint(offset))
+    if total_bytes:
+        parts += (_CHUNK_TOTAL_TAG, _varint(total_bytes))
+    if last:
+        parts += (_CHUNK_LAST_TAG, b"\x01")
+    parts += (_CHUNK_DATA_TAG, _varint(len(data)), data)
+    return b"".join(parts)
 
 
-def decode_block_chunk(message: bytes) -> Chunk:
-    """Parse a serialized ``BlockChunk``; the data stays in ``message``.
+def decode_block_chunk(message: bytes) -> tuple[ChunkHead, memoryview]:
+    """Parse a serialized ``BlockChunk``: its small fields, and its data as a view of ``message``.
+
+    Follows protobuf's rules: fields in any order, the last occurrence wins,
+    unknown fields (or a known number with another wire type) are skipped,
+    ``block_index`` keeps its low 32 bits.
 
     Raises:
         InvalidArgumentError: on malformed protobuf.
     """
-    rest, data = split_data_field(message, _CHUNK_DATA_FIELD)
-    return Chunk(_parse(pb.BlockChunk, rest), data)
+    view = memoryview(message)
+    block_index = offset = total_bytes = last = 0
+    data = view[0:0]
+    pos, end = 0, len(view)
+    while pos < end:
+        tag, pos = _read_varint(view, pos)
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type == 0:
+            value, pos = _read_varint(view, pos)
+            if number == _CHUNK_INDEX:
+                block_index = value & _UINT32_MASK
+            elif number == _CHUNK_OFFSET:
+                offset = value & _UINT64_MASK
+            elif number == _CHUNK_TOTAL:
+                total_bytes = value & _UINT64_MASK
+            elif number == _CHUNK_LAST:
+                last = value
+            continue
+        if wire_type == 2:
+            length, pos = _read_varint(view, pos)
+            if number == _CHUNK_DATA_FIELD:
+                data = view[pos: pos + length]
+            pos += length
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise InvalidArgumentError(f"malformed BlockChunk: unsupported wire type {wire_type}")
+        if pos > end:
+            raise InvalidArgumentError("malformed BlockChunk: a field runs past its end")
+    return ChunkHead(block_index, offset, total_bytes, bool(last)), data
 
 
 def decode_put_request(message: bytes) -> Chunk:
@@ -325,6 +414,38 @@ def _parse(message_type: type, data: bytes):  # type: ignore[no-untyped-def]
         return message_type.FromString(data)
     except Exception as exc:  # google.protobuf.message.DecodeError
         raise InvalidArgumentError(f"malformed {message_type.__name__}: {exc}") from None
+
+
+_REQUEST_FIELDS = pb.GetRequest.DESCRIPTOR.fields_by_name
+_REQUEST_NAMESPACE_TAG = _tag(_REQUEST_FIELDS["namespace"].number, 2)
+_REQUEST_HASH_TAG = _tag(_REQUEST_FIELDS["block_hashes"].number, 2)
+
+
+@functools.lru_cache(maxsize=256)
+def _namespace_field(namespace: Namespace) -> bytes:
+    wire = namespace_to_pb(namespace).SerializeToString()
+    return b"".join((_REQUEST_NAMESPACE_TAG, _varint(len(wire)), wire))
+
+
+def encode_get_request(namespace: Namespace, block_hashes: Sequence[bytes]) -> bytes:
+    """A serialized ``GetRequest``, its namespace field cached per namespace.
+
+    Written by hand rather than through protobuf (a client sends one per Get):
+    hashes of one length, the usual case, are joined in one call.
+
+    Args:
+        namespace: the namespace of every hash.
+        block_hashes: bytes-like block hashes; lengths are checked by the server.
+
+    Raises:
+        TypeError: if a hash is not bytes-like.
+    """
+    head = _namespace_field(namespace)
+    lengths = set(map(len, block_hashes))
+    if len(lengths) == 1:
+        separator = _REQUEST_HASH_TAG + _varint(lengths.pop())
+        return b"".join((head, separator, separator.join(block_hashes)))
+    return b"".join([head, *(_REQUEST_HASH_TAG + _varint(len(h)) + bytes(h) for h in block_hashes)])
 
 
 def identity(message: bytes) -> bytes:

@@ -6,7 +6,13 @@ import pytest
 
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError, UnknownDtypeError
 from kvstore.keys import HashAlgorithm, Namespace
-from kvstore.server.wire import BlockAssembler, iter_chunks, namespace_from_pb, namespace_to_pb
+from kvstore.server.wire import (
+    BlockAssembler,
+    encode_get_request,
+    iter_chunks,
+    namespace_from_pb,
+    namespace_to_pb,
+)
 
 
 def test_namespace_round_trips_every_field() -> None:
@@ -197,3 +203,48 @@ def test_without_copy_empty_and_bytes_chunks_pass_through() -> None:
     assembler.add(2, 0, memoryview(b"abcd"))
     blocks = assembler.finish()
     assert blocks[0] == b"" and blocks[1] is block and type(blocks[2]) is memoryview and blocks[2] == b"abcd"
+
+
+# ---------------------------------------------------------------------- hand-written Get messages
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [(0, 0, 0, b"", False), (3, 4096, 1 << 33, b"xyz", True), (70_000, 0, 5, b"d" * 300, False)],
+)
+def test_block_chunk_is_plain_protobuf_both_ways(fields: tuple[int, int, int, bytes, bool]) -> None:
+    block_index, offset, total_bytes, data, last = fields
+    reference = pb.BlockChunk(block_index=block_index, offset=offset, total_bytes=total_bytes, data=data, last=last)
+    assert pb.BlockChunk.FromString(encode_block_chunk(*fields)) == reference
+    for message in (encode_block_chunk(*fields), reference.SerializeToString()):
+        head, received = decode_block_chunk(message)
+        assert head == (block_index, offset, total_bytes, last) and received == data
+
+
+def test_block_chunk_decoding_follows_protobuf_rules() -> None:
+    """Fields in any order, the last occurrence wins, unknown fields are skipped."""
+    unknown = b"\x31" + bytes(8) + b"\x3a\x02zz" + b"\x45" + bytes(4)  # fields 6, 7, 8: 64-bit, bytes, 32-bit
+    message = (
+        pb.BlockChunk(data=b"old", block_index=9).SerializeToString()
+        + unknown
+        + pb.BlockChunk(block_index=2, data=b"new", last=True).SerializeToString()
+    )
+    head, data = decode_block_chunk(message)
+    assert pb.BlockChunk.FromString(message).block_index == head.block_index == 2
+    assert data == b"new" and head.last
+
+
+@pytest.mark.parametrize("message", [b"\x08", b"\x22\x05abc", b"\x0b", b"\x08" + b"\xff" * 11])
+def test_a_malformed_block_chunk_is_invalid_argument(message: bytes) -> None:
+    with pytest.raises(InvalidArgumentError):
+        decode_block_chunk(message)
+
+
+@pytest.mark.parametrize(
+    "hashes",
+    [[], [b"a" * 16], [b"a" * 16, bytearray(b"b" * 16), memoryview(b"c" * 16)], [b"a" * 16, b"b" * 32], [b"x" * 200]],
+)
+def test_get_request_matches_protobuf(hashes: list[bytes]) -> None:
+    namespace = Namespace(model="m", cache_salt="tenant")
+    reference = pb.GetRequest(namespace=namespace_to_pb(namespace), block_hashes=[bytes(h) for h in hashes])
+    assert encode_get_request(namespace, hashes) == reference.SerializeToString()
