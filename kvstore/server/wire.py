@@ -255,6 +255,39 @@ def encode_with_data(head: bytes, field_number: int, data: bytes | memoryview) -
     return b"".join((head, _varint(field_number << 3 | 2), _varint(len(data)), data))
 
 
+def _iter_fields(view: memoryview) -> Iterator[tuple[int, int, int, int | memoryview | None]]:
+    """Each top-level field of a serialized message, in order: ``(number, start, end, value)``.
+
+    ``view[start:end]`` is the whole field, tag included; ``value`` is the
+    integer of a varint field, a view of a length-delimited field's bytes, and
+    ``None`` for a fixed-width (32- or 64-bit) one.
+
+    Raises:
+        InvalidArgumentError: if the message is not well-formed protobuf.
+    """
+    pos, end = 0, len(view)
+    while pos < end:
+        start = pos
+        tag, pos = _read_varint(view, pos)
+        wire_type = tag & 7
+        value: int | memoryview | None = None
+        if wire_type == 0:
+            value, pos = _read_varint(view, pos)
+        elif wire_type == 2:
+            length, pos = _read_varint(view, pos)
+            value = view[pos: pos + length]
+            pos += length
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise InvalidArgumentError(f"malformed message: unsupported wire type {wire_type}")
+        if pos > end:
+            raise InvalidArgumentError("malformed message: a field runs past its end")
+        yield tag >> 3, start, pos, value
+
+
 def split_data_field(message: bytes, field_number: int) -> tuple[bytes, memoryview]:
     """Split a serialized message into its other fields and the value of one bytes field, without copying it.
 
@@ -272,31 +305,11 @@ def split_data_field(message: bytes, field_number: int) -> tuple[bytes, memoryvi
     view = memoryview(message)
     kept: list[memoryview] = []
     data = view[0:0]
-    pos, end = 0, len(view)
-    while pos < end:
-        start = pos
-        tag, pos = _read_varint(view, pos)
-        wire_type = tag & 7
-        if wire_type == 0:
-            _, pos = _read_varint(view, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        elif wire_type == 2:
-            length, pos = _read_varint(view, pos)
-            if tag >> 3 == field_number:
-                if pos + length > end:
-                    raise InvalidArgumentError("malformed message: a field runs past its end")
-                data = view[pos: pos + length]
-                pos += length
-                continue
-            pos += length
+    for number, start, end, value in _iter_fields(view):
+        if number == field_number and isinstance(value, memoryview):
+            data = value
         else:
-            raise InvalidArgumentError(f"malformed message: unsupported wire type {wire_type}")
-        if pos > end:
-            raise InvalidArgumentError("malformed message: a field runs past its end")
-        kept.append(view[start:pos])
+            kept.append(view[start:end])
     rest = kept[0].tobytes() if len(kept) == 1 else b"".join(kept)
     return rest, data
 
@@ -368,34 +381,20 @@ def decode_block_chunk(message: bytes) -> tuple[ChunkHead, memoryview]:
     view = memoryview(message)
     block_index = offset = total_bytes = last = 0
     data = view[0:0]
-    pos, end = 0, len(view)
-    while pos < end:
-        tag, pos = _read_varint(view, pos)
-        number, wire_type = tag >> 3, tag & 7
-        if wire_type == 0:
-            value, pos = _read_varint(view, pos)
-            if number == _CHUNK_INDEX:
-                block_index = value & _UINT32_MASK
-            elif number == _CHUNK_OFFSET:
-                offset = value & _UINT64_MASK
-            elif number == _CHUNK_TOTAL:
-                total_bytes = value & _UINT64_MASK
-            elif number == _CHUNK_LAST:
-                last = value
-            continue
-        if wire_type == 2:
-            length, pos = _read_varint(view, pos)
+    for number, _, _, value in _iter_fields(view):
+        if isinstance(value, memoryview):
             if number == _CHUNK_DATA_FIELD:
-                data = view[pos: pos + length]
-            pos += length
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        else:
-            raise InvalidArgumentError(f"malformed BlockChunk: unsupported wire type {wire_type}")
-        if pos > end:
-            raise InvalidArgumentError("malformed BlockChunk: a field runs past its end")
+                data = value
+        elif value is None:
+            continue
+        elif number == _CHUNK_INDEX:
+            block_index = value & _UINT32_MASK
+        elif number == _CHUNK_OFFSET:
+            offset = value & _UINT64_MASK
+        elif number == _CHUNK_TOTAL:
+            total_bytes = value & _UINT64_MASK
+        elif number == _CHUNK_LAST:
+            last = value
     return ChunkHead(block_index, offset, total_bytes, bool(last)), data
 
 
