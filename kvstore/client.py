@@ -100,12 +100,12 @@ from kvstore.server.wire import (
     BlockAssembler,
     channel_options,
     sync_client_channel_options,
+    cached_namespace_pb,
     chunk_bytes_for,
     decode_block_chunk,
     encode_get_request,
     identity,
     lookup_from_pb,
-    namespace_to_pb,
     put_requests,
     stats_from_pb,
 )
@@ -651,10 +651,10 @@ class KVStoreClient:
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
         if self._single:
-            job = _lookup_job(namespace_to_pb(namespace), block_hashes, self.metadata)
+            job = _lookup_job(cached_namespace_pb(namespace), block_hashes, self.metadata)
             return self._call(lambda t: job(self._channel, t))
         partition, nodes = self._partition(block_hashes)
-        ns = namespace_to_pb(namespace)
+        ns = cached_namespace_pb(namespace)
         results = self._fan_out({j: _lookup_job(ns, partition.sub_list(j, block_hashes), self.metadata)
                                  for j in nodes})
         return partition.merge_lookup(results)
@@ -735,7 +735,7 @@ class KVStoreClient:
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
-        ns = namespace_to_pb(namespace)
+        ns = cached_namespace_pb(namespace)
         if self._single:
             job = _delete_job(ns, block_hashes, self.metadata)
             return self._call(lambda t: job(self._channel, t))
@@ -749,7 +749,7 @@ class KVStoreClient:
 
         A node that is down keeps its blocks (no error); clear again once it is back.
         """
-        request = pb.ClearRequest(namespace=namespace_to_pb(namespace))
+        request = pb.ClearRequest(namespace=cached_namespace_pb(namespace))
         results = self._fan_out({j: (lambda channel, t: int(channel.stub.Clear(
             request, timeout=t, metadata=self.metadata).num_deleted)) for j in range(len(self._channels))})
         return sum(r for r in results if r is not None)
@@ -1101,10 +1101,10 @@ class AsyncKVStoreClient:
     async def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest cached prefix of ``block_hashes`` (see :meth:`KVStoreClient.lookup`)."""
         if self._single:
-            job = _alookup_job(namespace_to_pb(namespace), block_hashes, self.metadata)
+            job = _alookup_job(cached_namespace_pb(namespace), block_hashes, self.metadata)
             return await self._call(lambda t: job(self._channel, t))
         partition, nodes = self._partition(block_hashes)
-        ns = namespace_to_pb(namespace)
+        ns = cached_namespace_pb(namespace)
         results = await self._fan_out({j: _alookup_job(ns, partition.sub_list(j, block_hashes), self.metadata)
                                        for j in nodes})
         return partition.merge_lookup(results)
@@ -1148,7 +1148,7 @@ class AsyncKVStoreClient:
 
     async def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
-        ns = namespace_to_pb(namespace)
+        ns = cached_namespace_pb(namespace)
         if self._single:
             job = _adelete_job(ns, block_hashes, self.metadata)
             return await self._call(lambda t: job(self._channel, t))
@@ -1162,7 +1162,7 @@ class AsyncKVStoreClient:
 
         See :meth:`KVStoreClient.clear`.
         """
-        job = _aclear_job(namespace_to_pb(namespace), self.metadata)
+        job = _aclear_job(cached_namespace_pb(namespace), self.metadata)
         results = await self._fan_out({j: job for j in range(len(self._channels))})
         return sum(r for r in results if r is not None)
 

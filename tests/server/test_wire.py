@@ -242,7 +242,11 @@ def test_a_malformed_block_chunk_is_invalid_argument(message: bytes) -> None:
 
 @pytest.mark.parametrize(
     "hashes",
-    [[], [b"a" * 16], [b"a" * 16, bytearray(b"b" * 16), memoryview(b"c" * 16)], [b"a" * 16, b"b" * 32], [b"x" * 200]],
+    [
+        [], [b"a" * 16], [b"a" * 16, bytearray(b"b" * 16), memoryview(b"c" * 16)], [b"a" * 16, b"b" * 32], [b"x" * 200],
+        [bytes([i]) * 16 for i in range(100)],  # long lists go through protobuf
+        [bytearray(b"y" * 32)] * 40,
+    ],
 )
 def test_get_request_matches_protobuf(hashes: list[bytes]) -> None:
     namespace = Namespace(model="m", cache_salt="tenant")
