@@ -54,6 +54,14 @@ _M = TypeVar("_M", bound=Message)
 NAMESPACE_CACHE_SIZE = 1024
 """Validated namespaces a servicer keeps by their wire form (a node serves a handful)."""
 
+DEADLINE_SLACK_S = 0.05
+"""A call its client ended this close to the deadline (seconds) is counted as DEADLINE_EXCEEDED, not CANCELLED.
+
+A client whose deadline passes cancels the stream; the node's copy of that
+deadline started when the request arrived, so it runs a little late and may
+still show time remaining when the cancellation lands.
+"""
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 """``kvstore.v1.KVStore``: the service name for health checks and reflection."""
 
@@ -331,7 +339,7 @@ class _Call:
             # finished call fails (grpc.aio.InternalError: ExecuteBatchError, before the context knows the
             # call is cancelled), or the handler ends unaware; either way the client has its status
             remaining = self._context.time_remaining()
-            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
             logger.debug("%s %s", self._method, code)
             if metrics is not None:
                 metrics.observe(self._method, code, time.perf_counter() - self._start_s)
