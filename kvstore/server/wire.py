@@ -10,8 +10,8 @@ The data path. The two messages that carry block bytes (``BlockChunk`` of Get,
 through protobuf: a sender serializes the small fields and appends the ``data``
 field itself, one copy in all; a receiver walks the top-level fields and keeps
 ``data`` as a ``memoryview`` of the received message. Get's messages, sent once
-per call or per chunk, are coded by hand end to end (:func:`encode_get_request`,
-:func:`encode_block_chunk`, :func:`decode_block_chunk`); Put's small fields go
+per call or per chunk, are coded by hand end to end (:func:`encode_block_chunk`,
+:func:`decode_block_chunk`, and :func:`encode_get_request` up to 32 hashes); Put's small fields go
 through protobuf (:func:`encode_with_data`, :func:`split_data_field`). All are
 plain protobuf on the wire (fields may come in any order), so any other
 protobuf client interoperates. :data:`GET_METHOD` and :data:`PUT_METHOD` name
