@@ -21,7 +21,7 @@ the methods that use them.
 from __future__ import annotations
 
 import functools
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence, TypeVar
 
 import grpc
 import grpc.experimental
@@ -415,6 +415,24 @@ def _parse(message_type: type, data: bytes):  # type: ignore[no-untyped-def]
         raise InvalidArgumentError(f"malformed {message_type.__name__}: {exc}") from None
 
 
+_R = TypeVar("_R", pb.GetRequest, pb.LookupRequest, pb.DeleteRequest)
+
+
+def request_with_hashes(message_type: type[_R], namespace: pb.Namespace, block_hashes: Sequence[bytes]) -> _R:
+    """A ``message_type`` request for ``block_hashes`` in ``namespace``.
+
+    A list of ``bytes`` goes to protobuf as it is (converting 1,024 hashes one
+    by one costs a third of a millisecond); other bytes-like hashes are copied.
+
+    Raises:
+        TypeError: if a hash is not bytes-like.
+    """
+    try:
+        return message_type(namespace=namespace, block_hashes=block_hashes)
+    except TypeError:  # bytearray or memoryview hashes
+        return message_type(namespace=namespace, block_hashes=[bytes(h) for h in block_hashes])
+
+
 _REQUEST_FIELDS = pb.GetRequest.DESCRIPTOR.fields_by_name
 _REQUEST_NAMESPACE_TAG = _tag(_REQUEST_FIELDS["namespace"].number, 2)
 _REQUEST_HASH_TAG = _tag(_REQUEST_FIELDS["block_hashes"].number, 2)
@@ -455,11 +473,7 @@ def encode_get_request(namespace: Namespace, block_hashes: Sequence[bytes]) -> b
         TypeError: if a hash is not bytes-like.
     """
     if len(block_hashes) > _HAND_CODED_MAX_HASHES:
-        try:
-            request = pb.GetRequest(namespace=cached_namespace_pb(namespace), block_hashes=block_hashes)
-        except TypeError:  # bytearray or memoryview hashes
-            request = pb.GetRequest(namespace=cached_namespace_pb(namespace), block_hashes=[bytes(h) for h in block_hashes])
-        return request.SerializeToString()
+        return request_with_hashes(pb.GetRequest, cached_namespace_pb(namespace), block_hashes).SerializeToString()
     head = _namespace_field(namespace)
     lengths = set(map(len, block_hashes))
     if len(lengths) == 1:
