@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -142,22 +142,78 @@ class EchoClient:
 # ---------------------------------------------------------------------- measuring
 
 
-def interleaved_ms(ops: dict[str, Callable[[], object]], num_calls: int, burst: int) -> dict[str, float]:
-    """Milliseconds per call of each op: the median over bursts of ``burst`` back-to-back calls, ops taking turns.
+def process_cpu_s(pid: int) -> float | None:
+    """CPU time (user + system) process ``pid`` has used so far, seconds; ``None`` without Linux's ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (proc(5))
+
+
+class Timings(NamedTuple):
+    """What :func:`interleaved_ms` measured for each op.
+
+    Attributes:
+        ms: median milliseconds per call.
+        server_cpu_ms: the server process's CPU milliseconds per call (mean over
+            every call), or ``None`` when the op has no server pid or ``/proc`` is missing.
+        client_cpu_ms: this process's CPU milliseconds per call (mean over every call, all threads).
+    """
+
+    ms: dict[str, float]
+    server_cpu_ms: dict[str, float | None]
+    client_cpu_ms: dict[str, float]
+
+
+def interleaved_ms(ops: dict[str, Callable[[], object]], num_calls: int, burst: int,
+                   server_pids: dict[str, int] | None = None) -> Timings:
+    """Time each op: the median over bursts of ``burst`` back-to-back calls, ops taking turns; and CPU per call.
 
     Every op runs ``max(1, num_calls // burst)`` bursts. Taking turns makes every
     op see the same background load, so ratios stay meaningful on a busy machine.
+    CPU time is less noisy than wall time: a server's CPU per call is what it
+    adds to every call however busy the host (``/proc`` counts in 10 ms ticks,
+    so it is summed over all the op's calls before dividing).
+
+    Args:
+        ops: name -> one call.
+        num_calls: calls of each op, about.
+        burst: back-to-back calls of one op per turn.
+        server_pids: name -> pid of the process that serves that op, for its CPU time.
     """
+    server_pids = server_pids or {}
     for op in ops.values():  # warm up
         op()
     samples: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(max(1, num_calls // burst)):
+    server_cpu_s: dict[str, float | None] = {name: 0.0 if name in server_pids else None for name in ops}
+    client_cpu_s = dict.fromkeys(ops, 0.0)
+    num_bursts = max(1, num_calls // burst)
+    for _ in range(num_bursts):
         for name, op in ops.items():
+            pid = server_pids.get(name)
+            server_start = process_cpu_s(pid) if pid is not None else None
+            client_start = time.process_time()
             start = time.perf_counter()
             for _ in range(burst):
                 op()
             samples[name].append((time.perf_counter() - start) / burst)
-    return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+            client_cpu_s[name] += time.process_time() - client_start
+            server_end = process_cpu_s(pid) if pid is not None else None
+            used = server_cpu_s[name]
+            server_cpu_s[name] = None if used is None or server_start is None or server_end is None \
+                else used + server_end - server_start
+    per_call_ms = 1e3 / (num_bursts * burst)
+    return Timings(
+        ms={name: statistics.median(values) * 1e3 for name, values in samples.items()},
+        server_cpu_ms={name: None if used is None else used * per_call_ms for name, used in server_cpu_s.items()},
+        client_cpu_ms={name: used * per_call_ms for name, used in client_cpu_s.items()},
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def main() -> int:
@@ -209,6 +265,8 @@ def main() -> int:
         rds = redis.Redis(host=redis_server.host, port=redis_server.port, socket_timeout=60)
         assert redis.utils.HIREDIS_AVAILABLE, "hiredis is not installed"
 
+        server_pids = {f"{server}_{op}": pid for op in ("get", "put")
+                       for server, pid in (("service", node.pid), ("echo", echo_proc.pid), ("redis", redis_server.pid))}
         counter = iter(range(1 << 40))
         for size in sizes:
             block = block_of(size)
@@ -225,10 +283,13 @@ def main() -> int:
                 "redis_put": lambda: rds.set(b"put-%d" % size, block),
             }
             num_calls = max(args.min_rounds, args.run_bytes // size)
-            ms = interleaved_ms(ops, num_calls, args.burst)
+            timings = interleaved_ms(ops, num_calls, args.burst, server_pids)
+            ms = timings.ms
             cell: dict[str, object] = {"size_bytes": size, "num_calls": num_calls}
             for name, value in ms.items():
                 cell[f"{name}_gbps"] = size / (value / 1e3) / 1e9
+                cell[f"{name}_server_cpu_ms"] = timings.server_cpu_ms[name]
+                cell[f"{name}_client_cpu_ms"] = timings.client_cpu_ms[name]
             for op in ("get", "put"):
                 cell[f"{op}_vs_echo"] = ms[f"echo_{op}"] / ms[f"service_{op}"]
                 cell[f"{op}_vs_redis"] = ms[f"redis_{op}"] / ms[f"service_{op}"]
@@ -242,12 +303,17 @@ def main() -> int:
             kv.put(ns, hashes[start: start + 256], [small] * 256)
         for n in (1, 64, 1024):
             assert kv.lookup(ns, hashes[:n]).num_blocks == n
-        ms = interleaved_ms({
+        timings = interleaved_ms({
             "empty": echo.empty,
             **{f"lookup_{n}": (lambda n=n: kv.lookup(ns, hashes[:n])) for n in (1, 64, 1024)},
-        }, args.lookups, args.burst)
+        }, args.lookups, args.burst, {"empty": echo_proc.pid, **{f"lookup_{n}": node.pid for n in (1, 64, 1024)}})
+        ms = timings.ms
         lookups = [{"num_hashes": n, "lookup_ms": ms[f"lookup_{n}"], "empty_call_ms": ms["empty"],
-                    "vs_empty": ms[f"lookup_{n}"] / ms["empty"]} for n in (1, 64, 1024)]
+                    "vs_empty": ms[f"lookup_{n}"] / ms["empty"],
+                    "lookup_server_cpu_ms": timings.server_cpu_ms[f"lookup_{n}"],
+                    "empty_server_cpu_ms": timings.server_cpu_ms["empty"],
+                    "lookup_client_cpu_ms": timings.client_cpu_ms[f"lookup_{n}"],
+                    "empty_client_cpu_ms": timings.client_cpu_ms["empty"]} for n in (1, 64, 1024)]
         for row in lookups:
             print(json.dumps(row), flush=True)
         kv.close()
@@ -299,10 +365,24 @@ def main() -> int:
             f"| {r['echo_put_gbps']:.2f} | {r['redis_put_gbps']:.2f} | {r['put_vs_echo']:.2f}x "
             f"| {r['put_vs_redis']:.2f}x |"
         )
-    lines += ["", "| hashes | Lookup ms | empty call ms | ratio |", "|---:|---:|---:|---:|"]
+    lines += [
+        "", "CPU milliseconds per call (means over all calls; server: the serving process, client: this one):", "",
+        ("| block | service Get server | echo Get server | service Get client | echo Get client "
+         "| service Put server | echo Put server | service Put client | echo Put client |"),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        size = int(r["size_bytes"])  # type: ignore[arg-type]
+        label = f"{size // MiB} MiB" if size >= MiB else f"{size // 1024} KiB"
+        cpu = [r[f"{server}_{op}_{side}_cpu_ms"] for op in ("get", "put") for side in ("server", "client")
+               for server in ("service", "echo")]
+        lines.append(f"| {label} | " + " | ".join(_ms(value) for value in cpu) + " |")  # type: ignore[arg-type]
+    lines += ["", "| hashes | Lookup ms | empty call ms | ratio | Lookup server CPU ms | empty call server CPU ms |",
+              "|---:|---:|---:|---:|---:|---:|"]
     for row in lookups:
         lines.append(f"| {row['num_hashes']} | {row['lookup_ms']:.3f} | {row['empty_call_ms']:.3f} "
-                     f"| **{row['vs_empty']:.2f}x** |")
+                     f"| **{row['vs_empty']:.2f}x** | {_ms(row['lookup_server_cpu_ms'])} "  # type: ignore[arg-type]
+                     f"| {_ms(row['empty_server_cpu_ms'])} |")  # type: ignore[arg-type]
     lines += [
         "",
         f"Goals: Get >= 0.9x echo: worst {goals['get_vs_echo_min']:.2f}x "

@@ -12,8 +12,12 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import sys
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from kvstore.client import KVStoreClient
 
 SUBCOMMAND_MODULES: tuple[str, ...] = ("kvstore.sim.cli", "kvstore.loadtest.cli", "kvstore.demo.cli")
 """Modules that add subcommands through ``register(subparsers)``."""
@@ -31,8 +35,9 @@ examples:
 Settings are read from defaults, then --config, then KVSTORE_* variables, then
 these flags. The server logs one JSON object a line on stderr, e.g.
 {"event": "serving", "port": 50051, "metrics_port": 9400, ...}, and on SIGTERM or
-SIGINT reports NOT_SERVING, drains calls for server.grace_s seconds and closes
-the store (LMDB is flushed)."""
+SIGINT reports NOT_SERVING (for server.shutdown_delay_s seconds with the port
+still open), drains calls for server.grace_s seconds and closes the store
+(memory demoted to disk, LMDB flushed); a second signal cuts the waits short."""
 
 _STATS_EXAMPLES = """\
 examples:
@@ -48,15 +53,27 @@ examples:
   kvstore health --target 10.0.0.7:50051 --timeout 2
   HEALTHCHECK CMD ["kvstore", "health", "--timeout", "2"]   # in a Dockerfile
 
-Prints the grpc.health.v1 status (SERVING, NOT_SERVING, ...) and exits 0 only
-when it is SERVING; 1 otherwise, also when the node cannot be reached."""
+Prints the grpc.health.v1 status (SERVING, NOT_SERVING, SERVICE_UNKNOWN for an
+unknown --service, ...) and exits 0 only when it is SERVING; 1 otherwise, also
+when the node cannot be reached (UNREACHABLE on stderr); 2 on a bad option."""
+
+
+def _timeout_s(text: str) -> float:
+    """``--timeout``: a finite number of seconds > 0 (argparse reports the error and exits 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
 
 
 def _add_target(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, metavar="HOST:PORT",
                         help=f"address of the node (default {DEFAULT_TARGET})")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
-                        help="deadline of the call, seconds (default 5)")
+    parser.add_argument("--timeout", type=_timeout_s, default=5.0, metavar="SECONDS",
+                        help="deadline of the call, seconds > 0 (default 5)")
 
 
 _CORE_COMMANDS = ("serve", "stats", "health")
@@ -149,11 +166,26 @@ def _serve(args: argparse.Namespace) -> int:
     return run(config)
 
 
-def _stats(args: argparse.Namespace) -> int:
+def _client(command: str, args: argparse.Namespace) -> KVStoreClient | None:
+    """A client of ``--target`` with ``--timeout`` and no retries; ``None`` (the error printed) on a bad flag."""
     from kvstore.client import KVStoreClient
+    from kvstore.errors import InvalidArgumentError
+
+    try:
+        return KVStoreClient(args.target, timeout_s=args.timeout, retries=0)
+    except InvalidArgumentError as exc:
+        print(f"kvstore {command}: invalid argument: {exc}", file=sys.stderr)
+        return None
+
+
+def _stats(args: argparse.Namespace) -> int:
+    """``kvstore stats``: 0 with the stats on stdout; 1 if the node fails the call; 2 on a bad flag."""
     from kvstore.errors import KVStoreError
 
-    with KVStoreClient(args.target, timeout_s=args.timeout, retries=0) as client:
+    client = _client("stats", args)
+    if client is None:
+        return 2
+    with client:
         try:
             stats = client.stats()
         except KVStoreError as exc:
@@ -164,14 +196,21 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    from kvstore.client import KVStoreClient
-    from kvstore.errors import KVStoreError
+    """``kvstore health``: prints the status and returns 0 if SERVING, else 1 (also when the node
+    cannot be reached, printed as UNREACHABLE on stderr); 2 on a bad flag."""
+    from kvstore.errors import KVStoreError, UnavailableError
 
-    with KVStoreClient(args.target, timeout_s=args.timeout, retries=0) as client:
+    client = _client("health", args)
+    if client is None:
+        return 2
+    with client:
         try:
             status = client.health(args.service)
-        except KVStoreError as exc:
+        except UnavailableError as exc:  # also DeadlineExceededError
             print(f"UNREACHABLE: {args.target}: {exc}", file=sys.stderr)
+            return 1
+        except KVStoreError as exc:  # the node answered with an error (e.g. UNAUTHENTICATED)
+            print(f"kvstore health: {args.target}: {exc}", file=sys.stderr)
             return 1
     print(status)
     return 0 if status == "SERVING" else 1

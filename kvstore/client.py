@@ -68,6 +68,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
+import numbers
+import operator
 import os
 import random
 import sys
@@ -75,7 +78,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -83,8 +86,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats
 from kvstore.codec import decode_block
 from kvstore.embedded import encode_blocks
-from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
 from kvstore.keys import BlockHash, Namespace
+from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
 from kvstore.routing import (
     DEFAULT_DOWN_BACKOFF_S,
     DEFAULT_MAX_DOWN_BACKOFF_S,
@@ -132,6 +136,9 @@ CONNECT_TIMEOUT_MS = 1000
 """Shortest time one connection attempt may take (gRPC's ``min_reconnect_backoff_ms``), milliseconds."""
 DEFAULT_PROBE_TIMEOUT_S = 1.0
 """Deadline of one health probe of a down node, seconds."""
+MAX_TIMEOUT_S = 1e9
+"""Longest deadline of a call, seconds (about 31 years): gRPC fails a call at once whose deadline,
+in nanoseconds since the epoch, overflows 64 bits (from about 7.4e9 s from now)."""
 _FALSE = ("0", "false", "no", "off")
 _MAX_WORKERS = 256
 """Most worker threads of a synchronous client of several nodes (created as calls need them)."""
@@ -142,7 +149,7 @@ _NO_BLOCK_LIMIT = sys.maxsize
 
 def backoff_s(attempt: int, base_s: float, cap_s: float) -> float:
     """Seconds to wait before retry ``attempt`` (0-based): full jitter, ``uniform(0, min(cap, base * 2^attempt))``."""
-    return random.uniform(0.0, min(cap_s, base_s * (2**attempt)))
+    return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(attempt, 64)))  # 2.0 ** 1024 overflows
 
 
 class TargetChannel:
@@ -270,9 +277,182 @@ def _raise_typed(exc: grpc.RpcError) -> None:
     raise error_of(exc.code(), exc.details()) from None  # type: ignore[attr-defined]
 
 
-def _check_put(block_hashes: Sequence[BlockHash], blocks: Sequence[Block]) -> None:
+def _check_put(
+    namespace: Namespace,
+    block_hashes: Sequence[BlockHash],
+    blocks: Sequence[Block],
+    priority: int | None,
+    retention_s: float | None,
+) -> tuple[int | None, float | None]:
+    """Check the arguments of a put before any call starts, as the node would (``TieredStore._meta``).
+
+    A bad argument must raise here: the Put messages are built lazily on
+    gRPC's side of the call, where an error is lost (sync: UNKNOWN; asyncio: a
+    cancellation).
+
+    Args:
+        namespace: namespace of the blocks.
+        block_hashes: one hash per block, each bytes-like of ``namespace.hash_bytes`` bytes.
+        blocks: the blocks, as many as hashes.
+        priority: an integer in ``[0, 100]`` (numpy integers too, not ``bool``), or ``None``.
+        retention_s: a real number of seconds ``>= 0`` (``inf`` too, not NaN), or ``None``.
+
+    Returns:
+        ``(priority, retention_s)`` as ``int`` and ``float`` (``None`` stays ``None``).
+
+    Raises:
+        InvalidArgumentError: on a namespace that is not a :class:`Namespace`, a count
+            mismatch, a hash that is not bytes-like or of the wrong length, or a bad
+            priority or retention_s.
+    """
+    if not isinstance(namespace, Namespace):
+        raise InvalidArgumentError(f"namespace must be a kvstore Namespace, got {type(namespace).__name__}")
     if len(block_hashes) != len(blocks):
         raise InvalidArgumentError(f"{len(block_hashes)} hashes but {len(blocks)} blocks")
+    width = namespace.hash_bytes
+    for index, block_hash in enumerate(block_hashes):
+        try:
+            nbytes = memoryview(block_hash).nbytes
+        except TypeError:
+            raise InvalidArgumentError(
+                f"block hash {index}: expected bytes, bytearray or memoryview, got {type(block_hash).__name__}"
+            ) from None
+        if nbytes != width:
+            raise InvalidArgumentError(f"block hash {index}: must be {width} bytes for "
+                                       f"{namespace.hash_algorithm.value}, got {nbytes}")
+    if priority is not None:
+        try:
+            value = None if isinstance(priority, bool) else operator.index(priority)
+        except TypeError:
+            value = None
+        if value is None or not MIN_PRIORITY <= value <= MAX_PRIORITY:
+            raise InvalidArgumentError(
+                f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}"
+            )
+        priority = value
+    if retention_s is not None:
+        try:
+            seconds = float(retention_s) if not isinstance(retention_s, (str, bytes, bytearray)) else math.nan
+        except (TypeError, ValueError, OverflowError):
+            seconds = math.nan
+        if not seconds >= 0:  # also NaN; inf is kept for good
+            raise InvalidArgumentError(f"retention_s must be a number of seconds >= 0, got {retention_s!r}")
+        retention_s = seconds
+    return priority, retention_s
+
+
+def _seconds(name: str, value: float, *, minimum_s: float = 0.0, open_minimum: bool = False,
+             maximum_s: float = math.inf) -> float:
+    """``value`` as a float if it is a finite number of seconds in ``[minimum_s, maximum_s]``.
+
+    Args:
+        name: the argument's name, for the error message.
+        value: the argument.
+        minimum_s: least value, seconds.
+        open_minimum: ``minimum_s`` itself is out of range (``> minimum_s``).
+        maximum_s: greatest value, seconds.
+
+    Raises:
+        InvalidArgumentError: otherwise (also on a ``bool`` or a string), naming the argument.
+    """
+    try:
+        seconds = math.nan if isinstance(value, (bool, str, bytes)) else float(value)
+    except (TypeError, ValueError, OverflowError):
+        seconds = math.nan
+    above = seconds > minimum_s if open_minimum else seconds >= minimum_s
+    if not (math.isfinite(seconds) and above and seconds <= maximum_s):
+        bound = f"{'>' if open_minimum else '>='} {minimum_s:g}" + (
+            f" and <= {maximum_s:g}" if math.isfinite(maximum_s) else "")
+        raise InvalidArgumentError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return seconds
+
+
+def _count(name: str, value: int, minimum: int) -> int:
+    """``value`` if it is an integer (not ``bool``) ``>= minimum``.
+
+    Raises:
+        InvalidArgumentError: otherwise, naming the argument ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class _Settings(NamedTuple):
+    """The checked settings shared by both clients (durations in seconds)."""
+
+    timeout_s: float
+    max_inflight: int
+    retries: int
+    backoff_s: float
+    max_backoff_s: float
+    probe_timeout_s: float
+    down_backoff_s: float
+    max_down_backoff_s: float
+
+    @classmethod
+    def check(cls, *, timeout_s: float, max_inflight: int, retries: int, backoff_s: float, max_backoff_s: float,
+              probe_timeout_s: float, down_backoff_s: float, max_down_backoff_s: float) -> _Settings:
+        """The settings of a client's constructor, checked.
+
+        Raises:
+            InvalidArgumentError: naming the first bad one: a deadline (``timeout_s``,
+                ``probe_timeout_s``) that is not a number in ``(0, MAX_TIMEOUT_S]``, a backoff
+                that is not a finite number >= 0 (``max_down_backoff_s`` also not below
+                ``down_backoff_s``), or a count that is not an integer (``max_inflight`` >= 1,
+                ``retries`` >= 0).
+        """
+        down_backoff_s = _seconds("down_backoff_s", down_backoff_s)
+        return cls(
+            timeout_s=_seconds("timeout_s", timeout_s, open_minimum=True, maximum_s=MAX_TIMEOUT_S),
+            max_inflight=_count("max_inflight", max_inflight, 1),
+            retries=_count("retries", retries, 0),
+            backoff_s=_seconds("backoff_s", backoff_s),
+            max_backoff_s=_seconds("max_backoff_s", max_backoff_s),
+            probe_timeout_s=_seconds("probe_timeout_s", probe_timeout_s, open_minimum=True, maximum_s=MAX_TIMEOUT_S),
+            down_backoff_s=down_backoff_s,
+            max_down_backoff_s=_seconds("max_down_backoff_s", max_down_backoff_s, minimum_s=down_backoff_s),
+        )
+
+
+class _RequestStream:
+    """The serialized messages of a Put, remembering an error raised while making them.
+
+    gRPC pulls a request iterator on its own side of the call and reports an
+    error raised there only as UNKNOWN (sync) or a cancellation of the call
+    (asyncio); the caller gets the real error back from :meth:`raise_error`.
+
+    Args:
+        messages: the serialized messages (:func:`kvstore.server.wire.put_requests`).
+    """
+
+    def __init__(self, messages: Iterator[bytes]) -> None:
+        self._messages = messages
+        self.error: Exception | None = None
+
+    def __iter__(self) -> _RequestStream:
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            return next(self._messages)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            self.error = exc
+            raise
+
+    def raise_error(self) -> None:
+        """Raise the error of making the messages, if there was one.
+
+        Raises:
+            KVStoreError: that error, if it was one of kvstore's.
+            InvalidArgumentError: for any other error (a request that cannot be serialized).
+        """
+        if isinstance(self.error, KVStoreError):
+            raise self.error
+        if self.error is not None:
+            raise InvalidArgumentError(f"cannot serialize the Put request: {self.error!r}") from self.error
 
 
 def _assembler(num_blocks: int) -> BlockAssembler:
@@ -376,9 +556,13 @@ def _get_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
 def _put_job(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: Sequence[bytes], chunk_bytes: int,
              priority: int | None, retention_s: float | None, metadata: Sequence[tuple[str, str]]) -> _Job[int]:
     def job(channel: TargetChannel, timeout_s: float) -> int:
-        requests = put_requests(namespace, block_hashes, encoded, chunk_bytes,
-                                priority=priority, retention_s=retention_s)
-        return int(channel.put_call(requests, timeout=timeout_s, metadata=metadata).num_stored)
+        requests = _RequestStream(put_requests(namespace, block_hashes, encoded, chunk_bytes,
+                                               priority=priority, retention_s=retention_s))
+        try:
+            return int(channel.put_call(requests, timeout=timeout_s, metadata=metadata).num_stored)
+        except grpc.RpcError:  # UNKNOWN: "Exception iterating requests!"
+            requests.raise_error()
+            raise
 
     return job
 
@@ -392,6 +576,23 @@ def _delete_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
 
 def _health_name(reply: health_pb2.HealthCheckResponse) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+_SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+
+
+def _health_job(service: str, metadata: Sequence[tuple[str, str]]) -> _Job[str]:
+    request = health_pb2.HealthCheckRequest(service=service)
+
+    def job(channel: TargetChannel, timeout_s: float) -> str:
+        try:
+            return _health_name(channel.health_stub.Check(request, timeout=timeout_s, metadata=metadata))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]  # grpc.health.v1: unknown service
+                return _SERVICE_UNKNOWN
+            raise
+
+    return job
 
 
 class KVStoreClient:
@@ -420,7 +621,12 @@ class KVStoreClient:
         max_down_backoff_s: cap of that backoff, which doubles per consecutive failure, seconds.
 
     Raises:
-        InvalidArgumentError: on no target, both ``target`` and ``targets``, or a bad setting.
+        InvalidArgumentError: on no target, both ``target`` and ``targets``, or an empty target;
+            on ``timeout_s`` or ``probe_timeout_s`` not a number in ``(0, MAX_TIMEOUT_S]``; on ``backoff_s``,
+            ``max_backoff_s`` or ``down_backoff_s`` not a finite number >= 0, or
+            ``max_down_backoff_s`` not a finite number >= ``down_backoff_s``; on
+            ``max_inflight`` not an integer >= 1 or ``retries`` not one >= 0. The
+            message names the argument.
     """
 
     def __init__(
@@ -441,21 +647,24 @@ class KVStoreClient:
         down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
         max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
     ) -> None:
-        if timeout_s <= 0 or max_inflight <= 0 or retries < 0 or probe_timeout_s <= 0:
-            raise InvalidArgumentError("timeout_s, probe_timeout_s and max_inflight must be > 0 and retries >= 0")
+        settings = _Settings.check(
+            timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s, probe_timeout_s=probe_timeout_s, down_backoff_s=down_backoff_s,
+            max_down_backoff_s=max_down_backoff_s,
+        )
         self.targets = resolve_targets(target, targets)
         self.target = self.targets[0]
-        self.timeout_s = timeout_s
-        self.max_inflight = max_inflight
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.probe_timeout_s = min(probe_timeout_s, timeout_s)
+        self.timeout_s = settings.timeout_s
+        self.max_inflight = settings.max_inflight
+        self.retries = settings.retries
+        self.backoff_s = settings.backoff_s
+        self.max_backoff_s = settings.max_backoff_s
+        self.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
         self.metadata = tuple(metadata)
         self._chunk_bytes = chunk_bytes_for(max_message_bytes)
         self.router = RendezvousRouter(self.targets)
-        self.membership = Membership(self.router.node_ids, base_backoff_s=down_backoff_s,
-                                     max_backoff_s=max_down_backoff_s)
+        self.membership = Membership(self.router.node_ids, base_backoff_s=settings.down_backoff_s,
+                                     max_backoff_s=settings.max_down_backoff_s)
         self._channels = tuple(
             TargetChannel(t, max_message_bytes=max_message_bytes, credentials=credentials, options=channel_options)
             for t in self.router.node_ids
@@ -700,15 +909,19 @@ class KVStoreClient:
             block_hashes: one chained hash per block.
             blocks: encoded blocks, or tensors of the namespace's layout
                 (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``).
-            priority: retention priority in ``[0, 100]``; the node's default when ``None``.
-            retention_s: seconds the priority holds before it reverts to the default.
+            priority: retention priority, an integer in ``[0, 100]``; the node's default when ``None``.
+            retention_s: seconds (>= 0, ``inf`` for ever) the priority holds before it reverts to the default.
 
         Raises:
-            InvalidArgumentError: on a malformed hash, namespace or block, or a bad priority.
+            InvalidArgumentError: before any call, on a namespace that is not a :class:`Namespace`,
+                as many hashes as blocks not given, a hash that is not bytes-like or not
+                ``namespace.hash_bytes`` long, a priority that is not an integer in ``[0, 100]``,
+                or a ``retention_s`` that is not a number >= 0; from the node, on a malformed block.
+            CodecError: on a tensor that does not fit the codec.
             ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
-        _check_put(block_hashes, blocks)
+        priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
         encoded = encode_blocks(namespace, blocks)
         if self._single:
             job = _put_job(namespace, block_hashes, encoded, self._chunk_bytes, priority, retention_s, self.metadata)
@@ -760,19 +973,21 @@ class KVStoreClient:
     def health(self, service: str = "") -> str:
         """The ``grpc.health.v1`` status: ``SERVING``, ``NOT_SERVING``, ``SERVICE_UNKNOWN`` or ``UNKNOWN``.
 
-        With several nodes: ``SERVING`` if any up node serves (the client can
-        serve calls), else the first answer in router order.
+        A node that does not know ``service`` (it answers NOT_FOUND) is
+        ``SERVICE_UNKNOWN``. With several nodes: ``SERVING`` if any up node
+        serves (the client can serve calls), else the first answer in router order.
 
         Args:
             service: ``""`` for the whole server, or ``kvstore.v1.KVStore``.
 
         Raises:
-            UnavailableError: if no node can be reached within the deadline.
+            UnavailableError: if no node can be reached within the deadline
+                (:class:`DeadlineExceededError` when the deadline passed).
+            KVStoreError: with one target, the typed error of any other failed status
+                (e.g. UNAUTHENTICATED).
         """
-        request = health_pb2.HealthCheckRequest(service=service)
-        results = self._fan_out({j: (lambda channel, t: _health_name(channel.health_stub.Check(
-            request, timeout=t, metadata=self.metadata))) for j in range(len(self._channels))})
-        return _merge_health(results)
+        job = _health_job(service, self.metadata)
+        return _merge_health(self._fan_out({j: job for j in range(len(self._channels))}))
 
     def nodes(self) -> tuple[NodeStatus, ...]:
         """A snapshot of each node's membership (up or down, failures, next probe), in router order."""
@@ -841,9 +1056,15 @@ def _aput_job(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: 
               priority: int | None, retention_s: float | None,
               metadata: Sequence[tuple[str, str]]) -> _AsyncJob[int]:
     async def job(channel: TargetChannel, timeout_s: float) -> int:
-        requests: Iterable[bytes] = put_requests(namespace, block_hashes, encoded, chunk_bytes,
-                                                 priority=priority, retention_s=retention_s)
-        reply = await channel.put_call(requests, timeout=timeout_s, metadata=metadata)
+        requests = _RequestStream(put_requests(namespace, block_hashes, encoded, chunk_bytes,
+                                               priority=priority, retention_s=retention_s))
+        try:
+            reply = await channel.put_call(requests, timeout=timeout_s, metadata=metadata)
+        except (asyncio.CancelledError, grpc.RpcError):  # grpc.aio cancels the call when the stream fails
+            task = asyncio.current_task()
+            if task is None or not task.cancelling():  # a cancellation of the caller's task stays one
+                requests.raise_error()
+            raise
         return int(reply.num_stored)
 
     return job
@@ -879,7 +1100,12 @@ def _ahealth_job(service: str, metadata: Sequence[tuple[str, str]]) -> _AsyncJob
     request = health_pb2.HealthCheckRequest(service=service)
 
     async def job(channel: TargetChannel, timeout_s: float) -> str:
-        return _health_name(await channel.health_stub.Check(request, timeout=timeout_s, metadata=metadata))
+        try:
+            return _health_name(await channel.health_stub.Check(request, timeout=timeout_s, metadata=metadata))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]  # grpc.health.v1: unknown service
+                return _SERVICE_UNKNOWN
+            raise
 
     return job
 
@@ -908,7 +1134,12 @@ class AsyncKVStoreClient:
         max_down_backoff_s: cap of that backoff, which doubles per consecutive failure, seconds.
 
     Raises:
-        InvalidArgumentError: on no target, both ``target`` and ``targets``, or a bad setting.
+        InvalidArgumentError: on no target, both ``target`` and ``targets``, or an empty target;
+            on ``timeout_s`` or ``probe_timeout_s`` not a number in ``(0, MAX_TIMEOUT_S]``; on ``backoff_s``,
+            ``max_backoff_s`` or ``down_backoff_s`` not a finite number >= 0, or
+            ``max_down_backoff_s`` not a finite number >= ``down_backoff_s``; on
+            ``max_inflight`` not an integer >= 1 or ``retries`` not one >= 0. The
+            message names the argument.
     """
 
     def __init__(
@@ -929,21 +1160,24 @@ class AsyncKVStoreClient:
         down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
         max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
     ) -> None:
-        if timeout_s <= 0 or max_inflight <= 0 or retries < 0 or probe_timeout_s <= 0:
-            raise InvalidArgumentError("timeout_s, probe_timeout_s and max_inflight must be > 0 and retries >= 0")
+        settings = _Settings.check(
+            timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s, probe_timeout_s=probe_timeout_s, down_backoff_s=down_backoff_s,
+            max_down_backoff_s=max_down_backoff_s,
+        )
         self.targets = resolve_targets(target, targets)
         self.target = self.targets[0]
-        self.timeout_s = timeout_s
-        self.max_inflight = max_inflight
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.probe_timeout_s = min(probe_timeout_s, timeout_s)
+        self.timeout_s = settings.timeout_s
+        self.max_inflight = settings.max_inflight
+        self.retries = settings.retries
+        self.backoff_s = settings.backoff_s
+        self.max_backoff_s = settings.max_backoff_s
+        self.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
         self.metadata = tuple(metadata)
         self._chunk_bytes = chunk_bytes_for(max_message_bytes)
         self.router = RendezvousRouter(self.targets)
-        self.membership = Membership(self.router.node_ids, base_backoff_s=down_backoff_s,
-                                     max_backoff_s=max_down_backoff_s)
+        self.membership = Membership(self.router.node_ids, base_backoff_s=settings.down_backoff_s,
+                                     max_backoff_s=settings.max_down_backoff_s)
         self._channels = tuple(
             TargetChannel(t, aio=True, max_message_bytes=max_message_bytes, credentials=credentials,
                           options=channel_options)
@@ -1120,8 +1354,15 @@ class AsyncKVStoreClient:
         priority: int | None = None,
         retention_s: float | None = None,
     ) -> int:
-        """Store blocks (bytes or tensors); returns how many were newly stored (see :meth:`KVStoreClient.put`)."""
-        _check_put(block_hashes, blocks)
+        """Store blocks (bytes or tensors); returns how many were newly stored (see :meth:`KVStoreClient.put`).
+
+        Raises:
+            InvalidArgumentError: on a bad argument, raised by ``put`` before any call (the
+                checks of :meth:`KVStoreClient.put`), or a malformed block.
+            ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
         encoded = encode_blocks(namespace, blocks)
         if self._single:
             job = _aput_job(namespace, block_hashes, encoded, self._chunk_bytes, priority, retention_s, self.metadata)
@@ -1165,7 +1406,12 @@ class AsyncKVStoreClient:
         return {self.router.node_ids[j]: r for j, r in enumerate(results) if r is not None}
 
     async def health(self, service: str = "") -> str:
-        """The ``grpc.health.v1`` status name (see :meth:`KVStoreClient.health`)."""
+        """The ``grpc.health.v1`` status; ``SERVICE_UNKNOWN`` for an unknown service (see :meth:`KVStoreClient.health`).
+
+        Raises:
+            UnavailableError: if no node can be reached within the deadline.
+            KVStoreError: with one target, the typed error of any other failed status.
+        """
         job = _ahealth_job(service, self.metadata)
         return _merge_health(await self._fan_out({j: job for j in range(len(self._channels))}))
 

@@ -14,6 +14,7 @@ name ends in ``_bytes`` accept sizes such as ``8GiB``, ``512MB`` or ``4096``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -197,6 +198,10 @@ class ServerConfig:
         metrics_host: bind address of the metrics endpoint.
         max_message_bytes: largest gRPC message sent or received, bytes; blocks move in chunks of this size.
         grace_s: seconds in-flight calls get to drain on shutdown.
+        shutdown_delay_s: seconds a node that is shutting down keeps its port open
+            first, answering health checks with NOT_SERVING and KVStore calls with
+            UNAVAILABLE, so that readiness probes and load balancers see it leave
+            (a "lame duck" period); 0 closes the port at once.
         log_level: ``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR``.
         log_format: ``json`` (one object a line) or ``text``.
     """
@@ -207,6 +212,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     max_message_bytes: int = 4 * MiB
     grace_s: float = 10.0
+    shutdown_delay_s: float = 0.0
     log_level: str = "INFO"
     log_format: str = "json"
 
@@ -215,6 +221,7 @@ class ServerConfig:
         _require(-1 <= self.metrics_port <= 65535, "metrics_port", f"must be in [-1, 65535], got {self.metrics_port}")
         _require(64 * KiB <= self.max_message_bytes <= 64 * MiB, "max_message_bytes", "must be in [64KiB, 64MiB]")
         _require(self.grace_s >= 0, "grace_s", "must be >= 0")
+        _require(0 <= self.shutdown_delay_s < math.inf, "shutdown_delay_s", "must be >= 0 and finite")
         _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                  f"must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         _require(self.log_format in ("json", "text"), "log_format", "must be 'json' or 'text'")
@@ -234,18 +241,24 @@ class LimitsConfig:
         tenant_quota_bytes: bytes one tenant (``cache_salt``) may hold across local tiers; 0 for no quota.
         max_put_bytes: bytes one Put stream may carry; the server buffers a whole Put
             before storing it, so this bounds that buffer (RESOURCE_EXHAUSTED beyond it).
+        max_stream_s: seconds one Get or Put stream may last, whatever the client's
+            deadline; past it the call ends with DEADLINE_EXCEEDED. A Get holds its
+            blocks leased (unevictable) and a Put holds its buffer while the client is
+            slow, so this bounds what a stalled or hostile client can pin.
     """
 
     max_hashes_per_request: int = 8192
     max_inflight_per_connection: int = 256
     tenant_quota_bytes: int = 0
     max_put_bytes: int = 1 * GiB
+    max_stream_s: float = 60.0
 
     def __post_init__(self) -> None:
         _require(self.max_hashes_per_request > 0, "max_hashes_per_request", "must be > 0")
         _require(self.max_inflight_per_connection > 0, "max_inflight_per_connection", "must be > 0")
         _require(self.tenant_quota_bytes >= 0, "tenant_quota_bytes", "must be >= 0 (0 for no quota)")
         _require(self.max_put_bytes > 0, "max_put_bytes", "must be > 0")
+        _require(0 < self.max_stream_s < math.inf, "max_stream_s", "must be > 0 and finite")
 
 
 @dataclass(frozen=True, slots=True)

@@ -242,7 +242,8 @@ class Membership:
 
     def backoff_s(self, consecutive_failures: int) -> float:
         """Seconds a node stays down after ``consecutive_failures`` (>= 1): ``min(max, base * 2^(failures-1))``."""
-        return min(self.max_backoff_s, self.base_backoff_s * 2.0 ** max(0, consecutive_failures - 1))
+        doublings = min(max(0, consecutive_failures - 1), 64)  # 2.0 ** 1024 overflows; 2 ** 64 is past any cap
+        return min(self.max_backoff_s, self.base_backoff_s * 2.0 ** doublings)
 
     def record_success(self, node_id: str) -> bool:
         """A call or probe reached ``node_id``: it is up. Returns whether it was down before."""

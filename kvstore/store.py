@@ -244,18 +244,22 @@ class TieredStore:
             sources += self._local_levels(keys[len(sources):])
             local = [i for i, level in enumerate(sources) if level is not None]
             wanted = [i for i, level in enumerate(sources) if level is None]
-        leased = [(keys[i], sources[i]) for i in local]
+        pinned = [(keys[i], sources[i]) for i in local]
         policies = self._policies
-        for key, level in leased:
+        for key, level in pinned:
             policies[level].pin(key)  # type: ignore[index]
         releases: list[Callable[[], None]] = []
         try:
             found: list[Buffer | None] = [None] * len(sources)
+            if wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
+                for i, value in zip(wanted, await self._shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
+                    if value is None:
+                        local = [j for j in local if j < i]
+                        break
+                    found[i] = value
+            leased = [(keys[i], sources[i]) for i in local]
             for i, value in zip(local, await self._read_local(leased, releases if lend else None)):  # type: ignore[arg-type]
                 found[i] = value
-            if wanted:
-                for i, value in zip(wanted, await self._shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
-                    found[i] = value
             hit = found.index(None) if None in found else len(found)
             values: list[Buffer] = found[:hit]  # type: ignore[assignment]
             if hit < len(sources) and sources[hit] is not None:  # a corrupt record ends the prefix; the tier deleted it
@@ -270,7 +274,7 @@ class TieredStore:
         finally:
             for release in releases:
                 release()
-            for key, level in leased:
+            for key, level in pinned:
                 policies[level].unpin(key)
         if not self._closed:  # once unpinned, so that room is made by evicting others
             for source, moved_keys, blocks in promotions:

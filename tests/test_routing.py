@@ -187,6 +187,12 @@ def test_backoff_doubles_per_failed_probe_up_to_the_cap_and_resets_on_success() 
     assert members.record_failure("a") == 0.5
 
 
+def test_backoff_stays_at_the_cap_after_thousands_of_failures() -> None:
+    """Regression: ``2.0 ** 2000`` raised OverflowError for a node down for hours."""
+    members = Membership(["a"], base_backoff_s=0.5, max_backoff_s=30.0)
+    assert members.backoff_s(2000) == 30.0
+
+
 def test_membership_rejects_bad_backoffs() -> None:
     with pytest.raises(InvalidArgumentError):
         Membership(["a"], base_backoff_s=2.0, max_backoff_s=1.0)

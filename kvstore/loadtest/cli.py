@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -84,8 +85,8 @@ def _positive_int(text: str) -> int:
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

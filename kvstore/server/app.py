@@ -10,6 +10,7 @@ NOT_SERVING and the servicer refuses new calls with UNAVAILABLE, then
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -81,6 +82,8 @@ class KVStoreServer:
         self.port = 0
         self.metrics_port = -1
         self._stopped: asyncio.Event | None = None
+        self._stopping = False
+        self._hurry: asyncio.Event | None = None
 
     @property
     def store(self) -> TieredStore:
@@ -108,7 +111,7 @@ class KVStoreServer:
             logger.warning("bearer tokens are on without TLS on %s: tokens cross the network in plaintext; "
                            "set security.tls_cert_file and security.tls_key_file", server_cfg.host)
         self.admission = admission
-        self._stopped = asyncio.Event()
+        self._stopped, self._hurry = asyncio.Event(), asyncio.Event()
         if self._store is None:
             self._store = await open_async_store(self.config.store)
         try:
@@ -155,22 +158,50 @@ class KVStoreServer:
             self.servicer.begin_shutdown()
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Shut down in order: NOT_SERVING, ``server.stop(grace_s)``, close the store, stop metrics.
+        """Shut down in order: NOT_SERVING, ``server.shutdown_delay_s``, ``server.stop(grace_s)``, close the store.
+
+        During the delay the port stays open: health checks answer NOT_SERVING
+        and KVStore calls UNAVAILABLE. Then new connections are refused and
+        running calls get ``grace_s`` to finish; then the store is closed (memory
+        demoted to disk, LMDB flushed) and the metrics endpoint stopped. A call
+        while a shutdown is under way waits for that one to finish (use
+        :meth:`cut_grace_short` to hurry it).
 
         Args:
             grace_s: seconds running calls get to finish; ``server.grace_s`` when ``None``.
         """
         if self._stopped is None or self._stopped.is_set():
             return
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
         grace_s = self.config.server.grace_s if grace_s is None else grace_s
         lifecycle.info("shutting down", extra={"fields": {"grace_s": grace_s}})
         await self.begin_shutdown()
+        delay_s = self.config.server.shutdown_delay_s
+        if delay_s > 0 and self._server is not None:
+            with contextlib.suppress(TimeoutError):  # the port stays open, reporting NOT_SERVING
+                await asyncio.wait_for(self._hurry.wait(), delay_s)  # type: ignore[union-attr]
         if self._server is not None:
-            await self._server.stop(grace_s)
+            await self._server.stop(0 if self._hurry.is_set() else grace_s)  # type: ignore[union-attr]
         await self._close_store()
         self.metrics.stop_http()
         self._stopped.set()
         lifecycle.info("stopped")
+
+    async def cut_grace_short(self) -> None:
+        """During :meth:`stop`, end the shutdown delay and cancel the running calls now, not after the grace period.
+
+        The rest of the shutdown goes on as usual: the store is still closed, so
+        the memory tier is still demoted to disk. Does nothing unless a stop is under way.
+        """
+        if not self._stopping or self._stopped is None or self._stopped.is_set():
+            return
+        lifecycle.info("cutting the shutdown short: cancelling running calls")
+        self._hurry.set()  # type: ignore[union-attr]
+        if self._server is not None:
+            await self._server.stop(0)  # grpc.aio: a shorter grace overrides the running stop's
 
     async def wait_stopped(self) -> None:
         """Return once :meth:`stop` has finished."""
@@ -220,23 +251,40 @@ def _server_credentials(config: Config) -> grpc.ServerCredentials:
 async def serve(config: Config, *, stop: asyncio.Event | None = None) -> None:
     """Run a node until SIGTERM or SIGINT (or ``stop`` is set), then shut it down in order.
 
+    A second SIGTERM or SIGINT during the shutdown cancels the calls still
+    running (:meth:`KVStoreServer.cut_grace_short`) but never skips closing the
+    store, so memory blocks are still demoted to disk; SIGKILL skips everything.
+
     Args:
         config: the whole configuration.
         stop: an extra event that ends serving when set (tests, embedding).
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     server = KVStoreServer(config)
+    hurries: set[asyncio.Task[None]] = set()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+            return
+        # a second signal during the shutdown cuts the grace short; the store is still closed
+        hurry = loop.create_task(server.cut_grace_short())
+        hurries.add(hurry)
+        hurry.add_done_callback(hurries.discard)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
     try:
         await server.start()
         await stop.wait()
         lifecycle.info("signal received")
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        await server.stop()
+        try:
+            await server.stop()  # the handlers stay: a repeated signal must not kill the node before its store closes
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
 
 
 MALLOC_MMAP_THRESHOLD_BYTES = 256 << 20

@@ -98,6 +98,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._metrics = metrics
         self._chunk_bytes = chunk_bytes_for(config.server.max_message_bytes)
         self._max_hashes = config.limits.max_hashes_per_request
+        self._max_stream_s = config.limits.max_stream_s
         self.admission = admission if admission is not None else Admission.from_config(config)
         security = config.security
         self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
@@ -152,8 +153,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             request = _parse(pb.GetRequest, raw)
             namespace = self._namespace(request.namespace, call)
             hashes = self._hashes(request.block_hashes)
-            async with self._store.read(namespace, hashes) as blocks:  # leased views: one copy, into the messages
-                for message in iter_block_chunks(blocks, self._chunk_bytes):
+            async with _StreamLimit("Get", self._max_stream_s), self._store.read(namespace, hashes) as blocks:
+                for message in iter_block_chunks(blocks, self._chunk_bytes):  # leased views: one copy, into these
                     await context.write(message)
 
     async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
@@ -169,20 +170,29 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             hashes: list[bytes] = []
             assembler = BlockAssembler(self._config.store.max_block_bytes, self._max_hashes,
                                        self._config.limits.max_put_bytes)
-            async for raw in request_iterator:
-                message, data = decode_put_request(raw)
-                if namespace is None:
-                    if not message.HasField("namespace"):
-                        raise InvalidArgumentError("the first Put message must carry the namespace")
-                    namespace = self._namespace(message.namespace, call)
-                    priority = message.priority if message.HasField("priority") else None
-                    retention_s = message.retention_s if message.HasField("retention_s") else None
-                if message.block_hash:
-                    block_key(namespace, message.block_hash)  # the hash length, before buffering anything
-                    assembler.begin(message.block_index, message.total_bytes)
-                    hashes.append(message.block_hash)
-                assembler.add(message.block_index, message.offset, data)
-            blocks = assembler.finish()
+            async with _StreamLimit("Put", self._max_stream_s):
+                async for raw in request_iterator:
+                    message, data = decode_put_request(raw)
+                    if namespace is None:
+                        if not message.HasField("namespace"):
+                            raise InvalidArgumentError("the first Put message must carry the namespace")
+                        namespace = self._namespace(message.namespace, call)
+                        priority = message.priority if message.HasField("priority") else None
+                        retention_s = message.retention_s if message.HasField("retention_s") else None
+                    elif message.HasField("namespace"):
+                        raise InvalidArgumentError("only the first Put message may carry the namespace")
+                    if message.block_hash:
+                        block_key(namespace, message.block_hash)  # the hash length, before buffering anything
+                        assembler.begin(message.block_index, message.total_bytes)
+                        hashes.append(message.block_hash)
+                    elif not data:
+                        continue  # e.g. a first message with the namespace alone: it carries no block bytes
+                    assembler.add(message.block_index, message.offset, data)
+            try:
+                blocks = assembler.finish()
+            except InvalidArgumentError:  # a truncated stream; a client that cancelled mid-stream ends it early too,
+                await asyncio.sleep(0)   # and its cancellation lands here, so it is counted as CANCELLED
+                raise
             if namespace is None:
                 return pb.PutResponse(num_stored=0, num_blocks=0)
             self._check_deadline(context)
@@ -343,7 +353,12 @@ class _Call:
             logger.debug("%s %s", self._method, code)
             if metrics is not None:
                 metrics.observe(self._method, code, time.perf_counter() - self._start_s)
-            return not cancelled and isinstance(exc, Exception)  # swallow a failed write; cancellation goes on
+            if cancelled or not isinstance(exc, Exception):
+                return False  # cancellation goes on; a handler that ended normally returns its reply
+            # an error of a call already over (a failed write, a deadline seen inside the handler): end it with
+            # the status the client already has, quietly; falling out of the `async with` would return nothing
+            await self._context.abort(grpc.StatusCode[code], f"the call ended first ({code})")  # raises AbortError
+            return False
         if exc is None:
             if metrics is not None:
                 metrics.observe(self._method, "OK", time.perf_counter() - self._start_s)
@@ -352,6 +367,39 @@ class _Call:
             return False  # already aborted with its status; or a BaseException (KeyboardInterrupt) to propagate
         await servicer._fail(self._method, self._context, exc, self._start_s)
         return False
+
+
+class _StreamLimit:
+    """``async with _StreamLimit(method, limit_s)``: the body may run ``limit_s`` seconds (``limits.max_stream_s``).
+
+    Past it the body is cancelled and :class:`DeadlineExceededError` raised, so a
+    stalled client cannot hold a Get's leases or a Put's buffer for ever.
+    A plain class over ``asyncio.timeout`` (not a generator-based manager): it runs on every Get.
+
+    Raises:
+        DeadlineExceededError: when the limit passes.
+    """
+
+    __slots__ = ("_method", "_limit_s", "_timeout")
+
+    def __init__(self, method: str, limit_s: float) -> None:
+        self._method = method
+        self._limit_s = limit_s
+        self._timeout = asyncio.timeout(limit_s)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        traceback: object) -> bool | None:
+        try:
+            return await self._timeout.__aexit__(exc_type, exc, traceback)
+        except TimeoutError:
+            if not self._timeout.expired():
+                raise
+            raise DeadlineExceededError(
+                f"the {self._method} stream took longer than limits.max_stream_s={self._limit_s:g} s"
+            ) from None
 
 
 def _call_ended(context: grpc.aio.ServicerContext) -> bool:

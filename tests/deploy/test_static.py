@@ -280,7 +280,8 @@ def test_compose_redis_is_a_bounded_lru_cache_without_persistence(compose: dict)
 def test_compose_kvstore_nodes(compose: dict) -> None:
     services, volumes = compose["services"], compose["volumes"]
     data_volumes = []
-    grace_s = load_config(CONFIG_FILE, env={}).server.grace_s
+    server_cfg = load_config(CONFIG_FILE, env={}).server
+    grace_s = server_cfg.shutdown_delay_s + server_cfg.grace_s
     for name in KVSTORE_NODES:
         node = services[name]
         assert node["build"]["dockerfile"] == "deploy/Dockerfile" and node["build"]["context"] == "."
@@ -419,7 +420,8 @@ def test_k8s_security_and_shutdown(statefulset: dict, container: dict, k8s_confi
     pod = statefulset["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
-    assert pod["terminationGracePeriodSeconds"] > k8s_config.server.grace_s
+    assert pod["terminationGracePeriodSeconds"] > k8s_config.server.shutdown_delay_s + k8s_config.server.grace_s
+    assert k8s_config.server.shutdown_delay_s > 0  # probes and endpoints see NOT_SERVING before the port closes
     # A Service named "kvstore" would inject KVSTORE_PORT=tcp://... into the pod.
     assert pod["enableServiceLinks"] is False
 

@@ -170,6 +170,31 @@ def test_truncated_put_stream_stores_nothing(stub: pb_grpc.KVStoreStub, client: 
     _unchanged(client, server, stored, before)
 
 
+def test_a_put_may_open_with_a_namespace_only_message_but_not_repeat_it(
+        stub: pb_grpc.KVStoreStub, client: KVStoreClient, server: ThreadedServer, stored: tuple) -> None:
+    """The namespace is set on the first message only: that message may carry nothing else (observed:
+    'chunk of block 0 arrived before that block's first chunk'), and a later one must not carry it (it was
+    silently ignored, so blocks were stored under the first)."""
+    ns, _, _ = stored
+    hashes, tensors = kv_blocks(ns, 2, first_token=7500)
+    messages = _messages(ns, hashes, encode_blocks_of(ns, tensors), 4096)
+    opening = pb.PutRequest(namespace=namespace_to_pb(ns), priority=50)
+    body = [pb.PutRequest(block_index=m.block_index, offset=m.offset, block_hash=m.block_hash,
+                          total_bytes=m.total_bytes, data=m.data) for m in messages]
+    other = namespace()
+    assert other != ns
+    body[3].namespace.CopyFrom(namespace_to_pb(other))
+    before = client.stats().tier("memory").blocks
+    code, details = _code_of(lambda: stub.Put(iter([opening, *body])))
+    assert code == INVALID and "namespace" in details
+    assert client.lookup(ns, hashes).num_blocks == 0 and client.lookup(other, hashes).num_blocks == 0
+    _unchanged(client, server, stored, before)
+    body[3].ClearField("namespace")
+    assert stub.Put(iter([opening, *body])).num_stored == 2
+    for sent, received in zip(tensors, client.get_tensors(ns, hashes)):
+        assert torch.equal(sent, received)
+
+
 def test_put_stream_past_its_deadline_stores_nothing(stub: pb_grpc.KVStoreStub, client: KVStoreClient,
                                                      server: ThreadedServer, stored: tuple) -> None:
     ns, _, _ = stored

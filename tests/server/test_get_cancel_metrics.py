@@ -60,3 +60,91 @@ def test_a_get_stream_ended_by_the_client_is_counted_with_its_code(how: str) -> 
         assert codes.get(expected) == 5, codes
     finally:
         server.stop()
+
+
+def _codes(server, method):
+    lines = generate_latest(server.server.metrics.registry).decode().splitlines()
+    out = {}
+    for line in lines:
+        if line.startswith("kvstore_requests_total{") and f'method="{method}"' in line:
+            out[line.split('code="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _wait_for_count(server, method, count):
+    deadline = time.monotonic() + 10
+    while sum(_codes(server, method).values()) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _codes(server, method)
+
+
+def test_a_put_cancelled_mid_stream_is_counted_as_cancelled() -> None:
+    """Regression: the request stream of a cancelled Put simply ends, so the half-received block
+    read as a truncated stream and was counted as INVALID_ARGUMENT (the client's fault)."""
+    import threading
+
+    server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "64MiB"}))
+    try:
+        ns = namespace(layout="mla", dtype="uint8", block_size=1)
+        block = encode_block(torch.full((1, 1, 1, 6 * MiB), 7, dtype=torch.uint8), "mla")
+        channel = grpc.insecure_channel(server.target)
+        put = channel.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=pb.PutRequest.SerializeToString,
+                                   response_deserializer=pb.PutResponse.FromString)
+        for i in range(5):
+            sent = threading.Event()
+            hold = threading.Event()
+
+            def requests(i=i, sent=sent, hold=hold):
+                yield pb.PutRequest(namespace=namespace_to_pb(ns), block_hash=bytes([i + 1]) * 16,
+                                    total_bytes=len(block), data=block[:MiB])  # the first chunk of six
+                sent.set()
+                hold.wait(10)
+
+            future = put.future(requests())
+            assert sent.wait(10)
+            time.sleep(0.2)          # the chunk reached the server
+            future.cancel()
+            hold.set()
+            with pytest.raises(grpc.FutureCancelledError):
+                future.result()
+        channel.close()
+        codes = _wait_for_count(server, "Put", 5)
+        assert codes.get("CANCELLED") == 5, codes  # observed: INVALID_ARGUMENT 5
+    finally:
+        server.stop()
+
+
+def test_a_put_whose_deadline_passes_inside_the_server_gets_deadline_exceeded(caplog) -> None:
+    """Regression: a deadline seen by the handler itself (``_check_deadline`` before storing) was swallowed
+    as 'the call already ended', so the handler fell through to ``AssertionError('unreachable')``: an ERROR
+    log on the node, and UNKNOWN for some clients."""
+    import logging
+
+    server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "256MiB"}))
+    try:
+        ns = namespace(layout="mla", dtype="uint8", block_size=1)
+        block = encode_block(torch.full((1, 1, 1, MiB), 3, dtype=torch.uint8), "mla")
+        channel = grpc.insecure_channel(server.target)
+        put = channel.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=pb.PutRequest.SerializeToString,
+                                   response_deserializer=pb.PutResponse.FromString)
+        codes: dict[str, int] = {}
+        with caplog.at_level(logging.ERROR):
+            futures = [put.future(iter([pb.PutRequest(namespace=namespace_to_pb(ns), block_hash=i.to_bytes(16, "big"),
+                                                      total_bytes=len(block), data=block)]),
+                                  timeout=0.001 + 0.0005 * (i % 100))
+                       for i in range(200)]
+            for future in futures:
+                try:
+                    future.result()
+                    code = "OK"
+                except grpc.RpcError as exc:
+                    code = exc.code().name
+                codes[code] = codes.get(code, 0) + 1
+            _wait_for_count(server, "Put", 200)
+        channel.close()
+        assert set(codes) <= {"OK", "DEADLINE_EXCEEDED"}, codes
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, errors[:3]
+        assert "UNKNOWN" not in _codes(server, "Put")
+    finally:
+        server.stop()

@@ -137,3 +137,75 @@ def test_subcommand_modules_are_registered() -> None:
     choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert {"serve", "stats", "health"} <= set(choices)
     assert "simulate" in choices  # registered by kvstore.sim.cli
+
+
+def test_a_second_sigterm_cuts_the_grace_short_but_still_closes_the_store(tmp_path: Path) -> None:
+    """Regression: the first signal's handler was removed before the drain, so a second SIGTERM (or a second
+    Ctrl-C) killed the node mid-drain and the blocks in its memory tier never reached disk."""
+    import os
+    import signal
+    import time
+
+    import grpc
+
+    from kvstore.codec import encode_block
+    from kvstore.server.wire import encode_get_request, identity
+
+    ns = namespace(layout="mla", dtype="uint8", block_size=1)
+    hashes = [bytes([i]) * 16 for i in range(1, 5)]
+    blocks = [encode_block(torch.full((1, 1, 1, 12 << 20), i, dtype=torch.uint8), "mla") for i in range(4)]
+    node = KVNode(memory_capacity="128MiB", disk_path=tmp_path / "disk", disk_capacity="256MiB",
+                  env={"KVSTORE_SERVER__GRACE_S": "60"})
+    with node:
+        with KVStoreClient(node.target, retries=0, timeout_s=60) as kv:
+            assert kv.put(ns, hashes, blocks) == 4
+            assert kv.lookup(ns, hashes).tiers == ("memory",) * 4
+        channel = grpc.insecure_channel(node.target, options=[("grpc.max_receive_message_length", 4 << 20)])
+        stream = channel.unary_stream("/kvstore.v1.KVStore/Get", request_serializer=identity,
+                                      response_deserializer=identity)(encode_get_request(ns, hashes))
+        next(stream)  # a stalled reader: the drain would wait out the whole 60 s grace for it
+        os.kill(node.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        time.sleep(1.0)
+        start = time.monotonic()
+        assert node.stop(timeout_s=30) == 0  # the second SIGTERM: observed -15, the node killed mid-drain
+        assert time.monotonic() - start < 30
+        with pytest.raises(grpc.RpcError):
+            list(stream)
+        channel.close()
+        events = [r["event"] for r in node.log_records(since_start=True)]
+        assert "stopped" in events and events.index("shutting down") < events.index("stopped")
+
+        node.start()
+        with KVStoreClient(node.target, retries=0, timeout_s=60) as kv:
+            assert kv.lookup(ns, hashes).tiers == ("disk",) * 4  # observed: 1 of 4 blocks left
+            assert kv.get(ns, hashes) == blocks
+
+
+def test_during_the_shutdown_delay_health_reports_not_serving_then_the_port_closes(tmp_path: Path) -> None:
+    """With ``server.shutdown_delay_s`` the NOT_SERVING of a SIGTERM is visible to probes before the port closes
+    (without it, the port closed at once and probes saw only a refused connection)."""
+    import os
+    import signal
+    import time
+
+    from kvstore.errors import UnavailableError
+
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 2)
+    node = KVNode(memory_capacity="16MiB", env={"KVSTORE_SERVER__SHUTDOWN_DELAY_S": "3"})
+    with node:
+        with KVStoreClient(node.target, retries=0, timeout_s=10) as kv:
+            assert kv.put(ns, hashes, tensors) == 2
+            assert kv.health() == "SERVING"
+            os.kill(node.pid, signal.SIGTERM)  # type: ignore[arg-type]
+            deadline = time.monotonic() + 2.5
+            while kv.health() == "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert kv.health() == "NOT_SERVING"
+            with pytest.raises(UnavailableError, match="shutting down"):
+                kv.lookup(ns, hashes)
+            assert node._proc is not None and node._proc.wait(timeout=30) == 0
+            with pytest.raises(UnavailableError):
+                kv.health()
+        events = [r["event"] for r in node.log_records(since_start=True)]
+        assert events.index("shutting down") < events.index("stopped")

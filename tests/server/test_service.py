@@ -142,6 +142,36 @@ def test_cancelled_get_leaves_no_lease_behind() -> None:
         server.stop()
 
 
+def test_a_stream_over_max_stream_s_ends_with_deadline_exceeded_and_frees_its_blocks() -> None:
+    """A stalled reader with no deadline held its Get's leases for ever: nothing else could be stored."""
+    import time
+
+    from kvstore.codec import encode_block
+
+    server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "64MiB", "limits.max_stream_s": 1.0}))
+    try:
+        ns = namespace(layout="mla", dtype="uint8", block_size=1)
+        old = [bytes([i]) * 16 for i in range(1, 5)]
+        blocks = [encode_block(torch.full((1, 1, 1, 12 * MiB), i, dtype=torch.uint8), "mla") for i in range(4)]
+        with KVStoreClient(server.target, retries=0, timeout_s=60) as kv:
+            assert kv.put(ns, old, blocks) == 4
+            channel = grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 4 * MiB),
+                                                                ("grpc.http2.bdp_probe", 0)])
+            stream = pb_grpc.KVStoreStub(channel).Get(pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=old))
+            next(stream)  # then stall: the server blocks in context.write, its leases held
+            time.sleep(1.5)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stream)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "max_stream_s" in info.value.details()
+            channel.close()
+            new = [bytes([i]) * 16 for i in range(11, 15)]  # needs the room of the old blocks
+            assert kv.put(ns, new, blocks) == 4
+            assert kv.lookup(ns, new).num_blocks == 4
+    finally:
+        server.stop()
+
+
 def test_health_reports_serving_for_server_and_service(server: ThreadedServer) -> None:
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
