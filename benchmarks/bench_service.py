@@ -23,7 +23,9 @@ of ``--burst`` consecutive calls (1 by default: strict turns), so each sees the 
 the figure comes from the median burst of ``max(--min-rounds, --run-bytes /
 size)`` calls in all. Lookup latency is measured the same way over
 ``--lookups`` calls naming 1, 64 or 1,024 cached hashes, beside empty calls to
-the echo server.
+the echo server. A separate pass then runs each op back to back (a quarter as
+many calls; as many for Lookup) and reports the CPU time per call of its server
+process and of this one, which varies much less than wall time on a busy host.
 
 Goals: Get >= 0.9x the raw gRPC echo; Lookup(1,024) <= 1.5x an empty call.
 
@@ -45,7 +47,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -143,73 +145,73 @@ class EchoClient:
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """CPU time (user + system) process ``pid`` has used so far, seconds; ``None`` without Linux's ``/proc``."""
+    """CPU time the live threads of process ``pid`` have used so far, seconds; ``None`` without Linux's ``/proc``.
+
+    Sums each thread's ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds on a CPU,
+    ``Documentation/scheduler/sched-stats.rst``) rather than ``/proc/<pid>/stat``,
+    whose 10 ms ticks are coarser than a call. A thread that exits takes its time
+    with it; the servers' threads (gRPC pollers, executors) live as long as they do.
+    """
+    total_ns = 0
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (proc(5))
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                total_ns += int(stat.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return total_ns / 1e9
 
 
-class Timings(NamedTuple):
-    """What :func:`interleaved_ms` measured for each op.
-
-    Attributes:
-        ms: median milliseconds per call.
-        server_cpu_ms: the server process's CPU milliseconds per call (mean over
-            every call), or ``None`` when the op has no server pid or ``/proc`` is missing.
-        client_cpu_ms: this process's CPU milliseconds per call (mean over every call, all threads).
-    """
-
-    ms: dict[str, float]
-    server_cpu_ms: dict[str, float | None]
-    client_cpu_ms: dict[str, float]
-
-
-def interleaved_ms(ops: dict[str, Callable[[], object]], num_calls: int, burst: int,
-                   server_pids: dict[str, int] | None = None) -> Timings:
-    """Time each op: the median over bursts of ``burst`` back-to-back calls, ops taking turns; and CPU per call.
+def interleaved_ms(ops: dict[str, Callable[[], object]], num_calls: int, burst: int) -> dict[str, float]:
+    """Milliseconds per call of each op: the median over bursts of ``burst`` back-to-back calls, ops taking turns.
 
     Every op runs ``max(1, num_calls // burst)`` bursts. Taking turns makes every
     op see the same background load, so ratios stay meaningful on a busy machine.
-    CPU time is less noisy than wall time: a server's CPU per call is what it
-    adds to every call however busy the host (``/proc`` counts in 10 ms ticks,
-    so it is summed over all the op's calls before dividing).
-
-    Args:
-        ops: name -> one call.
-        num_calls: calls of each op, about.
-        burst: back-to-back calls of one op per turn.
-        server_pids: name -> pid of the process that serves that op, for its CPU time.
     """
-    server_pids = server_pids or {}
     for op in ops.values():  # warm up
         op()
     samples: dict[str, list[float]] = {name: [] for name in ops}
-    server_cpu_s: dict[str, float | None] = {name: 0.0 if name in server_pids else None for name in ops}
-    client_cpu_s = dict.fromkeys(ops, 0.0)
-    num_bursts = max(1, num_calls // burst)
-    for _ in range(num_bursts):
+    for _ in range(max(1, num_calls // burst)):
         for name, op in ops.items():
-            pid = server_pids.get(name)
-            server_start = process_cpu_s(pid) if pid is not None else None
-            client_start = time.process_time()
             start = time.perf_counter()
             for _ in range(burst):
                 op()
             samples[name].append((time.perf_counter() - start) / burst)
-            client_cpu_s[name] += time.process_time() - client_start
-            server_end = process_cpu_s(pid) if pid is not None else None
-            used = server_cpu_s[name]
-            server_cpu_s[name] = None if used is None or server_start is None or server_end is None \
-                else used + server_end - server_start
-    per_call_ms = 1e3 / (num_bursts * burst)
-    return Timings(
-        ms={name: statistics.median(values) * 1e3 for name, values in samples.items()},
-        server_cpu_ms={name: None if used is None else used * per_call_ms for name, used in server_cpu_s.items()},
-        client_cpu_ms={name: used * per_call_ms for name, used in client_cpu_s.items()},
-    )
+    return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+
+
+def cpu_ms(ops: dict[str, Callable[[], object]], num_calls: int,
+           server_pids: dict[str, int]) -> dict[str, tuple[float | None, float]]:
+    """CPU milliseconds per call of each op, ``(server, client)``, over ``num_calls`` back-to-back calls.
+
+    A separate pass from :func:`interleaved_ms`, so that reading ``/proc`` never
+    lands between timed calls. CPU time is steadier than wall time on a busy
+    host: what a server spends per call is what it adds to every call.
+
+    Args:
+        ops: name -> one call.
+        num_calls: calls of each op.
+        server_pids: name -> pid of the process that serves that op.
+
+    Returns:
+        name -> (the server's CPU ms per call, or ``None`` without ``/proc``; this process's CPU ms per call).
+    """
+    result: dict[str, tuple[float | None, float]] = {}
+    for name, op in ops.items():
+        op()
+        server_start = process_cpu_s(server_pids[name])
+        client_start = time.process_time()
+        for _ in range(num_calls):
+            op()
+        client_s = time.process_time() - client_start
+        server_end = process_cpu_s(server_pids[name])
+        server_s = None if server_start is None or server_end is None else server_end - server_start
+        result[name] = (None if server_s is None else server_s * 1e3 / num_calls, client_s * 1e3 / num_calls)
+    return result
 
 
 def _ms(value: float | None) -> str:
@@ -283,13 +285,12 @@ def main() -> int:
                 "redis_put": lambda: rds.set(b"put-%d" % size, block),
             }
             num_calls = max(args.min_rounds, args.run_bytes // size)
-            timings = interleaved_ms(ops, num_calls, args.burst, server_pids)
-            ms = timings.ms
+            ms = interleaved_ms(ops, num_calls, args.burst)
+            cpu = cpu_ms(ops, max(1, num_calls // 4), server_pids)
             cell: dict[str, object] = {"size_bytes": size, "num_calls": num_calls}
             for name, value in ms.items():
                 cell[f"{name}_gbps"] = size / (value / 1e3) / 1e9
-                cell[f"{name}_server_cpu_ms"] = timings.server_cpu_ms[name]
-                cell[f"{name}_client_cpu_ms"] = timings.client_cpu_ms[name]
+                cell[f"{name}_server_cpu_ms"], cell[f"{name}_client_cpu_ms"] = cpu[name]
             for op in ("get", "put"):
                 cell[f"{op}_vs_echo"] = ms[f"echo_{op}"] / ms[f"service_{op}"]
                 cell[f"{op}_vs_redis"] = ms[f"redis_{op}"] / ms[f"service_{op}"]
@@ -303,17 +304,18 @@ def main() -> int:
             kv.put(ns, hashes[start: start + 256], [small] * 256)
         for n in (1, 64, 1024):
             assert kv.lookup(ns, hashes[:n]).num_blocks == n
-        timings = interleaved_ms({
+        lookup_ops: dict[str, Callable[[], object]] = {
             "empty": echo.empty,
             **{f"lookup_{n}": (lambda n=n: kv.lookup(ns, hashes[:n])) for n in (1, 64, 1024)},
-        }, args.lookups, args.burst, {"empty": echo_proc.pid, **{f"lookup_{n}": node.pid for n in (1, 64, 1024)}})
-        ms = timings.ms
+        }
+        ms = interleaved_ms(lookup_ops, args.lookups, args.burst)
+        cpu = cpu_ms(lookup_ops, args.lookups, {"empty": echo_proc.pid,
+                                                **{f"lookup_{n}": node.pid for n in (1, 64, 1024)}})
         lookups = [{"num_hashes": n, "lookup_ms": ms[f"lookup_{n}"], "empty_call_ms": ms["empty"],
                     "vs_empty": ms[f"lookup_{n}"] / ms["empty"],
-                    "lookup_server_cpu_ms": timings.server_cpu_ms[f"lookup_{n}"],
-                    "empty_server_cpu_ms": timings.server_cpu_ms["empty"],
-                    "lookup_client_cpu_ms": timings.client_cpu_ms[f"lookup_{n}"],
-                    "empty_client_cpu_ms": timings.client_cpu_ms["empty"]} for n in (1, 64, 1024)]
+                    "lookup_server_cpu_ms": cpu[f"lookup_{n}"][0], "empty_server_cpu_ms": cpu["empty"][0],
+                    "lookup_client_cpu_ms": cpu[f"lookup_{n}"][1], "empty_client_cpu_ms": cpu["empty"][1]}
+                   for n in (1, 64, 1024)]
         for row in lookups:
             print(json.dumps(row), flush=True)
         kv.close()
@@ -366,7 +368,8 @@ def main() -> int:
             f"| {r['put_vs_redis']:.2f}x |"
         )
     lines += [
-        "", "CPU milliseconds per call (means over all calls; server: the serving process, client: this one):", "",
+        "", "CPU milliseconds per call, from a separate pass of back-to-back calls (server: the serving process, "
+        "client: this one):", "",
         ("| block | service Get server | echo Get server | service Get client | echo Get client "
          "| service Put server | echo Put server | service Put client | echo Put client |"),
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
