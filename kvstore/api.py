@@ -70,9 +70,20 @@ class TierStats:
 
 @dataclass(frozen=True, slots=True)
 class StoreStats:
-    """Stats of every tier, fastest first."""
+    """Stats of every tier, fastest first, and of lookups.
+
+    Attributes:
+        tiers: per tier, fastest first.
+        lookup_hit_blocks: blocks that lookups found cached (the prefix length, summed over lookups).
+        lookup_miss_blocks: blocks that lookups asked for past the cached prefix. The
+            prefix hit ratio of the traffic is ``hit / (hit + miss)``; the tiers'
+            ``hits`` and ``misses`` count only Gets, which connectors send for a
+            looked-up prefix, so they rarely miss.
+    """
 
     tiers: tuple[TierStats, ...]
+    lookup_hit_blocks: int = 0
+    lookup_miss_blocks: int = 0
 
     def tier(self, name: str) -> TierStats:
         """The stats of the tier called ``name``. Raises ``KeyError`` if there is none."""

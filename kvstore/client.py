@@ -484,7 +484,7 @@ def resolve_targets(target: str | Sequence[str] | None, targets: Sequence[str] |
 def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
     """The tier-by-tier sum of several nodes' stats (tiers in order of first appearance).
 
-    Every count is summed, ``counters`` key by key; ``blocks`` is ``-1`` when any
+    Every count is summed (the lookup counts too), ``counters`` key by key; ``blocks`` is ``-1`` when any
     node reports ``-1`` for that tier (e.g. a shared Redis). Nodes that share one
     Redis each count their own Redis hits, so the sums stay meaningful.
 
@@ -503,7 +503,9 @@ def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
                 acc[f] = -1 if f == "blocks" and (value < 0 or acc[f] < 0) else acc[f] + value
             for key, count in tier.counters.items():
                 acc["counters"][key] = acc["counters"].get(key, 0) + count
-    return StoreStats(tuple(TierStats(name=name, **fields) for name, fields in merged.items()))
+    return StoreStats(tuple(TierStats(name=name, **fields) for name, fields in merged.items()),
+                      sum(stats.lookup_hit_blocks for stats in node_stats),
+                      sum(stats.lookup_miss_blocks for stats in node_stats))
 
 
 _TIER_FIELDS = ("blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions",

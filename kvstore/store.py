@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.policy import PriorityLRUPolicy, check_priority
-from kvstore.tiers.base import BlockMeta, Buffer, LeasingTier, Tier, TierFullError
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, LeasingTier, Tier, TierFullError
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class TieredStore:
         self._locks = [asyncio.Lock() for _ in self._tiers]
         self._tag_bytes: dict[bytes, int] = {}  # namespace tag -> local bytes, for tenant quotas
         self._counters = [_Counters() for _ in range(len(self._tiers) + (shared is not None))]
+        self._lookup_hit_blocks = 0
+        self._lookup_miss_blocks = 0
         self._pending: dict[BlockKey, asyncio.Future[BaseException | None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -182,15 +185,17 @@ class TieredStore:
         self._check_open()
         keys = block_keys(namespace, block_hashes)
         located = self._locate_prefix(keys)
-        if self._shared is None or len(located) == len(keys):
-            return located
-        rest = keys[len(located):]  # past the local prefix a block may be in Redis and the next one local again
-        shared, tail = len(self._tiers), bytearray()
-        for level, in_shared in zip(self._local_levels(rest), await self._shared.contains(rest)):
-            if level is None and not in_shared:
-                break
-            tail.append(shared if level is None else level)  # a local copy is the faster one
-        return located + bytes(tail)
+        if self._shared is not None and len(located) < len(keys):
+            rest = keys[len(located):]  # past the local prefix a block may be in Redis and the next one local again
+            shared, tail = len(self._tiers), bytearray()
+            for level, in_shared in zip(self._local_levels(rest), await self._shared.contains(rest)):
+                if level is None and not in_shared:
+                    break
+                tail.append(shared if level is None else level)  # a local copy is the faster one
+            located += bytes(tail)
+        self._lookup_hit_blocks += len(located)
+        self._lookup_miss_blocks += len(keys) - len(located)
+        return located
 
     async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
         """Encoded blocks of the longest cached prefix, in order, stopping at the first miss; copies the caller owns.
@@ -340,7 +345,7 @@ class TieredStore:
             error: BaseException | None = None
             try:
                 # shielded: a cancelled caller still leaves the batch whole, never half-indexed
-                await asyncio.shield(self._place(list(fresh), list(fresh.values()), [meta] * len(fresh)))
+                await asyncio.shield(self._place(list(fresh), list(fresh.values()), chain_metas(meta, len(fresh))))
             except BaseException as exc:
                 error = exc
                 raise
@@ -382,7 +387,7 @@ class TieredStore:
         return removed
 
     def stats(self) -> StoreStats:
-        """Blocks, bytes, capacity and event counts of every tier, fastest first."""
+        """Blocks, bytes, capacity and event counts of every tier, fastest first; blocks hit and missed by lookups."""
         tiers = [*self._tiers, *([self._shared] if self._shared else [])]
         result = []
         for level, (tier, counts) in enumerate(zip(tiers, self._counters)):
@@ -403,7 +408,7 @@ class TieredStore:
                     counters=extra,
                 )
             )
-        return StoreStats(tuple(result))
+        return StoreStats(tuple(result), self._lookup_hit_blocks, self._lookup_miss_blocks)
 
     # ------------------------------------------------------------------ internals
 
@@ -585,11 +590,13 @@ class TieredStore:
         if not wanted:
             return
         keys = [keys[i] for i in wanted]
-        if source is None:
-            metas = [BlockMeta(last_access=self._clock())] * len(keys)
+        now = self._clock()
+        if source is None:  # the shared tier keeps no priority: the configured default, as for a put without one
+            metas = chain_metas(BlockMeta(self.config.default_priority, 0.0, now), len(keys))
         else:
             policy = self._policies[source]
-            metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), self._clock()) for k in keys]
+            metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), now - i * CHAIN_STEP_S)
+                     for i, k in enumerate(keys)]
         placed = await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0)
         self._counters[len(self._tiers) if source is None else source].promotions += len(placed)
         if source is not None and placed:
@@ -737,7 +744,8 @@ class TieredStore:
             if below:
                 try:
                     placed = await self._place(keys, [v for _, v in found], metas, source=level, target=level + 1)
-                except ResourceExhaustedError as exc:
+                except (ResourceExhaustedError, UnavailableError) as exc:  # no room below, or a failing disk:
+                    # the victims are dropped, as evicted from the last tier; the put that needed the room goes on
                     logger.warning("demotion from %s dropped %d blocks: %s", self._tiers[level].name, len(keys), exc)
                     placed = []
                 self._counters[level + 1].demotions += len(placed)
@@ -779,6 +787,18 @@ class TieredStore:
         """Wait until background promotions and write-through puts have finished (for tests and shutdown)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+def chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
+    """``meta`` for each of ``num_blocks`` blocks in prefix order, the head most recent.
+
+    A restart rebuilds the eviction order by sorting on ``last_access``
+    (:meth:`TieredStore.start`); with one time for a whole put, the blocks of a
+    chain tied and came back in key order, so one eviction could take a head and
+    kill the whole prefix. A step of :data:`~kvstore.tiers.base.CHAIN_STEP_S` per block keeps the
+    rule that a chain's tail goes before its head.
+    """
+    return [dataclasses.replace(meta, last_access=meta.last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
 
 
 async def open_async_store(config: StoreConfig | None = None) -> TieredStore:

@@ -509,3 +509,26 @@ async def test_a_promotion_started_by_a_read_is_not_lost_when_the_body_awaits(tw
         assert got == blocks
     await store.drain()
     assert await store.locate(NS, hashes[:3]) == bytes(3)
+
+
+async def test_a_restart_keeps_a_chains_tail_before_its_head(tmp_path) -> None:
+    """Regression: every block of one put had the same last access, so a restart (which sorts by it) put a
+    chain's blocks back in key order, and one eviction could take a head and with it the whole prefix."""
+    first, second = make_blocks(4, seed=21), make_blocks(4, seed=22)
+    extra = make_blocks(1, seed=23)
+    for restart in (False, True):
+        path = tmp_path / f"disk-{restart}"
+        store = TieredStore([LMDBTier(path, 8 * disk_footprint())])
+        await store.start()
+        await store.put(NS, *first)
+        await asyncio.sleep(0.01)
+        await store.put(NS, *second)
+        assert await store.get(NS, first[0][:2]) and await store.get(NS, second[0][:3])  # reads, head first
+        if restart:
+            await store.close()
+            store = TieredStore([LMDBTier(path, 8 * disk_footprint())])
+            await store.start()
+        await store.put(NS, *extra)  # room for one more: one victim, the first chain's tail
+        assert (await store.lookup(NS, first[0])).num_blocks == 3, f"restart={restart}"  # observed with: 0
+        assert (await store.lookup(NS, second[0])).num_blocks == 4
+        await store.close()

@@ -43,6 +43,22 @@ async def test_write_through_put_on_one_node_hits_on_another(redis_server: Redis
         assert node_b.stats().tier("redis").hits == 4 and node_b.stats().tier("redis").promotions == 4
 
 
+async def test_blocks_promoted_from_redis_get_the_configured_default_priority(redis_server: RedisProcess) -> None:
+    """Regression: they got the library constant (35), not ``default_priority``, so they went before every
+    block put without a priority (or were dropped instead of demoted, under ``demote_min_priority``)."""
+    config = dataclasses.replace(redis_config(redis_server.url, "write_through"), default_priority=50)
+    hashes, blocks = make_blocks(2)
+    async with TieredStore([memory_tier(8)], config, shared=RedisTier(config.redis)) as node_a, \
+            TieredStore([memory_tier(8)], config, shared=RedisTier(config.redis)) as node_b:
+        await node_a.put(NS, hashes, blocks)
+        await node_a.drain()
+        assert await node_b.get(NS, hashes) == blocks
+        await node_b.drain()
+        keys = [block_key(NS, h) for h in hashes]
+        assert [node_a._policies[0].priority_of(k) for k in keys] == [50, 50]
+        assert [node_b._policies[0].priority_of(k) for k in keys] == [50, 50]  # observed: [35, 35]
+
+
 async def test_write_back_demotes_evicted_blocks_to_redis(redis_server: RedisProcess) -> None:
     hashes, blocks = make_blocks(4)
     async with store_with_redis(redis_server.url, "write_back", num_blocks=2) as store:

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server.admission import Admission
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
@@ -348,7 +348,7 @@ def run(config: Config) -> int:
     limit_torch_threads()
     try:
         asyncio.run(serve(config))
-    except (ConfigError, RuntimeError, OSError) as exc:
+    except (KVStoreError, RuntimeError, OSError) as exc:  # a bad setting, a disk tier that cannot open, a port
         logger.error("cannot serve: %s", exc, extra={"fields": {"error": type(exc).__name__}})
         return 1
     return 0

@@ -15,6 +15,8 @@ Exported series (conventional ``_total``, ``_bytes`` and ``_seconds`` suffixes):
   ``kvstore_tier_demotions_total``, ``kvstore_tier_promotions_total``,
   ``kvstore_tier_corrupt_records_total`` ``{tier}``: counters.
 * ``kvstore_tier_events_total{tier, event}``: the tiers' extra counters (e.g. Redis ``errors``).
+* ``kvstore_lookup_blocks_total{result}``: blocks asked for by lookups, ``hit`` (in the cached prefix)
+  or ``miss``; ``hit / (hit + miss)`` is the traffic's prefix hit ratio (the tier hit counters see only Gets).
 """
 
 from __future__ import annotations
@@ -112,9 +114,14 @@ class StoreCollector(Collector):
                 family.add_metric([tier.name], getattr(tier, name))
             for event, count in sorted(tier.counters.items()):
                 events.add_metric([tier.name, event], count)
+        lookups = CounterMetricFamily("kvstore_lookup_blocks", "Blocks asked for by lookups, by whether they were "
+                                      "in the cached prefix (the traffic's prefix hit ratio).", labels=["result"])
+        lookups.add_metric(["hit"], stats.lookup_hit_blocks)
+        lookups.add_metric(["miss"], stats.lookup_miss_blocks)
         yield from gauges.values()
         yield from counters.values()
         yield events
+        yield lookups
 
 
 class ServiceMetrics:

@@ -169,7 +169,9 @@ def stats_to_pb(stats: StoreStats) -> pb.StatsResponse:
                 corrupt_records=t.corrupt_records, counters=t.counters,
             )
             for t in stats.tiers
-        ]
+        ],
+        lookup_hit_blocks=stats.lookup_hit_blocks,
+        lookup_miss_blocks=stats.lookup_miss_blocks,
     )
 
 
@@ -183,7 +185,9 @@ def stats_from_pb(message: pb.StatsResponse) -> StoreStats:
                 corrupt_records=t.corrupt_records, counters=dict(t.counters),
             )
             for t in message.tiers
-        )
+        ),
+        message.lookup_hit_blocks,
+        message.lookup_miss_blocks,
     )
 
 

@@ -27,6 +27,14 @@ class BlockMeta:
     last_access: float = 0.0
 
 
+CHAIN_STEP_S = 1e-6
+"""How much older the recorded last access of each block of one put or read is than the block before it, seconds.
+
+A restart rebuilds eviction order by sorting on ``last_access``; this step
+keeps a chain's head more recent than its tail, so the tail still goes first.
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class ResidentEntry:
     """One block a tier holds, as listed by :meth:`Tier.resident` after a restart.

@@ -27,6 +27,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import shutil
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,7 @@ from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
-from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,27 @@ RECORD_OVERHEAD_BYTES = 256
 _PAGE_HEADER_BYTES = 16  # LMDB's PAGEHDRSZ: the first overflow page of a value starts with a page header
 
 _T = TypeVar("_T")
+
+
+MIN_FREE_BYTES = 1 << 20
+"""Free bytes the disk tier's filesystem must have when it opens (for LMDB's lock and meta pages)."""
+
+
+def _check_not_truncated(env: lmdb.Environment, path: str) -> None:
+    """Refuse a ``data.mdb`` shorter than the pages its meta page says are in use.
+
+    LMDB maps the file and would read past its end: the process dies of SIGBUS
+    with nothing logged (a copy cut short, a disk that filled up).
+
+    Raises:
+        UnavailableError: naming the file and both sizes.
+    """
+    data_file = os.path.join(path, "data.mdb")
+    needed_bytes = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    file_bytes = os.path.getsize(data_file)
+    if file_bytes < needed_bytes:
+        raise UnavailableError(f"LMDB file {data_file} is truncated: {file_bytes} bytes, but its pages need "
+                               f"{needed_bytes}; restore it from a copy, or move it away to start empty")
 
 
 def default_map_size_bytes(capacity_bytes: int) -> int:
@@ -154,16 +176,25 @@ class LMDBTier:
         self.sync = sync
         map_size = default_map_size_bytes(capacity_bytes) if map_size_bytes is None else map_size_bytes
         os.makedirs(self.path, exist_ok=True)
+        free_bytes = shutil.disk_usage(self.path).free
+        if free_bytes < MIN_FREE_BYTES:  # LMDB maps its files: growing one on a full disk is a SIGBUS, not an error
+            raise UnavailableError(f"cannot open LMDB environment at {self.path}: {free_bytes} bytes free on its "
+                                   f"filesystem, fewer than {MIN_FREE_BYTES}")
         self._lock_fd = _lock_directory(self.path)
         try:
             self._env = lmdb.open(
                 self.path, map_size=map_size, max_dbs=2, sync=sync, metasync=sync,
                 max_readers=126 + num_reader_threads,
             )
+            _check_not_truncated(self._env, self.path)
             self._blocks = self._env.open_db(b"blocks")
             self._meta = self._env.open_db(b"meta")
-        except lmdb.Error as exc:
+        except (lmdb.Error, UnavailableError) as exc:
+            if hasattr(self, "_env"):
+                self._env.close()
             os.close(self._lock_fd)
+            if isinstance(exc, UnavailableError):
+                raise
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {exc}") from exc
         self.page_bytes: int = self._env.stat()["psize"]
         self._used_bytes = self._scan_used_bytes()
@@ -236,9 +267,9 @@ class LMDBTier:
             return []
         values, corrupt = await self._run(self._readers, self._get_txn, list(keys))
         now = time.time()
-        for key, value in zip(keys, values):
-            if value is not None:
-                self._touched[key] = now
+        for position, (key, value) in enumerate(zip(keys, values)):
+            if value is not None:  # the keys of a read are a prefix in order: its head is the most recent
+                self._touched[key] = now - position * CHAIN_STEP_S
         if corrupt:
             await self._write(self._drop_corrupt_txn, corrupt)
         return values

@@ -162,7 +162,11 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers",)
+    __slots__ = ("tiers", "lookup_hit_blocks", "lookup_miss_blocks")
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+    lookup_hit_blocks: int
+    lookup_miss_blocks: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ...) -> None: ...

@@ -209,3 +209,45 @@ def test_during_the_shutdown_delay_health_reports_not_serving_then_the_port_clos
                 kv.health()
         events = [r["event"] for r in node.log_records(since_start=True)]
         assert events.index("shutting down") < events.index("stopped")
+
+
+def test_a_disk_that_fills_up_costs_its_demotions_not_the_puts(tmp_path: Path) -> None:
+    """Regression: once LMDB could not grow its file (a full filesystem; here ``RLIMIT_FSIZE``), every put
+    that had to demote a memory victim failed with UNAVAILABLE ('mdb_txn_commit: Input/output error'),
+    and a client of several nodes marked this one down."""
+    from kvstore.keys import hash_blocks
+
+    ns = namespace()
+    node = KVNode(memory_capacity="1MiB", disk_path=tmp_path / "disk", disk_capacity="64MiB",
+                  file_size_limit_bytes=2 << 20)
+    with node, KVStoreClient(node.target, retries=0, timeout_s=30) as kv:
+        num_blocks = 120  # ~65 KiB each: the memory tier holds ~15, the disk file could hold ~30
+        hashes = [hash_blocks(ns, list(range(i * 16, i * 16 + 16)))[0] for i in range(num_blocks)]
+        _, (tensor,) = kv_blocks(ns, 1, num_layers=4, num_kv_heads=8, head_dim=64)
+        for block_hash in hashes:
+            assert kv.put(ns, [block_hash], [tensor]) == 1  # observed: UnavailableError after ~30 puts
+        assert kv.lookup(ns, hashes[-1:]).tiers == ("memory",)
+        assert torch.equal(kv.get_tensors(ns, hashes[-1:])[0], tensor)
+        assert kv.health() == "SERVING"
+        logs = [r for r in node.log_records(since_start=True) if r["event"].startswith("demotion from memory dropped")]
+        assert logs, "the failed demotions are logged"
+
+
+def test_a_truncated_lmdb_file_stops_the_node_with_a_message_not_a_bus_error(tmp_path: Path) -> None:
+    """Regression: LMDB maps ``data.mdb`` and read past the end of a file cut short; the node died of
+    SIGBUS (exit -7) with nothing logged."""
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 60, num_layers=4, num_kv_heads=8, head_dim=64)
+    node = KVNode(memory_capacity="0", disk_path=tmp_path / "disk", disk_capacity="64MiB")
+    with node:
+        with KVStoreClient(node.target, retries=0, timeout_s=30) as kv:
+            assert kv.put(ns, hashes, tensors) == 60
+        assert node.stop() == 0
+        data_file = tmp_path / "disk" / "data.mdb"
+        with open(data_file, "r+b") as data:
+            data.truncate(data_file.stat().st_size // 2)
+        with pytest.raises(RuntimeError):
+            node.start()
+        assert node.returncode == 1  # observed: -7 (SIGBUS)
+        errors = [r for r in node.log_records(since_start=True) if r["level"] == "ERROR"]
+        assert errors and "truncated" in errors[-1]["event"] and str(data_file) in errors[-1]["event"]

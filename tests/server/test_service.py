@@ -215,12 +215,17 @@ def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
         kv.put(ns, hashes, tensors)
         kv.get(ns, hashes)
         kv.lookup(ns, hashes)
+        missing, _ = kv_blocks(ns, 5, first_token=50_000)
+        kv.lookup(ns, hashes[:2] + missing[2:])  # 2 blocks in the cached prefix, 3 past it
         with pytest.raises(Exception):
             kv.lookup(ns, [b"short"])
+        stats = kv.stats()
     after = _scrape(fresh_server)
+    assert after['kvstore_lookup_blocks_total{result="hit"}'] == 5 == stats.lookup_hit_blocks
+    assert after['kvstore_lookup_blocks_total{result="miss"}'] == 3 == stats.lookup_miss_blocks
     assert after['kvstore_requests_total{code="OK",method="Put"}'] == 1
     assert after['kvstore_requests_total{code="OK",method="Get"}'] == 1
-    assert after['kvstore_requests_total{code="OK",method="Lookup"}'] == 1
+    assert after['kvstore_requests_total{code="OK",method="Lookup"}'] == 2
     assert after['kvstore_requests_total{code="INVALID_ARGUMENT",method="Lookup"}'] == 1
     assert after['kvstore_request_duration_seconds_count{method="Put"}'] == 1
     assert after['kvstore_tier_blocks{tier="memory"}'] == 3

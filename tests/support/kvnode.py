@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -53,6 +54,8 @@ class KVNode(OwnedProcess):
         metrics: serve Prometheus metrics on a free port (else ``--metrics-port -1``).
         startup_timeout_s: seconds :meth:`start` waits for the ``serving`` line and SERVING health.
         workdir: directory of the log file; a new temporary one when ``None`` (removed by :meth:`close`).
+        file_size_limit_bytes: largest file the node may write (``RLIMIT_FSIZE``), bytes: a disk that
+            fills up, for fault tests (its log file counts too); ``None`` for no limit.
 
     Raises:
         RuntimeError: from :meth:`start`, with the log tail, if the node does not come up.
@@ -73,6 +76,7 @@ class KVNode(OwnedProcess):
         metrics: bool = True,
         startup_timeout_s: float = 90.0,
         workdir: str | os.PathLike[str] | None = None,
+        file_size_limit_bytes: int | None = None,
     ) -> None:
         self.args: list[str] = []
         for flag, value in (
@@ -85,6 +89,7 @@ class KVNode(OwnedProcess):
         self.env = dict(env or {})
         self.metrics = metrics
         self.startup_timeout_s = startup_timeout_s
+        self.file_size_limit_bytes = file_size_limit_bytes
         self._own_dir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix="kvstore-node-")) if workdir is None else Path(workdir)
         self.port = 0
@@ -152,7 +157,7 @@ class KVNode(OwnedProcess):
         with open(self.log_path, "ab") as log:
             proc = spawn(
                 self.command_line(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=str(REPO_ROOT),
+                env=env, cwd=str(REPO_ROOT), preexec_fn=self._limit_file_size if self.file_size_limit_bytes else None,
             )
         self._proc = proc
         deadline = time.monotonic() + self.startup_timeout_s
@@ -162,6 +167,11 @@ class KVNode(OwnedProcess):
         self._wait_healthy(deadline)
         self.num_starts += 1
         return self
+
+    def _limit_file_size(self) -> None:
+        """In the child: writes past ``file_size_limit_bytes`` fail with EFBIG, as on a full disk (``setrlimit(2)``)."""
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the first such write kills the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (self.file_size_limit_bytes, self.file_size_limit_bytes))
 
     def _wait_serving_line(self, deadline: float) -> dict[str, Any]:
         while time.monotonic() < deadline:
