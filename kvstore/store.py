@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.codec import Layout, verify_block
+from kvstore.codec import BlockHeader, Layout, decode_header, verify_block
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     CodecError,
@@ -258,7 +258,7 @@ class TieredStore:
             found: list[Buffer | None] = [None] * len(sources)
             if wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
                 for i, value in zip(wanted, await self._shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
-                    if value is None:
+                    if value is None or not self._shared_block_fits(namespace, keys[i], value):
                         local = [j for j in local if j < i]
                         break
                     found[i] = value
@@ -500,16 +500,25 @@ class TieredStore:
             header = verify_block(block)
         except CodecError as exc:
             raise type(exc)(f"block {index}: {exc}") from None
-        if header.dtype != namespace.dtype or header.layout.value != namespace.layout:
-            raise InvalidArgumentError(
-                f"block {index}: {header.dtype}/{header.layout.value} does not match the namespace's "
-                f"{namespace.dtype}/{namespace.layout}"
-            )
-        tokens = header.shape[3] if header.layout is Layout.KV else header.shape[2]
-        if tokens != namespace.block_size:
-            raise InvalidArgumentError(
-                f"block {index}: holds {tokens} tokens, the namespace's block size is {namespace.block_size}"
-            )
+        mismatch = _namespace_mismatch(namespace, header)
+        if mismatch:
+            raise InvalidArgumentError(f"block {index}: {mismatch}")
+
+    def _shared_block_fits(self, namespace: Namespace, key: BlockKey, block: Buffer) -> bool:
+        """Whether a block read from the shared tier has the namespace's dtype, layout and block size.
+
+        Redis is shared with other nodes (maybe of another version) and anything
+        that can reach it, and its tier verifies only the checksum: a block put
+        by a node would have been refused here, so it is a miss (logged), never served.
+        """
+        try:
+            mismatch = _namespace_mismatch(namespace, decode_header(block))
+        except CodecError as exc:
+            mismatch = str(exc)
+        if mismatch:
+            logger.warning("shared tier %s: block %s does not fit its namespace (%s); a miss",
+                           self._shared.name, key.hex(), mismatch)  # type: ignore[union-attr]
+        return not mismatch
 
     async def _read_local(
         self, leased: list[tuple[BlockKey, int]], releases: list[Callable[[], None]] | None
@@ -799,6 +808,17 @@ def chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
     rule that a chain's tail goes before its head.
     """
     return [dataclasses.replace(meta, last_access=meta.last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
+
+
+def _namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
+    """How a block's header contradicts its namespace (dtype, layout, tokens per block); ``""`` if it does not."""
+    if header.dtype != namespace.dtype or header.layout.value != namespace.layout:
+        return (f"{header.dtype}/{header.layout.value} does not match the namespace's "
+                f"{namespace.dtype}/{namespace.layout}")
+    tokens = header.shape[3] if header.layout is Layout.KV else header.shape[2]
+    if tokens != namespace.block_size:
+        return f"holds {tokens} tokens, the namespace's block size is {namespace.block_size}"
+    return ""
 
 
 async def open_async_store(config: StoreConfig | None = None) -> TieredStore:

@@ -107,3 +107,22 @@ async def test_tenants_never_hit_each_other_in_any_tier(redis_server: RedisProce
         assert await store.get(tenant_b, tokens_hashes_a) == []
         assert await store.clear(tenant_b) == 0
         assert (await store.lookup(tenant_a, tokens_hashes_a)).num_blocks == 6
+
+
+async def test_a_redis_block_that_does_not_fit_its_namespace_is_a_miss(redis_server: RedisProcess) -> None:
+    """Regression: a checksummed block of another dtype and shape, written into Redis by something other than
+    a node (a node of another version, a bad script), was served by Get and promoted; Put refuses it."""
+    import torch
+
+    from kvstore.codec import encode_block
+
+    hashes, blocks = make_blocks(2)
+    wrong = encode_block(torch.zeros(3, 2, 5, 7, 9, dtype=torch.float32))  # float32, 7 tokens: not NS's
+    async with store_with_redis(redis_server.url, "write_through") as node_a, \
+            store_with_redis(redis_server.url, "write_through") as node_b:
+        await node_a.put(NS, hashes, blocks)
+        await node_a.drain()
+        redis_server.client().set(store_key(node_a, hashes[1]), wrong)  # same key, a foreign value
+        assert await node_b.get(NS, hashes) == blocks[:1]  # observed: the float32 block served as block 1
+        await node_b.drain()
+        assert (await node_b.lookup(NS, hashes)).tiers == ("memory", "redis")  # block 0 promoted, not block 1

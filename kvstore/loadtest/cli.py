@@ -207,7 +207,8 @@ def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = N
     rows.append(("byte mismatches", str(result.byte_mismatches)))
     rows.append(("short gets", str(result.short_gets)))
     if comparison is not None:
-        rows.append(("simulator", f"{comparison['policy']}@{comparison['capacity_blocks']}: hit ratio "
+        capacity = "inf" if comparison["capacity_blocks"] is None else comparison["capacity_blocks"]
+        rows.append(("simulator", f"{comparison['policy']}@{capacity}: hit ratio "
                                   f"{comparison['sim_hit_ratio']:.4f}, "
                                   f"loadtest - sim = {comparison['hit_ratio_diff']:+.4f}"))
     width = max(len(k) for k, _ in rows)

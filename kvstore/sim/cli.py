@@ -52,6 +52,8 @@ def parse_capacity(text: str, block_bytes: int | None) -> int | None:
         return None
     if value.isdigit():
         return int(value)
+    if not value[:1].isdigit():  # e.g. -5: neither a count nor a size
+        raise InvalidArgumentError(f"bad capacity {text!r}: give inf, a block count (5859) or a size (3GiB)")
     if block_bytes is None:
         raise InvalidArgumentError(f"capacity {text!r} is a size: give --block-bytes to turn it into blocks")
     try:
@@ -179,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
         traces = _split(args.trace) or [str(DEFAULT_TRACE)]
         if not capacities or not policies:
             raise InvalidArgumentError("give at least one capacity and one policy")
+        for output in filter(None, (args.json, args.plot)):  # before the run, not after it
+            if not Path(output).resolve().parent.is_dir():
+                raise InvalidArgumentError(f"cannot write {output}: no directory {Path(output).resolve().parent}")
         rows: list[tuple[str, SimResult]] = []
         for trace in traces:
             requests = read_trace(trace, args.format)

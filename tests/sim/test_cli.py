@@ -46,6 +46,11 @@ def test_cli_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert f"{bad}:1:" in capsys.readouterr().err
     assert main(["--policy", "fifo", "--capacity", "10"]) == 2
     assert main(["--capacity", "3GiB"]) == 2  # a size needs --block-bytes
+    capsys.readouterr()
+    assert main(["--capacity", "-5"]) == 2
+    assert "bad capacity '-5'" in capsys.readouterr().err  # observed: "is a size: give --block-bytes"
+    assert main(["--capacity", "10", "--plot", str(tmp_path / "no" / "such" / "dir.png")]) == 2
+    assert "cannot write" in capsys.readouterr().err  # observed: a traceback after the whole run
 
 
 def test_register_adds_the_subcommand() -> None:
