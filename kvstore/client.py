@@ -710,6 +710,9 @@ class KVStoreClient:
                 return fn(remaining_s)
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
+                if self._closed:  # close() ended the call: gRPC says CANCELLED, "Channel closed!"
+                    raise UnavailableError(f"the client of {', '.join(self.targets)} was closed during the call") \
+                        from None
                 if not (idempotent and code in RETRYABLE_CODES and attempt < self.retries):
                     _raise_typed(exc)
                 pause_s = min(backoff_s(attempt, self.backoff_s, self.max_backoff_s), deadline - time.monotonic())
@@ -999,8 +1002,8 @@ class KVStoreClient:
     def close(self) -> None:
         """Close the channels, then wait for the worker threads to end; idempotent.
 
-        Closing a channel cancels its calls in flight (a health probe too), so
-        the wait is short, and no thread of the client is left inside gRPC
+        Closing a channel cancels its calls in flight (a health probe too; their
+        callers get :class:`UnavailableError`), so the wait is short, and no thread of the client is left inside gRPC
         afterwards (which matters to a process that forks next). In a forked
         child this leaves the parent's connections alone.
         """
@@ -1136,12 +1139,7 @@ class AsyncKVStoreClient:
         max_down_backoff_s: cap of that backoff, which doubles per consecutive failure, seconds.
 
     Raises:
-        InvalidArgumentError: on no target, both ``target`` and ``targets``, or an empty target;
-            on ``timeout_s`` or ``probe_timeout_s`` not a number in ``(0, MAX_TIMEOUT_S]``; on ``backoff_s``,
-            ``max_backoff_s`` or ``down_backoff_s`` not a finite number >= 0, or
-            ``max_down_backoff_s`` not a finite number >= ``down_backoff_s``; on
-            ``max_inflight`` not an integer >= 1 or ``retries`` not one >= 0. The
-            message names the argument.
+        InvalidArgumentError: on a bad target or setting, as :class:`KVStoreClient` (the message names it).
     """
 
     def __init__(
@@ -1223,6 +1221,9 @@ class AsyncKVStoreClient:
                 return await fn(remaining_s)
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
+                if self._closed:  # close() ended the call: gRPC says CANCELLED, "Channel closed!"
+                    raise UnavailableError(f"the client of {', '.join(self.targets)} was closed during the call") \
+                        from None
                 if not (idempotent and code in RETRYABLE_CODES and attempt < self.retries):
                     _raise_typed(exc)
                 pause_s = min(backoff_s(attempt, self.backoff_s, self.max_backoff_s), deadline - loop.time())

@@ -353,12 +353,12 @@ class _Call:
             logger.debug("%s %s", self._method, code)
             if metrics is not None:
                 metrics.observe(self._method, code, time.perf_counter() - self._start_s)
-            if cancelled or not isinstance(exc, Exception):
-                return False  # cancellation goes on; a handler that ended normally returns its reply
-            # an error of a call already over (a failed write, a deadline seen inside the handler): end it with
-            # the status the client already has, quietly; falling out of the `async with` would return nothing
-            await self._context.abort(grpc.StatusCode[code], f"the call ended first ({code})")  # raises AbortError
-            return False
+            if cancelled or not (exc is None or isinstance(exc, Exception)):
+                return False  # cancellation (or a KeyboardInterrupt) goes on
+            # a call already over, whether the handler ended normally or by an error (a failed write, a deadline
+            # seen inside it): the client has its status, and sending a reply or another status would fail in
+            # gRPC's core (logged as an ERROR); ending as cancelled is what grpc.aio expects and logs at DEBUG
+            raise asyncio.CancelledError(f"the call ended first ({code})") from exc
         if exc is None:
             if metrics is not None:
                 metrics.observe(self._method, "OK", time.perf_counter() - self._start_s)

@@ -250,3 +250,33 @@ def test_a_view_from_get_stays_valid_after_later_calls(client: KVStoreClient) ->
     client.put(ns, *kv_blocks(ns, 2, first_token=1000))
     client.get(ns, kv_blocks(ns, 2, first_token=1000)[0])
     assert first == encode_block(tensors[0])  # the view holds its own message, not a server buffer
+
+
+def test_calls_in_flight_when_the_client_closes_raise_unavailable(server: ThreadedServer) -> None:
+    """Regression: they raised RemoteError(CANCELLED, 'Channel closed!'), a status no caller handles."""
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 8, num_layers=8, num_kv_heads=8, head_dim=256)  # 2 MiB each
+    with KVStoreClient(server.target, retries=0, timeout_s=30) as kv:
+        kv.put(ns, hashes, tensors)
+    errors: list[BaseException] = []
+    for _ in range(3):
+        kv = KVStoreClient(server.target, retries=0, timeout_s=30)
+        started = threading.Event()
+
+        def fetch(kv: KVStoreClient = kv, started: threading.Event = started) -> None:
+            started.set()
+            try:
+                while True:
+                    kv.get(ns, hashes)
+            except KVStoreError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=fetch)
+        thread.start()
+        assert started.wait(10)
+        time.sleep(0.2)
+        kv.close()
+        thread.join(30)
+        assert not thread.is_alive()
+    assert len(errors) == 3
+    assert all(isinstance(e, UnavailableError) and "closed" in str(e) for e in errors), errors
