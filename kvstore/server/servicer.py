@@ -305,8 +305,9 @@ class _Call:
     (``kvstore.server.admission``: token, in-flight slot); on exit it releases
     the slot, counts the call in the metrics, and turns a raised kvstore error
     into its status code (``kvstore.server.errors.status_of``) with
-    ``context.abort``. A cancelled call (the client went away, or its deadline
-    passed) is counted as CANCELLED or DEADLINE_EXCEEDED and re-raised.
+    ``context.abort``. A call that ended on the client's side (it went away, or
+    its deadline passed) is counted as CANCELLED or DEADLINE_EXCEEDED and ends
+    as cancelled, however the handler finished.
 
     A plain class rather than ``contextlib.asynccontextmanager``: this runs on
     every call, and a generator-based manager costs a few microseconds more.
