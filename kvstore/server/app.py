@@ -1,10 +1,11 @@
 """The gRPC server: composes the store, the servicer, health, reflection and metrics, and shuts down in order.
 
 Shutdown order (grpc's ``examples/python/`` and the house style): health reports
-NOT_SERVING and the servicer refuses new calls with UNAVAILABLE, then
-``server.stop(grace_s)`` lets running calls finish, then the store is closed
-(LMDB flushed), then the metrics endpoint stops. ``kvstore serve`` runs
-:func:`serve`, which does this on SIGTERM or SIGINT.
+NOT_SERVING and the servicer refuses new calls with UNAVAILABLE (for
+``server.shutdown_delay_s`` with the port open), then ``server.stop(grace_s)``
+lets running calls finish, then the store is closed (memory demoted, LMDB
+flushed), then the metrics endpoint stops. ``kvstore serve`` runs :func:`serve`,
+which does this on SIGTERM or SIGINT; a second signal cuts the waits short.
 """
 
 from __future__ import annotations
