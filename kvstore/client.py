@@ -420,6 +420,32 @@ class _Settings(NamedTuple):
         )
 
 
+def _set_up(client: KVStoreClient | AsyncKVStoreClient, settings: _Settings, targets: tuple[str, ...], *, aio: bool,
+            max_message_bytes: int, credentials: grpc.ChannelCredentials | None,
+            metadata: Sequence[tuple[str, str]], channel_options: Sequence[tuple[str, Any]]) -> None:
+    """What both clients' constructors set alike: the checked settings, the router, membership and channels."""
+    client.targets = targets
+    client.target = targets[0]
+    client.timeout_s = settings.timeout_s
+    client.max_inflight = settings.max_inflight
+    client.retries = settings.retries
+    client.backoff_s = settings.backoff_s
+    client.max_backoff_s = settings.max_backoff_s
+    client.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
+    client.metadata = tuple(metadata)
+    client._chunk_bytes = chunk_bytes_for(max_message_bytes)
+    client.router = RendezvousRouter(targets)
+    client.membership = Membership(client.router.node_ids, base_backoff_s=settings.down_backoff_s,
+                                   max_backoff_s=settings.max_down_backoff_s)
+    client._channels = tuple(
+        TargetChannel(t, aio=aio, max_message_bytes=max_message_bytes, credentials=credentials,
+                      options=channel_options)
+        for t in client.router.node_ids
+    )
+    client._channel = client._channels[client.router.index(client.target)]
+    client._single = len(client._channels) == 1
+
+
 class _RequestStream:
     """The serialized messages of a Put, remembering an error raised while making them.
 
@@ -654,32 +680,14 @@ class KVStoreClient:
         down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
         max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
     ) -> None:
-        settings = _Settings.check(
+        _set_up(self, _Settings.check(
             timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
             max_backoff_s=max_backoff_s, probe_timeout_s=probe_timeout_s, down_backoff_s=down_backoff_s,
             max_down_backoff_s=max_down_backoff_s,
-        )
-        self.targets = resolve_targets(target, targets)
-        self.target = self.targets[0]
-        self.timeout_s = settings.timeout_s
-        self.max_inflight = settings.max_inflight
-        self.retries = settings.retries
-        self.backoff_s = settings.backoff_s
-        self.max_backoff_s = settings.max_backoff_s
-        self.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
-        self.metadata = tuple(metadata)
-        self._chunk_bytes = chunk_bytes_for(max_message_bytes)
-        self.router = RendezvousRouter(self.targets)
-        self.membership = Membership(self.router.node_ids, base_backoff_s=settings.down_backoff_s,
-                                     max_backoff_s=settings.max_down_backoff_s)
-        self._channels = tuple(
-            TargetChannel(t, max_message_bytes=max_message_bytes, credentials=credentials, options=channel_options)
-            for t in self.router.node_ids
-        )
-        self._channel = self._channels[self.router.index(self.target)]
-        self._single = len(self._channels) == 1
+        ), resolve_targets(target, targets), aio=False, max_message_bytes=max_message_bytes, credentials=credentials,
+            metadata=metadata, channel_options=channel_options)
         self._pid = os.getpid()
-        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._slots = threading.BoundedSemaphore(self.max_inflight)
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
@@ -1165,31 +1173,12 @@ class AsyncKVStoreClient:
         down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
         max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
     ) -> None:
-        settings = _Settings.check(
+        _set_up(self, _Settings.check(
             timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
             max_backoff_s=max_backoff_s, probe_timeout_s=probe_timeout_s, down_backoff_s=down_backoff_s,
             max_down_backoff_s=max_down_backoff_s,
-        )
-        self.targets = resolve_targets(target, targets)
-        self.target = self.targets[0]
-        self.timeout_s = settings.timeout_s
-        self.max_inflight = settings.max_inflight
-        self.retries = settings.retries
-        self.backoff_s = settings.backoff_s
-        self.max_backoff_s = settings.max_backoff_s
-        self.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
-        self.metadata = tuple(metadata)
-        self._chunk_bytes = chunk_bytes_for(max_message_bytes)
-        self.router = RendezvousRouter(self.targets)
-        self.membership = Membership(self.router.node_ids, base_backoff_s=settings.down_backoff_s,
-                                     max_backoff_s=settings.max_down_backoff_s)
-        self._channels = tuple(
-            TargetChannel(t, aio=True, max_message_bytes=max_message_bytes, credentials=credentials,
-                          options=channel_options)
-            for t in self.router.node_ids
-        )
-        self._channel = self._channels[self.router.index(self.target)]
-        self._single = len(self._channels) == 1
+        ), resolve_targets(target, targets), aio=True, max_message_bytes=max_message_bytes, credentials=credentials,
+            metadata=metadata, channel_options=channel_options)
         self._slots: asyncio.Semaphore | None = None
         self._slots_pid = -1
         self._probes: set[asyncio.Task[None]] = set()
