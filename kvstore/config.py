@@ -242,7 +242,8 @@ class LimitsConfig:
         max_put_bytes: bytes one Put stream may carry; the server buffers a whole Put
             before storing it, so this bounds that buffer (RESOURCE_EXHAUSTED beyond it).
         max_stream_s: seconds one Get or Put stream may last, whatever the client's
-            deadline; past it the call ends with DEADLINE_EXCEEDED. A Get holds its
+            deadline; past it (checked every min(1, max_stream_s / 4) seconds) the call ends
+            with DEADLINE_EXCEEDED. A Get holds its
             blocks leased (unevictable) and a Put holds its buffer while the client is
             slow, so this bounds what a stalled or hostile client can pin.
     """

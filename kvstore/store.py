@@ -23,12 +23,11 @@ locks are needed; the tiers run their blocking work in threads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import BlockHeader, Layout, decode_header, verify_block
@@ -41,7 +40,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.policy import PriorityLRUPolicy, check_priority
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, LeasingTier, Tier, TierFullError
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, LeasingTier, Tier, TierFullError, TierLease
 
 logger = logging.getLogger(__name__)
 
@@ -212,10 +211,7 @@ class TieredStore:
         async with self.read(namespace, block_hashes, lend=False) as blocks:
             return blocks  # type: ignore[return-value]  # without lending, every block is bytes
 
-    @contextlib.asynccontextmanager
-    async def read(
-        self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, lend: bool = True
-    ) -> AsyncIterator[list[Buffer]]:
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, lend: bool = True) -> BlockRead:
         """The blocks of the longest cached prefix, leased for the body of ``async with store.read(...) as blocks``.
 
         While the body runs, the prefix stays pinned, so eviction cannot take it,
@@ -231,58 +227,97 @@ class TieredStore:
             block_hashes: chained hashes, in prefix order.
             lend: ``False`` to copy every block (what :meth:`get` returns).
 
-        Yields:
-            The blocks, ``bytes`` or ``memoryview``, in order up to the first miss.
+        Returns:
+            A :class:`BlockRead`, whose ``async with`` yields the blocks, ``bytes``
+            or ``memoryview``, in order up to the first miss.
 
         Raises:
-            InvalidArgumentError: on a hash of the wrong length.
-            UnavailableError: if the store is closed.
+            InvalidArgumentError: (on entering) on a hash of the wrong length.
+            UnavailableError: (on entering) if the store is closed.
         """
+        return BlockRead(self, namespace, block_hashes, lend)
+
+    async def _open_read(self, read: BlockRead) -> list[Buffer]:
+        """Pin, lease and read the prefix of ``read`` (see :meth:`read`); :meth:`_close_read` undoes it."""
         self._check_open()
-        keys = block_keys(namespace, block_hashes)
+        keys = block_keys(read.namespace, read.block_hashes)
+        levels = self._locate_prefix(keys)
+        lender = self._lenders[0] if self._lenders else None
+        if read.lend and lender is not None and (self._shared is None or len(levels) == len(keys)) \
+                and not levels.strip(b"\0"):
+            lease = lender.lease(keys[:len(levels)])  # the common case: the whole local prefix in the top tier
+            if lease is not None and None not in lease.values:
+                return self._lent_from_top(read, keys, lease)
+            if lease is not None:
+                lease.release()
+        return await self._read_general(read, keys, levels)
+
+    def _lent_from_top(self, read: BlockRead, keys: list[BlockKey], lease: TierLease) -> list[Buffer]:
+        """:meth:`_open_read` of a prefix wholly in the top tier, which lent all of it: no await, so no lock."""
+        values = lease.values
+        hit = len(values)
+        policy = self._policies[0]
+        prefix = keys[:hit]
+        for key in prefix:
+            policy.pin(key)
+        read.pinned = [(key, 0) for key in prefix]
+        read.releases = [lease.release]
+        counters = self._counters
+        counters[0].hits += hit
+        if hit < len(keys):  # the first miss was looked for in every tier
+            for counts in counters:
+                counts.misses += 1
+        for key in reversed(prefix):  # tail first: the head ends most recent
+            policy.touch(key)
+        return values  # type: ignore[return-value]  # no None: checked by the caller
+
+    async def _read_general(self, read: BlockRead, keys: list[BlockKey], levels: bytes) -> list[Buffer]:
+        """:meth:`_open_read` of any prefix: over several tiers, with the shared tier, or copied."""
         # the tier of each block that may be cached, None for the shared tier: the local prefix, then (with a
         # shared tier) every later block, since past a block in Redis the next one may be local again
-        sources: list[int | None] = list(self._locate_prefix(keys))
+        sources: list[int | None] = list(levels)
         local: Sequence[int] = range(len(sources))
         wanted: list[int] = []  # positions to ask the shared tier for
         if self._shared is not None and len(sources) < len(keys):
             sources += self._local_levels(keys[len(sources):])
             local = [i for i, level in enumerate(sources) if level is not None]
             wanted = [i for i, level in enumerate(sources) if level is None]
-        pinned = [(keys[i], sources[i]) for i in local]
+        pinned = read.pinned = [(keys[i], sources[i]) for i in local]
         policies = self._policies
         for key, level in pinned:
             policies[level].pin(key)  # type: ignore[index]
-        releases: list[Callable[[], None]] = []
-        try:
-            found: list[Buffer | None] = [None] * len(sources)
-            if wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
-                for i, value in zip(wanted, await self._shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
-                    if value is None or not self._shared_block_fits(namespace, keys[i], value):
-                        local = [j for j in local if j < i]
-                        break
-                    found[i] = value
-            leased = [(keys[i], sources[i]) for i in local]
-            for i, value in zip(local, await self._read_local(leased, releases if lend else None)):  # type: ignore[arg-type]
+        releases = read.releases = []
+        found: list[Buffer | None] = [None] * len(sources)
+        if wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
+            for i, value in zip(wanted, await self._shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
+                if value is None or not self._shared_block_fits(read.namespace, keys[i], value):
+                    local = [j for j in local if j < i]
+                    break
                 found[i] = value
-            hit = found.index(None) if None in found else len(found)
-            values: list[Buffer] = found[:hit]  # type: ignore[assignment]
-            if hit < len(sources) and sources[hit] is not None:  # a corrupt record ends the prefix; the tier deleted it
-                self._forget(sources[hit], keys[hit])  # type: ignore[arg-type]
-            hit_levels = [level for level in sources[:hit] if level is not None]
-            self._count_get(hit_levels, hit, len(keys))
-            for key, level in reversed(list(zip(keys[:hit], sources[:hit]))):  # tail first: the head ends most recent
-                if level is not None and key in policies[level]:
-                    policies[level].touch(key)
-            promotions = self._promotions(keys, sources[:hit], values)
-            yield values
-        finally:
-            for release in releases:
-                release()
-            for key, level in pinned:
-                policies[level].unpin(key)
+        leased = [(keys[i], sources[i]) for i in local]
+        for i, value in zip(local, await self._read_local(leased, releases if read.lend else None)):  # type: ignore[arg-type]
+            found[i] = value
+        hit = found.index(None) if None in found else len(found)
+        values: list[Buffer] = found[:hit]  # type: ignore[assignment]
+        if hit < len(sources) and sources[hit] is not None:  # a corrupt record ends the prefix; the tier deleted it
+            self._forget(sources[hit], keys[hit])  # type: ignore[arg-type]
+        hit_levels = [level for level in sources[:hit] if level is not None]
+        self._count_get(hit_levels, hit, len(keys))
+        for key, level in reversed(list(zip(keys[:hit], sources[:hit]))):  # tail first: the head ends most recent
+            if level is not None and key in policies[level]:
+                policies[level].touch(key)
+        read.promotions = self._promotions(keys, sources[:hit], values)
+        return values
+
+    def _close_read(self, read: BlockRead) -> None:
+        """Release the leases and pins of ``read``, then promote its lower-tier hits in the background."""
+        for release in read.releases:
+            release()
+        policies = self._policies
+        for key, level in read.pinned:
+            policies[level].unpin(key)  # type: ignore[index]
         if not self._closed:  # once unpinned, so that room is made by evicting others
-            for source, moved_keys, blocks in promotions:
+            for source, moved_keys, blocks in read.promotions:
                 self._spawn(self._promote_from(source, moved_keys, blocks))
 
     async def put(
@@ -796,6 +831,45 @@ class TieredStore:
         """Wait until background promotions and write-through puts have finished (for tests and shutdown)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+class BlockRead:
+    """One read of :meth:`TieredStore.read`: ``async with store.read(namespace, hashes) as blocks``.
+
+    Entering pins and leases the longest cached prefix and returns its blocks;
+    leaving, also by an error or a cancelled call, releases them. A plain class
+    rather than ``contextlib.asynccontextmanager``: it runs on every Get, and a
+    generator-based manager costs several microseconds more.
+
+    Attributes:
+        namespace: namespace of the blocks.
+        block_hashes: the hashes asked for, in prefix order.
+        lend: whether a tier that lends may return views (``False``: copies).
+        pinned: ``(key, tier level)`` of every pinned block, once entered.
+        releases: the leases to give back, once entered.
+        promotions: lower-tier hits to copy into the top tier on leaving.
+    """
+
+    __slots__ = ("_store", "namespace", "block_hashes", "lend", "pinned", "releases", "promotions")
+
+    def __init__(self, store: TieredStore, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
+        self._store = store
+        self.namespace = namespace
+        self.block_hashes = block_hashes
+        self.lend = lend
+        self.pinned: list[tuple[BlockKey, int | None]] = []
+        self.releases: list[Callable[[], None]] = []
+        self.promotions: list[tuple[int | None, list[BlockKey], list[bytes]]] = []
+
+    async def __aenter__(self) -> list[Buffer]:
+        try:
+            return await self._store._open_read(self)
+        except BaseException:
+            self._store._close_read(self)  # what was pinned or leased before the error
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._store._close_read(self)
 
 
 def chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:

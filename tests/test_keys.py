@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.keys import HashAlgorithm, Namespace, block_key, hash_blocks, split_key
+from kvstore.keys import HashAlgorithm, Namespace, block_key, block_keys, hash_blocks, split_key
 
 NS = Namespace(model="meta-llama/Llama-3.1-8B", revision="main", dtype="float16", layout="kv", block_size=4)
 
@@ -136,3 +136,25 @@ def test_block_key_layout_and_validation() -> None:
 def test_bad_namespaces(kwargs: dict) -> None:
     with pytest.raises((InvalidArgumentError, ValueError)):
         Namespace(**kwargs)
+
+
+@pytest.mark.parametrize("num_hashes", [0, 1, 15, 16, 17, 1024])
+@pytest.mark.parametrize("algorithm", list(HashAlgorithm))
+def test_block_keys_match_block_key_for_short_and_long_lists(num_hashes: int, algorithm: HashAlgorithm) -> None:
+    """Long lists are cut from one joined buffer, short ones built one by one: the same keys, as bytes."""
+    namespace = Namespace("m", hash_algorithm=algorithm)
+    hashes = [os.urandom(namespace.hash_bytes) for _ in range(num_hashes)]
+    kinds = [bytes, bytearray, memoryview]
+    mixed = [kinds[i % 3](h) for i, h in enumerate(hashes)]
+    keys = block_keys(namespace, iter(mixed))
+    assert keys == [block_key(namespace, h) for h in hashes] and all(type(k) is bytes for k in keys)
+
+
+@pytest.mark.parametrize("num_hashes", [3, 40])
+def test_block_keys_refuse_one_hash_of_the_wrong_length(num_hashes: int) -> None:
+    namespace = Namespace("m")
+    hashes = [os.urandom(16) for _ in range(num_hashes)]
+    hashes[-1] = hashes[-1][:15] + hashes[-2][:1] + b"x"  # as many bytes in all, spread unevenly
+    hashes[-2] = hashes[-2][:15]
+    with pytest.raises(InvalidArgumentError, match="must be 16 bytes"):
+        block_keys(namespace, hashes)

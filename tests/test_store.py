@@ -369,6 +369,20 @@ async def test_read_stops_at_the_first_miss_and_counts_like_get() -> None:
         assert (stats.hits, stats.misses) == (2, 1)
 
 
+async def test_a_read_refreshes_recency_with_the_head_most_recent() -> None:
+    async with TieredStore([memory_tier(4)]) as store:  # the top tier alone: the read's fast path
+        hashes, blocks = make_blocks(4)
+        await store.put(NS, hashes[:2], blocks[:2])
+        await store.put(NS, hashes[2:], blocks[2:])  # more recent than the first two
+        async with store.read(NS, hashes[:2]) as got:
+            assert got == blocks[:2]
+        newcomers, new_blocks = make_blocks(3, seed=5)
+        assert await store.put(NS, newcomers[:2], new_blocks[:2]) == 2  # evicts the two blocks not read
+        assert await store.locate(NS, hashes) == bytes(2)
+        assert await store.put(NS, newcomers[2:], new_blocks[2:]) == 1  # evicts the read prefix's tail, not its head
+        assert await store.locate(NS, hashes) == bytes(1)
+
+
 async def test_blocks_being_read_cannot_be_evicted_until_the_read_ends() -> None:
     memory = memory_tier(3)
     async with TieredStore([memory]) as store:

@@ -186,6 +186,8 @@ class KVStoreServer:
                 await asyncio.wait_for(self._hurry.wait(), delay_s)  # type: ignore[union-attr]
         if self._server is not None:
             await self._server.stop(0 if self._hurry.is_set() else grace_s)  # type: ignore[union-attr]
+        if self.servicer is not None:
+            self.servicer.close()
         await self._close_store()
         self.metrics.stop_http()
         self._stopped.set()
@@ -212,6 +214,8 @@ class KVStoreServer:
     async def _abandon(self) -> None:
         if self._server is not None:
             await self._server.stop(0)
+        if self.servicer is not None:
+            self.servicer.close()
         await self._close_store()
         self.metrics.stop_http()
 

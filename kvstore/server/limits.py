@@ -1,18 +1,20 @@
-"""Server-side limits: concurrent calls per client connection, and bytes per tenant (a quota).
+"""Server-side limits: concurrent calls per client connection, bytes per tenant (a quota), and stream length.
 
-Both are used from the server's one asyncio loop (the store's owner), so they
+All are used from the server's one asyncio loop (the store's owner), so they
 keep plain dicts and need no locks. Limits on one request (hashes per request,
 bytes per block) are checked by the servicer and ``kvstore.server.wire``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Callable, Iterator
 
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
+from kvstore.server.errors import DeadlineExceededError
 
 logger = logging.getLogger(__name__)
 
@@ -152,3 +154,104 @@ class TenantQuota:
                 self._pending_bytes[tenant] = left
             else:
                 del self._pending_bytes[tenant]
+
+
+class StreamWatchdog:
+    """Ends Get and Put streams that last longer than ``limits.max_stream_s``, with one timer for all of them.
+
+    A stream runs inside ``async with watchdog.watch("Get"):``. One background
+    task wakes every :attr:`check_every_s` seconds while streams are open and
+    cancels each one past its limit, which then leaves the ``async with`` with
+    :class:`~kvstore.server.errors.DeadlineExceededError`; so a stalled reader cannot
+    hold a Get's leases, or a Put's buffer, for ever. A stream may overrun the
+    limit by up to :attr:`check_every_s`.
+
+    Per stream this costs a dict insert and delete. A per-call ``asyncio.timeout``
+    costs a timer-heap entry and its cancellation, about 30 µs per Get in the
+    servicer (``benchmarks/bench_service.py`` measures the Get path).
+
+    Args:
+        limit_s: seconds a stream may last; > 0.
+
+    Raises:
+        ValueError: if ``limit_s <= 0``.
+    """
+
+    def __init__(self, limit_s: float) -> None:
+        if not limit_s > 0:
+            raise ValueError(f"limit_s must be > 0, got {limit_s}")
+        self.limit_s = limit_s
+        self.check_every_s = min(1.0, limit_s / 4)
+        self._deadlines: dict[asyncio.Task[object], float] = {}  # open stream -> loop time it must end by
+        self._expired: set[asyncio.Task[object]] = set()  # cancelled by the watchdog, not yet left
+        self._timer: asyncio.Task[None] | None = None
+
+    def watch(self, method: str) -> _Watch:
+        """The scope of one stream of ``method`` (``Get``, ``Put``; named in the error): ``async with``."""
+        return _Watch(self, method)
+
+    @property
+    def num_open(self) -> int:
+        """Streams open now."""
+        return len(self._deadlines)
+
+    def close(self) -> None:
+        """Stop the background task (the server is stopping); open streams are no longer limited."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _open(self, task: asyncio.Task[object]) -> None:
+        loop = task.get_loop()
+        self._deadlines[task] = loop.time() + self.limit_s
+        if self._timer is None:
+            self._timer = loop.create_task(self._check(loop))
+
+    def _close(self, task: asyncio.Task[object]) -> bool:
+        """Forget ``task``'s stream; whether the watchdog cancelled it."""
+        del self._deadlines[task]
+        if task in self._expired:
+            self._expired.discard(task)
+            return True
+        return False
+
+    async def _check(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            while self._deadlines:
+                await asyncio.sleep(self.check_every_s)
+                now = loop.time()
+                for task, deadline in list(self._deadlines.items()):
+                    if deadline <= now and task not in self._expired:
+                        self._expired.add(task)
+                        task.cancel()
+        finally:
+            if self._timer is asyncio.current_task():
+                self._timer = None
+
+
+class _Watch:
+    """One stream under a :class:`StreamWatchdog`; a plain class, since it runs on every Get.
+
+    Raises:
+        DeadlineExceededError: on leaving, if the watchdog ended the stream.
+    """
+
+    __slots__ = ("_watchdog", "_method", "_task", "_cancelling")
+
+    def __init__(self, watchdog: StreamWatchdog, method: str) -> None:
+        self._watchdog = watchdog
+        self._method = method
+
+    async def __aenter__(self) -> None:
+        task = self._task = asyncio.current_task()  # type: ignore[assignment]
+        self._cancelling = task.cancelling()  # type: ignore[union-attr]
+        self._watchdog._open(task)  # type: ignore[arg-type]
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        traceback: object) -> None:
+        task = self._task
+        # as asyncio.timeout: the cancellation is the watchdog's own unless the task was cancelled again meanwhile
+        if self._watchdog._close(task) and task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise DeadlineExceededError(
+                f"the {self._method} stream took longer than limits.max_stream_s={self._watchdog.limit_s:g} s"
+            ) from None

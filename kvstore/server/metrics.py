@@ -1,7 +1,7 @@
 """Prometheus metrics of the service: request counts and latencies, and the store's stats pulled at scrape time.
 
 The store never imports Prometheus (pull model, as vLLM's ``BlockPool.take_events``):
-the servicer counts requests, and :class:`StoreCollector` asks the store for its
+the servicer counts requests in :class:`CallStats`, and :class:`StoreCollector` asks the store for its
 :class:`~kvstore.api.StoreStats` on the store's own event loop whenever
 ``/metrics`` is scraped. Every metric lives in a private ``CollectorRegistry``,
 so several servers in one process (tests) do not collide.
@@ -22,12 +22,14 @@ Exported series (conventional ``_total``, ``_bytes`` and ``_seconds`` suffixes):
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvstore.api import StoreStats
 
@@ -124,26 +126,23 @@ class StoreCollector(Collector):
         yield lookups
 
 
-class ServiceMetrics:
-    """The service's Prometheus registry: request metrics plus the store collector.
+class CallStats(Collector):
+    """Finished calls by method and status code, and a latency histogram by method, exported at scrape time.
+
+    Plain counts rather than ``prometheus_client``'s ``Counter`` and ``Histogram``,
+    which take a lock per increment and walk the buckets in Python: with both, the
+    metrics cost a Get about 6 µs, here a dict update and a ``bisect``. Count only
+    from one thread (the server's event loop); a scrape, from the HTTP thread,
+    reads copies (copying a dict or list is atomic under the GIL).
 
     Args:
-        registry: where to register; a fresh private registry when ``None``.
+        buckets: upper bounds of the latency buckets, seconds, increasing (``+Inf`` is added).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "kvstore_requests", "Finished gRPC calls by method and status code.",
-            ["method", "code"], registry=self.registry,
-        )
-        self.latency = Histogram(
-            "kvstore_request_duration_seconds", "gRPC call latency by method, seconds.",
-            ["method"], buckets=LATENCY_BUCKETS_S, registry=self.registry,
-        )
-        self._http_server = None
-        self._http_thread = None
-        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}  # (method, code) -> (counter, histogram)
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        self.buckets = buckets
+        self._calls: dict[tuple[str, str], int] = {}
+        self._latency: dict[str, _Latency] = {}
 
     def observe(self, method: str, code: str, duration_s: float) -> None:
         """Count one finished call and its latency.
@@ -153,12 +152,69 @@ class ServiceMetrics:
             code: status code name, e.g. ``OK``, ``INVALID_ARGUMENT``.
             duration_s: seconds from the call's start to its end.
         """
-        children = self._children.get((method, code))
-        if children is None:  # labels() takes a lock and builds a key; resolve each pair once
-            children = self._children[(method, code)] = (self.requests.labels(method, code),
-                                                         self.latency.labels(method))
-        children[0].inc()
-        children[1].observe(duration_s)
+        calls = self._calls
+        key = (method, code)
+        calls[key] = calls.get(key, 0) + 1
+        latency = self._latency.get(method)
+        if latency is None:
+            latency = self._latency[method] = _Latency(len(self.buckets))
+        latency.counts[bisect.bisect_left(self.buckets, duration_s)] += 1  # Prometheus' le: duration <= bound
+        latency.sum_s += duration_s
+
+    def describe(self) -> list[CounterMetricFamily]:
+        """Nothing up front: the series appear with the first call."""
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        """``kvstore_requests_total`` and ``kvstore_request_duration_seconds`` (called by ``prometheus_client``)."""
+        requests = CounterMetricFamily("kvstore_requests", "Finished gRPC calls by method and status code.",
+                                       labels=["method", "code"])
+        for (method, code), count in sorted(dict(self._calls).items()):
+            requests.add_metric([method, code], count)
+        durations = HistogramMetricFamily("kvstore_request_duration_seconds", "gRPC call latency by method, seconds.",
+                                          labels=["method"])
+        bounds = [*map(floatToGoString, self.buckets), "+Inf"]
+        for method, latency in sorted(dict(self._latency).items()):
+            counts, sum_s = list(latency.counts), latency.sum_s
+            cumulative, total = [], 0
+            for count in counts:
+                total += count
+                cumulative.append(total)
+            durations.add_metric([method], list(zip(bounds, cumulative)), sum_s)
+        yield requests
+        yield durations
+
+
+class _Latency:
+    """One method's latency histogram: calls per bucket (the last one ``+Inf``) and their sum, seconds."""
+
+    __slots__ = ("counts", "sum_s")
+
+    def __init__(self, num_buckets: int) -> None:
+        self.counts = [0] * (num_buckets + 1)
+        self.sum_s = 0.0
+
+
+class ServiceMetrics:
+    """The service's Prometheus registry: request metrics (:class:`CallStats`) plus the store collector.
+
+    Args:
+        registry: where to register; a fresh private registry when ``None``.
+
+    Attributes:
+        calls: the request counts and latencies.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.calls = CallStats()
+        self.registry.register(self.calls)
+        self._http_server = None
+        self._http_thread = None
+
+    def observe(self, method: str, code: str, duration_s: float) -> None:
+        """Count one finished call and its latency (see :meth:`CallStats.observe`)."""
+        self.calls.observe(method, code, duration_s)
 
     def add_store(self, stats: Callable[[], StoreStats]) -> None:
         """Export the store's stats through ``stats`` (see :meth:`StoreCollector.on_loop`)."""

@@ -31,11 +31,13 @@ from kvstore.keys import HashAlgorithm, Namespace, block_key
 from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
 from kvstore.server.errors import DeadlineExceededError, UnauthenticatedError, status_of
-from kvstore.server.limits import TenantQuota
+from kvstore.server.limits import StreamWatchdog, TenantQuota
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.wire import (
     BlockAssembler,
+    HashRequest,
     chunk_bytes_for,
+    decode_hash_request,
     decode_put_request,
     identity,
     iter_block_chunks,
@@ -98,7 +100,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._metrics = metrics
         self._chunk_bytes = chunk_bytes_for(config.server.max_message_bytes)
         self._max_hashes = config.limits.max_hashes_per_request
-        self._max_stream_s = config.limits.max_stream_s
+        self._watchdog = StreamWatchdog(config.limits.max_stream_s)
         self.admission = admission if admission is not None else Admission.from_config(config)
         security = config.security
         self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
@@ -131,12 +133,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """Refuse every new call with UNAVAILABLE; calls already running go on."""
         self.accepting = False
 
+    def close(self) -> None:
+        """Stop the servicer's background work (the stream watchdog), once the gRPC server has stopped."""
+        self._watchdog.close()
+
     # ------------------------------------------------------------------ RPCs
 
     async def Lookup(self, raw: bytes | pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         """The longest cached prefix of ``request.block_hashes`` and each block's tier."""
         async with self._call("Lookup", context) as call:
-            request = _parse(pb.LookupRequest, raw)
+            request = _hash_request(pb.LookupRequest, raw)
             namespace = self._namespace(request.namespace, call)
             hashes = self._hashes(request.block_hashes)
             return lookup_to_pb(await self._store.locate(namespace, hashes), self._store.tier_names)
@@ -150,10 +156,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         deadline passes, cancellation leaves ``store.read`` and releases the leases.
         """
         async with self._call("Get", context) as call:
-            request = _parse(pb.GetRequest, raw)
+            request = _hash_request(pb.GetRequest, raw)
             namespace = self._namespace(request.namespace, call)
             hashes = self._hashes(request.block_hashes)
-            async with _StreamLimit("Get", self._max_stream_s), self._store.read(namespace, hashes) as blocks:
+            async with self._watchdog.watch("Get"), self._store.read(namespace, hashes) as blocks:
                 for message in iter_block_chunks(blocks, self._chunk_bytes):  # leased views: one copy, into these
                     await context.write(message)
 
@@ -170,13 +176,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             hashes: list[bytes] = []
             assembler = BlockAssembler(self._config.store.max_block_bytes, self._max_hashes,
                                        self._config.limits.max_put_bytes)
-            async with _StreamLimit("Put", self._max_stream_s):
+            async with self._watchdog.watch("Put"):
                 async for raw in request_iterator:
                     message, data = decode_put_request(raw)
                     if namespace is None:
                         if not message.HasField("namespace"):
                             raise InvalidArgumentError("the first Put message must carry the namespace")
-                        namespace = self._namespace(message.namespace, call)
+                        namespace = self._namespace(message.namespace.SerializeToString(), call)
                         priority = message.priority if message.HasField("priority") else None
                         retention_s = message.retention_s if message.HasField("retention_s") else None
                     elif message.HasField("namespace"):
@@ -204,7 +210,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Delete(self, raw: bytes | pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         """Delete blocks from every tier."""
         async with self._call("Delete", context) as call:
-            request = _parse(pb.DeleteRequest, raw)
+            request = _hash_request(pb.DeleteRequest, raw)
             namespace = self._namespace(request.namespace, call)
             hashes = self._hashes(request.block_hashes)
             return pb.DeleteResponse(num_deleted=await self._store.delete(namespace, hashes))
@@ -214,7 +220,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """Delete every block of one namespace (the token must cover its tenant)."""
         async with self._call("Clear", context) as call:
             request = _parse(pb.ClearRequest, raw)
-            namespace = self._namespace(request.namespace, call)
+            namespace = self._namespace(request.namespace.SerializeToString(), call)
             return pb.ClearResponse(num_deleted=await self._store.clear(namespace))
         raise AssertionError("unreachable")
 
@@ -227,8 +233,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     # ------------------------------------------------------------------ helpers
 
-    def _namespace(self, message: pb.Namespace, call: _Call) -> Namespace:
-        """The namespace of a request, once the caller may use its tenant and its hash is acceptable.
+    def _namespace(self, wire: bytes, call: _Call) -> Namespace:
+        """The namespace of a request (its serialized ``Namespace``), once the caller may use its tenant and hash.
 
         Validated namespaces are kept by their serialized form (at most
         :data:`NAMESPACE_CACHE_SIZE`; the cache starts over when full), so a
@@ -240,10 +246,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             UnauthenticatedError: if authentication is on and the call carries no principal.
             PermissionDeniedError: if the caller's token does not cover the namespace's ``cache_salt``.
         """
-        wire = message.SerializeToString()
         namespace = self._namespaces.get(wire)
         if namespace is None:
-            namespace = namespace_from_pb(message)
+            namespace = namespace_from_pb(_parse(pb.Namespace, wire))
             if len(self._namespaces) >= NAMESPACE_CACHE_SIZE:
                 self._namespaces.clear()
             self._namespaces[wire] = namespace
@@ -370,45 +375,25 @@ class _Call:
         return False
 
 
-class _StreamLimit:
-    """``async with _StreamLimit(method, limit_s)``: the body may run ``limit_s`` seconds (``limits.max_stream_s``).
-
-    Past it the body is cancelled and :class:`DeadlineExceededError` raised, so a
-    stalled client cannot hold a Get's leases or a Put's buffer for ever.
-    A plain class over ``asyncio.timeout`` (not a generator-based manager): it runs on every Get.
-
-    Raises:
-        DeadlineExceededError: when the limit passes.
-    """
-
-    __slots__ = ("_method", "_limit_s", "_timeout")
-
-    def __init__(self, method: str, limit_s: float) -> None:
-        self._method = method
-        self._limit_s = limit_s
-        self._timeout = asyncio.timeout(limit_s)
-
-    async def __aenter__(self) -> None:
-        await self._timeout.__aenter__()
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        traceback: object) -> bool | None:
-        try:
-            return await self._timeout.__aexit__(exc_type, exc, traceback)
-        except TimeoutError:
-            if not self._timeout.expired():
-                raise
-            raise DeadlineExceededError(
-                f"the {self._method} stream took longer than limits.max_stream_s={self._limit_s:g} s"
-            ) from None
-
-
 def _call_ended(context: grpc.aio.ServicerContext) -> bool:
     """Whether the call is over from the client's side: cancelled, or past its deadline."""
     if context.cancelled():
         return True
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0
+
+
+def _hash_request(message_type: type[Message], raw: bytes | Message) -> HashRequest:
+    """A Lookup, Get or Delete request received as bytes (:func:`~kvstore.server.wire.decode_hash_request`).
+
+    A message passes through, for direct calls.
+
+    Raises:
+        InvalidArgumentError: if the bytes are not a well-formed ``message_type``.
+    """
+    if isinstance(raw, Message):
+        return HashRequest(raw.namespace.SerializeToString(), raw.block_hashes)  # type: ignore[attr-defined]
+    return decode_hash_request(message_type, raw)  # type: ignore[arg-type]
 
 
 def _parse(message_type: type[_M], raw: bytes | _M) -> _M:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Iterator
@@ -12,7 +13,8 @@ import pytest
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
 from kvstore.security import bearer_metadata
-from kvstore.server.limits import InflightLimiter, TenantQuota
+from kvstore.server.errors import DeadlineExceededError
+from kvstore.server.limits import InflightLimiter, StreamWatchdog, TenantQuota
 from kvstore.server.wire import namespace_to_pb, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -65,6 +67,55 @@ def test_tenant_quota_sums_namespaces_and_holds_puts_in_progress() -> None:
             pass
     held[ns1.tag] = 0  # deleted
     assert quota.used_bytes("t") == 40
+
+
+async def test_stream_watchdog_ends_a_stream_past_its_limit_and_only_that_one() -> None:
+    watchdog = StreamWatchdog(0.2)
+    assert watchdog.check_every_s == 0.05
+
+    async def stream(seconds: float) -> str:
+        async with watchdog.watch("Get"):
+            await asyncio.sleep(seconds)
+        return "done"
+
+    start = time.monotonic()
+    stalled, quick = asyncio.create_task(stream(30)), asyncio.create_task(stream(0.01))
+    assert await quick == "done"
+    with pytest.raises(DeadlineExceededError, match=r"Get stream took longer than limits.max_stream_s=0.2 s"):
+        await stalled
+    assert 0.2 <= time.monotonic() - start < 2
+    assert not stalled.cancelled() and stalled.cancelling() == 0  # the watchdog's cancellation became the error
+    assert watchdog.num_open == 0
+
+
+async def test_stream_watchdog_leaves_an_outside_cancellation_alone_and_stops_when_idle() -> None:
+    watchdog = StreamWatchdog(10)
+    inside = asyncio.Event()
+
+    async def stream() -> None:
+        async with watchdog.watch("Put"):
+            inside.set()
+            await asyncio.sleep(30)
+
+    task = asyncio.create_task(stream())
+    await inside.wait()
+    assert watchdog.num_open == 1 and len(asyncio.all_tasks()) == 3  # this test, the stream, the watchdog's timer
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled() and watchdog.num_open == 0
+    await asyncio.sleep(watchdog.check_every_s * 1.5)
+    assert asyncio.all_tasks() == {asyncio.current_task()}  # no stream open: the timer ended itself
+    async with watchdog.watch("Get"):  # and starts again with the next stream
+        assert len(asyncio.all_tasks()) == 2
+    watchdog.close()
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+def test_stream_watchdog_needs_a_positive_limit() -> None:
+    with pytest.raises(ValueError, match="limit_s must be > 0"):
+        StreamWatchdog(0)
 
 
 # ---------------------------------------------------------------- a real server

@@ -252,3 +252,57 @@ def test_get_request_matches_protobuf(hashes: list[bytes]) -> None:
     namespace = Namespace(model="m", cache_salt="tenant")
     reference = pb.GetRequest(namespace=namespace_to_pb(namespace), block_hashes=[bytes(h) for h in hashes])
     assert encode_get_request(namespace, hashes) == reference.SerializeToString()
+
+
+from kvstore.server.wire import decode_hash_request  # noqa: E402
+
+_NS = pb.Namespace(model="m" * 200, dtype="float16", layout="kv", block_size=16, tp_size=1, hash_algorithm="xxh3_128")
+
+
+@pytest.mark.parametrize("message_type", [pb.LookupRequest, pb.GetRequest, pb.DeleteRequest])
+@pytest.mark.parametrize(
+    "hashes",
+    [[], [b"a" * 16], [bytes([i]) * 16 for i in range(15)], [bytes([i % 256]) * 16 for i in range(1024)],
+     [bytes([i]) * 32 for i in range(40)], [b""] * 3, [b"a" * 16, b"b" * 32] * 10, [b"x" * 200] * 20],
+)
+def test_hash_requests_decode_as_protobuf_does(message_type: type, hashes: list[bytes]) -> None:
+    """The direct read (one hash length, under 128 bytes) and protobuf's (the rest) agree with protobuf."""
+    reference = message_type(namespace=_NS, block_hashes=hashes)
+    request = decode_hash_request(message_type, reference.SerializeToString())
+    assert list(request.block_hashes) == hashes and all(type(h) is bytes for h in request.block_hashes)
+    assert pb.Namespace.FromString(request.namespace) == _NS
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        # the hashes before the namespace; then an unknown field after them; then the namespace twice (merged)
+        pb.GetRequest(block_hashes=[b"h" * 16] * 20).SerializeToString()
+        + pb.GetRequest(namespace=_NS).SerializeToString(),
+        pb.GetRequest(namespace=_NS, block_hashes=[b"h" * 16] * 20).SerializeToString() + b"\x18\x01",
+        pb.GetRequest(namespace=pb.Namespace(model="a")).SerializeToString()
+        + pb.GetRequest(namespace=pb.Namespace(block_size=16), block_hashes=[b"h" * 16] * 20).SerializeToString(),
+    ],
+)
+def test_hash_requests_of_any_other_shape_follow_protobuf(message: bytes) -> None:
+    reference = pb.GetRequest.FromString(message)
+    request = decode_hash_request(pb.GetRequest, message)
+    assert list(request.block_hashes) == list(reference.block_hashes)
+    assert pb.Namespace.FromString(request.namespace) == reference.namespace
+
+
+@pytest.mark.parametrize("message", [
+    pb.GetRequest(namespace=_NS, block_hashes=[b"h" * 16] * 20).SerializeToString()[:-1],  # a hash cut short
+    b"\x0a\xff",  # the namespace runs past the end
+    b"\x12\x10" + b"h" * 15,
+])
+def test_a_malformed_hash_request_is_invalid_argument(message: bytes) -> None:
+    with pytest.raises(InvalidArgumentError, match="malformed GetRequest"):
+        decode_hash_request(pb.GetRequest, message)
+
+
+def test_the_three_hash_requests_number_their_fields_alike() -> None:
+    """``decode_hash_request`` reads Lookup, Get and Delete requests with one layout."""
+    numbers = {(m.DESCRIPTOR.fields_by_name["namespace"].number, m.DESCRIPTOR.fields_by_name["block_hashes"].number)
+               for m in (pb.LookupRequest, pb.GetRequest, pb.DeleteRequest)}
+    assert numbers == {(1, 2)} and set(pb.GetRequest.DESCRIPTOR.fields_by_name) == {"namespace", "block_hashes"}
