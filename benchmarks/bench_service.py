@@ -25,7 +25,7 @@ size)`` calls in all. Lookup latency is measured the same way over
 ``--lookups`` calls naming 1, 64 or 1,024 cached hashes, beside empty calls to
 the echo server. A separate pass then runs each op back to back (a quarter as
 many calls; as many for Lookup) and reports the CPU time per call of its server
-process and of this one, which varies much less than wall time on a busy host.
+process and of this one, which usually varies less than wall time on a busy host.
 
 Goals: Get >= 0.9x the raw gRPC echo; Lookup(1,024) <= 1.5x an empty call.
 
