@@ -222,7 +222,9 @@ def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[Bloc
     tag = namespace.tag
     if len(hashes) >= _PACKED_MIN_HASHES and set(map(len, hashes)) == {width}:
         packed = tag + tag.join(hashes)  # tag h0 tag h1 ...: the keys, end to end
-        return np.frombuffer(packed, dtype=f"V{len(tag) + width}").tolist()  # type: ignore[no-any-return]
+        key_bytes = len(tag) + width
+        if len(packed) == len(hashes) * key_bytes:  # not so for a buffer of wider items (len() counts items)
+            return np.frombuffer(packed, dtype=f"V{key_bytes}").tolist()  # type: ignore[no-any-return]
     for h in hashes:
         if len(h) != width:
             block_key(namespace, h)  # raises, naming the lengths

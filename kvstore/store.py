@@ -641,12 +641,21 @@ class TieredStore:
             policy = self._policies[source]
             metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), now - i * CHAIN_STEP_S)
                      for i, k in enumerate(keys)]
-        placed = await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0)
-        self._counters[len(self._tiers) if source is None else source].promotions += len(placed)
-        if source is not None and placed:
-            for key in placed:
+        try:
+            await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0)
+        except ResourceExhaustedError as exc:  # the top tier is leased full: promotion is only ever an offer
+            logger.debug("promotion into %s stopped: %s", self._tiers[0].name, exc)
+        # what is in the top tier now moved; a block the top tier evicted again while the rest were written (a
+        # promotion larger than the tier) went back down, or was dropped, and the source's copy is the one left
+        top = self._policies[0]
+        moved = [key for key in keys if key in top]
+        self._counters[len(self._tiers) if source is None else source].promotions += len(moved)
+        if source is not None:
+            moved = [key for key in moved if key in self._policies[source]]  # tiers are exclusive
+            for key in moved:
                 self._forget(source, key)
-            await self._tiers[source].delete(placed)
+            if moved:
+                await self._tiers[source].delete(moved)
 
     async def _place(
         self,
@@ -703,7 +712,7 @@ class TieredStore:
         return any(t.footprint(nbytes) <= (t.capacity_bytes or 0) for t in self._tiers)
 
     def _stale(self, key: BlockKey, level: int, source: int | None) -> bool:
-        """Whether a block just written into ``level`` must not be published there."""
+        """Whether a block just written into ``level``, where it was not before, must not be published there."""
         if source is not None and key not in self._policies[source]:
             return True  # deleted (or moved) while it was being written
         return any(key in policy for i, policy in enumerate(self._policies) if i != source)
@@ -737,12 +746,16 @@ class TieredStore:
                     except TierFullError as exc:
                         raise ResourceExhaustedError(f"tier {tier.name} is full: {exc}") from exc
                 stale = []
+                policy = self._policies[level]
                 for i in reversed(range(start, end)):  # tail first: the head ends most recent
-                    if self._stale(keys[i], level, source):
-                        stale.append(keys[i])
-                    else:
-                        self._publish(level, keys[i], sizes[i], metas[i].priority, metas[i].expires_at)
-                        published.append(keys[i])
+                    key = keys[i]
+                    if key in policy:  # already here, e.g. a block demoted back into the source of its promotion:
+                        self._forget(level, key)  # the write replaced the block, and its entry is replaced too
+                    elif self._stale(key, level, source):
+                        stale.append(key)
+                        continue
+                    self._publish(level, key, sizes[i], metas[i].priority, metas[i].expires_at)
+                    published.append(key)
                 if stale:
                     await tier.delete(stale)
             end = start

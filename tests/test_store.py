@@ -470,6 +470,29 @@ async def test_concurrent_reads_of_one_prefix_each_hold_it() -> None:
         assert await store.put(NS, newcomer, new_block) == 1
 
 
+async def test_promoting_more_blocks_than_the_top_tier_holds_loses_none(tmp_path) -> None:
+    """Six disk hits promoted into a memory tier of four: the last two written evict two promoted ones back.
+
+    Those went back to disk, where their own copies still were, and the promotion then deleted every promoted
+    block from disk: two of ten blocks were in no tier (more with concurrent gets).
+    """
+    memory = memory_tier(4)
+    async with TieredStore([memory, LMDBTier(tmp_path / "disk", 20 * disk_footprint())]) as store:
+        hashes, blocks = make_blocks(10, seed=3)
+        await store.put(NS, hashes, blocks)  # memory holds the head, disk the other six
+        assert await store.get(NS, hashes) == blocks
+        await store.drain()
+        assert [t.blocks for t in store.stats().tiers] == [4, 6]
+        assert store.stats().tier("disk").promotions == 4  # the two sent back down did not move
+        for _ in range(3):  # concurrent gets pin the top tier, so some promotions find no room and stop
+            await asyncio.gather(*(store.get(NS, hashes) for _ in range(5)))
+            await store.drain()
+            assert await store.get(NS, hashes) == blocks
+            stats = store.stats()
+            assert sum(t.blocks for t in stats.tiers) == 10  # each block in exactly one tier
+            assert memory.num_pages - memory.num_free_pages == 2 * stats.tier("memory").blocks  # no ghost entries
+
+
 async def test_locate_gives_the_tier_index_of_each_prefix_block(two_tier: TieredStore) -> None:
     store = two_tier
     assert store.tier_names == ("memory", "disk")

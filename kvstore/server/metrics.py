@@ -79,8 +79,9 @@ class StoreCollector(Collector):
         return call
 
     def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
-        """Nothing up front, so that registering never calls the store (the families depend on its tiers)."""
-        return []
+        """The families, empty, so that a filtered scrape finds them and registering never calls the store."""
+        gauges, counters, events, lookups = self._families()
+        return [*gauges.values(), *counters.values(), events, lookups]
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """Yield one family per stat, labelled by tier (called by ``prometheus_client`` on scrape)."""
@@ -89,6 +90,25 @@ class StoreCollector(Collector):
         except Exception as exc:  # a closed loop or a slow store must not break /metrics
             logger.warning("store stats unavailable for /metrics: %s", exc)
             return
+        gauges, counters, events, lookups = self._families()
+        for tier in stats.tiers:
+            for name, family in gauges.items():
+                family.add_metric([tier.name], getattr(tier, name))
+            for name, family in counters.items():
+                family.add_metric([tier.name], getattr(tier, name))
+            for event, count in sorted(tier.counters.items()):
+                events.add_metric([tier.name, event], count)
+        lookups.add_metric(["hit"], stats.lookup_hit_blocks)
+        lookups.add_metric(["miss"], stats.lookup_miss_blocks)
+        yield from gauges.values()
+        yield from counters.values()
+        yield events
+        yield lookups
+
+    @staticmethod
+    def _families() -> tuple[dict[str, GaugeMetricFamily], dict[str, CounterMetricFamily], CounterMetricFamily,
+                             CounterMetricFamily]:
+        """The exported families, empty: tier gauges and counters by stat name, tier events, lookup blocks."""
         gauges = {
             "blocks": GaugeMetricFamily("kvstore_tier_blocks", "Blocks resident in the tier (-1: unknown).",
                                         labels=["tier"]),
@@ -109,21 +129,9 @@ class StoreCollector(Collector):
             )
         }
         events = CounterMetricFamily("kvstore_tier_events", "Tier-specific event counts.", labels=["tier", "event"])
-        for tier in stats.tiers:
-            for name, family in gauges.items():
-                family.add_metric([tier.name], getattr(tier, name))
-            for name, family in counters.items():
-                family.add_metric([tier.name], getattr(tier, name))
-            for event, count in sorted(tier.counters.items()):
-                events.add_metric([tier.name, event], count)
         lookups = CounterMetricFamily("kvstore_lookup_blocks", "Blocks asked for by lookups, by whether they were "
                                       "in the cached prefix (the traffic's prefix hit ratio).", labels=["result"])
-        lookups.add_metric(["hit"], stats.lookup_hit_blocks)
-        lookups.add_metric(["miss"], stats.lookup_miss_blocks)
-        yield from gauges.values()
-        yield from counters.values()
-        yield events
-        yield lookups
+        return gauges, counters, events, lookups
 
 
 class CallStats(Collector):
@@ -161,18 +169,15 @@ class CallStats(Collector):
         latency.counts[bisect.bisect_left(self.buckets, duration_s)] += 1  # Prometheus' le: duration <= bound
         latency.sum_s += duration_s
 
-    def describe(self) -> list[CounterMetricFamily]:
-        """Nothing up front: the series appear with the first call."""
-        return []
+    def describe(self) -> list[CounterMetricFamily | HistogramMetricFamily]:
+        """The two families, empty: their names let a filtered scrape (``/metrics?name[]=...``) find them."""
+        return list(self._families())
 
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         """``kvstore_requests_total`` and ``kvstore_request_duration_seconds`` (called by ``prometheus_client``)."""
-        requests = CounterMetricFamily("kvstore_requests", "Finished gRPC calls by method and status code.",
-                                       labels=["method", "code"])
+        requests, durations = self._families()
         for (method, code), count in sorted(dict(self._calls).items()):
             requests.add_metric([method, code], count)
-        durations = HistogramMetricFamily("kvstore_request_duration_seconds", "gRPC call latency by method, seconds.",
-                                          labels=["method"])
         bounds = [*map(floatToGoString, self.buckets), "+Inf"]
         for method, latency in sorted(dict(self._latency).items()):
             counts, sum_s = list(latency.counts), latency.sum_s
@@ -183,6 +188,15 @@ class CallStats(Collector):
             durations.add_metric([method], list(zip(bounds, cumulative)), sum_s)
         yield requests
         yield durations
+
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily, HistogramMetricFamily]:
+        return (
+            CounterMetricFamily("kvstore_requests", "Finished gRPC calls by method and status code.",
+                                labels=["method", "code"]),
+            HistogramMetricFamily("kvstore_request_duration_seconds", "gRPC call latency by method, seconds.",
+                                  labels=["method"]),
+        )
 
 
 class _Latency:

@@ -491,10 +491,11 @@ def _uniform_hash_request(message: bytes) -> HashRequest | None:
     size = len(message)
     if size < 2 or message[0] != _NAMESPACE_TAG_BYTE:
         return None
-    view = memoryview(message)
     try:
-        length, start = _read_varint(view, 1)
+        length, start = _read_varint(memoryview(message), 1)
     except InvalidArgumentError:
+        return None
+    if start > 6:  # a length over 5 bytes long: protobuf refuses it, and so must this
         return None
     end = start + length
     if end == size:

@@ -32,3 +32,17 @@ def test_calls_are_counted_by_method_and_code_with_a_cumulative_latency_histogra
     assert bucket("Put", "0.0001") == 1
     assert samples[("kvstore_request_duration_seconds_count", (("method", "Get"),))] == 3
     assert abs(samples[("kvstore_request_duration_seconds_sum", (("method", "Get"),))] - 20.0035) < 1e-9
+
+
+def test_a_filtered_scrape_finds_the_request_and_store_series() -> None:
+    """``/metrics?name[]=...`` serves only the families whose names the collectors describe up front."""
+    from kvstore.api import StoreStats, TierStats
+
+    metrics = ServiceMetrics()
+    metrics.add_store(lambda: StoreStats((TierStats("memory", blocks=1, bytes=2, capacity_bytes=3, hits=4),), 5, 6))
+    metrics.observe("Get", "OK", 0.001)
+    names = ["kvstore_requests_total", "kvstore_request_duration_seconds_count", "kvstore_tier_hits_total",
+             "kvstore_lookup_blocks_total"]
+    text = generate_latest(metrics.registry.restricted_registry(names)).decode()
+    samples = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples == set(names)

@@ -306,3 +306,20 @@ def test_the_three_hash_requests_number_their_fields_alike() -> None:
     numbers = {(m.DESCRIPTOR.fields_by_name["namespace"].number, m.DESCRIPTOR.fields_by_name["block_hashes"].number)
                for m in (pb.LookupRequest, pb.GetRequest, pb.DeleteRequest)}
     assert numbers == {(1, 2)} and set(pb.GetRequest.DESCRIPTOR.fields_by_name) == {"namespace", "block_hashes"}
+
+
+@pytest.mark.parametrize("length_bytes", range(1, 11))
+def test_a_long_namespace_length_varint_is_refused_as_protobuf_refuses_it(length_bytes: int) -> None:
+    """A length written in ``length_bytes`` bytes (padded with 0x80 continuation bytes): protobuf takes up to 5."""
+    namespace = pb.Namespace(model="m", block_size=16).SerializeToString()  # under 128 bytes: one byte of length
+    groups = [len(namespace)] + [0] * (length_bytes - 1)
+    varint = bytes(g | 0x80 for g in groups[:-1]) + bytes([groups[-1]])
+    message = b"\x0a" + varint + namespace + b"\x12\x02ab" * 20
+    try:
+        expected = pb.GetRequest.FromString(message)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError
+        with pytest.raises(InvalidArgumentError):
+            decode_hash_request(pb.GetRequest, message)
+    else:
+        request = decode_hash_request(pb.GetRequest, message)
+        assert list(request.block_hashes) == list(expected.block_hashes) and length_bytes <= 5
