@@ -64,6 +64,9 @@ deadline started when the request arrived, so it runs a little late and may
 still show time remaining when the cancellation lands.
 """
 
+CANCELLATION_GRACE_S = 0.1
+"""How long a Put whose stream ended mid-block waits for a cancellation before it is refused as truncated, seconds."""
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 """``kvstore.v1.KVStore``: the service name for health checks and reflection."""
 
@@ -197,7 +200,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             try:
                 blocks = assembler.finish()
             except InvalidArgumentError:  # a truncated stream; a client that cancelled mid-stream ends it early too,
-                await asyncio.sleep(0)   # and its cancellation lands here, so it is counted as CANCELLED
+                await _await_cancellation(context)  # and its cancellation lands a moment later: count it as such
                 raise
             if namespace is None:
                 return pb.PutResponse(num_stored=0, num_blocks=0)
@@ -373,6 +376,18 @@ class _Call:
             return False  # already aborted with its status; or a BaseException (KeyboardInterrupt) to propagate
         await servicer._fail(self._method, self._context, exc, self._start_s)
         return False
+
+
+async def _await_cancellation(context: grpc.aio.ServicerContext) -> None:
+    """Wait up to :data:`CANCELLATION_GRACE_S` for the client's side of the call to end (cancelled, or its deadline).
+
+    A cancelled request stream simply ends, and the cancellation itself reaches
+    the handler a little later; on a busy node one turn of the loop is not
+    always enough. Waited for only on an error path (a truncated Put).
+    """
+    deadline = time.monotonic() + CANCELLATION_GRACE_S
+    while not _call_ended(context) and time.monotonic() < deadline:
+        await asyncio.sleep(CANCELLATION_GRACE_S / 10)  # cancelled here when the cancellation lands
 
 
 def _call_ended(context: grpc.aio.ServicerContext) -> bool:
