@@ -649,13 +649,13 @@ class TieredStore:
         # promotion larger than the tier) went back down, or was dropped, and the source's copy is the one left
         top = self._policies[0]
         moved = [key for key in keys if key in top]
-        self._counters[len(self._tiers) if source is None else source].promotions += len(moved)
         if source is not None:
-            moved = [key for key in moved if key in self._policies[source]]  # tiers are exclusive
-            for key in moved:
+            moved = [key for key in moved if key in self._policies[source]]  # tiers are exclusive (and a concurrent
+            for key in moved:                                                # promotion may have moved it already)
                 self._forget(source, key)
             if moved:
                 await self._tiers[source].delete(moved)
+        self._counters[len(self._tiers) if source is None else source].promotions += len(moved)
 
     async def _place(
         self,
