@@ -18,7 +18,7 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Iterable, NewType, Sequence
+from typing import Iterable, Iterator, NewType, Sequence
 
 import numpy as np
 import xxhash
@@ -218,9 +218,13 @@ def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[Bloc
     Raises:
         InvalidArgumentError: if any hash length does not match the namespace's algorithm.
     """
-    hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
     width = namespace.hash_bytes
     tag = namespace.tag
+    if isinstance(block_hashes, PackedHashes):
+        if block_hashes.width != width and len(block_hashes):
+            block_key(namespace, block_hashes[0])  # raises, naming the lengths
+        return _keys_of_packed(tag, block_hashes.data, width)
+    hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
     if len(hashes) >= _PACKED_MIN_HASHES and set(map(len, hashes)) == {width}:
         packed = tag + tag.join(hashes)  # tag h0 tag h1 ...: the keys, end to end
         key_bytes = len(tag) + width
@@ -234,6 +238,59 @@ def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[Bloc
 
 _PACKED_MIN_HASHES = 16
 """Fewest hashes for which :func:`block_keys` cuts keys out of one buffer; below it a Python loop is faster."""
+
+
+def _keys_of_packed(tag: bytes, data: bytes, width: int) -> list[BlockKey]:
+    """The keys of hashes of ``width`` bytes end to end in ``data``: each one ``tag`` followed by its hash."""
+    keys = np.empty((len(data) // width, len(tag) + width), dtype=np.uint8)
+    keys[:, : len(tag)] = np.frombuffer(tag, dtype=np.uint8)
+    keys[:, len(tag):] = np.frombuffer(data, dtype=np.uint8).reshape(-1, width)
+    return keys.view(f"V{len(tag) + width}").ravel().tolist()  # type: ignore[no-any-return]
+
+
+class PackedHashes(Sequence[bytes]):
+    """Block hashes of one length, end to end in one ``bytes``: a list of hashes without an object per hash.
+
+    What the server reads out of a request (``kvstore.server.wire.decode_hash_request``):
+    :func:`block_keys` makes keys from it in C, with no length check per hash
+    (all are ``width`` bytes by construction). Indexing and iteration give
+    ``bytes``; a slice is another :class:`PackedHashes`.
+
+    Args:
+        data: the hashes, ``len(data)`` a multiple of ``width``.
+        width: bytes per hash, > 0.
+
+    Raises:
+        ValueError: if ``width <= 0`` or ``len(data)`` is not a multiple of it.
+    """
+
+    __slots__ = ("data", "width")
+
+    def __init__(self, data: bytes, width: int) -> None:
+        if width <= 0 or len(data) % width:
+            raise ValueError(f"{len(data)} bytes are not whole hashes of {width} bytes")
+        self.data = data
+        self.width = width
+
+    def __len__(self) -> int:
+        return len(self.data) // self.width
+
+    def __getitem__(self, index: int | slice) -> bytes | PackedHashes:  # type: ignore[override]
+        width = self.width
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                return PackedHashes(self.data[start * width: max(start, stop) * width], width)
+            return PackedHashes(b"".join(self[i] for i in range(start, stop, step)), width)  # type: ignore[misc]
+        position = range(len(self))[index]  # IndexError past either end, negative indices count from the end
+        return self.data[position * width: (position + 1) * width]
+
+    def __iter__(self) -> Iterator[bytes]:
+        data, width = self.data, self.width
+        return (data[i: i + width] for i in range(0, len(data), width))
+
+    def __repr__(self) -> str:
+        return f"PackedHashes({len(self)} hashes of {self.width} bytes)"
 
 
 def split_key(key: BlockKey) -> tuple[bytes, BlockHash]:

@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.keys import HashAlgorithm, Namespace, block_key, block_keys, hash_blocks, split_key
+from kvstore.keys import HashAlgorithm, Namespace, PackedHashes, block_key, block_keys, hash_blocks, split_key
 
 NS = Namespace(model="meta-llama/Llama-3.1-8B", revision="main", dtype="float16", layout="kv", block_size=4)
 
@@ -158,3 +158,28 @@ def test_block_keys_refuse_one_hash_of_the_wrong_length(num_hashes: int) -> None
     hashes[-2] = hashes[-2][:15]
     with pytest.raises(InvalidArgumentError, match="must be 16 bytes"):
         block_keys(namespace, hashes)
+
+
+@pytest.mark.parametrize("num_hashes", [0, 1, 40])
+def test_packed_hashes_are_a_sequence_of_bytes_with_the_same_keys(num_hashes: int) -> None:
+    namespace = Namespace("m")
+    hashes = [os.urandom(16) for _ in range(num_hashes)]
+    packed = PackedHashes(b"".join(hashes), 16)
+    assert len(packed) == num_hashes and list(packed) == hashes
+    assert block_keys(namespace, packed) == block_keys(namespace, hashes)
+    assert all(type(k) is bytes for k in block_keys(namespace, packed))
+    if num_hashes:
+        assert packed[0] == hashes[0] and packed[-1] == hashes[-1]
+        assert list(packed[1:3]) == hashes[1:3] and list(packed[::-2]) == hashes[::-2]
+        assert list(packed[5:2]) == [] and isinstance(packed[1:], PackedHashes)
+        with pytest.raises(IndexError):
+            packed[num_hashes]
+
+
+def test_packed_hashes_of_the_wrong_width_or_shape_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="must be 16 bytes for xxh3_128, got 32"):
+        block_keys(Namespace("m"), PackedHashes(os.urandom(64), 32))
+    assert block_keys(Namespace("m"), PackedHashes(b"", 32)) == []  # no hash, nothing of the wrong length
+    for data, width in ((b"x" * 17, 16), (b"", 0)):
+        with pytest.raises(ValueError, match="not whole hashes"):
+            PackedHashes(data, width)
