@@ -299,8 +299,8 @@ class TieredStore:
             found[i] = value
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]
-        if hit < len(sources) and sources[hit] is not None:  # a corrupt record ends the prefix; the tier deleted it
-            self._forget(sources[hit], keys[hit])  # type: ignore[arg-type]
+        if hit < len(sources) and sources[hit] is not None:
+            await self._forget_if_gone(sources[hit], keys[hit])  # type: ignore[arg-type]
         hit_levels = [level for level in sources[:hit] if level is not None]
         self._count_get(hit_levels, hit, len(keys))
         for key, level in reversed(list(zip(keys[:hit], sources[:hit]))):  # tail first: the head ends most recent
@@ -308,6 +308,16 @@ class TieredStore:
                 policies[level].touch(key)
         read.promotions = self._promotions(keys, sources[:hit], values)
         return values
+
+    async def _forget_if_gone(self, level: int, key: BlockKey) -> None:
+        """Forget ``key`` in tier ``level`` if the tier no longer holds it: it found a corrupt record and deleted it.
+
+        A read that found nothing cannot tell that by itself: while it awaited, the block may have moved
+        (promoted, demoted) or been deleted and put again, and the entry it would forget may be a new one.
+        """
+        if key in self._policies[level] and not (await self._tiers[level].contains([key]))[0] \
+                and key in self._policies[level]:
+            self._forget(level, key)
 
     def _close_read(self, read: BlockRead) -> None:
         """Release the leases and pins of ``read``, then promote its lower-tier hits in the background."""

@@ -493,6 +493,40 @@ async def test_promoting_more_blocks_than_the_top_tier_holds_loses_none(tmp_path
             assert memory.num_pages - memory.num_free_pages == 2 * stats.tier("memory").blocks  # no ghost entries
 
 
+class _SlowLMDB(LMDBTier):
+    """A real LMDB tier whose next get waits for :attr:`gate`: a slow disk read, to order a race."""
+
+    gate: asyncio.Event | None = None
+
+    async def get(self, keys):  # type: ignore[no-untyped-def]
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            await gate.wait()
+        return await super().get(keys)
+
+
+async def test_a_read_does_not_forget_a_block_deleted_and_put_again_while_it_waited(tmp_path) -> None:
+    """A read over disk and memory found the memory block gone (deleted), and once its slow disk half ended it
+    forgot the block's entry, which by then was a new put's: the block was unreadable and its pages lost for good."""
+    memory = memory_tier(1)
+    disk = _SlowLMDB(tmp_path / "disk", 50 * disk_footprint())
+    async with TieredStore([memory, disk]) as store:
+        hashes, blocks = make_blocks(3, seed=2)
+        await store.put(NS, hashes[:1], blocks[:1])
+        await store.put(NS, hashes[1:2], blocks[1:2])  # the first on disk, the second in memory
+        assert await store.locate(NS, hashes[:2]) == b"\x01\x00"
+        gate = disk.gate = asyncio.Event()
+        reader = asyncio.create_task(store.get(NS, hashes[:2]))  # both tiers at once; the disk half waits
+        await asyncio.sleep(0)
+        assert await store.delete(NS, hashes[1:2]) == 1
+        assert await store.put(NS, hashes[1:2], blocks[1:2]) == 1
+        gate.set()
+        assert (await reader)[:1] == blocks[:1]
+        await store.drain()
+        assert await store.get(NS, hashes[1:2]) == blocks[1:2]
+        assert memory.num_free_pages == memory.num_pages - 2 * store.stats().tier("memory").blocks
+
+
 async def test_locate_gives_the_tier_index_of_each_prefix_block(two_tier: TieredStore) -> None:
     store = two_tier
     assert store.tier_names == ("memory", "disk")
