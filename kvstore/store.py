@@ -96,6 +96,7 @@ class TieredStore:
         self._lookup_miss_blocks = 0
         self._pending: dict[BlockKey, asyncio.Future[BaseException | None]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._placements: set[asyncio.Future[list[BlockKey]]] = set()  # puts' placements in flight
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -130,12 +131,15 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
+        if self._placements:  # puts in flight (a cancelled put's too) publish first, or they would miss the demotion
+            await asyncio.gather(*list(self._placements), return_exceptions=True)
         await self.drain()
         for level, tier in enumerate(self._tiers[:-1]):
             if not tier.persistent and any(t.persistent for t in self._tiers[level + 1:]):
                 policy = self._policies[level]
                 try:
-                    await self._evict(level, list(policy))  # every block, in eviction order, leased or not
+                    async with self._locks[level]:
+                        await self._evict(level, list(policy))  # every block, in eviction order, leased or not
                 except Exception:
                     logger.exception("demoting tier %s on close failed", tier.name)
         for tier in [*self._tiers, *([self._shared] if self._shared else [])]:
@@ -390,7 +394,11 @@ class TieredStore:
             error: BaseException | None = None
             try:
                 # shielded: a cancelled caller still leaves the batch whole, never half-indexed
-                await asyncio.shield(self._place(list(fresh), list(fresh.values()), chain_metas(meta, len(fresh))))
+                placement = asyncio.ensure_future(
+                    self._place(list(fresh), list(fresh.values()), chain_metas(meta, len(fresh))))
+                self._placements.add(placement)
+                placement.add_done_callback(self._placements.discard)
+                await asyncio.shield(placement)
             except BaseException as exc:
                 error = exc
                 raise

@@ -527,6 +527,22 @@ async def test_a_read_does_not_forget_a_block_deleted_and_put_again_while_it_wai
         assert memory.num_free_pages == memory.num_pages - 2 * store.stats().tier("memory").blocks
 
 
+async def test_close_waits_for_a_put_in_flight_so_a_restart_serves_its_block(tmp_path) -> None:
+    """A put still making room (demoting to disk) published its block after close had demoted memory: the put
+    succeeded and the block was gone after a restart."""
+    hashes, blocks = make_blocks(2, seed=6)
+    store = TieredStore([memory_tier(1), LMDBTier(tmp_path / "disk", 50 * disk_footprint())])
+    await store.start()
+    await store.put(NS, hashes[:1], blocks[:1])
+    put = asyncio.create_task(store.put(NS, hashes[1:], blocks[1:]))  # must demote the first block first
+    for _ in range(3):
+        await asyncio.sleep(0)  # the put is now writing the first block to disk
+    await store.close()
+    assert await put == 1
+    async with TieredStore([memory_tier(1), LMDBTier(tmp_path / "disk", 50 * disk_footprint())]) as store:
+        assert await store.get(NS, hashes) == blocks
+
+
 async def test_locate_gives_the_tier_index_of_each_prefix_block(two_tier: TieredStore) -> None:
     store = two_tier
     assert store.tier_names == ("memory", "disk")
