@@ -23,6 +23,7 @@ locks are needed; the tiers run their blocking work in threads.
 from __future__ import annotations
 
 import asyncio
+import functools
 import dataclasses
 import logging
 import time
@@ -96,7 +97,7 @@ class TieredStore:
         self._lookup_miss_blocks = 0
         self._pending: dict[BlockKey, asyncio.Future[BaseException | None]] = {}
         self._background: set[asyncio.Task[None]] = set()
-        self._placements: set[asyncio.Future[list[BlockKey]]] = set()  # puts' placements in flight
+        self._placements: set[asyncio.Future[None]] = set()  # puts' placements in flight
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -131,9 +132,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        if self._placements:  # puts in flight (a cancelled put's too) publish first, or they would miss the demotion
-            await asyncio.gather(*list(self._placements), return_exceptions=True)
-        await self.drain()
+        await self.drain()  # puts in flight too (a cancelled put's): they publish before memory is demoted
         for level, tier in enumerate(self._tiers[:-1]):
             if not tier.persistent and any(t.persistent for t in self._tiers[level + 1:]):
                 policy = self._policies[level]
@@ -391,28 +390,38 @@ class TieredStore:
             done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
             for key in fresh:
                 self._pending[key] = done
-            error: BaseException | None = None
-            try:
-                # shielded: a cancelled caller still leaves the batch whole, never half-indexed
-                placement = asyncio.ensure_future(
-                    self._place(list(fresh), list(fresh.values()), chain_metas(meta, len(fresh))))
-                self._placements.add(placement)
-                placement.add_done_callback(self._placements.discard)
-                await asyncio.shield(placement)
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                done.set_result(error)
-                for key in fresh:
-                    del self._pending[key]
+            placement = asyncio.ensure_future(self._place_fresh(list(fresh), list(fresh.values()), meta))
+            self._placements.add(placement)
+            placement.add_done_callback(functools.partial(self._placement_done, list(fresh), done))
+            # shielded: a cancelled caller leaves the batch to finish whole, never half-indexed, and its blocks
+            # pending until then, so that a retry waits for them instead of placing them a second time
+            await asyncio.shield(placement)
         for waited in waits:
             error = await asyncio.shield(waited)
             if error is not None and not isinstance(error, asyncio.CancelledError):
                 raise error
-        if self._write_through and fresh:
-            self._spawn(self._write_shared(list(fresh), list(fresh.values()), meta))
         return len(fresh)
+
+    def _placement_done(self, keys: list[BlockKey], done: asyncio.Future[BaseException | None],
+                        placement: asyncio.Future[None]) -> None:
+        """A put's placement ended: its blocks are no longer pending, and the puts waiting on them get its error."""
+        self._placements.discard(placement)
+        for key in keys:
+            if self._pending.get(key) is done:
+                del self._pending[key]
+        done.set_result(asyncio.CancelledError() if placement.cancelled() else placement.exception())
+
+    async def _place_fresh(self, keys: list[BlockKey], values: list[bytes], meta: BlockMeta) -> None:
+        """A put's placement of new blocks; in ``write_through`` mode they all go to the shared tier as well.
+
+        The write-through belongs to the placement, not to the caller: a put cancelled or failed part-way has
+        still published blocks, and the last local tier drops its victims, counting on the shared tier's copy.
+        """
+        try:
+            await self._place(keys, values, chain_metas(meta, len(keys)))
+        finally:
+            if self._write_through:
+                self._spawn(self._write_shared(keys, values, meta))
 
     async def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier; returns how many local blocks were found.
@@ -859,9 +868,9 @@ class TieredStore:
             logger.error("background store task failed", exc_info=task.exception())
 
     async def drain(self) -> None:
-        """Wait until background promotions and write-through puts have finished (for tests and shutdown)."""
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        """Wait until puts in flight, background promotions and write-through puts have finished (tests, shutdown)."""
+        while self._background or self._placements:
+            await asyncio.gather(*self._background, *self._placements, return_exceptions=True)
 
 
 class BlockRead:

@@ -126,3 +126,24 @@ async def test_a_redis_block_that_does_not_fit_its_namespace_is_a_miss(redis_ser
         assert await node_b.get(NS, hashes) == blocks[:1]  # observed: the float32 block served as block 1
         await node_b.drain()
         assert (await node_b.lookup(NS, hashes)).tiers == ("memory", "redis")  # block 0 promoted, not block 1
+
+
+async def test_a_cancelled_write_through_put_still_writes_through_what_it_stored(redis_server: RedisProcess) -> None:
+    """A put cancelled while its (shielded) placement ran stored the block locally but never wrote it through; a
+    retry saw it resident and skipped it too, and once memory dropped it (write-through drops victims) it was gone."""
+    config = redis_config(redis_server.url, "write_through")
+    memory = MemoryTier(2 * 2 * PAGE, page_bytes=PAGE, offload_min_bytes=PAGE)  # copies in a thread: the put awaits
+    async with TieredStore([memory], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(3, seed=5)
+        put = asyncio.create_task(store.put(NS, hashes[:1], blocks[:1]))
+        await asyncio.sleep(0)
+        put.cancel()
+        try:
+            await put
+        except asyncio.CancelledError:
+            pass
+        await store.drain()
+        assert await store.put(NS, hashes[:1], blocks[:1]) == 0  # resident already
+        await store.put(NS, hashes[1:], blocks[1:])  # memory holds two: the first block is dropped from it
+        await store.drain()
+        assert await store.get(NS, hashes[:1]) == blocks[:1]  # from Redis
