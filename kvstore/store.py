@@ -23,8 +23,8 @@ locks are needed; the tiers run their blocking work in threads.
 from __future__ import annotations
 
 import asyncio
-import functools
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
