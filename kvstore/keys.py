@@ -196,15 +196,33 @@ def hash_blocks(
 def block_key(namespace: Namespace, block_hash: bytes) -> BlockKey:
     """The tier key of ``block_hash`` in ``namespace``: ``namespace.tag || block_hash``.
 
+    Any bytes-like hash is taken by its bytes (a typed buffer, e.g. an
+    ``array('I')``, by its ``nbytes``, not its item count).
+
     Raises:
-        InvalidArgumentError: if the hash length does not match the namespace's algorithm.
+        InvalidArgumentError: if the hash length does not match the namespace's
+            algorithm, or the hash is not bytes-like.
     """
+    if type(block_hash) is not bytes:
+        block_hash = _as_bytes(block_hash)
     if len(block_hash) != namespace.hash_bytes:
         raise InvalidArgumentError(
             f"block hash must be {namespace.hash_bytes} bytes for {namespace.hash_algorithm.value}, "
             f"got {len(block_hash)}"
         )
     return BlockKey(namespace.tag + block_hash)
+
+
+def _as_bytes(block_hash: object) -> bytes:
+    """The bytes of a bytes-like hash.
+
+    Raises:
+        InvalidArgumentError: if it is not bytes-like.
+    """
+    try:
+        return memoryview(block_hash).tobytes()  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"a block hash must be bytes, got {type(block_hash).__name__}") from None
 
 
 def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[BlockKey]:
@@ -225,11 +243,11 @@ def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[Bloc
             block_key(namespace, block_hashes[0])  # raises, naming the lengths
         return _keys_of_packed(tag, block_hashes.data, width)
     hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
+    if set(map(type, hashes)) - {bytes}:  # bytearray, memoryview, typed buffers: by their bytes
+        hashes = [h if type(h) is bytes else _as_bytes(h) for h in hashes]
     if len(hashes) >= _PACKED_MIN_HASHES and set(map(len, hashes)) == {width}:
         packed = tag + tag.join(hashes)  # tag h0 tag h1 ...: the keys, end to end
-        key_bytes = len(tag) + width
-        if len(packed) == len(hashes) * key_bytes:  # not so for a buffer of wider items (len() counts items)
-            return np.frombuffer(packed, dtype=f"V{key_bytes}").tolist()  # type: ignore[no-any-return]
+        return np.frombuffer(packed, dtype=f"V{len(tag) + width}").tolist()  # type: ignore[no-any-return]
     for h in hashes:
         if len(h) != width:
             block_key(namespace, h)  # raises, naming the lengths

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import os
@@ -158,6 +159,21 @@ def test_block_keys_refuse_one_hash_of_the_wrong_length(num_hashes: int) -> None
     hashes[-2] = hashes[-2][:15]
     with pytest.raises(InvalidArgumentError, match="must be 16 bytes"):
         block_keys(namespace, hashes)
+
+
+@pytest.mark.parametrize("num_hashes", [1, 40])
+def test_a_typed_buffer_hash_counts_its_bytes_not_its_items(num_hashes: int) -> None:
+    """An ``array('I')`` of 16 items is 64 bytes: the wrong length for a 16-byte hash, however len() reads."""
+    namespace = Namespace("m")
+    wide = array.array("I", range(16))
+    with pytest.raises(InvalidArgumentError, match="must be 16 bytes for xxh3_128, got 64"):
+        block_key(namespace, wide)
+    with pytest.raises(InvalidArgumentError, match="got 64"):
+        block_keys(namespace, [os.urandom(16) for _ in range(num_hashes - 1)] + [wide])
+    right = array.array("I", range(4))  # 4 items, 16 bytes: a valid hash
+    assert block_keys(namespace, [right] * num_hashes) == [block_key(namespace, right.tobytes())] * num_hashes
+    with pytest.raises(InvalidArgumentError, match="must be bytes, got str"):
+        block_keys(namespace, ["0123456789abcdef"])
 
 
 @pytest.mark.parametrize("num_hashes", [0, 1, 40])
