@@ -17,10 +17,11 @@ allocation history of the process, and the echo's own Get swung between 0.3
 and 0.55 GB/s from run to run.
 
 Throughput is GB/s (1e9 bytes per second) of encoded block bytes, one block
-per call: the ops of one block size take turns (service Get,
-echo Get, Redis GET, service Put, echo Put, Redis SET) in bursts
-of ``--burst`` consecutive calls (1 by default: strict turns), so each sees the same background load, and
-the figure comes from the median burst of ``max(--min-rounds, --run-bytes /
+per call: the ops of one block size (service Get, echo Get, Redis GET,
+service Put, echo Put, Redis SET) take turns in bursts of ``--burst``
+consecutive calls (1 by default: strict turns), so each sees the same
+background load, each round in a fresh random order (see
+:func:`interleaved_ms`), and the figure comes from the median burst of ``max(--min-rounds, --run-bytes /
 size)`` calls in all. Lookup latency is measured the same way over
 ``--lookups`` calls naming 1, 64 or 1,024 cached hashes, beside empty calls to
 the echo server. A separate pass then runs each op back to back (a quarter as
@@ -41,6 +42,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -166,17 +168,25 @@ def process_cpu_s(pid: int) -> float | None:
     return total_ns / 1e9
 
 
-def interleaved_ms(ops: dict[str, Callable[[], object]], num_calls: int, burst: int) -> dict[str, float]:
+def interleaved_ms(ops: dict[str, Callable[[], object]], num_calls: int, burst: int,
+                   seed: int = 0) -> dict[str, float]:
     """Milliseconds per call of each op: the median over bursts of ``burst`` back-to-back calls, ops taking turns.
 
     Every op runs ``max(1, num_calls // burst)`` bursts. Taking turns makes every
     op see the same background load, so ratios stay meaningful on a busy machine.
+    Each round takes the ops in a fresh random order (seeded): with a fixed
+    order, the op that follows another server's call pays for that server's
+    clean-up on the shared CPUs, and the service's 256 KiB Get read 0.76x the
+    echo when it followed a Redis SET but 0.85x when it followed the echo.
     """
     for op in ops.values():  # warm up
         op()
     samples: dict[str, list[float]] = {name: [] for name in ops}
+    order = list(ops.items())
+    rng = random.Random(seed)
     for _ in range(max(1, num_calls // burst)):
-        for name, op in ops.items():
+        rng.shuffle(order)
+        for name, op in order:
             start = time.perf_counter()
             for _ in range(burst):
                 op()

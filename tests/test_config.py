@@ -50,6 +50,7 @@ def test_toml_yaml_env_and_override_precedence(tmp_path) -> None:
     ({"KVSTORE_STORE__REDIS__MODE": "sometimes"}, "store.redis.mode"),
     ({"KVSTORE_STORE__NOPE": "1"}, "store.nope"),
     ({"KVSTORE_STORE__PROMOTE_ON_HIT": "maybe"}, "store.promote_on_hit"),
+    ({"KVSTORE_SERVER__EVENT_LOOP": "trio"}, "server.event_loop"),
 ])
 def test_errors_name_the_field(env: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -56,6 +56,21 @@ def test_sigterm_shuts_down_in_order_and_a_restart_serves_the_earlier_blocks(dis
         assert kv.stats().tier("disk").blocks >= 4
 
 
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_the_node_serves_on_either_event_loop(event_loop: str) -> None:
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 2)
+    with KVNode(env={"KVSTORE_SERVER__EVENT_LOOP": event_loop}) as node:
+        with KVStoreClient(node.target, retries=0, timeout_s=30) as kv:
+            assert kv.put(ns, hashes, tensors) == 2
+            assert [torch.equal(a, b) for a, b in zip(tensors, kv.get_tensors(ns, hashes))] == [True, True]
+        serving = next(r for r in node.log_records(since_start=True) if r["event"] == "serving")
+        assert serving["event_loop"] == event_loop
+        assert node.stop() == 0  # SIGTERM: the signal handlers work on this loop too
+
+
 def test_client_retries_ride_out_a_restart(disk_node: KVNode) -> None:
     ns = namespace()
     hashes, tensors = kv_blocks(ns, 1)
