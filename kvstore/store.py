@@ -42,6 +42,7 @@ from kvstore.errors import (
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.policy import PriorityLRUPolicy, check_priority
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, LeasingTier, Tier, TierFullError, TierLease
+from kvstore.tombstones import Tombstones
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class TieredStore:
         self._pending: dict[BlockKey, asyncio.Future[BaseException | None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._placements: set[asyncio.Future[None]] = set()  # puts' placements in flight
+        self._tombstones = Tombstones()  # deletes that copies to and from the shared tier, in flight, must respect
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -292,6 +294,7 @@ class TieredStore:
         releases = read.releases = []
         found: list[Buffer | None] = [None] * len(sources)
         if wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
+            read.shared_epoch = self._tombstones.begin()  # its hits' promotion must not undo a delete from now on
             for i, value in zip(wanted, await self._shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
                 if value is None or not self._shared_block_fits(read.namespace, keys[i], value):
                     local = [j for j in local if j < i]
@@ -329,9 +332,17 @@ class TieredStore:
         policies = self._policies
         for key, level in read.pinned:
             policies[level].unpin(key)  # type: ignore[index]
+        epoch, read.shared_epoch = read.shared_epoch, None
         if not self._closed:  # once unpinned, so that room is made by evicting others
             for source, moved_keys, blocks in read.promotions:
-                self._spawn(self._promote_from(source, moved_keys, blocks))
+                if source is None and epoch is not None:  # the shared tier's hits: the copy window goes with them
+                    self._spawn(self._promote_from(None, moved_keys, blocks, epoch),
+                                functools.partial(self._end_copy, epoch))
+                    epoch = None
+                else:
+                    self._spawn(self._promote_from(source, moved_keys, blocks))
+        if epoch is not None:
+            self._tombstones.end(epoch)
 
     async def put(
         self,
@@ -417,11 +428,12 @@ class TieredStore:
         The write-through belongs to the placement, not to the caller: a put cancelled or failed part-way has
         still published blocks, and the last local tier drops its victims, counting on the shared tier's copy.
         """
+        epoch = self._tombstones.begin() if self._write_through else None
         try:
             await self._place(keys, values, chain_metas(meta, len(keys)))
         finally:
-            if self._write_through:
-                self._spawn(self._write_shared(keys, values, meta))
+            if epoch is not None:
+                self._spawn(self._write_shared(keys, values, meta, epoch), functools.partial(self._end_copy, epoch))
 
     async def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier; returns how many local blocks were found.
@@ -442,10 +454,14 @@ class TieredStore:
         self._check_open()
         tag = namespace.tag
         keys = [key for policy in self._policies for key in policy if key.startswith(tag)]
-        removed = await self._delete_keys(keys)
-        clear_shared = getattr(self._shared, "clear_namespace", None)
-        if clear_shared is not None:
-            await clear_shared(tag)
+        self._tombstones.record_clear(tag)
+        try:
+            removed = await self._delete_keys(keys)
+            clear_shared = getattr(self._shared, "clear_namespace", None)
+            if clear_shared is not None:
+                await clear_shared(tag)
+        finally:
+            self._tombstones.record_clear(tag)
         return removed
 
     def stats(self) -> StoreStats:
@@ -652,11 +668,17 @@ class TieredStore:
             for level, positions in moves.items()
         ]
 
-    async def _promote_from(self, source: int | None, keys: list[BlockKey], values: list[bytes]) -> None:
-        """Move hits from ``source`` (``None``: the shared tier, which keeps its copy) into the top tier."""
+    async def _promote_from(self, source: int | None, keys: list[BlockKey], values: list[bytes],
+                            since: int | None = None) -> None:
+        """Move hits from ``source`` (``None``: the shared tier, which keeps its copy) into the top tier.
+
+        ``since``: the copy window (``kvstore.tombstones``) the shared tier was read in; a block deleted since
+        is not promoted, nor published if the delete lands while it is being written.
+        """
         wanted = [
             i for i, key in enumerate(keys)
             if key not in self._pending and (self._tier_of(key) == source if source is not None else self._tier_of(key) is None)
+            and not (since is not None and self._tombstones.deleted_since(key, since))
         ]
         if not wanted:
             return
@@ -669,7 +691,7 @@ class TieredStore:
             metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), now - i * CHAIN_STEP_S)
                      for i, k in enumerate(keys)]
         try:
-            await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0)
+            await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0, since=since)
         except ResourceExhaustedError as exc:  # the top tier is leased full: promotion is only ever an offer
             logger.debug("promotion into %s stopped: %s", self._tiers[0].name, exc)
         # what is in the top tier now moved; a block the top tier evicted again while the rest were written (a
@@ -693,13 +715,15 @@ class TieredStore:
         source: int | None = None,
         target: int = 0,
         last: int | None = None,
+        since: int | None = None,
     ) -> list[BlockKey]:
         """Write blocks into local tier ``target`` (down to ``last``), evicting to make room, and publish them.
 
         A block larger than a tier goes to the next one down. With ``source``
         set (a move between tiers) a block that left the source while it was
         being written is not published and is removed again, and blocks that
-        fit no tier are left where they are.
+        fit no tier are left where they are. With ``since`` set (a copy window
+        of ``kvstore.tombstones``) so is a block deleted since it began.
 
         Returns:
             The keys published.
@@ -717,7 +741,8 @@ class TieredStore:
             if fits:
                 chosen = sorted(fits)
                 published += await self._write_tier(
-                    level, [keys[i] for i in chosen], [values[i] for i in chosen], [metas[i] for i in chosen], source
+                    level, [keys[i] for i in chosen], [values[i] for i in chosen], [metas[i] for i in chosen], source,
+                    since,
                 )
             rest = [i for i in range(len(keys)) if i not in fits]
             keys, values, metas = [keys[i] for i in rest], [values[i] for i in rest], [metas[i] for i in rest]
@@ -738,10 +763,12 @@ class TieredStore:
             return True
         return any(t.footprint(nbytes) <= (t.capacity_bytes or 0) for t in self._tiers)
 
-    def _stale(self, key: BlockKey, level: int, source: int | None) -> bool:
+    def _stale(self, key: BlockKey, level: int, source: int | None, since: int | None) -> bool:
         """Whether a block just written into ``level``, where it was not before, must not be published there."""
         if source is not None and key not in self._policies[source]:
             return True  # deleted (or moved) while it was being written
+        if since is not None and self._tombstones.deleted_since(key, since):
+            return True  # copied from the shared tier, and deleted since
         return any(key in policy for i, policy in enumerate(self._policies) if i != source)
 
     async def _write_tier(
@@ -751,6 +778,7 @@ class TieredStore:
         values: list[bytes],
         metas: list[BlockMeta],
         source: int | None,
+        since: int | None = None,
     ) -> list[BlockKey]:
         tier = self._tiers[level]
         sizes = [tier.footprint(len(v)) for v in values]
@@ -778,7 +806,7 @@ class TieredStore:
                     key = keys[i]
                     if key in policy:  # already here, e.g. a block demoted back into the source of its promotion:
                         self._forget(level, key)  # the write replaced the block, and its entry is replaced too
-                    elif self._stale(key, level, source):
+                    elif self._stale(key, level, source, since):
                         stale.append(key)
                         continue
                     self._publish(level, key, sizes[i], metas[i].priority, metas[i].expires_at)
@@ -820,28 +848,53 @@ class TieredStore:
         demote = [k for k in victims if policy.priority_of(k) >= floor]
         below = level + 1 < len(self._tiers)
         to_shared = not below and self._shared is not None and not self._write_through
-        if demote and (below or to_shared):
-            values = await self._tiers[level].get(demote)
-            found = [(k, v) for k, v in zip(demote, values) if v is not None]
-            keys = [k for k, _ in found]
-            metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), self._clock()) for k in keys]
-            if below:
-                try:
-                    placed = await self._place(keys, [v for _, v in found], metas, source=level, target=level + 1)
-                except (ResourceExhaustedError, UnavailableError) as exc:  # no room below, or a failing disk:
-                    # the victims are dropped, as evicted from the last tier; the put that needed the room goes on
-                    logger.warning("demotion from %s dropped %d blocks: %s", self._tiers[level].name, len(keys), exc)
-                    placed = []
-                self._counters[level + 1].demotions += len(placed)
-            else:
-                stored = await self._shared.put(keys, [v for _, v in found], metas)
-                self._counters[-1].demotions += sum(stored)
+        epoch = self._tombstones.begin() if demote and to_shared else None
+        try:
+            if demote and (below or to_shared):
+                await self._demote(level, demote, below, epoch)
+        finally:
+            if epoch is not None:
+                self._tombstones.end(epoch)
         for key in victims:
             self._forget(level, key)
         self._counters[level].evictions += len(victims)
         await self._tiers[level].delete(victims)
 
+    async def _demote(self, level: int, demote: list[BlockKey], below: bool, epoch: int | None) -> None:
+        """Copy the victims ``demote`` of tier ``level`` into the next tier down, or into the shared tier
+        (``epoch``: the copy window opened for it, ``kvstore.tombstones``)."""
+        policy = self._policies[level]
+        values = await self._tiers[level].get(demote)
+        found = [(k, v) for k, v in zip(demote, values) if v is not None]
+        keys = [k for k, _ in found]
+        metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), self._clock()) for k in keys]
+        if below:
+            try:
+                placed = await self._place(keys, [v for _, v in found], metas, source=level, target=level + 1)
+            except (ResourceExhaustedError, UnavailableError) as exc:  # no room below, or a failing disk:
+                # the victims are dropped, as evicted from the last tier; the put that needed the room goes on
+                logger.warning("demotion from %s dropped %d blocks: %s", self._tiers[level].name, len(keys), exc)
+                placed = []
+            self._counters[level + 1].demotions += len(placed)
+        else:
+            assert epoch is not None
+            live = [i for i, key in enumerate(keys) if not self._tombstones.deleted_since(key, epoch)]
+            if live:
+                stored = await self._shared.put([keys[i] for i in live], [found[i][1] for i in live],  # type: ignore[union-attr]
+                                                [metas[i] for i in live])
+                self._counters[-1].demotions += sum(stored)
+                await self._undo_shared_writes([keys[i] for i in live], epoch)
+
     async def _delete_keys(self, keys: list[BlockKey]) -> int:
+        # recorded before and after: a copy that began before the delete finished (a read that found the block
+        # in the shared tier before its DEL landed, say) must not bring it back either
+        self._tombstones.record_delete(keys)
+        try:
+            return await self._delete_everywhere(keys)
+        finally:
+            self._tombstones.record_delete(keys)
+
+    async def _delete_everywhere(self, keys: list[BlockKey]) -> int:
         by_level: dict[int, list[BlockKey]] = {}
         for key in keys:
             for level, policy in enumerate(self._policies):
@@ -854,13 +907,31 @@ class TieredStore:
             await self._shared.delete(keys)
         return sum(map(len, by_level.values()))
 
-    async def _write_shared(self, keys: list[BlockKey], values: list[bytes], meta: BlockMeta) -> None:
-        await self._shared.put(keys, values, [meta] * len(keys))
+    async def _write_shared(self, keys: list[BlockKey], values: list[bytes], meta: BlockMeta, epoch: int) -> None:
+        """A write-through: ``keys`` into the shared tier, except those deleted since the put began (``epoch``)."""
+        live = [i for i, key in enumerate(keys) if not self._tombstones.deleted_since(key, epoch)]
+        if live:
+            await self._shared.put([keys[i] for i in live], [values[i] for i in live], [meta] * len(live))
+        await self._undo_shared_writes([keys[i] for i in live], epoch)
 
-    def _spawn(self, work: Awaitable[None]) -> None:
+    async def _undo_shared_writes(self, keys: list[BlockKey], epoch: int) -> None:
+        """Delete again from the shared tier what a copy wrote there after a delete of it began: its DEL may
+        have reached the shared tier first."""
+        gone = [key for key in keys if self._tombstones.deleted_since(key, epoch)]
+        if gone:
+            await self._shared.delete(gone)
+
+    def _end_copy(self, epoch: int, _task: object = None) -> None:
+        self._tombstones.end(epoch)
+
+    def _spawn(self, work: Awaitable[None], on_done: Callable[[asyncio.Task[None]], None] | None = None) -> None:
+        """Run ``work`` in the background (:meth:`drain` waits for it); ``on_done`` runs when it ends, even
+        if it was cancelled before it started."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background_done)
+        if on_done is not None:
+            task.add_done_callback(on_done)
 
     def _background_done(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
@@ -888,9 +959,11 @@ class BlockRead:
         pinned: ``(key, tier level)`` of every pinned block, once entered.
         releases: the leases to give back, once entered.
         promotions: lower-tier hits to copy into the top tier on leaving.
+        shared_epoch: the copy window (``kvstore.tombstones``) opened before asking the
+            shared tier, which its hits' promotion closes; ``None`` if it was not asked.
     """
 
-    __slots__ = ("_store", "namespace", "block_hashes", "lend", "pinned", "releases", "promotions")
+    __slots__ = ("_store", "namespace", "block_hashes", "lend", "pinned", "releases", "promotions", "shared_epoch")
 
     def __init__(self, store: TieredStore, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
         self._store = store
@@ -900,6 +973,7 @@ class BlockRead:
         self.pinned: list[tuple[BlockKey, int | None]] = []
         self.releases: list[Callable[[], None]] = []
         self.promotions: list[tuple[int | None, list[BlockKey], list[bytes]]] = []
+        self.shared_epoch: int | None = None
 
     async def __aenter__(self) -> list[Buffer]:
         try:

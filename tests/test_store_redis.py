@@ -147,3 +147,42 @@ async def test_a_cancelled_write_through_put_still_writes_through_what_it_stored
         await store.put(NS, hashes[1:], blocks[1:])  # memory holds two: the first block is dropped from it
         await store.drain()
         assert await store.get(NS, hashes[:1]) == blocks[:1]  # from Redis
+
+
+async def test_a_delete_right_after_a_write_through_put_stays_deleted(redis_server: RedisProcess) -> None:
+    """Regression: the put's write-through ran as a background task, so the delete's DEL could reach Redis
+    before its SET, and the block came back in Redis (then, on a read, in memory)."""
+    hashes, blocks = make_blocks(3)
+    async with store_with_redis(redis_server.url, "write_through") as store:
+        await store.put(NS, hashes, blocks)
+        await store.delete(NS, hashes[1:])  # before the write-through task has run
+        await store.drain()
+        raw = redis_server.client()
+        assert [bool(raw.exists(store_key(store, h))) for h in hashes] == [True, False, False]
+        assert (await store.lookup(NS, hashes)).num_blocks == 1
+        assert len(store._tombstones) == 0  # no copy in flight: no records kept
+
+
+async def test_a_clear_right_after_a_write_through_put_stays_cleared(redis_server: RedisProcess) -> None:
+    hashes, blocks = make_blocks(3)
+    async with store_with_redis(redis_server.url, "write_through") as store:
+        await store.put(NS, hashes, blocks)
+        await store.clear(NS)
+        await store.drain()
+        assert not any(redis_server.client().exists(store_key(store, h)) for h in hashes)
+        assert (await store.lookup(NS, hashes)).num_blocks == 0
+
+
+async def test_a_block_deleted_while_its_redis_hit_is_promoted_stays_deleted(redis_server: RedisProcess) -> None:
+    """A read that hit Redis promotes the block in the background; a delete in between must win."""
+    hashes, blocks = make_blocks(2)
+    async with store_with_redis(redis_server.url, "write_through") as node_a, \
+            store_with_redis(redis_server.url, "write_through") as node_b:
+        await node_a.put(NS, hashes, blocks)
+        await node_a.drain()
+        assert await node_b.get(NS, hashes) == blocks  # Redis hits: the promotion is spawned, not yet run
+        await node_b.delete(NS, hashes)
+        await node_b.drain()
+        assert (await node_b.lookup(NS, hashes)).num_blocks == 0
+        assert node_b.stats().tier("memory").blocks == 0
+        assert len(node_b._tombstones) == 0

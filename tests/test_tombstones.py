@@ -1,0 +1,58 @@
+"""The delete records that keep background copies to and from the shared tier from undoing a delete."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.keys import Namespace, block_key
+from kvstore.tombstones import Tombstones
+
+NS = Namespace("m")
+A, B, C = (block_key(NS, bytes([i]) * 16) for i in range(3))
+
+
+def test_a_delete_counts_only_for_windows_open_before_it() -> None:
+    tombstones = Tombstones()
+    early = tombstones.begin()
+    tombstones.record_delete([A])
+    late = tombstones.begin()
+    assert tombstones.deleted_since(A, early) and not tombstones.deleted_since(A, late)
+    assert not tombstones.deleted_since(B, early)
+
+
+def test_a_clear_covers_every_key_of_its_namespace_only() -> None:
+    tombstones = Tombstones()
+    window = tombstones.begin()
+    tombstones.record_clear(NS.tag)
+    other = block_key(Namespace("other"), b"\0" * 16)
+    assert tombstones.deleted_since(A, window) and tombstones.deleted_since(C, window)
+    assert not tombstones.deleted_since(other, window)
+
+
+def test_nothing_is_recorded_without_an_open_window_and_records_go_with_the_windows_that_need_them() -> None:
+    tombstones = Tombstones()
+    tombstones.record_delete([A, B])
+    assert len(tombstones) == 0
+    first = tombstones.begin()
+    tombstones.record_delete([A])
+    second = tombstones.begin()
+    tombstones.record_delete([B])
+    tombstones.record_clear(NS.tag)
+    assert len(tombstones) == 3
+    tombstones.end(first)  # A's record concerned only the first window
+    assert len(tombstones) == 2 and tombstones.deleted_since(B, second)
+    tombstones.end(second)
+    assert len(tombstones) == 0
+
+
+def test_windows_of_one_epoch_are_counted() -> None:
+    tombstones = Tombstones()
+    one, two = tombstones.begin(), tombstones.begin()
+    assert one == two
+    tombstones.record_delete([A])
+    tombstones.end(one)
+    assert tombstones.deleted_since(A, two) and len(tombstones) == 1
+    tombstones.end(two)
+    assert len(tombstones) == 0
+    with pytest.raises(KeyError):
+        tombstones.end(two)
