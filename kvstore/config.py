@@ -168,7 +168,8 @@ class StoreConfig:
         disk: the LMDB tier (enabled by a path).
         redis: the Redis tier (enabled by a URL).
         promote_on_hit: copy a lower-tier hit into the memory tier.
-        demote_min_priority: evicted blocks below this priority are dropped, not demoted.
+        demote_min_priority: evicted blocks below this priority are dropped, not demoted
+            (closing the store still demotes memory whole to disk).
         max_block_bytes: the largest encoded block accepted, bytes.
         default_priority: priority of puts that name none, and after retention ends.
     """

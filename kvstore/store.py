@@ -140,7 +140,9 @@ class TieredStore:
                 policy = self._policies[level]
                 try:
                     async with self._locks[level]:
-                        await self._evict(level, list(policy))  # every block, in eviction order, leased or not
+                        # every block, in eviction order, leased or not, whatever its priority: this is a flush,
+                        # not an eviction, and demote_min_priority decides only what room-making may drop
+                        await self._evict(level, list(policy), floor=0)
                 except Exception:
                     logger.exception("demoting tier %s on close failed", tier.name)
         for tier in [*self._tiers, *([self._shared] if self._shared else [])]:
@@ -842,9 +844,11 @@ class TieredStore:
             for key in victims:  # the claim ends with the move (a lease outlives the key's removal)
                 policy.unpin(key)
 
-    async def _evict(self, level: int, victims: list[BlockKey]) -> None:
+    async def _evict(self, level: int, victims: list[BlockKey], floor: int | None = None) -> None:
+        """Move ``victims`` out of tier ``level``: those at or above ``floor`` (``demote_min_priority`` by
+        default) are demoted to the next tier or the shared one, the rest dropped."""
         policy = self._policies[level]
-        floor = self.config.demote_min_priority
+        floor = self.config.demote_min_priority if floor is None else floor
         demote = [k for k in victims if policy.priority_of(k) >= floor]
         below = level + 1 < len(self._tiers)
         to_shared = not below and self._shared is not None and not self._write_through

@@ -543,6 +543,18 @@ async def test_close_waits_for_a_put_in_flight_so_a_restart_serves_its_block(tmp
         assert await store.get(NS, hashes) == blocks
 
 
+async def test_close_demotes_low_priority_blocks_too_so_a_restart_serves_them(tmp_path) -> None:
+    """Regression: close demoted memory through the eviction path, which drops blocks below
+    ``demote_min_priority``; a restart lost them though the disk had room."""
+    config = StoreConfig(demote_min_priority=50)
+    hashes, blocks = make_blocks(3, seed=7)
+    async with TieredStore([memory_tier(4), LMDBTier(tmp_path / "disk", 8 * disk_footprint())], config) as store:
+        await store.put(NS, hashes, blocks, priority=10)
+        assert (await store.lookup(NS, hashes)).tiers == ("memory",) * 3
+    async with TieredStore([memory_tier(4), LMDBTier(tmp_path / "disk", 8 * disk_footprint())], config) as store:
+        assert await store.get(NS, hashes) == blocks
+
+
 async def test_locate_gives_the_tier_index_of_each_prefix_block(two_tier: TieredStore) -> None:
     store = two_tier
     assert store.tier_names == ("memory", "disk")
