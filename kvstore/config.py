@@ -169,7 +169,7 @@ class StoreConfig:
         redis: the Redis tier (enabled by a URL).
         promote_on_hit: copy a lower-tier hit into the memory tier.
         demote_min_priority: evicted blocks below this priority are dropped, not demoted
-            (closing the store still demotes memory whole to disk).
+            (closing the store demotes them too where the disk has free room for them).
         max_block_bytes: the largest encoded block accepted, bytes.
         default_priority: priority of puts that name none, and after retention ends.
     """

@@ -100,6 +100,7 @@ class TieredStore:
         self._background: set[asyncio.Task[None]] = set()
         self._placements: set[asyncio.Future[None]] = set()  # puts' placements in flight
         self._tombstones = Tombstones()  # deletes that copies to and from the shared tier, in flight, must respect
+        self._shared_copies: set[_SharedCopy] = set()  # writes into the shared tier in flight (deletes wait for them)
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -140,9 +141,8 @@ class TieredStore:
                 policy = self._policies[level]
                 try:
                     async with self._locks[level]:
-                        # every block, in eviction order, leased or not, whatever its priority: this is a flush,
-                        # not an eviction, and demote_min_priority decides only what room-making may drop
-                        await self._evict(level, list(policy), floor=0)
+                        victims = list(policy)  # every block, in eviction order, leased or not
+                        await self._evict(level, victims, self._flush_set(level, victims))
                 except Exception:
                     logger.exception("demoting tier %s on close failed", tier.name)
         for tier in [*self._tiers, *([self._shared] if self._shared else [])]:
@@ -431,8 +431,8 @@ class TieredStore:
         still published blocks, and the last local tier drops its victims, counting on the shared tier's copy.
         """
         epoch = self._tombstones.begin() if self._write_through else None
-        try:
-            await self._place(keys, values, chain_metas(meta, len(keys)))
+        try:  # a delete that overtakes the placement wins here too, so that memory and the shared tier agree
+            await self._place(keys, values, chain_metas(meta, len(keys)), since=epoch)
         finally:
             if epoch is not None:
                 self._spawn(self._write_shared(keys, values, meta, epoch), functools.partial(self._end_copy, epoch))
@@ -461,6 +461,7 @@ class TieredStore:
             removed = await self._delete_keys(keys)
             clear_shared = getattr(self._shared, "clear_namespace", None)
             if clear_shared is not None:
+                await self._await_shared_copies(lambda copying: any(key.startswith(tag) for key in copying))
                 await clear_shared(tag)
         finally:
             self._tombstones.record_clear(tag)
@@ -693,7 +694,8 @@ class TieredStore:
             metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), now - i * CHAIN_STEP_S)
                      for i, k in enumerate(keys)]
         try:
-            await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0, since=since)
+            await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0, since=since,
+                              spill=False)
         except ResourceExhaustedError as exc:  # the top tier is leased full: promotion is only ever an offer
             logger.debug("promotion into %s stopped: %s", self._tiers[0].name, exc)
         # what is in the top tier now moved; a block the top tier evicted again while the rest were written (a
@@ -718,6 +720,7 @@ class TieredStore:
         target: int = 0,
         last: int | None = None,
         since: int | None = None,
+        spill: bool = True,
     ) -> list[BlockKey]:
         """Write blocks into local tier ``target`` (down to ``last``), evicting to make room, and publish them.
 
@@ -725,7 +728,9 @@ class TieredStore:
         set (a move between tiers) a block that left the source while it was
         being written is not published and is removed again, and blocks that
         fit no tier are left where they are. With ``since`` set (a copy window
-        of ``kvstore.tombstones``) so is a block deleted since it began.
+        of ``kvstore.tombstones``) so is a block deleted since it began. New
+        blocks that fit no local tier go to the shared tier in ``write_back``
+        mode, unless ``spill`` is off (a promotion out of the shared tier: they are there already).
 
         Returns:
             The keys published.
@@ -750,7 +755,7 @@ class TieredStore:
             keys, values, metas = [keys[i] for i in rest], [values[i] for i in rest], [metas[i] for i in rest]
             if not keys:
                 return published
-        if source is None:
+        if source is None and spill:
             if self._shared is not None and not self._write_through:
                 await self._shared.put(keys, values, metas)
             else:
@@ -844,12 +849,29 @@ class TieredStore:
             for key in victims:  # the claim ends with the move (a lease outlives the key's removal)
                 policy.unpin(key)
 
-    async def _evict(self, level: int, victims: list[BlockKey], floor: int | None = None) -> None:
-        """Move ``victims`` out of tier ``level``: those at or above ``floor`` (``demote_min_priority`` by
-        default) are demoted to the next tier or the shared one, the rest dropped."""
+    def _flush_set(self, level: int, victims: list[BlockKey]) -> list[BlockKey]:
+        """What closing the store demotes out of tier ``level``: what an eviction would (blocks at or above
+        ``demote_min_priority``), then the blocks below it, most valuable first, that fit in the next tier's
+        free room, so that a restart serves them without their pushing anything of higher priority out."""
         policy = self._policies[level]
-        floor = self.config.demote_min_priority if floor is None else floor
-        demote = [k for k in victims if policy.priority_of(k) >= floor]
+        floor = self.config.demote_min_priority
+        demote = {k for k in victims if policy.priority_of(k) >= floor}
+        below, below_policy = self._tiers[level + 1], self._policies[level + 1]
+        free = (below.capacity_bytes or 0) - below_policy.nbytes
+        free -= sum(below.footprint(policy.size_of(k)) for k in demote)
+        for key in reversed(victims):  # most valuable first
+            if key not in demote and below.footprint(policy.size_of(key)) <= free:
+                demote.add(key)
+                free -= below.footprint(policy.size_of(key))
+        return [k for k in victims if k in demote]
+
+    async def _evict(self, level: int, victims: list[BlockKey], demote: list[BlockKey] | None = None) -> None:
+        """Move ``victims`` out of tier ``level``: those in ``demote`` (by default those at or above
+        ``demote_min_priority``) go to the next tier down or the shared one, the rest are dropped."""
+        policy = self._policies[level]
+        if demote is None:
+            floor = self.config.demote_min_priority
+            demote = [k for k in victims if policy.priority_of(k) >= floor]
         below = level + 1 < len(self._tiers)
         to_shared = not below and self._shared is not None and not self._write_through
         epoch = self._tombstones.begin() if demote and to_shared else None
@@ -868,10 +890,12 @@ class TieredStore:
         """Copy the victims ``demote`` of tier ``level`` into the next tier down, or into the shared tier
         (``epoch``: the copy window opened for it, ``kvstore.tombstones``)."""
         policy = self._policies[level]
+        kept = {k: (policy.priority_of(k), policy.expiry_of(k)) for k in demote}  # a delete may forget them below
         values = await self._tiers[level].get(demote)
-        found = [(k, v) for k, v in zip(demote, values) if v is not None]
+        found = [(k, v) for k, v in zip(demote, values) if v is not None and k in policy]  # not deleted meanwhile
         keys = [k for k, _ in found]
-        metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), self._clock()) for k in keys]
+        now = self._clock()
+        metas = [BlockMeta(*kept[k], now) for k in keys]
         if below:
             try:
                 placed = await self._place(keys, [v for _, v in found], metas, source=level, target=level + 1)
@@ -882,12 +906,8 @@ class TieredStore:
             self._counters[level + 1].demotions += len(placed)
         else:
             assert epoch is not None
-            live = [i for i, key in enumerate(keys) if not self._tombstones.deleted_since(key, epoch)]
-            if live:
-                stored = await self._shared.put([keys[i] for i in live], [found[i][1] for i in live],  # type: ignore[union-attr]
-                                                [metas[i] for i in live])
-                self._counters[-1].demotions += sum(stored)
-                await self._undo_shared_writes([keys[i] for i in live], epoch)
+            stored = await self._copy_to_shared(keys, [v for _, v in found], metas, epoch)
+            self._counters[-1].demotions += stored
 
     async def _delete_keys(self, keys: list[BlockKey]) -> int:
         # recorded before and after: a copy that began before the delete finished (a read that found the block
@@ -908,22 +928,43 @@ class TieredStore:
         for level, found in by_level.items():
             await self._tiers[level].delete(found)
         if self._shared is not None and keys:
+            wanted = set(keys)
+            await self._await_shared_copies(lambda copying: not copying.isdisjoint(wanted))
             await self._shared.delete(keys)
         return sum(map(len, by_level.values()))
 
     async def _write_shared(self, keys: list[BlockKey], values: list[bytes], meta: BlockMeta, epoch: int) -> None:
-        """A write-through: ``keys`` into the shared tier, except those deleted since the put began (``epoch``)."""
-        live = [i for i, key in enumerate(keys) if not self._tombstones.deleted_since(key, epoch)]
-        if live:
-            await self._shared.put([keys[i] for i in live], [values[i] for i in live], [meta] * len(live))
-        await self._undo_shared_writes([keys[i] for i in live], epoch)
+        """A put's write-through (``epoch``: its copy window, ``kvstore.tombstones``)."""
+        await self._copy_to_shared(keys, values, [meta] * len(keys), epoch)
 
-    async def _undo_shared_writes(self, keys: list[BlockKey], epoch: int) -> None:
-        """Delete again from the shared tier what a copy wrote there after a delete of it began: its DEL may
-        have reached the shared tier first."""
-        gone = [key for key in keys if self._tombstones.deleted_since(key, epoch)]
-        if gone:
-            await self._shared.delete(gone)
+    async def _copy_to_shared(self, keys: list[BlockKey], values: Sequence[bytes], metas: list[BlockMeta],
+                              epoch: int) -> int:
+        """Write blocks into the shared tier, except those deleted since the copy window ``epoch`` began;
+        returns how many were stored.
+
+        The write is registered (:attr:`_shared_copies`) from the check on, with no await in between, and a
+        delete waits for registered writes of its keys before it deletes from the shared tier, so its DEL
+        always lands after their SET.
+        """
+        live = [i for i, key in enumerate(keys) if not self._tombstones.deleted_since(key, epoch)]
+        if not live:
+            return 0
+        copy = _SharedCopy(frozenset(keys[i] for i in live))
+        self._shared_copies.add(copy)
+        try:
+            stored = await self._shared.put(  # type: ignore[union-attr]
+                [keys[i] for i in live], [values[i] for i in live], [metas[i] for i in live]
+            )
+        finally:
+            self._shared_copies.discard(copy)
+            copy.done.set()
+        return sum(stored)
+
+    async def _await_shared_copies(self, overlaps: Callable[[frozenset[BlockKey]], bool]) -> None:
+        """Wait for the shared-tier writes in flight whose keys ``overlaps`` picks (a delete's, a clear's)."""
+        waits = [copy.done.wait() for copy in self._shared_copies if overlaps(copy.keys)]
+        if waits:
+            await asyncio.gather(*waits)
 
     def _end_copy(self, epoch: int, _task: object = None) -> None:
         self._tombstones.end(epoch)
@@ -946,6 +987,16 @@ class TieredStore:
         """Wait until puts in flight, background promotions and write-through puts have finished (tests, shutdown)."""
         while self._background or self._placements:
             await asyncio.gather(*self._background, *self._placements, return_exceptions=True)
+
+
+class _SharedCopy:
+    """One write into the shared tier in flight: its keys, and an event set when it has ended."""
+
+    __slots__ = ("keys", "done")
+
+    def __init__(self, keys: frozenset[BlockKey]) -> None:
+        self.keys = keys
+        self.done = asyncio.Event()
 
 
 class BlockRead:

@@ -555,6 +555,25 @@ async def test_close_demotes_low_priority_blocks_too_so_a_restart_serves_them(tm
         assert await store.get(NS, hashes) == blocks
 
 
+async def test_close_demotes_low_priority_blocks_only_into_free_room(tmp_path) -> None:
+    """Flushing blocks below ``demote_min_priority`` on close must not push higher-priority disk blocks out."""
+    config = StoreConfig(demote_min_priority=50)
+    hashes, blocks = make_blocks(4, seed=9)
+    store = TieredStore([memory_tier(2), LMDBTier(tmp_path / "d", 2 * disk_footprint())], config)
+    await store.start()
+    await store.put(NS, hashes[:1], blocks[:1], priority=90)
+    await store.put(NS, hashes[1:2], blocks[1:2], priority=90)
+    await store.put(NS, hashes[2:3], blocks[2:3], priority=10)  # evicts the 90s to disk
+    await store.put(NS, hashes[3:4], blocks[3:4], priority=10)
+    assert (await store.lookup(NS, hashes[:1])).tiers == ("disk",)
+    await store.close()  # flushes the two priority-10 blocks into a full disk
+    store = TieredStore([memory_tier(2), LMDBTier(tmp_path / "d", 2 * disk_footprint())], config)
+    await store.start()
+    present = [(await store.lookup(NS, [h])).num_blocks for h in hashes]
+    await store.close()
+    assert present[:2] == [1, 1], f"priority-90 blocks lost to priority-10 ones on close: {present}"
+
+
 async def test_locate_gives_the_tier_index_of_each_prefix_block(two_tier: TieredStore) -> None:
     store = two_tier
     assert store.tier_names == ("memory", "disk")
