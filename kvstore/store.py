@@ -137,12 +137,12 @@ class TieredStore:
         self._closed = True
         await self.drain()  # puts in flight too (a cancelled put's): they publish before memory is demoted
         for level, tier in enumerate(self._tiers[:-1]):
-            if not tier.persistent and any(t.persistent for t in self._tiers[level + 1:]):
+            persistent = next((i for i in range(level + 1, len(self._tiers)) if self._tiers[i].persistent), None)
+            if not tier.persistent and persistent is not None:
                 policy = self._policies[level]
                 try:
-                    async with self._locks[level]:
-                        victims = list(policy)  # every block, in eviction order, leased or not
-                        await self._evict(level, victims, self._flush_set(level, victims))
+                    async with self._locks[level]:  # every block, in eviction order, leased or not
+                        await self._evict(level, list(policy), flush_to=persistent)
                 except Exception:
                     logger.exception("demoting tier %s on close failed", tier.name)
         for tier in [*self._tiers, *([self._shared] if self._shared else [])]:
@@ -456,6 +456,7 @@ class TieredStore:
         self._check_open()
         tag = namespace.tag
         keys = [key for policy in self._policies for key in policy if key.startswith(tag)]
+        keys += [key for key in self._pending if key.startswith(tag)]  # puts still placing them lose, too
         self._tombstones.record_clear(tag)
         try:
             removed = await self._delete_keys(keys)
@@ -849,35 +850,24 @@ class TieredStore:
             for key in victims:  # the claim ends with the move (a lease outlives the key's removal)
                 policy.unpin(key)
 
-    def _flush_set(self, level: int, victims: list[BlockKey]) -> list[BlockKey]:
-        """What closing the store demotes out of tier ``level``: what an eviction would (blocks at or above
-        ``demote_min_priority``), then the blocks below it, most valuable first, that fit in the next tier's
-        free room, so that a restart serves them without their pushing anything of higher priority out."""
+    async def _evict(self, level: int, victims: list[BlockKey], flush_to: int | None = None) -> None:
+        """Move ``victims`` out of tier ``level``: those at or above ``demote_min_priority`` are demoted to the
+        next tier down or to the shared one, the rest dropped.
+
+        ``flush_to`` (closing the store): the persistent tier every victim goes straight into, those below
+        ``demote_min_priority`` too where its free room holds them (:meth:`_demote`).
+        """
         policy = self._policies[level]
         floor = self.config.demote_min_priority
-        demote = {k for k in victims if policy.priority_of(k) >= floor}
-        below, below_policy = self._tiers[level + 1], self._policies[level + 1]
-        free = (below.capacity_bytes or 0) - below_policy.nbytes
-        free -= sum(below.footprint(policy.size_of(k)) for k in demote)
-        for key in reversed(victims):  # most valuable first
-            if key not in demote and below.footprint(policy.size_of(key)) <= free:
-                demote.add(key)
-                free -= below.footprint(policy.size_of(key))
-        return [k for k in victims if k in demote]
-
-    async def _evict(self, level: int, victims: list[BlockKey], demote: list[BlockKey] | None = None) -> None:
-        """Move ``victims`` out of tier ``level``: those in ``demote`` (by default those at or above
-        ``demote_min_priority``) go to the next tier down or the shared one, the rest are dropped."""
-        policy = self._policies[level]
-        if demote is None:
-            floor = self.config.demote_min_priority
-            demote = [k for k in victims if policy.priority_of(k) >= floor]
+        policy.expire(self._clock())  # retentions that ended count at their default priority
+        demote = list(victims) if flush_to is not None else [k for k in victims if policy.priority_of(k) >= floor]
         below = level + 1 < len(self._tiers)
         to_shared = not below and self._shared is not None and not self._write_through
         epoch = self._tombstones.begin() if demote and to_shared else None
         try:
             if demote and (below or to_shared):
-                await self._demote(level, demote, below, epoch)
+                await self._demote(level, demote, level + 1 if flush_to is None else flush_to, epoch,
+                                   flush=flush_to is not None)
         finally:
             if epoch is not None:
                 self._tombstones.end(epoch)
@@ -886,28 +876,50 @@ class TieredStore:
         self._counters[level].evictions += len(victims)
         await self._tiers[level].delete(victims)
 
-    async def _demote(self, level: int, demote: list[BlockKey], below: bool, epoch: int | None) -> None:
-        """Copy the victims ``demote`` of tier ``level`` into the next tier down, or into the shared tier
-        (``epoch``: the copy window opened for it, ``kvstore.tombstones``)."""
+    async def _demote(self, level: int, demote: list[BlockKey], target: int, epoch: int | None,
+                      flush: bool = False) -> None:
+        """Copy the victims ``demote`` of tier ``level`` into local tier ``target`` (when there is one below),
+        or into the shared tier (``epoch``: the copy window opened for it, ``kvstore.tombstones``).
+
+        With ``flush`` (closing the store) victims below ``demote_min_priority`` go only into the target's
+        free room, most valuable first, so that they push out nothing of a higher priority.
+        """
         policy = self._policies[level]
         kept = {k: (policy.priority_of(k), policy.expiry_of(k)) for k in demote}  # a delete may forget them below
         values = await self._tiers[level].get(demote)
         found = [(k, v) for k, v in zip(demote, values) if v is not None and k in policy]  # not deleted meanwhile
+        if target < len(self._tiers) and flush:
+            found = self._fit_flush(found, kept, target)
         keys = [k for k, _ in found]
         now = self._clock()
         metas = [BlockMeta(*kept[k], now) for k in keys]
-        if below:
+        if target < len(self._tiers):
             try:
-                placed = await self._place(keys, [v for _, v in found], metas, source=level, target=level + 1)
+                placed = await self._place(keys, [v for _, v in found], metas, source=level, target=target)
             except (ResourceExhaustedError, UnavailableError) as exc:  # no room below, or a failing disk:
                 # the victims are dropped, as evicted from the last tier; the put that needed the room goes on
                 logger.warning("demotion from %s dropped %d blocks: %s", self._tiers[level].name, len(keys), exc)
                 placed = []
-            self._counters[level + 1].demotions += len(placed)
+            self._counters[target].demotions += len(placed)
         else:
             assert epoch is not None
             stored = await self._copy_to_shared(keys, [v for _, v in found], metas, epoch)
             self._counters[-1].demotions += stored
+
+    def _fit_flush(self, found: list[tuple[BlockKey, bytes]], kept: dict[BlockKey, tuple[int, float]],
+                   target: int) -> list[tuple[BlockKey, bytes]]:
+        """Of the blocks a close flushes into tier ``target`` (in eviction order): every one at or above
+        ``demote_min_priority``, then those below it, most valuable first, that fit the room left free."""
+        floor = self.config.demote_min_priority
+        tier = self._tiers[target]
+        chosen = {k for k, _ in found if kept[k][0] >= floor}
+        free = (tier.capacity_bytes or 0) - self._policies[target].nbytes
+        free -= sum(tier.footprint(len(v)) for k, v in found if k in chosen)
+        for key, value in reversed(found):  # most valuable first
+            if key not in chosen and tier.footprint(len(value)) <= free:
+                chosen.add(key)
+                free -= tier.footprint(len(value))
+        return [(k, v) for k, v in found if k in chosen]
 
     async def _delete_keys(self, keys: list[BlockKey]) -> int:
         # recorded before and after: a copy that began before the delete finished (a read that found the block
@@ -919,6 +931,8 @@ class TieredStore:
             self._tombstones.record_delete(keys)
 
     async def _delete_everywhere(self, keys: list[BlockKey]) -> int:
+        for key in keys:  # a put still placing them loses to this delete (``since``): a later put must not wait
+            self._pending.pop(key, None)  # for it, but place them afresh
         by_level: dict[int, list[BlockKey]] = {}
         for key in keys:
             for level, policy in enumerate(self._policies):
@@ -927,11 +941,15 @@ class TieredStore:
                     by_level.setdefault(level, []).append(key)
         for level, found in by_level.items():
             await self._tiers[level].delete(found)
-        if self._shared is not None and keys:
-            wanted = set(keys)
-            await self._await_shared_copies(lambda copying: not copying.isdisjoint(wanted))
-            await self._shared.delete(keys)
+        if self._shared is not None and keys:  # shielded: a cancelled delete still deletes from the shared tier
+            await asyncio.shield(self._spawn(self._delete_shared(keys)))
         return sum(map(len, by_level.values()))
+
+    async def _delete_shared(self, keys: list[BlockKey]) -> None:
+        """Delete ``keys`` from the shared tier once the writes into it already under way for them have ended."""
+        wanted = set(keys)
+        await self._await_shared_copies(lambda copying: not copying.isdisjoint(wanted))
+        await self._shared.delete(keys)  # type: ignore[union-attr]
 
     async def _write_shared(self, keys: list[BlockKey], values: list[bytes], meta: BlockMeta, epoch: int) -> None:
         """A put's write-through (``epoch``: its copy window, ``kvstore.tombstones``)."""
@@ -969,7 +987,8 @@ class TieredStore:
     def _end_copy(self, epoch: int, _task: object = None) -> None:
         self._tombstones.end(epoch)
 
-    def _spawn(self, work: Awaitable[None], on_done: Callable[[asyncio.Task[None]], None] | None = None) -> None:
+    def _spawn(self, work: Awaitable[None],
+               on_done: Callable[[asyncio.Task[None]], None] | None = None) -> asyncio.Future[None]:
         """Run ``work`` in the background (:meth:`drain` waits for it); ``on_done`` runs when it ends, even
         if it was cancelled before it started."""
         task = asyncio.ensure_future(work)
@@ -977,6 +996,7 @@ class TieredStore:
         task.add_done_callback(self._background_done)
         if on_done is not None:
             task.add_done_callback(on_done)
+        return task
 
     def _background_done(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)

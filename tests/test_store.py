@@ -574,6 +574,78 @@ async def test_close_demotes_low_priority_blocks_only_into_free_room(tmp_path) -
     assert present[:2] == [1, 1], f"priority-90 blocks lost to priority-10 ones on close: {present}"
 
 
+async def test_close_sizes_low_priority_blocks_by_their_bytes_on_disk(tmp_path) -> None:
+    """Regression: the flush sized them by their memory pages, and dropped one that fit an empty disk exactly."""
+    """_flush_set feeds the memory footprint (policy.size_of, page-rounded) into the disk tier's footprint(),
+    which wants a raw length: one LMDB page too many per block, so a low-priority block that fits is dropped."""
+    config = StoreConfig(demote_min_priority=50)
+    hashes, blocks = make_blocks(1, seed=22)
+    store = TieredStore([memory_tier(2), LMDBTier(tmp_path / "d", 1 * disk_footprint())], config)
+    await store.start()
+    await store.put(NS, hashes, blocks, priority=10)
+    disk = store._tiers[1]
+    print("len", len(blocks[0]), "mem size_of", store._policies[0].size_of(store._policies[0].__iter__().__next__()),
+          "disk fp(len)", disk.footprint(len(blocks[0])), "disk fp(mem fp)",
+          disk.footprint(store._policies[0].size_of(next(iter(store._policies[0])))), "disk cap", disk.capacity_bytes)
+    await store.close()
+    store = TieredStore([memory_tier(2), LMDBTier(tmp_path / "d", 1 * disk_footprint())], config)
+    await store.start()
+    present = (await store.lookup(NS, hashes)).num_blocks
+    await store.close()
+    assert present == 1, "the disk had room for the block but close dropped it"
+
+
+async def test_close_reads_priorities_after_retentions_end(tmp_path) -> None:
+    """Regression: a block whose retention had ended still counted as priority 90, and pushed out a 60."""
+    """_flush_set reads policy.priority_of without expiring retentions first: a block whose retention ended
+    (priority back to 10) is flushed as a 90 and evicts a priority-60 disk block."""
+    config = StoreConfig(demote_min_priority=50, default_priority=10)
+    hashes, blocks = make_blocks(4, seed=25)
+
+    def tiers():
+        return [memory_tier(2), LMDBTier(tmp_path / "d", 2 * disk_footprint())]
+
+    store = TieredStore(tiers(), config)
+    await store.start()
+    await store.put(NS, hashes[0:1], blocks[0:1], priority=60)
+    await store.put(NS, hashes[1:2], blocks[1:2], priority=60)
+    await store.put(NS, hashes[2:3], blocks[2:3], priority=90, retention_s=0.05)  # B
+    await store.put(NS, hashes[3:4], blocks[3:4], priority=90)  # C; the 60s are on disk now, disk full
+    assert len(store._policies[1]) == 2
+    await asyncio.sleep(0.1)  # B is priority 10 now
+    await store.close()
+    store = TieredStore(tiers(), config)
+    await store.start()
+    present = [(await store.lookup(NS, [h])).num_blocks for h in hashes]
+    await store.close()
+    assert present[0] + present[1] == 1 and present[2] == 0, present
+
+
+async def test_close_flushes_each_volatile_tier_straight_to_disk(tmp_path) -> None:
+    """Regression: memory flushed into a second memory tier first, whose room-making dropped its low-priority
+    blocks though the disk had room."""
+    """[memory, memory2, disk]: flushing level 0 into memory2 makes room there with the default floor, which
+    drops memory2's low-priority block, though the disk has room for everything."""
+    config = StoreConfig(demote_min_priority=50, default_priority=10)
+    hashes, blocks = make_blocks(2, seed=24)
+
+    def tiers():
+        return [memory_tier(1), memory_tier(1), LMDBTier(tmp_path / "d", 8 * disk_footprint())]
+
+    store = TieredStore(tiers(), config)
+    await store.start()
+    await store.put(NS, hashes[1:], blocks[1:], priority=90, retention_s=0.05)  # B: reverts to 10 soon
+    await store.put(NS, hashes[:1], blocks[:1], priority=90)  # A: pushes B into memory2
+    assert len(store._policies[1]) == 1 and len(store._policies[2]) == 0
+    await asyncio.sleep(0.1)  # B is now priority 10, below the floor; the disk has room for 8 blocks
+    await store.close()
+    store = TieredStore(tiers(), config)
+    await store.start()
+    present = [(await store.lookup(NS, [h])).num_blocks for h in hashes]
+    await store.close()
+    assert present == [1, 1], present
+
+
 async def test_locate_gives_the_tier_index_of_each_prefix_block(two_tier: TieredStore) -> None:
     store = two_tier
     assert store.tier_names == ("memory", "disk")

@@ -32,6 +32,20 @@ def slow_first_put(store: TieredStore, delay: float = 0.2):
     return calls
 
 
+def gate_tier_put(tier):
+    """Hold the tier's next put until the returned event is set."""
+    gate, real = asyncio.Event(), tier.put
+    entered = asyncio.Event()
+
+    async def put(keys, values, metas):
+        entered.set()
+        await gate.wait()
+        return await real(keys, values, metas)
+
+    tier.put = put
+    return gate, entered
+
+
 async def test_a_delete_during_a_write_through_put_wins_in_memory_and_in_redis_alike(
         redis_server: RedisProcess) -> None:
     """Regression: the put still published its block in memory but skipped its write-through, and a put after
@@ -119,3 +133,47 @@ async def test_a_delete_during_a_demotion_into_redis_neither_fails_the_put_nor_i
         await store.drain()
         assert not redis_server.client().exists(store_key(store, hashes[0]))
         assert len(store._tombstones) == 0 and not store._tombstones._open
+
+
+async def test_a_put_after_a_delete_does_not_wait_on_an_older_put_the_delete_overtook(
+        redis_server: RedisProcess) -> None:
+    """Regression: the later put waited for the older one, which lost to the delete, and stored nothing."""
+    """P1 placing (in flight), D deletes and finishes, P2 (strictly after D) puts the same block: P2 joins P1's
+    pending placement, which now drops the block (since=epoch) and skips its write-through. P2 returns 0 and
+    the block is nowhere."""
+    config = redis_config(redis_server.url, "write_through")
+    memory = memory_tier(8)
+    async with TieredStore([memory], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(1, seed=21)
+        gate, entered = gate_tier_put(memory)
+        p1 = asyncio.create_task(store.put(NS, hashes, blocks))
+        await entered.wait()                      # P1's placement is writing into memory
+        await store.delete(NS, hashes)            # D: finished
+        p2 = asyncio.create_task(store.put(NS, hashes, blocks))  # P2: strictly after D
+        await asyncio.sleep(0.01)
+        gate.set()
+        await p1
+        n2 = await p2
+        await store.drain()
+        local = (await store.lookup(NS, hashes)).tiers
+        in_redis = bool(redis_server.client().exists(store_key(store, hashes[0])))
+        assert (n2, local, in_redis) == (1, ("memory",), True), (n2, local, in_redis)
+
+
+async def test_a_cancelled_delete_still_deletes_from_redis(redis_server: RedisProcess) -> None:
+    """A delete cancelled while it waits for a write into Redis in flight: the block must not come back from Redis."""
+    config = redis_config(redis_server.url, "write_through")
+    async with TieredStore([memory_tier(8)], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(1, seed=23)
+        slow_first_put(store, 0.3)
+        await store.put(NS, hashes, blocks)
+        await asyncio.sleep(0.01)
+        d = asyncio.create_task(store.delete(NS, hashes))
+        await asyncio.sleep(0.05)
+        d.cancel()
+        try:
+            await d
+        except asyncio.CancelledError:
+            pass
+        await store.drain()
+        assert await store.get(NS, hashes) == [], "a cancelled delete: the block comes back from Redis"
