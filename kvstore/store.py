@@ -128,9 +128,11 @@ class TieredStore:
         """Stop taking calls, finish background work, demote volatile tiers, and close every tier.
 
         Blocks in a volatile tier (memory) above a persistent one (LMDB) are
-        demoted on close, so a restart on the same disk path serves them,
-        leased ones included: a Get stream that outlived the server's grace
-        period may still hold its prefix, and a read lease never stops a copy.
+        demoted on close, straight into the persistent tier, so a restart on
+        the same disk path serves them, leased ones included: a Get stream that
+        outlived the server's grace period may still hold its prefix, and a read
+        lease never stops a copy. Blocks below ``demote_min_priority`` go only
+        into the room left free there, so they push nothing out.
         """
         if self._closed:
             return
