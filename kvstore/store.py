@@ -307,6 +307,7 @@ class TieredStore:
         leased = [(keys[i], sources[i]) for i in local]
         for i, value in zip(local, await self._read_local(leased, releases if read.lend else None)):  # type: ignore[arg-type]
             found[i] = value
+        await self._follow_moved(read, keys, sources, local, found)
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]
         if hit < len(sources) and sources[hit] is not None:
@@ -318,6 +319,33 @@ class TieredStore:
                 policies[level].touch(key)
         read.promotions = self._promotions(keys, sources[:hit], values)
         return values
+
+    async def _follow_moved(self, read: BlockRead, keys: list[BlockKey], sources: list[int | None],
+                            local: Sequence[int], found: list[Buffer | None]) -> None:
+        """Read again, where they are now, the blocks of ``read`` that left their tier while it awaited.
+
+        A read's pin keeps a block from being evicted, not from being promoted or demoted by another read's
+        copy; such a block is pinned and read in its new tier, so the read does not come back short. At most
+        once per tier, so that blocks moving for ever cannot hold the read.
+        """
+        for _ in range(len(self._tiers)):
+            moved: list[tuple[int, int]] = []
+            for i in local:
+                if found[i] is None:
+                    level = self._tier_of(keys[i])
+                    if level is None or level == sources[i]:
+                        break  # gone for good: the prefix ends here
+                    moved.append((i, level))
+            if not moved:
+                return
+            for i, level in moved:
+                self._policies[level].pin(keys[i])
+                read.pinned.append((keys[i], level))
+                sources[i] = level
+            values = await self._read_local([(keys[i], level) for i, level in moved],
+                                            read.releases if read.lend else None)
+            for (i, _), value in zip(moved, values):
+                found[i] = value
 
     async def _forget_if_gone(self, level: int, key: BlockKey) -> None:
         """Forget ``key`` in tier ``level`` if the tier no longer holds it: it found a corrupt record and deleted it.

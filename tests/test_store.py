@@ -722,3 +722,30 @@ async def test_a_restart_keeps_a_chains_tail_before_its_head(tmp_path) -> None:
         assert (await store.lookup(NS, first[0])).num_blocks == 3, f"restart={restart}"  # observed with: 0
         assert (await store.lookup(NS, second[0])).num_blocks == 4
         await store.close()
+
+
+async def test_a_read_follows_a_block_promoted_away_while_it_waited_on_disk(tmp_path) -> None:
+    """Regression: a read pinned a block on disk, and another read's promotion moved it into memory before the
+    first one's disk read ran: that read came back short though the block was cached all along."""
+    hashes, blocks = make_blocks(3, seed=11)
+    disk = LMDBTier(tmp_path / "disk", 8 * disk_footprint())
+    async with TieredStore([memory_tier(2), disk]) as store:
+        for i in range(3):
+            await store.put(NS, hashes[i:i + 1], blocks[i:i + 1])
+        assert (await store.lookup(NS, hashes[:1])).tiers == ("disk",)
+        real_get, gate, entered = disk.get, asyncio.Event(), asyncio.Event()
+
+        async def gated_get(keys):  # the first disk read waits for the gate
+            disk.get = real_get
+            entered.set()
+            await gate.wait()
+            return await real_get(keys)
+
+        disk.get = gated_get
+        first = asyncio.create_task(store.get(NS, hashes[:1]))
+        await entered.wait()  # located and pinned on disk, its read not yet done
+        assert await store.get(NS, hashes[:1]) == blocks[:1]  # a second read, whose promotion moves the block
+        await store.drain()
+        assert (await store.lookup(NS, hashes[:1])).tiers == ("memory",)
+        gate.set()
+        assert await first == blocks[:1]  # observed: [] (the disk no longer held it)
