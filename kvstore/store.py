@@ -97,7 +97,7 @@ class TieredStore:
         self._lookup_hit_blocks = 0
         self._lookup_miss_blocks = 0
         self._pending: dict[BlockKey, asyncio.Future[BaseException | None]] = {}
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future[object]] = set()
         self._placements: set[asyncio.Future[None]] = set()  # puts' placements in flight
         self._tombstones = Tombstones()  # deletes that copies to and from the shared tier, in flight, must respect
         self._shared_copies: set[_SharedCopy] = set()  # writes into the shared tier in flight (deletes wait for them)
@@ -144,6 +144,7 @@ class TieredStore:
                 policy = self._policies[level]
                 try:
                     async with self._locks[level]:  # every block, in eviction order, leased or not
+                        policy.expire(self._clock())  # retentions that ended count at their default priority
                         await self._evict(level, list(policy), flush_to=persistent)
                 except Exception:
                     logger.exception("demoting tier %s on close failed", tier.name)
@@ -465,7 +466,8 @@ class TieredStore:
             await self._place(keys, values, chain_metas(meta, len(keys)), since=epoch)
         finally:
             if epoch is not None:
-                self._spawn(self._write_shared(keys, values, meta, epoch), functools.partial(self._end_copy, epoch))
+                self._spawn(self._copy_to_shared(keys, values, [meta] * len(keys), epoch),
+                            functools.partial(self._end_copy, epoch))
 
     async def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier; returns how many local blocks were found.
@@ -889,7 +891,6 @@ class TieredStore:
         """
         policy = self._policies[level]
         floor = self.config.demote_min_priority
-        policy.expire(self._clock())  # retentions that ended count at their default priority
         demote = list(victims) if flush_to is not None else [k for k in victims if policy.priority_of(k) >= floor]
         below = level + 1 < len(self._tiers)
         to_shared = not below and self._shared is not None and not self._write_through
@@ -981,10 +982,6 @@ class TieredStore:
         await self._await_shared_copies(lambda copying: not copying.isdisjoint(wanted))
         await self._shared.delete(keys)  # type: ignore[union-attr]
 
-    async def _write_shared(self, keys: list[BlockKey], values: list[bytes], meta: BlockMeta, epoch: int) -> None:
-        """A put's write-through (``epoch``: its copy window, ``kvstore.tombstones``)."""
-        await self._copy_to_shared(keys, values, [meta] * len(keys), epoch)
-
     async def _copy_to_shared(self, keys: list[BlockKey], values: Sequence[bytes], metas: list[BlockMeta],
                               epoch: int) -> int:
         """Write blocks into the shared tier, except those deleted since the copy window ``epoch`` began;
@@ -1017,8 +1014,8 @@ class TieredStore:
     def _end_copy(self, epoch: int, _task: object = None) -> None:
         self._tombstones.end(epoch)
 
-    def _spawn(self, work: Awaitable[None],
-               on_done: Callable[[asyncio.Task[None]], None] | None = None) -> asyncio.Future[None]:
+    def _spawn(self, work: Awaitable[object],
+               on_done: Callable[[asyncio.Future[object]], None] | None = None) -> asyncio.Future[object]:
         """Run ``work`` in the background (:meth:`drain` waits for it); ``on_done`` runs when it ends, even
         if it was cancelled before it started."""
         task = asyncio.ensure_future(work)
@@ -1028,7 +1025,7 @@ class TieredStore:
             task.add_done_callback(on_done)
         return task
 
-    def _background_done(self, task: asyncio.Task[None]) -> None:
+    def _background_done(self, task: asyncio.Future[object]) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("background store task failed", exc_info=task.exception())
