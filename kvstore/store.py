@@ -970,8 +970,10 @@ class TieredStore:
                 if key in policy:
                     self._forget(level, key)
                     by_level.setdefault(level, []).append(key)
-        for level, found in by_level.items():
-            await self._tiers[level].delete(found)
+        # fastest tier first, with no await before each tier's delete starts: a tier's delete takes effect for its
+        # later calls as it starts (``Tier.delete``), so a put of the same key made meanwhile is not deleted with it
+        for level in sorted(by_level):
+            await self._tiers[level].delete(by_level[level])
         if self._shared is not None and keys:  # shielded: a cancelled delete still deletes from the shared tier
             await asyncio.shield(self._spawn(self._delete_shared(keys)))
         return sum(map(len, by_level.values()))

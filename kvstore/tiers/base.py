@@ -103,7 +103,16 @@ class Tier(Protocol):
         ...
 
     async def delete(self, keys: Sequence[BlockKey]) -> None:
-        """Remove each key; missing keys are ignored."""
+        """Remove each key; missing keys are ignored.
+
+        The removal takes effect for the tier's later calls as soon as the
+        coroutine starts, before it first suspends: a tier that finishes it in
+        a worker thread must run later writes after it (LMDB's one writer
+        thread does), and must finish it even if the caller is cancelled. The
+        store forgets a block before it deletes it, and relies on both: a put
+        of the same key that starts meanwhile is not deleted with it, and no
+        record is left that no index entry accounts for.
+        """
         ...
 
     async def resident(self) -> list[ResidentEntry]:

@@ -61,6 +61,12 @@ MIN_FREE_BYTES = 1 << 20
 """Free bytes the disk tier's filesystem must have when it opens (for LMDB's lock and meta pages)."""
 
 
+def _consume_outcome(future: asyncio.Future[Any]) -> None:
+    """Observe the outcome of a write whose caller was cancelled; an LMDB failure is still logged."""
+    if not future.cancelled() and isinstance(future.exception(), lmdb.Error):
+        logger.error("LMDB write failed after its caller was cancelled: %s", future.exception())
+
+
 def _check_not_truncated(env: lmdb.Environment, path: str) -> None:
     """Refuse a ``data.mdb`` shorter than the pages its meta page says are in use.
 
@@ -364,13 +370,25 @@ class LMDBTier:
         if self._closed:
             raise UnavailableError(f"disk tier {self.name} is closed")
 
-    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any) -> _T:
+    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any, finish: bool = False) -> _T:
+        """Run ``fn(*args)`` in ``pool``; with ``finish``, to its end even if the caller is cancelled.
+
+        Without ``finish`` a cancelled caller also cancels the call if it has
+        not started yet (``asyncio.wrap_future``), which suits reads.
+        """
         try:
             future = pool.submit(fn, *args)
         except RuntimeError as exc:  # the pool was shut down by close()
             raise UnavailableError(f"disk tier {self.name} is closed") from exc
+        waited = asyncio.wrap_future(future)
         try:
-            return await asyncio.wrap_future(future)
+            if finish:
+                try:
+                    return await asyncio.shield(waited)
+                except asyncio.CancelledError:
+                    waited.add_done_callback(_consume_outcome)  # ends unobserved: no "never retrieved" warning
+                    raise
+            return await waited
         except TierFullError:
             raise
         except lmdb.Error as exc:
@@ -378,10 +396,16 @@ class LMDBTier:
             raise UnavailableError(f"disk tier {self.name}: LMDB error: {exc}") from exc
 
     async def _write(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(txn_args..., touched)`` in the writer thread with the pending recency updates."""
+        """Run ``fn(txn_args..., touched)`` in the writer thread with the pending recency updates.
+
+        Writes run one at a time, in the order they were submitted, and each runs to its end once submitted,
+        even if the caller is cancelled (see :meth:`kvstore.tiers.base.Tier.delete`).
+        """
         touched, self._touched = self._touched, {}
-        try:
-            return await self._run(self._writer, fn, *args, touched)
+        try:  # runs to its end once submitted: see Tier.delete
+            return await self._run(self._writer, fn, *args, touched, finish=True)
+        except asyncio.CancelledError:
+            raise  # the write goes on, with the recency updates
         except BaseException:
             for key, when in touched.items():  # not written: keep them for the next write
                 if self._touched.get(key, 0.0) < when:
