@@ -866,7 +866,11 @@ class TieredStore:
         """
         tier, policy = self._tiers[level], self._policies[level]
         capacity = tier.capacity_bytes or 0
-        excess = policy.nbytes + need - capacity
+        lender = self._lenders[level]
+        # a block deleted or replaced while a reader holds it keeps its pages until the reader is done: the room
+        # it holds must come from victims too
+        held = max(0, lender.used_bytes - policy.nbytes) if lender is not None else 0
+        excess = policy.nbytes + held + need - capacity
         if excess <= 0:
             return
         victims = policy.victims(excess, self._clock())

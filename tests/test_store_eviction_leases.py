@@ -68,3 +68,17 @@ def test_server_still_takes_puts_after_blocks_were_promoted_back(tmp_path) -> No
             assert kv.put(ns, third, third_t) == 7            # raises ResourceExhaustedError
     finally:
         server.stop()
+
+
+async def test_room_held_by_deleted_blocks_still_leased_is_made_by_evicting_others() -> None:
+    # regression: the store counted only the blocks it tracks, so the pages of 3 deleted blocks still being
+    # read looked free; the put found the pool full, and one retry (room for twice the put) did not cover them
+    async with TieredStore([memory_tier(4)]) as store:
+        hashes, blocks = make_blocks(5)
+        await store.put(NS, hashes[:4], blocks[:4])
+        async with store.read(NS, hashes[:3]) as held:  # a slow reader of blocks 0..2
+            await store.delete(NS, hashes[:3])
+            await store.put(NS, hashes[4:], blocks[4:])  # block 3 is evicted for it
+            assert [bytes(b) for b in held] == blocks[:3]  # the reader's views are intact
+        assert await store.locate(NS, hashes[3:]) == b""
+        assert await store.get(NS, hashes[4:]) == blocks[4:]

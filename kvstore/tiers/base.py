@@ -150,7 +150,14 @@ class LeasingTier(Tier, Protocol):
     The store uses it for the service's Get, which copies each block once, from
     the tier straight into the gRPC message, instead of twice; a later
     same-host data plane can hand the same views to another process.
+
+    Attributes:
+        used_bytes: capacity bytes in use, those of blocks deleted or replaced
+            while a lease still holds them included (freed at its release).
     """
+
+    @property
+    def used_bytes(self) -> int: ...
 
     def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
         """Views of each key's value, pinned until ``release``; ``None`` when this tier cannot lend now.
