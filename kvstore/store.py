@@ -41,7 +41,16 @@ from kvstore.errors import (
 )
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.policy import PriorityLRUPolicy, check_priority
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, LeasingTier, Tier, TierFullError, TierLease
+from kvstore.tiers.base import (
+    CHAIN_STEP_S,
+    BlockMeta,
+    Buffer,
+    DroppingTier,
+    LeasingTier,
+    Tier,
+    TierFullError,
+    TierLease,
+)
 from kvstore.tombstones import Tombstones
 
 logger = logging.getLogger(__name__)
@@ -87,6 +96,9 @@ class TieredStore:
         self._tiers = list(tiers)
         self._shared = shared
         self._lenders = [tier if isinstance(tier, LeasingTier) else None for tier in self._tiers]
+        for level, tier in enumerate(self._tiers):
+            if isinstance(tier, DroppingTier):
+                tier.on_drop = functools.partial(self._dropped, level)
         self._tier_names = tuple(t.name for t in self._tiers) + ((shared.name,) if shared is not None else ())
         self._write_through = shared is not None and self.config.redis.mode == "write_through"
         self._clock = clock
@@ -311,8 +323,6 @@ class TieredStore:
         await self._follow_moved(read, keys, sources, local, found)
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]
-        if hit < len(sources) and sources[hit] is not None:
-            await self._forget_if_gone(sources[hit], keys[hit])  # type: ignore[arg-type]
         hit_levels = [level for level in sources[:hit] if level is not None]
         self._count_get(hit_levels, hit, len(keys))
         for key, level in reversed(list(zip(keys[:hit], sources[:hit]))):  # tail first: the head ends most recent
@@ -348,15 +358,17 @@ class TieredStore:
             for (i, _), value in zip(moved, values):
                 found[i] = value
 
-    async def _forget_if_gone(self, level: int, key: BlockKey) -> None:
-        """Forget ``key`` in tier ``level`` if the tier no longer holds it: it found a corrupt record and deleted it.
+    def _dropped(self, level: int, keys: list[BlockKey]) -> None:
+        """Forget the blocks tier ``level`` deleted on its own (corrupt records; :class:`DroppingTier`).
 
-        A read that found nothing cannot tell that by itself: while it awaited, the block may have moved
-        (promoted, demoted) or been deleted and put again, and the entry it would forget may be a new one.
+        Called once the delete has taken effect. An entry tracked now is the one whose record went: a put
+        skips a block that is tracked, and a write that replaces one is published only after it lands,
+        which is after this delete, since the tier runs its writes in order.
         """
-        if key in self._policies[level] and not (await self._tiers[level].contains([key]))[0] \
-                and key in self._policies[level]:
-            self._forget(level, key)
+        policy = self._policies[level]
+        for key in keys:
+            if key in policy:
+                self._forget(level, key)
 
     def _close_read(self, read: BlockRead) -> None:
         """Release the leases and pins of ``read``, then promote its lower-tier hits in the background."""
@@ -461,13 +473,15 @@ class TieredStore:
         The write-through belongs to the placement, not to the caller: a put cancelled or failed part-way has
         still published blocks, and the last local tier drops its victims, counting on the shared tier's copy.
         """
-        epoch = self._tombstones.begin() if self._write_through else None
-        try:  # a delete that overtakes the placement wins here too, so that memory and the shared tier agree
+        epoch = self._tombstones.begin()
+        try:  # a delete or clear that overtakes the placement wins (``since``): it does not publish them
             await self._place(keys, values, chain_metas(meta, len(keys)), since=epoch)
         finally:
-            if epoch is not None:
+            if self._write_through:  # the window goes with the copy, so that the shared tier agrees
                 self._spawn(self._copy_to_shared(keys, values, [meta] * len(keys), epoch),
                             functools.partial(self._end_copy, epoch))
+            else:
+                self._tombstones.end(epoch)
 
     async def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier; returns how many local blocks were found.
@@ -492,13 +506,16 @@ class TieredStore:
         self._tombstones.record_clear(tag)
         try:
             removed = await self._delete_keys(keys)
-            clear_shared = getattr(self._shared, "clear_namespace", None)
-            if clear_shared is not None:
-                await self._await_shared_copies(lambda copying: any(key.startswith(tag) for key in copying))
-                await clear_shared(tag)
+            if getattr(self._shared, "clear_namespace", None) is not None:  # shielded, as a delete's
+                await asyncio.shield(self._spawn(self._clear_shared(tag)))
         finally:
             self._tombstones.record_clear(tag)
         return removed
+
+    async def _clear_shared(self, tag: bytes) -> None:
+        """Clear a namespace (by its tag) from the shared tier once the writes into it under way have ended."""
+        await self._await_shared_copies(lambda copying: any(key.startswith(tag) for key in copying))
+        await self._shared.clear_namespace(tag)  # type: ignore[union-attr]
 
     def stats(self) -> StoreStats:
         """Blocks, bytes, capacity and event counts of every tier, fastest first; blocks hit and missed by lookups."""
@@ -808,7 +825,7 @@ class TieredStore:
         if source is not None and key not in self._policies[source]:
             return True  # deleted (or moved) while it was being written
         if since is not None and self._tombstones.deleted_since(key, since):
-            return True  # copied from the shared tier, and deleted since
+            return True  # deleted since its copy began (a put's placement, or a copy out of the shared tier)
         return any(key in policy for i, policy in enumerate(self._policies) if i != source)
 
     async def _write_tier(
@@ -834,8 +851,9 @@ class TieredStore:
                 await self._make_room(level, need)
                 try:
                     await tier.put(keys[start:end], values[start:end], metas[start:end])
-                except TierFullError:
-                    await self._make_room(level, min(capacity, 2 * need))
+                except TierFullError:  # room the first pass could not see: pages a reader leased while their
+                    # blocks were demoted (a lending tier counts them now), or a full LMDB map (twice the room)
+                    await self._make_room(level, need if self._lenders[level] is not None else min(capacity, 2 * need))
                     try:
                         await tier.put(keys[start:end], values[start:end], metas[start:end])
                     except TierFullError as exc:
@@ -974,13 +992,29 @@ class TieredStore:
                 if key in policy:
                     self._forget(level, key)
                     by_level.setdefault(level, []).append(key)
-        # fastest tier first, with no await before each tier's delete starts: a tier's delete takes effect for its
-        # later calls as it starts (``Tier.delete``), so a put of the same key made meanwhile is not deleted with it
-        for level in sorted(by_level):
-            await self._tiers[level].delete(by_level[level])
-        if self._shared is not None and keys:  # shielded: a cancelled delete still deletes from the shared tier
-            await asyncio.shield(self._spawn(self._delete_shared(keys)))
+        # started first, and shielded: a delete cancelled while the local tiers delete still deletes from Redis
+        shared = self._spawn(self._delete_shared(keys)) if self._shared is not None and keys else None
+        await self._delete_local(by_level)
+        if shared is not None:
+            await asyncio.shield(shared)
         return sum(map(len, by_level.values()))
+
+    async def _delete_local(self, by_level: dict[int, list[BlockKey]]) -> None:
+        """Delete forgotten blocks from their local tiers, ``{level: keys}``, fastest tier first.
+
+        No await comes before a tier's delete starts, and a tier's delete takes effect for its later calls as
+        it starts (:meth:`~kvstore.tiers.base.Tier.delete`), so a put of the same key made meanwhile into a
+        tier not yet reached is not deleted with it: memory tiers never suspend in a delete, and the one disk
+        tier comes last. If the caller is cancelled, the tiers not yet reached delete in the background.
+        """
+        levels = sorted(by_level)
+        for n, level in enumerate(levels):
+            try:
+                await self._tiers[level].delete(by_level[level])
+            except asyncio.CancelledError:
+                if n + 1 < len(levels):
+                    self._spawn(self._delete_local({later: by_level[later] for later in levels[n + 1:]}))
+                raise
 
     async def _delete_shared(self, keys: list[BlockKey]) -> None:
         """Delete ``keys`` from the shared tier once the writes into it already under way for them have ended."""

@@ -8,12 +8,15 @@ overlaps one must win, and a put made after it must not be lost.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from kvstore.store import TieredStore
+from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.redis import RedisTier
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
-from tests.test_store import NS, PAGE, make_blocks, memory_tier
+from tests.test_store import NS, PAGE, disk_footprint, make_blocks, memory_tier
+from tests.test_store_index_stress import writer_held
 from tests.test_store_redis import redis_config, store_key
 
 
@@ -177,3 +180,21 @@ async def test_a_cancelled_delete_still_deletes_from_redis(redis_server: RedisPr
             pass
         await store.drain()
         assert await store.get(NS, hashes) == [], "a cancelled delete: the block comes back from Redis"
+
+
+async def test_a_clear_wins_over_a_put_still_placing_its_blocks(tmp_path: Path) -> None:
+    # regression: clear() collects pending keys ("puts still placing them lose, too"), but without write-through the
+    # placement has no copy window (since=None), so it published its block after the clear returned
+    disk = LMDBTier(tmp_path / "disk", 4 * disk_footprint())
+    store = TieredStore([disk])
+    await store.start()
+    hashes, blocks = make_blocks(1)
+    async with writer_held(disk):
+        put = asyncio.ensure_future(store.put(NS, hashes, blocks))
+        await asyncio.sleep(0.05)  # placing: its LMDB write is queued
+        clear = asyncio.ensure_future(store.clear(NS))
+        await asyncio.sleep(0.05)
+    await clear
+    await put
+    assert (await store.lookup(NS, hashes)).num_blocks == 0
+    await store.close()

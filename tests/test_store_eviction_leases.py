@@ -4,9 +4,13 @@ Regression: ``TieredStore._make_room`` pinned each victim and, once ``policy.rem
 (they belong to readers), never unpinned it, so every evicted block stayed pinned and a memory tier
 that saw blocks demoted and promoted back refused all puts.
 """
+import asyncio
+from pathlib import Path
+
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from tests.test_store import NS, disk_footprint, make_blocks, memory_tier
+from tests.test_store_index_stress import writer_held
 
 
 async def test_evicted_key_keeps_no_lease(tmp_path) -> None:
@@ -82,3 +86,34 @@ async def test_room_held_by_deleted_blocks_still_leased_is_made_by_evicting_othe
             assert [bytes(b) for b in held] == blocks[:3]  # the reader's views are intact
         assert await store.locate(NS, hashes[3:]) == b""
         assert await store.get(NS, hashes[4:]) == blocks[4:]
+
+
+async def test_a_victim_leased_while_it_is_demoted_does_not_fail_the_put(tmp_path: Path) -> None:
+    # regression: _make_room counts leased-but-deleted pages in _make_room, but the TierFullError retry still asks for
+    # 2 * need on top of them: with one evictable block left, which is all the put needs, it raises
+    memory = memory_tier(4)
+    disk = LMDBTier(tmp_path / "disk", 16 * disk_footprint())
+    store = TieredStore([memory, disk])
+    await store.start()
+    hashes, blocks = make_blocks(5)
+    for h, b in zip(hashes[:4], blocks[:4]):  # A (oldest) .. D
+        await store.put(NS, [h], [b])
+    reading, done = asyncio.Event(), asyncio.Event()
+
+    async def reader() -> None:
+        async with store.read(NS, hashes[:3]) as held:  # A, B, C, leased from memory
+            assert len(held) == 3
+            reading.set()
+            await done.wait()
+
+    async with writer_held(disk):
+        put = asyncio.ensure_future(store.put(NS, hashes[4:], blocks[4:]))  # evicts A, whose demotion waits
+        await asyncio.sleep(0.05)
+        read = asyncio.ensure_future(reader())
+        await reading.wait()
+    try:
+        assert await put == 1  # room for E: D can go (A's pages are held by the reader, B and C are pinned)
+    finally:
+        done.set()
+        await read
+        await store.close()

@@ -16,17 +16,29 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator
 
+import lmdb
 import pytest
 
+from kvstore.config import RedisTierConfig, StoreConfig
 from kvstore.errors import ResourceExhaustedError
+from kvstore.keys import block_key
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.redis import RedisTier
+from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 from tests.test_store import NS, PAGE, disk_footprint, make_blocks, memory_tier
 
 
 async def tier_and_index_disagree(store: TieredStore) -> list[str]:
-    """Each tier whose records differ from its policy's keys, as a line naming both counts."""
+    """Each tier whose records differ from its policy's keys, as a line naming both counts.
+
+    Waits first for the writes LMDB tiers have queued: a write whose caller was
+    cancelled still runs, in order, and may still be queued after ``drain()``.
+    """
+    for tier in store._tiers:
+        if isinstance(tier, LMDBTier):
+            await asyncio.wrap_future(tier._writer.submit(lambda: None))
     problems = []
     for tier, policy in zip(store._tiers, store._policies):
         tracked = set(policy)
@@ -83,6 +95,115 @@ async def test_a_put_made_while_a_delete_waits_for_the_disk_is_not_deleted_with_
     assert [bytes(b) for b in await store.get(NS, hashes[1:])] == blocks[1:]
     assert not await tier_and_index_disagree(store)
     await store.close()
+
+
+def corrupt_records(path: Path, hashes: list[bytes]) -> None:
+    """Flip one byte in the middle of each block's LMDB record (the tier must be closed)."""
+    env = lmdb.open(str(path), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        for h in hashes:
+            key = block_key(NS, h)
+            value = bytearray(txn.get(key))
+            value[len(value) // 2] ^= 0xFF
+            txn.put(key, bytes(value))
+    env.close()
+
+
+async def test_a_read_cancelled_while_its_corrupt_record_is_dropped_forgets_the_block(
+        tmp_path: Path) -> None:
+    # regression: LMDB writes run to their end since a cancelled delete may not drop its write; this made the corrupt-record drop run to its end although the read was cancelled, but the read's
+    # _forget_if_gone never runs: the policy kept an entry whose record is gone (a lookup hit every get misses)
+    path = tmp_path / "d"
+    hashes, blocks = make_blocks(2)
+    async with TieredStore([LMDBTier(path, 8 * disk_footprint())]) as store:
+        await store.put(NS, hashes, blocks)
+    corrupt_records(path, hashes[1:])
+    disk = LMDBTier(path, 8 * disk_footprint())
+    store = TieredStore([disk])
+    await store.start()
+    async with writer_held(disk):
+        read = asyncio.ensure_future(store.get(NS, hashes))
+        await asyncio.sleep(0.05)  # the get found the corrupt block, its drop is queued behind the held writer
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+    assert not await tier_and_index_disagree(store)
+    await store.close()
+
+
+async def test_every_corrupt_record_one_read_finds_is_forgotten(tmp_path: Path) -> None:
+    # regression: LMDBTier.get drops every corrupt record it read, but the read forgot only the first miss
+    path = tmp_path / "d"
+    hashes, blocks = make_blocks(3)
+    async with TieredStore([LMDBTier(path, 8 * disk_footprint())]) as store:
+        await store.put(NS, hashes, blocks)
+    corrupt_records(path, hashes[1:])
+    async with TieredStore([LMDBTier(path, 8 * disk_footprint())]) as store:
+        assert await store.get(NS, hashes) == blocks[:1]
+        assert not await tier_and_index_disagree(store)
+
+
+async def test_a_delete_cancelled_while_its_disk_write_waits_still_deletes_from_redis(
+        tmp_path: Path, redis_server: RedisProcess) -> None:
+    # regression: the shared delete was spawned only after the local tiers' deletes were awaited: a cancelled delete
+    # left the block in Redis, where the next lookup and get find it
+    config = StoreConfig(redis=RedisTierConfig(url=redis_server.url, mode="write_through"))
+    disk = LMDBTier(tmp_path / "disk", 4 * disk_footprint())
+    store = TieredStore([disk], config, shared=RedisTier(config.redis))
+    await store.start()
+    hashes, blocks = make_blocks(2)
+    await store.put(NS, hashes, blocks)
+    await store.drain()
+    async with writer_held(disk):
+        delete = asyncio.ensure_future(store.delete(NS, hashes))
+        await asyncio.sleep(0.05)
+        delete.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await delete
+    await store.drain()
+    assert (await store.lookup(NS, hashes)).num_blocks == 0
+    await store.close()
+
+
+async def test_a_delete_cancelled_in_the_first_of_two_disk_tiers_still_deletes_from_the_second(
+        tmp_path: Path) -> None:
+    # regression: with two LMDB tiers the first tier's delete suspends: a cancellation there never started the second's
+    first = LMDBTier(tmp_path / "a", disk_footprint())
+    second = LMDBTier(tmp_path / "b", 4 * disk_footprint())
+    store = TieredStore([first, second])
+    await store.start()
+    hashes, blocks = make_blocks(2)
+    await store.put(NS, hashes[:1], blocks[:1])
+    await store.put(NS, hashes[1:], blocks[1:])  # block 0 demoted to the second tier
+    assert await store.locate(NS, hashes) == bytes([1, 0])
+    async with writer_held(first):
+        delete = asyncio.ensure_future(store.delete(NS, hashes))
+        await asyncio.sleep(0.05)
+        delete.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await delete
+    assert not await tier_and_index_disagree(store)
+    await store.close()
+
+
+async def test_close_while_a_cancelled_delete_is_queued_keeps_the_delete(tmp_path: Path) -> None:
+    memory = memory_tier(2)
+    disk = LMDBTier(tmp_path / "disk", 4 * disk_footprint())
+    store = TieredStore([memory, disk])
+    await store.start()
+    hashes, blocks = make_blocks(3)
+    await store.put(NS, hashes, blocks)  # one on disk, two in memory
+    async with writer_held(disk):
+        delete = asyncio.ensure_future(store.delete(NS, hashes))
+        await asyncio.sleep(0.05)
+        delete.cancel()
+        closing = asyncio.ensure_future(store.close())
+        await asyncio.sleep(0.05)
+    await asyncio.wait_for(closing, 5)
+    reopened = TieredStore([LMDBTier(tmp_path / "disk", 4 * disk_footprint())])
+    await reopened.start()
+    assert (await reopened.lookup(NS, hashes)).num_blocks == 0
+    await reopened.close()
 
 
 # seed 37 left two LMDB records without an entry: a delete cancelled while its LMDB write was queued dropped it

@@ -128,6 +128,23 @@ class Tier(Protocol):
         ...
 
 
+DropListener = Callable[[list[BlockKey]], None]
+"""Told the keys of records a tier deleted on its own (see :class:`DroppingTier`)."""
+
+
+@runtime_checkable
+class DroppingTier(Tier, Protocol):
+    """A tier that deletes records on its own: the disk tier drops the corrupt records its gets find.
+
+    Attributes:
+        on_drop: set by the store; the tier calls it on the event loop with
+            the keys of each such delete once it has taken effect, also when
+            the call that found them was cancelled, so that the store forgets them.
+    """
+
+    on_drop: DropListener | None
+
+
 @dataclass(frozen=True, slots=True)
 class TierLease:
     """Blocks read in place: views of a tier's own memory, valid until :attr:`release` is called.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -40,7 +41,7 @@ from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, DropListener, ResidentEntry, TierFullError
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +144,13 @@ class LMDBTier:
     a key already held replaces its value and meta (last writer wins); within
     one batch the last occurrence of a key wins.
 
-    A put or delete whose caller is cancelled may still be committed: once its
-    transaction has started in the writer thread it runs to completion (LMDB
-    transactions are not interruptible); a restart lists such blocks in :meth:`resident`.
+    A put or delete whose caller is cancelled is still committed: once
+    submitted, a write runs to its end in the writer thread, in the order
+    writes were submitted (see :meth:`kvstore.tiers.base.Tier.delete`).
+
+    A corrupt record that a get finds is deleted, and the keys are reported to
+    :attr:`on_drop` (:class:`~kvstore.tiers.base.DroppingTier`) once that delete
+    has committed, also when the get's caller was cancelled.
 
     Args:
         path: directory of the environment; created if missing.
@@ -206,6 +211,7 @@ class LMDBTier:
         self._used_bytes = self._scan_used_bytes()
         self._corrupt_records = 0
         self._touched: dict[BlockKey, float] = {}  # keys hit by gets since the last write txn -> time
+        self.on_drop: DropListener | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"lmdb-{name}-w")
         self._readers = ThreadPoolExecutor(num_reader_threads, thread_name_prefix=f"lmdb-{name}-r")
         self._closed = False
@@ -277,8 +283,12 @@ class LMDBTier:
             if value is not None:  # the keys of a read are a prefix in order: its head is the most recent
                 self._touched[key] = now - position * CHAIN_STEP_S
         if corrupt:
-            await self._write(self._drop_corrupt_txn, corrupt)
+            await self._write(self._drop_corrupt_txn, corrupt, on_success=functools.partial(self._dropped, corrupt))
         return values
+
+    def _dropped(self, keys: list[BlockKey]) -> None:
+        if self.on_drop is not None:
+            self.on_drop(keys)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
         """Store each value with its meta in one write transaction.
@@ -370,17 +380,22 @@ class LMDBTier:
         if self._closed:
             raise UnavailableError(f"disk tier {self.name} is closed")
 
-    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any, finish: bool = False) -> _T:
+    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any, finish: bool = False,
+                   on_success: Callable[[], None] | None = None) -> _T:
         """Run ``fn(*args)`` in ``pool``; with ``finish``, to its end even if the caller is cancelled.
 
         Without ``finish`` a cancelled caller also cancels the call if it has
         not started yet (``asyncio.wrap_future``), which suits reads.
+        ``on_success`` runs on the event loop once ``fn`` has returned, whether
+        or not the caller is still there.
         """
         try:
             future = pool.submit(fn, *args)
         except RuntimeError as exc:  # the pool was shut down by close()
             raise UnavailableError(f"disk tier {self.name} is closed") from exc
         waited = asyncio.wrap_future(future)
+        if on_success is not None:
+            waited.add_done_callback(lambda done: done.cancelled() or done.exception() is not None or on_success())
         try:
             if finish:
                 try:
@@ -395,7 +410,7 @@ class LMDBTier:
             logger.error("disk tier %s: LMDB error: %s", self.name, exc)
             raise UnavailableError(f"disk tier {self.name}: LMDB error: {exc}") from exc
 
-    async def _write(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def _write(self, fn: Callable[..., _T], *args: Any, on_success: Callable[[], None] | None = None) -> _T:
         """Run ``fn(txn_args..., touched)`` in the writer thread with the pending recency updates.
 
         Writes run one at a time, in the order they were submitted, and each runs to its end once submitted,
@@ -403,7 +418,7 @@ class LMDBTier:
         """
         touched, self._touched = self._touched, {}
         try:  # runs to its end once submitted: see Tier.delete
-            return await self._run(self._writer, fn, *args, touched, finish=True)
+            return await self._run(self._writer, fn, *args, touched, finish=True, on_success=on_success)
         except asyncio.CancelledError:
             raise  # the write goes on, with the recency updates
         except BaseException:
