@@ -474,11 +474,15 @@ class TieredStore:
         still published blocks, and the last local tier drops its victims, counting on the shared tier's copy.
         """
         epoch = self._tombstones.begin()
-        try:  # a delete or clear that overtakes the placement wins (``since``): it does not publish them
-            await self._place(keys, values, chain_metas(meta, len(keys)), since=epoch)
+
+        def overtaken(key: BlockKey) -> bool:  # by a delete or clear that began after the put: it wins
+            return self._tombstones.delete_began_since(key, epoch)
+
+        try:
+            await self._place(keys, values, chain_metas(meta, len(keys)), deleted=overtaken)
         finally:
             if self._write_through:  # the window goes with the copy, so that the shared tier agrees
-                self._spawn(self._copy_to_shared(keys, values, [meta] * len(keys), epoch),
+                self._spawn(self._copy_to_shared(keys, values, [meta] * len(keys), overtaken),
                             functools.partial(self._end_copy, epoch))
             else:
                 self._tombstones.end(epoch)
@@ -503,13 +507,18 @@ class TieredStore:
         tag = namespace.tag
         keys = [key for policy in self._policies for key in policy if key.startswith(tag)]
         keys += [key for key in self._pending if key.startswith(tag)]  # puts still placing them lose, too
-        self._tombstones.record_clear(tag)
+        self._tombstones.record_clear(tag)  # it ends when the shared tier is clear too (``kvstore.tombstones``)
+        end = functools.partial(self._tombstones.record_clear, tag, ended=True)
+        # started first, and shielded: a clear cancelled part-way still clears the shared tier
+        shared = self._spawn(self._clear_shared(tag), lambda _: end()) \
+            if getattr(self._shared, "clear_namespace", None) else None
         try:
             removed = await self._delete_keys(keys)
-            if getattr(self._shared, "clear_namespace", None) is not None:  # shielded, as a delete's
-                await asyncio.shield(self._spawn(self._clear_shared(tag)))
         finally:
-            self._tombstones.record_clear(tag)
+            if shared is None:
+                end()
+        if shared is not None:
+            await asyncio.shield(shared)
         return removed
 
     async def _clear_shared(self, tag: bytes) -> None:
@@ -728,10 +737,13 @@ class TieredStore:
         ``since``: the copy window (``kvstore.tombstones``) the shared tier was read in; a block deleted since
         is not promoted, nor published if the delete lands while it is being written.
         """
+        def deleted(key: BlockKey) -> bool:
+            return since is not None and self._tombstones.deleted_since(key, since)
+
         wanted = [
             i for i, key in enumerate(keys)
             if key not in self._pending and (self._tier_of(key) == source if source is not None else self._tier_of(key) is None)
-            and not (since is not None and self._tombstones.deleted_since(key, since))
+            and not deleted(key)
         ]
         if not wanted:
             return
@@ -744,8 +756,8 @@ class TieredStore:
             metas = [BlockMeta(policy.priority_of(k), policy.expiry_of(k), now - i * CHAIN_STEP_S)
                      for i, k in enumerate(keys)]
         try:
-            await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0, since=since,
-                              spill=False)
+            await self._place(keys, [values[i] for i in wanted], metas, source=source, target=0, last=0,
+                              deleted=deleted, spill=False)
         except ResourceExhaustedError as exc:  # the top tier is leased full: promotion is only ever an offer
             logger.debug("promotion into %s stopped: %s", self._tiers[0].name, exc)
         # what is in the top tier now moved; a block the top tier evicted again while the rest were written (a
@@ -769,7 +781,7 @@ class TieredStore:
         source: int | None = None,
         target: int = 0,
         last: int | None = None,
-        since: int | None = None,
+        deleted: Callable[[BlockKey], bool] | None = None,
         spill: bool = True,
     ) -> list[BlockKey]:
         """Write blocks into local tier ``target`` (down to ``last``), evicting to make room, and publish them.
@@ -777,10 +789,12 @@ class TieredStore:
         A block larger than a tier goes to the next one down. With ``source``
         set (a move between tiers) a block that left the source while it was
         being written is not published and is removed again, and blocks that
-        fit no tier are left where they are. With ``since`` set (a copy window
-        of ``kvstore.tombstones``) so is a block deleted since it began. New
-        blocks that fit no local tier go to the shared tier in ``write_back``
-        mode, unless ``spill`` is off (a promotion out of the shared tier: they are there already).
+        fit no tier are left where they are. A block for which ``deleted`` (a
+        question to ``kvstore.tombstones``) says it was deleted during the copy
+        is not published either. New blocks that fit no local tier go to the
+        shared tier in ``write_back`` mode, those ``deleted`` spares (a write
+        the deletes of their keys wait for), unless ``spill`` is off (a
+        promotion out of the shared tier: they are there already).
 
         Returns:
             The keys published.
@@ -799,7 +813,7 @@ class TieredStore:
                 chosen = sorted(fits)
                 published += await self._write_tier(
                     level, [keys[i] for i in chosen], [values[i] for i in chosen], [metas[i] for i in chosen], source,
-                    since,
+                    deleted,
                 )
             rest = [i for i in range(len(keys)) if i not in fits]
             keys, values, metas = [keys[i] for i in rest], [values[i] for i in rest], [metas[i] for i in rest]
@@ -807,7 +821,7 @@ class TieredStore:
                 return published
         if source is None and spill:
             if self._shared is not None and not self._write_through:
-                await self._shared.put(keys, values, metas)
+                await self._copy_to_shared(keys, values, metas, deleted)
             else:
                 raise ResourceExhaustedError(
                     f"{len(keys)} block(s) of up to {max(map(len, values))} bytes fit no tier "
@@ -820,12 +834,13 @@ class TieredStore:
             return True
         return any(t.footprint(nbytes) <= (t.capacity_bytes or 0) for t in self._tiers)
 
-    def _stale(self, key: BlockKey, level: int, source: int | None, since: int | None) -> bool:
+    def _stale(self, key: BlockKey, level: int, source: int | None,
+               deleted: Callable[[BlockKey], bool] | None) -> bool:
         """Whether a block just written into ``level``, where it was not before, must not be published there."""
         if source is not None and key not in self._policies[source]:
             return True  # deleted (or moved) while it was being written
-        if since is not None and self._tombstones.deleted_since(key, since):
-            return True  # deleted since its copy began (a put's placement, or a copy out of the shared tier)
+        if deleted is not None and deleted(key):
+            return True  # deleted during its copy (a put's placement, or a copy out of the shared tier)
         return any(key in policy for i, policy in enumerate(self._policies) if i != source)
 
     async def _write_tier(
@@ -835,7 +850,7 @@ class TieredStore:
         values: list[bytes],
         metas: list[BlockMeta],
         source: int | None,
-        since: int | None = None,
+        deleted: Callable[[BlockKey], bool] | None = None,
     ) -> list[BlockKey]:
         tier = self._tiers[level]
         sizes = [tier.footprint(len(v)) for v in values]
@@ -864,7 +879,7 @@ class TieredStore:
                     key = keys[i]
                     if key in policy:  # already here, e.g. a block demoted back into the source of its promotion:
                         self._forget(level, key)  # the write replaced the block, and its entry is replaced too
-                    elif self._stale(key, level, source, since):
+                    elif self._stale(key, level, source, deleted):
                         stale.append(key)
                         continue
                     self._publish(level, key, sizes[i], metas[i].priority, metas[i].expires_at)
@@ -956,7 +971,8 @@ class TieredStore:
             self._counters[target].demotions += len(placed)
         else:
             assert epoch is not None
-            stored = await self._copy_to_shared(keys, [v for _, v in found], metas, epoch)
+            stored = await self._copy_to_shared(keys, [v for _, v in found], metas,
+                                                functools.partial(self._deleted_since, epoch))
             self._counters[-1].demotions += stored
 
     def _fit_flush(self, found: list[tuple[BlockKey, bytes]], kept: dict[BlockKey, tuple[int, float]],
@@ -975,16 +991,11 @@ class TieredStore:
         return [(k, v) for k, v in found if k in chosen]
 
     async def _delete_keys(self, keys: list[BlockKey]) -> int:
-        # recorded before and after: a copy that began before the delete finished (a read that found the block
-        # in the shared tier before its DEL landed, say) must not bring it back either
-        self._tombstones.record_delete(keys)
-        try:
-            return await self._delete_everywhere(keys)
-        finally:
-            self._tombstones.record_delete(keys)
+        self._tombstones.record_delete(keys)  # it ends when the shared tier has deleted them too
+        return await self._delete_everywhere(keys)
 
     async def _delete_everywhere(self, keys: list[BlockKey]) -> int:
-        for key in keys:  # a put still placing them loses to this delete (``since``): a later put must not wait
+        for key in keys:  # a put still placing them loses to this delete (``deleted``): a later put must not wait
             self._pending.pop(key, None)  # for it, but place them afresh
         by_level: dict[int, list[BlockKey]] = {}
         for key in keys:
@@ -992,9 +1003,14 @@ class TieredStore:
                 if key in policy:
                     self._forget(level, key)
                     by_level.setdefault(level, []).append(key)
+        end = functools.partial(self._tombstones.record_delete, keys, ended=True)
         # started first, and shielded: a delete cancelled while the local tiers delete still deletes from Redis
-        shared = self._spawn(self._delete_shared(keys)) if self._shared is not None and keys else None
-        await self._delete_local(by_level)
+        shared = self._spawn(self._delete_shared(keys), lambda _: end()) if self._shared is not None and keys else None
+        try:
+            await self._delete_local(by_level)
+        finally:
+            if shared is None:
+                end()
         if shared is not None:
             await asyncio.shield(shared)
         return sum(map(len, by_level.values()))
@@ -1023,15 +1039,15 @@ class TieredStore:
         await self._shared.delete(keys)  # type: ignore[union-attr]
 
     async def _copy_to_shared(self, keys: list[BlockKey], values: Sequence[bytes], metas: list[BlockMeta],
-                              epoch: int) -> int:
-        """Write blocks into the shared tier, except those deleted since the copy window ``epoch`` began;
-        returns how many were stored.
+                              deleted: Callable[[BlockKey], bool] | None) -> int:
+        """Write blocks into the shared tier, except those ``deleted`` says were deleted during the copy (a
+        question to ``kvstore.tombstones`` about the copy's window); returns how many were stored.
 
         The write is registered (:attr:`_shared_copies`) from the check on, with no await in between, and a
         delete waits for registered writes of its keys before it deletes from the shared tier, so its DEL
         always lands after their SET.
         """
-        live = [i for i, key in enumerate(keys) if not self._tombstones.deleted_since(key, epoch)]
+        live = [i for i, key in enumerate(keys) if deleted is None or not deleted(key)]
         if not live:
             return 0
         copy = _SharedCopy(frozenset(keys[i] for i in live))
@@ -1053,6 +1069,9 @@ class TieredStore:
 
     def _end_copy(self, epoch: int, _task: object = None) -> None:
         self._tombstones.end(epoch)
+
+    def _deleted_since(self, epoch: int, key: BlockKey) -> bool:
+        return self._tombstones.deleted_since(key, epoch)
 
     def _spawn(self, work: Awaitable[object],
                on_done: Callable[[asyncio.Future[object]], None] | None = None) -> asyncio.Future[object]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import functools
 import logging
 import os
 import shutil
@@ -283,11 +282,11 @@ class LMDBTier:
             if value is not None:  # the keys of a read are a prefix in order: its head is the most recent
                 self._touched[key] = now - position * CHAIN_STEP_S
         if corrupt:
-            await self._write(self._drop_corrupt_txn, corrupt, on_success=functools.partial(self._dropped, corrupt))
+            await self._write(self._drop_corrupt_txn, corrupt, on_success=self._dropped)
         return values
 
     def _dropped(self, keys: list[BlockKey]) -> None:
-        if self.on_drop is not None:
+        if keys and self.on_drop is not None:
             self.on_drop(keys)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
@@ -381,13 +380,13 @@ class LMDBTier:
             raise UnavailableError(f"disk tier {self.name} is closed")
 
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any, finish: bool = False,
-                   on_success: Callable[[], None] | None = None) -> _T:
+                   on_success: Callable[[_T], None] | None = None) -> _T:
         """Run ``fn(*args)`` in ``pool``; with ``finish``, to its end even if the caller is cancelled.
 
         Without ``finish`` a cancelled caller also cancels the call if it has
         not started yet (``asyncio.wrap_future``), which suits reads.
-        ``on_success`` runs on the event loop once ``fn`` has returned, whether
-        or not the caller is still there.
+        ``on_success`` gets what ``fn`` returned, on the event loop, whether or
+        not the caller is still there.
         """
         try:
             future = pool.submit(fn, *args)
@@ -395,7 +394,8 @@ class LMDBTier:
             raise UnavailableError(f"disk tier {self.name} is closed") from exc
         waited = asyncio.wrap_future(future)
         if on_success is not None:
-            waited.add_done_callback(lambda done: done.cancelled() or done.exception() is not None or on_success())
+            waited.add_done_callback(
+                lambda done: done.cancelled() or done.exception() is not None or on_success(done.result()))
         try:
             if finish:
                 try:
@@ -410,7 +410,7 @@ class LMDBTier:
             logger.error("disk tier %s: LMDB error: %s", self.name, exc)
             raise UnavailableError(f"disk tier {self.name}: LMDB error: {exc}") from exc
 
-    async def _write(self, fn: Callable[..., _T], *args: Any, on_success: Callable[[], None] | None = None) -> _T:
+    async def _write(self, fn: Callable[..., _T], *args: Any, on_success: Callable[[_T], None] | None = None) -> _T:
         """Run ``fn(txn_args..., touched)`` in the writer thread with the pending recency updates.
 
         Writes run one at a time, in the order they were submitted, and each runs to its end once submitted,
@@ -531,8 +531,9 @@ class LMDBTier:
             self._flush_touched(txn, touched, skip=set(keys))
         self._used_bytes += delta
 
-    def _drop_corrupt_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]) -> None:
-        dropped = 0
+    def _drop_corrupt_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]) -> list[BlockKey]:
+        """Delete the records of ``keys`` that are still corrupt; returns their keys."""
+        dropped: list[BlockKey] = []
         with self._env.begin(write=True, buffers=True) as txn:
             delta = 0
             for key in set(keys):
@@ -545,10 +546,11 @@ class LMDBTier:
                 except CodecError:
                     pass
                 delta += self._remove(txn, key)
-                dropped += 1
+                dropped.append(key)
             self._flush_touched(txn, touched, skip=set(keys))
         self._used_bytes += delta
-        self._corrupt_records += dropped
+        self._corrupt_records += len(dropped)
+        return dropped
 
     def _drop_junk_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]) -> None:
         dropped = 0

@@ -1,0 +1,191 @@
+"""Deletes and clears racing puts, reads and copies still in flight, some of them cancelled part-way.
+
+A delete or clear wins over a put that was still placing its blocks when it
+began, and loses to a put made after it began; a block a disk tier drops as
+corrupt is forgotten, and only that block; a cancelled delete or clear still
+finishes in every tier, the shared one included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from kvstore.store import TieredStore
+from kvstore.tiers.lmdb import LMDBTier
+from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.redis import RedisTier
+from tests.support.redis import RedisProcess, redis_server  # noqa: F401
+from tests.test_store import NS, PAGE, disk_footprint, make_blocks, memory_tier
+from tests.test_store_copy_races import slow_first_put
+from tests.test_store_index_stress import corrupt_records, tier_and_index_disagree, writer_held
+from tests.test_store_redis import redis_config, store_key
+
+
+class _GatedReadLMDB(LMDBTier):
+    """A real LMDB tier whose next read transaction, once it has read, waits in its reader thread for ``gate``."""
+
+    gate: threading.Event | None = None
+
+    def _get_txn(self, keys):  # type: ignore[no-untyped-def]
+        result = super()._get_txn(keys)
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate.wait(5)
+        return result
+
+
+async def test_a_good_block_that_replaced_a_corrupt_one_is_not_forgotten_with_it(tmp_path: Path) -> None:
+    """A get reads a corrupt record; before its drop is submitted the block is deleted and put again (a good
+    record, published at the disk level). The drop skips the good record, so the store must not forget it.
+    Regression: the disk tier reported every key the get had found corrupt, and the store forgot the new entry:
+    a record no entry accounted for (room never evicted), and a lookup missed a block that was on disk."""
+    path = tmp_path / "d"
+    hashes, blocks = make_blocks(1)
+    async with TieredStore([LMDBTier(path, 8 * disk_footprint())]) as store:
+        await store.put(NS, hashes, blocks)
+    corrupt_records(path, hashes)
+    disk = _GatedReadLMDB(path, 8 * disk_footprint())
+    store = TieredStore([disk])
+    await store.start()
+    gate = disk.gate = threading.Event()
+    read = asyncio.ensure_future(store.get(NS, hashes))
+    await asyncio.sleep(0.05)  # the read found the corrupt record and waits in its thread
+    assert await store.delete(NS, hashes) == 1
+    assert await store.put(NS, hashes, blocks) == 1  # a good record, published on disk
+    gate.set()
+    assert await read == []
+    await store.drain()
+    problems = await tier_and_index_disagree(store)
+    located = (await store.lookup(NS, hashes)).num_blocks
+    await store.close()
+    assert not problems
+    assert located == 1
+
+
+async def test_a_put_made_while_a_delete_waits_for_the_disk_is_published(tmp_path: Path) -> None:
+    """The disk-only twin of test_a_put_made_while_a_delete_waits_for_the_disk_is_not_deleted_with_it: the put
+    starts after the delete forgot the key, so it is the newer and wins, though its disk write queues behind the
+    delete's. Regression: the put counted as overtaken by the delete's end record and was not published."""
+    disk = LMDBTier(tmp_path / "disk", 4 * disk_footprint())
+    store = TieredStore([disk])
+    await store.start()
+    hashes, blocks = make_blocks(1)
+    await store.put(NS, hashes, blocks)
+    async with writer_held(disk):
+        delete = asyncio.ensure_future(store.delete(NS, hashes))
+        await asyncio.sleep(0.01)  # forgotten, its write queued
+        put = asyncio.ensure_future(store.put(NS, hashes, blocks))
+        await asyncio.sleep(0.01)  # placed afresh, its write queued after the delete's
+    assert await delete == 1
+    assert await put == 1
+    await store.drain()
+    got = await store.get(NS, hashes)
+    await store.close()
+    assert got == blocks
+
+
+async def test_a_put_that_evicts_to_disk_while_a_delete_waits_is_published(tmp_path: Path) -> None:
+    """Memory over disk, memory full: a put made after a delete forgot its key must first demote a victim to
+    disk, which queues behind the delete's disk write. Regression: the put's block was dropped as deleted."""
+    disk = LMDBTier(tmp_path / "disk", 8 * disk_footprint())
+    store = TieredStore([memory_tier(1), disk])
+    await store.start()
+    hashes, blocks = make_blocks(3)
+    await store.put(NS, hashes[:1], blocks[:1])
+    await store.put(NS, hashes[1:2], blocks[1:2])  # block 0 on disk, block 1 fills memory
+    assert await store.locate(NS, hashes[:2]) == bytes([1, 0])
+    async with writer_held(disk):
+        delete = asyncio.ensure_future(store.delete(NS, hashes[:1]))  # the disk block
+        await asyncio.sleep(0.01)
+        put = asyncio.ensure_future(store.put(NS, hashes[:1], blocks[:1]))  # must demote block 1 first
+        await asyncio.sleep(0.01)
+    assert await delete == 1
+    assert await put == 1
+    await store.drain()
+    got = await store.get(NS, hashes[:1])
+    await store.close()
+    assert got == blocks[:1]
+
+
+
+
+async def test_a_delete_wins_over_a_write_back_put_spilling_into_redis(redis_server: RedisProcess) -> None:
+    """write_back, a block that fits no local tier goes straight into Redis. A delete that overtakes the put
+    (still placing its block) must win there too. Regression: that write was neither registered for deletes to
+    wait for nor checked against the put's window, and its SET landed after the delete's UNLINK."""
+    config = redis_config(redis_server.url, "write_back")
+    memory = MemoryTier(PAGE, page_bytes=PAGE)  # one page: an encoded block (two pages) fits no local tier
+    async with TieredStore([memory], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(1, seed=31)
+        slow_first_put(store, 0.2)
+        put = asyncio.create_task(store.put(NS, hashes, blocks))
+        await asyncio.sleep(0.05)  # placing: the spill into Redis is on its way
+        await store.delete(NS, hashes)  # overtakes the put: it still places its block
+        await put
+        await store.drain()
+        in_redis = bool(redis_server.client().exists(store_key(store, hashes[0])))
+        assert not in_redis, "the put still placing its block won over the delete in Redis"
+
+
+async def test_a_clear_cancelled_while_it_deletes_locally_still_clears_redis(redis_server: RedisProcess) -> None:
+    """A clear cancelled while it deletes its local keys (whose shared delete waits for write-throughs in flight)
+    must still clear the namespace from Redis, here a block another node put. Regression: the Redis part was
+    spawned only after the local deletes, so the cancellation skipped it and the next get served the block."""
+    config = redis_config(redis_server.url, "write_through")
+    async with TieredStore([memory_tier(8)], config, shared=RedisTier(config.redis)) as node_a, \
+            TieredStore([memory_tier(8)], config, shared=RedisTier(config.redis)) as node_b:
+        hashes, blocks = make_blocks(2, seed=33)
+        await node_b.put(NS, hashes[:1], blocks[:1])  # A: in Redis, not in node_a's memory
+        await node_b.drain()
+        slow_first_put(node_a, 0.3)
+        await node_a.put(NS, hashes[1:], blocks[1:])  # B: its write-through is slow
+        await asyncio.sleep(0.01)
+        clear = asyncio.create_task(node_a.clear(NS))
+        await asyncio.sleep(0.05)  # the clear's delete of B waits for B's write-through
+        clear.cancel()
+        try:
+            await clear
+        except asyncio.CancelledError:
+            pass
+        await node_a.drain()
+        in_redis = bool(redis_server.client().exists(store_key(node_a, hashes[0])))
+        assert not in_redis, "a cancelled clear left the namespace in Redis"
+
+
+def slow_clear_namespace(store: TieredStore, delay: float) -> None:
+    """Delay the shared tier's clear_namespace by ``delay`` s before it is sent (a slow SCAN)."""
+    real = store._shared.clear_namespace
+
+    async def clear_namespace(tag):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(delay)
+        return await real(tag)
+
+    store._shared.clear_namespace = clear_namespace
+
+
+async def test_a_read_during_a_cancelled_clear_does_not_promote_a_cleared_block(
+        redis_server: RedisProcess) -> None:
+    """A read made while a (cancelled) clear's Redis part still runs finds a block there, and must not promote
+    it into memory. Regression: the clear's end was recorded at the cancellation, copies opened after it saw no
+    clear, and the cleared namespace's block stayed in memory after Redis dropped it."""
+    config = redis_config(redis_server.url, "write_through")
+    async with TieredStore([memory_tier(8)], config, shared=RedisTier(config.redis)) as node_a, \
+            TieredStore([memory_tier(8)], config, shared=RedisTier(config.redis)) as node_b:
+        hashes, blocks = make_blocks(1, seed=34)
+        await node_b.put(NS, hashes, blocks)  # in Redis, not in node_a's memory
+        await node_b.drain()
+        slow_clear_namespace(node_a, 0.3)
+        clear = asyncio.create_task(node_a.clear(NS))
+        await asyncio.sleep(0.05)  # in its shielded Redis part
+        clear.cancel()
+        try:
+            await clear
+        except asyncio.CancelledError:
+            pass
+        assert await node_a.get(NS, hashes) == blocks  # from Redis, still there; promoted
+        await node_a.drain()
+        in_redis = bool(redis_server.client().exists(store_key(node_a, hashes[0])))
+        local = (await node_a.lookup(NS, hashes)).tiers
+        assert (local, in_redis) == ((), False), (local, in_redis)
