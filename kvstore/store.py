@@ -113,6 +113,8 @@ class TieredStore:
         self._placements: set[asyncio.Future[None]] = set()  # puts' placements in flight
         self._tombstones = Tombstones()  # deletes that copies to and from the shared tier, in flight, must respect
         self._shared_copies: set[_SharedCopy] = set()  # writes into the shared tier in flight (deletes wait for them)
+        self._shared_deletes: set[_SharedDelete] = set()  # deletes and clears of the shared tier in flight (newer
+        # writes of their keys wait for them)
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -501,7 +503,8 @@ class TieredStore:
         """Delete every block of ``namespace`` from every tier; returns how many local blocks went.
 
         Raises:
-            UnavailableError: if the store is closed.
+            UnavailableError: if the store is closed, or the shared tier cannot be reached (the local blocks
+                are gone; those in the shared tier stay until they expire or a later clear reaches them).
         """
         self._check_open()
         tag = namespace.tag
@@ -510,7 +513,7 @@ class TieredStore:
         self._tombstones.record_clear(tag)  # it ends when the shared tier is clear too (``kvstore.tombstones``)
         end = functools.partial(self._tombstones.record_clear, tag, ended=True)
         # started first, and shielded: a clear cancelled part-way still clears the shared tier
-        shared = self._spawn(self._clear_shared(tag), lambda _: end()) \
+        shared = self._delete_from_shared(self._clear_shared(tag), _SharedDelete(frozenset(), tag), end) \
             if getattr(self._shared, "clear_namespace", None) else None
         try:
             removed = await self._delete_keys(keys)
@@ -971,8 +974,10 @@ class TieredStore:
             self._counters[target].demotions += len(placed)
         else:
             assert epoch is not None
+            # a victim is never older than a delete of it in progress (that forgot the older block): only a
+            # delete that began after the demotion's window makes it stale
             stored = await self._copy_to_shared(keys, [v for _, v in found], metas,
-                                                functools.partial(self._deleted_since, epoch))
+                                                functools.partial(self._delete_began_since, epoch))
             self._counters[-1].demotions += stored
 
     def _fit_flush(self, found: list[tuple[BlockKey, bytes]], kept: dict[BlockKey, tuple[int, float]],
@@ -1005,7 +1010,8 @@ class TieredStore:
                     by_level.setdefault(level, []).append(key)
         end = functools.partial(self._tombstones.record_delete, keys, ended=True)
         # started first, and shielded: a delete cancelled while the local tiers delete still deletes from Redis
-        shared = self._spawn(self._delete_shared(keys), lambda _: end()) if self._shared is not None and keys else None
+        shared = self._delete_from_shared(self._delete_shared(keys), _SharedDelete(frozenset(keys), None), end) \
+            if self._shared is not None and keys else None
         try:
             await self._delete_local(by_level)
         finally:
@@ -1032,6 +1038,19 @@ class TieredStore:
                     self._spawn(self._delete_local({later: by_level[later] for later in levels[n + 1:]}))
                 raise
 
+    def _delete_from_shared(self, work: Awaitable[None], deleting: _SharedDelete,
+                            end: Callable[[], None]) -> asyncio.Future[object]:
+        """Start a delete or clear of the shared tier (``work``) in the background, registered as ``deleting``
+        until it ends, when ``end`` records its end (``kvstore.tombstones``)."""
+        self._shared_deletes.add(deleting)
+
+        def ended(_task: object) -> None:
+            self._shared_deletes.discard(deleting)
+            deleting.done.set()
+            end()
+
+        return self._spawn(work, ended)
+
     async def _delete_shared(self, keys: list[BlockKey]) -> None:
         """Delete ``keys`` from the shared tier once the writes into it already under way for them have ended."""
         wanted = set(keys)
@@ -1045,8 +1064,12 @@ class TieredStore:
 
         The write is registered (:attr:`_shared_copies`) from the check on, with no await in between, and a
         delete waits for registered writes of its keys before it deletes from the shared tier, so its DEL
-        always lands after their SET.
+        always lands after their SET. A write that a delete already under way does not wait for (``deleted``
+        spares it: it is newer) waits instead for that delete's DEL to land, so its SET lands after it.
         """
+        deletes = [d.done.wait() for d in self._shared_deletes if any(map(d.covers, keys))]
+        if deletes:
+            await asyncio.gather(*deletes)
         live = [i for i, key in enumerate(keys) if deleted is None or not deleted(key)]
         if not live:
             return 0
@@ -1070,8 +1093,8 @@ class TieredStore:
     def _end_copy(self, epoch: int, _task: object = None) -> None:
         self._tombstones.end(epoch)
 
-    def _deleted_since(self, epoch: int, key: BlockKey) -> bool:
-        return self._tombstones.deleted_since(key, epoch)
+    def _delete_began_since(self, epoch: int, key: BlockKey) -> bool:
+        return self._tombstones.delete_began_since(key, epoch)
 
     def _spawn(self, work: Awaitable[object],
                on_done: Callable[[asyncio.Future[object]], None] | None = None) -> asyncio.Future[object]:
@@ -1086,13 +1109,32 @@ class TieredStore:
 
     def _background_done(self, task: asyncio.Future[object]) -> None:
         self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled() or task.exception() is None:
+            return
+        if isinstance(task.exception(), UnavailableError):  # a tier down or closed: expected, and reported
+            logger.warning("background store task stopped: %s", task.exception())  # to whoever awaits it
+        else:
             logger.error("background store task failed", exc_info=task.exception())
 
     async def drain(self) -> None:
         """Wait until puts in flight, background promotions and write-through puts have finished (tests, shutdown)."""
         while self._background or self._placements:
             await asyncio.gather(*self._background, *self._placements, return_exceptions=True)
+
+
+class _SharedDelete:
+    """One delete of keys, or clear of a namespace, of the shared tier in flight; ``done`` is set when it ends."""
+
+    __slots__ = ("keys", "tag", "done")
+
+    def __init__(self, keys: frozenset[BlockKey], tag: bytes | None) -> None:
+        self.keys = keys
+        self.tag = tag
+        self.done = asyncio.Event()
+
+    def covers(self, key: BlockKey) -> bool:
+        """Whether this delete or clear deletes ``key``."""
+        return key.startswith(self.tag) if self.tag is not None else key in self.keys
 
 
 class _SharedCopy:

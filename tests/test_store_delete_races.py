@@ -9,6 +9,7 @@ finishes in every tier, the shared one included.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from pathlib import Path
 
@@ -189,3 +190,124 @@ async def test_a_read_during_a_cancelled_clear_does_not_promote_a_cleared_block(
         in_redis = bool(redis_server.client().exists(store_key(node_a, hashes[0])))
         local = (await node_a.lookup(NS, hashes)).tiers
         assert (local, in_redis) == ((), False), (local, in_redis)
+
+
+def slow_shared_delete(store: TieredStore, delay: float) -> None:
+    """Delay the shared tier's deletes by ``delay`` s before the UNLINK is sent (a slow Redis)."""
+    real = store._shared.delete
+
+    async def delete(keys):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(delay)
+        return await real(keys)
+
+    store._shared.delete = delete
+
+
+async def test_a_write_back_spill_made_after_a_delete_began_survives_its_unlink(redis_server: RedisProcess) -> None:
+    """write_back, a block that fits no local tier goes to Redis. P1 spills K (its SET slow); D(K) begins and
+    waits for P1's write; P2 puts K after D began, so it is the newer and must win. Regression: D's UNLINK
+    landed after P2's SET and the newer block was lost everywhere; newer writes now wait for D's UNLINK."""
+    config = redis_config(redis_server.url, "write_back")
+    memory = MemoryTier(PAGE, page_bytes=PAGE)  # fits no block
+    async with TieredStore([memory], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(1, seed=71)
+        slow_first_put(store, 0.3)
+        p1 = asyncio.create_task(store.put(NS, hashes, blocks))
+        await asyncio.sleep(0.05)  # P1's spill registered, its SET delayed
+        d = asyncio.create_task(store.delete(NS, hashes))
+        await asyncio.sleep(0.02)  # D began; its Redis part waits for P1's write
+        assert await store.put(NS, hashes, blocks) == 1  # P2: after D began, SET lands now
+        await p1
+        await d
+        await store.drain()
+        got = await store.get(NS, hashes)
+        assert got == blocks, "a put made after the delete began was undone by the delete's UNLINK"
+
+
+async def test_a_write_through_put_made_after_a_delete_began_keeps_its_redis_copy(
+        redis_server: RedisProcess) -> None:
+    """The write_through twin: P2 (made after D began) is in memory and must be in Redis too. Regression: D's
+    late UNLINK removed P2's Redis copy, so memory and Redis disagreed for good."""
+    config = redis_config(redis_server.url, "write_through")
+    async with TieredStore([memory_tier(8)], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(1, seed=72)
+        slow_first_put(store, 0.3)
+        await store.put(NS, hashes, blocks)  # P1: its write-through SET delayed
+        await asyncio.sleep(0.01)
+        d = asyncio.create_task(store.delete(NS, hashes))
+        await asyncio.sleep(0.02)  # D forgot K; its Redis part waits for P1's write
+        assert await store.put(NS, hashes, blocks) == 1  # P2: after D began
+        await d
+        await store.drain()
+        local = (await store.lookup(NS, hashes)).tiers
+        in_redis = bool(redis_server.client().exists(store_key(store, hashes[0])))
+        assert (local, in_redis) == (("memory",), True), (local, in_redis)
+
+
+async def test_a_put_made_after_a_clear_began_survives_it(redis_server: RedisProcess) -> None:
+    """The clear twin (a write_back spill): P2, made after the clear began, must survive the clear. Regression:
+    the clear's late SCAN and UNLINK removed it."""
+    config = redis_config(redis_server.url, "write_back")
+    memory = MemoryTier(PAGE, page_bytes=PAGE)
+    async with TieredStore([memory], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(1, seed=73)
+        slow_first_put(store, 0.3)
+        p1 = asyncio.create_task(store.put(NS, hashes, blocks))
+        await asyncio.sleep(0.05)
+        c = asyncio.create_task(store.clear(NS))
+        await asyncio.sleep(0.02)
+        assert await store.put(NS, hashes, blocks) == 1  # P2: after the clear began
+        await p1
+        await c
+        await store.drain()
+        assert await store.get(NS, hashes) == blocks, "a put made after the clear began was cleared"
+
+
+async def test_a_newer_put_demoted_during_a_delete_in_progress_reaches_redis(
+        redis_server: RedisProcess) -> None:
+    """K, put after D(K) began, is evicted while D's Redis part is still in flight, and must be demoted into Redis.
+    Regression: the demotion counted K as deleted (a delete of it was in progress) and dropped it: K ended up in
+    no tier."""
+    config = redis_config(redis_server.url, "write_back")
+    memory = MemoryTier(2 * PAGE, page_bytes=PAGE)  # one block
+    async with TieredStore([memory], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(2, seed=75)
+        await store.put(NS, hashes[:1], blocks[:1])
+        slow_shared_delete(store, 0.3)
+        d = asyncio.create_task(store.delete(NS, hashes[:1]))
+        await asyncio.sleep(0.02)  # D forgot K, its UNLINK not sent yet
+        assert await store.put(NS, hashes[:1], blocks[:1]) == 1  # P2: after D began
+        assert await store.put(NS, hashes[1:], blocks[1:]) == 1  # evicts K: demotion into Redis
+        await d
+        await store.drain()
+        in_redis = bool(redis_server.client().exists(store_key(store, hashes[0])))
+        local = (await store.lookup(NS, hashes[:1])).num_blocks
+        assert (local, in_redis) != (0, False), "K, put after the delete began, is in no tier"
+
+
+async def test_a_clear_with_redis_down_logs_no_error(redis_server: RedisProcess, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Redis down (breaker open): the clear's Redis part fails, which the caller is told; a cache's Redis being
+    down is expected, so nothing is logged at ERROR. Regression: "background store task failed" at ERROR."""
+    config = redis_config(redis_server.url, "write_through")
+    async with TieredStore([memory_tier(8)], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(1, seed=76)
+        await store.put(NS, hashes, blocks)
+        await store.drain()
+        redis_server.kill()
+        try:
+            for _ in range(3):  # open the breaker
+                await store.get(NS, make_blocks(1, seed=77)[0])
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                try:
+                    await store.clear(NS)
+                except Exception as exc:  # noqa: BLE001
+                    raised = type(exc).__name__
+                else:
+                    raised = None
+                await store.drain()
+            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert len(store._tombstones) == 0
+            assert not errors, (raised, errors)
+        finally:
+            redis_server.start()
