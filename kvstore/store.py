@@ -976,9 +976,19 @@ class TieredStore:
             assert epoch is not None
             # a victim is never older than a delete of it in progress (that forgot the older block): only a
             # delete that began after the demotion's window makes it stale
-            stored = await self._copy_to_shared(keys, [v for _, v in found], metas,
-                                                functools.partial(self._delete_began_since, epoch))
-            self._counters[-1].demotions += stored
+            copy = self._demote_to_shared(keys, [v for _, v in found], metas,
+                                          functools.partial(self._delete_began_since, epoch))
+            if any(deleting.covers(key) for deleting in self._shared_deletes for key in keys):
+                # its write waits for that delete's DEL: in the background, with its own share of the copy
+                # window, so that the put which made room here does not hold the tier's lock meanwhile
+                self._tombstones.share(epoch)
+                self._spawn(copy, functools.partial(self._end_copy, epoch))
+            else:
+                await copy
+
+    async def _demote_to_shared(self, keys: list[BlockKey], values: list[bytes], metas: list[BlockMeta],
+                                deleted: Callable[[BlockKey], bool]) -> None:
+        self._counters[-1].demotions += await self._copy_to_shared(keys, values, metas, deleted)
 
     def _fit_flush(self, found: list[tuple[BlockKey, bytes]], kept: dict[BlockKey, tuple[int, float]],
                    target: int) -> list[tuple[BlockKey, bytes]]:

@@ -57,6 +57,18 @@ class Tombstones:
         self._open[self._epoch] += 1
         return self._epoch
 
+    def share(self, epoch: int) -> None:
+        """Open one more window of ``epoch``, which must still be open: for a task that takes over part of a
+        copy and outlives it; it closes its own with :meth:`end`.
+
+        Raises:
+            KeyError: if no window of ``epoch`` is open.
+        """
+        if not self._open[epoch]:
+            del self._open[epoch]
+            raise KeyError(f"no copy window of epoch {epoch} is open")
+        self._open[epoch] += 1
+
     def end(self, epoch: int) -> None:
         """Close a window opened by :meth:`begin`, dropping the records no open window needs.
 

@@ -13,12 +13,13 @@ import logging
 import threading
 from pathlib import Path
 
+from kvstore.keys import Namespace
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.redis import RedisTier
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
-from tests.test_store import NS, PAGE, disk_footprint, make_blocks, memory_tier
+from tests.test_store import BLOCK_SIZE, NS, PAGE, disk_footprint, make_blocks, memory_tier
 from tests.test_store_copy_races import slow_first_put
 from tests.test_store_index_stress import corrupt_records, tier_and_index_disagree, writer_held
 from tests.test_store_redis import redis_config, store_key
@@ -311,3 +312,49 @@ async def test_a_clear_with_redis_down_logs_no_error(redis_server: RedisProcess,
             assert not errors, (raised, errors)
         finally:
             redis_server.start()
+
+
+NS2 = Namespace(model="other-model", dtype="float16", block_size=BLOCK_SIZE)
+
+
+async def test_a_put_that_demotes_a_block_a_slow_clear_spares_does_not_wait_for_the_clear(
+        redis_server: RedisProcess) -> None:
+    """write_back, memory for one block. Block A, put after a slow clear began, is newer and survives it; a put
+    into another namespace evicts A. Its demotion into Redis must wait for the clear's UNLINK, but not inside the
+    put. Regression: the put waited for the whole clear, holding the memory tier's lock."""
+    config = redis_config(redis_server.url, "write_back")
+    async with TieredStore([MemoryTier(2 * PAGE, page_bytes=PAGE)], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(1, seed=81)
+        slow_clear_namespace(store, 2.0)
+        clear = asyncio.create_task(store.clear(NS))
+        await asyncio.sleep(0.02)
+        assert await store.put(NS, hashes, blocks) == 1  # A, newer than the clear
+        other_hashes, other_blocks = make_blocks(1, seed=82, ns=NS2)
+        assert await store.put(NS2, other_hashes, other_blocks) == 1  # evicts A into Redis
+        assert not clear.done()  # the put did not wait for it
+        await clear
+        await store.drain()
+        assert await store.get(NS, hashes) == blocks  # A reached Redis, after the clear's UNLINK
+
+
+async def test_puts_that_need_the_tier_lock_do_not_wait_for_a_slow_delete(redis_server: RedisProcess) -> None:
+    """The same with a delete of one key (slow UNLINK): K, put again after the delete began, is evicted by P2;
+    P3 needs the memory tier's lock too. Regression: P2 waited for the delete holding the lock, and P3 with it."""
+    config = redis_config(redis_server.url, "write_back")
+    async with TieredStore([MemoryTier(2 * PAGE, page_bytes=PAGE)], config, shared=RedisTier(config.redis)) as store:
+        hashes, blocks = make_blocks(1, seed=83)
+        await store.put(NS, hashes, blocks)
+        slow_shared_delete(store, 2.0)
+        delete = asyncio.create_task(store.delete(NS, hashes))
+        await asyncio.sleep(0.02)
+        assert await store.put(NS, hashes, blocks) == 1  # K again, newer than the delete
+        h2, b2 = make_blocks(1, seed=84, ns=NS2)
+        h3, b3 = make_blocks(1, seed=85, ns=NS2)
+        p2 = asyncio.create_task(store.put(NS2, h2, b2))
+        await asyncio.sleep(0.01)
+        await store.put(NS2, h3, b3)
+        await p2
+        assert not delete.done()  # neither put waited for it
+        await delete
+        await store.drain()
+        assert await store.get(NS, hashes) == blocks  # the newer K reached Redis, after the delete's UNLINK

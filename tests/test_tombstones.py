@@ -91,3 +91,17 @@ def test_windows_of_one_epoch_are_counted() -> None:
     assert len(tombstones) == 0
     with pytest.raises(KeyError):
         tombstones.end(two)
+
+
+def test_a_shared_window_stays_open_until_both_holders_end_it() -> None:
+    tombstones = Tombstones()
+    window = tombstones.begin()
+    tombstones.record_delete([A])
+    tombstones.record_delete([A], ended=True)
+    tombstones.share(window)  # a background task takes over part of the copy
+    tombstones.end(window)
+    assert tombstones.deleted_since(A, window) and len(tombstones) == 1
+    tombstones.end(window)
+    assert len(tombstones) == 0
+    with pytest.raises(KeyError):
+        tombstones.share(window)
