@@ -156,15 +156,16 @@ async def test_a_clear_cancelled_while_it_deletes_locally_still_clears_redis(red
         assert not in_redis, "a cancelled clear left the namespace in Redis"
 
 
-def slow_clear_namespace(store: TieredStore, delay: float) -> None:
-    """Delay the shared tier's clear_namespace by ``delay`` s before it is sent (a slow SCAN)."""
-    real = store._shared.clear_namespace
+def slow_shared(store: TieredStore, method: str, delay: float) -> None:
+    """Delay each call of the shared tier's ``method`` (``delete``: the UNLINK, ``clear_namespace``: the SCAN)
+    by ``delay`` s before it is sent: a slow Redis."""
+    real = getattr(store._shared, method)
 
-    async def clear_namespace(tag):  # type: ignore[no-untyped-def]
+    async def slow(arg):  # type: ignore[no-untyped-def]
         await asyncio.sleep(delay)
-        return await real(tag)
+        return await real(arg)
 
-    store._shared.clear_namespace = clear_namespace
+    setattr(store._shared, method, slow)
 
 
 async def test_a_read_during_a_cancelled_clear_does_not_promote_a_cleared_block(
@@ -178,7 +179,7 @@ async def test_a_read_during_a_cancelled_clear_does_not_promote_a_cleared_block(
         hashes, blocks = make_blocks(1, seed=34)
         await node_b.put(NS, hashes, blocks)  # in Redis, not in node_a's memory
         await node_b.drain()
-        slow_clear_namespace(node_a, 0.3)
+        slow_shared(node_a, "clear_namespace", 0.3)
         clear = asyncio.create_task(node_a.clear(NS))
         await asyncio.sleep(0.05)  # in its shielded Redis part
         clear.cancel()
@@ -191,17 +192,6 @@ async def test_a_read_during_a_cancelled_clear_does_not_promote_a_cleared_block(
         in_redis = bool(redis_server.client().exists(store_key(node_a, hashes[0])))
         local = (await node_a.lookup(NS, hashes)).tiers
         assert (local, in_redis) == ((), False), (local, in_redis)
-
-
-def slow_shared_delete(store: TieredStore, delay: float) -> None:
-    """Delay the shared tier's deletes by ``delay`` s before the UNLINK is sent (a slow Redis)."""
-    real = store._shared.delete
-
-    async def delete(keys):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(delay)
-        return await real(keys)
-
-    store._shared.delete = delete
 
 
 async def test_a_write_back_spill_made_after_a_delete_began_survives_its_unlink(redis_server: RedisProcess) -> None:
@@ -274,7 +264,7 @@ async def test_a_newer_put_demoted_during_a_delete_in_progress_reaches_redis(
     async with TieredStore([memory], config, shared=RedisTier(config.redis)) as store:
         hashes, blocks = make_blocks(2, seed=75)
         await store.put(NS, hashes[:1], blocks[:1])
-        slow_shared_delete(store, 0.3)
+        slow_shared(store, "delete", 0.3)
         d = asyncio.create_task(store.delete(NS, hashes[:1]))
         await asyncio.sleep(0.02)  # D forgot K, its UNLINK not sent yet
         assert await store.put(NS, hashes[:1], blocks[:1]) == 1  # P2: after D began
@@ -325,7 +315,7 @@ async def test_a_put_that_demotes_a_block_a_slow_clear_spares_does_not_wait_for_
     config = redis_config(redis_server.url, "write_back")
     async with TieredStore([MemoryTier(2 * PAGE, page_bytes=PAGE)], config, shared=RedisTier(config.redis)) as store:
         hashes, blocks = make_blocks(1, seed=81)
-        slow_clear_namespace(store, 2.0)
+        slow_shared(store, "clear_namespace", 2.0)
         clear = asyncio.create_task(store.clear(NS))
         await asyncio.sleep(0.02)
         assert await store.put(NS, hashes, blocks) == 1  # A, newer than the clear
@@ -344,7 +334,7 @@ async def test_puts_that_need_the_tier_lock_do_not_wait_for_a_slow_delete(redis_
     async with TieredStore([MemoryTier(2 * PAGE, page_bytes=PAGE)], config, shared=RedisTier(config.redis)) as store:
         hashes, blocks = make_blocks(1, seed=83)
         await store.put(NS, hashes, blocks)
-        slow_shared_delete(store, 2.0)
+        slow_shared(store, "delete", 2.0)
         delete = asyncio.create_task(store.delete(NS, hashes))
         await asyncio.sleep(0.02)
         assert await store.put(NS, hashes, blocks) == 1  # K again, newer than the delete
