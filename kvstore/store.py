@@ -976,15 +976,22 @@ class TieredStore:
             assert epoch is not None
             # a victim is never older than a delete of it in progress (that forgot the older block): only a
             # delete that began after the demotion's window makes it stale
-            copy = self._demote_to_shared(keys, [v for _, v in found], metas,
-                                          functools.partial(self._delete_began_since, epoch))
-            if any(deleting.covers(key) for deleting in self._shared_deletes for key in keys):
-                # its write waits for that delete's DEL: in the background, with its own share of the copy
-                # window, so that the put which made room here does not hold the tier's lock meanwhile
+            deleted = functools.partial(self._delete_began_since, epoch)
+            values = [v for _, v in found]
+            waiting = [any(deleting.covers(key) for deleting in self._shared_deletes) for key in keys]
+            if any(waiting):
+                # a block a delete under way covers waits for that delete's DEL: in the background, with its own
+                # share of the copy window, so that the put which made room here does not hold the tier's lock
+                # meanwhile (the block misses until then); the others are written now
+                later = [i for i, wait in enumerate(waiting) if wait]
                 self._tombstones.share(epoch)
-                self._spawn(copy, functools.partial(self._end_copy, epoch))
-            else:
-                await copy
+                self._spawn(self._demote_to_shared([keys[i] for i in later], [values[i] for i in later],
+                                                   [metas[i] for i in later], deleted),
+                            functools.partial(self._end_copy, epoch))
+            now = [i for i, wait in enumerate(waiting) if not wait]
+            if now:
+                await self._demote_to_shared([keys[i] for i in now], [values[i] for i in now],
+                                             [metas[i] for i in now], deleted)
 
     async def _demote_to_shared(self, keys: list[BlockKey], values: list[bytes], metas: list[BlockMeta],
                                 deleted: Callable[[BlockKey], bool]) -> None:

@@ -348,3 +348,28 @@ async def test_puts_that_need_the_tier_lock_do_not_wait_for_a_slow_delete(redis_
         await delete
         await store.drain()
         assert await store.get(NS, hashes) == blocks  # the newer K reached Redis, after the delete's UNLINK
+
+
+async def test_a_victim_no_delete_covers_is_demoted_at_once_beside_one_that_waits(
+        redis_server: RedisProcess) -> None:
+    """Memory for two blocks: J (never deleted) and K (put again after a slow delete of K began) are evicted in
+    one batch. K's write into Redis waits for the delete's UNLINK, in the background; J's does not wait, so J
+    stays readable throughout. Regression: the whole batch waited in the background, and J missed meanwhile.
+    (K itself misses until the UNLINK lands: the price of not holding the tier's lock for it.)"""
+    config = redis_config(redis_server.url, "write_back")
+    async with TieredStore([MemoryTier(4 * PAGE, page_bytes=PAGE)], config, shared=RedisTier(config.redis)) as store:
+        (k,), (k_block,) = make_blocks(1, seed=21)
+        (j,), (j_block,) = make_blocks(1, seed=22)
+        await store.put(NS, [k], [k_block])
+        slow_shared(store, "delete", 1.0)
+        delete = asyncio.create_task(store.delete(NS, [k]))
+        await asyncio.sleep(0.02)
+        await store.put(NS, [j], [j_block])
+        await store.put(NS, [k], [k_block])  # newer than the delete
+        h2, b2 = make_blocks(2, seed=23, ns=NS2)
+        assert await store.put(NS2, h2, b2) == 2  # evicts J and K in one batch
+        assert not delete.done()
+        assert await store.get(NS, [j]) == [j_block]  # from Redis, at once
+        await delete
+        await store.drain()
+        assert await store.get(NS, [k]) == [k_block]  # the newer K, after the delete's UNLINK
