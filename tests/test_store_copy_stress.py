@@ -17,6 +17,7 @@ from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.redis import RedisTier
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 from tests.test_store import NS, PAGE, make_blocks
+from tests.test_store_index_stress import random_op
 from tests.test_store_redis import redis_config
 
 
@@ -33,23 +34,8 @@ async def test_random_puts_reads_deletes_and_clears_on_two_nodes_leave_no_record
     for s in stores:
         await s.start()
 
-    async def op(s: TieredStore):
-        k = rng.randrange(12)
-        n = rng.randrange(1, 13 - k)
-        h, b = hashes[k:k + n], blocks[k:k + n]
-        r = rng.random()
-        if r < 0.35:
-            await s.put(NS, h + h[:1], b + b[:1])
-        elif r < 0.7:
-            async with s.read(NS, h):
-                await asyncio.sleep(rng.random() * 0.002)
-        elif r < 0.85:
-            await s.delete(NS, h + h)
-        else:
-            await s.clear(NS)
-
     for _ in range(15):
-        tasks = [asyncio.ensure_future(op(rng.choice(stores))) for _ in range(20)]
+        tasks = [asyncio.ensure_future(random_op(rng.choice(stores), rng, hashes, blocks)) for _ in range(20)]
         await asyncio.sleep(rng.random() * 0.003)
         for t in tasks:
             if rng.random() < 0.2:

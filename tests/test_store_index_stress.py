@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Sequence
 
 import lmdb
 import pytest
@@ -49,6 +49,36 @@ async def tier_and_index_disagree(store: TieredStore) -> list[str]:
     return problems
 
 
+async def cancel_while_waiting(call: Awaitable[object], wait_s: float) -> None:
+    """Start ``call``, let it run ``wait_s`` seconds (until it waits on something held), then cancel it and
+    check that it ends cancelled."""
+    task = asyncio.ensure_future(call)
+    await asyncio.sleep(wait_s)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def random_op(store: TieredStore, rng: random.Random, hashes: list[bytes], blocks: list[bytes],
+                    priorities: Sequence[int | None] = (None,)) -> None:
+    """One random operation of the stress tests on a random run of the blocks: a put (of a run with a repeated
+    block, at a random priority of ``priorities``), a read that holds its leases a moment, a delete (of a run with
+    every key twice), or a clear of the namespace."""
+    k = rng.randrange(len(hashes))
+    n = rng.randrange(1, len(hashes) + 1 - k)
+    h, b = hashes[k:k + n], blocks[k:k + n]
+    r = rng.random()
+    if r < 0.35:
+        await store.put(NS, h + h[:1], b + b[:1], priority=rng.choice(priorities))
+    elif r < 0.7:
+        async with store.read(NS, h):
+            await asyncio.sleep(rng.random() * 0.002)
+    elif r < 0.85:
+        await store.delete(NS, h + h)
+    else:
+        await store.clear(NS)
+
+
 @contextlib.asynccontextmanager
 async def writer_held(disk: LMDBTier) -> AsyncIterator[None]:
     """Keep the LMDB tier's one writer thread busy for the body, so that every write submitted meanwhile waits
@@ -69,11 +99,7 @@ async def test_a_delete_cancelled_while_its_disk_write_waits_still_deletes(tmp_p
     hashes, blocks = make_blocks(2)
     await store.put(NS, hashes, blocks)
     async with writer_held(disk):
-        delete = asyncio.ensure_future(store.delete(NS, hashes))
-        await asyncio.sleep(0.01)  # forgotten, and its write queued
-        delete.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await delete
+        await cancel_while_waiting(store.delete(NS, hashes), 0.01)  # forgotten, and its write queued
     assert (await store.lookup(NS, hashes)).num_blocks == 0
     assert not await tier_and_index_disagree(store)  # the record went too: it was in the queue when cancelled
     await store.close()
@@ -122,11 +148,7 @@ async def test_a_read_cancelled_while_its_corrupt_record_is_dropped_forgets_the_
     store = TieredStore([disk])
     await store.start()
     async with writer_held(disk):
-        read = asyncio.ensure_future(store.get(NS, hashes))
-        await asyncio.sleep(0.05)  # the get found the corrupt block, its drop is queued behind the held writer
-        read.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await read
+        await cancel_while_waiting(store.get(NS, hashes), 0.05)  # the get found the corrupt block, its drop is queued behind the held writer
     assert not await tier_and_index_disagree(store)
     await store.close()
 
@@ -155,11 +177,7 @@ async def test_a_delete_cancelled_while_its_disk_write_waits_still_deletes_from_
     await store.put(NS, hashes, blocks)
     await store.drain()
     async with writer_held(disk):
-        delete = asyncio.ensure_future(store.delete(NS, hashes))
-        await asyncio.sleep(0.05)
-        delete.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await delete
+        await cancel_while_waiting(store.delete(NS, hashes), 0.05)
     await store.drain()
     assert (await store.lookup(NS, hashes)).num_blocks == 0
     await store.close()
@@ -177,11 +195,7 @@ async def test_a_delete_cancelled_in_the_first_of_two_disk_tiers_still_deletes_f
     await store.put(NS, hashes[1:], blocks[1:])  # block 0 demoted to the second tier
     assert await store.locate(NS, hashes) == bytes([1, 0])
     async with writer_held(first):
-        delete = asyncio.ensure_future(store.delete(NS, hashes))
-        await asyncio.sleep(0.05)
-        delete.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await delete
+        await cancel_while_waiting(store.delete(NS, hashes), 0.05)
     assert not await tier_and_index_disagree(store)
     await store.close()
 
@@ -217,23 +231,8 @@ async def test_random_cancelled_ops_leave_every_tier_matching_its_index(
     store = TieredStore([memory, LMDBTier(tmp_path / "disk", 6 * disk_footprint())])
     await store.start()
 
-    async def op() -> None:
-        k = rng.randrange(12)
-        n = rng.randrange(1, 13 - k)
-        h, b = hashes[k:k + n], blocks[k:k + n]
-        r = rng.random()
-        if r < 0.35:
-            await store.put(NS, h + h[:1], b + b[:1], priority=rng.choice([None, 10, 90]))
-        elif r < 0.7:
-            async with store.read(NS, h):
-                await asyncio.sleep(rng.random() * 0.002)
-        elif r < 0.85:
-            await store.delete(NS, h + h)
-        else:
-            await store.clear(NS)
-
     for round_ in range(15):
-        tasks = [asyncio.ensure_future(op()) for _ in range(20)]
+        tasks = [asyncio.ensure_future(random_op(store, rng, hashes, blocks, (None, 10, 90))) for _ in range(20)]
         await asyncio.sleep(rng.random() * 0.003)
         for task in tasks:
             if rng.random() < 0.2:
