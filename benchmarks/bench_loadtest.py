@@ -6,11 +6,11 @@ Run from the repository root::
     python benchmarks/bench_loadtest.py --requests 2000 # a quick look
 
 Starts ``kvstore serve`` with a memory tier of exactly 5,859 blocks (5,859 x the
-memory tier's footprint of one encoded block, 64 KiB pages) and no disk tier,
+memory tier's footprint of one encoded block, 64,704 bytes) and no disk tier,
 replays the Mooncake conversation trace with one closed-loop worker (file
 order), and runs ``kvstore.sim`` with the LRU policy at 5,859 blocks on the same
-requests. The payload is the default 63 KiB (64,640-byte encoded blocks, one
-full 64 KiB page each), and every got block is checked byte for byte.
+requests. The payload is the default 63 KiB (64,640-byte encoded blocks), and
+every got block is checked byte for byte.
 
 Goal (a ratio measured in this run): loadtest hit ratio / simulator hit ratio
 with ``|loadtest - simulator| <= 0.01`` and zero byte mismatches and errors.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from kvstore.loadtest import LoadTestConfig, compare_with_simulator, replay_loadtest  # noqa: E402
 from kvstore.loadtest.blocks import PayloadFactory, loadtest_namespace  # noqa: E402
 from kvstore.loadtest.plot import plot_hit_ratio, plot_latency_cdf  # noqa: E402
-from kvstore.tiers.memory import MemoryTier  # noqa: E402
+from kvstore.tiers.heap import HeapTier  # noqa: E402
 from kvstore.trace import read_trace  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
 
@@ -48,8 +48,8 @@ RUNS = (  # (name, payload bytes, requests or None for all)
 
 
 def footprint_bytes(encoded_bytes: int) -> int:
-    """Capacity one encoded block takes in a default memory tier (whole 64 KiB pages)."""
-    return MemoryTier(0, pin_memory=False).footprint(encoded_bytes)
+    """Capacity one encoded block takes in the memory tier of ``kvstore serve`` (the heap tier)."""
+    return HeapTier(0).footprint(encoded_bytes)
 
 
 def run_one(name: str, payload_bytes: int, num_requests: int | None, requests: list[Any]) -> dict[str, Any]:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "loadtest_bench.md").write_text(
         "# kvstore loadtest vs. kvstore simulate (conversation trace, one node on loopback)\n\n"
         f"Command: `{command}` ({elapsed:.0f} s, 2 CPU cores, client and server on one host).\n\n"
-        f"Node: `kvstore serve --memory-capacity {CAPACITY_BLOCKS} x footprint` (64 KiB pages, so "
+        f"Node: `kvstore serve --memory-capacity {CAPACITY_BLOCKS} x footprint` (so "
         f"{CAPACITY_BLOCKS} blocks), no disk tier. Load test: one closed-loop worker (file order). "
         f"Simulator: `lru` at {CAPACITY_BLOCKS} blocks on the same requests. `ratio` = loadtest / simulator "
         "hit ratio; `diff` = loadtest - simulator.\n\n"

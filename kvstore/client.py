@@ -575,10 +575,7 @@ def _get_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
         stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
         try:
             for raw in stream:
-                chunk, data = decode_block_chunk(raw)
-                if chunk.offset == 0:
-                    assembler.begin(chunk.block_index, chunk.total_bytes)
-                assembler.add(chunk.block_index, chunk.offset, data)
+                assembler.add_reply_chunk(*decode_block_chunk(raw))
         finally:
             stream.cancel()  # no-op once the stream ended; frees it on an error
         return assembler.finish()
@@ -626,6 +623,49 @@ def _health_job(service: str, metadata: Sequence[tuple[str, str]]) -> _Job[str]:
             raise
 
     return job
+
+
+class InflightSlots:
+    """At most ``num_slots`` calls in flight across threads: a counter under a lock, which waits only when full.
+
+    What ``threading.BoundedSemaphore`` does, for a tenth of its cost when a slot
+    is free (its acquire and release are Python methods under a ``Condition``,
+    about 3 µs a call): a lock and an integer, and the condition only when a
+    caller must wait.
+
+    Args:
+        num_slots: calls allowed at once, >= 1.
+    """
+
+    __slots__ = ("_lock", "_free", "_waiters", "_freed")
+
+    def __init__(self, num_slots: int) -> None:
+        self._lock = threading.Lock()
+        self._free = num_slots
+        self._waiters = 0
+        self._freed = threading.Condition(self._lock)
+
+    def acquire(self, timeout_s: float) -> bool:
+        """Take a slot, waiting up to ``timeout_s`` seconds for one; whether one was taken."""
+        with self._lock:
+            if self._free:
+                self._free -= 1
+                return True
+            self._waiters += 1
+            try:
+                if not self._freed.wait_for(lambda: self._free > 0, timeout_s):
+                    return False
+            finally:
+                self._waiters -= 1
+            self._free -= 1
+            return True
+
+    def release(self) -> None:
+        """Give a slot back."""
+        with self._lock:
+            self._free += 1
+            if self._waiters:
+                self._freed.notify()
 
 
 class KVStoreClient:
@@ -687,7 +727,7 @@ class KVStoreClient:
         ), resolve_targets(target, targets), aio=False, max_message_bytes=max_message_bytes, credentials=credentials,
             metadata=metadata, channel_options=channel_options)
         self._pid = os.getpid()
-        self._slots = threading.BoundedSemaphore(self.max_inflight)
+        self._slots = InflightSlots(self.max_inflight)
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
@@ -697,13 +737,13 @@ class KVStoreClient:
     def _after_fork(self) -> None:
         """In a forked child: fresh slots, lock and worker threads (a parent's thread may have held them)."""
         if self._pid != os.getpid():
-            self._pid, self._slots = os.getpid(), threading.BoundedSemaphore(self.max_inflight)
+            self._pid, self._slots = os.getpid(), InflightSlots(self.max_inflight)
             self._lock, self._executor = threading.Lock(), None
 
-    def _acquire_slot(self) -> threading.BoundedSemaphore:
+    def _acquire_slot(self) -> InflightSlots:
         self._after_fork()
         slots = self._slots
-        if not slots.acquire(timeout=self.timeout_s):
+        if not slots.acquire(self.timeout_s):
             raise DeadlineExceededError(f"no free slot of max_inflight={self.max_inflight} within {self.timeout_s} s")
         return slots
 
@@ -1059,10 +1099,7 @@ def _aget_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
         stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
         try:
             async for raw in stream:
-                chunk, data = decode_block_chunk(raw)
-                if chunk.offset == 0:
-                    assembler.begin(chunk.block_index, chunk.total_bytes)
-                assembler.add(chunk.block_index, chunk.offset, data)
+                assembler.add_reply_chunk(*decode_block_chunk(raw))
         finally:
             stream.cancel()
         return assembler.finish()

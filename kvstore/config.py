@@ -66,14 +66,19 @@ def _require(condition: bool, name: str, message: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class MemoryTierConfig:
-    """The memory tier: a preallocated page pool on the host or a GPU.
+    """The memory tier: a preallocated page pool on the host or a GPU, or blocks on the host's heap.
 
     Attributes:
         enabled: whether the store has a memory tier.
-        capacity_bytes: pool size, bytes.
+        capacity_bytes: pool size (or the heap tier's capacity), bytes.
         device: ``cpu`` or ``cuda:N``.
         page_bytes: page size of the pool, bytes; a block takes ``ceil(nbytes / page_bytes)`` pages.
         pin_memory: use pinned host memory for a ``cpu`` pool when CUDA is available.
+        storage: ``pages`` for the page pool (``kvstore.tiers.memory``: preallocated,
+            pinnable, for blocks that move to and from a GPU); ``heap`` for one
+            ``bytes`` object per block, stored as the node's ready Get reply
+            (``kvstore.tiers.heap``: no copy per Get, ``cpu`` only); ``auto``
+            for ``heap`` in ``kvstore serve`` on ``cpu`` and ``pages`` elsewhere.
     """
 
     enabled: bool = True
@@ -81,12 +86,17 @@ class MemoryTierConfig:
     device: str = "cpu"
     page_bytes: int = 64 * KiB
     pin_memory: bool = True
+    storage: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.page_bytes > 0, "page_bytes", "must be > 0")
         _require(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
         _require(self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None,
                  "device", f"must be 'cpu' or 'cuda:N', got {self.device!r}")
+        _require(self.storage in ("auto", "pages", "heap"), "storage",
+                 f"must be 'auto', 'pages' or 'heap', got {self.storage!r}")
+        _require(self.storage != "heap" or self.device == "cpu", "storage",
+                 f"'heap' holds blocks in host memory; it cannot be used with device {self.device!r}")
 
 
 @dataclass(frozen=True, slots=True)

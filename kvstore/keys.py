@@ -126,8 +126,8 @@ class Namespace:
 
     @property
     def hash_bytes(self) -> int:
-        """Length of one block hash in this namespace (16 or 32 bytes)."""
-        return self.hash_algorithm.digest_bytes
+        """Length of one block hash in this namespace (16 or 32 bytes): the root's, a hash of the same ``H``."""
+        return len(self.root)
 
 
 def _put_str(parts: list[bytes], text: str) -> None:
@@ -238,6 +238,10 @@ def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[Bloc
     """
     width = namespace.hash_bytes
     tag = namespace.tag
+    if type(block_hashes) is list and len(block_hashes) < _PACKED_MIN_HASHES:  # a Get's few hashes: the hot path
+        keys = [tag + h for h in block_hashes if type(h) is bytes and len(h) == width]
+        if len(keys) == len(block_hashes):
+            return keys  # type: ignore[return-value]
     if isinstance(block_hashes, PackedHashes):
         if block_hashes.width != width and len(block_hashes):
             block_key(namespace, block_hashes[0])  # raises, naming the lengths

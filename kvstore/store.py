@@ -263,37 +263,72 @@ class TieredStore:
 
     async def _open_read(self, read: BlockRead) -> list[Buffer]:
         """Pin, lease and read the prefix of ``read`` (see :meth:`read`); :meth:`_close_read` undoes it."""
-        self._check_open()
+        values = self._open_read_now(read)
+        if values is not None:
+            return values
         keys = block_keys(read.namespace, read.block_hashes)
-        levels = self._locate_prefix(keys)
+        return await self._read_general(read, keys, self._locate_prefix(keys))
+
+    def _open_read_now(self, read: BlockRead) -> list[Buffer] | None:
+        """:meth:`_open_read` in the common case, with no await: the top tier lends the whole cached prefix.
+
+        ``None`` (nothing pinned or leased) when that is not the case.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        self._check_open()
         lender = self._lenders[0] if self._lenders else None
-        if read.lend and lender is not None and (self._shared is None or len(levels) == len(keys)) \
-                and not levels.strip(b"\0"):
-            lease = lender.lease(keys[:len(levels)])  # the common case: the whole local prefix in the top tier
-            if lease is not None and None not in lease.values:
-                return self._lent_from_top(read, keys, lease)
-            if lease is not None:
-                lease.release()
-        return await self._read_general(read, keys, levels)
+        if not read.lend or lender is None:
+            return None
+        keys = block_keys(read.namespace, read.block_hashes)
+        if False in self._policies[0].contains_many(keys):  # a prefix that ends in the top tier, if any
+            levels = self._locate_prefix(keys)
+            if (self._shared is not None and len(levels) < len(keys)) or levels.strip(b"\0"):
+                return None
+            keys_lent = keys[:len(levels)]
+        else:
+            keys_lent = keys  # the common case: every block in the top tier
+        lease = lender.lease(keys_lent)
+        if lease is not None and None not in lease.values:
+            return self._lent_from_top(read, keys, lease)
+        if lease is not None:
+            lease.release()
+        return None
 
     def _lent_from_top(self, read: BlockRead, keys: list[BlockKey], lease: TierLease) -> list[Buffer]:
-        """:meth:`_open_read` of a prefix wholly in the top tier, which lent all of it: no await, so no lock."""
+        """:meth:`_open_read` of a prefix wholly in the top tier, which lent all of it: no await, so no lock.
+
+        Only the pins come first. The hit counts and the recency of the prefix
+        wait for :meth:`_close_read`: the service's Get closes its read once its
+        reply is on the way, so that they are not on the reply's path
+        (``benchmarks/bench_service.py``); a pinned block is no victim meanwhile.
+        """
         values = lease.values
-        hit = len(values)
+        prefix = keys[:len(values)]
+        if not self._lenders[0].lends_references:  # type: ignore[union-attr]  # views of pages: pin them
+            policy = self._policies[0]
+            for key in prefix:
+                policy.pin(key)
+            read.pinned = [(key, 0) for key in prefix]
+            read.releases = [lease.release]
+        read.lent_keys = prefix
+        read.replies = lease.replies
+        read.top_misses = len(prefix) < len(keys)
+        return values  # type: ignore[return-value]  # no None: checked by the caller
+
+    def _count_top_read(self, read: BlockRead) -> None:
+        """What :meth:`_lent_from_top` left for the end of the read: its hit counts, then its recency."""
         policy = self._policies[0]
-        prefix = keys[:hit]
-        for key in prefix:
-            policy.pin(key)
-        read.pinned = [(key, 0) for key in prefix]
-        read.releases = [lease.release]
         counters = self._counters
-        counters[0].hits += hit
-        if hit < len(keys):  # the first miss was looked for in every tier
+        counters[0].hits += len(read.lent_keys)
+        if read.top_misses:  # the first miss was looked for in every tier
             for counts in counters:
                 counts.misses += 1
-        for key in reversed(prefix):  # tail first: the head ends most recent
-            policy.touch(key)
-        return values  # type: ignore[return-value]  # no None: checked by the caller
+        for key in reversed(read.lent_keys):  # tail first: the head ends most recent
+            if key in policy:  # not deleted, or evicted if it was not pinned, meanwhile
+                policy.touch(key)
 
     async def _read_general(self, read: BlockRead, keys: list[BlockKey], levels: bytes) -> list[Buffer]:
         """:meth:`_open_read` of any prefix: over several tiers, with the shared tier, or copied."""
@@ -374,6 +409,9 @@ class TieredStore:
 
     def _close_read(self, read: BlockRead) -> None:
         """Release the leases and pins of ``read``, then promote its lower-tier hits in the background."""
+        if read.top_misses is not None:
+            self._count_top_read(read)
+            read.top_misses = None
         for release in read.releases:
             release()
         policies = self._policies
@@ -1181,9 +1219,16 @@ class BlockRead:
         promotions: lower-tier hits to copy into the top tier on leaving.
         shared_epoch: the copy window (``kvstore.tombstones``) opened before asking the
             shared tier, which its hits' promotion closes; ``None`` if it was not asked.
+        replies: once entered, per block, its ready Get reply message where the
+            top tier holds one (:attr:`~kvstore.tiers.base.TierLease.replies`),
+            valid as long as the blocks are; ``None`` when none was lent.
+        lent_keys: the keys of a read the top tier lent whole (pinned only if it does not lend by reference).
+        top_misses: for such a read, until it is closed, whether it asked for
+            more blocks than were cached (its counts are made then); else ``None``.
     """
 
-    __slots__ = ("_store", "namespace", "block_hashes", "lend", "pinned", "releases", "promotions", "shared_epoch")
+    __slots__ = ("_store", "namespace", "block_hashes", "lend", "pinned", "releases", "promotions", "shared_epoch",
+                 "replies", "lent_keys", "top_misses", "_closed")
 
     def __init__(self, store: TieredStore, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
         self._store = store
@@ -1194,16 +1239,51 @@ class BlockRead:
         self.releases: list[Callable[[], None]] = []
         self.promotions: list[tuple[int | None, list[BlockKey], list[bytes]]] = []
         self.shared_epoch: int | None = None
+        self.replies: list[bytes | None] | None = None
+        self.lent_keys: list[BlockKey] = []
+        self.top_misses: bool | None = None
+        self._closed = False
 
-    async def __aenter__(self) -> list[Buffer]:
+    async def open(self) -> list[Buffer]:
+        """Pin and lease the prefix and return its blocks (``async with`` calls it); pair it with :meth:`close`.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
         try:
             return await self._store._open_read(self)
         except BaseException:
-            self._store._close_read(self)  # what was pinned or leased before the error
+            self.close()  # what was pinned or leased before the error
             raise
 
+    def open_now(self) -> list[Buffer] | None:
+        """:meth:`open` without waiting, in the common case: the top tier lends the whole cached prefix.
+
+        ``None`` when that is not the case; then call :meth:`open`. The
+        service's Get takes this path first: a coroutine less on every call.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        return self._store._open_read_now(self)
+
+    def close(self) -> None:
+        """Release what :meth:`open` took, count the read, and start its promotions; a second call does nothing.
+
+        A plain call, so that a caller may run it a moment later (the service's
+        Get, with ``loop.call_soon``, once its reply is on the way).
+        """
+        if not self._closed:
+            self._closed = True
+            self._store._close_read(self)
+
+    async def __aenter__(self) -> list[Buffer]:
+        return await self.open()
+
     async def __aexit__(self, *exc: object) -> None:
-        self._store._close_read(self)
+        self.close()
 
 
 def chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
@@ -1229,11 +1309,19 @@ def _namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
     return ""
 
 
-async def open_async_store(config: StoreConfig | None = None) -> TieredStore:
+async def open_async_store(config: StoreConfig | None = None, *,
+                           reply_head: Callable[[int], bytes | None] | None = None) -> TieredStore:
     """Build the tiers named by ``config`` and open a started :class:`TieredStore`.
 
     The memory tier comes first when enabled, then the LMDB tier when
     ``disk.path`` is set, then Redis as the shared tier when ``redis.url`` is set.
+
+    Args:
+        config: the store's configuration; the defaults when ``None``.
+        reply_head: given by ``kvstore serve``: the head of the Get reply of a
+            block of ``n`` bytes (``kvstore.server.wire.reply_head``); with it, a
+            ``cpu`` memory tier of ``storage: auto`` is the heap tier, which
+            stores every block as its ready reply (``kvstore.tiers.heap``).
 
     Raises:
         ConfigError: if no tier is enabled.
@@ -1242,10 +1330,17 @@ async def open_async_store(config: StoreConfig | None = None) -> TieredStore:
 
     config = config or StoreConfig()
     tiers: list[Tier] = []
-    if config.memory.enabled and config.memory.capacity_bytes > 0:
-        from kvstore.tiers.memory import MemoryTier
+    memory = config.memory
+    if memory.enabled and memory.capacity_bytes > 0:
+        if memory.storage == "heap" or (memory.storage == "auto" and reply_head is not None
+                                        and memory.device == "cpu"):
+            from kvstore.tiers.heap import HeapTier
 
-        tiers.append(MemoryTier.from_config(config.memory))
+            tiers.append(HeapTier.from_config(memory, reply_head=reply_head))
+        else:
+            from kvstore.tiers.memory import MemoryTier
+
+            tiers.append(MemoryTier.from_config(memory))
     if config.disk.path:
         from kvstore.tiers.lmdb import LMDBTier
 

@@ -383,6 +383,38 @@ async def test_a_read_refreshes_recency_with_the_head_most_recent() -> None:
         assert await store.locate(NS, hashes) == bytes(1)
 
 
+async def test_a_read_from_the_heap_tier_lends_its_replies_by_reference_and_counts_when_closed() -> None:
+    from kvstore.server.wire import decode_block_chunk, reply_head
+    from kvstore.tiers.heap import HeapTier
+
+    hashes, blocks = make_blocks(3)
+    heap = HeapTier(2 * (len(blocks[0]) + 64), reply_head=lambda n: reply_head(n, 1 << 20))
+    async with TieredStore([heap]) as store:
+        await store.put(NS, hashes[:2], blocks[:2])
+        read = store.read(NS, hashes)
+        got = read.open_now()  # every cached block is in the top tier: no await
+        assert got == blocks[:2] and read.replies is not None
+        assert [decode_block_chunk(r)[1] for r in read.replies] == blocks[:2]  # type: ignore[arg-type]
+        assert not store._policies[0]._pins  # references need no pins...
+        assert await store.put(NS, hashes[2:], blocks[2:]) == 1  # ...so the read does not stop eviction
+        assert got == blocks[:2]  # and what it holds stays whole
+        assert store.stats().tier("memory").hits == 0  # counted when the read closes
+        read.close()
+        read.close()  # once
+        stats = store.stats().tier("memory")
+        assert (stats.hits, stats.misses) == (2, 1)
+
+
+async def test_a_read_of_a_prefix_partly_in_a_lower_tier_cannot_open_now(two_tier) -> None:
+    store = two_tier
+    hashes, blocks = make_blocks(5)
+    await store.put(NS, hashes, blocks)  # memory holds 3: the rest went down to disk
+    read = store.read(NS, hashes)
+    assert read.open_now() is None and not store._policies[0]._pins  # nothing taken
+    async with read as got:
+        assert got == blocks
+
+
 async def test_blocks_being_read_cannot_be_evicted_until_the_read_ends() -> None:
     memory = memory_tier(3)
     async with TieredStore([memory]) as store:

@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start no request after this many seconds")
     parser.add_argument("--block-bytes", default=None, metavar="SIZE",
                         help=("payload bytes of one block, a multiple of 2 * block tokens (default: 63KiB, so that "
-                              "with the 128-byte header a block fills one 64 KiB page of the memory tier)"))
+                              "with the 128-byte header a block fills one 64 KiB page of a page-pool memory tier)"))
     parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, metavar="N",
                         help=f"tokens per trace block (default: {MOONCAKE_BLOCK_TOKENS}, Mooncake's)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"namespace model name (default: {DEFAULT_MODEL})")

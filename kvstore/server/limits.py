@@ -186,9 +186,9 @@ class StreamWatchdog:
         self._expired: set[asyncio.Task[object]] = set()  # cancelled by the watchdog, not yet left
         self._timer: asyncio.Task[None] | None = None
 
-    def watch(self, method: str) -> _Watch:
+    def watch(self, method: str) -> StreamWatch:
         """The scope of one stream of ``method`` (``Get``, ``Put``; named in the error): ``async with``."""
-        return _Watch(self, method)
+        return StreamWatch(self, method)
 
     @property
     def num_open(self) -> int:
@@ -229,29 +229,68 @@ class StreamWatchdog:
                 self._timer = None
 
 
-class _Watch:
+class StreamWatch:
     """One stream under a :class:`StreamWatchdog`; a plain class, since it runs on every Get.
 
+    Used as ``async with watchdog.watch(method):``, or through :meth:`open` (or
+    :meth:`open_soon`) and :meth:`close` by a scope that has its own exit (the
+    servicer's ``_Call``).
+
     Raises:
-        DeadlineExceededError: on leaving, if the watchdog ended the stream.
+        DeadlineExceededError: on leaving the ``async with``, if the watchdog ended the stream.
     """
 
-    __slots__ = ("_watchdog", "_method", "_task", "_cancelling")
+    __slots__ = ("_watchdog", "_method", "_task", "_cancelling", "_pending")
 
     def __init__(self, watchdog: StreamWatchdog, method: str) -> None:
         self._watchdog = watchdog
         self._method = method
+        self._task: asyncio.Task[object] | None = None
+        self._pending: asyncio.Handle | None = None
 
-    async def __aenter__(self) -> None:
-        task = self._task = asyncio.current_task()  # type: ignore[assignment]
+    def open(self, task: asyncio.Task[object] | None = None) -> StreamWatch:
+        """Start watching the stream of ``task`` (the current one when ``None``); returns ``self``."""
+        self._pending = None
+        task = self._task = task or asyncio.current_task()  # type: ignore[assignment]
         self._cancelling = task.cancelling()  # type: ignore[union-attr]
         self._watchdog._open(task)  # type: ignore[arg-type]
+        return self
+
+    def open_soon(self) -> StreamWatch:
+        """:meth:`open` on the loop's next turn: once the current task first waits, before anything can stall it.
+
+        A stream is cancelled only where it waits, so this watches it as well as
+        :meth:`open` does, and the work is off the way to the stream's first
+        message (the service's Get). Returns ``self``.
+        """
+        task = asyncio.current_task()
+        self._pending = task.get_loop().call_soon(self.open, task)  # type: ignore[union-attr]
+        return self
+
+    def close(self, exc_type: type[BaseException] | None) -> bool:
+        """Stop watching; whether the stream is leaving because the watchdog ended it (then see :meth:`error`)."""
+        if self._pending is not None:  # left before it first waited: never watched
+            self._pending.cancel()
+            self._pending = None
+            return False
+        task = self._task
+        if task is None:
+            return False
+        self._task = None
+        # as asyncio.timeout: the cancellation is the watchdog's own unless the task was cancelled again meanwhile
+        return (self._watchdog._close(task) and task.uncancel() <= self._cancelling
+                and exc_type is asyncio.CancelledError)
+
+    def error(self) -> DeadlineExceededError:
+        """The error of a stream the watchdog ended."""
+        return DeadlineExceededError(
+            f"the {self._method} stream took longer than limits.max_stream_s={self._watchdog.limit_s:g} s"
+        )
+
+    async def __aenter__(self) -> None:
+        self.open()
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         traceback: object) -> None:
-        task = self._task
-        # as asyncio.timeout: the cancellation is the watchdog's own unless the task was cancelled again meanwhile
-        if self._watchdog._close(task) and task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
-            raise DeadlineExceededError(
-                f"the {self._method} stream took longer than limits.max_stream_s={self._watchdog.limit_s:g} s"
-            ) from None
+        if self.close(exc_type):
+            raise self.error() from None

@@ -31,7 +31,7 @@ from kvstore.keys import HashAlgorithm, Namespace, block_key
 from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
 from kvstore.server.errors import DeadlineExceededError, UnauthenticatedError, status_of
-from kvstore.server.limits import StreamWatchdog, TenantQuota
+from kvstore.server.limits import StreamWatch, StreamWatchdog, TenantQuota
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.wire import (
     BlockAssembler,
@@ -157,14 +157,28 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         The prefix stays leased (pinned, and read in place from the memory
         tier) until the last chunk is written; if the client goes away or its
         deadline passes, cancellation leaves ``store.read`` and releases the leases.
+        A block the heap tier holds as its ready reply is sent as stored; any
+        other is copied once, from its leased view into its messages. The read
+        is closed (leases released, hits and recency counted) on the loop's next
+        turn, after the reply's status has gone out, which is what the client
+        waits for.
         """
         async with self._call("Get", context) as call:
-            request = _hash_request(pb.GetRequest, raw)
-            namespace = self._namespace(request.namespace, call)
-            hashes = self._hashes(request.block_hashes)
-            async with self._watchdog.watch("Get"), self._store.read(namespace, hashes) as blocks:
-                for message in iter_block_chunks(blocks, self._chunk_bytes):  # leased views: one copy, into these
+            namespace_wire, hashes = (decode_hash_request(pb.GetRequest, raw) if type(raw) is bytes
+                                      else _hash_request(pb.GetRequest, raw))
+            read = self._store.read(self._namespace(namespace_wire, call), self._hashes(hashes))
+            call.watch(self._watchdog)
+            blocks = read.open_now()
+            if blocks is None:
+                blocks = await read.open()
+            try:
+                replies = read.replies
+                if replies is None or None in replies:
+                    replies = iter_block_chunks(blocks, self._chunk_bytes, replies)  # type: ignore[assignment]
+                for message in replies:  # type: ignore[union-attr]
                     await context.write(message)
+            finally:
+                asyncio.get_running_loop().call_soon(read.close)
 
     async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """Receive a whole Put stream, validate it, then store every block in one ``store.put``.
@@ -324,14 +338,25 @@ class _Call:
         principal: the caller (``None`` without authentication), once admitted.
     """
 
-    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "principal")
+    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "_watch", "principal")
 
     def __init__(self, servicer: KVStoreServicer, method: str, context: grpc.aio.ServicerContext) -> None:
         self._servicer = servicer
         self._method = method
         self._context = context
         self._ticket: Ticket | None = None
+        self._watch: StreamWatch | None = None
         self.principal: Principal | None = None
+
+    def watch(self, watchdog: StreamWatchdog) -> None:
+        """Put the rest of the call under ``watchdog`` (``limits.max_stream_s``), until the call leaves.
+
+        Where the watchdog ends it, the call ends with DEADLINE_EXCEEDED. The
+        same as ``async with watchdog.watch(method)`` to the end of the call,
+        without a scope of its own on every Get, and started at the call's
+        first wait (:meth:`StreamWatch.open_soon`), off the way to its first message.
+        """
+        self._watch = watchdog.watch(self._method).open_soon()
 
     async def __aenter__(self) -> _Call:
         self._start_s = time.perf_counter()
@@ -348,12 +373,20 @@ class _Call:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         traceback: object) -> bool:
         servicer = self._servicer
+        if self._watch is not None and self._watch.close(exc_type):  # the watchdog ended the stream
+            exc = self._watch.error()
+            exc.__suppress_context__ = True
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        ended = cancelled or isinstance(exc, grpc.aio.InternalError) or (
+            not isinstance(exc, grpc.aio.AbortError) and _call_ended(self._context))
+        if exc is None and not ended:  # the reply is whole: its status goes out as this returns, and the
+            # slot and the count wait for the loop's next turn, off the client's way
+            asyncio.get_running_loop().call_soon(self._finish, time.perf_counter())
+            return False
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
         metrics = servicer._metrics
-        cancelled = isinstance(exc, asyncio.CancelledError)
-        if cancelled or isinstance(exc, grpc.aio.InternalError) or (
-                not isinstance(exc, grpc.aio.AbortError) and _call_ended(self._context)):
+        if ended:
             # the client went away or its deadline passed: grpc.aio cancels the handler, or a write on the
             # finished call fails (grpc.aio.InternalError: ExecuteBatchError, before the context knows the
             # call is cancelled), or the handler ends unaware; either way the client has its status
@@ -368,14 +401,18 @@ class _Call:
             # seen inside it): the client has its status, and sending a reply or another status would fail in
             # gRPC's core (logged as an ERROR); ending as cancelled is what grpc.aio expects and logs at DEBUG
             raise asyncio.CancelledError(f"the call ended first ({code})") from exc
-        if exc is None:
-            if metrics is not None:
-                metrics.observe(self._method, "OK", time.perf_counter() - self._start_s)
-            return False
         if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
             return False  # already aborted with its status; or a BaseException (KeyboardInterrupt) to propagate
         await servicer._fail(self._method, self._context, exc, self._start_s)
         return False
+
+    def _finish(self, end_s: float) -> None:
+        """The end of a call that succeeded: its in-flight slot back, and its count (``end_s``: when it ended)."""
+        servicer = self._servicer
+        if self._ticket is not None:
+            servicer.admission.release(self._ticket)
+        if servicer._metrics is not None:
+            servicer._metrics.observe(self._method, "OK", end_s - self._start_s)
 
 
 async def _await_cancellation(context: grpc.aio.ServicerContext) -> None:

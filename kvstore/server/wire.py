@@ -335,35 +335,31 @@ class Chunk(NamedTuple):
 class ChunkHead(NamedTuple):
     """The small fields of a received ``BlockChunk`` (see the ``.proto``)."""
 
-    block_index: int
     offset: int
     total_bytes: int
     last: bool
 
 
 _BLOCK_CHUNK = pb.BlockChunk.DESCRIPTOR.fields_by_name
-_CHUNK_INDEX, _CHUNK_OFFSET, _CHUNK_TOTAL, _CHUNK_LAST = (
-    _BLOCK_CHUNK[name].number for name in ("block_index", "offset", "total_bytes", "last")
-)
-_CHUNK_INDEX_TAG, _CHUNK_OFFSET_TAG, _CHUNK_TOTAL_TAG, _CHUNK_LAST_TAG = (
-    _tag(number, 0) for number in (_CHUNK_INDEX, _CHUNK_OFFSET, _CHUNK_TOTAL, _CHUNK_LAST)
+_CHUNK_OFFSET, _CHUNK_TOTAL, _CHUNK_LAST = (_BLOCK_CHUNK[name].number for name in ("offset", "total_bytes", "last"))
+_CHUNK_OFFSET_TAG, _CHUNK_TOTAL_TAG, _CHUNK_LAST_TAG = (
+    _tag(number, 0) for number in (_CHUNK_OFFSET, _CHUNK_TOTAL, _CHUNK_LAST)
 )
 _CHUNK_DATA_TAG = _tag(_CHUNK_DATA_FIELD, 2)
-_UINT32_MASK = (1 << 32) - 1
 _UINT64_MASK = (1 << 64) - 1
+_TOTAL_TAG_BYTE = _CHUNK_TOTAL_TAG[0]
+_LAST_THEN_DATA = _CHUNK_LAST_TAG + b"\x01" + _CHUNK_DATA_TAG
 
 
-def encode_block_chunk(block_index: int, offset: int, total_bytes: int, data: bytes | memoryview,
-                       last: bool) -> bytes:
+def encode_block_chunk(offset: int, total_bytes: int, data: bytes | memoryview, last: bool) -> bytes:
     """A serialized ``BlockChunk`` (the Get reply message) carrying ``data``, copied once.
 
     Written by hand rather than through protobuf: this runs for every chunk of
-    every Get, and the fields are four integers. Zero-valued fields are left
-    out, as proto3 serializers do.
+    every Get, and the fields are three integers. Zero-valued fields are left
+    out, as proto3 serializers do. A whole block in one chunk is
+    ``reply_head(len(data)) + data`` (:func:`reply_head`).
     """
     parts = []
-    if block_index:
-        parts += (_CHUNK_INDEX_TAG, _varint(block_index))
     if offset:
         parts += (_CHUNK_OFFSET_TAG, _varint(offset))
     if total_bytes:
@@ -374,18 +370,66 @@ def encode_block_chunk(block_index: int, offset: int, total_bytes: int, data: by
     return b"".join(parts)
 
 
+def reply_head(nbytes: int, chunk_bytes: int) -> bytes | None:
+    """The bytes before a block of ``nbytes`` in the one ``BlockChunk`` that carries all of it; ``None`` if it needs more.
+
+    ``reply_head(n, c) + block`` is exactly ``encode_block_chunk(0, n, block, True)``,
+    so a tier that stores each block behind its head (the heap tier,
+    ``kvstore.tiers.heap``) holds a ready Get reply, and the node sends it with
+    no copy of its own. A block over ``chunk_bytes`` goes out in several chunks.
+
+    Args:
+        nbytes: the encoded block's length, bytes.
+        chunk_bytes: the node's chunk size (:func:`chunk_bytes_for`), bytes.
+    """
+    if nbytes > chunk_bytes:
+        return None
+    total = _CHUNK_TOTAL_TAG + _varint(nbytes) if nbytes else b""
+    return b"".join((total, _CHUNK_LAST_TAG, b"\x01", _CHUNK_DATA_TAG, _varint(nbytes)))
+
+
+_READY_HEADS: dict[int, tuple[int, bytes]] = {}
+"""Message length -> ``(block length, head)`` of a one-chunk reply of that length, as :func:`reply_head` writes it."""
+
+
+def _ready_reply(message: bytes) -> tuple[int, int] | None:
+    """``(total_bytes, data start)`` of a message laid out as :func:`reply_head` writes it; ``None`` for any other.
+
+    Such a message of ``L`` bytes carries exactly one block length ``n`` (``L``
+    grows with ``n``), so its head is known from ``L`` alone, and blocks of one
+    namespace share their length: the check is a dict lookup and a prefix compare.
+    """
+    size = len(message)
+    known = _READY_HEADS.get(size)
+    if known is None:
+        for width in range(1, 11):  # the varint width of n, which the head holds twice
+            nbytes = size - 4 - 2 * width
+            if nbytes > 0 and len(_varint(nbytes)) == width:
+                break
+        else:
+            return None
+        if len(_READY_HEADS) >= 1024:
+            _READY_HEADS.clear()
+        known = _READY_HEADS[size] = (nbytes, reply_head(nbytes, nbytes))  # type: ignore[assignment]
+    nbytes, head = known
+    return (nbytes, len(head)) if message.startswith(head) else None
+
+
 def decode_block_chunk(message: bytes) -> tuple[ChunkHead, memoryview]:
     """Parse a serialized ``BlockChunk``: its small fields, and its data as a view of ``message``.
 
     Follows protobuf's rules: fields in any order, the last occurrence wins,
-    unknown fields (or a known number with another wire type) are skipped,
-    ``block_index`` keeps its low 32 bits.
+    unknown fields (or a known number with another wire type) are skipped.
 
     Raises:
         InvalidArgumentError: on malformed protobuf.
     """
     view = memoryview(message)
-    block_index = offset = total_bytes = last = 0
+    ready = _ready_reply(message)
+    if ready:  # the shape of a whole block in one message, as reply_head writes it: read at fixed places
+        total, start = ready
+        return ChunkHead(0, total, True), view[start:]
+    offset = total_bytes = last = 0
     data = view[0:0]
     for number, _, _, value in _iter_fields(view):
         if isinstance(value, memoryview):
@@ -393,15 +437,13 @@ def decode_block_chunk(message: bytes) -> tuple[ChunkHead, memoryview]:
                 data = value
         elif value is None:
             continue
-        elif number == _CHUNK_INDEX:
-            block_index = value & _UINT32_MASK
         elif number == _CHUNK_OFFSET:
             offset = value & _UINT64_MASK
         elif number == _CHUNK_TOTAL:
             total_bytes = value & _UINT64_MASK
         elif number == _CHUNK_LAST:
             last = value
-    return ChunkHead(block_index, offset, total_bytes, bool(last)), data
+    return ChunkHead(offset, total_bytes, bool(last)), data
 
 
 def decode_put_request(message: bytes) -> Chunk:
@@ -492,12 +534,15 @@ def _uniform_hash_request(message: bytes) -> HashRequest | None:
     size = len(message)
     if size < 2 or message[0] != _NAMESPACE_TAG_BYTE:
         return None
-    try:
-        length, start = _read_varint(memoryview(message), 1)
-    except InvalidArgumentError:
-        return None
-    if start > 6:  # a length over 5 bytes long: protobuf refuses it, and so must this
-        return None
+    if message[1] < 0x80:  # a namespace under 128 bytes: its length is one byte
+        length, start = message[1], 2
+    else:
+        try:
+            length, start = _read_varint(memoryview(message), 1)
+        except InvalidArgumentError:
+            return None
+        if start > 6:  # a length over 5 bytes long: protobuf refuses it, and so must this
+            return None
     end = start + length
     if end == size:
         return HashRequest(message[start:end], [])
@@ -567,13 +612,27 @@ def identity(message: bytes) -> bytes:
     return message
 
 
-def iter_block_chunks(blocks: Sequence[bytes], chunk_bytes: int) -> Iterator[bytes]:
-    """Serialized ``BlockChunk`` messages of a Get reply: every block's chunks, in order."""
+def iter_block_chunks(blocks: Sequence[bytes | memoryview], chunk_bytes: int,
+                      replies: Sequence[bytes | None] | None = None) -> Iterator[bytes]:
+    """Serialized ``BlockChunk`` messages of a Get reply: every block's chunks, in order.
+
+    Args:
+        blocks: the encoded blocks, in prefix order.
+        chunk_bytes: the largest ``data`` of one message, bytes (:func:`chunk_bytes_for`).
+        replies: per block, its whole reply message when a tier holds one ready
+            (``reply_head(len(block), chunk_bytes) + block``, see
+            :attr:`kvstore.tiers.base.TierLease.replies`), sent as is; ``None``
+            (or a ``None`` entry) to encode that block here, one copy.
+    """
     for index, block in enumerate(blocks):
+        reply = replies[index] if replies is not None else None
+        if reply is not None:
+            yield reply
+            continue
         total = len(block)
         view = memoryview(block) if total > chunk_bytes else block
         for offset, data, last in iter_chunks(view, chunk_bytes):
-            yield encode_block_chunk(index, offset, total, data, last)
+            yield encode_block_chunk(offset, total, data, last)
 
 
 def put_requests(
@@ -704,6 +763,20 @@ class BlockAssembler:
             )
         self._parts.append(data)
         self._received += len(data)
+
+    def add_reply_chunk(self, head: ChunkHead, data: bytes | memoryview) -> None:
+        """Append one chunk of a Get reply, where a chunk at offset 0 begins the next block.
+
+        A Get streams its blocks in request order (the ``BlockChunk`` of the
+        ``.proto`` carries no block index).
+
+        Raises:
+            InvalidArgumentError: as :meth:`begin` and :meth:`add`.
+            ResourceExhaustedError: as :meth:`begin`.
+        """
+        if head.offset == 0:
+            self.begin(len(self.blocks) + (self._total >= 0), head.total_bytes)
+        self.add(len(self.blocks), head.offset, data)
 
     @property
     def block_complete(self) -> bool:

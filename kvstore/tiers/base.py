@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvstore.api import Buffer
 from kvstore.errors import KVStoreError
@@ -145,19 +145,25 @@ class DroppingTier(Tier, Protocol):
     on_drop: DropListener | None
 
 
-@dataclass(frozen=True, slots=True)
-class TierLease:
+class TierLease(NamedTuple):
     """Blocks read in place: views of a tier's own memory, valid until :attr:`release` is called.
+
+    A named tuple rather than a dataclass: one is made on every Get.
 
     Attributes:
         values: per key, the block (a read-only ``memoryview`` into the tier, or
             ``bytes`` where the tier had to copy), or ``None`` for a miss.
         release: gives the memory back; call exactly once, after the last use
             of any view (the tier may reuse the pages afterwards).
+        replies: per key, the whole Get reply message that carries the block,
+            where the tier holds one ready (the heap tier, built with
+            ``kvstore.server.wire.reply_head``), else ``None``; ``None`` for a
+            tier that holds none.
     """
 
     values: list[Buffer | None]
     release: Callable[[], None]
+    replies: list[bytes | None] | None = None
 
 
 @runtime_checkable
@@ -170,8 +176,17 @@ class LeasingTier(Tier, Protocol):
 
     Attributes:
         used_bytes: capacity bytes in use, those of blocks deleted or replaced
-            while a lease still holds them included (freed at its release).
+            while a lease still holds them included (freed at its release), unless
+            the tier lends by reference.
+        lends_references: ``True`` when a lease is a reference to immutable
+            values (the heap tier's ``bytes``), which stay valid however long they
+            are held: the store then pins nothing it reads from this tier, so
+            eviction may take a block still being read, whose memory is freed when
+            the read ends; ``False`` when the values are views of memory the tier
+            reuses (the page pool), which the store pins until the release.
     """
+
+    lends_references: bool
 
     @property
     def used_bytes(self) -> int: ...

@@ -233,6 +233,7 @@ class MemoryTier:
     """
 
     persistent = False
+    lends_references = False  # leases are views of pages the tier reuses: the store pins what it reads
 
     def __init__(
         self,

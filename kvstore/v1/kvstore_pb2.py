@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xbe\x01\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x16\n\x0ehash_algorithm\x18\n \x01(\t\"O\n\rLookupRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"S\n\x0eLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\ntier_names\x18\x03 \x03(\t\x12\x13\n\x0b\x62lock_tiers\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"L\n\nGetRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"b\n\nBlockChunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\"\xe0\x01\n\nPutRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x15\n\x08priority\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bretention_s\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\nblock_hash\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x62lock_index\x18\x06 \x01(\r\x12\x0e\n\x06offset\x18\x07 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x42\x0b\n\t_priorityB\x0e\n\x0c_retention_s\"5\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"O\n\rDeleteRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"8\n\x0c\x43learRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\"$\n\rClearResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xa9\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04hits\x18\x05 \x01(\x03\x12\x0e\n\x06misses\x18\x06 \x01(\x03\x12\x11\n\tevictions\x18\x07 \x01(\x03\x12\x11\n\tdemotions\x18\x08 \x01(\x03\x12\x12\n\npromotions\x18\t \x01(\x03\x12\x17\n\x0f\x63orrupt_records\x18\n \x01(\x03\x12\x35\n\x08\x63ounters\x18\x0b \x03(\x0b\x32#.kvstore.v1.TierStats.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"l\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x19\n\x11lookup_hit_blocks\x18\x02 \x01(\x03\x12\x1a\n\x12lookup_miss_blocks\x18\x03 \x01(\x03\x32\xfa\x02\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x37\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x16.kvstore.v1.BlockChunk0\x01\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xbe\x01\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x16\n\x0ehash_algorithm\x18\n \x01(\t\"O\n\rLookupRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"S\n\x0eLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\ntier_names\x18\x03 \x03(\t\x12\x13\n\x0b\x62lock_tiers\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"L\n\nGetRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"`\n\nBlockChunk\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08J\x04\x08\x01\x10\x02R\x0b\x62lock_index\"\xe0\x01\n\nPutRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x15\n\x08priority\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bretention_s\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\nblock_hash\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x62lock_index\x18\x06 \x01(\r\x12\x0e\n\x06offset\x18\x07 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x42\x0b\n\t_priorityB\x0e\n\x0c_retention_s\"5\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"O\n\rDeleteRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"8\n\x0c\x43learRequest\x12(\n\tnamespace\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.Namespace\"$\n\rClearResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xa9\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04hits\x18\x05 \x01(\x03\x12\x0e\n\x06misses\x18\x06 \x01(\x03\x12\x11\n\tevictions\x18\x07 \x01(\x03\x12\x11\n\tdemotions\x18\x08 \x01(\x03\x12\x12\n\npromotions\x18\t \x01(\x03\x12\x17\n\x0f\x63orrupt_records\x18\n \x01(\x03\x12\x35\n\x08\x63ounters\x18\x0b \x03(\x0b\x32#.kvstore.v1.TierStats.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"l\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x19\n\x11lookup_hit_blocks\x18\x02 \x01(\x03\x12\x1a\n\x12lookup_miss_blocks\x18\x03 \x01(\x03\x32\xfa\x02\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x37\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x16.kvstore.v1.BlockChunk0\x01\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,27 +42,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETREQUEST']._serialized_start=399
   _globals['_GETREQUEST']._serialized_end=475
   _globals['_BLOCKCHUNK']._serialized_start=477
-  _globals['_BLOCKCHUNK']._serialized_end=575
-  _globals['_PUTREQUEST']._serialized_start=578
-  _globals['_PUTREQUEST']._serialized_end=802
-  _globals['_PUTRESPONSE']._serialized_start=804
-  _globals['_PUTRESPONSE']._serialized_end=857
-  _globals['_DELETEREQUEST']._serialized_start=859
-  _globals['_DELETEREQUEST']._serialized_end=938
-  _globals['_DELETERESPONSE']._serialized_start=940
-  _globals['_DELETERESPONSE']._serialized_end=977
-  _globals['_CLEARREQUEST']._serialized_start=979
-  _globals['_CLEARREQUEST']._serialized_end=1035
-  _globals['_CLEARRESPONSE']._serialized_start=1037
-  _globals['_CLEARRESPONSE']._serialized_end=1073
-  _globals['_STATSREQUEST']._serialized_start=1075
-  _globals['_STATSREQUEST']._serialized_end=1089
-  _globals['_TIERSTATS']._serialized_start=1092
-  _globals['_TIERSTATS']._serialized_end=1389
-  _globals['_TIERSTATS_COUNTERSENTRY']._serialized_start=1342
-  _globals['_TIERSTATS_COUNTERSENTRY']._serialized_end=1389
-  _globals['_STATSRESPONSE']._serialized_start=1391
-  _globals['_STATSRESPONSE']._serialized_end=1499
-  _globals['_KVSTORE']._serialized_start=1502
-  _globals['_KVSTORE']._serialized_end=1880
+  _globals['_BLOCKCHUNK']._serialized_end=573
+  _globals['_PUTREQUEST']._serialized_start=576
+  _globals['_PUTREQUEST']._serialized_end=800
+  _globals['_PUTRESPONSE']._serialized_start=802
+  _globals['_PUTRESPONSE']._serialized_end=855
+  _globals['_DELETEREQUEST']._serialized_start=857
+  _globals['_DELETEREQUEST']._serialized_end=936
+  _globals['_DELETERESPONSE']._serialized_start=938
+  _globals['_DELETERESPONSE']._serialized_end=975
+  _globals['_CLEARREQUEST']._serialized_start=977
+  _globals['_CLEARREQUEST']._serialized_end=1033
+  _globals['_CLEARRESPONSE']._serialized_start=1035
+  _globals['_CLEARRESPONSE']._serialized_end=1071
+  _globals['_STATSREQUEST']._serialized_start=1073
+  _globals['_STATSREQUEST']._serialized_end=1087
+  _globals['_TIERSTATS']._serialized_start=1090
+  _globals['_TIERSTATS']._serialized_end=1387
+  _globals['_TIERSTATS_COUNTERSENTRY']._serialized_start=1340
+  _globals['_TIERSTATS_COUNTERSENTRY']._serialized_end=1387
+  _globals['_STATSRESPONSE']._serialized_start=1389
+  _globals['_STATSRESPONSE']._serialized_end=1497
+  _globals['_KVSTORE']._serialized_start=1500
+  _globals['_KVSTORE']._serialized_end=1878
 # @@protoc_insertion_point(module_scope)

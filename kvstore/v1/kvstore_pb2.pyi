@@ -57,18 +57,16 @@ class GetRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
-    __slots__ = ("block_index", "offset", "total_bytes", "data", "last")
-    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("offset", "total_bytes", "data", "last")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
-    block_index: int
     offset: int
     total_bytes: int
     data: bytes
     last: bool
-    def __init__(self, block_index: _Optional[int] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    def __init__(self, offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("namespace", "priority", "retention_s", "block_hash", "total_bytes", "block_index", "offset", "data")

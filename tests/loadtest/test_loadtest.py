@@ -12,17 +12,18 @@ import pytest
 from kvstore.loadtest import LoadTestConfig, client_target_keyword, compare_with_simulator, replay_loadtest
 from kvstore.loadtest.cli import main
 from kvstore.sim import simulate
+from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.trace import TraceRequest, read_trace, write_trace
 from tests.support.kvnode import KVNode, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CONVERSATION = REPO / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
-PAGE_BYTES = 64 * 1024  # the memory tier's default page: one small block takes one page
-PAYLOAD_BYTES = 1024  # 1 KiB payload: 1,152 encoded bytes, one page
+PAYLOAD_BYTES = 1024  # 1 KiB payload: 1,152 encoded bytes
+FOOTPRINT_BYTES = 1152 + BLOCK_OVERHEAD_BYTES  # what one block takes in the node's memory (heap) tier
 
 
 def _node(capacity_blocks: int) -> KVNode:
-    return KVNode(memory_capacity=str(capacity_blocks * PAGE_BYTES), metrics=False)
+    return KVNode(memory_capacity=str(capacity_blocks * FOOTPRINT_BYTES), metrics=False)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,12 @@ import pytest
 import torch
 
 from kvstore.server.errors import PermissionDeniedError
+from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES
 from tests.server.conftest import ThreadedServer, encoded, kv_blocks
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 
 from . import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
-
-PAGE_BYTES = 64 * 1024
-
 
 def test_tenant_b_never_hits_tenant_a_in_any_tier(redis_server: RedisProcess, tmp_path) -> None:  # noqa: F811
     ns_a = sha_namespace("tenant-a")
@@ -25,8 +23,7 @@ def test_tenant_b_never_hits_tenant_a_in_any_tier(redis_server: RedisProcess, tm
     block_bytes = len(encoded(ns_a, tensors[:1])[0])
     disk_block_bytes = -(-(block_bytes + 16) // mmap.PAGESIZE) * mmap.PAGESIZE + RECORD_OVERHEAD_BYTES
     threaded = ThreadedServer(auth_config(**{
-        "store.memory.capacity_bytes": 2 * PAGE_BYTES,          # two blocks
-        "store.memory.page_bytes": PAGE_BYTES,
+        "store.memory.capacity_bytes": 2 * (block_bytes + BLOCK_OVERHEAD_BYTES),  # two blocks
         "store.disk.path": str(tmp_path / "lmdb"),
         "store.disk.capacity_bytes": 2 * disk_block_bytes,      # two blocks; the rest goes on to Redis
         "store.redis.url": redis_server.url,

@@ -16,6 +16,7 @@ from kvstore.security import bearer_metadata
 from kvstore.server.errors import DeadlineExceededError
 from kvstore.server.limits import InflightLimiter, StreamWatchdog, TenantQuota
 from kvstore.server.wire import namespace_to_pb, put_requests
+from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.server.conftest import ThreadedServer, encoded, kv_blocks
@@ -86,6 +87,32 @@ async def test_stream_watchdog_ends_a_stream_past_its_limit_and_only_that_one() 
     assert 0.2 <= time.monotonic() - start < 2
     assert not stalled.cancelled() and stalled.cancelling() == 0  # the watchdog's cancellation became the error
     assert watchdog.num_open == 0
+
+
+async def test_a_watch_opened_soon_starts_at_the_first_wait_and_ends_a_stalled_stream() -> None:
+    watchdog = StreamWatchdog(0.2)
+
+    async def stream(seconds: float | None) -> str:
+        watch = watchdog.watch("Get").open_soon()
+        assert watchdog.num_open == 0  # not yet: the watch starts once the task first waits
+        try:
+            if seconds is not None:
+                await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            if watch.close(asyncio.CancelledError):
+                raise watch.error() from None
+            raise
+        assert not watch.close(None)
+        return "done"
+
+    assert await stream(None) == "done"  # left before it ever waited: never watched, nothing left behind
+    await asyncio.sleep(0.01)
+    assert watchdog.num_open == 0
+    with pytest.raises(DeadlineExceededError, match="max_stream_s=0.2"):
+        await stream(30)
+    assert await stream(0.01) == "done"
+    assert watchdog.num_open == 0
+    watchdog.close()
 
 
 async def test_stream_watchdog_leaves_an_outside_cancellation_alone_and_stops_when_idle() -> None:
@@ -198,11 +225,11 @@ def test_calls_in_flight_are_limited_per_connection() -> None:
 
 
 def test_tenant_quota_refuses_a_put_over_it_and_stores_nothing_of_it() -> None:
-    # test blocks are ~16 KiB and take one 64 KiB page each in the memory tier: 3 fit in 200 KiB, a 4th does not
-    threaded = ThreadedServer(auth_config(**{"limits.tenant_quota_bytes": 200 * KiB}))
-    try:
-        ns_a, ns_a2, ns_b = sha_namespace("tenant-a"), sha_namespace("tenant-a"), sha_namespace("tenant-b")
-        hashes, tensors = kv_blocks(ns_a, 4)
+    ns_a, ns_a2, ns_b = sha_namespace("tenant-a"), sha_namespace("tenant-a"), sha_namespace("tenant-b")
+    hashes, tensors = kv_blocks(ns_a, 4)
+    footprint = len(encoded(ns_a, tensors[:1])[0]) + BLOCK_OVERHEAD_BYTES  # one block in the node's heap tier
+    threaded = ThreadedServer(auth_config(**{"limits.tenant_quota_bytes": 3 * footprint + footprint // 2}))
+    try:  # 3 blocks fit, a 4th does not
         with client_of(threaded, TOKEN_A) as a, client_of(threaded, TOKEN_B) as b:
             assert a.put(ns_a, hashes[:3], tensors[:3]) == 3
             with pytest.raises(ResourceExhaustedError, match="tenant_quota_bytes"):

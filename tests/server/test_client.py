@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import grpc
 import pytest
 
-from kvstore.client import KVStoreClient, backoff_s
+from kvstore.client import InflightSlots, KVStoreClient, backoff_s
 from kvstore.errors import InvalidArgumentError, KVStoreError, ResourceExhaustedError, UnavailableError
 from kvstore.server.errors import DeadlineExceededError, RemoteError, error_of, status_of
 from tests.support.kvnode import KVNode
@@ -280,3 +280,37 @@ def test_calls_in_flight_when_the_client_closes_raise_unavailable(server: Thread
         assert not thread.is_alive()
     assert len(errors) == 3
     assert all(isinstance(e, UnavailableError) and "closed" in str(e) for e in errors), errors
+
+
+def test_inflight_slots_bound_the_calls_across_threads_and_time_out_when_full() -> None:
+    slots = InflightSlots(2)
+    active = peak = 0
+    lock = threading.Lock()
+
+    def work() -> None:
+        nonlocal active, peak
+        for _ in range(50):
+            assert slots.acquire(5.0)
+            with lock:
+                active += 1
+                peak = max(peak, active)
+            time.sleep(0.0005)
+            with lock:
+                active -= 1
+            slots.release()
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert peak == 2
+    assert slots.acquire(0.01) and slots.acquire(0.01)
+    start = time.monotonic()
+    assert not slots.acquire(0.1)  # full: waits for its timeout, then gives up
+    assert time.monotonic() - start >= 0.1
+    waiter = threading.Thread(target=lambda: slots.acquire(5.0))
+    waiter.start()
+    slots.release()  # wakes the waiter
+    waiter.join(2.0)
+    assert not waiter.is_alive()

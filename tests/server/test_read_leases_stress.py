@@ -57,7 +57,9 @@ def hashes_of(first: int, count: int) -> list[bytes]:
 
 
 def server_of(**overrides: Any) -> ThreadedServer:
-    return ThreadedServer(make_config(**{"server.max_message_bytes": MESSAGE, **overrides}))
+    """A server whose memory tier is the page pool: these tests follow its leases (the heap tier lends references)."""
+    return ThreadedServer(make_config(**{"server.max_message_bytes": MESSAGE, "store.memory.storage": "pages",
+                                         **overrides}))
 
 
 def raw_channel(target: str) -> grpc.Channel:
@@ -75,11 +77,13 @@ def raw_get(channel: grpc.Channel, ns: Any, hashes: list[bytes], timeout: float 
 
 def reassemble(messages: list[bytes]) -> list[bytes]:
     """The blocks of a Get reply from its serialized chunks."""
-    blocks: dict[int, list[bytes]] = {}
+    blocks: list[list[bytes]] = []
     for raw in messages:
         chunk, data = decode_block_chunk(raw)
-        blocks.setdefault(chunk.block_index, []).append(bytes(data))
-    return [b"".join(blocks[i]) for i in sorted(blocks)]
+        if chunk.offset == 0:  # blocks come in request order, each from offset 0
+            blocks.append([])
+        blocks[-1].append(bytes(data))
+    return [b"".join(parts) for parts in blocks]
 
 
 def on_loop(server: ThreadedServer, fn: Any) -> Any:
@@ -173,6 +177,34 @@ def test_a_stalled_stream_survives_clear_and_a_put_of_its_keys_with_other_bytes(
             assert reassemble(list(second)) == replacements
             assert wait_until(lambda: leases_released(server))
             assert kv.get(ns, streamed) == replacements
+    finally:
+        server.stop()
+
+
+def test_a_stalled_get_of_ready_replies_survives_delete_eviction_and_new_bytes(tmp_path: Any) -> None:
+    """The heap tier lends by reference: a Get's blocks stay whole, though they may go from the tier meanwhile."""
+    small = MESSAGE // 2  # one message each: stored as ready replies
+    server = ThreadedServer(make_config(**{"server.max_message_bytes": MESSAGE,
+                                           "store.memory.capacity_bytes": 8 * (small + 64),
+                                           "store.disk.path": str(tmp_path / "disk")}))
+    try:
+        assert type(server.server.store._tiers[0]).__name__ == "HeapTier"
+        ns = uint8_namespace()
+        streamed, pressure = hashes_of(1, 4), hashes_of(100, 8)
+        blocks = [mla_block(small, i) for i in range(4)]
+        with KVStoreClient(server.target, retries=0, max_message_bytes=MESSAGE) as kv, \
+                raw_channel(server.target) as channel:
+            kv.put(ns, streamed, blocks)
+            stream = raw_get(channel, ns, streamed)
+            first = next(stream)  # the rest waits in the node, as ready replies it holds by reference
+            assert kv.delete(ns, streamed[:2]) == 2
+            assert kv.put(ns, streamed[:2], [mla_block(small, 0xA0), mla_block(small, 0xA1)]) == 2
+            # a tier's worth of new blocks: the unpinned streamed ones are demoted to disk meanwhile
+            assert kv.put(ns, pressure, [mla_block(small, 0x50 + i) for i in range(8)]) == 8
+            assert "disk" in kv.lookup(ns, streamed).tiers
+            assert reassemble([first, *stream]) == blocks  # the bytes as they were when the Get began
+            assert kv.get(ns, streamed) == [mla_block(small, 0xA0), mla_block(small, 0xA1), *blocks[2:]]
+        assert all(not pins for pins in policy_pins(server))
     finally:
         server.stop()
 

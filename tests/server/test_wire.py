@@ -102,8 +102,10 @@ from kvstore.server.errors import RemoteError  # noqa: E402
 from kvstore.server.wire import (  # noqa: E402
     decode_block_chunk,
     encode_block_chunk,
+    iter_block_chunks,
     lookup_from_pb,
     lookup_to_pb,
+    reply_head,
 )
 from kvstore.v1 import kvstore_pb2 as pb  # noqa: E402
 
@@ -165,10 +167,7 @@ def _assemble(block: bytes, chunk_bytes: int, *, copy: bool) -> bytes | memoryvi
     """``block`` sent as serialized BlockChunks and reassembled from the received messages."""
     assembler = BlockAssembler(max_block_bytes=1 << 20, max_blocks=1, copy=copy)
     for offset, data, last in iter_chunks(block, chunk_bytes):
-        chunk, received = decode_block_chunk(encode_block_chunk(0, offset, len(block), data, last))
-        if chunk.offset == 0:
-            assembler.begin(chunk.block_index, chunk.total_bytes)
-        assembler.add(chunk.block_index, chunk.offset, received)
+        assembler.add_reply_chunk(*decode_block_chunk(encode_block_chunk(offset, len(block), data, last)))
     (assembled,) = assembler.finish()
     return assembled
 
@@ -210,28 +209,70 @@ def test_without_copy_empty_and_bytes_chunks_pass_through() -> None:
 
 @pytest.mark.parametrize(
     "fields",
-    [(0, 0, 0, b"", False), (3, 4096, 1 << 33, b"xyz", True), (70_000, 0, 5, b"d" * 300, False)],
+    [(0, 0, b"", False), (4096, 1 << 33, b"xyz", True), (0, 5, b"d" * 300, False)],
 )
-def test_block_chunk_is_plain_protobuf_both_ways(fields: tuple[int, int, int, bytes, bool]) -> None:
-    block_index, offset, total_bytes, data, last = fields
-    reference = pb.BlockChunk(block_index=block_index, offset=offset, total_bytes=total_bytes, data=data, last=last)
+def test_block_chunk_is_plain_protobuf_both_ways(fields: tuple[int, int, bytes, bool]) -> None:
+    offset, total_bytes, data, last = fields
+    reference = pb.BlockChunk(offset=offset, total_bytes=total_bytes, data=data, last=last)
     assert pb.BlockChunk.FromString(encode_block_chunk(*fields)) == reference
     for message in (encode_block_chunk(*fields), reference.SerializeToString()):
         head, received = decode_block_chunk(message)
-        assert head == (block_index, offset, total_bytes, last) and received == data
+        assert head == (offset, total_bytes, last) and received == data
 
 
 def test_block_chunk_decoding_follows_protobuf_rules() -> None:
-    """Fields in any order, the last occurrence wins, unknown fields are skipped."""
-    unknown = b"\x31" + bytes(8) + b"\x3a\x02zz" + b"\x45" + bytes(4)  # fields 6, 7, 8: 64-bit, bytes, 32-bit
+    """Fields in any order, the last occurrence wins, unknown fields (the retired block_index too) are skipped."""
+    unknown = b"\x08\x07" + b"\x31" + bytes(8) + b"\x3a\x02zz" + b"\x45" + bytes(4)  # fields 1, 6, 7, 8
     message = (
-        pb.BlockChunk(data=b"old", block_index=9).SerializeToString()
+        pb.BlockChunk(data=b"old", offset=9).SerializeToString()
         + unknown
-        + pb.BlockChunk(block_index=2, data=b"new", last=True).SerializeToString()
+        + pb.BlockChunk(offset=2, data=b"new", last=True).SerializeToString()
     )
     head, data = decode_block_chunk(message)
-    assert pb.BlockChunk.FromString(message).block_index == head.block_index == 2
+    assert pb.BlockChunk.FromString(message).offset == head.offset == 2
     assert data == b"new" and head.last
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 127, 128, 100_000, 4096])
+def test_a_reply_head_and_its_block_are_the_one_chunk_reply(nbytes: int) -> None:
+    block = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
+    head = reply_head(nbytes, chunk_bytes=100_000)
+    assert head is not None and head + block == encode_block_chunk(0, nbytes, block, True)
+    assert decode_block_chunk(head + block) == ((0, nbytes, True), block)
+
+
+def test_a_block_over_the_chunk_size_has_no_reply_head() -> None:
+    assert reply_head(4097, chunk_bytes=4096) is None
+
+
+def test_ready_replies_are_sent_as_they_are_and_other_blocks_are_encoded() -> None:
+    blocks = [b"a" * 10, b"b" * 10, b"c" * 25]
+    ready = reply_head(10, 10) + blocks[1]  # type: ignore[operator]
+    messages = list(iter_block_chunks(blocks, 10, [None, ready, None]))
+    assert messages[1] is ready
+    assert messages == list(iter_block_chunks(blocks, 10))  # 1 + 1 + 3 chunks, the same bytes either way
+    assert len(messages) == 5
+
+
+def test_reply_chunks_begin_a_new_block_at_offset_zero() -> None:
+    blocks = [b"x" * 7, b"y" * 25, b"", b"z" * 3]
+    assembler = BlockAssembler(100, 4)
+    for message in iter_block_chunks(blocks, 10):
+        assembler.add_reply_chunk(*decode_block_chunk(message))
+    assert assembler.finish() == blocks
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([encode_block_chunk(10, 20, b"y" * 10, True)], "before that block's first chunk"),
+    ([encode_block_chunk(0, 20, b"y" * 10, False), encode_block_chunk(0, 5, b"z" * 5, True)], "truncated"),
+    ([encode_block_chunk(0, 20, b"y" * 10, False), encode_block_chunk(12, 20, b"y" * 8, True)], "expected offset 10"),
+])
+def test_a_reply_stream_out_of_order_is_invalid_argument(messages: list[bytes], error: str) -> None:
+    assembler = BlockAssembler(100, 4)
+    with pytest.raises(InvalidArgumentError, match=error):
+        for message in messages:
+            assembler.add_reply_chunk(*decode_block_chunk(message))
+        assembler.finish()
 
 
 @pytest.mark.parametrize("message", [b"\x08", b"\x22\x05abc", b"\x0b", b"\x08" + b"\xff" * 11])
