@@ -300,35 +300,33 @@ class TieredStore:
     def _lent_from_top(self, read: BlockRead, keys: list[BlockKey], lease: TierLease) -> list[Buffer]:
         """:meth:`_open_read` of a prefix wholly in the top tier, which lent all of it: no await, so no lock.
 
-        Only the pins come first. The hit counts and the recency of the prefix
-        wait for :meth:`_close_read`: the service's Get closes its read once its
-        reply is on the way, so that they are not on the reply's path
-        (``benchmarks/bench_service.py``); a pinned block is no victim meanwhile.
+        The pins (where the tier lends views of memory it reuses) and the
+        recency come first: a block being read is then no early victim, pinned
+        or not. The hit counts wait for :meth:`_close_read`, which the service's
+        Get runs once its reply is on the way (``benchmarks/bench_service.py``).
         """
         values = lease.values
         prefix = keys[:len(values)]
+        policy = self._policies[0]
         if not self._lenders[0].lends_references:  # type: ignore[union-attr]  # views of pages: pin them
-            policy = self._policies[0]
             for key in prefix:
                 policy.pin(key)
             read.pinned = [(key, 0) for key in prefix]
             read.releases = [lease.release]
-        read.lent_keys = prefix
+        for key in reversed(prefix):  # tail first: the head ends most recent
+            policy.touch(key)
+        read.num_lent = len(prefix)
         read.replies = lease.replies
         read.top_misses = len(prefix) < len(keys)
         return values  # type: ignore[return-value]  # no None: checked by the caller
 
     def _count_top_read(self, read: BlockRead) -> None:
-        """What :meth:`_lent_from_top` left for the end of the read: its hit counts, then its recency."""
-        policy = self._policies[0]
+        """What :meth:`_lent_from_top` left for the end of the read: its hit counts."""
         counters = self._counters
-        counters[0].hits += len(read.lent_keys)
+        counters[0].hits += read.num_lent
         if read.top_misses:  # the first miss was looked for in every tier
             for counts in counters:
                 counts.misses += 1
-        for key in reversed(read.lent_keys):  # tail first: the head ends most recent
-            if key in policy:  # not deleted, or evicted if it was not pinned, meanwhile
-                policy.touch(key)
 
     async def _read_general(self, read: BlockRead, keys: list[BlockKey], levels: bytes) -> list[Buffer]:
         """:meth:`_open_read` of any prefix: over several tiers, with the shared tier, or copied."""
@@ -1222,13 +1220,13 @@ class BlockRead:
         replies: once entered, per block, its ready Get reply message where the
             top tier holds one (:attr:`~kvstore.tiers.base.TierLease.replies`),
             valid as long as the blocks are; ``None`` when none was lent.
-        lent_keys: the keys of a read the top tier lent whole (pinned only if it does not lend by reference).
+        num_lent: the blocks of a read the top tier lent whole (pinned only if it does not lend by reference).
         top_misses: for such a read, until it is closed, whether it asked for
             more blocks than were cached (its counts are made then); else ``None``.
     """
 
     __slots__ = ("_store", "namespace", "block_hashes", "lend", "pinned", "releases", "promotions", "shared_epoch",
-                 "replies", "lent_keys", "top_misses", "_closed")
+                 "replies", "num_lent", "top_misses", "_closed")
 
     def __init__(self, store: TieredStore, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
         self._store = store
@@ -1240,7 +1238,7 @@ class BlockRead:
         self.promotions: list[tuple[int | None, list[BlockKey], list[bytes]]] = []
         self.shared_epoch: int | None = None
         self.replies: list[bytes | None] | None = None
-        self.lent_keys: list[BlockKey] = []
+        self.num_lent = 0
         self.top_misses: bool | None = None
         self._closed = False
 

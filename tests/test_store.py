@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import mmap
 import os
 
@@ -16,7 +17,9 @@ from kvstore.config import DiskTierConfig, MemoryTierConfig, StoreConfig
 from kvstore.embedded import open_store
 from kvstore.errors import ChecksumError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvstore.keys import Namespace, block_key, hash_blocks
+from kvstore.server.wire import reply_head
 from kvstore.store import TieredStore
+from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
 from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, LMDBTier
 from kvstore.tiers.memory import MemoryTier
 
@@ -384,12 +387,10 @@ async def test_a_read_refreshes_recency_with_the_head_most_recent() -> None:
 
 
 async def test_a_read_from_the_heap_tier_lends_its_replies_by_reference_and_counts_when_closed() -> None:
-    from kvstore.server.wire import decode_block_chunk, reply_head
-    from kvstore.tiers.heap import HeapTier
+    from kvstore.server.wire import decode_block_chunk
 
     hashes, blocks = make_blocks(3)
-    heap = HeapTier(2 * (len(blocks[0]) + 64), reply_head=lambda n: reply_head(n, 1 << 20))
-    async with TieredStore([heap]) as store:
+    async with TieredStore([heap_tier(2)]) as store:
         await store.put(NS, hashes[:2], blocks[:2])
         read = store.read(NS, hashes)
         got = read.open_now()  # every cached block is in the top tier: no await
@@ -403,6 +404,45 @@ async def test_a_read_from_the_heap_tier_lends_its_replies_by_reference_and_coun
         read.close()  # once
         stats = store.stats().tier("memory")
         assert (stats.hits, stats.misses) == (2, 1)
+
+
+def heap_tier(num_blocks: int) -> HeapTier:
+    """A heap tier (``kvstore serve``'s memory tier) of ``num_blocks`` test blocks, with reply heads."""
+    _, blocks = make_blocks(1)
+    return HeapTier(num_blocks * (len(blocks[0]) + BLOCK_OVERHEAD_BYTES),
+                    reply_head=functools.partial(reply_head, chunk_bytes=1 << 20))
+
+
+@pytest.mark.parametrize("kind", ["heap", "pages"])
+async def test_a_block_being_read_is_no_early_victim(kind: str) -> None:
+    """The read refreshes its blocks when it opens: pinned (pages) or not (heap), they are not the LRU end."""
+    hashes, blocks = make_blocks(4)
+    async with TieredStore([heap_tier(3) if kind == "heap" else memory_tier(3)]) as store:
+        for i in range(3):  # A, B, C: A the least recent
+            await store.put(NS, hashes[i:i + 1], blocks[i:i + 1])
+        async with store.read(NS, hashes[:1]) as got:  # a Get of A is streaming
+            assert got == blocks[:1]
+            await store.put(NS, hashes[3:], blocks[3:])  # D needs room: B goes, not A
+        assert await store.locate(NS, hashes[:1]) == b"\0"
+        assert await store.locate(NS, hashes[1:2]) == b""
+
+
+async def test_closing_an_old_read_does_not_refresh_a_block_put_again_meanwhile() -> None:
+    hashes, blocks = make_blocks(4)
+    a, b, c, d = ([h] for h in hashes)
+    block_a, block_b, block_c, block_d = ([x] for x in blocks)
+    async with TieredStore([heap_tier(3)]) as store:
+        await store.put(NS, a, block_a)
+        await store.put(NS, b, block_b)
+        read = store.read(NS, a)
+        assert read.open_now() == block_a
+        await store.delete(NS, a)
+        await store.put(NS, a, block_a)  # a new block under A: LRU order B, A
+        await store.put(NS, c, block_c)  # B, A, C
+        await store.put(NS, b, block_b)  # a put again is an access: A, C, B
+        read.close()  # of the old A: it counts a hit, and refreshes nothing
+        await store.put(NS, d, block_d)  # evicts the least recent: the new A
+        assert await store.locate(NS, a) == b""
 
 
 async def test_a_read_of_a_prefix_partly_in_a_lower_tier_cannot_open_now(two_tier) -> None:

@@ -23,9 +23,9 @@ it does, so a lease here is just that reference: the tier lends by reference
 (:attr:`HeapTier.lends_references`), the store does not pin what it reads from
 it, and nothing is given back at the release. Eviction may thus take a block a
 Get is still sending; its memory is then freed when that Get ends, and until
-then it is not counted in :attr:`HeapTier.used_bytes`. That excess is bounded
-by the blocks of the Gets in flight (``limits.max_inflight_per_connection``,
-``limits.max_stream_s``).
+then it is not counted in :attr:`HeapTier.used_bytes`. That excess is the
+blocks of the Gets in flight, which ``limits.max_inflight_per_connection``
+bounds per connection and ``limits.max_stream_s`` in time.
 
 Every method is called from the store's one asyncio loop and none suspends, so
 a put is published whole or not at all. Joining a block behind its head holds
@@ -193,19 +193,20 @@ class HeapTier:
             raise InvalidArgumentError(
                 f"put needs one value and meta per key: {len(keys)} keys, {len(values)} values, {len(metas)} metas"
             )
+        for meta in metas:
+            if not MIN_PRIORITY <= meta.priority <= MAX_PRIORITY:
+                raise InvalidArgumentError(f"priority must be in [0, 100], got {meta.priority}")
         order = list({key: i for i, key in enumerate(keys)}.values())  # the last occurrence of a key wins
-        for i in order:
-            if not MIN_PRIORITY <= metas[i].priority <= MAX_PRIORITY:
-                raise InvalidArgumentError(f"priority must be in [0, 100], got {metas[i].priority}")
-        sizes = [len(values[i]) if type(values[i]) is bytes else memoryview(values[i]).nbytes for i in order]
-        need = sum(self.footprint(n) for n in sizes)
+        blocks = [_as_block(values[i]) for i in order]
+        need = sum(self.footprint(len(b)) for b in blocks)
         freed = sum(self.footprint(len(r.message) - r.start) for r in (self._index.get(keys[i]) for i in order)
                     if r is not None)
         free = self.capacity_bytes - self._stored_bytes  # type: ignore[operator]
         if need > free + freed:
             raise TierFullError(f"heap tier {self.name}: batch needs {need} bytes, {free} free")
-        for i, nbytes in zip(order, sizes):
-            self._publish(keys[i], self._record(values[i], nbytes, metas[i]))
+        records = [self._record(block, metas[i]) for i, block in zip(order, blocks)]  # every copy, then publish
+        for i, record in zip(order, records):
+            self._publish(keys[i], record)
         return [True] * len(keys)
 
     async def delete(self, keys: Sequence[BlockKey]) -> None:
@@ -240,12 +241,12 @@ class HeapTier:
         if self._closed:
             raise UnavailableError(f"heap tier {self.name} is closed")
 
-    def _record(self, value: Buffer, nbytes: int, meta: BlockMeta) -> _Record:
-        """The stored form of one value: behind its reply head (one copy), or bare (no copy of a ``bytes``)."""
-        head = self._reply_head(nbytes) if self._reply_head is not None else None
+    def _record(self, block: bytes | memoryview, meta: BlockMeta) -> _Record:
+        """The stored form of one block: behind its reply head (one copy), or bare (no copy of a ``bytes``)."""
+        head = self._reply_head(len(block)) if self._reply_head is not None else None
         if head:
-            return _Record(b"".join((head, value)), len(head), meta)
-        return _Record(value if type(value) is bytes else memoryview(value).tobytes(), 0, meta)
+            return _Record(b"".join((head, block)), len(head), meta)
+        return _Record(block if type(block) is bytes else block.tobytes(), 0, meta)
 
     def _publish(self, key: BlockKey, record: _Record) -> None:
         old = self._index.get(key)
@@ -253,6 +254,21 @@ class HeapTier:
         self._stored_bytes += self.footprint(len(record.message) - record.start)
         if old is not None:
             self._stored_bytes -= self.footprint(len(old.message) - old.start)
+
+
+def _as_block(value: Buffer) -> bytes | memoryview:
+    """``value`` as ``bytes``, or as a C-contiguous byte view of it (a copy only if it is not contiguous).
+
+    Raises:
+        InvalidArgumentError: if ``value`` is not bytes-like.
+    """
+    if type(value) is bytes:
+        return value
+    try:
+        view = memoryview(value)
+    except TypeError:
+        raise InvalidArgumentError(f"a value must be bytes-like, got {type(value).__name__}") from None
+    return view.cast("B") if view.c_contiguous else view.tobytes()
 
 
 def _keep() -> None:

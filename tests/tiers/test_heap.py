@@ -115,6 +115,27 @@ async def test_a_lease_is_a_reference_that_outlives_a_delete_and_a_replace():
     await tier.close()
 
 
+async def test_a_batch_with_a_value_that_is_not_bytes_like_stores_nothing_of_it():
+    tier = HeapTier(MiB, reply_head=HEADS)
+    with pytest.raises(InvalidArgumentError, match="bytes-like"):
+        await tier.put([make_key(0), make_key(1)], [make_block(0), 12345], [meta()] * 2)  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError, match="priority"):  # every occurrence of a key is checked
+        await tier.put([make_key(0), make_key(0)], [make_block(0)] * 2, [meta(priority=500), meta()])
+    assert await tier.resident() == [] and tier.used_bytes == 0
+    await tier.close()
+
+
+async def test_a_non_contiguous_or_typed_value_is_stored_as_its_bytes():
+    tier = HeapTier(MiB, reply_head=HEADS)
+    block = make_block(0)
+    strided = memoryview(bytearray(block) * 2)[::2]  # every other byte: not contiguous
+    typed = memoryview(bytearray(block)).cast("H")  # two bytes per item
+    await tier.put([make_key(0), make_key(1)], [strided, typed], [meta()] * 2)
+    assert await tier.get([make_key(0), make_key(1)]) == [bytes(strided), block]
+    assert tier.used_bytes == 2 * (len(block) + BLOCK_OVERHEAD_BYTES)
+    await tier.close()
+
+
 async def test_leases_outlive_a_close_and_releasing_after_it_is_harmless():
     tier = HeapTier(MiB, reply_head=HEADS)
     block = make_block(0)
