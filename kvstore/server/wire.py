@@ -412,7 +412,11 @@ def _ready_reply(message: bytes) -> tuple[int, int] | None:
             _READY_HEADS.clear()
         known = _READY_HEADS[size] = (nbytes, reply_head(nbytes, nbytes))  # type: ignore[assignment]
     nbytes, head = known
-    return (nbytes, len(head)) if message.startswith(head) else None
+    if type(message) is bytes:
+        found = message.startswith(head)
+    else:  # another bytes-like object, e.g. a memoryview
+        found = memoryview(message)[:len(head)] == head
+    return (nbytes, len(head)) if found else None
 
 
 def decode_block_chunk(message: bytes) -> tuple[ChunkHead, memoryview]:

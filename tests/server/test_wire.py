@@ -241,6 +241,14 @@ def test_a_reply_head_and_its_block_are_the_one_chunk_reply(nbytes: int) -> None
     assert decode_block_chunk(head + block) == ((0, nbytes, True), block)
 
 
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_a_block_chunk_of_any_bytes_like_type_decodes(kind: type) -> None:
+    block = bytes(range(200))
+    for message in (reply_head(200, 4096) + block, encode_block_chunk(10, 210, block, True)):  # type: ignore[operator]
+        head, data = decode_block_chunk(kind(message))
+        assert data == block and head.total_bytes in (200, 210)
+
+
 def test_a_block_over_the_chunk_size_has_no_reply_head() -> None:
     assert reply_head(4097, chunk_bytes=4096) is None
 
