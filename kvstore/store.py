@@ -283,7 +283,7 @@ class TieredStore:
         if not read.lend or lender is None:
             return None
         keys = block_keys(read.namespace, read.block_hashes)
-        if False in self._policies[0].contains_many(keys):  # a prefix that ends in the top tier, if any
+        if False in self._policies[0].contains_many(keys):  # lent only if the rest is in no tier at all
             levels = self._locate_prefix(keys)
             if (self._shared is not None and len(levels) < len(keys)) or levels.strip(b"\0"):
                 return None

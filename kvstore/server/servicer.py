@@ -159,9 +159,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         deadline passes, cancellation leaves ``store.read`` and releases the leases.
         A block the heap tier holds as its ready reply is sent as stored; any
         other is copied once, from its leased view into its messages. The read
-        is closed (leases released, hits and recency counted) on the loop's next
-        turn, after the reply's status has gone out, which is what the client
-        waits for.
+        is closed (leases released, hits counted) on the loop's next turn, after
+        the reply's status has gone out, which is what the client waits for.
         """
         async with self._call("Get", context) as call:
             namespace_wire, hashes = (decode_hash_request(pb.GetRequest, raw) if type(raw) is bytes
