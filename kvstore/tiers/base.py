@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvstore.api import Buffer
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgumentError, KVStoreError
 from kvstore.keys import BlockKey
-from kvstore.policy import DEFAULT_PRIORITY
+from kvstore.policy import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +126,24 @@ class Tier(Protocol):
     async def close(self) -> None:
         """Flush and release everything; the tier is unusable afterwards."""
         ...
+
+
+def put_order(keys: Sequence[BlockKey], values: Sequence[object], metas: Sequence[BlockMeta]) -> list[int]:
+    """Check a batch for :meth:`Tier.put` and return the position of each key's last occurrence, in order.
+
+    The last occurrence of a key wins, as every tier's ``put`` promises.
+
+    Raises:
+        InvalidArgumentError: if the three sequences differ in length or a priority is outside ``[0, 100]``.
+    """
+    if not len(keys) == len(values) == len(metas):
+        raise InvalidArgumentError(
+            f"put needs one value and meta per key: {len(keys)} keys, {len(values)} values, {len(metas)} metas"
+        )
+    for meta in metas:
+        if not MIN_PRIORITY <= meta.priority <= MAX_PRIORITY:
+            raise InvalidArgumentError(f"priority must be in [0, 100], got {meta.priority}")
+    return list({key: i for i, key in enumerate(keys)}.values())
 
 
 DropListener = Callable[[list[BlockKey]], None]

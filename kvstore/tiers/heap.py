@@ -43,8 +43,7 @@ from typing import Callable, NamedTuple, Sequence
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
-from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease
+from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease, put_order
 
 logger = logging.getLogger(__name__)
 
@@ -189,14 +188,7 @@ class HeapTier:
             UnavailableError: if the tier is closed.
         """
         self._check_open()
-        if not len(keys) == len(values) == len(metas):
-            raise InvalidArgumentError(
-                f"put needs one value and meta per key: {len(keys)} keys, {len(values)} values, {len(metas)} metas"
-            )
-        for meta in metas:
-            if not MIN_PRIORITY <= meta.priority <= MAX_PRIORITY:
-                raise InvalidArgumentError(f"priority must be in [0, 100], got {meta.priority}")
-        order = list({key: i for i, key in enumerate(keys)}.values())  # the last occurrence of a key wins
+        order = put_order(keys, values, metas)
         blocks = [_as_block(values[i]) for i in order]
         need = sum(self.footprint(len(b)) for b in blocks)
         freed = sum(self.footprint(len(r.message) - r.start) for r in (self._index.get(keys[i]) for i in order)

@@ -39,8 +39,8 @@ from kvstore.codec import verify_block
 from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, DropListener, ResidentEntry, TierFullError
+from kvstore.policy import MAX_PRIORITY
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, DropListener, ResidentEntry, TierFullError, put_order
 
 logger = logging.getLogger(__name__)
 
@@ -309,17 +309,10 @@ class LMDBTier:
             UnavailableError: if the tier is closed or LMDB fails otherwise.
         """
         self._check_open()
-        if not len(keys) == len(values) == len(metas):
-            raise InvalidArgumentError(
-                f"put needs one value and meta per key: {len(keys)} keys, {len(values)} values, {len(metas)} metas"
-            )
+        order = put_order(keys, values, metas)
         if not keys:
             return []
-        for m in metas:
-            if not MIN_PRIORITY <= m.priority <= MAX_PRIORITY:
-                raise InvalidArgumentError(f"priority must be in [0, 100], got {m.priority}")
-        last = {key: i for i, key in enumerate(keys)}  # the last occurrence of a key wins
-        batch = [(keys[i], values[i], metas[i]) for i in last.values()]
+        batch = [(keys[i], values[i], metas[i]) for i in order]
         await self._write(self._put_txn, batch)
         return [True] * len(keys)
 

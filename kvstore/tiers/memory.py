@@ -41,8 +41,7 @@ import torch
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
-from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease
+from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease, put_order
 
 logger = logging.getLogger(__name__)
 
@@ -409,16 +408,8 @@ class MemoryTier:
             UnavailableError: if the tier is closed.
         """
         self._check_open()
-        if not len(keys) == len(values) == len(metas):
-            raise InvalidArgumentError(
-                f"put needs one value and meta per key: {len(keys)} keys, {len(values)} values, {len(metas)} metas"
-            )
-        last = {key: i for i, key in enumerate(keys)}  # the last occurrence of a key wins
-        order = list(last.values())
+        order = put_order(keys, values, metas)
         views = [memoryview(values[i]).cast("B") for i in order]
-        for i in order:
-            if not MIN_PRIORITY <= metas[i].priority <= MAX_PRIORITY:
-                raise InvalidArgumentError(f"priority must be in [0, 100], got {metas[i].priority}")
         pages_needed = [-(-v.nbytes // self.page_bytes) for v in views]
         self._make_room(sum(pages_needed), [keys[i] for i in order])
         reserved = [self._allocator.allocate(n) for n in pages_needed]
