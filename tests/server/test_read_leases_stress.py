@@ -204,6 +204,7 @@ def test_a_stalled_get_of_ready_replies_survives_delete_eviction_and_new_bytes(t
             assert "disk" in kv.lookup(ns, streamed).tiers
             assert reassemble([first, *stream]) == blocks  # the bytes as they were when the Get began
             assert kv.get(ns, streamed) == [mla_block(small, 0xA0), mla_block(small, 0xA1), *blocks[2:]]
+        server.call(server.server.store.drain())  # that Get's promotions from disk hold pins while they copy
         assert all(not pins for pins in policy_pins(server))
     finally:
         server.stop()
