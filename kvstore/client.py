@@ -106,7 +106,6 @@ from kvstore.server.wire import (
     sync_client_channel_options,
     cached_namespace_pb,
     chunk_bytes_for,
-    decode_block_chunk,
     encode_get_request,
     identity,
     lookup_from_pb,
@@ -574,10 +573,11 @@ def _get_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
         assembler = _assembler(len(block_hashes))
         stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
         try:
-            for raw in stream:
-                assembler.add_reply_chunk(*decode_block_chunk(raw))
-        finally:
-            stream.cancel()  # no-op once the stream ended; frees it on an error
+            for message in stream:
+                assembler.add_reply(message)
+        except BaseException:
+            stream.cancel()  # frees the call on an error (a stream that ended needs nothing)
+            raise
         return assembler.finish()
 
     return job
@@ -1098,10 +1098,11 @@ def _aget_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
         assembler = _assembler(len(block_hashes))
         stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
         try:
-            async for raw in stream:
-                assembler.add_reply_chunk(*decode_block_chunk(raw))
-        finally:
+            async for message in stream:
+                assembler.add_reply(message)
+        except BaseException:
             stream.cancel()
+            raise
         return assembler.finish()
 
     return job

@@ -67,6 +67,9 @@ still show time remaining when the cancellation lands.
 CANCELLATION_GRACE_S = 0.1
 """How long a Put whose stream ended mid-block waits for a cancellation before it is refused as truncated, seconds."""
 
+EMPTY_REPLY = b""
+"""The reply of a Get that finds no block: an empty ``BlockChunk``, which carries none (clients skip it)."""
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 """``kvstore.v1.KVStore``: the service name for health checks and reflection."""
 
@@ -120,10 +123,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         (block bytes are not copied through protobuf); the wire format is the
         ``.proto``'s all the same. Every request arrives as bytes and is parsed
         in the method (see the module docstring).
+
+        Get, server-streaming in the ``.proto``, is served by a unary handler
+        that writes all but its last message with ``context.write`` and returns
+        the last: grpc.aio sends a unary handler's reply and the status in one
+        batch, where a streaming handler's status is a batch of its own, one
+        more trip through gRPC's completion queue and the event loop before the
+        client has its reply. On the wire the two are the same: a stream of
+        messages, then the status.
         """
         handlers = {
             "Lookup": grpc.unary_unary_rpc_method_handler(self.Lookup, identity, pb.LookupResponse.SerializeToString),
-            "Get": grpc.unary_stream_rpc_method_handler(self.Get, identity, identity),
+            # a unary handler, so that the reply's last message leaves with its status (Get's docstring)
+            "Get": grpc.unary_unary_rpc_method_handler(self.Get, identity, identity),
             "Put": grpc.stream_unary_rpc_method_handler(self.Put, identity, pb.PutResponse.SerializeToString),
             "Delete": grpc.unary_unary_rpc_method_handler(self.Delete, identity, pb.DeleteResponse.SerializeToString),
             "Clear": grpc.unary_unary_rpc_method_handler(self.Clear, identity, pb.ClearResponse.SerializeToString),
@@ -151,7 +163,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             return lookup_to_pb(await self._store.locate(namespace, hashes), self._store.tier_names)
         raise AssertionError("unreachable")  # _call re-raises as an abort
 
-    async def Get(self, raw: bytes | pb.GetRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Get(self, raw: bytes | pb.GetRequest, context: grpc.aio.ServicerContext) -> bytes:
         """Stream the blocks of the longest cached prefix as chunks; a miss ends the stream.
 
         The prefix stays leased (pinned, and read in place from the memory
@@ -161,6 +173,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         other is copied once, from its leased view into its messages. The read
         is closed (leases released, hits counted) on the loop's next turn, after
         the reply's status has gone out, which is what the client waits for.
+
+        Every message but the last is written here; the last is returned, and
+        gRPC sends it with the status in one batch, as gRPC C++'s
+        ``ServerWriter::WriteLast`` does (see :meth:`add_to_server`). A Get that
+        finds nothing returns an empty ``BlockChunk``, which carries no block.
         """
         async with self._call("Get", context) as call:
             namespace_wire, hashes = (decode_hash_request(pb.GetRequest, raw) if type(raw) is bytes
@@ -174,10 +191,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 replies = read.replies
                 if replies is None or None in replies:
                     replies = iter_block_chunks(blocks, self._chunk_bytes, replies)  # type: ignore[assignment]
+                last = None
                 for message in replies:  # type: ignore[union-attr]
-                    await context.write(message)
+                    if last is not None:
+                        await context.write(last)
+                    last = message
+                return EMPTY_REPLY if last is None else last
             finally:
                 asyncio.get_running_loop().call_soon(read.close)
+        raise AssertionError("unreachable")
 
     async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """Receive a whole Put stream, validate it, then store every block in one ``store.put``.

@@ -700,6 +700,9 @@ class BlockAssembler:
         copy: make every block ``bytes``; ``False`` keeps one-chunk blocks as views.
     """
 
+    __slots__ = ("max_block_bytes", "max_blocks", "max_total_bytes", "copy", "_declared", "blocks", "_parts",
+                 "_received", "_total")
+
     def __init__(self, max_block_bytes: int, max_blocks: int, max_total_bytes: int | None = None,
                  *, copy: bool = True) -> None:
         self.max_block_bytes = max_block_bytes
@@ -727,6 +730,13 @@ class BlockAssembler:
                 blocks add up to more than ``max_total_bytes``.
         """
         self._close_open_block()
+        self._admit(block_index, total_bytes)
+        self._total = total_bytes
+        self._received = 0
+        self._parts = []
+
+    def _admit(self, block_index: int, total_bytes: int) -> None:
+        """Check that block ``block_index`` of ``total_bytes`` bytes may come next, and count its bytes (see :meth:`begin`)."""
         if block_index != len(self.blocks):
             raise InvalidArgumentError(f"block {block_index} arrived where block {len(self.blocks)} was expected")
         if block_index >= self.max_blocks:
@@ -743,9 +753,6 @@ class BlockAssembler:
                 "split it into several Puts"
             )
         self._declared += total_bytes
-        self._total = total_bytes
-        self._received = 0
-        self._parts = []
 
     def add(self, block_index: int, offset: int, data: bytes | memoryview) -> None:
         """Append one chunk of the open block.
@@ -781,6 +788,31 @@ class BlockAssembler:
         if head.offset == 0:
             self.begin(len(self.blocks) + (self._total >= 0), head.total_bytes)
         self.add(len(self.blocks), head.offset, data)
+
+    def add_reply(self, message: bytes | memoryview) -> None:
+        """Append one serialized ``BlockChunk`` of a Get reply: :meth:`add_reply_chunk` of the decoded message.
+
+        The usual reply, a whole block in one message laid out as
+        :func:`reply_head` writes it, is taken in one step: its block is a view
+        of ``message`` (a copy with ``copy=True``), with no chunk to track. An
+        empty message carries nothing (the reply of a Get that found no block)
+        and is skipped.
+
+        Raises:
+            InvalidArgumentError: on malformed protobuf; as :meth:`begin` and :meth:`add`.
+            ResourceExhaustedError: as :meth:`begin`.
+        """
+        if self._total < 0:  # no block open: the message may hold the next one whole
+            if not message:
+                return
+            ready = _ready_reply(message)
+            if ready is not None:
+                total, start = ready
+                self._admit(len(self.blocks), total)
+                block = memoryview(message)[start:]
+                self.blocks.append(block.tobytes() if self.copy else block)
+                return
+        self.add_reply_chunk(*decode_block_chunk(message))
 
     @property
     def block_complete(self) -> bool:

@@ -49,6 +49,19 @@ def test_put_lookup_get_delete_clear_stats_end_to_end(client: KVStoreClient) -> 
     assert client.lookup(ns, hashes).num_blocks == 0
 
 
+def test_a_get_sends_its_last_message_with_the_status_and_a_miss_as_one_empty_message(
+        stub: pb_grpc.KVStoreStub, client: KVStoreClient) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 3)
+    client.put(ns, hashes[:2], tensors[:2])
+    request = pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=hashes)
+    chunks = list(stub.Get(request))
+    assert [c.data for c in chunks] == encoded(ns, tensors[:2])  # both blocks, though the last went with the status
+    missed = list(stub.Get(pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=hashes[2:])))
+    assert missed == [pb.BlockChunk()] and missed[0].ByteSize() == 0  # nothing cached: one empty chunk, no block
+    assert client.get(ns, hashes[2:]) == []
+
+
 def test_namespaces_are_isolated(client: KVStoreClient) -> None:
     ns = namespace()
     other = namespace(model=ns.model, cache_salt="tenant-b")

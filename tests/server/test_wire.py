@@ -270,6 +270,37 @@ def test_reply_chunks_begin_a_new_block_at_offset_zero() -> None:
     assert assembler.finish() == blocks
 
 
+def test_add_reply_takes_a_whole_block_as_a_view_of_its_message_and_skips_an_empty_one() -> None:
+    block = b"q" * 300
+    ready = reply_head(300, 1000) + block  # type: ignore[operator]
+    assembler = BlockAssembler(1000, 3, copy=False)
+    assembler.add_reply(b"")  # the reply of a Get that found nothing
+    assembler.add_reply(ready)
+    for message in iter_block_chunks([b"r" * 25], 10):  # a chunked block between two whole ones
+        assembler.add_reply(message)
+    assembler.add_reply(ready)
+    blocks = assembler.finish()
+    assert blocks == [block, b"r" * 25, block]
+    assert isinstance(blocks[0], memoryview) and blocks[0].obj is ready  # no copy
+    copying = BlockAssembler(1000, 1)
+    copying.add_reply(ready)
+    assert type(copying.finish()[0]) is bytes
+
+
+def test_add_reply_checks_a_whole_block_as_add_reply_chunk_does() -> None:
+    ready = reply_head(300, 1000) + b"q" * 300  # type: ignore[operator]
+    with pytest.raises(ResourceExhaustedError, match="max_block_bytes"):
+        BlockAssembler(299, 2).add_reply(ready)
+    one = BlockAssembler(1000, 1)
+    one.add_reply(ready)
+    with pytest.raises(InvalidArgumentError, match="max_hashes_per_request"):
+        one.add_reply(ready)
+    open_block = BlockAssembler(1000, 2)
+    open_block.add_reply(encode_block_chunk(0, 20, b"y" * 10, False))
+    with pytest.raises(InvalidArgumentError, match="truncated"):  # a whole block while another is half done
+        open_block.add_reply(ready)
+
+
 @pytest.mark.parametrize("messages, error", [
     ([encode_block_chunk(10, 20, b"y" * 10, True)], "before that block's first chunk"),
     ([encode_block_chunk(0, 20, b"y" * 10, False), encode_block_chunk(0, 5, b"z" * 5, True)], "truncated"),
