@@ -400,9 +400,11 @@ class _Call:
         cancelled = isinstance(exc, asyncio.CancelledError)
         ended = cancelled or isinstance(exc, grpc.aio.InternalError) or (
             not isinstance(exc, grpc.aio.AbortError) and _call_ended(self._context))
-        if exc is None and not ended:  # the reply is whole: its status goes out as this returns, and the
-            # slot and the count wait for the loop's next turn, off the client's way
-            asyncio.get_running_loop().call_soon(self._finish, time.perf_counter())
+        if exc is None and not ended:
+            # the reply's last message and the status go out in one batch once this returns (a unary handler's,
+            # see KVStoreServicer.add_to_server): the slot is given back and the call counted when gRPC is done
+            # with them, off the client's way, and so a client that stops reading keeps its connection's slots
+            self._context.add_done_callback(self._finish)
             return False
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
@@ -427,13 +429,18 @@ class _Call:
         await servicer._fail(self._method, self._context, exc, self._start_s)
         return False
 
-    def _finish(self, end_s: float) -> None:
-        """The end of a call that succeeded: its in-flight slot back, and its count (``end_s``: when it ended)."""
+    def _finish(self, context: grpc.aio.ServicerContext) -> None:
+        """The end of a call that succeeded, once gRPC has sent its reply and status: its in-flight slot back, its count.
+
+        Run by grpc.aio (``context.add_done_callback``) when the call's task
+        ends, however it ends: a reply stalled by a client that stopped reading
+        holds its slot until the call's deadline or connection ends it.
+        """
         servicer = self._servicer
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
         if servicer._metrics is not None:
-            servicer._metrics.observe(self._method, "OK", end_s - self._start_s)
+            servicer._metrics.observe(self._method, "OK", time.perf_counter() - self._start_s)
 
 
 async def _await_cancellation(context: grpc.aio.ServicerContext) -> None:

@@ -185,6 +185,43 @@ def test_a_stream_over_max_stream_s_ends_with_deadline_exceeded_and_frees_its_bl
         server.stop()
 
 
+def test_a_get_whose_last_message_stalls_keeps_its_in_flight_slot_until_it_is_read() -> None:
+    """The last message leaves with the status, after the handler returned: a reader that stops still holds a slot."""
+    from kvstore.codec import encode_block
+
+    server = ThreadedServer(make_config(**{"limits.max_inflight_per_connection": 2}))
+    try:
+        ns = namespace(layout="mla", dtype="uint8", block_size=1)
+        block = encode_block(torch.full((1, 1, 1, 3 * MiB), 7, dtype=torch.uint8), "mla")  # one message
+        with KVStoreClient(server.target, retries=0, timeout_s=60) as kv:
+            assert kv.put(ns, [b"\x01" * 16], [block]) == 1
+        # no BDP probe: the windows stay at 64 KiB, so a reply of 3 MiB waits for its reader
+        channel = grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 4 * MiB),
+                                                            ("grpc.http2.bdp_probe", 0)])
+        stub = pb_grpc.KVStoreStub(channel)
+        request = pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=[b"\x01" * 16])
+        stalled = [stub.Get(request, timeout=30) for _ in range(2)]  # sent, never read yet
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in range(50):  # until both stalled calls have reached the node and hold its slots
+                list(stub.Get(request, timeout=30))
+                threading.Event().wait(0.05)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for stream in stalled:  # read them: their calls end, and the slots come back
+            assert [c.data for c in stream] == [block]
+        for _ in range(50):
+            try:
+                assert [c.data for c in stub.Get(request, timeout=30)] == [block]
+                break
+            except grpc.RpcError as exc:  # the slots come back once the node has seen the calls end
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                threading.Event().wait(0.05)
+        else:
+            raise AssertionError("the slots never came back")
+        channel.close()
+    finally:
+        server.stop()
+
+
 def test_health_reports_serving_for_server_and_service(server: ThreadedServer) -> None:
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
