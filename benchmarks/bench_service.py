@@ -8,7 +8,11 @@ process with a synchronous client, one call at a time:
   protobuf), the same ``max_message_bytes`` and the same chunking: Get streams
   a stored ``bytes`` object in chunks, Put streams chunks in and joins them,
   Empty answers an empty message; it tunes malloc as ``kvstore serve`` does
-  (``kvstore.server.app.tune_malloc``), so both servers allocate alike;
+  (``kvstore.server.app.tune_malloc``), so both servers allocate alike. The
+  goal is against its plain Get, a streaming handler whose status is a batch
+  of its own; ``GetLast`` sends the last chunk with the status, as the node's
+  Get does (``KVStoreServicer.add_to_server``), and is reported beside it
+  (``get_vs_echo_last``), so the two ways of sending can be told apart;
 * Redis: a local ``redis-server`` through redis-py with hiredis (GET and SET).
 
 This process, the client of all three, tunes malloc the same way: without it,
@@ -17,8 +21,8 @@ allocation history of the process, and the echo's own Get swung between 0.3
 and 0.55 GB/s from run to run.
 
 Throughput is GB/s (1e9 bytes per second) of encoded block bytes, one block
-per call: the ops of one block size (service Get, echo Get, Redis GET,
-service Put, echo Put, Redis SET) take turns in bursts of ``--burst``
+per call: the ops of one block size (service Get, echo Get and GetLast,
+Redis GET, service Put, echo Put, Redis SET) take turns in bursts of ``--burst``
 consecutive calls (1 by default: strict turns), so each sees the same
 background load, each round in a fresh random order (see
 :func:`interleaved_ms`), and the figure comes from the median burst of ``max(--min-rounds, --run-bytes /
@@ -88,6 +92,17 @@ def run_echo_server(max_message_bytes: int) -> None:
         for offset in range(0, total, chunk_bytes):
             await context.write(block[offset: offset + chunk_bytes])
 
+    async def get_last(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Get, with its last chunk sent with the status in one batch (a unary handler), as the node's Get does."""
+        block = payload(int.from_bytes(request, "little"))
+        total = len(block)
+        if total <= chunk_bytes:
+            return block
+        offsets = range(0, total, chunk_bytes)
+        for offset in offsets[:-1]:
+            await context.write(block[offset: offset + chunk_bytes])
+        return block[offsets[-1]:]
+
     async def put(request_iterator, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[no-untyped-def]
         parts = [chunk async for chunk in request_iterator]
         block = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -100,6 +115,7 @@ def run_echo_server(max_message_bytes: int) -> None:
         server = grpc.aio.server(options=channel_options(max_message_bytes))
         handlers = {
             "Get": grpc.unary_stream_rpc_method_handler(get),
+            "GetLast": grpc.unary_unary_rpc_method_handler(get_last),
             "Put": grpc.stream_unary_rpc_method_handler(put),
             "Empty": grpc.unary_unary_rpc_method_handler(empty),
         }
@@ -123,12 +139,17 @@ class EchoClient:
         # the same channel options as KVStoreClient's, so that the two clients differ only in kvstore's own work
         self._channel = grpc.insecure_channel(target, options=sync_client_channel_options(max_message_bytes))
         self._get = self._channel.unary_stream(f"/{ECHO_SERVICE}/Get")
+        self._get_last = self._channel.unary_stream(f"/{ECHO_SERVICE}/GetLast")  # a stream to the client, too
         self._put = self._channel.stream_unary(f"/{ECHO_SERVICE}/Put")
         self._empty = self._channel.unary_unary(f"/{ECHO_SERVICE}/Empty")
         self._chunk_bytes = chunk_bytes_for(max_message_bytes)
 
     def get(self, size: int) -> bytes:
         parts = list(self._get(size.to_bytes(8, "little"), timeout=60))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def get_last(self, size: int) -> bytes:
+        parts = list(self._get_last(size.to_bytes(8, "little"), timeout=60))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def put(self, block: bytes) -> int:
@@ -279,6 +300,7 @@ def main() -> int:
 
         server_pids = {f"{server}_{op}": pid for op in ("get", "put")
                        for server, pid in (("service", node.pid), ("echo", echo_proc.pid), ("redis", redis_server.pid))}
+        server_pids["echo_get_last"] = echo_proc.pid
         counter = iter(range(1 << 40))
         for size in sizes:
             block = block_of(size)
@@ -289,6 +311,7 @@ def main() -> int:
             ops: dict[str, Callable[[], object]] = {
                 "service_get": lambda: kv.get(ns, [key(size, -2)]),
                 "echo_get": lambda: echo.get(size),
+                "echo_get_last": lambda: echo.get_last(size),
                 "redis_get": lambda: rds.get(b"get-%d" % size),
                 "service_put": lambda: kv.put(ns, [key(size, next(counter))], [block]),  # a new key each time
                 "echo_put": lambda: echo.put(block),
@@ -301,6 +324,7 @@ def main() -> int:
             for name, value in ms.items():
                 cell[f"{name}_gbps"] = size / (value / 1e3) / 1e9
                 cell[f"{name}_server_cpu_ms"], cell[f"{name}_client_cpu_ms"] = cpu[name]
+            cell["get_vs_echo_last"] = ms["echo_get_last"] / ms["service_get"]
             for op in ("get", "put"):
                 cell[f"{op}_vs_echo"] = ms[f"echo_{op}"] / ms[f"service_{op}"]
                 cell[f"{op}_vs_redis"] = ms[f"redis_{op}"] / ms[f"service_{op}"]
@@ -359,13 +383,13 @@ def main() -> int:
         f"Command: `{command}`", "",
         f"Python {meta['python']}, {meta['cpus']} CPUs, 1-minute load average {meta['load_avg_1m']:.1f} at the end; "
         f"client, server, echo and redis-server share the machine (and other work: see the load). "
-        f"GB/s = 1e9 bytes/s of one block per call; the six ops take turns in bursts of "
+        f"GB/s = 1e9 bytes/s of one block per call; the seven ops take turns in bursts of "
         f"{args.burst} call(s), max({args.min_rounds}, {args.run_bytes // MiB} MiB / block) calls each, and each "
         f"figure is from the median burst, so all see the same load. "
         f"Ratios are service / baseline (above 1: the service is faster).", "",
-        "| block | service Get | echo Get | redis GET | Get vs echo | Get vs redis "
+        "| block | service Get | echo Get | redis GET | Get vs echo | Get vs redis | Get vs echo, last with status "
         "| service Put | echo Put | redis SET | Put vs echo | Put vs redis |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         size = int(r["size_bytes"])  # type: ignore[arg-type]
@@ -373,7 +397,7 @@ def main() -> int:
         lines.append(
             f"| {label} | {r['service_get_gbps']:.2f} | {r['echo_get_gbps']:.2f} "
             f"| {r['redis_get_gbps']:.2f} | **{r['get_vs_echo']:.2f}x** "
-            f"| {r['get_vs_redis']:.2f}x | {r['service_put_gbps']:.2f} "
+            f"| {r['get_vs_redis']:.2f}x | {r['get_vs_echo_last']:.2f}x | {r['service_put_gbps']:.2f} "
             f"| {r['echo_put_gbps']:.2f} | {r['redis_put_gbps']:.2f} | {r['put_vs_echo']:.2f}x "
             f"| {r['put_vs_redis']:.2f}x |"
         )

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from typing import AsyncIterator, Sequence, TypeVar
 
 import grpc
@@ -72,6 +73,45 @@ EMPTY_REPLY = b""
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 """``kvstore.v1.KVStore``: the service name for health checks and reflection."""
+
+
+class _ReplyLostFilter(logging.Filter):
+    """Reads grpc.aio's ERROR about a reply the client went away from as what it is: a call the client ended.
+
+    A unary handler's reply (a Get's last message, see
+    :meth:`KVStoreServicer.add_to_server`) leaves with the status in grpc.aio's
+    own batch, after the handler returned. When the client cancels, or its
+    deadline passes, while that batch waits (a reader that stopped reading),
+    grpc.aio logs ``ExecuteBatchError raised in core by servicer method [...]``
+    at ERROR with a traceback, unless it already knows the client is gone. On
+    this service's methods the record becomes one DEBUG line, and the call's
+    task is noted in :attr:`tasks`, so that the call is counted as CANCELLED
+    or DEADLINE_EXCEEDED rather than OK (``_Call._finish``).
+    """
+
+    PREFIX = f"ExecuteBatchError raised in core by servicer method [/{SERVICE_NAME}/"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: weakref.WeakSet[asyncio.Task[object]] = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (record.levelno >= logging.ERROR and isinstance(record.msg, str) and record.msg.startswith(self.PREFIX)):
+            return True
+        try:
+            task = asyncio.current_task()  # the call's: grpc.aio logs this inside it
+        except RuntimeError:  # no running loop
+            task = None
+        if task is not None:
+            self.tasks.add(task)
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        record.msg = f"{record.msg}: the client went away before its reply was sent"
+        record.exc_info = record.exc_text = None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_REPLY_LOST = _ReplyLostFilter()
+_GRPC_AIO_LOGGER = "grpc._cython.cygrpc"  # the logger of grpc.aio's server (its Cython module)
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
@@ -130,7 +170,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         batch, where a streaming handler's status is a batch of its own, one
         more trip through gRPC's completion queue and the event loop before the
         client has its reply. On the wire the two are the same: a stream of
-        messages, then the status.
+        messages, then the status. That batch runs after the handler, so a
+        client that goes away while it waits is seen through grpc.aio's log
+        (:class:`_ReplyLostFilter`, installed here).
         """
         handlers = {
             "Lookup": grpc.unary_unary_rpc_method_handler(self.Lookup, identity, pb.LookupResponse.SerializeToString),
@@ -143,6 +185,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        grpc_logger = logging.getLogger(_GRPC_AIO_LOGGER)
+        if _REPLY_LOST not in grpc_logger.filters:
+            grpc_logger.addFilter(_REPLY_LOST)
 
     def begin_shutdown(self) -> None:
         """Refuse every new call with UNAVAILABLE; calls already running go on."""
@@ -359,7 +404,7 @@ class _Call:
         principal: the caller (``None`` without authentication), once admitted.
     """
 
-    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "_watch", "principal")
+    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "_watch", "_task", "principal")
 
     def __init__(self, servicer: KVStoreServicer, method: str, context: grpc.aio.ServicerContext) -> None:
         self._servicer = servicer
@@ -367,6 +412,7 @@ class _Call:
         self._context = context
         self._ticket: Ticket | None = None
         self._watch: StreamWatch | None = None
+        self._task: asyncio.Task[object] | None = None
         self.principal: Principal | None = None
 
     def watch(self, watchdog: StreamWatchdog) -> None:
@@ -404,6 +450,7 @@ class _Call:
             # the reply's last message and the status go out in one batch once this returns (a unary handler's,
             # see KVStoreServicer.add_to_server): the slot is given back and the call counted when gRPC is done
             # with them, off the client's way, and so a client that stops reading keeps its connection's slots
+            self._task = asyncio.current_task()
             self._context.add_done_callback(self._finish)
             return False
         if self._ticket is not None:
@@ -434,13 +481,21 @@ class _Call:
 
         Run by grpc.aio (``context.add_done_callback``) when the call's task
         ends, however it ends: a reply stalled by a client that stopped reading
-        holds its slot until the call's deadline or connection ends it.
+        holds its slot until the call's deadline or connection ends it. A reply
+        lost that way counts as CANCELLED or DEADLINE_EXCEEDED when grpc.aio
+        logged it (:class:`_ReplyLostFilter`) or the deadline has passed. When
+        grpc.aio learns of a cancellation before the batch fails, it logs
+        nothing, and such a call counts as OK.
         """
         servicer = self._servicer
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
+        code = "OK"
+        if self._task in _REPLY_LOST.tasks or _call_ended(context):  # the reply was lost: the client ended the call
+            remaining = context.time_remaining()
+            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
         if servicer._metrics is not None:
-            servicer._metrics.observe(self._method, "OK", time.perf_counter() - self._start_s)
+            servicer._metrics.observe(self._method, code, time.perf_counter() - self._start_s)
 
 
 async def _await_cancellation(context: grpc.aio.ServicerContext) -> None:

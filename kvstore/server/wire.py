@@ -802,9 +802,9 @@ class BlockAssembler:
             InvalidArgumentError: on malformed protobuf; as :meth:`begin` and :meth:`add`.
             ResourceExhaustedError: as :meth:`begin`.
         """
+        if not message:
+            return
         if self._total < 0:  # no block open: the message may hold the next one whole
-            if not message:
-                return
             ready = _ready_reply(message)
             if ready is not None:
                 total, start = ready

@@ -79,6 +79,8 @@ def reassemble(messages: list[bytes]) -> list[bytes]:
     """The blocks of a Get reply from its serialized chunks."""
     blocks: list[list[bytes]] = []
     for raw in messages:
+        if not raw:  # an empty chunk carries no block (a miss)
+            continue
         chunk, data = decode_block_chunk(raw)
         if chunk.offset == 0:  # blocks come in request order, each from offset 0
             blocks.append([])

@@ -195,9 +195,10 @@ def test_a_get_whose_last_message_stalls_keeps_its_in_flight_slot_until_it_is_re
         block = encode_block(torch.full((1, 1, 1, 3 * MiB), 7, dtype=torch.uint8), "mla")  # one message
         with KVStoreClient(server.target, retries=0, timeout_s=60) as kv:
             assert kv.put(ns, [b"\x01" * 16], [block]) == 1
-        # no BDP probe: the windows stay at 64 KiB, so a reply of 3 MiB waits for its reader
+        # no BDP probe and a small look-ahead: the windows stay small, so a reply of 3 MiB waits for its reader
         channel = grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 4 * MiB),
-                                                            ("grpc.http2.bdp_probe", 0)])
+                                                            ("grpc.http2.bdp_probe", 0),
+                                                            ("grpc.http2.lookahead_bytes", 64 * 1024)])
         stub = pb_grpc.KVStoreStub(channel)
         request = pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=[b"\x01" * 16])
         stalled = [stub.Get(request, timeout=30) for _ in range(2)]  # sent, never read yet
