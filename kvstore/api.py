@@ -32,9 +32,12 @@ class LookupResult:
         Raises:
             IndexError: if a tier index is not below ``len(tier_names)``.
         """
-        if len(block_tiers) > 1:  # itemgetter builds the tuple in C: 1,024 blocks in ~15 us
-            return cls(len(block_tiers), operator.itemgetter(*block_tiers)(tuple(tier_names)))
-        return cls(len(block_tiers), tuple(tier_names[i] for i in block_tiers))
+        num_blocks = len(block_tiers)
+        if num_blocks > 1 and block_tiers.count(block_tiers[0]) == num_blocks:  # the usual prefix, in one tier
+            return cls(num_blocks, (tier_names[block_tiers[0]],) * num_blocks)
+        if num_blocks > 1:  # itemgetter builds the tuple in C: 1,024 blocks in ~15 us
+            return cls(num_blocks, operator.itemgetter(*block_tiers)(tuple(tier_names)))
+        return cls(num_blocks, tuple(tier_names[i] for i in block_tiers))
 
 
 @dataclass(frozen=True, slots=True)

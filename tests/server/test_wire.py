@@ -119,8 +119,9 @@ TIERS = ("memory", "disk", "redis")
         (b"\x01", ("disk",)),
         (b"\x00\x00\x01\x02", ("memory", "memory", "disk", "redis")),
         (bytes(1024), ("memory",) * 1024),
+        (b"\x02" * 3, ("redis",) * 3),
     ],
-    ids=["none", "one", "several", "1024"],
+    ids=["none", "one", "several", "1024", "all-in-one-lower-tier"],
 )
 def test_lookup_result_from_block_tiers(block_tiers: bytes, tiers: tuple[str, ...]) -> None:
     result = LookupResult.from_block_tiers(block_tiers, TIERS)
@@ -129,7 +130,7 @@ def test_lookup_result_from_block_tiers(block_tiers: bytes, tiers: tuple[str, ..
     assert LookupResult.from_block_tiers(block_tiers, list(TIERS)) == result
 
 
-@pytest.mark.parametrize("block_tiers", [b"\x03", b"\x00\x03", b"\x00\xff\x01"])
+@pytest.mark.parametrize("block_tiers", [b"\x03", b"\x00\x03", b"\x00\xff\x01", b"\x03" * 4])
 def test_lookup_result_refuses_a_tier_index_out_of_range(block_tiers: bytes) -> None:
     with pytest.raises(IndexError):
         LookupResult.from_block_tiers(block_tiers, TIERS)
