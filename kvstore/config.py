@@ -262,7 +262,10 @@ class LimitsConfig:
             deadline; past it (checked every min(1, max_stream_s / 4) seconds) the call ends
             with DEADLINE_EXCEEDED. A Get holds its
             blocks leased (unevictable) and a Put holds its buffer while the client is
-            slow, so this bounds what a stalled or hostile client can pin.
+            slow, so this bounds what a stalled or hostile client can pin. A Get's last
+            message leaves with its status after the leases are released, and is not
+            bounded by this: a reader stalled on it holds that message and its call's
+            in-flight slot until the call's deadline or connection ends (``docs/security.md``).
     """
 
     max_hashes_per_request: int = 8192

@@ -404,7 +404,7 @@ class _Call:
         principal: the caller (``None`` without authentication), once admitted.
     """
 
-    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "_watch", "_task", "principal")
+    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "_watch", "principal")
 
     def __init__(self, servicer: KVStoreServicer, method: str, context: grpc.aio.ServicerContext) -> None:
         self._servicer = servicer
@@ -412,7 +412,6 @@ class _Call:
         self._context = context
         self._ticket: Ticket | None = None
         self._watch: StreamWatch | None = None
-        self._task: asyncio.Task[object] | None = None
         self.principal: Principal | None = None
 
     def watch(self, watchdog: StreamWatchdog) -> None:
@@ -450,8 +449,9 @@ class _Call:
             # the reply's last message and the status go out in one batch once this returns (a unary handler's,
             # see KVStoreServicer.add_to_server): the slot is given back and the call counted when gRPC is done
             # with them, off the client's way, and so a client that stops reading keeps its connection's slots
-            self._task = asyncio.current_task()
-            self._context.add_done_callback(self._finish)
+            # on the task itself, not context.add_done_callback: grpc.aio never clears a context's callbacks, so
+            # _Call -> context -> rpc_state.callbacks -> _Call made every call cyclic garbage; asyncio drops its own
+            asyncio.current_task().add_done_callback(self._finish)  # type: ignore[union-attr]
             return False
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
@@ -476,10 +476,10 @@ class _Call:
         await servicer._fail(self._method, self._context, exc, self._start_s)
         return False
 
-    def _finish(self, context: grpc.aio.ServicerContext) -> None:
+    def _finish(self, task: asyncio.Task[object]) -> None:
         """The end of a call that succeeded, once gRPC has sent its reply and status: its in-flight slot back, its count.
 
-        Run by grpc.aio (``context.add_done_callback``) when the call's task
+        Run (a done callback of the call's task, ``task``) when the call's task
         ends, however it ends: a reply stalled by a client that stopped reading
         holds its slot until the call's deadline or connection ends it. A reply
         lost that way counts as CANCELLED or DEADLINE_EXCEEDED when grpc.aio
@@ -488,10 +488,11 @@ class _Call:
         nothing, and such a call counts as OK.
         """
         servicer = self._servicer
+        context = self._context
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
         code = "OK"
-        if self._task in _REPLY_LOST.tasks or _call_ended(context):  # the reply was lost: the client ended the call
+        if task in _REPLY_LOST.tasks or _call_ended(context):  # the reply was lost: the client ended the call
             remaining = context.time_remaining()
             code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
         if servicer._metrics is not None:

@@ -10,6 +10,7 @@ not make gRPC log an ERROR.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -58,7 +59,11 @@ def test_a_get_ended_by_its_client_while_its_last_message_waits_is_counted_as_su
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert errors == []  # was: "ExecuteBatchError raised in core by servicer method [.../Get]", once per Get
         counts = {k: v for k, v in _scrape(server).items() if k.startswith("kvstore_requests_total") and "Get" in k}
-        assert counts == {f'kvstore_requests_total{{code="{code}",method="Get"}}': NUM_STALLED}  # was: code="OK"
+        # was: code="OK". A deadline the node sees a little late (it runs from the request's arrival) on a busy
+        # machine reads as the client's cancellation: either way, not OK
+        allowed = {code, "CANCELLED"}
+        assert sum(counts.values()) == NUM_STALLED
+        assert {re.search(r'code="(\w+)"', k).group(1) for k in counts} <= allowed  # type: ignore[union-attr]
     finally:
         server.stop()
 

@@ -1,0 +1,44 @@
+"""A call's objects are freed when it ends: nothing of it is left for the cycle collector."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import grpc
+import grpc._cython.cygrpc
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.codec import encode_block
+from kvstore.server.servicer import _Call
+from kvstore.server.wire import namespace_to_pb
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+from .conftest import MiB, ThreadedServer, kv_blocks, make_config, namespace
+
+
+def _live(cls: type) -> int:
+    return sum(1 for o in gc.get_objects() if type(o) is cls)
+
+
+def test_a_finished_call_leaves_no_reference_cycle(server: ThreadedServer) -> None:
+    """context.add_done_callback keeps partial(_finish, context) in rpc_state.callbacks, which gRPC never clears:
+    _Call -> context -> rpc_state -> callbacks -> _Call. Every call became cyclic garbage (was: freed at once)."""
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 2)
+    with KVStoreClient(server.target, retries=0) as kv:
+        kv.put(ns, hashes, tensors)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(50):
+                kv.get(ns, hashes)
+                kv.lookup(ns, hashes)
+            time.sleep(0.3)
+            assert _live(_Call) == 0
+            assert _live(grpc._cython.cygrpc._ServicerContext) == 0
+        finally:
+            gc.enable()
