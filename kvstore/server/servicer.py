@@ -212,12 +212,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """Stream the blocks of the longest cached prefix as chunks; a miss ends the stream.
 
         The prefix stays leased (pinned, and read in place from the memory
-        tier) until the last chunk is written; if the client goes away or its
-        deadline passes, cancellation leaves ``store.read`` and releases the leases.
-        A block the heap tier holds as its ready reply is sent as stored; any
-        other is copied once, from its leased view into its messages. The read
-        is closed (leases released, hits counted) on the loop's next turn, after
-        the reply's status has gone out, which is what the client waits for.
+        tier) until the last chunk is handed to gRPC; if the client goes away or
+        its deadline passes, cancellation leaves ``store.read`` and releases the
+        leases. A block the heap tier holds as its ready reply is sent as
+        stored; any other is copied once, from its leased view into its
+        messages (so the last message never refers to a leased page). The read
+        is closed (leases released, hits counted) on the loop's next turn, once
+        gRPC has the last message and the status, which the client waits for.
 
         Every message but the last is written here; the last is returned, and
         gRPC sends it with the status in one batch, as gRPC C++'s
