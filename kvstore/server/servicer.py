@@ -449,9 +449,9 @@ class _Call:
         if exc is None and not ended:
             # the reply's last message and the status go out in one batch once this returns (a unary handler's,
             # see KVStoreServicer.add_to_server): the slot is given back and the call counted when gRPC is done
-            # with them, off the client's way, and so a client that stops reading keeps its connection's slots
-            # on the task itself, not context.add_done_callback: grpc.aio never clears a context's callbacks, so
-            # _Call -> context -> rpc_state.callbacks -> _Call made every call cyclic garbage; asyncio drops its own
+            # with them, off the client's way, so a client that stops reading keeps its connection's slots. On
+            # the task, not context.add_done_callback: grpc.aio never clears a context's callbacks, which made
+            # every call cyclic garbage (_Call -> context -> its callbacks -> _Call); asyncio drops a task's
             asyncio.current_task().add_done_callback(self._finish)  # type: ignore[union-attr]
             return False
         if self._ticket is not None:
