@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip uninstall -q -y kvstore 2>/dev/null || true  # the distribution's name before llm-kvstore
 	$(PY) -m pip install -q -e '.[hf,dev]'
 	touch $@
 

@@ -16,6 +16,8 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from kvstore.connection import add_connection_arguments, target_argument
+
 if TYPE_CHECKING:
     from kvstore.client import KVStoreClient
 
@@ -70,10 +72,11 @@ def _timeout_s(text: str) -> float:
 
 
 def _add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, metavar="HOST:PORT",
-                        help=f"address of the node (default {DEFAULT_TARGET})")
+    parser.add_argument("--target", type=target_argument, default=DEFAULT_TARGET, metavar="HOST:PORT",
+                        help=f"address of the node; a bare HOST means HOST:50051 (default {DEFAULT_TARGET})")
     parser.add_argument("--timeout", type=_timeout_s, default=5.0, metavar="SECONDS",
                         help="deadline of the call, seconds > 0 (default 5)")
+    add_connection_arguments(parser)
 
 
 _CORE_COMMANDS = ("serve", "stats", "health")
@@ -85,6 +88,7 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
         prog="kvstore",
         description="A multi-tier KV-cache store for LLM inference, served over gRPC.",
         epilog="Run 'kvstore COMMAND --help' for the options and examples of a command.",
+        allow_abbrev=False,
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -128,6 +132,9 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
 
     for name in extra_modules:
         _register(name, subparsers)
+    for command in subparsers.choices.values():
+        command.allow_abbrev = False  # `serve --memory 1GiB` is not --memory-capacity
+        command.set_defaults(command_parser=command)  # to report an unknown option with this usage
     return parser
 
 
@@ -169,11 +176,13 @@ def _serve(args: argparse.Namespace) -> int:
 def _client(command: str, args: argparse.Namespace) -> KVStoreClient | None:
     """A client of ``--target`` with ``--timeout`` and no retries; ``None`` (the error printed) on a bad flag."""
     from kvstore.client import KVStoreClient
-    from kvstore.errors import InvalidArgumentError
+    from kvstore.connection import Connection
+    from kvstore.errors import ConfigError, InvalidArgumentError
 
     try:
-        return KVStoreClient(args.target, timeout_s=args.timeout, retries=0)
-    except InvalidArgumentError as exc:
+        return KVStoreClient(args.target, timeout_s=args.timeout, retries=0,
+                             **Connection.from_args(args).client_kwargs())
+    except (InvalidArgumentError, ConfigError) as exc:
         print(f"kvstore {command}: invalid argument: {exc}", file=sys.stderr)
         return None
 
@@ -225,7 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     core_only = bool(argv) and argv[0] in _CORE_COMMANDS  # `kvstore health` in a probe need not import torch
     parser = build_parser(() if core_only else SUBCOMMAND_MODULES)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # report it with the usage of the subcommand, not the top level's
+        command: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
