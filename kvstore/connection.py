@@ -32,7 +32,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from kvstore.errors import ConfigError
 
@@ -183,6 +183,24 @@ class Connection:
         """A short label for messages, without the token: ``plaintext``, ``TLS``, ``mutual TLS``, ``+ token``."""
         kind = "mutual TLS" if self.tls_cert_file else "TLS" if self.uses_tls else "plaintext"
         return kind + (" + token" if self.token else "")
+
+
+def redact(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the value of every ``--token`` replaced by ``***``, for command lines written to reports."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+        elif arg == "--token":
+            out.append(arg)
+            hide_next = True
+        elif arg.startswith("--token="):
+            out.append("--token=***")
+        else:
+            out.append(arg)
+    return out
 
 
 def _read_token(source: str, path: str) -> str:

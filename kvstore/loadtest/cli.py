@@ -114,6 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, metavar="N",
                         help=f"tokens per trace block (default: {MOONCAKE_BLOCK_TOKENS}, Mooncake's)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"namespace model name (default: {DEFAULT_MODEL})")
+    parser.add_argument("--cache-salt", default="", metavar="TENANT",
+                        help="namespace cache_salt: the tenant, which a node with tokens checks (default: none)")
+    parser.add_argument("--hash-algorithm", choices=("auto", "xxh3_128", "sha256"), default="auto",
+                        help="namespace block hash; auto is sha256 when a token is sent (a node with tokens "
+                             "requires it by default), else xxh3_128")
     parser.add_argument("--seed", type=int, default=0, help="payload seed (default: 0)")
     parser.add_argument("--window", type=_positive_float, default=DEFAULT_WINDOW_S, metavar="SECONDS",
                         help=f"window of the hit ratio over time (default: {DEFAULT_WINDOW_S:g})")
@@ -154,12 +159,19 @@ def _sim_capacity(text: str | None) -> tuple[bool, int | None]:
     return True, int(value)
 
 
-def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
+def config_from_args(args: argparse.Namespace, connection: Connection | None = None) -> LoadTestConfig:
     """The :class:`LoadTestConfig` of parsed ``loadtest`` arguments.
+
+    Args:
+        args: the parsed arguments.
+        connection: the client's TLS and token; with a token, ``--hash-algorithm auto`` is ``sha256``.
 
     Raises:
         InvalidArgumentError: on an invalid size or value.
     """
+    hash_algorithm = getattr(args, "hash_algorithm", "auto")
+    if hash_algorithm == "auto":
+        hash_algorithm = "sha256" if connection is not None and connection.token else "xxh3_128"
     try:
         payload_bytes = parse_size(args.block_bytes) if args.block_bytes is not None else DEFAULT_PAYLOAD_BYTES
     except ValueError as exc:
@@ -176,6 +188,8 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         payload_bytes=payload_bytes,
         block_tokens=args.block_tokens,
         model=args.model,
+        cache_salt=getattr(args, "cache_salt", ""),
+        hash_algorithm=hash_algorithm,
         seed=args.seed,
         window_s=args.window,
         timeout_s=args.timeout,
@@ -244,14 +258,14 @@ async def _replay(requests: Sequence[TraceRequest], config: LoadTestConfig, conn
 def run(args: argparse.Namespace) -> int:
     """Run ``loadtest`` with parsed ``args``; print a summary. Returns the exit status (0, 1 or 2)."""
     try:
-        config = config_from_args(args)
+        connection = Connection.from_args(args)
+        connection.client_kwargs()  # an unreadable TLS file is a usage error, before any call
+        config = config_from_args(args, connection)
         compare, sim_capacity = _sim_capacity(args.sim_capacity)
         requests = read_requests(args.trace, args.format, config.max_requests)
         if not requests:
             raise InvalidArgumentError(f"the trace {args.trace} has no requests (an empty file?); "
                                        "nothing to replay")
-        connection = Connection.from_args(args)
-        connection.client_kwargs()  # an unreadable TLS file is a usage error, before any call
     except (InvalidArgumentError, ConfigError, OSError) as exc:
         print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
