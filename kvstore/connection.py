@@ -80,7 +80,12 @@ def with_default_port(target: str) -> str:
 
 
 def target_argument(text: str) -> str:
-    """The argparse ``type`` of ``--target``: :func:`with_default_port`, reporting a bad target as a usage error."""
+    """The argparse ``type`` of ``--target``: :func:`with_default_port`, reporting a bad target as a usage error.
+
+    An empty target is passed on as it is, for the client to refuse in one line.
+    """
+    if not text.strip():
+        return text
     try:
         return with_default_port(text)
     except ConfigError as exc:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.codec import BlockHeader, Layout, decode_header, verify_block
+from kvstore.codec import BlockHeader, Layout, check_one_shape, decode_header, verify_block
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     CodecError,
@@ -467,6 +467,7 @@ class TieredStore:
             self._validate_block(namespace, index, block)
             if not self._fits_somewhere(len(block)):
                 raise ResourceExhaustedError(f"block {index}: {len(block)} bytes is larger than every tier")
+        check_one_shape(blocks)
         fresh: dict[BlockKey, bytes] = {}
         waits: list[asyncio.Future[BaseException | None]] = []
         for key in reversed(keys):  # a block put again is in use: it counts as accessed, tail first
