@@ -47,7 +47,8 @@ examples:
   kvstore stats --target kv-0.kv:50051 | jq '.tiers[] | {name, blocks, hits}'
 
 Prints {"tiers": [{"name": ..., "blocks": ..., "bytes": ..., "capacity_bytes": ...,
-"hits": ..., "misses": ..., "evictions": ..., ...}, ...]} as JSON, fastest tier first."""
+"hits": ..., "misses": ..., "evictions": ..., "state": ..., "last_error": ..., ...}, ...]}
+as JSON, fastest tier first; "state" is "up" or "down" for the shared Redis tier."""
 
 _HEALTH_EXAMPLES = """\
 examples:
@@ -57,7 +58,10 @@ examples:
 
 Prints the grpc.health.v1 status (SERVING, NOT_SERVING, SERVICE_UNKNOWN for an
 unknown --service, ...) and exits 0 only when it is SERVING; 1 otherwise, also
-when the node cannot be reached (UNREACHABLE on stderr); 2 on a bad option."""
+when the node cannot be reached (UNREACHABLE on stderr); 2 on a bad option.
+A node that serves while its shared tier is down (Redis) is still SERVING; a
+line such as "tier redis: down (last error: ...)" follows, when its stats can
+be read (with a token, on a node that has tokens)."""
 
 
 def _timeout_s(text: str) -> float:
@@ -221,8 +225,27 @@ def _health(args: argparse.Namespace) -> int:
         except KVStoreError as exc:  # the node answered with an error (e.g. UNAUTHENTICATED)
             print(f"kvstore health: {args.target}: {exc}", file=sys.stderr)
             return 1
-    print(status)
+        print(status)
+        if status == "SERVING":
+            for line in _tier_problems(client):
+                print(line)
     return 0 if status == "SERVING" else 1
+
+
+def _tier_problems(client: KVStoreClient) -> list[str]:
+    """A line for each tier of the node that reports itself down (a shared Redis), from its stats.
+
+    Empty when every tier is up, or when the stats cannot be read (a node with
+    tokens and none given: the health service itself needs none).
+    """
+    from kvstore.errors import KVStoreError
+
+    try:
+        stats = client.stats()
+    except KVStoreError:
+        return []
+    return [f"tier {t.name}: {t.state}" + (f" (last error: {t.last_error})" if t.last_error else "")
+            for t in stats.tiers if t.state == "down"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -83,7 +83,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats
+from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats, merge_tier_status
 from kvstore.codec import decode_block
 from kvstore.embedded import encode_blocks
 from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
@@ -528,7 +528,9 @@ def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
             acc = merged.get(tier.name)
             if acc is None:
                 merged[tier.name] = {f: getattr(tier, f) for f in _TIER_FIELDS} | {"counters": dict(tier.counters)}
+                merged[tier.name].update(merge_tier_status({}, tier))  # state and last_error
                 continue
+            acc.update(merge_tier_status(acc, tier))
             for f in _TIER_FIELDS:
                 value = getattr(tier, f)
                 acc[f] = -1 if f == "blocks" and (value < 0 or acc[f] < 0) else acc[f] + value

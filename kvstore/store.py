@@ -50,6 +50,8 @@ from kvstore.tiers.base import (
     Tier,
     TierFullError,
     TierLease,
+    check_at_start,
+    tier_status,
 )
 from kvstore.tombstones import Tombstones
 
@@ -137,6 +139,7 @@ class TieredStore:
                 await tier.delete(stale)
             if entries:
                 logger.info("tier %s: restored %d blocks (%d bytes)", tier.name, len(policy), policy.nbytes)
+        await check_at_start(self._shared)  # a shared tier that is down at start is named in a warning now
 
     async def close(self) -> None:
         """Stop taking calls, finish background work, demote volatile tiers, and close every tier.
@@ -586,6 +589,7 @@ class TieredStore:
                     promotions=counts.promotions,
                     corrupt_records=extra.pop("corrupt_records", 0),
                     counters=extra,
+                    **tier_status(tier),
                 )
             )
         return StoreStats(tuple(result), self._lookup_hit_blocks, self._lookup_miss_blocks)
