@@ -21,9 +21,14 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# Debian's packages the tests run: redis-server (fixtures), openssl (test CAs) and kubectl (`kubectl kustomize`,
+# from kubernetes-client; any kubectl on PATH will do). Compose files are checked against the Compose
+# Specification's JSON schema, and the Dockerfile by hadolint, both from .[dev]: no Docker is installed.
 system-deps:
-	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v docker-compose >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools docker-compose; }
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null \
+	  && command -v kubectl >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools openssl \
+	    $$(command -v kubectl >/dev/null || echo kubernetes-client); }
 
 demo: setup
 	$(VENV)/bin/kvstore demo
