@@ -332,7 +332,7 @@ def test_compose_demo_worker(compose: dict) -> None:
     assert demo["depends_on"]["kvstore"]["condition"] == "service_healthy"
     assert demo["healthcheck"] == {"disable": True}
     hf = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert "hf" in hf, "the Dockerfile's EXTRAS=hf needs the kvstore[hf] extra"
+    assert "hf" in hf, "the Dockerfile's EXTRAS=hf needs the llm-kvstore[hf] extra"
 
 
 def test_compose_named_volumes_are_declared(compose: dict) -> None:
