@@ -60,8 +60,9 @@ Prints the grpc.health.v1 status (SERVING, NOT_SERVING, SERVICE_UNKNOWN for an
 unknown --service, ...) and exits 0 only when it is SERVING; 1 otherwise, also
 when the node cannot be reached (UNREACHABLE on stderr); 2 on a bad option.
 A node that serves while its shared tier is down (Redis) is still SERVING; a
-line such as "tier redis: down (last error: ...)" follows, when its stats can
-be read (with a token, on a node that has tokens)."""
+line such as "tier redis: down (last error: ...)" follows. The node's health
+service tells (kvstore.tiers, kvstore.tier.<name>: no token needed); the last
+error comes from its stats, which on a node with tokens need one."""
 
 
 def _timeout_s(text: str) -> float:
@@ -233,17 +234,21 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _tier_problems(client: KVStoreClient) -> list[str]:
-    """A line for each tier of the node that reports itself down (a shared Redis), from its stats.
+    """A line for each tier of the node that is down (a shared Redis), empty while all are up.
 
-    Empty when every tier is up, or when the stats cannot be read (a node with
-    tokens and none given: the health service itself needs none).
+    Asks the health service ``kvstore.tiers`` (``kvstore.server.health``; it
+    needs no token), and only while a tier is down the stats, for its last
+    error; where those need a token that was not given, the line says so.
     """
     from kvstore.errors import KVStoreError
+    from kvstore.server.health import TIERS_SERVICE
 
     try:
+        if client.health(TIERS_SERVICE) != "NOT_SERVING":
+            return []  # SERVING, or SERVICE_UNKNOWN from a node that predates the tier services
         stats = client.stats()
     except KVStoreError:
-        return []
+        return ["a tier of the node is down; `kvstore stats` (with the node's token) gives its last error"]
     return [f"tier {t.name}: {t.state}" + (f" (last error: {t.last_error})" if t.last_error else "")
             for t in stats.tiers if t.state == "down"]
 

@@ -297,3 +297,25 @@ def test_a_node_whose_redis_is_down_shows_it_in_stats_and_health(capsys: pytest.
         assert main(["health", "--target", node.target]) == 0  # it serves, from its local tiers
         lines = capsys.readouterr().out.splitlines()
         assert lines[0] == "SERVING" and lines[1].startswith("tier redis: down (last error: ")
+        with KVStoreClient(node.target, retries=0) as client:  # the health services behind it, open to probes
+            assert client.health("kvstore.tier.redis") == client.health("kvstore.tiers") == "NOT_SERVING"
+            assert client.health("kvstore.tier.memory") == "SERVICE_UNKNOWN"
+            assert client.health() == "SERVING"
+
+
+@requires_redis
+def test_health_names_a_down_tier_also_without_the_token_its_stats_need(capsys: pytest.CaptureFixture[str]) -> None:
+    env = {"KVSTORE_SECURITY__AUTH_TOKENS": "errors-table-token-0123456789="}
+    with KVNode(redis_url=f"redis://127.0.0.1:{free_port()}/0", metrics=False, env=env) as node:
+        assert main(["health", "--target", node.target]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines == ["SERVING", "a tier of the node is down; `kvstore stats` (with the node's token) gives "
+                                    "its last error"]
+
+
+def test_a_node_without_a_tier_that_can_be_down_reports_its_tiers_serving(server: ThreadedServer,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    with KVStoreClient(server.target, retries=0) as client:
+        assert client.health("kvstore.tiers") == "SERVING"
+    assert main(["health", "--target", server.target]) == 0
+    assert capsys.readouterr().out == "SERVING\n"

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server.admission import Admission
+from kvstore.server.health import NodeHealth
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
@@ -78,7 +79,7 @@ class KVStoreServer:
         self._own_store = store is None
         self._interceptors = interceptors
         self.metrics = ServiceMetrics()
-        self.health = health.aio.HealthServicer()
+        self.health = NodeHealth()
         self.servicer: KVStoreServicer | None = None
         self.admission: Admission | None = None
         self._server: grpc.aio.Server | None = None
@@ -118,6 +119,7 @@ class KVStoreServer:
         if self._store is None:
             self._store = await open_async_store(self.config.store, reply_head=functools.partial(
                 reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)))
+        self.health.tier_states = self._tier_states
         try:
             self.servicer = KVStoreServicer(self._store, self.config, self.metrics, admission)
             server = grpc.aio.server(
@@ -160,6 +162,10 @@ class KVStoreServer:
                               "require_sha256": self.servicer.require_sha256,
                               "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0]}},
         )
+
+    def _tier_states(self) -> dict[str, str]:
+        """``{tier: "up" | "down"}`` of the store's tiers that can be down, for :class:`NodeHealth`."""
+        return {t.name: t.state for t in self.store.stats().tiers if t.state}
 
     async def begin_shutdown(self) -> None:
         """Report NOT_SERVING and refuse new calls with UNAVAILABLE; running calls go on."""
