@@ -11,7 +11,8 @@ against the node.
 Dependencies come from the package index, torch first as the same version this
 venv runs (a CPU build from this project's machines' local wheels; set
 ``KVSTORE_TEST_TORCH_SPEC`` to install it otherwise, e.g. with an
-``--index-url``). It takes a minute or two: it is marked ``slow``.
+``--index-url``). It takes a minute or two on an idle machine, several on a busy
+one: it is marked ``slow``, with a timeout of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Iterator
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # pip on a busy 2-core machine: minutes, not seconds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTION = "llm-kvstore"
