@@ -12,7 +12,7 @@ import pytest
 from kvstore.config import DiskTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.tiers.base import BlockMeta, TierFullError
-from kvstore.tiers.lmdb import LMDBTier, default_map_size_bytes
+from kvstore.tiers.lmdb import DISK_FILL_FRACTION, LMDBTier, default_map_size_bytes, usable_bytes
 from tests.tiers.contract import TierContract, make_block, make_key, make_sized_block, meta
 
 MiB = 1024 * 1024
@@ -221,9 +221,12 @@ async def test_sync_mode_round_trips_across_reopen(tmp_path):
 
 
 def test_from_config_and_map_size(tmp_path):
+    """``disk.capacity_bytes`` is the map size, the bound of ``data.mdb``; blocks fill ``DISK_FILL_FRACTION`` of it."""
     tier = LMDBTier.from_config(DiskTierConfig(path=str(tmp_path / "env"), capacity_bytes=8 * MiB))
-    assert (tier.name, tier.capacity_bytes, tier.persistent, tier.sync) == ("disk", 8 * MiB, True, False)
-    assert tier._env.info()["map_size"] == default_map_size_bytes(8 * MiB) >= 8 * MiB + 64 * MiB
+    assert (tier.name, tier.capacity_bytes, tier.persistent, tier.sync) == ("disk", usable_bytes(8 * MiB), True, False)
+    assert tier.capacity_bytes == int(8 * MiB * DISK_FILL_FRACTION)
+    assert tier._env.info()["map_size"] == 8 * MiB
+    assert default_map_size_bytes(tier.capacity_bytes) == 8 * MiB
     assert os.path.isdir(tmp_path / "env")
     with pytest.raises(InvalidArgumentError):
         LMDBTier.from_config(DiskTierConfig(path=""))
@@ -232,8 +235,8 @@ def test_from_config_and_map_size(tmp_path):
 def test_footprint_models_overflow_pages(tmp_path):
     tier = LMDBTier(tmp_path / "env", 4 * MiB)
     assert tier.page_bytes == 4096
-    assert tier.footprint(4096 - 16) == 4096 + 256
-    assert tier.footprint(4096 - 15) == 2 * 4096 + 256
+    assert tier.footprint(4096 - 16 - 40) == 4096 + 256  # the record is the block and its key (up to 40 bytes)
+    assert tier.footprint(4096 - 15 - 40) == 2 * 4096 + 256
     assert tier.footprint(2 * MiB + 128) == (2 * MiB // 4096 + 1) * 4096 + 256
 
 
