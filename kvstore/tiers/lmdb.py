@@ -45,10 +45,10 @@ with the recorded length), not checksums, so that a restart does not read the
 whole database.
 
 Capacity. ``disk.capacity_bytes`` is LMDB's map size, which bounds ``data.mdb``:
-the file never grows past it. Blocks fill :data:`DISK_FILL_FRACTION` of it (their
-:meth:`LMDBTier.footprint`); the rest is LMDB's own: branch pages, pages freed
-by the last two write transactions, which LMDB reuses only after them, and runs
-of free pages too short for a new value. When LMDB runs out of map all the same,
+the file never grows past it. Blocks fill :func:`usable_bytes` of it (their
+:meth:`LMDBTier.footprint`; :data:`DISK_FILL_FRACTION` of a large map); the rest
+is LMDB's own: branch pages, pages freed by the last two write transactions,
+which LMDB reuses only after them, and runs of free pages too short for a new value. When LMDB runs out of map all the same,
 a put raises :class:`~kvstore.tiers.base.TierFullError` and the store evicts
 more. Files moved to ``quarantine/`` are extra; at most :data:`MAX_QUARANTINED` are kept.
 """
@@ -93,8 +93,12 @@ RECORD_OVERHEAD_BYTES = 256
 """Bytes :meth:`LMDBTier.footprint` adds per block for its two leaf nodes and their share of branch pages."""
 
 DISK_FILL_FRACTION = 0.75
-"""Of the map size (``disk.capacity_bytes``), the share blocks may fill; LMDB's own pages need the rest
+"""Of a large map size (``disk.capacity_bytes``), the share blocks may fill; LMDB's own pages need the rest
 (``benchmarks/bench_disk_capacity.py`` measures how much they take)."""
+
+MIN_SLACK_BYTES = 32 * MiB
+"""Map bytes left to LMDB however small the map, up to half of it: pages freed by the last two write
+transactions are reused only after them, so a small map needs room for a few large batches beyond its blocks."""
 
 MAX_QUARANTINED = 2
 """Damaged data files kept in ``<path>/quarantine/`` for an operator to look at; older ones are deleted."""
@@ -121,17 +125,27 @@ def _consume_outcome(future: asyncio.Future[Any]) -> None:
 
 
 def usable_bytes(map_size_bytes: int) -> int:
-    """The bytes of block footprints a disk tier of ``map_size_bytes`` holds: :data:`DISK_FILL_FRACTION` of it."""
-    return int(map_size_bytes * DISK_FILL_FRACTION)
+    """The bytes of block footprints a disk tier whose map (and file) is ``map_size_bytes`` may hold.
+
+    All but ``max(map / 4, min(map / 2, MIN_SLACK_BYTES))``: :data:`DISK_FILL_FRACTION`
+    of a map of 128 MiB or more, half of one of 64 MiB or less, and 32 MiB less in between.
+    """
+    return map_size_bytes - max(map_size_bytes // 4, min(map_size_bytes // 2, MIN_SLACK_BYTES))
 
 
 def default_map_size_bytes(capacity_bytes: int) -> int:
     """The LMDB map size (the bound of ``data.mdb``) for ``capacity_bytes`` of footprints, rounded up to 1 MiB.
 
-    The inverse of :func:`usable_bytes`, so that a tier built from
-    ``disk.capacity_bytes`` holds blocks in :data:`DISK_FILL_FRACTION` of a file of that size.
+    The inverse of :func:`usable_bytes`, so that a tier built from ``disk.capacity_bytes``
+    (:meth:`LMDBTier.from_config`) and one built from the footprints it holds agree.
     """
-    return -(-int(capacity_bytes / DISK_FILL_FRACTION) // MiB) * MiB or MiB
+    if capacity_bytes <= MIN_SLACK_BYTES:
+        map_size = 2 * capacity_bytes
+    elif capacity_bytes <= 3 * MIN_SLACK_BYTES:
+        map_size = capacity_bytes + MIN_SLACK_BYTES
+    else:
+        map_size = -(-capacity_bytes * 4 // 3)
+    return max(MiB, -(-map_size // MiB) * MiB)
 
 
 LOCK_FILE = "kvstore.lock"
