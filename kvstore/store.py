@@ -225,7 +225,11 @@ class TieredStore:
         return located
 
     async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
-        """Encoded blocks of the longest cached prefix, in order, stopping at the first miss; copies the caller owns.
+        """Encoded blocks of the longest cached prefix, in order, stopping at the first miss, as ``bytes`` to keep.
+
+        The ``bytes`` are immutable, and may be the heap tier's stored object
+        itself: decode them with ``kvstore.codec.decode_block``, which copies
+        read-only memory, never with a bare ``torch.frombuffer``.
 
         The prefix is leased while it is read, so eviction cannot take it; a
         block that turns out corrupt ends the prefix there. Lower-tier hits are
@@ -245,7 +249,9 @@ class TieredStore:
         While the body runs, the prefix stays pinned, so eviction cannot take it,
         and blocks of a tier that lends (:class:`~kvstore.tiers.base.LeasingTier`,
         the host memory tier) are read-only views of its memory, not copies:
-        they are valid only inside the body. The service's Get streams from
+        they are valid only inside the body, and no caller may write into them
+        (``kvstore.codec.decode_block`` copies read-only memory into a tensor of
+        its own). The service's Get streams from
         them, copying each block once, into its gRPC messages. Leaving the body,
         also by an error or a cancelled call, releases every lease. Otherwise
         as :meth:`get` (recency, promotion, counters).
