@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from typing import AsyncIterator, Sequence, TypeVar
 
 import grpc
@@ -28,13 +29,14 @@ from google.protobuf.message import Message
 
 from kvstore.config import Config
 from kvstore.errors import InvalidArgumentError, UnavailableError
-from kvstore.keys import HashAlgorithm, Namespace, block_key
+from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, block_key
 from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
 from kvstore.server.errors import DeadlineExceededError, UnauthenticatedError, status_of
 from kvstore.server.limits import StreamWatch, StreamWatchdog, TenantQuota
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.wire import (
+    MAX_NAMESPACE_WIRE_BYTES,
     BlockAssembler,
     HashRequest,
     chunk_bytes_for,
@@ -54,8 +56,12 @@ logger = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=Message)
 
-NAMESPACE_CACHE_SIZE = 1024
-"""Validated namespaces a servicer keeps by their wire form (a node serves a handful)."""
+NAMESPACE_CACHE_BYTES = 1 << 20
+"""Bytes of validated namespaces a servicer keeps by their wire form (a node serves a handful; 1 MiB holds hundreds)."""
+
+NAMESPACE_ENTRY_OVERHEAD_BYTES = 768
+"""What :class:`NamespaceCache` counts per entry beyond twice its wire bytes: the ``Namespace`` object, its
+strings' headers and root, and the dict's share (CPython 3.11, measured with ``tracemalloc``)."""
 
 DEADLINE_SLACK_S = 0.05
 """A call its client ended this close to the deadline (seconds) is counted as DEADLINE_EXCEEDED, not CANCELLED.
@@ -114,6 +120,53 @@ _REPLY_LOST = _ReplyLostFilter()
 _GRPC_AIO_LOGGER = "grpc._cython.cygrpc"  # the logger of grpc.aio's server (its Cython module)
 
 
+class NamespaceCache:
+    """Validated namespaces by their serialized form, least recently used first out, bounded in bytes.
+
+    Each entry counts twice its wire bytes (the key, and the parsed strings)
+    plus :data:`NAMESPACE_ENTRY_OVERHEAD_BYTES`; the servicer only adds
+    namespaces whose caller was authorized, and the wire form is at most
+    :data:`~kvstore.server.wire.MAX_NAMESPACE_WIRE_BYTES`, so no caller can make
+    it hold more than ``max_bytes``.
+
+    Args:
+        max_bytes: the bound, bytes.
+    """
+
+    def __init__(self, max_bytes: int = NAMESPACE_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[bytes, Namespace] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, wire: object) -> bool:
+        return wire in self._entries
+
+    @staticmethod
+    def entry_bytes(wire: bytes) -> int:
+        """The bytes one entry counts for."""
+        return 2 * len(wire) + NAMESPACE_ENTRY_OVERHEAD_BYTES
+
+    def get(self, wire: bytes) -> Namespace | None:
+        """The namespace cached under ``wire``, now the most recently used; ``None`` if none is."""
+        namespace = self._entries.get(wire)
+        if namespace is not None:
+            self._entries.move_to_end(wire)
+        return namespace
+
+    def put(self, wire: bytes, namespace: Namespace) -> None:
+        """Cache ``namespace`` under ``wire``, dropping the least recently used entries past ``max_bytes``."""
+        if wire in self._entries:
+            return
+        self._entries[wire] = namespace
+        self.nbytes += self.entry_bytes(wire)
+        while self.nbytes > self.max_bytes and self._entries:
+            old, _ = self._entries.popitem(last=False)
+            self.nbytes -= self.entry_bytes(old)
+
+
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     """Serves one :class:`~kvstore.store.TieredStore` over gRPC (``grpc.aio``).
 
@@ -151,7 +204,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         security = config.security
         self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
         self.require_sha256 = self._auth if security.require_sha256 is None else security.require_sha256
-        self._namespaces: dict[bytes, Namespace] = {}  # serialized wire namespace -> validated Namespace
+        self.namespaces = NamespaceCache()  # serialized wire namespace -> validated Namespace, of authorized calls
         quota_bytes = config.limits.tenant_quota_bytes
         self.quota = TenantQuota(quota_bytes, store.namespace_bytes) if quota_bytes > 0 else None
         self.accepting = True
@@ -320,22 +373,27 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def _namespace(self, wire: bytes, call: _Call) -> Namespace:
         """The namespace of a request (its serialized ``Namespace``), once the caller may use its tenant and hash.
 
-        Validated namespaces are kept by their serialized form (at most
-        :data:`NAMESPACE_CACHE_SIZE`; the cache starts over when full), so a
-        worker's repeated namespace is parsed once; the tenant and hash checks
-        run on every call.
+        A namespace over :data:`~kvstore.server.wire.MAX_NAMESPACE_WIRE_BYTES`
+        is refused before it is parsed. Validated namespaces are kept by their
+        serialized form in :attr:`namespaces` (bounded in bytes), so a worker's
+        repeated namespace is parsed once, but only once the caller is allowed
+        to use it: a refused caller leaves nothing behind. The tenant and hash
+        checks run on every call.
 
         Raises:
-            InvalidArgumentError: on a malformed namespace, or xxh3 where SHA-256 is required.
+            InvalidArgumentError: on a malformed or oversized namespace (each text field has a limit,
+                ``kvstore.keys.NAMESPACE_FIELD_MAX_BYTES``), or xxh3 where SHA-256 is required.
             UnauthenticatedError: if authentication is on and the call carries no principal.
             PermissionDeniedError: if the caller's token does not cover the namespace's ``cache_salt``.
         """
-        namespace = self._namespaces.get(wire)
+        namespace = self.namespaces.get(wire)
+        fresh = namespace is None
         if namespace is None:
+            if len(wire) > MAX_NAMESPACE_WIRE_BYTES:
+                raise InvalidArgumentError(
+                    f"namespace of {len(wire)} bytes is over the limit of {MAX_NAMESPACE_WIRE_BYTES}; each field has "
+                    f"its own limit: {NAMESPACE_FIELD_MAX_BYTES}")
             namespace = namespace_from_pb(_parse(pb.Namespace, wire))
-            if len(self._namespaces) >= NAMESPACE_CACHE_SIZE:
-                self._namespaces.clear()
-            self._namespaces[wire] = namespace
         if self._auth:
             if call.principal is None:  # fail closed: an authenticating node never serves an anonymous call
                 raise UnauthenticatedError("authentication is on but this call was not authenticated")
@@ -345,6 +403,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 "this server requires namespace.hash_algorithm='sha256' (security.require_sha256, on by default "
                 "with authentication): xxh3 collisions can be forced, so untrusted clients must hash with SHA-256"
             )
+        if fresh:
+            self.namespaces.put(wire, namespace)
         return namespace
 
     def _reserve(self, namespace: Namespace, incoming_bytes: int) -> contextlib.AbstractContextManager[None]:
