@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import weakref
@@ -55,6 +56,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=Message)
+_H = TypeVar("_H")
 
 NAMESPACE_CACHE_BYTES = 1 << 20
 """Bytes of validated namespaces a servicer keeps by their wire form (a node serves a handful; 1 MiB holds hundreds)."""
@@ -228,13 +230,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         (:class:`_ReplyLostFilter`, installed here).
         """
         handlers = {
-            "Lookup": grpc.unary_unary_rpc_method_handler(self.Lookup, identity, pb.LookupResponse.SerializeToString),
+            "Lookup": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Lookup), identity,
+                                                          pb.LookupResponse.SerializeToString),
             # a unary handler, so that the reply's last message leaves with its status (Get's docstring)
-            "Get": grpc.unary_unary_rpc_method_handler(self.Get, identity, identity),
-            "Put": grpc.stream_unary_rpc_method_handler(self.Put, identity, pb.PutResponse.SerializeToString),
-            "Delete": grpc.unary_unary_rpc_method_handler(self.Delete, identity, pb.DeleteResponse.SerializeToString),
-            "Clear": grpc.unary_unary_rpc_method_handler(self.Clear, identity, pb.ClearResponse.SerializeToString),
-            "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, identity, pb.StatsResponse.SerializeToString),
+            "Get": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Get), identity, identity),
+            "Put": grpc.stream_unary_rpc_method_handler(_sheds_aborts(self.Put), identity,
+                                                        pb.PutResponse.SerializeToString),
+            "Delete": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Delete), identity,
+                                                          pb.DeleteResponse.SerializeToString),
+            "Clear": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Clear), identity,
+                                                         pb.ClearResponse.SerializeToString),
+            "Stats": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Stats), identity,
+                                                         pb.StatsResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -447,6 +454,28 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         await context.abort(status, message)
 
 
+def _sheds_aborts(handler: _H) -> _H:
+    """``handler`` as registered with gRPC: an abort leaves it holding none of the call's frames.
+
+    grpc.aio keeps an abort's exception on the call's state, which the frames
+    of its traceback reference (each holds the context): every aborted call was
+    cyclic garbage holding its request and all its handler held (a refused 4 MB
+    request too) until the collector ran, so refused callers could pin memory.
+    The exception leaves here without its traceback and the error it was raised
+    in, and the frames go as soon as the call ends (``tests/security/test_hostile_clients.py``).
+    """
+    @functools.wraps(handler)
+    async def handle(request: object, context: grpc.aio.ServicerContext) -> object:
+        try:
+            return await handler(request, context)  # type: ignore[operator]
+        except grpc.aio.AbortError as abort:
+            abort.__traceback__ = abort.__context__ = abort.__cause__ = None
+            del request, context
+            raise
+
+    return handle  # type: ignore[return-value]
+
+
 class _Call:
     """One call of the servicer, from admission to its status: ``async with servicer._call(method, context)``.
 
@@ -454,7 +483,7 @@ class _Call:
     (``kvstore.server.admission``: token, in-flight slot); on exit it releases
     the slot, counts the call in the metrics, and turns a raised kvstore error
     into its status code (``kvstore.server.errors.status_of``) with
-    ``context.abort``. A call that ended on the client's side (it went away, or
+    ``context.abort`` (see :func:`_sheds_aborts`). A call that ended on the client's side (it went away, or
     its deadline passed) is counted as CANCELLED or DEADLINE_EXCEEDED and ends
     as cancelled, however the handler finished.
 
