@@ -57,6 +57,7 @@ from kvstore.errors import (
     ElementCountError,
     TruncatedBlockError,
     UnknownDtypeError,
+    UnsupportedVersionError,
 )
 
 MAGIC = b"KVB\x01"
@@ -254,7 +255,8 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
 
     Raises:
         TruncatedBlockError: if ``buf`` is shorter than the header or header plus payload.
-        BadMagicError: on a wrong magic, or a version other than :data:`VERSION` (naming it).
+        BadMagicError: on a wrong magic; :class:`~kvstore.errors.UnsupportedVersionError`
+            on a version other than :data:`VERSION` (naming it).
         UnknownDtypeError: on an unknown dtype code.
         ElementCountError: if the payload size, shape and layout disagree, bytes
             trail the payload, or the flags or padding are not zero.
@@ -268,7 +270,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     if magic != MAGIC:
         raise BadMagicError(f"not a kvstore block (magic {bytes(magic)!r})")
     if version != VERSION:
-        raise BadMagicError(f"kvstore block format version {version} is not read by this build, which reads version "
+        raise UnsupportedVersionError(f"kvstore block format version {version} is not read by this build, which reads version "
                             f"{VERSION} (its checksum covers the header too); encode the block with this kvstore")
     if _flags:
         raise ElementCountError(f"bad header: flags {_flags:#04x}, must be 0")

@@ -59,6 +59,7 @@ import asyncio
 import datetime
 import fcntl
 import logging
+import mmap
 import os
 import shutil
 import struct
@@ -100,6 +101,12 @@ MIN_SLACK_BYTES = 32 * MiB
 """Map bytes left to LMDB however small the map, up to half of it: pages freed by the last two write
 transactions are reused only after them, so a small map needs room for a few large batches beyond its blocks."""
 
+FLOOR_SLACK_BYTES = 256 * 1024
+"""Map bytes always left to LMDB, even in a tiny map: its meta pages, a copy of each tree's path, the free list."""
+
+MIN_MAP_BYTES = FLOOR_SLACK_BYTES
+"""The smallest map (and ``disk.capacity_bytes``) the tier uses; it holds no block."""
+
 MAX_QUARANTINED = 2
 """Damaged data files kept in ``<path>/quarantine/`` for an operator to look at; older ones are deleted."""
 
@@ -127,25 +134,29 @@ def _consume_outcome(future: asyncio.Future[Any]) -> None:
 def usable_bytes(map_size_bytes: int) -> int:
     """The bytes of block footprints a disk tier whose map (and file) is ``map_size_bytes`` may hold.
 
-    All but ``max(map / 4, min(map / 2, MIN_SLACK_BYTES))``: :data:`DISK_FILL_FRACTION`
-    of a map of 128 MiB or more, half of one of 64 MiB or less, and 32 MiB less in between.
+    All but ``max(256 KiB, map / 4, min(map / 2, 32 MiB))`` (:data:`FLOOR_SLACK_BYTES`,
+    :data:`DISK_FILL_FRACTION`, :data:`MIN_SLACK_BYTES`): three quarters of a map of
+    128 MiB or more, half of one from 512 KiB to 64 MiB, 32 MiB less in between.
     """
-    return map_size_bytes - max(map_size_bytes // 4, min(map_size_bytes // 2, MIN_SLACK_BYTES))
+    slack = max(FLOOR_SLACK_BYTES, map_size_bytes // 4, min(map_size_bytes // 2, MIN_SLACK_BYTES))
+    return max(0, map_size_bytes - slack)
 
 
 def default_map_size_bytes(capacity_bytes: int) -> int:
-    """The LMDB map size (the bound of ``data.mdb``) for ``capacity_bytes`` of footprints, rounded up to 1 MiB.
+    """The LMDB map size (the bound of ``data.mdb``) for ``capacity_bytes`` of footprints, rounded up to a page.
 
     The inverse of :func:`usable_bytes`, so that a tier built from ``disk.capacity_bytes``
     (:meth:`LMDBTier.from_config`) and one built from the footprints it holds agree.
     """
-    if capacity_bytes <= MIN_SLACK_BYTES:
+    if capacity_bytes <= FLOOR_SLACK_BYTES:
+        map_size = capacity_bytes + FLOOR_SLACK_BYTES
+    elif capacity_bytes <= MIN_SLACK_BYTES:
         map_size = 2 * capacity_bytes
     elif capacity_bytes <= 3 * MIN_SLACK_BYTES:
         map_size = capacity_bytes + MIN_SLACK_BYTES
     else:
         map_size = -(-capacity_bytes * 4 // 3)
-    return max(MiB, -(-map_size // MiB) * MiB)
+    return max(MIN_MAP_BYTES, -(-map_size // mmap.PAGESIZE) * mmap.PAGESIZE)
 
 
 LOCK_FILE = "kvstore.lock"
@@ -313,7 +324,7 @@ class LMDBTier:
         """
         if not cfg.path:
             raise InvalidArgumentError("store.disk.path is empty: the disk tier is disabled")
-        map_size = max(MiB, cfg.capacity_bytes // MiB * MiB)
+        map_size = max(MIN_MAP_BYTES, cfg.capacity_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
         return cls(cfg.path, usable_bytes(map_size), sync=cfg.sync, name=name, map_size_bytes=map_size)
 
     # -- opening ------------------------------------------------------------------

@@ -229,7 +229,7 @@ def test_from_config_and_map_size(tmp_path):
     assert (tier.name, tier.capacity_bytes, tier.persistent, tier.sync) == ("disk", usable_bytes(8 * MiB), True, False)
     assert tier._env.info()["map_size"] == 8 * MiB
     assert default_map_size_bytes(tier.capacity_bytes) == 8 * MiB
-    for map_size in (MiB, 8 * MiB, 64 * MiB, 100 * MiB, 128 * MiB, 8 << 30):  # the two agree at every scale
+    for map_size in (MiB, 8 * MiB, 64 * MiB, 100 * MiB, 128 * MiB, 8 << 30, 300 * 4096):  # they agree at every scale
         assert default_map_size_bytes(usable_bytes(map_size)) == map_size
     assert usable_bytes(8 << 30) == int((8 << 30) * DISK_FILL_FRACTION)
     assert os.path.isdir(tmp_path / "env")
