@@ -50,7 +50,8 @@ the file never grows past it. Blocks fill :func:`usable_bytes` of it (their
 is LMDB's own: branch pages, pages freed by the last two write transactions,
 which LMDB reuses only after them, and runs of free pages too short for a new value. When LMDB runs out of map all the same,
 a put raises :class:`~kvstore.tiers.base.TierFullError` and the store evicts
-more. Files moved to ``quarantine/`` are extra; at most :data:`MAX_QUARANTINED` are kept.
+more. A damaged file moved to ``quarantine/`` is extra: one at most, kept only
+while the filesystem still has room for the new file to reach its bound.
 """
 
 from __future__ import annotations
@@ -107,10 +108,9 @@ FLOOR_SLACK_BYTES = 256 * 1024
 MIN_MAP_BYTES = FLOOR_SLACK_BYTES
 """The smallest map (and ``disk.capacity_bytes``) the tier uses; it holds no block."""
 
-MAX_QUARANTINED = 2
-"""Damaged data files kept in ``<path>/quarantine/`` for an operator to look at; older ones are deleted."""
-
 QUARANTINE_DIR = "quarantine"
+"""Where a damaged data file is kept for an operator to look at: the latest only, and only while the filesystem
+keeps room for the new file to grow to its map size."""
 _REBUILD_DIR = ".rebuild"
 
 _PAGE_HEADER_BYTES = 16  # LMDB's PAGEHDRSZ: the first overflow page of a value starts with a page header
@@ -375,6 +375,9 @@ class LMDBTier:
             kept, lost = 0, -1
         quarantine = os.path.join(self.path, QUARANTINE_DIR)
         os.makedirs(quarantine, exist_ok=True)
+        for old in os.listdir(quarantine):  # one damaged file is kept at most: the latest
+            os.unlink(os.path.join(quarantine, old))
+            logger.warning("disk tier %s: deleted the older quarantined file %s", self.name, old)
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         moved = os.path.join(quarantine, f"data-{stamp}.mdb")
         os.replace(self._data_file, moved)
@@ -382,14 +385,15 @@ class LMDBTier:
         if kept:
             os.replace(os.path.join(rebuild, "data.mdb"), self._data_file)
         shutil.rmtree(rebuild, ignore_errors=True)
+        where = f"moved to {moved}"
+        if shutil.disk_usage(self.path).free < self.map_size_bytes:  # the new file may need the room: keep no copy
+            os.unlink(moved)
+            where = f"deleted, not quarantined: {self.path} has no room beside the new file for it ({moved})"
         logger.error(
-            "disk tier %s: %s failed its check (%s%s); moved to %s; %s blocks salvaged into a new file%s",
+            "disk tier %s: %s failed its check (%s%s); %s; %s blocks salvaged into a new file%s",
             self.name, self._data_file, problems[0], f", and {len(problems) - 1} more problems" if problems[1:] else "",
-            moved, kept, f", {lost} records could not be read or verified" if lost >= 0 else "",
+            where, kept, f", {lost} records could not be read or verified" if lost >= 0 else "",
         )
-        for old in sorted(os.listdir(quarantine))[:-MAX_QUARANTINED]:
-            os.unlink(os.path.join(quarantine, old))
-            logger.warning("disk tier %s: deleted the old quarantined file %s", self.name, old)
 
     def _salvage_into(self, directory: str) -> tuple[int, int]:
         """Copy every block of the damaged file that still verifies, with its meta, into a new environment.
