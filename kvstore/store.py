@@ -366,7 +366,7 @@ class TieredStore:
         for i, value in zip(local, await self._read_local(leased, releases if read.lend else None)):  # type: ignore[arg-type]
             found[i] = value
         await self._follow_moved(read, keys, sources, local, found)
-        self._check_read(read.namespace, keys, sources, local, found)
+        await self._check_read(read.namespace, keys, sources, local, found)
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]
         hit_levels = [level for level in sources[:hit] if level is not None]
@@ -410,8 +410,8 @@ class TieredStore:
             if level is not None and not self._policies[level].is_pinned(key):
                 self._forgotten_pinned.discard((level, key))
 
-    def _check_read(self, namespace: Namespace, keys: list[BlockKey], sources: list[int | None],
-                    local: Sequence[int], found: list[Buffer | None]) -> None:
+    async def _check_read(self, namespace: Namespace, keys: list[BlockKey], sources: list[int | None],
+                          local: Sequence[int], found: list[Buffer | None]) -> None:
         """Forget the blocks a read found missing from their tier, and refuse those of a persistent tier that do
         not fit the namespace; either is a miss (``found[i]`` becomes ``None``), so the prefix ends there.
 
@@ -426,6 +426,7 @@ class TieredStore:
         deleted and counted as corrupt, as the shared tier's are refused.
         """
         policies = self._policies
+        refused: dict[int, list[BlockKey]] = {}
         for i in local:
             level = sources[i]
             value = found[i]
@@ -450,8 +451,10 @@ class TieredStore:
                 found[i] = None
                 if keys[i] in policies[level]:
                     self._forget(level, keys[i])
-                    self._spawn(self._tiers[level].delete([keys[i]]))
+                    refused.setdefault(level, []).append(keys[i])
                 self._counters[level].mismatched += 1
+        if refused:  # forgotten first, deleted before anything else runs (a put of the key made later is kept)
+            await self._delete_local(refused)
 
     def _dropped(self, level: int, keys: list[BlockKey]) -> None:
         """Forget the blocks tier ``level`` deleted on its own (corrupt records; :class:`DroppingTier`).

@@ -113,3 +113,31 @@ def test_a_record_lmdb_cannot_delete_is_a_miss_and_the_store_stays_in_service(tm
         hashes, blocks = prefixes[0]
         assert store.put(NS, hashes, blocks) >= 1  # the lost blocks can be stored again
         assert store.get(NS, hashes) == blocks
+
+
+def test_a_block_on_disk_that_does_not_fit_its_namespace_is_refused_deleted_and_counted(tmp_path: Path) -> None:
+    """Regression (finding 1): the Redis read path checked a block's dtype against the namespace, the LMDB path did
+    not. Here a whole, valid block of another dtype (bfloat16) sits under a float16 block's key, as a record
+    written by another program would: its checksum holds, its namespace does not."""
+    (hashes, blocks), = chains(1, 3)
+    other = encode_block(torch.randn(2, 2, 4, NS.block_size, 64).to(torch.bfloat16))
+    with open_store(disk_only(tmp_path / "disk")) as store:
+        assert store.put(NS, hashes, blocks) == 3
+        key = block_key(NS, hashes[1])
+        script = (
+            "import lmdb, sys\n"
+            "env = lmdb.open(sys.argv[1], max_dbs=3)\n"
+            "blocks = env.open_db(b'blocks')\n"
+            "key, value = bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])\n"
+            "with env.begin(write=True) as txn:\n"
+            "    bound = txn.get(key, db=blocks).endswith(key)\n"  # records end with their key (disk format 2)
+            "    txn.put(key, value + key if bound else value, db=blocks)\n"  # a well-formed record
+            "env.close()\n"
+        )
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / "disk"), key.hex(), other.hex()], check=True,
+                       timeout=60)
+        assert store.get(NS, hashes) == blocks[:1]
+        assert store.lookup(NS, hashes).num_blocks == 1
+        assert disk_counters(store)["corrupt_records"] == 1
+        assert store.put(NS, hashes, blocks) == 1
+        assert store.get(NS, hashes) == blocks
