@@ -28,7 +28,8 @@ maps, so the tier protects itself in three places:
   fails (a flipped byte in a tree page, a truncated file, a zeroed meta page)
   is moved aside into ``quarantine/`` with an ERROR log line naming it and the
   reason, and the blocks that can still be read and verified are copied into a
-  fresh file (:func:`~kvstore.tiers.lmdb_file.salvage_records`); the tier then
+  fresh file (:func:`~kvstore.tiers.lmdb_file.salvage_records`: from the newest
+  snapshot whose meta page is valid); the tier then
   opens that, so the node always starts. A file of disk format 1 (blocks of
   codec version 1, no key binding) is dropped, logged as a warning;
 * on every read, a record must end with its key and its block must pass
@@ -386,7 +387,8 @@ class LMDBTier:
             os.replace(os.path.join(rebuild, "data.mdb"), self._data_file)
         shutil.rmtree(rebuild, ignore_errors=True)
         where = f"moved to {moved}"
-        if shutil.disk_usage(self.path).free < self.map_size_bytes:  # the new file may need the room: keep no copy
+        if shutil.disk_usage(self.path).free < self.map_size_bytes - self._file_bytes():  # the new file may need
+            # that room to grow to its bound: keep no copy
             os.unlink(moved)
             where = f"deleted, not quarantined: {self.path} has no room beside the new file for it ({moved})"
         logger.error(
@@ -401,36 +403,31 @@ class LMDBTier:
         Returns:
             Blocks copied, and records that were found but dropped (unverifiable, or of disk format 1).
         """
-        blocks: dict[bytes, bytes] = {}
-        metas: dict[bytes, bytes] = {}
-        for record in salvage_records(self._data_file):
-            if record.tree == b"blocks":
-                blocks[record.key] = record.value
-            elif record.tree == b"meta":
-                metas[record.key] = record.value
-        kept = 0
+        metas = {record.key: record.value for record in salvage_records(self._data_file, {b"meta"})}  # 25 bytes each
+        kept = found = 0
         env = lmdb.open(directory, map_size=self.map_size_bytes, max_dbs=3, sync=True, metasync=True)
         try:
             blocks_db, meta_db, info_db = (env.open_db(name) for name in (b"blocks", b"meta", b"info"))
             with env.begin(write=True) as txn:
                 txn.put(b"format", DISK_FORMAT, db=info_db)
             batch: list[tuple[bytes, bytes, bytes]] = []
-            for key, record in blocks.items():
+            for record in salvage_records(self._data_file, {b"blocks"}):  # one block at a time
+                found += 1
                 try:
-                    block = _block_of(key, record)
+                    block = _block_of(record.key, record.value)
                 except CodecError:
                     continue
-                parsed = _unpack_meta(metas.get(key))
+                parsed = _unpack_meta(metas.pop(record.key, None))
                 if parsed is None or parsed[1] != len(block):  # the meta is gone: the block is still good
                     parsed = BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), len(block)
-                batch.append((key, record, _pack_meta(*parsed)))
+                batch.append((record.key, record.value, _pack_meta(*parsed)))
                 if len(batch) >= 256:
                     kept += self._write_salvaged(env, blocks_db, meta_db, batch)
                     batch = []
             kept += self._write_salvaged(env, blocks_db, meta_db, batch)
         finally:
             env.close()
-        return kept, len(blocks.keys() | metas.keys()) - kept
+        return kept, found + len(metas) - kept
 
     @staticmethod
     def _write_salvaged(env: lmdb.Environment, blocks_db: Any, meta_db: Any,

@@ -13,8 +13,8 @@ never a signal:
   overflow extents, the free list and that live and free pages cover the file
   exactly), and adds the one rule it leaves out: the file must hold every page
   up to the last one in use, or a read of a value cut short is a SIGBUS;
-* :func:`salvage_records` reads every record that can still be reached, from
-  both snapshots (meta pages), skipping damaged pages and values.
+* :func:`salvage_records` reads every record that can still be reached from the
+  newest valid snapshot (meta page), skipping damaged pages and values.
 
 Only what the disk tier writes is understood by the salvage reader: LMDB 0.9's
 format (``MDB_DATA_VERSION`` 1, 64-bit page numbers, little-endian), named trees
@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Container, Iterator
 
 from lmdb import verify as lmdb_verify
 
@@ -42,8 +42,6 @@ MDB_DATA_VERSION = 1
 
 P_BRANCH, P_LEAF, P_OVERFLOW, P_META, P_DIRTY, P_KEEP = 0x01, 0x02, 0x04, 0x08, 0x10, 0x8000
 F_BIGDATA, F_SUBDATA = 0x01, 0x02
-MDB_INTEGERKEY = 0x08  # the flags of the free-page tree
-FREE_DBI, MAIN_DBI = 0, 1
 
 _PAGE = struct.Struct("<QHHHH")
 _OVERFLOW = struct.Struct("<QHHI")
@@ -252,13 +250,16 @@ class SalvagedRecord:
     value: bytes
 
 
-def salvage_records(path: str | os.PathLike[str]) -> Iterator[SalvagedRecord]:
-    """Every record still readable in a damaged data file, from its newest snapshot, then from the older one.
+def salvage_records(path: str | os.PathLike[str], trees: Container[bytes] | None = None) -> Iterator[SalvagedRecord]:
+    """Every record still readable in a damaged data file, from the newest snapshot whose meta page is valid.
 
+    Records come one at a time, read as they are yielded (a large file is never
+    held in memory); ``trees`` picks the named trees to read (all when ``None``).
     A page that cannot be read as a branch or leaf page is skipped with all it
     points to; a node out of its page's bounds, or a value whose overflow run is
-    damaged, is skipped alone. A record of the older snapshot whose key the
-    newer one had is not repeated. Nothing read here is trusted: the caller
+    damaged, is skipped alone. The older snapshot is read only when the newer
+    meta page is invalid: it may still hold records the last transaction
+    deleted, which must not come back. Nothing read here is trusted: the caller
     checks each value (the disk tier checks each block against its key and checksum).
 
     Raises:
@@ -267,14 +268,14 @@ def salvage_records(path: str | os.PathLike[str]) -> Iterator[SalvagedRecord]:
     file = _File(path)
     try:
         snapshots = _snapshots(file, [])
-        seen: set[tuple[bytes, bytes]] = set()
-        for snapshot in snapshots:
-            file.page_bytes = snapshot.page_bytes
-            for name, tree in _salvage_names(file, snapshot):
+        if not snapshots:
+            return
+        snapshot = snapshots[0]
+        file.page_bytes = snapshot.page_bytes
+        for name, tree in _salvage_names(file, snapshot):
+            if trees is None or name in trees:
                 for key, value in _salvage_tree(file, snapshot, tree):
-                    if (name, key) not in seen:
-                        seen.add((name, key))
-                        yield SalvagedRecord(name, key, value)
+                    yield SalvagedRecord(name, key, value)
     finally:
         file.close()
 
