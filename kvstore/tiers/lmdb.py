@@ -289,8 +289,13 @@ class LMDBTier:
         self._set_aside: set[BlockKey] = set()  # records LMDB could not read or delete: not served until a restart
         try:
             self._prepare_file()
-            self._open_environment()
-            self._check_format()
+            try:
+                self._open_environment()
+            except _RECORD_ERRORS as exc:  # the file passed the check, and LMDB refuses it all the same
+                if hasattr(self, "_env"):
+                    self._env.close()
+                self._repair([f"LMDB refused to open it: {exc}"])
+                self._open_environment()
         except (lmdb.Error, OSError, UnavailableError) as exc:
             if hasattr(self, "_env"):
                 self._env.close()
@@ -298,8 +303,6 @@ class LMDBTier:
             if isinstance(exc, UnavailableError):
                 raise
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {exc}") from exc
-        self.page_bytes: int = self._env.stat()["psize"]
-        self._used_bytes = self._scan_used_bytes()
         self._touched: dict[BlockKey, float] = {}  # keys hit by gets since the last write txn -> time
         self.on_drop: DropListener | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"lmdb-{name}-w")
@@ -341,6 +344,7 @@ class LMDBTier:
             return 0
 
     def _open_environment(self) -> None:
+        """Open the environment and its trees, drop one of another disk format, and count the bytes held."""
         self._env = lmdb.open(
             self.path, map_size=self.map_size_bytes, max_dbs=3, sync=self.sync, metasync=self.sync,
             max_readers=126 + self._num_reader_threads,
@@ -348,6 +352,9 @@ class LMDBTier:
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
         self._info = self._env.open_db(b"info")
+        self._check_format()
+        self.page_bytes: int = self._env.stat()["psize"]
+        self._used_bytes = self._scan_used_bytes()
 
     def _prepare_file(self) -> None:
         """Check ``data.mdb`` before LMDB maps it; move a damaged one aside and open what can be salvaged instead.
@@ -467,9 +474,7 @@ class LMDBTier:
             _remove_environment_files(self.path)
             logger.error("disk tier %s at %s is of disk format %r, which this build does not read; moved to %s, "
                          "the tier starts empty", self.name, self.path, found, moved)
-        self._open_environment()
-        with self._env.begin(write=True) as txn:
-            txn.put(b"format", DISK_FORMAT, db=self._info)
+        self._open_environment()  # a new file: marked with this format there, and never dropped again
 
     # -- accounting ---------------------------------------------------------------
 
