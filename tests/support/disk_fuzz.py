@@ -154,7 +154,7 @@ class ServeNode:
         from tests.support.kvnode import KVNode
 
         self.node = KVNode(memory_capacity="0", disk_path=disk_path, disk_capacity=DISK_CAPACITY, metrics=False,
-                           startup_timeout_s=60.0)
+                           startup_timeout_s=120.0)
         self.last_error = ""
 
     def start(self) -> bool:
