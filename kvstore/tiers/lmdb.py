@@ -213,6 +213,12 @@ def _block_of(key: bytes, record: bytes | memoryview) -> bytes:
     return block
 
 
+def _ends_with(record: bytes | memoryview, key: bytes) -> bool:
+    """Whether a ``blocks`` record is long enough to hold a block and ends with ``key`` (reads only its tail)."""
+    view = memoryview(record)
+    return view.nbytes > len(key) and view[view.nbytes - len(key):] == key
+
+
 def _remove_environment_files(path: str) -> None:
     for name in ("data.mdb", "lock.mdb"):
         try:
@@ -286,6 +292,7 @@ class LMDBTier:
         self._lock_fd = _lock_directory(self.path)
         self._corrupt_records = 0
         self._unreadable_records = 0
+        self._repaired_records = 0
         self._set_aside: set[BlockKey] = set()  # records LMDB could not read or delete: not served until a restart
         try:
             self._prepare_file()
@@ -499,10 +506,13 @@ class LMDBTier:
         """Event counts since start.
 
         Keys: ``corrupt_records`` (records that failed their key or checksum
-        check, and junk records, deleted) and ``unreadable_records`` (records
-        LMDB could not read or delete, set aside until a restart checks the file).
+        check, and junk records, deleted), ``unreadable_records`` (records
+        LMDB could not read or delete, set aside until a restart checks the
+        file) and ``repaired_records`` (blocks whose meta record was lost, kept
+        at the default priority; :meth:`resident`).
         """
-        return {"corrupt_records": self._corrupt_records, "unreadable_records": self._unreadable_records}
+        return {"corrupt_records": self._corrupt_records, "unreadable_records": self._unreadable_records,
+                "repaired_records": self._repaired_records}
 
     # -- the Tier protocol --------------------------------------------------------------
 
@@ -615,18 +625,24 @@ class LMDBTier:
             self._unreadable_records += len(failed)
 
     async def resident(self) -> list[ResidentEntry]:
-        """Every block held, with its meta as of the last get; junk records are deleted and counted.
+        """Every block held, with its meta as of the last get; records that do not pair up are repaired or dropped.
 
-        Junk is a ``meta`` record that does not decode, a block without meta or
-        meta without block, or a block whose length differs from its meta.
+        A block record (ending with its key) whose ``meta`` record is missing,
+        does not decode or gives another length gets a new one, at the default
+        priority (its checksum is checked on its first get, as always): losing
+        a meta record costs a block only its priority and recency, and is counted
+        as ``repaired_records``. Anything else that does not pair up is junk,
+        deleted and counted as ``corrupt_records``: a meta record without its
+        block, or a block record that does not end with its key.
 
         Raises:
             UnavailableError: if the tier is closed or LMDB fails.
         """
         self._check_open()
-        entries, junk = await self._run(self._readers, self._scan_txn)
-        if junk:
-            await self._write(self._drop_junk_txn, junk)
+        entries, junk, repairs = await self._run(self._readers, self._scan_txn)
+        if junk or repairs:
+            await self._write(self._repair_txn, junk, repairs)
+            entries += [ResidentEntry(key, nbytes, BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0)) for key, nbytes in repairs]
         touched, set_aside = self._touched, self._set_aside
         return [
             ResidentEntry(e.key, e.nbytes, BlockMeta(e.meta.priority, e.meta.expires_at, touched[e.key]))
@@ -767,29 +783,56 @@ class LMDBTier:
             corrupt.append(key)
             return None
 
-    def _scan_txn(self) -> tuple[list[ResidentEntry], list[BlockKey]]:
+    def _scan_txn(self) -> tuple[list[ResidentEntry], list[BlockKey], list[tuple[BlockKey, int]]]:
+        """Every block that pairs up with its meta; the junk keys; the blocks whose meta must be rewritten, with
+        the length of each (see :meth:`resident`)."""
         entries: list[ResidentEntry] = []
         junk: list[BlockKey] = []
+        repairs: list[tuple[BlockKey, int]] = []
         with self._env.begin(buffers=True) as txn:
             for key, raw in txn.cursor(db=self._meta):
                 key = BlockKey(bytes(key))
                 parsed = _unpack_meta(raw)
-                block = txn.get(key, db=self._blocks)
-                if parsed is None or block is None or len(block) != parsed[1] + len(key):
-                    junk.append(key)
-                else:
+                record = txn.get(key, db=self._blocks)
+                if parsed is not None and record is not None and len(record) == parsed[1] + len(key):
                     entries.append(ResidentEntry(key, parsed[1], parsed[0]))
-            for key in txn.cursor(db=self._blocks).iternext(keys=True, values=False):
+                elif record is not None and _ends_with(record, key):
+                    repairs.append((key, len(record) - len(key)))
+                else:
+                    junk.append(key)
+            for key, record in txn.cursor(db=self._blocks):
                 if txn.get(key, db=self._meta) is None:
-                    junk.append(BlockKey(bytes(key)))
-        return entries, junk
+                    key = BlockKey(bytes(key))
+                    if _ends_with(record, key):
+                        repairs.append((key, len(record) - len(key)))
+                    else:
+                        junk.append(key)
+        return entries, junk, repairs
 
-    def _is_junk(self, txn: lmdb.Transaction, key: BlockKey) -> bool:
-        parsed = _unpack_meta(txn.get(key, db=self._meta))
-        block = txn.get(key, db=self._blocks)
-        if parsed is None and block is None:
-            return False  # gone already
-        return parsed is None or block is None or len(block) != parsed[1] + len(key)
+    def _repair_txn(self, junk: list[BlockKey], repairs: list[tuple[BlockKey, int]],
+                    touched: Mapping[BlockKey, float]) -> None:
+        """Delete ``junk`` records, and give each block of ``repairs`` a new meta record at the default priority."""
+        unique = list(dict.fromkeys(junk))
+        keys = unique + [key for key, _ in repairs]
+        dropped: list[BlockKey] = []
+
+        def fix_one(txn: lmdb.Transaction, i: int) -> int:
+            if i < len(unique):
+                key = unique[i]
+                logger.warning("disk tier %s: junk record %s deleted", self.name, key.hex())
+                dropped.append(key)
+                return self._remove(txn, key)
+            key, nbytes = repairs[i - len(unique)]
+            held = self._held_nbytes(txn, key)
+            txn.put(key, _pack_meta(BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), nbytes), db=self._meta)
+            return self.footprint(nbytes) - (0 if held is None else self.footprint(held))
+
+        failed = set(self._transact(keys, fix_one, touched))
+        self._corrupt_records += len(set(dropped) - failed)
+        self._repaired_records += len({key for key, _ in repairs} - failed)
+        if repairs:
+            logger.warning("disk tier %s: %s blocks had lost their meta record; kept at the default priority",
+                           self.name, len(repairs))
 
     def _held_nbytes(self, txn: lmdb.Transaction, key: BlockKey) -> int | None:
         """nbytes the accounting counts for ``key``: from its meta record, ``None`` if it has none."""
@@ -908,21 +951,6 @@ class LMDBTier:
         dropped = [key for key in dict.fromkeys(dropped) if key not in failed]
         self._corrupt_records += len(dropped) + len(failed)
         return dropped, failed
-
-    def _drop_junk_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]) -> None:
-        unique = list(dict.fromkeys(keys))
-        dropped: list[BlockKey] = []
-
-        def drop_one(txn: lmdb.Transaction, i: int) -> int:
-            key = unique[i]
-            if not self._is_junk(txn, key):
-                return 0
-            logger.warning("disk tier %s: junk record %s deleted", self.name, key.hex())
-            dropped.append(key)
-            return self._remove(txn, key)
-
-        failed = self._transact(unique, drop_one, touched)
-        self._corrupt_records += len(set(dropped) - set(failed))
 
     def _close_txn(self, touched: Mapping[BlockKey, float]) -> None:
         if not touched:

@@ -13,6 +13,7 @@ import pytest
 
 from kvstore.config import DiskTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.policy import DEFAULT_PRIORITY
 from kvstore.tiers.base import BlockMeta, TierFullError
 from kvstore.tiers.lmdb import DISK_FILL_FRACTION, LMDBTier, default_map_size_bytes, usable_bytes
 from tests.support.lmdb_pages import page_map
@@ -142,9 +143,12 @@ async def test_a_damaged_record_is_a_miss_deleted_and_counted(tmp_path, damage):
     await tier.close()
 
 
-async def test_resident_skips_deletes_and_counts_junk_records(tmp_path):
+async def test_resident_repairs_lost_meta_records_and_deletes_and_counts_junk(tmp_path):
+    """A block whose meta record is lost or damaged is kept at the default priority (its checksum is still checked
+    on its first get); what cannot be a block is deleted. Regression (issue 18): a flipped byte in a meta record,
+    which leaves LMDB's structure whole, cost its block: it was deleted as junk at the next start."""
     path = tmp_path / "env"
-    tier, keys, values = await _stored_tier(path, num_blocks=4)
+    tier, keys, values = await _stored_tier(path, num_blocks=5)
     await tier.close()
     good = make_block(50)
 
@@ -152,19 +156,22 @@ async def test_resident_skips_deletes_and_counts_junk_records(tmp_path):
         txn.put(keys[0], b"\x01\x02\x03", db=meta_db)  # meta that does not decode
         txn.delete(keys[1], db=meta_db)  # block without meta
         txn.delete(keys[2], db=blocks)  # meta without block
-        txn.put(make_key(60), good, db=blocks)  # orphan block
-        txn.put(make_key(61), struct.pack("<BddQ", 35, 0.0, 0.0, len(good) + 1), db=meta_db)
-        txn.put(make_key(61), good, db=blocks)  # length differs from meta
+        txn.put(keys[4], struct.pack("<BddQ", 35, 0.0, 0.0, len(values[4]) + 1), db=meta_db)  # a wrong length
+        txn.put(make_key(60), good, db=blocks)  # a record that does not end with its key
+        txn.put(make_key(61), struct.pack("<BddQ", 35, 0.0, 0.0, len(good)), db=meta_db)
+        txn.put(make_key(61), good, db=blocks)  # the same, with a meta record
 
     _edit_records(path, add_junk)
     tier = LMDBTier(path, 4 * MiB)
-    entries = await tier.resident()
-    assert [e.key for e in entries] == [keys[3]]
-    assert tier.counters()["corrupt_records"] == 5
-    assert tier.used_bytes == tier.footprint(len(values[3]))
-    assert await tier.resident() == entries
-    assert tier.counters()["corrupt_records"] == 5
-    assert await tier.get([keys[3]]) == [values[3]]
+    entries = {e.key: e for e in await tier.resident()}
+    assert set(entries) == {keys[0], keys[1], keys[3], keys[4]}
+    assert [entries[k].meta.priority for k in (keys[0], keys[1], keys[4])] == [DEFAULT_PRIORITY] * 3
+    assert entries[keys[3]].meta.priority == 43
+    assert tier.counters()["corrupt_records"] == 3 and tier.counters()["repaired_records"] == 3
+    assert tier.used_bytes == sum(tier.footprint(len(values[i])) for i in (0, 1, 3, 4))
+    assert {e.key for e in await tier.resident()} == set(entries)  # repaired: nothing more to do
+    assert tier.counters()["corrupt_records"] == 3 and tier.counters()["repaired_records"] == 3
+    assert await tier.get([keys[0], keys[1], keys[3], keys[4]]) == [values[0], values[1], values[3], values[4]]
     await tier.close()
 
 
