@@ -82,7 +82,10 @@ def run_trial(redis_url: str, seed: int, mode: str, *, num_chains: int = 16, len
     namespace = Namespace(model=f"tests/redis-fuzz-{seed}", dtype="float16", block_size=16)
     raw = redis.Redis.from_url(redis_url)
     raw.flushall()
-    config = StoreConfig(memory=MemoryTierConfig(enabled=False), redis=RedisTierConfig(url=redis_url, mode="write_back"))
+    # timeouts far above a busy machine's round trip, and no breaker: a slow reply must not pass for a lost block
+    redis_config = RedisTierConfig(url=redis_url, mode="write_back", connect_timeout_s=30.0, socket_timeout_s=30.0,
+                                   breaker_failures=0)
+    config = StoreConfig(memory=MemoryTierConfig(enabled=False), redis=redis_config)
     chains = [chain_blocks(seed, chain, length) for chain in range(num_chains)]
     names = RedisTier(config.redis)  # only to name the keys; it never connects
     with open_store(config) as store:
