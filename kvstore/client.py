@@ -944,12 +944,14 @@ class KVStoreClient:
         """Like :meth:`get`, decoded (checksums verified) into CPU tensors that view the received bytes.
 
         Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
-        ``[num_layers, 1, block_size, latent_dim]`` (``mla``); read-only: clone before writing.
+        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). The bytes are this
+        call's own received messages, which nothing else holds, so they are not
+        copied (``decode_block(copy=False)``); a write into a tensor changes only them.
 
         Raises:
             CodecError: if a received block fails to decode.
         """
-        return [decode_block(b) for b in self.get(namespace, block_hashes)]
+        return [decode_block(b, copy=False) for b in self.get(namespace, block_hashes)]
 
     def put(
         self,
@@ -1386,8 +1388,9 @@ class AsyncKVStoreClient:
         return partition.merge_blocks(results)
 
     async def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
-        """Like :meth:`get`, decoded (checksums verified) into read-only CPU tensors (see :meth:`KVStoreClient.get_tensors`)."""
-        return [decode_block(b) for b in await self.get(namespace, block_hashes)]
+        """Like :meth:`get`, decoded (checksums verified) into CPU tensors that view the received bytes (see
+        :meth:`KVStoreClient.get_tensors`)."""
+        return [decode_block(b, copy=False) for b in await self.get(namespace, block_hashes)]
 
     async def put(
         self,

@@ -105,7 +105,8 @@ class DiskTierConfig:
 
     Attributes:
         path: directory of the LMDB environment; empty disables the tier.
-        capacity_bytes: bytes of blocks the tier may hold.
+        capacity_bytes: the most bytes ``data.mdb`` takes (LMDB's map size); blocks fill
+            ``kvstore.tiers.lmdb.usable_bytes`` of it, three quarters of a large one (``docs/disk.md``).
         sync: fsync every write transaction (durable, slower).
     """
 

@@ -33,6 +33,23 @@ BlockKey = NewType("BlockKey", bytes)
 """A tier key: the 8-byte namespace tag followed by the block hash (24 or 40 bytes)."""
 
 NAMESPACE_TAG_BYTES = 8
+
+NAMESPACE_FIELD_MAX_BYTES: dict[str, int] = {
+    "model": 512,
+    "revision": 128,
+    "dtype": 32,
+    "layout": 16,
+    "adapter": 256,
+    "cache_salt": 256,
+    "hash_algorithm": 16,
+}
+"""The longest each text field of a :class:`Namespace` may be, in UTF-8 bytes (``docs/security.md``).
+
+A Hugging Face model id is at most 96 + 1 + 96 characters and a git revision
+40; the limits leave room for local paths and long tags, and bound what one
+request's namespace can make a node hold (the node caches namespaces it has
+seen). Past a limit, the namespace is refused with :class:`InvalidArgumentError`.
+"""
 _NAMESPACE_MAGIC = b"kvstore/namespace/v1\x00"
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -77,8 +94,9 @@ class Namespace:
         hash_algorithm: ``H`` of the chain.
 
     Raises:
-        InvalidArgumentError: on an empty model, a non-positive block size,
-            an out-of-range rank, or a layout that is not ``kv`` or ``mla``.
+        InvalidArgumentError: on an empty model, a text field over its limit in
+            :data:`NAMESPACE_FIELD_MAX_BYTES`, a non-positive block size, an
+            out-of-range rank, or a layout that is not ``kv`` or ``mla``.
         UnknownDtypeError: (an ``InvalidArgumentError``) on a dtype that is not a
             codec dtype name, naming the valid ones (``torch.float16`` and a
             ``torch.dtype`` are taken as ``float16``).
@@ -99,6 +117,13 @@ class Namespace:
     def __post_init__(self) -> None:
         if not self.model:
             raise InvalidArgumentError("namespace.model must not be empty")
+        for name, max_bytes in NAMESPACE_FIELD_MAX_BYTES.items():
+            text = getattr(self, name)
+            if not isinstance(text, str):
+                continue  # the hash algorithm as an enum: checked below
+            if len(text) > max_bytes or len(text.encode("utf-8")) > max_bytes:  # the first test is cheap
+                raise InvalidArgumentError(
+                    f"namespace.{name} is {len(text.encode('utf-8'))} bytes, over its limit of {max_bytes}")
         if not 0 < self.block_size <= 1 << 20:
             raise InvalidArgumentError(f"namespace.block_size must be in [1, 2^20], got {self.block_size}")
         if not 0 < self.tp_size <= 1 << 16 or not 0 <= self.tp_rank < self.tp_size:

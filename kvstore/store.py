@@ -65,6 +65,8 @@ class _Counters:
     evictions: int = 0
     demotions: int = 0
     promotions: int = 0
+    lost: int = 0  # blocks the index placed in the tier that a read did not find there (then forgotten)
+    mismatched: int = 0  # blocks read from a persistent tier that did not fit their namespace (then deleted)
 
 
 class TieredStore:
@@ -107,6 +109,8 @@ class TieredStore:
         self._policies = [PriorityLRUPolicy(self.config.default_priority) for _ in self._tiers]
         self._locks = [asyncio.Lock() for _ in self._tiers]
         self._tag_bytes: dict[bytes, int] = {}  # namespace tag -> local bytes, for tenant quotas
+        self._forgotten_pinned: set[tuple[int, BlockKey]] = set()  # (level, key) forgotten while a read or move
+        # pinned it: a read that then misses it must not take a newer entry of the key for a lost block
         self._counters = [_Counters() for _ in range(len(self._tiers) + (shared is not None))]
         self._lookup_hit_blocks = 0
         self._lookup_miss_blocks = 0
@@ -224,7 +228,11 @@ class TieredStore:
         return located
 
     async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
-        """Encoded blocks of the longest cached prefix, in order, stopping at the first miss; copies the caller owns.
+        """Encoded blocks of the longest cached prefix, in order, stopping at the first miss, as ``bytes`` to keep.
+
+        The ``bytes`` are immutable, and may be the heap tier's stored object
+        itself: decode them with ``kvstore.codec.decode_block``, which copies
+        read-only memory, never with a bare ``torch.frombuffer``.
 
         The prefix is leased while it is read, so eviction cannot take it; a
         block that turns out corrupt ends the prefix there. Lower-tier hits are
@@ -244,7 +252,9 @@ class TieredStore:
         While the body runs, the prefix stays pinned, so eviction cannot take it,
         and blocks of a tier that lends (:class:`~kvstore.tiers.base.LeasingTier`,
         the host memory tier) are read-only views of its memory, not copies:
-        they are valid only inside the body. The service's Get streams from
+        they are valid only inside the body, and no caller may write into them
+        (``kvstore.codec.decode_block`` copies read-only memory into a tensor of
+        its own). The service's Get streams from
         them, copying each block once, into its gRPC messages. Leaving the body,
         also by an error or a cancelled call, releases every lease. Otherwise
         as :meth:`get` (recency, promotion, counters).
@@ -359,6 +369,7 @@ class TieredStore:
         for i, value in zip(local, await self._read_local(leased, releases if read.lend else None)):  # type: ignore[arg-type]
             found[i] = value
         await self._follow_moved(read, keys, sources, local, found)
+        await self._check_read(read.namespace, keys, sources, local, found)
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]
         hit_levels = [level for level in sources[:hit] if level is not None]
@@ -396,6 +407,58 @@ class TieredStore:
             for (i, _), value in zip(moved, values):
                 found[i] = value
 
+    def _unmark_forgotten(self, released: Sequence[tuple[BlockKey, int | None]]) -> None:
+        """Drop the marks of :attr:`_forgotten_pinned` whose keys no read or move pins any more."""
+        for key, level in released:
+            if level is not None and not self._policies[level].is_pinned(key):
+                self._forgotten_pinned.discard((level, key))
+
+    async def _check_read(self, namespace: Namespace, keys: list[BlockKey], sources: list[int | None],
+                          local: Sequence[int], found: list[Buffer | None]) -> None:
+        """Forget the blocks a read found missing from their tier, and refuse those of a persistent tier that do
+        not fit the namespace; either is a miss (``found[i]`` becomes ``None``), so the prefix ends there.
+
+        A block the index still places in the tier a read asked, with the same
+        entry it had when the read pinned it (not forgotten meanwhile, by a
+        delete or move that another put then undid), and that the tier did not
+        return, is gone behind the store's back (a record deleted on
+        disk, or one LMDB cannot read): it is forgotten at once, so lookups stop
+        claiming it and the next put stores it again, and counted as
+        ``lost_records``. A block from a persistent tier (disk) whose header's
+        dtype, layout or block size contradicts the request's namespace is
+        deleted and counted as corrupt, as the shared tier's are refused.
+        """
+        policies = self._policies
+        refused: dict[int, list[BlockKey]] = {}
+        for i in local:
+            level = sources[i]
+            value = found[i]
+            if level is None:
+                continue
+            if value is None:
+                if keys[i] in policies[level] and (level, keys[i]) not in self._forgotten_pinned:
+                    logger.warning("tier %s: block %s is indexed but was not found; forgotten",
+                                   self._tiers[level].name, keys[i].hex())
+                    self._forget(level, keys[i])
+                    self._counters[level].lost += 1
+                continue
+            if not self._tiers[level].persistent:
+                continue  # host or device memory this process wrote, from blocks it checked at put
+            try:
+                mismatch = _namespace_mismatch(namespace, decode_header(value))
+            except CodecError as exc:  # the tier verified it: only a tier that does not would get here
+                mismatch = str(exc)
+            if mismatch:
+                logger.warning("tier %s: block %s does not fit its namespace (%s); deleted",
+                               self._tiers[level].name, keys[i].hex(), mismatch)
+                found[i] = None
+                if keys[i] in policies[level]:
+                    self._forget(level, keys[i])
+                    refused.setdefault(level, []).append(keys[i])
+                self._counters[level].mismatched += 1
+        if refused:  # forgotten first, deleted before anything else runs (a put of the key made later is kept)
+            await self._delete_local(refused)
+
     def _dropped(self, level: int, keys: list[BlockKey]) -> None:
         """Forget the blocks tier ``level`` deleted on its own (corrupt records; :class:`DroppingTier`).
 
@@ -418,6 +481,8 @@ class TieredStore:
         policies = self._policies
         for key, level in read.pinned:
             policies[level].unpin(key)  # type: ignore[index]
+        if self._forgotten_pinned:
+            self._unmark_forgotten(read.pinned)
         epoch, read.shared_epoch = read.shared_epoch, None
         if not self._closed:  # once unpinned, so that room is made by evicting others
             for source, moved_keys, blocks in read.promotions:
@@ -587,8 +652,8 @@ class TieredStore:
                     evictions=counts.evictions,
                     demotions=counts.demotions,
                     promotions=counts.promotions,
-                    corrupt_records=extra.pop("corrupt_records", 0),
-                    counters=extra,
+                    corrupt_records=extra.pop("corrupt_records", 0) + counts.mismatched,
+                    counters={**extra, "lost_records": counts.lost} if local else extra,
                     **tier_status(tier),
                 )
             )
@@ -610,7 +675,10 @@ class TieredStore:
         self._tag_bytes[tag] = self._tag_bytes.get(tag, 0) + nbytes
 
     def _forget(self, level: int, key: BlockKey) -> None:
-        nbytes = self._policies[level].remove(key)
+        policy = self._policies[level]
+        if policy.is_pinned(key):
+            self._forgotten_pinned.add((level, key))
+        nbytes = policy.remove(key)
         if nbytes:
             tag = key[:NAMESPACE_TAG_BYTES]
             left = self._tag_bytes[tag] - nbytes
@@ -909,18 +977,20 @@ class TieredStore:
             async with self._locks[level]:  # make room, write and publish as one step per tier
                 await self._make_room(level, need)
                 try:
-                    await tier.put(keys[start:end], values[start:end], metas[start:end])
+                    stored = await tier.put(keys[start:end], values[start:end], metas[start:end])
                 except TierFullError:  # room the first pass could not see: pages a reader leased while their
                     # blocks were demoted (a lending tier counts them now), or a full LMDB map (twice the room)
                     await self._make_room(level, need if self._lenders[level] is not None else min(capacity, 2 * need))
                     try:
-                        await tier.put(keys[start:end], values[start:end], metas[start:end])
+                        stored = await tier.put(keys[start:end], values[start:end], metas[start:end])
                     except TierFullError as exc:
                         raise ResourceExhaustedError(f"tier {tier.name} is full: {exc}") from exc
                 stale = []
                 policy = self._policies[level]
                 for i in reversed(range(start, end)):  # tail first: the head ends most recent
                     key = keys[i]
+                    if not stored[i - start]:  # the tier could not write it (a damaged disk page): not published
+                        continue
                     if key in policy:  # already here, e.g. a block demoted back into the source of its promotion:
                         self._forget(level, key)  # the write replaced the block, and its entry is replaced too
                     elif self._stale(key, level, source, deleted):
@@ -962,6 +1032,8 @@ class TieredStore:
         finally:
             for key in victims:  # the claim ends with the move (a lease outlives the key's removal)
                 policy.unpin(key)
+            if self._forgotten_pinned:
+                self._unmark_forgotten([(key, level) for key in victims])
 
     async def _evict(self, level: int, victims: list[BlockKey], flush_to: int | None = None) -> None:
         """Move ``victims`` out of tier ``level``: those at or above ``demote_min_priority`` are demoted to the

@@ -20,7 +20,7 @@ from kvstore.keys import Namespace, block_key, hash_blocks
 from kvstore.server.wire import reply_head
 from kvstore.store import TieredStore
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
-from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, LMDBTier
+from kvstore.tiers.lmdb import MAX_KEY_BYTES, RECORD_OVERHEAD_BYTES, LMDBTier
 from kvstore.tiers.memory import MemoryTier
 
 BLOCK_SIZE = 4
@@ -57,7 +57,7 @@ async def two_tier(tmp_path):
 def disk_footprint() -> int:
     """Capacity bytes one test block takes in the LMDB tier (overflow pages plus record overhead)."""
     _, blocks = make_blocks(1)
-    pages = -(-(len(blocks[0]) + 16) // mmap.PAGESIZE)
+    pages = -(-(len(blocks[0]) + 16 + MAX_KEY_BYTES) // mmap.PAGESIZE)  # a record is the block and its key
     return pages * mmap.PAGESIZE + RECORD_OVERHEAD_BYTES
 
 

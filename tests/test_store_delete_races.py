@@ -30,8 +30,8 @@ class _GatedReadLMDB(LMDBTier):
 
     gate: threading.Event | None = None
 
-    def _get_txn(self, keys):  # type: ignore[no-untyped-def]
-        result = super()._get_txn(keys)
+    def _get_txn(self, keys, *args):  # type: ignore[no-untyped-def]
+        result = super()._get_txn(keys, *args)
         gate, self.gate = self.gate, None
         if gate is not None:
             gate.wait(5)

@@ -5,7 +5,10 @@ block hash``) is stored under ``<prefix>:<tag hex>:<block hash hex>``, e.g.
 ``kvstore:1f2e3d4c5b6a7988:00112233445566778899aabbccddeeff``, so one namespace
 can be found with ``SCAN MATCH <prefix>:<tag hex>:*``. The value is the block's
 codec bytes (:mod:`kvstore.codec`), header and checksum included; a get
-verifies the checksum, and a corrupt value is a miss, is deleted and is counted.
+verifies the checksum, which covers every byte, and a corrupt value is a miss,
+is deleted and is counted; the store then checks the header against the
+request's namespace. A block of another codec version (a node of another
+release sharing the Redis) is a miss that is left in place.
 
 Batches. A get is one ``MGET`` per chunk of about :data:`CHUNK_BYTES` (in a
 cluster, ``mget_nonatomic``: one ``MGET`` per slot, pipelined per node); puts,
@@ -52,7 +55,7 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from kvstore.codec import verify_block
 from kvstore.config import RedisTierConfig
-from kvstore.errors import CodecError, ConfigError, UnavailableError
+from kvstore.errors import CodecError, ConfigError, UnavailableError, UnsupportedVersionError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.tiers.base import BlockMeta, ResidentEntry
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
@@ -111,20 +114,31 @@ class _RoundTripFailed(Exception):
         self.unreachable = unreachable
 
 
-def _verify_all(values: Sequence[bytes | None]) -> list[bool]:
-    """Whether each value passes :func:`kvstore.codec.verify_block`; ``None`` counts as valid (a miss)."""
-    ok = []
+_GOOD, _CORRUPT, _FOREIGN = 0, 1, 2
+"""Verdicts of :func:`_verify_all` on one value."""
+
+
+def _verify_all(values: Sequence[bytes | None]) -> list[int]:
+    """Each value's verdict (:func:`kvstore.codec.verify_block`): good (a ``None`` miss too), corrupt, or foreign.
+
+    A foreign value is a kvstore block of another format version, written by a
+    node of another release sharing this Redis: a miss, but not deleted, since
+    that node may still read it (``docs/redis.md``).
+    """
+    verdicts = []
     for value in values:
         if value is None:
-            ok.append(True)
+            verdicts.append(_GOOD)
             continue
         try:
             verify_block(value)
+        except UnsupportedVersionError:
+            verdicts.append(_FOREIGN)
         except CodecError:
-            ok.append(False)
+            verdicts.append(_CORRUPT)
         else:
-            ok.append(True)
-    return ok
+            verdicts.append(_GOOD)
+    return verdicts
 
 
 def _chunks_by_bytes(sizes: Sequence[int], limit_bytes: int) -> list[range]:
@@ -191,7 +205,7 @@ class RedisTier:
         """The last failure and when it happened (UTC), e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``."""
         self._counts = dict.fromkeys(
             ("hits", "misses", "written", "skipped_writes", "oversized", "oom_rejected", "errors",
-             "timeouts", "breaker_open", "corrupt_records"),
+             "timeouts", "breaker_open", "corrupt_records", "foreign_records"),
             0,
         )
         if not HIREDIS_AVAILABLE:
@@ -295,8 +309,9 @@ class RedisTier:
         server), ``errors`` (round trips that failed: unreachable, timed out or
         an error reply other than OOM), ``timeouts`` (those of ``errors`` that
         timed out), ``breaker_open`` (calls short-circuited by the open
-        breaker), ``breaker_trips`` (times it opened) and ``corrupt_records``
-        (values that failed their checksum, deleted).
+        breaker), ``breaker_trips`` (times it opened), ``corrupt_records``
+        (values that failed their checks, deleted) and ``foreign_records``
+        (blocks of another format version, from nodes of another release: misses, kept).
         """
         return {**self._counts, "breaker_trips": self._breaker.num_trips}
 
@@ -342,7 +357,7 @@ class RedisTier:
             return results
         names = [self.redis_key(k) for k in keys]
         per_chunk = max(1, CHUNK_BYTES // self._value_bytes_hint)
-        verdicts: list[tuple[range, Awaitable[list[bool]] | list[bool]]] = []
+        verdicts: list[tuple[range, Awaitable[list[int]] | list[int]]] = []
         failure: _RoundTripFailed | None = None
         for start in range(0, len(keys), per_chunk):
             chunk = range(start, min(start + per_chunk, len(keys)))
@@ -362,8 +377,13 @@ class RedisTier:
                 verdicts.append((chunk, _verify_all(values)))
         corrupt: list[int] = []
         for chunk, verdict in verdicts:
-            ok = verdict if isinstance(verdict, list) else await verdict
-            corrupt.extend(i for i, good in zip(chunk, ok) if not good)
+            found = verdict if isinstance(verdict, list) else await verdict
+            for i, outcome in zip(chunk, found):
+                if outcome == _CORRUPT:
+                    corrupt.append(i)
+                elif outcome == _FOREIGN:
+                    results[i] = None
+                    self._counts["foreign_records"] += 1
         self._on_outcome(failure)
         if corrupt:
             for i in corrupt:
