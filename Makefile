@@ -44,11 +44,11 @@ demo: setup
 
 test: setup system-deps setup-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
-	$(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
 
 # The vLLM connector's tests alone (real vLLM engines on CPU; several minutes).
 test-vllm: setup-vllm system-deps
-	$(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
 
 bench: setup system-deps
 	for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done

@@ -20,7 +20,10 @@ Per request (vLLM's ``Request``):
   request in ``finished_sending``; the scheduler never waits for a put.
 
 Roles: a ``kv_producer`` never looks up (it only saves), a ``kv_consumer``
-never saves, ``kv_both`` does both. A lookup that fails or times out is a miss
+never saves, ``kv_both`` does both. One request can opt out of either with
+``kv_transfer_params={"kvstore": {"load": false, "save": false}}`` (vLLM passes
+``SamplingParams.extra_args["kv_transfer_params"]`` to the connector): a prompt
+that must not be cached, or a reference run that must not read the cache. A lookup that fails or times out is a miss
 (vLLM computes the prompt), and the store is then left alone for a backoff.
 Requests given as prompt embeddings are neither looked up nor saved (their
 token ids are placeholders).
@@ -55,6 +58,26 @@ TIER_SOURCES = {"memory": "host", "disk": "disk"}
 """vLLM's ``CacheHitSource`` value of a hit in each kvstore tier; any other tier is ``external_unspecified``."""
 
 
+REQUEST_PARAMS_KEY = "kvstore"
+"""The key of the connector's per-request options in ``kv_transfer_params``: ``{"load": bool, "save": bool}``."""
+
+
+def request_options(request: Any) -> tuple[bool, bool]:
+    """``(load, save)`` of a request: both ``True`` unless its ``kv_transfer_params["kvstore"]`` turns one off.
+
+    Unknown options are logged and ignored (a request cannot be refused from here).
+    """
+    params = getattr(request, "kv_transfer_params", None) or {}
+    options = params.get(REQUEST_PARAMS_KEY) if isinstance(params, dict) else None
+    if not isinstance(options, dict):
+        return True, True
+    unknown = set(options) - {"load", "save"}
+    if unknown:
+        logger.warning("request %s: unknown kv_transfer_params.%s options %s ignored (known: load, save)",
+                       getattr(request, "request_id", "?"), REQUEST_PARAMS_KEY, sorted(unknown))
+    return bool(options.get("load", True)), bool(options.get("save", True))
+
+
 @dataclass(slots=True)
 class _RequestState:
     """What the scheduler keeps about one request while vLLM holds it."""
@@ -62,11 +85,15 @@ class _RequestState:
     request: Any
     keys: RequestKeys
     tenant: TenantKey
+    load: bool = True
+    """Whether this request may load (the engine's role and the request's own option)."""
+    save: bool = True
+    """Whether this request may save."""
     saved_blocks: int = 0
     """kvstore blocks ``[0, saved_blocks)`` need no save: the store had them at the lookup, or a save is planned."""
     lookup: tuple[int, int, tuple[str, ...]] | None = None
     """``(local tokens, external tokens, tiers of the hit blocks)`` of the last lookup."""
-    load: LoadJob | None = None
+    load_job: LoadJob | None = None
 
 
 class SchedulerSide:
@@ -135,7 +162,9 @@ class SchedulerSide:
             namespaces = [storage_namespace(self.identity, rank, block_size=self.block_size,
                                             hash_algorithm=self._hash_algorithm, cache_salt=tenant.cache_salt,
                                             adapter=tenant.adapter) for rank in self.ranks]
-            state = _RequestState(request, RequestKeys(namespaces, request_spans(request)), tenant)
+            load, save = request_options(request)
+            state = _RequestState(request, RequestKeys(namespaces, request_spans(request)), tenant,
+                                  load=load and self.load, save=save and self.save)
             self._requests[request.request_id] = state
         return state
 
@@ -157,7 +186,7 @@ class SchedulerSide:
         max_blocks = (request.num_tokens - 1) // self.block_size
         first = num_computed_tokens // self.block_size
         state.saved_blocks = max(state.saved_blocks, first)  # vLLM's local hit: saved when it was computed
-        if not self.load or first >= max_blocks:
+        if not state.load or first >= max_blocks:
             return 0, False
         num_asked = max_blocks - first
         self.stats.add("lookups")
@@ -217,7 +246,7 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0 or state.lookup is None:
             if state is not None:
-                state.load = None
+                state.load_job = None
             return
         local, planned, _ = state.lookup
         if num_external_tokens != planned:
@@ -227,11 +256,11 @@ class SchedulerSide:
         if local % self.vllm_block_size or end % self.block_size:
             logger.warning("request %s: external tokens [%d, %d) are not block aligned; not loading", request.request_id,
                            local, end)
-            state.load = None
+            state.load_job = None
             return
         first_block, end_block = local // self.block_size, end // self.block_size
         hashes = state.keys.hashes(request.all_token_ids, end_block)
-        state.load = LoadJob(
+        state.load_job = LoadJob(
             req_id=request.request_id, tenant=state.tenant, first_block=first_block,
             hashes={(r.pp_rank, r.tp_rank): [bytes(h) for h in chain[first_block:end_block]]
                     for r, chain in zip(self.ranks, hashes)},
@@ -249,13 +278,13 @@ class SchedulerSide:
         """
         meta = KVStoreConnectorMetadata()
         for state in self._requests.values():
-            if state.load is not None:
-                meta.loads.append(state.load)
-                state.load = None
+            if state.load_job is not None:
+                meta.loads.append(state.load_job)
+                state.load_job = None
         if self.save and self.ranks:
             for req_id, num_computed in _scheduled(scheduler_output):
                 state = self._requests.get(req_id)
-                if state is None or not self._cacheable(state.request):
+                if state is None or not state.save or not self._cacheable(state.request):
                     continue
                 computed = min(num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
                                state.request.num_prompt_tokens)
@@ -295,7 +324,7 @@ class SchedulerSide:
             reports the request in ``finished_sending`` (the next step).
         """
         state = self._requests.pop(request.request_id, None)
-        if state is None or not self.save or not self.config.save_decode_blocks or not self._cacheable(request):
+        if state is None or not state.save or not self.config.save_decode_blocks or not self._cacheable(request):
             return False
         computed = min(request.num_computed_tokens, request.num_tokens)
         job = self._save_job(state, computed // self.block_size, block_ids, at_finish=True)

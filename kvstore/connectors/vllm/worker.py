@@ -344,6 +344,8 @@ def on_worker(fn: Callable[[WorkerSide], Any]) -> Callable[[Any], Any]:
     """A function for ``LLM.collective_rpc`` that runs ``fn`` on each worker's :class:`WorkerSide`.
 
     Example: ``llm.collective_rpc(on_worker(lambda w: w.drain(30)))`` waits for every worker's saves.
+    vLLM sends a function to its workers only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+    (it is pickled), so use this between processes you own (tests, benchmarks).
     """
     def call(_worker: Any) -> Any:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
