@@ -174,7 +174,8 @@ class Engine:
         reply = self._receive(deadline)
         if "error" in reply:
             self.close()
-            raise EngineError(reply["error"])
+            causes = [line for line in self.log_tail(400).splitlines() if "Error" in line and "Traceback" not in line]
+            raise EngineError(reply["error"] + "\nroot causes in the engine log:\n" + "\n".join(causes[-10:]))
         return self
 
     def _receive(self, deadline: float) -> dict[str, Any]:
