@@ -275,9 +275,9 @@ class Engine:
         assert self.call("drain"), "saves did not finish"
 
 
-def counter(metrics: dict[str, float], name: str) -> float:
-    """A connector counter from :meth:`Engine.metrics` (``0`` before it was first observed)."""
-    return metrics.get(f"kvstore_{name}_total", metrics.get(f"kvstore_{name}", 0.0))
+def counter(metrics: dict[str, float], name: str, prefix: str = "kvstore_") -> float:
+    """A counter from :meth:`Engine.metrics`: the connector's ``name``, or vLLM's with ``prefix=""`` (0 before it counted)."""
+    return metrics.get(f"{prefix}{name}_total", metrics.get(f"{prefix}{name}", 0.0))
 
 
 def deltas(before: dict[str, float], after: dict[str, float], *names: str) -> dict[str, float]:
