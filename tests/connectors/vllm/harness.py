@@ -123,11 +123,15 @@ class Engine:
         extra: ``kv_connector_extra_config``.
         prefix_caching: vLLM's own (local) prefix caching.
         workdir: where the engine's log goes.
+        engine_core_process: run vLLM's engine core (the scheduler) in a process of its own, as
+            ``vllm serve`` does; by default it runs in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+            which starts faster. The worker runs in its own process either way.
         llm_args: more ``LLM`` arguments (``max_num_batched_tokens``, ``kv_cache_dtype``, ``enable_lora``, ...).
     """
 
     def __init__(self, model: Path, *, kv_role: str | None = "kv_both", extra: dict[str, Any] | None = None,
-                 prefix_caching: bool = False, workdir: Path | None = None, **llm_args: Any) -> None:
+                 prefix_caching: bool = False, workdir: Path | None = None, engine_core_process: bool = False,
+                 **llm_args: Any) -> None:
         self.settings: dict[str, Any] = {
             "llm": {"model": str(model), "skip_tokenizer_init": True, "enforce_eager": True, "block_size": BLOCK_SIZE,
                     "max_model_len": 2048, "enable_prefix_caching": prefix_caching,
@@ -135,6 +139,7 @@ class Engine:
             "kv_transfer": {**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": dict(extra or {})}
             if kv_role else None,
         }
+        self.engine_core_process = engine_core_process
         self.workdir = Path(tempfile.mkdtemp(prefix="vllm-engine-")) if workdir is None else workdir
         self.log_path = self.workdir / "engine.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -156,7 +161,9 @@ class Engine:
         acceptor.start()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                # collective_rpc of a function (kvstore.connectors.vllm.on_worker) between the test's own processes
-               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+               # the engine core (scheduler) in the engine's process, the worker in its own: one start-up less
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.engine_core_process else "0"}
         with open(self.log_path, "ab") as log:
             self._proc = spawn([sys.executable, "-m", "tests.connectors.vllm.engine", address, authkey.hex()],
                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(REPO_ROOT),

@@ -6,15 +6,14 @@ from typing import Any
 
 import pytest
 
-from tests.connectors.vllm.harness import Engine, deltas, tokens, write_llama
+from tests.connectors.vllm.harness import Engine, deltas, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    model = write_llama(tmp_path_factory.mktemp("llama") / "model")
-    with Engine(model, kv_role="kv_both", extra={}) as engine:  # no target: an embedded store per worker
+def engine(models: dict[str, Any]) -> Any:
+    with Engine(models["llama"], kv_role="kv_both", extra={}) as engine:  # no target: an embedded store per worker
         yield engine
 
 

@@ -1,7 +1,8 @@
 """Faults under a real engine: wrong KV (the negative control), a bad block, a node killed or frozen mid-run.
 
-Every reference output comes from the same engine run with
-``{"load": false, "save": false}``: no block from the store takes part in it.
+The engine and node are the session's shared ones (``conftest.py``). Every
+reference output comes from the same engine run with ``{"load": false, "save":
+false}``: no block from the store takes part in it.
 """
 
 from __future__ import annotations
@@ -9,14 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
-
 import pytest
 import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import hash_blocks
-from tests.connectors.vllm.harness import BLOCK_SIZE, Engine, deltas, tokens, write_llama
+from tests.connectors.vllm.harness import BLOCK_SIZE, Engine, deltas, tokens
 from tests.support.kvnode import KVNode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -25,18 +24,14 @@ LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 32  # write_llama's shape
 COUNTS = ("hit_blocks", "loaded_blocks", "load_failed_blocks", "lookup_errors", "saved_blocks", "save_failed_blocks")
 
 
-@pytest.fixture(scope="module")
-def node() -> Any:
-    with KVNode(memory_capacity="256MiB") as node:
-        yield node
+@pytest.fixture()
+def node(shared_node: KVNode) -> KVNode:
+    return shared_node
 
 
-@pytest.fixture(scope="module")
-def engine(node: KVNode, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    model = write_llama(tmp_path_factory.mktemp("llama") / "model")
-    extra = {"target": node.target, "timeout_s": 1.0, "down_backoff_s": 0.2}
-    with Engine(model, extra=extra, max_num_seqs=2) as engine:
-        yield engine
+@pytest.fixture()
+def engine(shared_engine: Engine) -> Engine:
+    return shared_engine
 
 
 def _reference(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:

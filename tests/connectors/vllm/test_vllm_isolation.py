@@ -1,8 +1,9 @@
 """Isolation, Qwen2, and vLLM's own prefix cache: engines that must not share blocks, and two that must.
 
-One ``kvstore serve`` node; in turn:
+The session's shared node and Llama engine (``conftest.py``), then engines of
+this module's own against the same node; in turn:
 
-1. a Llama engine with LoRA saves a prompt for the base model, for tenant ``a``
+1. the Llama engine, with LoRA, saves a prompt for the base model, for tenant ``a``
    (``cache_salt``) and for adapter ``x#1``. Tenant ``b`` and adapter ``x#2``
    (same name, another id) get no hit; tenant ``a`` and ``x#1`` do (the positive
    controls, so the misses are not an accident);
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.connectors.vllm.harness import BLOCK_SIZE, Engine, counter, deltas, tokens, write_llama, write_lora, write_qwen2
+from tests.connectors.vllm.harness import BLOCK_SIZE, Engine, counter, deltas, tokens
 from tests.support.kvnode import KVNode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -43,16 +44,8 @@ def _other_kv_dtype() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def node() -> Any:
-    with KVNode(memory_capacity="256MiB") as node:
-        yield node
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("models")
-    return {"llama": write_llama(root / "llama"), "qwen2": write_qwen2(root / "qwen2"),
-            "lora": write_lora(root / "lora-x", seed=7)}
+def node(shared_node: KVNode) -> KVNode:
+    return shared_node
 
 
 def _serve(engine: Engine, prompt: dict[str, Any]) -> tuple[list[int], dict[str, float]]:
@@ -63,19 +56,17 @@ def _serve(engine: Engine, prompt: dict[str, Any]) -> tuple[list[int], dict[str,
 
 
 @pytest.fixture(scope="module")
-def lora_run(node: KVNode, models: dict[str, Any]) -> dict[str, Any]:
-    lora = str(models["lora"])
-    with Engine(models["llama"], extra={"target": node.target}, enable_lora=True, max_lora_rank=8,
-                max_loras=2) as engine:
-        run: dict[str, Any] = {}
-        for name, prompt in {"base": {"tokens": PROMPT}, "salt_a": {"tokens": PROMPT, "salt": "a"},
-                             "lora_x1": {"tokens": PROMPT, "lora": ["x", 1, lora]}}.items():
-            run[name] = _serve(engine, prompt)
-        engine.drain()
-        for name, prompt in {"salt_b": {"tokens": PROMPT, "salt": "b"}, "salt_a_again": {"tokens": PROMPT, "salt": "a"},
-                             "lora_x2": {"tokens": PROMPT, "lora": ["x", 2, lora], "save": False},
-                             "lora_x1_again": {"tokens": PROMPT, "lora": ["x", 1, lora]}}.items():
-            run[name] = _serve(engine, prompt)
+def lora_run(shared_engine: Engine, models: dict[str, Any]) -> dict[str, Any]:
+    lora, engine = str(models["lora"]), shared_engine
+    run: dict[str, Any] = {}
+    for name, prompt in {"base": {"tokens": PROMPT}, "salt_a": {"tokens": PROMPT, "salt": "a"},
+                         "lora_x1": {"tokens": PROMPT, "lora": ["x", 1, lora]}}.items():
+        run[name] = _serve(engine, prompt)
+    engine.drain()
+    for name, prompt in {"salt_b": {"tokens": PROMPT, "salt": "b"}, "salt_a_again": {"tokens": PROMPT, "salt": "a"},
+                         "lora_x2": {"tokens": PROMPT, "lora": ["x", 2, lora], "save": False},
+                         "lora_x1_again": {"tokens": PROMPT, "lora": ["x", 1, lora]}}.items():
+        run[name] = _serve(engine, prompt)
     return run
 
 
