@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup setup-vllm system-deps demo test test-vllm bench bench-smoke clean
+.PHONY: setup setup-vllm system-deps demo vllm-demo test test-vllm bench bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,6 +41,10 @@ system-deps:
 
 demo: setup
 	$(VENV)/bin/kvstore demo
+
+# Two vLLM engines (CPU) and a `kvstore serve` node: the second engine loads the first's prefix KV.
+vllm-demo: setup-vllm
+	$(VLLM_PY) -m kvstore.demo.vllm_demo
 
 test: setup system-deps setup-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -10,6 +10,7 @@ lists and kvstore namespaces).
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from multiprocessing.connection import Client
 from typing import Any
@@ -54,6 +55,23 @@ def _generate(llm: Any, conn: Any, cmd: dict[str, Any]) -> list[list[int]]:
     return [outputs[i] for i in ids]
 
 
+def _ttft(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Seconds from submitting one prompt to its first token (greedy, one token), and the token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    engine.add_request(cmd["tag"], TokensPrompt(prompt_token_ids=list(cmd["tokens"])), params)
+    ttft_s, token = None, None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if ttft_s is None and output.outputs and output.outputs[0].token_ids:
+                ttft_s, token = time.perf_counter() - started, output.outputs[0].token_ids[0]
+    return {"ttft_s": ttft_s, "token": token}
+
+
 def _metrics(llm: Any, cmd: dict[str, Any]) -> dict[str, float]:
     """The ``vllm:kvstore_*`` counters (and vLLM's own prefix-cache counters) from the engine's Prometheus registry."""
     values: dict[str, float] = {}
@@ -96,7 +114,7 @@ def main(address: str, authkey_hex: str) -> None:
         conn.send({"error": traceback.format_exc()})
         return
     conn.send({"ready": True})
-    handlers = {"metrics": _metrics, "namespace": _namespace, "drain": _drain,
+    handlers = {"metrics": _metrics, "ttft": _ttft, "namespace": _namespace, "drain": _drain,
                 "reset_prefix_cache": lambda llm, cmd: llm.reset_prefix_cache()}
     while True:
         cmd = conn.recv()

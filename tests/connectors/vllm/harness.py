@@ -121,6 +121,8 @@ class Engine:
         model: the model directory.
         kv_role: ``kv_producer``, ``kv_consumer`` or ``kv_both``; ``None`` for no connector.
         extra: ``kv_connector_extra_config``.
+        connector: ``kv_connector`` (and ``kv_connector_module_path``) of another connector than kvstore's,
+            e.g. ``{"kv_connector": "ExampleConnector"}``.
         prefix_caching: vLLM's own (local) prefix caching.
         workdir: where the engine's log goes.
         engine_core_process: run vLLM's engine core (the scheduler) in a process of its own, as
@@ -131,12 +133,13 @@ class Engine:
 
     def __init__(self, model: Path, *, kv_role: str | None = "kv_both", extra: dict[str, Any] | None = None,
                  prefix_caching: bool = False, workdir: Path | None = None, engine_core_process: bool = False,
-                 **llm_args: Any) -> None:
+                 connector: dict[str, Any] | None = None, **llm_args: Any) -> None:
         self.settings: dict[str, Any] = {
             "llm": {"model": str(model), "skip_tokenizer_init": True, "enforce_eager": True, "block_size": BLOCK_SIZE,
                     "max_model_len": 2048, "enable_prefix_caching": prefix_caching,
                     "kv_cache_memory_bytes": 128 << 20, "disable_log_stats": False, "seed": 0, **llm_args},
-            "kv_transfer": {**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": dict(extra or {})}
+            "kv_transfer": {**(connector or CONNECTOR), "kv_role": kv_role,
+                            "kv_connector_extra_config": dict(extra or {})}
             if kv_role else None,
         }
         self.engine_core_process = engine_core_process
@@ -268,6 +271,10 @@ class Engine:
         if "error" in reply:
             raise EngineError(reply["error"])
         return reply["result"]
+
+    def ttft(self, prompt: list[int], tag: str) -> dict[str, Any]:
+        """Seconds from submitting ``prompt`` to its first token (``ttft_s``), and that ``token``."""
+        return self.call("ttft", tokens=list(prompt), tag=tag)
 
     def metrics(self) -> dict[str, float]:
         """The connector's counters (``kvstore_*_total``) and vLLM's prefix-cache counters, from vLLM's Prometheus registry."""
