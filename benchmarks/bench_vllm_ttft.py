@@ -20,10 +20,10 @@ last block). ExampleConnector only finds a prompt it saw whole, so it runs only
 in the repeat shape. Before each timed request the prefix is served once (and,
 for kvstore, its saves drained), so every hit is warm.
 
-All engines are alive at once and trials go round-robin over them, so a burst
-of load from other processes on this shared machine hits every mode alike.
-Speedup = cold TTFT / mode TTFT, from medians over ``--trials`` (and from
-minima beside them). The goal: kvstore-serve speedup >= 0.9 x vLLM's own
+Engines run one at a time (an idle vLLM CPU worker's threads spin on the cores
+and would slow the others); each also measures a cold prompt, so drift in the
+machine's load between engines shows. Speedup = cold TTFT of vLLM without a
+connector / mode TTFT, from medians over ``--trials`` (and from minima beside them). The goal: kvstore-serve speedup >= 0.9 x vLLM's own
 prefix-cache speedup (partial shape), and faster than ExampleConnector. The
 connector's own load time (``vllm:kvstore_load_seconds``) is reported per
 request to show where a kvstore hit's time goes.
@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--cached-tokens", type=int, default=1536)
     parser.add_argument("--model", default="default", help="kvstore.demo preset: default (~147M) or small")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                        help="model and KV dtype (bf16 matmuls are emulated, and slow, on CPUs without AVX512-BF16)")
     parser.add_argument("--out", default=str(RESULTS / "bench_vllm_ttft"))
     args = parser.parse_args()
     total, cached = args.prompt_tokens, args.cached_tokens
@@ -98,67 +100,66 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     model = write_model(work / "model", args.model)
     common = {"load_format": "dummy", "max_model_len": total + 64, "kv_cache_memory_bytes": 1 << 30,
-              "max_num_batched_tokens": total + 64}
+              "max_num_batched_tokens": total + 64, "dtype": args.dtype}
     load_before = load_avg()
     node = KVNode(memory_capacity="2GiB", metrics=False).start()
     engines = {
-        "vLLM prefix cache": Engine(model, kv_role=None, prefix_caching=True, **common),
-        "kvstore serve": Engine(model, extra={"target": node.target, "timeout_s": 10}, **common),
-        "kvstore embedded": Engine(model, extra={"timeout_s": 10}, **common),
-        "ExampleConnector": Engine(model, connector={"kv_connector": "ExampleConnector"},
-                                   extra={"shared_storage_path": str(work / "example")}, **common),
+        "vLLM prefix cache": lambda: Engine(model, kv_role=None, prefix_caching=True, **common),
+        "kvstore serve": lambda: Engine(model, extra={"target": node.target, "timeout_s": 10}, **common),
+        "kvstore embedded": lambda: Engine(model, extra={"timeout_s": 10}, **common),
+        "ExampleConnector": lambda: Engine(model, connector={"kv_connector": "ExampleConnector"},
+                                           extra={"shared_storage_path": str(work / "example")}, **common),
     }
-    started = time.monotonic()
+    rows: dict[str, dict[str, list[float]]] = {}
+    load_s: dict[str, list[float]] = {}
+    phase_load: dict[str, str] = {}
+
+    def record(mode: str, shape: str, result: dict[str, Any]) -> None:
+        rows.setdefault(mode, {}).setdefault(shape, []).append(result["ttft_s"])
+
     try:
-        for engine in engines.values():
-            engine.start()
-        print(f"engines up in {time.monotonic() - started:.0f} s", flush=True)
-        rows: dict[str, dict[str, list[float]]] = {}
-        tokens_out: dict[str, set[int]] = {}
-
-        def record(mode: str, shape: str, result: dict[str, Any]) -> None:
-            rows.setdefault(mode, {}).setdefault(shape, []).append(result["ttft_s"])
-            tokens_out.setdefault(shape, set())
-
-        load_s: dict[str, list[float]] = {}
-        # one untimed warm-up per engine (vLLM's first request pays one-off costs)
-        for name, engine in engines.items():
-            engine.ttft(prompt(10_000, total), tag="warmup")
-        for trial in range(args.trials):
-            seed = 1000 * (trial + 1)
-            cold = prompt(seed, total)
-            prefix = prompt(seed + 1, cached)
-            partial = prefix + prompt(seed + 2, total - cached)
-            repeat = prompt(seed + 3, total)
-            for name, engine in engines.items():
-                if name == "vLLM prefix cache":
-                    record("cold prefill", "partial", engine.ttft(cold, f"cold{trial}"))
+        for name, make in engines.items():
+            started = time.monotonic()
+            with make() as engine:
+                print(f"{name}: engine up in {time.monotonic() - started:.0f} s (load {load_avg()})", flush=True)
+                engine.ttft(prompt(10_000, total), tag="warmup")  # vLLM's first request pays one-off costs
                 kvstore = name.startswith("kvstore")
-                if name != "ExampleConnector":
-                    engine.ttft(prefix + [1], f"warm{trial}")  # the prefix alone, so its blocks are cached
+                for trial in range(args.trials):
+                    seed = 1000 * (trial + 1)
+                    prefix = prompt(seed + 1, cached)
+                    partial = prefix + prompt(seed + 2, total - cached)
+                    repeat = prompt(seed + 3, total)
+                    cold_mode = "cold prefill" if name == "vLLM prefix cache" else f"{name} (miss)"
+                    record(cold_mode, "cold", engine.ttft(prompt(seed, total), f"cold{trial}"))
+                    if name != "ExampleConnector":  # it only finds a prompt it saw whole
+                        engine.ttft(prefix + [1], f"warm{trial}")  # the prefix alone, so its blocks are cached
+                        if kvstore:
+                            engine.drain()
+                        before = engine.metrics()
+                        record(name, "partial", engine.ttft(partial, f"partial{trial}"))
+                        if kvstore:
+                            after = engine.metrics()
+                            grew = after.get("kvstore_load_seconds_sum", 0.0) - before.get("kvstore_load_seconds_sum", 0.0)
+                            load_s.setdefault(name, []).append(grew)
+                    engine.ttft(repeat, f"first{trial}")
                     if kvstore:
                         engine.drain()
-                    before = engine.metrics()
-                    record(name, "partial", engine.ttft(partial, f"partial{trial}"))
-                    if kvstore:
-                        grew = counter(engine.metrics(), "load_seconds") - counter(before, "load_seconds")
-                        load_s.setdefault(name, []).append(grew)
-                engine.ttft(repeat, f"first{trial}")
+                    record(name, "repeat", engine.ttft(repeat, f"repeat{trial}"))
+                phase_load[name] = load_avg()
+                print(f"{name}: {args.trials} trials done (load {phase_load[name]})", flush=True)
                 if kvstore:
-                    engine.drain()
-                record(name, "repeat", engine.ttft(repeat, f"repeat{trial}"))
-            print(f"trial {trial + 1}/{args.trials} done (load {load_avg()})", flush=True)
-        metrics = {name: engine.metrics() for name, engine in engines.items() if name.startswith("kvstore")}
+                    metrics = engine.metrics()
+                    rows.setdefault("_metrics", {})[name] = [counter(metrics, k) for k in
+                                                             ("hit_blocks", "loaded_blocks", "load_failed_blocks")]
     finally:
-        for engine in engines.values():
-            engine.close()
         node.close()
-    report(args, rows, load_s, metrics, load_before, load_avg())
+    connector_counts = rows.pop("_metrics", {})
+    report(args, rows, load_s, connector_counts, load_before, phase_load)
 
 
 def report(args: argparse.Namespace, rows: dict[str, dict[str, list[float]]], load_s: dict[str, list[float]],
-           metrics: dict[str, dict[str, float]], load_before: str, load_after: str) -> None:
-    cold = rows["cold prefill"]["partial"]
+           counts: dict[str, list[float]], load_before: str, phase_load: dict[str, str]) -> None:
+    cold = rows["cold prefill"]["cold"]
     cold_median, cold_min = statistics.median(cold), min(cold)
     table = []
     for mode, shapes in rows.items():
@@ -179,11 +180,11 @@ def report(args: argparse.Namespace, rows: dict[str, dict[str, list[float]]], lo
         if k != "out" and v != parser_defaults()[k])
     result = {
         "command": command, "host": platform.platform(), "cpus": os.cpu_count(),
-        "load_average_before": load_before, "load_average_after": load_after,
-        "model": args.model, "prompt_tokens": args.prompt_tokens, "cached_tokens": args.cached_tokens,
+        "load_average_before": load_before, "load_average_after_each_engine": phase_load,
+        "model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "cached_tokens": args.cached_tokens,
         "rows": table, "serve_over_vllm_speedup_median": ratio_median, "serve_over_vllm_speedup_min": ratio_min,
         "serve_vs_example_repeat_median": example["median_s"] / serve_repeat["median_s"],
-        "connector_metrics": metrics,
+        "connector_counts_hit_loaded_failed": counts,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,13 +194,14 @@ def report(args: argparse.Namespace, rows: dict[str, dict[str, list[float]]], lo
         "",
         f"Command (repo root, from `.venv-vllm`): `{command}`",
         "",
-        f"vLLM {vllm_version()} (CPU backend), the demo's {args.model} Llama (8 layers, hidden 1,024, 4 KV heads, bf16, "
-        f"dummy weights), block size {BLOCK}. Prompts of {args.prompt_tokens} tokens; **partial**: the first "
-        f"{args.cached_tokens} cached, **repeat**: the same prompt again ({args.prompt_tokens - BLOCK} cached). "
-        f"{len(cold)} round-robin trials over engines alive at once, after a warm-up each. Speedup = cold-prefill "
-        "TTFT / mode TTFT (medians; minima beside them).",
-        f"Host: {platform.platform()}, {os.cpu_count()} CPUs; load average (1/5/15 min) {load_before} before, "
-        f"{load_after} after.",
+        f"vLLM {vllm_version()} (CPU backend), the demo's `{args.model}` Llama ({describe(args.model)}, "
+        f"{args.dtype}, dummy weights), block size {BLOCK}. Prompts of {args.prompt_tokens} tokens; **partial**: the first "
+        f"{args.cached_tokens} cached, **repeat**: the same prompt again ({args.prompt_tokens - BLOCK} cached); "
+        "**cold**: a prompt nothing has seen (for a connector: a miss, plus its saves). One engine at a time "
+        f"(idle vLLM CPU workers spin on the cores), {len(cold)} trials each after a warm-up. Speedup = cold-prefill "
+        "TTFT of vLLM without a connector / mode TTFT (medians; minima beside them).",
+        f"Host: {platform.platform()}, {os.cpu_count()} CPUs, shared with other jobs: load average (1/5/15 min) "
+        f"{load_before} before; after each engine: " + "; ".join(f"{k} {v}" for k, v in phase_load.items()) + ".",
         "",
         "| mode | prompt | TTFT median (s) | min (s) | max (s) | speedup (median) | speedup (min) | connector load (s) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -215,15 +217,21 @@ def report(args: argparse.Namespace, rows: dict[str, dict[str, list[float]]], lo
         f"goal >= {GOAL_RATIO}), {ratio_min:.3f} from minima.",
         f"- ExampleConnector TTFT / kvstore-serve TTFT (repeat): {example['median_s'] / serve_repeat['median_s']:.2f} "
         "(> 1: kvstore is faster).",
-        "- connector load = `vllm:kvstore_load_seconds` per request: the worker's fetch, checks and copy into "
-        "vLLM's cache (the scheduler's lookup is not in it).",
+        "- connector load = the `vllm:kvstore_load_seconds` histogram's sum per request: the worker's fetch, "
+        "checks and copy into vLLM's cache (the scheduler's lookup is not in it).",
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
+def describe(preset: str) -> str:
+    spec = spec_from(preset)
+    return (f"{spec.num_layers} layers, hidden {spec.hidden_size:,}, {spec.num_heads} heads, {spec.num_kv_heads} KV "
+            f"heads, ~{spec.num_params() / 1e6:.0f}M parameters")
+
+
 def parser_defaults() -> dict[str, Any]:
-    return {"trials": 5, "prompt_tokens": 2048, "cached_tokens": 1536, "model": "default"}
+    return {"trials": 5, "prompt_tokens": 2048, "cached_tokens": 1536, "model": "default", "dtype": "bfloat16"}
 
 
 def vllm_version() -> str:

@@ -32,6 +32,7 @@ token ids are placeholders).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,6 +196,7 @@ class SchedulerSide:
         if not self.health.up():
             self.stats.add("lookup_errors")
             return 0, False
+        started = time.monotonic()
         hashes = state.keys.hashes(request.all_token_ids, max_blocks)
         try:
             results = [self._clients[(r.pp_rank, r.tp_rank)].lookup(namespace, chain[first:])
@@ -203,6 +205,7 @@ class SchedulerSide:
             self.health.failed("lookup", exc)
             self.stats.add("lookup_errors")
             return 0, False
+        self.stats.observe("lookup_seconds", time.monotonic() - started)
         self.health.succeeded()
         hit: LookupResult = min(results, key=lambda r: r.num_blocks)
         state.saved_blocks = max(state.saved_blocks, first + hit.num_blocks)

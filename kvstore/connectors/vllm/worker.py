@@ -129,10 +129,14 @@ class WorkerSide:
             self._namespaces[tenant] = namespace
         return namespace
 
-    def _count(self, **amounts: int | float) -> None:
+    def _count(self, **amounts: int) -> None:
         with self._stats_lock:
             for name, amount in amounts.items():
                 self._stats.add(name, amount)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        with self._stats_lock:
+            self._stats.observe(name, seconds)
 
     # ------------------------------------------------------------------ loads
 
@@ -165,7 +169,7 @@ class WorkerSide:
                 continue
             self.health.succeeded()
             self._write(job, buffers)
-        self._count(load_seconds=time.monotonic() - started)
+        self._observe("load_seconds", time.monotonic() - started)
 
     def _fetch(self, job: LoadJob) -> list[Buffer]:
         return self.client.get(self.namespace(job.tenant), job.hashes[self.rank])
@@ -273,8 +277,8 @@ class WorkerSide:
                 self.client.put(task.namespace, task.hashes, list(task.blocks), priority=self.config.priority,
                                 retention_s=self.config.retention_s)
                 self.health.succeeded()
-                self._count(saved_blocks=len(task.hashes), saved_tokens=len(task.hashes) * self.block_size,
-                            save_seconds=time.monotonic() - started)
+                self._count(saved_blocks=len(task.hashes), saved_tokens=len(task.hashes) * self.block_size)
+                self._observe("save_seconds", time.monotonic() - started)
             except Exception as exc:  # noqa: BLE001 - the thread must survive any store failure
                 if isinstance(task, _Put):
                     self.health.failed("save", exc)

@@ -73,12 +73,18 @@ def _ttft(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _metrics(llm: Any, cmd: dict[str, Any]) -> dict[str, float]:
-    """The ``vllm:kvstore_*`` counters (and vLLM's own prefix-cache counters) from the engine's Prometheus registry."""
+    """The ``vllm:kvstore_*`` metrics (and vLLM's own prefix-cache counters) from the engine's Prometheus registry.
+
+    A histogram gives ``<name>_sum`` (seconds) and ``<name>_count``.
+    """
     values: dict[str, float] = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:kvstore_") or metric.name.startswith("vllm:prefix_cache") \
-                or metric.name.startswith("vllm:external_prefix_cache"):
-            values[metric.name.removeprefix("vllm:")] = float(getattr(metric, "value", 0) or 0)
+        if metric.name.startswith(("vllm:kvstore_", "vllm:prefix_cache", "vllm:external_prefix_cache")):
+            name = metric.name.removeprefix("vllm:")
+            if hasattr(metric, "sum") and hasattr(metric, "count"):
+                values[f"{name}_sum"], values[f"{name}_count"] = float(metric.sum), float(metric.count)
+            else:
+                values[name] = float(getattr(metric, "value", 0) or 0)
     return values
 
 
