@@ -167,3 +167,18 @@ def test_k8s_worker_has_a_gpu_probes_and_shared_memory(worker: dict) -> None:
     assert mounts["hf-cache"] == HF_HOME
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert pod["enableServiceLinks"] is False
+
+
+# -- the documentation -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", [REPO_ROOT / "README.md", REPO_ROOT / "docs" / "vllm.md"], ids=lambda p: p.name)
+def test_the_documented_kv_transfer_configs_are_accepted(page: Path) -> None:
+    """Every JSON object in a page that names the connector is a config the connector takes as written."""
+    text = page.read_text()
+    configs = [json.loads(m) for m in re.findall(r"'(\{\"kv_connector\".*?\}\})'", text.replace("\n  ", " "))]
+    assert configs, f"{page.name} shows no --kv-transfer-config"
+    for config in configs:
+        assert config["kv_connector"] == "KVStoreConnector"
+        assert config["kv_connector_module_path"] == "kvstore.connectors.vllm"
+        parse_config(config["kv_connector_extra_config"])
