@@ -22,9 +22,12 @@ Every family is turned into one strided *canonical view* per layer, with no copy
 ``[num_units, 2, H, N, D]`` (``kv`` layout) or ``[num_units, 1, N, C]`` (``mla``),
 where a *unit* is one kernel block. A kvstore block of ``T`` tokens is ``T / N``
 consecutive units of every layer, stacked as ``[num_layers, 2, H, T, D]`` (codec
-layout ``kv``) or ``[num_layers, 1, T, C]`` (``mla``). Gathering a block is one
-``index_select`` per layer; loading one is one ``index_copy_`` per layer, into
-exactly the units vLLM allocated, so nothing outside them is ever written.
+layout ``kv``) or ``[num_layers, 1, T, C]`` (``mla``). On CUDA, gathering blocks is
+one ``index_select`` per layer, loading them one ``index_copy_`` per layer, into
+exactly the units vLLM allocated, so nothing outside them is ever written. On a
+CPU the copies go unit by unit instead (one small copy per unit and layer, from
+and to the fetched bytes directly): one pass over the bytes, and no copy waits
+at an OpenMP barrier for a core that another process holds.
 """
 
 from __future__ import annotations
@@ -209,30 +212,33 @@ class PagedKV:
             (``mla``) on the caches' device, in the cache dtype; a fresh tensor.
         """
         num_blocks = len(unit_ids) // units_per_kv_block
-        index = torch.as_tensor(unit_ids, dtype=torch.long, device=self.device)
         fmt = self.page_format
-        tokens = units_per_kv_block * fmt.unit_tokens
-        shape = (num_blocks, *fmt.block_shape(tokens))
+        shape = (num_blocks, *fmt.block_shape(units_per_kv_block * fmt.unit_tokens))
         out = torch.empty(shape, dtype=self._copy_dtype, device=self.device)
-        for layer, view in enumerate(self.views):
-            pages = view.index_select(0, index)  # [n * u, 2, H, N, D] or [n * u, 1, N, C]
-            if fmt.layout is Layout.MLA:
-                out[:, layer] = pages.view(num_blocks, units_per_kv_block, 1, fmt.unit_tokens, fmt.head_size) \
-                    .permute(0, 2, 1, 3, 4).reshape(num_blocks, 1, tokens, fmt.head_size)
-            else:
-                out[:, layer] = pages.view(num_blocks, units_per_kv_block, 2, fmt.num_kv_heads, fmt.unit_tokens,
-                                           fmt.head_size) \
-                    .permute(0, 2, 3, 1, 4, 5).reshape(num_blocks, 2, fmt.num_kv_heads, tokens, fmt.head_size)
+        if self.device.type == "cpu":
+            # One small copy per unit and layer: a single pass over the bytes, each copy below torch's
+            # parallel grain, so no copy waits at an OpenMP barrier for cores other processes hold.
+            for block in range(num_blocks):
+                for k in range(units_per_kv_block):
+                    unit = unit_ids[block * units_per_kv_block + k]
+                    for layer, view in enumerate(self.views):
+                        self._tokens(out[block, layer], k).copy_(view[unit])
+        else:
+            index = torch.as_tensor(unit_ids, dtype=torch.long, device=self.device)
+            for layer, view in enumerate(self.views):  # one gather per layer (kernel launches, not units)
+                out[:, layer] = self._from_units(view.index_select(0, index), num_blocks, units_per_kv_block)
         return out if out.dtype == self._block_dtype else out.view(self._block_dtype)
 
-    def scatter(self, unit_ids: Sequence[int], blocks: torch.Tensor, units_per_kv_block: int,
-                first_units: Sequence[int] | None = None) -> None:
+    def scatter(self, unit_ids: Sequence[int], blocks: Sequence[torch.Tensor] | torch.Tensor,
+                units_per_kv_block: int, first_units: Sequence[int] | None = None) -> None:
         """Write kvstore blocks into kernel blocks of the paged caches.
 
         Args:
             unit_ids: destination kernel-block ids, one per unit written, in token order.
-            blocks: ``[num_blocks, ...]`` as :meth:`gather` returns, any device
-                (copied to the caches' device once), in the cache dtype.
+            blocks: the kvstore blocks, each ``[L, ...]`` as one of :meth:`gather`'s
+                (a list, or a tensor with the blocks along dim 0), on any device,
+                in the cache dtype. On CUDA they are stacked and copied to the
+                device once; on the CPU every unit is copied straight from them.
             units_per_kv_block: kernel blocks per kvstore block.
             first_units: per kvstore block, its first unit to write (a block partly
                 covered by vLLM's local prefix cache is written only past it);
@@ -243,33 +249,53 @@ class PagedKV:
         Raises:
             InvalidArgumentError: if ``unit_ids`` does not hold one id per unit written.
         """
-        fmt = self.page_format
-        num_blocks = blocks.shape[0]
-        source = blocks.to(self.device, non_blocking=False)
+        num_blocks = len(blocks)
+        firsts = list(first_units) if first_units is not None else [0] * num_blocks
+        written = [(b, k) for b in range(num_blocks) for k in range(firsts[b], units_per_kv_block)]
+        if len(unit_ids) != len(written):
+            raise InvalidArgumentError(f"{len(unit_ids)} destination units for {len(written)} units written")
+        if self.device.type == "cpu":
+            sources = [block if block.dtype == self._copy_dtype else block.view(self._copy_dtype) for block in blocks]
+            for unit, (b, k) in zip(unit_ids, written):
+                for layer, view in enumerate(self.views):
+                    view[unit].copy_(self._tokens(sources[b][layer], k))
+            return
+        stacked = blocks if isinstance(blocks, torch.Tensor) else torch.stack(list(blocks))
+        source = stacked.to(self.device, non_blocking=False)
         if source.dtype != self._copy_dtype:
             source = source.view(self._copy_dtype)
-        select = None
-        if first_units is not None and any(first_units):
-            select = torch.as_tensor([b * units_per_kv_block + u for b, first in enumerate(first_units)
-                                      for u in range(first, units_per_kv_block)], dtype=torch.long,
-                                     device=self.device)
-        num_written = len(select) if select is not None else num_blocks * units_per_kv_block
-        if len(unit_ids) != num_written:
-            raise InvalidArgumentError(f"{len(unit_ids)} destination units for {num_written} units written")
+        select = torch.as_tensor([b * units_per_kv_block + k for b, k in written], dtype=torch.long,
+                                 device=self.device)
         index = torch.as_tensor(unit_ids, dtype=torch.long, device=self.device)
-        for layer, view in enumerate(self.views):
-            if fmt.layout is Layout.MLA:
-                units = source[:, layer].reshape(num_blocks, 1, units_per_kv_block, fmt.unit_tokens, fmt.head_size) \
-                    .permute(0, 2, 1, 3, 4).reshape(num_blocks * units_per_kv_block, 1, fmt.unit_tokens,
-                                                    fmt.head_size)
-            else:
-                units = source[:, layer].reshape(num_blocks, 2, fmt.num_kv_heads, units_per_kv_block, fmt.unit_tokens,
-                                                 fmt.head_size) \
-                    .permute(0, 3, 1, 2, 4, 5).reshape(num_blocks * units_per_kv_block, 2, fmt.num_kv_heads,
-                                                       fmt.unit_tokens, fmt.head_size)
-            if select is not None:
-                units = units.index_select(0, select)
-            view.index_copy_(0, index, units)
+        for layer, view in enumerate(self.views):  # one copy per layer (kernel launches, not units)
+            units = self._to_units(source[:, layer], num_blocks, units_per_kv_block)
+            view.index_copy_(0, index, units.index_select(0, select))
+
+    def _tokens(self, block_layer: torch.Tensor, k: int) -> torch.Tensor:
+        """Unit ``k`` of one layer of one block: ``[2, H, N, D]`` or ``[1, N, C]``, a view."""
+        tokens = self.page_format.unit_tokens
+        return block_layer.narrow(-2, k * tokens, tokens)
+
+    def _from_units(self, pages: torch.Tensor, num_blocks: int, units_per_kv_block: int) -> torch.Tensor:
+        """``[n * u, 2, H, N, D]`` units (or MLA's ``[n * u, 1, N, C]``) as ``n`` blocks of one layer."""
+        fmt = self.page_format
+        tokens = units_per_kv_block * fmt.unit_tokens
+        if fmt.layout is Layout.MLA:
+            return pages.view(num_blocks, units_per_kv_block, 1, fmt.unit_tokens, fmt.head_size) \
+                .permute(0, 2, 1, 3, 4).reshape(num_blocks, 1, tokens, fmt.head_size)
+        return pages.view(num_blocks, units_per_kv_block, 2, fmt.num_kv_heads, fmt.unit_tokens, fmt.head_size) \
+            .permute(0, 2, 3, 1, 4, 5).reshape(num_blocks, 2, fmt.num_kv_heads, tokens, fmt.head_size)
+
+    def _to_units(self, layer_blocks: torch.Tensor, num_blocks: int, units_per_kv_block: int) -> torch.Tensor:
+        """The inverse of :meth:`_from_units`: ``n`` blocks of one layer as ``n * u`` units."""
+        fmt = self.page_format
+        if fmt.layout is Layout.MLA:
+            return layer_blocks.reshape(num_blocks, 1, units_per_kv_block, fmt.unit_tokens, fmt.head_size) \
+                .permute(0, 2, 1, 3, 4).reshape(num_blocks * units_per_kv_block, 1, fmt.unit_tokens, fmt.head_size)
+        return layer_blocks.reshape(num_blocks, 2, fmt.num_kv_heads, units_per_kv_block, fmt.unit_tokens,
+                                    fmt.head_size) \
+            .permute(0, 3, 1, 2, 4, 5).reshape(num_blocks * units_per_kv_block, 2, fmt.num_kv_heads,
+                                               fmt.unit_tokens, fmt.head_size)
 
 
 def canonical_view(kv_cache: torch.Tensor, family: KVFamily, num_kv_heads: int, head_size: int,

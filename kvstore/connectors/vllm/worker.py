@@ -12,8 +12,8 @@ vLLM recomputes it, and is never counted as loaded. A block that failed its
 checks is also deleted from the store, so a recomputed one can replace it.
 Nothing is written into vLLM's cache but checked blocks, and only into the
 blocks vLLM allocated for the load. Loading is not pipelined layer by layer:
-one block holds every layer, so the whole load is one fetch, then one
-``index_copy_`` per layer; ``wait_for_layer_load`` has nothing to wait for.
+one block holds every layer, so the whole load is one fetch, then the copies
+(``kvstore.connectors.vllm.layout.PagedKV.scatter``); ``wait_for_layer_load`` has nothing to wait for.
 
 Saves (``wait_for_save``, after the forward pass): the blocks of the step's
 :class:`~kvstore.connectors.vllm.jobs.SaveJob` s are copied out of vLLM's cache
@@ -202,7 +202,7 @@ class WorkerSide:
             units = self.paged.units_of(job.block_ids)[:num_units]
             first_units = [skip_units] + [0] * (len(good) - 1)
             try:
-                self.paged.scatter(units, torch.stack(good), self.units_per_kv_block, first_units)
+                self.paged.scatter(units, good, self.units_per_kv_block, first_units)
             except Exception:  # noqa: BLE001 - never leave a half-written load counted as loaded
                 logger.exception("writing kvstore blocks of request %s into vLLM's cache failed", job.req_id)
                 self._fail(job, 0, len(expected))
