@@ -6,9 +6,10 @@ prompts that must not be saved run with ``save: false``). Engine B
 (``kv_consumer``, a fresh process with vLLM's own prefix caching off) serves
 the same prompts and prompts sharing their prefixes: every full block it can
 find comes from the node, and its outputs must be token-identical to A's.
-Both prefill in chunks of 80 tokens, so chunk boundaries fall inside blocks,
-and both run vLLM's engine core (the scheduler) in a process of its own, as
-``vllm serve`` does.
+Both prefill in chunks of 80 tokens, so chunk boundaries fall inside blocks;
+B runs vLLM's engine core (the scheduler) in a process of its own, as ``vllm
+serve`` does, so its scheduler learns the worker's page format through vLLM's
+handshake across processes.
 Together the two engines are the prefill/decode disaggregation of the issue:
 a producer that only saves and a consumer that only loads, through one node.
 """
@@ -54,8 +55,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def producer(node: KVNode, model: Any) -> dict[str, Any]:
     """Engine A's outputs (the reference), the multi-turn conversation it held, and its counters."""
-    with Engine(model, kv_role="kv_producer", extra={"target": node.target}, max_num_batched_tokens=CHUNK,
-                engine_core_process=True) as engine:
+    with Engine(model, kv_role="kv_producer", extra={"target": node.target},
+                max_num_batched_tokens=CHUNK) as engine:
         ref: dict[str, Any] = {}
         ref["mid"], ref["whole"] = engine.generate([MID_BLOCK, WHOLE_BLOCKS])
         ref["batch"] = engine.generate(BATCH)
