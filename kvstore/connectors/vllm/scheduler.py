@@ -123,14 +123,15 @@ class SchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         self._finish_saves: list[SaveJob] = []
         self._hash_algorithm = HashAlgorithm(config.hash_algorithm)
+        self._warned_no_ranks = False
 
     # ------------------------------------------------------------------ set-up
 
     def set_ranks(self, ranks: list[RankInfo]) -> None:
         """Learn every worker's page format (and embedded lookup endpoint) from their handshakes.
 
-        Raises:
-            UnsupportedModelError: if workers of one pipeline stage disagree on the page format.
+        Until this is called (vLLM does so once, when the engine starts), the
+        connector neither looks up nor saves.
         """
         self.ranks = sorted(ranks, key=lambda r: (r.pp_rank, r.tp_rank))
         remote: KVStoreClient | None = None
@@ -171,8 +172,13 @@ class SchedulerSide:
 
     def _cacheable(self, request: Any) -> bool:
         """Whether the request's token ids name its prompt (not given as embeddings), and the ranks are known."""
-        return bool(self.ranks) and getattr(request, "prompt_embeds", None) is None and \
-            getattr(request, "prompt_token_ids", None) is not None
+        if not self.ranks:
+            if not self._warned_no_ranks:
+                self._warned_no_ranks = True
+                logger.error("kvstore connector: no worker sent its page format (vLLM's connector handshake); "
+                             "the connector neither loads nor saves")
+            return False
+        return getattr(request, "prompt_embeds", None) is None and getattr(request, "prompt_token_ids", None) is not None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (vLLM's local hit) that kvstore holds, whole blocks; loads are synchronous.
@@ -256,12 +262,17 @@ class SchedulerSide:
             logger.warning("request %s: vLLM accepted %d external tokens of the %d looked up; loading %d",
                            request.request_id, num_external_tokens, planned, num_external_tokens)
         end = local + num_external_tokens
-        if local % self.vllm_block_size or end % self.block_size:
-            logger.warning("request %s: external tokens [%d, %d) are not block aligned; not loading", request.request_id,
-                           local, end)
-            state.load_job = None
-            return
         first_block, end_block = local // self.block_size, end // self.block_size
+        if local % self.vllm_block_size or end % self.block_size:
+            # vLLM counts these tokens as computed whatever happens: a job with no blocks to fetch makes the
+            # worker report all of them as failed, so vLLM recomputes them rather than read unwritten KV.
+            logger.warning("request %s: external tokens [%d, %d) are not whole kvstore blocks; recomputing them",
+                           request.request_id, local, end)
+            state.load_job = LoadJob(req_id=request.request_id, tenant=state.tenant, first_block=first_block,
+                                     hashes={}, skip_tokens=0,
+                                     block_ids=list(block_ids[local // self.vllm_block_size:
+                                                              -(-end // self.vllm_block_size)]))
+            return
         hashes = state.keys.hashes(request.all_token_ids, end_block)
         state.load_job = LoadJob(
             req_id=request.request_id, tenant=state.tenant, first_block=first_block,

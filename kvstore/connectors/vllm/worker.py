@@ -149,7 +149,12 @@ class WorkerSide:
             for job in meta.loads:
                 self._fail(job, 0, len(job.hashes.get(self.rank, ())))
             return
-        futures = {self._fetcher.submit(self._fetch, job): job for job in meta.loads}
+        futures = {}
+        for job in meta.loads:
+            if job.hashes.get(self.rank):
+                futures[self._fetcher.submit(self._fetch, job)] = job
+            else:  # nothing to fetch for blocks vLLM counts as loaded: all of them are recomputed
+                self._fail(job, 0, 0)
         deadline = started + self.config.timeout_s
         for future, job in futures.items():
             num_blocks = len(job.hashes.get(self.rank, ()))

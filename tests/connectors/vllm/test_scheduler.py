@@ -214,3 +214,15 @@ def test_hit_sources_follow_the_tiers(store: Any) -> None:
     request = _request("r", tokens)
     num_tokens, _ = side.get_num_new_matched_tokens(request, 32)
     assert side.hit_sources(request, num_tokens) == {"host": 96}  # the embedded store's memory tier
+
+
+def test_external_tokens_that_are_not_whole_kvstore_blocks_are_recomputed(store: Any) -> None:
+    """If vLLM takes a part of the hit that ends inside a kvstore block, those tokens are reported as failed."""
+    tokens = list(range(9000, 9200))
+    _put(store, tokens, 3, block_size=64)
+    side = _scheduler(store, block_size=64)
+    request = _request("r", tokens)
+    assert side.get_num_new_matched_tokens(request, 0) == (192, False)
+    side.update_state_after_alloc(request, list(range(7)), 160)  # 2.5 kvstore blocks
+    (job,) = side.build_meta(_output(new=[("r", 0, 8)]), lambda _: list(range(7))).loads
+    assert job.hashes == {} and job.block_ids == [0, 1, 2, 3, 4]

@@ -198,3 +198,10 @@ def test_saves_past_the_pending_limit_are_dropped(store: EmbeddedStore) -> None:
     assert worker.drain(30)
     stats = worker.take_stats()
     assert stats.data["saved_blocks"] == 1 and stats.data["save_failed_blocks"] == 1
+
+
+def test_a_job_with_nothing_to_fetch_reports_every_block(store: EmbeddedStore) -> None:
+    worker = _worker(store, _caches(1))
+    job = LoadJob("l", TenantKey(), 0, {}, 0, [3, 4, 5])
+    worker.start_load(KVStoreConnectorMetadata(loads=[job]))
+    assert worker.take_load_errors() == {3, 4, 5}
