@@ -18,7 +18,8 @@ size, from a seed, with the knobs in :class:`AgenticConfig`:
   subagents at once. A subagent's requests start with the parent's history up
   to the fork point (or only its system prefix, with probability
   ``subagent_fresh_prob``) and grow their own histories; they run
-  concurrently, and the parent resumes when the last one is done.
+  concurrently, and the parent resumes when the last one is done. Subagents
+  spawn none of their own (as in Claude Code).
 * **Compaction.** A history over ``max_context_tokens`` is compacted: the next
   request is the system prefix plus a fresh summary, so a new chain begins.
 
@@ -134,6 +135,20 @@ class _BlockIds:
 
 
 @dataclass(slots=True)
+class _Walk:
+    """How far the block ids of a history were computed: segments and tokens done, ids, the open block's pieces."""
+
+    segments: int = 0
+    tokens: int = 0
+    parent: int = 0
+    ids: list[int] = field(default_factory=list)
+    pieces: list[int] = field(default_factory=list)
+
+    def copy(self) -> _Walk:
+        return _Walk(self.segments, self.tokens, self.parent, list(self.ids), list(self.pieces))
+
+
+@dataclass(slots=True)
 class _Agent:
     """One session or subagent: its history as segments of (content id, tokens), and what it does next."""
 
@@ -143,7 +158,7 @@ class _Agent:
     parent: _Agent | None = None
     waiting_for: int = 0  # subagents still running
     resume_at: float = 0.0
-    children: list[_Agent] = field(default_factory=list)
+    walk: _Walk = field(default_factory=_Walk)
 
 
 class AgenticGenerator:
@@ -181,32 +196,30 @@ class AgenticGenerator:
         tokens = max(1, int(self._lognormal(median, self.config.input_sigma)))
         return self._content(), min(tokens, self.config.max_context_tokens // 4)
 
-    def _blocks(self, history: list[tuple[int, int]]) -> tuple[int, tuple[int, ...]]:
-        """The prompt length and the chained full-block ids of a history of (content, tokens) segments."""
+    def _blocks(self, agent: _Agent) -> tuple[int, tuple[int, ...]]:
+        """The prompt length and the chained full-block ids of ``agent``'s history, extending its cached walk."""
         bt = self.config.block_tokens
-        total = sum(tokens for _, tokens in history)
-        ids: list[int] = []
-        parent = 0
-        position = 0  # tokens so far
-        # a block's content is the list of (segment, offset) pieces it covers; its id chains on the parent's
-        pieces: list[int] = []
-        for content, tokens in history:
+        walk = agent.walk
+        history = agent.history
+        for content, tokens in history[walk.segments:]:
             offset = 0
             while offset < tokens:
-                take = min(tokens - offset, bt - (position % bt))
-                pieces.append(content * 1_000_003 + offset)
+                take = min(tokens - offset, bt - (walk.tokens % bt))
+                walk.pieces.append(content * 1_000_003 + offset)
                 offset += take
-                position += take
-                if position % bt == 0:
-                    parent = self._ids.child(parent, tuple(pieces))
-                    ids.append(parent)
-                    pieces = []
-        return total, tuple(ids)
+                walk.tokens += take
+                if walk.tokens % bt == 0:  # a block is full: its id chains on its parent's
+                    walk.parent = self._ids.child(walk.parent, tuple(walk.pieces))
+                    walk.ids.append(walk.parent)
+                    walk.pieces = []
+        walk.segments = len(history)
+        return walk.tokens, tuple(walk.ids)
 
     def _compact_if_needed(self, agent: _Agent) -> None:
         c = self.config
         if sum(tokens for _, tokens in agent.history) > c.max_context_tokens:
             agent.history = [*agent.prefix, (self._content(), c.summary_tokens)]
+            agent.walk = _Walk()
 
     def __iter__(self) -> Iterator[TraceRequest]:
         c, rng = self.config, self._rng
@@ -220,19 +233,20 @@ class AgenticGenerator:
         while events:
             now, _, agent = heapq.heappop(events)
             self._compact_if_needed(agent)
-            tokens, ids = self._blocks(agent.history)
+            tokens, ids = self._blocks(agent)
             output = max(1, int(self._lognormal(c.output_tokens, 0.7)))
             yield TraceRequest(now, tokens, output, ids)
             agent.history.append((self._content(), output))
             agent.turns_left -= 1
-            if agent.turns_left > 0 and rng.random() < c.subagent_prob:
+            if agent.turns_left > 0 and agent.parent is None and rng.random() < c.subagent_prob:
                 count = rng.randint(1, c.max_subagents)
                 agent.waiting_for = count
                 for _ in range(count):
                     fresh = rng.random() < c.subagent_fresh_prob
                     base = list(agent.prefix if fresh else agent.history)
                     child = _Agent([*base, self._input(c.first_input_tokens)],
-                                   self._log_uniform_int(*c.subagent_turns), agent.prefix, parent=agent)
+                                   self._log_uniform_int(*c.subagent_turns), agent.prefix, parent=agent,
+                                   walk=_Walk() if fresh else agent.walk.copy())
                     sequence += 1
                     heapq.heappush(events, (now + self._lognormal(1.0, 0.5), sequence, child))
                 continue

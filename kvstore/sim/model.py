@@ -38,15 +38,12 @@ and evicts in this order. ``docs/simulate.md`` explains why.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
+from kvstore.continuations import Continuations
 from kvstore.errors import InvalidArgumentError
 from kvstore.policy import DEFAULT_PRIORITY, PriorityLRUPolicy, make_policy
-
-MAX_CONTINUATIONS = 4096
-"""Lookups whose put the model (and the store) remembers at once; the oldest is forgotten first."""
 
 
 @dataclass(slots=True)
@@ -83,7 +80,7 @@ class NodeModel:
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
         self.capacities = [capacity_blocks, disk_capacity_blocks][: len(self.policies)]
-        self._continuations: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._continuations: Continuations[int] = Continuations()
         self.evicted_blocks = 0
         self.demoted_blocks = 0
 
@@ -127,13 +124,7 @@ class NodeModel:
                 if not (in_memory or in_disk):
                     break
                 levels.append(0 if in_memory else 1)
-        h = len(levels)
-        if 0 < h < len(blocks):
-            continuations = self._continuations
-            continuations[blocks[h]] = tuple(blocks[:h])
-            continuations.move_to_end(blocks[h])
-            if len(continuations) > MAX_CONTINUATIONS:
-                continuations.popitem(last=False)
+        self._continuations.record(blocks, len(levels))
         return levels
 
     def _get(self, prefix: Sequence[int], levels: list[int], now: float) -> None:
@@ -169,7 +160,7 @@ class NodeModel:
             fresh = list(dict.fromkeys(key for key in keys if self.tier_of(key) is None))
         if not fresh:
             return
-        protect = self._continuations.pop(fresh[0], ())
+        protect = self._continuations.pop(fresh[0])
         meta = (policies[0].default_priority if priority is None else priority, expires_at)
         left = fresh
         for level in range(len(policies)):
