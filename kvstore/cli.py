@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 if TYPE_CHECKING:
     from kvstore.client import KVStoreClient
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ("kvstore.sim.cli", "kvstore.loadtest.cli", "kvstore.demo.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "kvstore.sim.cli", "kvstore.sim.trace_cli", "kvstore.loadtest.cli", "kvstore.demo.cli",
+)
 """Modules that add subcommands through ``register(subparsers)``."""
 
 DEFAULT_TARGET = "127.0.0.1:50051"

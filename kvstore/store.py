@@ -109,6 +109,7 @@ class TieredStore:
             for tier in self._tiers
         ]
         self._continuations: Continuations[BlockKey] = Continuations()  # lookups' prefixes, by a put's start
+        self._promoting: dict[BlockKey, asyncio.Future[object]] = {}  # blocks a Get's promotion is moving up
         self._locks = [asyncio.Lock() for _ in self._tiers]
         self._tag_bytes: dict[bytes, int] = {}  # namespace tag -> local bytes, for tenant quotas
         self._counters = [_Counters() for _ in range(len(self._tiers) + (shared is not None))]
@@ -427,13 +428,27 @@ class TieredStore:
         if not self._closed:  # once unpinned, so that room is made by evicting others
             for source, moved_keys, blocks in read.promotions:
                 if source is None and epoch is not None:  # the shared tier's hits: the copy window goes with them
-                    self._spawn(self._promote_from(None, moved_keys, blocks, epoch),
-                                functools.partial(self._end_copy, epoch))
+                    task = self._spawn(self._promote_from(None, moved_keys, blocks, epoch),
+                                       functools.partial(self._end_copy, epoch))
                     epoch = None
                 else:
-                    self._spawn(self._promote_from(source, moved_keys, blocks))
+                    task = self._spawn(self._promote_from(source, moved_keys, blocks))
+                self._track_promotion(moved_keys, task)
         if epoch is not None:
             self._tombstones.end(epoch)
+
+    def _track_promotion(self, keys: list[BlockKey], task: asyncio.Future[object]) -> None:
+        """Remember ``task`` as the promotion of ``keys`` until it ends (a put continuing them waits for it)."""
+        promoting = self._promoting
+        for key in keys:
+            promoting[key] = task
+
+        def done(_task: object) -> None:
+            for key in keys:
+                if promoting.get(key) is task:
+                    del promoting[key]
+
+        task.add_done_callback(done)
 
     async def put(
         self,
@@ -475,6 +490,11 @@ class TieredStore:
             self._validate_block(namespace, index, block)
             if not self._fits_somewhere(len(block)):
                 raise ResourceExhaustedError(f"block {index}: {len(block)} bytes is larger than every tier")
+        first_new = next((key for key in keys if self._tier_of(key) is None), None)
+        protect = self._continuations.pop(first_new) if first_new is not None else ()
+        moving = {self._promoting[key] for key in protect if key in self._promoting}
+        if moving:  # the Get before this put is still promoting its prefix: this put continues that prefix
+            await asyncio.wait(moving)
         fresh: dict[BlockKey, bytes] = {}
         waits: list[asyncio.Future[BaseException | None]] = []
         for key in reversed(keys):  # a block put again is in use: it counts as accessed, tail first
@@ -492,7 +512,6 @@ class TieredStore:
             done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
             for key in fresh:
                 self._pending[key] = done
-            protect = self._continuations.pop(next(iter(fresh)))  # the prefix a lookup found before this put
             placement = asyncio.ensure_future(self._place_fresh(list(fresh), list(fresh.values()), meta, protect))
             self._placements.add(placement)
             placement.add_done_callback(functools.partial(self._placement_done, list(fresh), done))
