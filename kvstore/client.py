@@ -83,12 +83,13 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats
+from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats, merge_tier_status
 from kvstore.codec import decode_block
 from kvstore.embedded import encode_blocks
 from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
-from kvstore.keys import BlockHash, Namespace
+from kvstore.keys import BlockHash, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
+from kvstore.security import call_metadata
 from kvstore.routing import (
     DEFAULT_DOWN_BACKOFF_S,
     DEFAULT_MAX_DOWN_BACKOFF_S,
@@ -431,7 +432,7 @@ def _set_up(client: KVStoreClient | AsyncKVStoreClient, settings: _Settings, tar
     client.backoff_s = settings.backoff_s
     client.max_backoff_s = settings.max_backoff_s
     client.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
-    client.metadata = tuple(metadata)
+    client.metadata = call_metadata(metadata)
     client._chunk_bytes = chunk_bytes_for(max_message_bytes)
     client.router = RendezvousRouter(targets)
     client.membership = Membership(client.router.node_ids, base_backoff_s=settings.down_backoff_s,
@@ -527,7 +528,9 @@ def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
             acc = merged.get(tier.name)
             if acc is None:
                 merged[tier.name] = {f: getattr(tier, f) for f in _TIER_FIELDS} | {"counters": dict(tier.counters)}
+                merged[tier.name].update(merge_tier_status({}, tier))  # state and last_error
                 continue
+            acc.update(merge_tier_status(acc, tier))
             for f in _TIER_FIELDS:
                 value = getattr(tier, f)
                 acc[f] = -1 if f == "blocks" and (value < 0 or acc[f] < 0) else acc[f] + value
@@ -905,6 +908,7 @@ class KVStoreClient:
             InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
         if self._single:
             job = _lookup_job(cached_namespace_pb(namespace), block_hashes, self.metadata)
             return self._call(lambda t: job(self._channel, t))
@@ -927,6 +931,7 @@ class KVStoreClient:
             InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
         if self._single:
             job = _get_job(namespace, block_hashes, self.metadata)
             return self._call(lambda t: job(self._channel, t))
@@ -979,6 +984,7 @@ class KVStoreClient:
             ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
         priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
         encoded = encode_blocks(namespace, blocks)
         if self._single:
@@ -994,6 +1000,7 @@ class KVStoreClient:
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
+        check_block_hashes(namespace, block_hashes)
         ns = cached_namespace_pb(namespace)
         if self._single:
             job = _delete_job(ns, block_hashes, self.metadata)
@@ -1357,6 +1364,7 @@ class AsyncKVStoreClient:
 
     async def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest cached prefix of ``block_hashes`` (see :meth:`KVStoreClient.lookup`)."""
+        check_block_hashes(namespace, block_hashes)
         if self._single:
             job = _alookup_job(cached_namespace_pb(namespace), block_hashes, self.metadata)
             return await self._call(lambda t: job(self._channel, t))
@@ -1368,6 +1376,7 @@ class AsyncKVStoreClient:
 
     async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[Buffer]:
         """Encoded blocks of the longest cached prefix (see :meth:`KVStoreClient.get`)."""
+        check_block_hashes(namespace, block_hashes)
         if self._single:
             job = _aget_job(namespace, block_hashes, self.metadata)
             return await self._call(lambda t: job(self._channel, t))
@@ -1397,6 +1406,7 @@ class AsyncKVStoreClient:
             ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
         priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
         encoded = encode_blocks(namespace, blocks)
         if self._single:
@@ -1412,6 +1422,7 @@ class AsyncKVStoreClient:
 
     async def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
+        check_block_hashes(namespace, block_hashes)
         ns = cached_namespace_pb(namespace)
         if self._single:
             job = _adelete_job(ns, block_hashes, self.metadata)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.codec import BlockHeader, Layout, decode_header, verify_block
+from kvstore.codec import BlockHeader, Layout, check_one_shape, decode_header, verify_block
 from kvstore.continuations import Continuations
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -51,6 +51,8 @@ from kvstore.tiers.base import (
     Tier,
     TierFullError,
     TierLease,
+    check_at_start,
+    tier_status,
 )
 from kvstore.tombstones import Tombstones
 
@@ -144,6 +146,7 @@ class TieredStore:
                 await tier.delete(stale)
             if entries:
                 logger.info("tier %s: restored %d blocks (%d bytes)", tier.name, len(policy), policy.nbytes)
+        await check_at_start(self._shared)  # a shared tier that is down at start is named in a warning now
 
     async def close(self) -> None:
         """Stop taking calls, finish background work, demote volatile tiers, and close every tier.
@@ -490,6 +493,7 @@ class TieredStore:
             self._validate_block(namespace, index, block)
             if not self._fits_somewhere(len(block)):
                 raise ResourceExhaustedError(f"block {index}: {len(block)} bytes is larger than every tier")
+        check_one_shape(blocks)
         first_new = next((key for key in keys if self._tier_of(key) is None), None)
         protect = self._continuations.pop(first_new) if first_new is not None else ()
         moving = {self._promoting[key] for key in protect if key in self._promoting}
@@ -623,6 +627,7 @@ class TieredStore:
                     promotions=counts.promotions,
                     corrupt_records=extra.pop("corrupt_records", 0),
                     counters=extra,
+                    **tier_status(tier),
                 )
             )
         return StoreStats(tuple(result), self._lookup_hit_blocks, self._lookup_miss_blocks)

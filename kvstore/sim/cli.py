@@ -12,13 +12,14 @@ from typing import Sequence
 
 from kvstore.config import parse_size
 from kvstore.errors import InvalidArgumentError
+from kvstore.data import bundled_trace
 from kvstore.sim.replay import POLICIES, SimResult, resolve, simulate
 from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, _is_session, read_session, read_trace
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
-"""The Mooncake conversation trace in a source checkout (not in a wheel: pass ``--trace`` there)."""
+DEFAULT_TRACE = bundled_trace()
+"""The trace used when ``--trace`` is not given: the Mooncake conversation trace, shipped in the package."""
 
 DEFAULT_CAPACITIES = "1%,5%,10%,25%,50%,inf"
 DEFAULT_POLICIES = "lru,default,belady"
@@ -230,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
             block_tokens = _block_tokens_of(trace, args.format, args.block_tokens)
             requests = read_trace(trace, args.format, block_tokens)
             if not requests:
-                raise InvalidArgumentError(f"{trace}: the trace has no requests")
+                raise InvalidArgumentError(f"the trace {trace} has no requests (an empty file?); nothing to replay")
             unique = len({key for r in requests for key in r.block_ids})
             capacities = [parse_capacity(c, block_bytes, unique) for c in capacity_texts]
             disk_blocks = 0
