@@ -42,7 +42,7 @@ FLOOR = 0.995
 MOONSHOT = 0.25
 AGENTIC = {  # name: config; each a different shape (see kvstore.sim.agentic)
     "agentic_steady": AgenticConfig(num_sessions=40, duration_s=1800.0, turns=(5, 80), seed=1),
-    "agentic_bursty": AgenticConfig(num_sessions=50, duration_s=300.0, turns=(5, 60), subagent_prob=0.1,
+    "agentic_bursty": AgenticConfig(num_sessions=30, duration_s=300.0, turns=(5, 60), subagent_prob=0.1,
                                     max_subagents=4, seed=2),
     "agentic_one_agent": AgenticConfig(num_sessions=40, duration_s=1800.0, num_agent_types=1, turns=(3, 60),
                                        away_prob=0.2, seed=3),

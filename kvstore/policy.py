@@ -19,8 +19,9 @@ recent and the tail is evicted first.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import OrderedDict, deque
-from itertools import repeat
+from itertools import accumulate, islice, repeat
 from operator import or_
 from typing import Hashable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
@@ -105,6 +106,19 @@ class Leases:
             raise KeyError(key)
         self._pins[key] = self._pins.get(key, 0) + 1
 
+    def pin_many(self, keys: Sequence[Hashable]) -> None:
+        """:meth:`pin` each of ``keys``. Raises ``KeyError`` if one is unknown (then none is pinned)."""
+        if False in self.contains_many(keys):  # type: ignore[attr-defined]
+            raise KeyError(next(key for key in keys if key not in self))
+        pins = self._pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+
+    def unpin_many(self, keys: Sequence[Hashable]) -> None:
+        """:meth:`unpin` each of ``keys``."""
+        for key in keys:
+            self.unpin(key)
+
     def unpin(self, key: Hashable) -> None:
         """Release one lease on ``key``; unknown or unpinned keys are ignored."""
         count = self._pins.get(key)
@@ -171,13 +185,13 @@ class PriorityLRUPolicy(Leases):
     def _ordered(self) -> Iterator[tuple[K, int]]:
         """``(key, nbytes)`` of every tracked key in eviction order."""
         for run in self._runs():
-            yield from run
+            yield from run.items()
 
-    def _runs(self) -> list[Iterable[tuple[K, int]]]:
-        """The non-empty levels' ``(key, nbytes)`` views, in eviction order; :meth:`victims` walks them."""
+    def _runs(self) -> list[OrderedDict[K, int]]:
+        """The non-empty levels (``key -> nbytes``, least recent first), in eviction order; :meth:`victims` walks them."""
         if not self._priority:  # every key at the default level
-            return [self._levels[self.default_priority].items()]
-        return [level.items() for level in self._levels if level]
+            return [self._levels[self.default_priority]]
+        return [level for level in self._levels if level]
 
     @property
     def nbytes(self) -> int:
@@ -335,7 +349,23 @@ class PriorityLRUPolicy(Leases):
         freed = 0
         pins = self._pins
         for run in self._runs():
-            for key, size in run:
+            if not run:
+                continue
+            # the common case in C loops: as many least recent keys as the first one's size says are needed,
+            # none of them pinned
+            guess = list(islice(run, -(-(nbytes - freed) // max(1, next(iter(run.values()))))))
+            if not (pins and True in map(pins.__contains__, guess)):
+                totals = list(accumulate(map(run.__getitem__, guess), initial=freed))
+                if totals[-1] >= nbytes:
+                    cut = bisect_left(totals, nbytes, 1)
+                    chosen += guess[:cut]
+                    return chosen
+                chosen += guess
+                freed = totals[-1]
+                rest: Iterable[tuple[K, int]] = islice(run.items(), len(guess), None)
+            else:
+                rest = run.items()
+            for key, size in rest:
                 if key in pins:
                     continue
                 chosen.append(key)
@@ -553,17 +583,17 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
             return list(map(or_, found, map(self._priority.__contains__, keys)))
         return found
 
-    def _runs(self) -> list[Iterable[tuple[K, int]]]:
+    def _runs(self) -> list[OrderedDict[K, int]]:
         segments = self._segments
         if not self._priority:  # every key at the default level
-            return [segments.probation.items(), segments.protected.items()]
+            return [segments.probation, segments.protected]
         default = self.default_priority
-        runs: list[Iterable[tuple[K, int]]] = []
+        runs: list[OrderedDict[K, int]] = []
         for priority, level in enumerate(self._levels):
             if level:
-                runs.append(level.items())
+                runs.append(level)
             if priority == default and self._segments.protected:
-                runs.append(self._segments.protected.items())
+                runs.append(self._segments.protected)
         return runs
 
     def remove_many(self, keys: Sequence[K]) -> int:
@@ -728,27 +758,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
             for key in reversed(keys):
                 self.touch(key)
             return
-        segments = self._segments
-        probation = segments.probation
-        shadow_access = self._shadow.access
-        capacity = self.capacity_bytes
-        accessed, tier_score, shadow_score = self._accessed, self._tier_score, self._shadow_score
-        for key in reversed(keys):
-            if segments.target is None:
-                probation.move_to_end(key)
-                nbytes = probation[key]
-            else:
-                nbytes = segments.touch(key)
-            tier_score += nbytes
-            if shadow_access(key, nbytes):
-                shadow_score += nbytes
-            accessed += nbytes
-            if accessed >= capacity:
-                self._accessed, self._tier_score, self._shadow_score = accessed, tier_score, shadow_score
-                self._turnover()
-                accessed, tier_score, shadow_score = self._accessed, self._tier_score, self._shadow_score
-                shadow_access = self._shadow.access
-        self._accessed, self._tier_score, self._shadow_score = accessed, tier_score, shadow_score
+        self._run(reversed(keys), True, 0)
 
     def insert_many(self, keys: Sequence[K], nbytes: int, priority: int = DEFAULT_PRIORITY,
                     expires_at: float = 0.0) -> None:
@@ -766,24 +776,70 @@ class AdaptivePolicy(SegmentedLRUPolicy):
             for key in reversed(keys):
                 self.insert(key, nbytes, priority, expires_at)
             return
-        size = self._intern(nbytes)
-        probation = self._segments.probation
-        shadow_access = self._shadow.access
-        capacity = self.capacity_bytes
-        accessed, shadow_score = self._accessed, self._shadow_score
-        for key in reversed(keys):
-            probation[key] = size
-            self._nbytes += size
-            self._count += 1
-            if shadow_access(key, size):
+        self._run(reversed(keys), False, self._intern(nbytes))
+
+    def _run(self, keys: Iterator[K], touch: bool, size: int) -> None:
+        """Touches (``touch``) or inserts of ``size`` bytes, in order, each with its shadow access, in one loop.
+
+        The same steps as :meth:`touch` or :meth:`insert` with :meth:`_access` per key, inlined: this is the
+        simulator's hot loop (``benchmarks/bench_sim_speed.py``).
+        """
+        segments, capacity, pins = self._segments, self.capacity_bytes, self._pins
+        probation = segments.probation
+        tier_lru = segments.target is None
+        shadow = self._shadow
+        shadow_p, shadow_q = shadow.segments.probation, shadow.segments.protected
+        shadow_lru = shadow.segments.target is None
+        accessed, tier_score, shadow_score = self._accessed, self._tier_score, self._shadow_score
+        added = 0
+        for key in keys:
+            if not touch:
+                probation[key] = size
+                added += 1
+            elif tier_lru:
+                probation.move_to_end(key)
+                size = probation[key]
+                tier_score += size
+            else:
+                size = segments.touch(key)
+                tier_score += size
+            if key in shadow_p:  # the shadow's side: _Shadow.access, inlined
+                if shadow_lru:
+                    shadow_p.move_to_end(key)
+                else:
+                    shadow.segments.touch(key)
                 shadow_score += size
+            elif key in shadow_q:
+                shadow_q.move_to_end(key)
+                shadow_score += size
+            else:
+                shadow_p[key] = size
+                shadow.nbytes += size
+                if shadow.nbytes > capacity:
+                    victim, victim_size = shadow_p.popitem(last=False)
+                    shadow.nbytes -= victim_size
+                    if victim in pins:
+                        shadow_p[victim] = victim_size
+                        shadow_p.move_to_end(victim, last=False)
+                        shadow.nbytes += victim_size
+                        shadow.trim()
+                    elif shadow.nbytes > capacity:
+                        shadow.trim()
             accessed += size
             if accessed >= capacity:
-                self._accessed, self._shadow_score = accessed, shadow_score
+                self._nbytes += added * size
+                self._count += added
+                added = 0
+                self._accessed, self._tier_score, self._shadow_score = accessed, tier_score, shadow_score
                 self._turnover()
-                accessed, shadow_score = self._accessed, self._shadow_score
-                shadow_access = self._shadow.access
-        self._accessed, self._shadow_score = accessed, shadow_score
+                accessed, tier_score, shadow_score = self._accessed, self._tier_score, self._shadow_score
+                tier_lru = segments.target is None
+                shadow = self._shadow
+                shadow_p, shadow_q = shadow.segments.probation, shadow.segments.protected
+                shadow_lru = shadow.segments.target is None
+        self._nbytes += added * size
+        self._count += added
+        self._accessed, self._tier_score, self._shadow_score = accessed, tier_score, shadow_score
 
 
 DEFAULT_POLICY = "adaptive"

@@ -185,8 +185,7 @@ class NodeModel:
         policy = self.policies[level]
         capacity = self.capacities[level]
         pinned = [key for key, hit in zip(protect, policy.contains_many(protect)) if hit] if protect else []
-        for key in pinned:
-            policy.pin(key)
+        policy.pin_many(pinned)
         try:
             room = capacity - len(pinned)
             if room <= 0:
@@ -211,8 +210,7 @@ class NodeModel:
                 end = start
             return []
         finally:
-            for key in pinned:
-                policy.unpin(key)
+            policy.unpin_many(pinned)
 
     def _evict(self, level: int, victims: list[int], now: float) -> None:
         policy = self.policies[level]
