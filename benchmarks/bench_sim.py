@@ -153,7 +153,8 @@ def main() -> int:
         + "\n".join(lines)
         + "\n\nMemory plus a disk tier four times as large (the bound counts the two as one cache):\n\n"
         + "\n".join(disk_lines)
-        + "\n\nTraces:\n\n| trace | requests | block accesses | distinct blocks | block tokens |\n|---|---:|---:|---:|---:|\n"
+        + "\n\nTraces:\n\n| trace | requests | block accesses | distinct blocks | block tokens |\n"
+        + "|---|---:|---:|---:|---:|\n"
         + "\n".join(f"| {n} | {m['requests']:,} | {m['blocks']:,} | {m['distinct_blocks']:,} | {m['block_tokens']} |"
                     for n, m in meta.items())
         + "\n\nEvery row, slru included:\n\n```\n" + format_table(rows + disk_rows) + "\n```\n\n"

@@ -61,7 +61,8 @@ def main() -> int:
             capacity = int(unique * fraction)
             for disk in (0, DISK_FACTOR * capacity):
                 with tempfile.TemporaryDirectory() as tmp:
-                    extra = {"disk_path": Path(tmp) / "lmdb", "disk_capacity": str(disk * disk_footprint)} if disk else {}
+                    extra = {"disk_path": Path(tmp) / "lmdb",
+                             "disk_capacity": str(disk * disk_footprint)} if disk else {}
                     with KVNode(memory_capacity=str(capacity * memory_footprint), metrics=False,
                                 **extra) as node:  # type: ignore[arg-type]
                         began = time.perf_counter()

@@ -188,7 +188,7 @@ class PriorityLRUPolicy(Leases):
             yield from run.items()
 
     def _runs(self) -> list[OrderedDict[K, int]]:
-        """The non-empty levels (``key -> nbytes``, least recent first), in eviction order; :meth:`victims` walks them."""
+        """The non-empty levels (``key -> nbytes``, least recent first), in eviction order (for :meth:`victims`)."""
         if not self._priority:  # every key at the default level
             return [self._levels[self.default_priority]]
         return [level for level in self._levels if level]
@@ -264,11 +264,7 @@ class PriorityLRUPolicy(Leases):
         Raises:
             ValueError: as :meth:`insert`; nothing is inserted then.
         """
-        check_priority(priority)
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if True in self.contains_many(keys) or len(set(keys)) < len(keys):
-            raise ValueError("a key is already tracked, or given twice")
+        self._check_batch(keys, nbytes, priority)
         if priority != self.default_priority:
             for key in reversed(keys):
                 self.insert(key, nbytes, priority, expires_at)
@@ -276,6 +272,14 @@ class PriorityLRUPolicy(Leases):
         self._levels[priority].update(zip(reversed(keys), repeat(self._intern(nbytes))))
         self._nbytes += nbytes * len(keys)
         self._count += len(keys)
+
+    def _check_batch(self, keys: Sequence[K], nbytes: int, priority: int) -> None:
+        """What :meth:`insert` checks, for a batch. Raises ``ValueError``."""
+        check_priority(priority)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if True in self.contains_many(keys) or len(set(keys)) < len(keys):
+            raise ValueError("a key is already tracked, or given twice")
 
     def remove_many(self, keys: Sequence[K]) -> int:
         """:meth:`remove` each of ``keys``; return the bytes freed."""
@@ -576,7 +580,8 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
         """Whether each key is tracked; the batch form of ``in`` for hot paths."""
         segments = self._segments
         if segments.protected:  # C loops over both segments
-            found = list(map(or_, map(segments.probation.__contains__, keys), map(segments.protected.__contains__, keys)))
+            in_probation = map(segments.probation.__contains__, keys)
+            found = list(map(or_, in_probation, map(segments.protected.__contains__, keys)))
         else:
             found = list(map(segments.probation.__contains__, keys))
         if self._priority and False in found:
@@ -767,11 +772,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
         Raises:
             ValueError: as :meth:`insert`; nothing is inserted then.
         """
-        check_priority(priority)
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if True in self.contains_many(keys) or len(set(keys)) < len(keys):
-            raise ValueError("a key is already tracked, or given twice")
+        self._check_batch(keys, nbytes, priority)
         if priority != self.default_priority or self.capacity_bytes <= 0:
             for key in reversed(keys):
                 self.insert(key, nbytes, priority, expires_at)

@@ -115,8 +115,8 @@ def format_table(rows: Sequence[tuple[str, SimResult]]) -> str:
             f"{r.accesses_per_s / 1e6:.2f}" if r.policy != "infinite" else "-",
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-                     for line in lines)
+    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(line, widths))) for line in lines)
 
 
 def plot(rows: Sequence[tuple[str, SimResult]], path: str | os.PathLike[str]) -> None:

@@ -40,7 +40,8 @@ def _agentic() -> list[TraceRequest]:
 
 def _replay(requests: list[TraceRequest], policy: str, capacity_blocks: int, disk_blocks: int,
             tmp_path: Path) -> tuple[int, dict[str, int]]:
-    disk = {"disk_path": tmp_path / "lmdb", "disk_capacity": str(disk_blocks * DISK_FOOTPRINT_BYTES)} if disk_blocks else {}
+    disk = {"disk_path": tmp_path / "lmdb",
+            "disk_capacity": str(disk_blocks * DISK_FOOTPRINT_BYTES)} if disk_blocks else {}
     with KVNode(memory_capacity=str(capacity_blocks * MEMORY_FOOTPRINT_BYTES), metrics=False,
                 extra_args=("--policy", policy), **disk) as node:  # type: ignore[arg-type]
         result = replay_loadtest(requests, LoadTestConfig(targets=(node.target,), payload_bytes=PAYLOAD_BYTES))

@@ -43,7 +43,8 @@ def test_generic_round_trip_with_hex_ids(tmp_path: Path) -> None:
         ('{"timestamp": 0, "input_length": 600, "output_length": 1}', "missing field 'hash_ids'"),
         ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, "x"]}', "hash_ids[1]"),
         ('{"timestamp": -1, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}', "'timestamp'"),
-        ('{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1]}', "needs 3 (ceil) or 2 (full blocks only)"),
+        ('{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1]}',
+         "needs 3 (ceil) or 2 (full blocks only)"),
         ('{"timestamp": 0, "input_length": 1.5, "output_length": 1, "hash_ids": [1]}', "'input_length'"),
     ],
 )
