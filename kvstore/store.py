@@ -9,7 +9,10 @@ nodes write to it too, so lookups and gets ask it for what the local tiers miss.
 Data flow:
 
 * put: validate, reserve room in the top tier (evicting victims first), write,
-  then publish to the policy. What the top tier evicts is demoted to the next
+  then publish to the policy. A put that continues a prefix a lookup found
+  cached pins that prefix while it makes room and touches it again after, so a
+  chain is evicted tail first (``kvstore.continuations``; the order of every
+  step is ``kvstore.sim.model``'s, which docs/simulate.md writes out). What the top tier evicts is demoted to the next
   tier if its priority is at least ``demote_min_priority``, else dropped; the
   last local tier demotes into the shared tier in ``write_back`` mode. In
   ``write_through`` mode every put also reaches the shared tier in the background.

@@ -138,7 +138,9 @@ def plot(rows: Sequence[tuple[str, SimResult]], path: str | os.PathLike[str]) ->
             points = sorted((r.capacity_blocks, r.hit_ratio) for r in mine
                             if r.policy == policy and r.capacity_blocks is not None)
             if points:
-                ax.plot([c for c, _ in points], [h for _, h in points], marker="o", label=policy)
+                label = "bound (MIN with bypass)" if policy == "belady" else policy
+                ax.plot([c for c, _ in points], [h for _, h in points], marker="o", label=label,
+                         linestyle=":" if policy == "belady" else "-")
         infinite = [r.hit_ratio for r in mine if r.capacity_blocks is None]
         if infinite:
             ax.axhline(infinite[0], color="grey", linestyle="--", label="infinite")

@@ -63,3 +63,22 @@ def test_register_adds_the_subcommand() -> None:
     assert parse_capacity("inf", None) is None
     assert parse_capacity("3GiB", 512 * 1024) == 6144
     assert parse_capacity("5%", None, 43924) == 2196
+
+
+def test_the_node_takes_the_same_policy_names() -> None:
+    from kvstore.cli import build_parser
+    from kvstore.config import StoreConfig, load_config
+    from kvstore.errors import ConfigError
+    from kvstore.policy import DEFAULT_POLICY, AdaptivePolicy, SegmentedLRUPolicy
+    from kvstore.store import TieredStore
+    from kvstore.tiers.memory import MemoryTier
+
+    assert StoreConfig().policy == "default" and DEFAULT_POLICY == "adaptive"
+    args = build_parser().parse_args(["serve", "--policy", "slru"])
+    assert load_config(env={}, overrides={"store.policy": args.policy}).store.policy == "slru"
+    assert load_config(env={"KVSTORE_POLICY": "lru"}).store.policy == "lru"
+    with pytest.raises(ConfigError, match="unknown policy 'fifo'"):
+        load_config(env={}, overrides={"store.policy": "fifo"})
+    for name, kind in (("default", AdaptivePolicy), ("slru", SegmentedLRUPolicy)):
+        store = TieredStore([MemoryTier(1 << 20)], StoreConfig(policy=name))
+        assert type(store._policies[0]) is kind and store._policies[0].capacity_bytes == 1 << 20
