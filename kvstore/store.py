@@ -110,8 +110,8 @@ class TieredStore:
         self._clock = clock
         self._policies: list[PriorityLRUPolicy] = [
             make_policy(self.config.policy, default_priority=self.config.default_priority,
-                        capacity_bytes=tier.capacity_bytes or 0)
-            for tier in self._tiers
+                        capacity_bytes=tier.capacity_bytes or 0, demotes=level + 1 < len(self._tiers))
+            for level, tier in enumerate(self._tiers)
         ]
         self._continuations: Continuations[BlockKey] = Continuations()  # lookups' prefixes, by a put's start
         self._promoting: dict[BlockKey, asyncio.Future[object]] = {}  # blocks a Get's promotion is moving up

@@ -74,9 +74,12 @@ class NodeModel:
                                        f"got {capacity_blocks} and {disk_capacity_blocks}")
         try:
             self.policies: list[PriorityLRUPolicy] = [
-                make_policy(policy, default_priority=default_priority, capacity_bytes=blocks)
-                for blocks in (capacity_blocks, disk_capacity_blocks) if blocks > 0
+                make_policy(policy, default_priority=default_priority, capacity_bytes=capacity_blocks,
+                            demotes=disk_capacity_blocks > 0)
             ]
+            if disk_capacity_blocks > 0:
+                self.policies.append(make_policy(policy, default_priority=default_priority,
+                                                 capacity_bytes=disk_capacity_blocks))
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
         self.capacities = [capacity_blocks, disk_capacity_blocks][: len(self.policies)]
