@@ -9,7 +9,10 @@ nodes write to it too, so lookups and gets ask it for what the local tiers miss.
 Data flow:
 
 * put: validate, reserve room in the top tier (evicting victims first), write,
-  then publish to the policy. What the top tier evicts is demoted to the next
+  then publish to the policy. A put that continues a prefix a lookup found
+  cached pins that prefix while it makes room and touches it again after, so a
+  chain is evicted tail first (``kvstore.continuations``; the order of every
+  step is ``kvstore.sim.model``'s, which docs/simulate.md writes out). What the top tier evicts is demoted to the next
   tier if its priority is at least ``demote_min_priority``, else dropped; the
   last local tier demotes into the shared tier in ``write_back`` mode. In
   ``write_through`` mode every put also reaches the shared tier in the background.
@@ -32,6 +35,7 @@ from typing import Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import BlockHeader, Layout, check_one_shape, decode_header, verify_block
+from kvstore.continuations import Continuations
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     CodecError,
@@ -40,7 +44,7 @@ from kvstore.errors import (
     UnavailableError,
 )
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
-from kvstore.policy import PriorityLRUPolicy, check_priority
+from kvstore.policy import PriorityLRUPolicy, check_priority, make_policy
 from kvstore.tiers.base import (
     CHAIN_STEP_S,
     BlockMeta,
@@ -106,7 +110,13 @@ class TieredStore:
         self._tier_names = tuple(t.name for t in self._tiers) + ((shared.name,) if shared is not None else ())
         self._write_through = shared is not None and self.config.redis.mode == "write_through"
         self._clock = clock
-        self._policies = [PriorityLRUPolicy(self.config.default_priority) for _ in self._tiers]
+        self._policies: list[PriorityLRUPolicy] = [
+            make_policy(self.config.policy, default_priority=self.config.default_priority,
+                        capacity_bytes=tier.capacity_bytes or 0, demotes=level + 1 < len(self._tiers))
+            for level, tier in enumerate(self._tiers)
+        ]
+        self._continuations: Continuations[BlockKey] = Continuations()  # lookups' prefixes, by a put's start
+        self._promoting: dict[BlockKey, asyncio.Future[object]] = {}  # blocks a Get's promotion is moving up
         self._locks = [asyncio.Lock() for _ in self._tiers]
         self._tag_bytes: dict[bytes, int] = {}  # namespace tag -> local bytes, for tenant quotas
         self._forgotten_pinned: set[tuple[int, BlockKey]] = set()  # (level, key) forgotten while a read or move
@@ -225,6 +235,8 @@ class TieredStore:
             located += bytes(tail)
         self._lookup_hit_blocks += len(located)
         self._lookup_miss_blocks += len(keys) - len(located)
+        if 0 < len(located) < len(keys):  # the put of the rest protects this prefix (``put``)
+            self._continuations.record(keys, len(located))
         return located
 
     async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
@@ -487,13 +499,27 @@ class TieredStore:
         if not self._closed:  # once unpinned, so that room is made by evicting others
             for source, moved_keys, blocks in read.promotions:
                 if source is None and epoch is not None:  # the shared tier's hits: the copy window goes with them
-                    self._spawn(self._promote_from(None, moved_keys, blocks, epoch),
-                                functools.partial(self._end_copy, epoch))
+                    task = self._spawn(self._promote_from(None, moved_keys, blocks, epoch),
+                                       functools.partial(self._end_copy, epoch))
                     epoch = None
                 else:
-                    self._spawn(self._promote_from(source, moved_keys, blocks))
+                    task = self._spawn(self._promote_from(source, moved_keys, blocks))
+                self._track_promotion(moved_keys, task)
         if epoch is not None:
             self._tombstones.end(epoch)
+
+    def _track_promotion(self, keys: list[BlockKey], task: asyncio.Future[object]) -> None:
+        """Remember ``task`` as the promotion of ``keys`` until it ends (a put continuing them waits for it)."""
+        promoting = self._promoting
+        for key in keys:
+            promoting[key] = task
+
+        def done(_task: object) -> None:
+            for key in keys:
+                if promoting.get(key) is task:
+                    del promoting[key]
+
+        task.add_done_callback(done)
 
     async def put(
         self,
@@ -536,6 +562,11 @@ class TieredStore:
             if not self._fits_somewhere(len(block)):
                 raise ResourceExhaustedError(f"block {index}: {len(block)} bytes is larger than every tier")
         check_one_shape(blocks)
+        first_new = next((key for key in keys if self._tier_of(key) is None), None)
+        protect = self._continuations.pop(first_new) if first_new is not None else ()
+        moving = {self._promoting[key] for key in protect if key in self._promoting}
+        if moving:  # the Get before this put is still promoting its prefix: this put continues that prefix
+            await asyncio.wait(moving)
         fresh: dict[BlockKey, bytes] = {}
         waits: list[asyncio.Future[BaseException | None]] = []
         for key in reversed(keys):  # a block put again is in use: it counts as accessed, tail first
@@ -553,7 +584,7 @@ class TieredStore:
             done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
             for key in fresh:
                 self._pending[key] = done
-            placement = asyncio.ensure_future(self._place_fresh(list(fresh), list(fresh.values()), meta))
+            placement = asyncio.ensure_future(self._place_fresh(list(fresh), list(fresh.values()), meta, protect))
             self._placements.add(placement)
             placement.add_done_callback(functools.partial(self._placement_done, list(fresh), done))
             # shielded: a cancelled caller leaves the batch to finish whole, never half-indexed, and its blocks
@@ -574,8 +605,14 @@ class TieredStore:
                 del self._pending[key]
         done.set_result(asyncio.CancelledError() if placement.cancelled() else placement.exception())
 
-    async def _place_fresh(self, keys: list[BlockKey], values: list[bytes], meta: BlockMeta) -> None:
+    async def _place_fresh(self, keys: list[BlockKey], values: list[bytes], meta: BlockMeta,
+                           protect: Sequence[BlockKey] = ()) -> None:
         """A put's placement of new blocks; in ``write_through`` mode they all go to the shared tier as well.
+
+        ``protect``: the cached prefix this put continues (``kvstore.continuations``). It is pinned while
+        room is made, so the new blocks cannot push out their own head, and touched again, tail first, once
+        they are in, so the whole chain ends ordered tail (least recent) to head, as a request's blocks are
+        freed tail first in vLLM. ``kvstore.sim.model`` replays exactly this order.
 
         The write-through belongs to the placement, not to the caller: a put cancelled or failed part-way has
         still published blocks, and the last local tier drops its victims, counting on the shared tier's copy.
@@ -586,7 +623,11 @@ class TieredStore:
             return self._tombstones.delete_began_since(key, epoch)
 
         try:
-            await self._place(keys, values, chain_metas(meta, len(keys)), deleted=overtaken)
+            await self._place(keys, values, chain_metas(meta, len(keys)), deleted=overtaken, protect=protect)
+            for key in reversed(protect):
+                level = self._tier_of(key)
+                if level is not None:
+                    self._policies[level].touch(key)
         finally:
             if self._write_through:  # the window goes with the copy, so that the shared tier agrees
                 self._spawn(self._copy_to_shared(keys, values, [meta] * len(keys), overtaken),
@@ -895,8 +936,13 @@ class TieredStore:
         last: int | None = None,
         deleted: Callable[[BlockKey], bool] | None = None,
         spill: bool = True,
+        protect: Sequence[BlockKey] = (),
     ) -> list[BlockKey]:
         """Write blocks into local tier ``target`` (down to ``last``), evicting to make room, and publish them.
+
+        ``protect``: blocks pinned in each tier while room is made there (a put's cached prefix); blocks for
+        which they leave no room go to the next tier down, and from the last one to the shared tier in
+        ``write_back`` mode, or nowhere (they are not stored; no error).
 
         A block larger than a tier goes to the next one down. With ``source``
         set (a move between tiers) a block that left the source while it was
@@ -917,24 +963,30 @@ class TieredStore:
         """
         published: list[BlockKey] = []
         last = len(self._tiers) - 1 if last is None else last
+        crowded = 0  # of the keys left, how many (the first ones) were turned away by protected blocks only
         for level in range(target, last + 1):
             tier = self._tiers[level]
             capacity = tier.capacity_bytes or 0
             fits = {i for i, v in enumerate(values) if tier.footprint(len(v)) <= capacity}
+            declined: list[int] = []
             if fits:
                 chosen = sorted(fits)
-                published += await self._write_tier(
+                written, no_room = await self._write_tier(
                     level, [keys[i] for i in chosen], [values[i] for i in chosen], [metas[i] for i in chosen], source,
-                    deleted,
+                    deleted, protect,
                 )
-            rest = [i for i in range(len(keys)) if i not in fits]
+                published += written
+                declined = [chosen[j] for j in no_room]
+            rest = declined + [i for i in range(len(keys)) if i not in fits]
+            crowded = len(declined)
             keys, values, metas = [keys[i] for i in rest], [values[i] for i in rest], [metas[i] for i in rest]
             if not keys:
                 return published
         if source is None and spill:
             if self._shared is not None and not self._write_through:
                 await self._copy_to_shared(keys, values, metas, deleted)
-            else:
+            elif len(keys) > crowded:
+                keys, values = keys[crowded:], values[crowded:]
                 raise ResourceExhaustedError(
                     f"{len(keys)} block(s) of up to {max(map(len, values))} bytes fit no tier "
                     f"(capacities: {[t.capacity_bytes for t in self._tiers]})"
@@ -963,15 +1015,43 @@ class TieredStore:
         metas: list[BlockMeta],
         source: int | None,
         deleted: Callable[[BlockKey], bool] | None = None,
+        protect: Sequence[BlockKey] = (),
+    ) -> tuple[list[BlockKey], list[int]]:
+        """Write and publish blocks in tier ``level``; returns the keys published, and the indices of the
+        blocks ``protect`` left no room for (all of them, or none)."""
+        policy = self._policies[level]
+        guarded = [key for key in dict.fromkeys(protect) if key in policy]
+        for key in guarded:
+            policy.pin(key)
+        try:
+            tier = self._tiers[level]
+            sizes = [tier.footprint(len(v)) for v in values]
+            room = (tier.capacity_bytes or 0) - sum(policy.size_of(key) for key in guarded if key in policy)
+            if guarded and sizes and max(sizes) > room:
+                return [], list(range(len(keys)))
+            return await self._write_batches(level, keys, values, metas, sizes, room, source, deleted), []
+        finally:
+            for key in guarded:
+                policy.unpin(key)
+
+    async def _write_batches(
+        self,
+        level: int,
+        keys: list[BlockKey],
+        values: list[bytes],
+        metas: list[BlockMeta],
+        sizes: list[int],
+        room: int,
+        source: int | None,
+        deleted: Callable[[BlockKey], bool] | None,
     ) -> list[BlockKey]:
         tier = self._tiers[level]
-        sizes = [tier.footprint(len(v)) for v in values]
         capacity = tier.capacity_bytes or 0
         published: list[BlockKey] = []
         end = len(keys)
-        while end > 0:  # batches that fit the tier at once, tail first, so a head written last evicts the tail
+        while end > 0:  # batches that fit the room at once, tail first, so a head written last evicts the tail
             start, need = end, 0
-            while start > 0 and need + sizes[start - 1] <= capacity:
+            while start > 0 and need + sizes[start - 1] <= room:
                 start -= 1
                 need += sizes[start]
             async with self._locks[level]:  # make room, write and publish as one step per tier
