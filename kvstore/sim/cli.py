@@ -14,6 +14,7 @@ from kvstore.config import parse_size
 from kvstore.errors import InvalidArgumentError
 from kvstore.data import bundled_trace
 from kvstore.sim.replay import POLICIES, SimResult, resolve, simulate
+from kvstore.tiers.lmdb import usable_bytes
 from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, _is_session, read_session, read_trace
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,12 @@ examples:
   kvstore simulate --capacity 5% --disk-capacity 25% --json out.json --plot out.png
   kvstore simulate --trace sessions/ --block-tokens 64    # a directory of agentic session files
 """
+
+
+def _is_size(text: str) -> bool:
+    """Whether a capacity is a size with a unit (``25GiB``), not ``inf``, a block count or a percentage."""
+    value = text.strip()
+    return value[:1].isdigit() and not value.isdigit() and not value.endswith("%")
 
 
 def parse_capacity(text: str, block_bytes: int | None, num_unique_blocks: int | None = None) -> int | None:
@@ -188,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"blocks, sizes or inf (default: {DEFAULT_CAPACITIES})")
     parser.add_argument("--disk-capacity", default=None,
                         help="capacity of a disk tier below memory that takes its victims: blocks, a percentage "
-                             "or a size")
+                             "or a size (store.disk.capacity_bytes: blocks get the part of it LMDB leaves them, as on a node)")
     parser.add_argument("--block-bytes", default=None,
                         help="bytes of one block, to turn sizes into blocks (e.g. 512KiB)")
     parser.add_argument("--block-tokens", type=int, default=None,
@@ -239,6 +246,9 @@ def run(args: argparse.Namespace) -> int:
             disk_blocks = 0
             if args.disk_capacity:
                 disk = parse_capacity(args.disk_capacity, block_bytes, unique)
+                if disk is not None and _is_size(args.disk_capacity):
+                    # a size is store.disk.capacity_bytes, the bound of data.mdb: blocks get its usable part
+                    disk = usable_bytes(parse_size(args.disk_capacity.strip())) // block_bytes
                 if disk is None:
                     raise InvalidArgumentError("--disk-capacity cannot be infinite")
                 disk_blocks = disk

@@ -15,7 +15,7 @@ from kvstore.loadtest import LoadTestConfig, replay_loadtest
 from kvstore.sim import NodeModel, simulate
 from kvstore.sim.agentic import AgenticConfig, generate_agentic
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
-from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES
+from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, default_map_size_bytes
 from kvstore.trace import TraceRequest, read_trace
 from tests.support.kvnode import KVNode
 
@@ -41,7 +41,8 @@ def _agentic() -> list[TraceRequest]:
 def _replay(requests: list[TraceRequest], policy: str, capacity_blocks: int, disk_blocks: int,
             tmp_path: Path) -> tuple[int, dict[str, int]]:
     disk = {"disk_path": tmp_path / "lmdb",
-            "disk_capacity": str(disk_blocks * DISK_FOOTPRINT_BYTES)} if disk_blocks else {}
+            # the file's bound that leaves disk_blocks footprints to blocks (docs/disk.md)
+            "disk_capacity": str(default_map_size_bytes(disk_blocks * DISK_FOOTPRINT_BYTES))} if disk_blocks else {}
     with KVNode(memory_capacity=str(capacity_blocks * MEMORY_FOOTPRINT_BYTES), metrics=False,
                 extra_args=("--policy", policy), **disk) as node:  # type: ignore[arg-type]
         result = replay_loadtest(requests, LoadTestConfig(targets=(node.target,), payload_bytes=PAYLOAD_BYTES))
