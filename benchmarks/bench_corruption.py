@@ -53,20 +53,21 @@ def main() -> None:
 
     load_before = os.getloadavg()
     started = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-corruption-"))
     first = args.first_seed
-    lmdb_counts = disk_fuzz.Counts()
-    for seed in range(first, first + args.seeds):
-        lmdb_counts.add(disk_fuzz.run_trial(seed, disk_fuzz.MODES[seed % len(disk_fuzz.MODES)], workdir=workdir))
-        if (seed - first + 1) % 50 == 0:
-            print(f"LMDB {seed - first + 1} trials: {lmdb_counts.wrong_blocks} wrong, {lmdb_counts.failed_starts} "
-                  f"failed starts, {lmdb_counts.lost_blocks} lost", flush=True)
-    serve_counts = disk_fuzz.Counts()
-    for seed in range(first + 100_000, first + 100_000 + args.serve_seeds):
-        serve_counts.add(disk_fuzz.run_trial(seed, disk_fuzz.MODES[seed % len(disk_fuzz.MODES)], node_kind="serve",
-                                             workdir=workdir))
-    with RedisProcess() as server:
-        redis_counts = redis_fuzz.trials(server.url, range(first, first + args.redis_seeds))
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-corruption-") as tmp:  # removed, trials' files too
+        workdir = Path(tmp)
+        lmdb_counts = disk_fuzz.Counts()
+        for seed in range(first, first + args.seeds):
+            lmdb_counts.add(disk_fuzz.run_trial(seed, disk_fuzz.MODES[seed % len(disk_fuzz.MODES)], workdir=workdir))
+            if (seed - first + 1) % 50 == 0:
+                print(f"LMDB {seed - first + 1} trials: {lmdb_counts.wrong_blocks} wrong, {lmdb_counts.failed_starts} "
+                      f"failed starts, {lmdb_counts.lost_blocks} lost", flush=True)
+        serve_counts = disk_fuzz.Counts()
+        for seed in range(first + 100_000, first + 100_000 + args.serve_seeds):
+            serve_counts.add(disk_fuzz.run_trial(seed, disk_fuzz.MODES[seed % len(disk_fuzz.MODES)], node_kind="serve",
+                                                 workdir=workdir))
+        with RedisProcess() as server:
+            redis_counts = redis_fuzz.trials(server.url, range(first, first + args.redis_seeds))
     elapsed_s = time.monotonic() - started
 
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, REPO_ROOT), *sys.argv[1:]])
