@@ -6,7 +6,7 @@ its retries and, with several nodes, all of its fan-out), the number of calls
 in flight is bounded (``max_inflight``), and calls that are safe to repeat are
 retried on UNAVAILABLE with exponential backoff and full jitter (the AWS
 Architecture Blog's "Exponential Backoff and Jitter"). Status errors are raised
-as kvstore's typed errors through the one mapping in ``kvstore.server.errors``.
+as kvstore's typed errors through the one mapping in ``kvstore.status``.
 
 Retried calls: lookup, get, delete, clear, stats, health and put. Put is
 idempotent because a block hash names its content (the chained hash of the
@@ -84,8 +84,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats
-from kvstore.codec import decode_block
-from kvstore.embedded import encode_blocks
+from kvstore.codec import decode_block, encode_blocks
 from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
@@ -97,8 +96,8 @@ from kvstore.routing import (
     Partition,
     RendezvousRouter,
 )
-from kvstore.server.errors import RETRYABLE_CODES, DeadlineExceededError, error_of
-from kvstore.server.wire import (
+from kvstore.status import RETRYABLE_CODES, DeadlineExceededError, error_of
+from kvstore.wire import (
     GET_METHOD,
     PUT_METHOD,
     BlockAssembler,
@@ -214,7 +213,7 @@ class TargetChannel:
         self._channel = channel
         self._stub = pb_grpc.KVStoreStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
-        # the data path: block bytes are (de)serialized by kvstore.server.wire, not copied through protobuf
+        # the data path: block bytes are (de)serialized by kvstore.wire, not copied through protobuf
         self._get = channel.unary_stream(GET_METHOD, request_serializer=identity, response_deserializer=identity)
         self._put = channel.stream_unary(PUT_METHOD, request_serializer=identity,
                                          response_deserializer=pb.PutResponse.FromString)
@@ -453,7 +452,7 @@ class _RequestStream:
     (asyncio); the caller gets the real error back from :meth:`raise_error`.
 
     Args:
-        messages: the serialized messages (:func:`kvstore.server.wire.put_requests`).
+        messages: the serialized messages (:func:`kvstore.wire.put_requests`).
     """
 
     def __init__(self, messages: Iterator[bytes]) -> None:
@@ -980,7 +979,7 @@ class KVStoreClient:
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
         priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
-        encoded = encode_blocks(namespace, blocks)
+        encoded = encode_blocks(blocks, namespace.layout)
         if self._single:
             job = _put_job(namespace, block_hashes, encoded, self._chunk_bytes, priority, retention_s, self.metadata)
             return self._call(lambda t: job(self._channel, t))
@@ -1398,7 +1397,7 @@ class AsyncKVStoreClient:
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
         priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
-        encoded = encode_blocks(namespace, blocks)
+        encoded = encode_blocks(blocks, namespace.layout)
         if self._single:
             job = _aput_job(namespace, block_hashes, encoded, self._chunk_bytes, priority, retention_s, self.metadata)
             return await self._call(lambda t: job(self._channel, t))

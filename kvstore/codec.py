@@ -34,7 +34,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 import xxhash
 
 if TYPE_CHECKING:  # torch is imported on first use, so parsing a header (the server, `kvstore health`) never loads it
@@ -215,6 +215,20 @@ def encode_block(tensor: torch.Tensor, layout: Layout | str = Layout.KV) -> byte
     host = tensor.detach().to("cpu").contiguous()
     payload = memoryview(host.reshape(-1).view(torch.uint8).numpy())
     return b"".join((encode_header(name, layout, tuple(host.shape), payload), payload))
+
+
+def encode_blocks(blocks: Sequence[object], layout: Layout | str = Layout.KV) -> list[bytes]:
+    """Encode the tensors of ``blocks`` with :func:`encode_block` in ``layout``; encoded bytes pass through unchanged.
+
+    What the clients and the embedded store do with the blocks a put is given
+    (tensors of the namespace's layout, or blocks encoded already).
+
+    Raises:
+        UnknownDtypeError: if a tensor's dtype has no codec code.
+        ElementCountError: if a tensor's shape does not fit the layout.
+    """
+    return [b if isinstance(b, (bytes, bytearray, memoryview)) else encode_block(b, layout)  # type: ignore[misc]
+            for b in blocks]
 
 
 def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Coroutine, Sequence, TypeVar
 
 from kvstore.api import Block, LookupResult, StoreStats
-from kvstore.codec import decode_block, encode_block
+from kvstore.codec import decode_block, encode_blocks
 from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
@@ -19,15 +19,6 @@ if TYPE_CHECKING:
     import torch
 
 _T = TypeVar("_T")
-
-
-def encode_blocks(namespace: Namespace, blocks: Sequence[Block]) -> list[bytes]:
-    """Encode tensors with the namespace's layout; bytes pass through unchanged.
-
-    Raises:
-        CodecError: if a tensor's dtype or shape does not fit the codec.
-    """
-    return [b if isinstance(b, (bytes, bytearray, memoryview)) else encode_block(b, namespace.layout) for b in blocks]
 
 
 class EmbeddedStore:
@@ -105,7 +96,7 @@ class EmbeddedStore:
         retention_s: float | None = None,
     ) -> int:
         """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`)."""
-        encoded = encode_blocks(namespace, blocks)
+        encoded = encode_blocks(blocks, namespace.layout)
         return self._call(self._store.put(namespace, block_hashes, encoded, priority=priority, retention_s=retention_s))
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:

@@ -31,7 +31,7 @@ import shutil
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import lmdb
 
@@ -40,7 +40,7 @@ from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import MAX_PRIORITY
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, DropListener, ResidentEntry, TierFullError, put_order
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +147,8 @@ class LMDBTier:
     submitted, a write runs to its end in the writer thread, in the order
     writes were submitted (see :meth:`kvstore.tiers.base.Tier.delete`).
 
-    A corrupt record that a get finds is deleted, and the keys are reported to
-    :attr:`on_drop` (:class:`~kvstore.tiers.base.DroppingTier`) once that delete
-    has committed, also when the get's caller was cancelled.
+    A corrupt record that a get finds is deleted (and is a miss, which the store
+    forgets).
 
     Args:
         path: directory of the environment; created if missing.
@@ -210,7 +209,6 @@ class LMDBTier:
         self._used_bytes = self._scan_used_bytes()
         self._corrupt_records = 0
         self._touched: dict[BlockKey, float] = {}  # keys hit by gets since the last write txn -> time
-        self.on_drop: DropListener | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"lmdb-{name}-w")
         self._readers = ThreadPoolExecutor(num_reader_threads, thread_name_prefix=f"lmdb-{name}-r")
         self._closed = False
@@ -282,12 +280,8 @@ class LMDBTier:
             if value is not None:  # the keys of a read are a prefix in order: its head is the most recent
                 self._touched[key] = now - position * CHAIN_STEP_S
         if corrupt:
-            await self._write(self._drop_corrupt_txn, corrupt, on_success=self._dropped)
+            await self._write(self._drop_corrupt_txn, corrupt)
         return values
-
-    def _dropped(self, keys: list[BlockKey]) -> None:
-        if keys and self.on_drop is not None:
-            self.on_drop(keys)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
         """Store each value with its meta in one write transaction.
@@ -316,18 +310,19 @@ class LMDBTier:
         await self._write(self._put_txn, batch)
         return [True] * len(keys)
 
-    async def delete(self, keys: Sequence[BlockKey]) -> None:
-        """Remove each key in one write transaction; missing keys are ignored.
+    def delete(self, keys: Sequence[BlockKey]) -> Awaitable[None]:
+        """Remove each key in one write transaction, submitted now (it takes effect for later calls at once);
+        missing keys are ignored.
 
         Raises:
-            UnavailableError: if the tier is closed or LMDB fails.
+            UnavailableError: if the tier is closed (at the call) or LMDB fails (awaiting it).
         """
         self._check_open()
         if not keys:
-            return
+            return done()
         for key in keys:
             self._touched.pop(key, None)
-        await self._write(self._delete_txn, list(keys))
+        return self._write(self._delete_txn, list(keys))
 
     async def resident(self) -> list[ResidentEntry]:
         """Every block held, with its meta as of the last get; junk records are deleted and counted.
@@ -372,23 +367,18 @@ class LMDBTier:
         if self._closed:
             raise UnavailableError(f"disk tier {self.name} is closed")
 
-    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any, finish: bool = False,
-                   on_success: Callable[[_T], None] | None = None) -> _T:
-        """Run ``fn(*args)`` in ``pool``; with ``finish``, to its end even if the caller is cancelled.
-
-        Without ``finish`` a cancelled caller also cancels the call if it has
-        not started yet (``asyncio.wrap_future``), which suits reads.
-        ``on_success`` gets what ``fn`` returned, on the event loop, whether or
-        not the caller is still there.
-        """
+    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn(*args)`` in ``pool``; a cancelled caller also cancels the call if it has not started yet
+        (``asyncio.wrap_future``), which suits reads."""
         try:
             future = pool.submit(fn, *args)
         except RuntimeError as exc:  # the pool was shut down by close()
             raise UnavailableError(f"disk tier {self.name} is closed") from exc
-        waited = asyncio.wrap_future(future)
-        if on_success is not None:
-            waited.add_done_callback(
-                lambda done: done.cancelled() or done.exception() is not None or on_success(done.result()))
+        return await self._outcome(asyncio.wrap_future(future))
+
+    async def _outcome(self, waited: asyncio.Future[_T], finish: bool = False) -> _T:
+        """The result of a call submitted to a worker thread, LMDB errors as :class:`UnavailableError`; with
+        ``finish``, a cancelled caller leaves the call to run to its end."""
         try:
             if finish:
                 try:
@@ -403,15 +393,27 @@ class LMDBTier:
             logger.error("disk tier %s: LMDB error: %s", self.name, exc)
             raise UnavailableError(f"disk tier {self.name}: LMDB error: {exc}") from exc
 
-    async def _write(self, fn: Callable[..., _T], *args: Any, on_success: Callable[[_T], None] | None = None) -> _T:
-        """Run ``fn(txn_args..., touched)`` in the writer thread with the pending recency updates.
+    def _write(self, fn: Callable[..., _T], *args: Any) -> Awaitable[_T]:
+        """Submit ``fn(txn_args..., touched)`` to the writer thread now, with the pending recency updates; returns
+        an awaitable of its result.
 
         Writes run one at a time, in the order they were submitted, and each runs to its end once submitted,
         even if the caller is cancelled (see :meth:`kvstore.tiers.base.Tier.delete`).
+
+        Raises:
+            UnavailableError: if the tier is closed.
         """
         touched, self._touched = self._touched, {}
+        try:
+            future = self._writer.submit(fn, *args, touched)
+        except RuntimeError as exc:  # the pool was shut down by close()
+            self._touched.update(touched)
+            raise UnavailableError(f"disk tier {self.name} is closed") from exc
+        return self._written(asyncio.wrap_future(future), touched)
+
+    async def _written(self, waited: asyncio.Future[_T], touched: Mapping[BlockKey, float]) -> _T:
         try:  # runs to its end once submitted: see Tier.delete
-            return await self._run(self._writer, fn, *args, touched, finish=True, on_success=on_success)
+            return await self._outcome(waited, finish=True)
         except asyncio.CancelledError:
             raise  # the write goes on, with the recency updates
         except BaseException:

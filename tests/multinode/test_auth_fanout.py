@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from kvstore.security import bearer_metadata
-from kvstore.server.errors import RemoteError
+from kvstore.status import RemoteError
 from tests.security import TOKEN_A, auth_config, sha_namespace
 from tests.server.conftest import ThreadedServer, kv_blocks
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.security import bearer_metadata
-from kvstore.server.wire import GET_METHOD, PUT_METHOD, namespace_to_pb, put_requests
+from kvstore.wire import GET_METHOD, PUT_METHOD, namespace_to_pb, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.server.conftest import ThreadedServer, encoded, kv_blocks
 

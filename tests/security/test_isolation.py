@@ -8,7 +8,7 @@ import mmap
 import pytest
 import torch
 
-from kvstore.server.errors import PermissionDeniedError
+from kvstore.status import PermissionDeniedError
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES
 from tests.server.conftest import ThreadedServer, encoded, kv_blocks

@@ -13,9 +13,9 @@ import pytest
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
 from kvstore.security import bearer_metadata
-from kvstore.server.errors import DeadlineExceededError
+from kvstore.status import DeadlineExceededError
 from kvstore.server.limits import InflightLimiter, StreamWatchdog, TenantQuota
-from kvstore.server.wire import namespace_to_pb, put_requests
+from kvstore.wire import namespace_to_pb, put_requests
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

@@ -13,7 +13,7 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.server.servicer import _Call
-from kvstore.server.wire import namespace_to_pb
+from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

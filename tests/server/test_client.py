@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.client import InflightSlots, KVStoreClient, backoff_s
 from kvstore.errors import InvalidArgumentError, KVStoreError, ResourceExhaustedError, UnavailableError
-from kvstore.server.errors import DeadlineExceededError, RemoteError, error_of, status_of
+from kvstore.status import DeadlineExceededError, RemoteError, error_of, status_of
 from tests.support.kvnode import KVNode
 from tests.support.redis import black_hole  # noqa: F401 - a fixture
 
@@ -59,7 +59,7 @@ def test_inflight_calls_are_bounded(server: ThreadedServer) -> None:
     release = threading.Event()
     with KVStoreClient(server.target, max_inflight=1, timeout_s=1.0, retries=0) as kv:
         from kvstore.codec import encode_block
-        from kvstore.server.wire import put_requests
+        from kvstore.wire import put_requests
         from kvstore.v1 import kvstore_pb2 as pb
 
         messages = [pb.PutRequest.FromString(m) for m in put_requests(ns, hashes, [encode_block(tensors[0])], 1024)]
@@ -197,7 +197,7 @@ import torch  # noqa: E402
 from kvstore.client import AsyncKVStoreClient  # noqa: E402
 from kvstore.codec import decode_block, encode_block  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from kvstore.server.wire import chunk_bytes_for  # noqa: E402
+from kvstore.wire import chunk_bytes_for  # noqa: E402
 
 from .conftest import MiB  # noqa: E402
 

@@ -24,7 +24,7 @@ from kvstore import client as client_module
 from kvstore.cli import main
 from kvstore.client import MAX_TIMEOUT_S, AsyncKVStoreClient, KVStoreClient
 from kvstore.errors import InvalidArgumentError
-from kvstore.server.wire import chunk_bytes_for
+from kvstore.wire import chunk_bytes_for
 from tests.support.kvnode import REPO_ROOT, free_port
 
 from .conftest import ThreadedServer, encoded, kv_blocks, namespace

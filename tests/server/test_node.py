@@ -164,7 +164,7 @@ def test_a_second_sigterm_cuts_the_grace_short_but_still_closes_the_store(tmp_pa
     import grpc
 
     from kvstore.codec import encode_block
-    from kvstore.server.wire import encode_get_request, identity
+    from kvstore.wire import encode_get_request, identity
 
     ns = namespace(layout="mla", dtype="uint8", block_size=1)
     hashes = [bytes([i]) * 16 for i in range(1, 5)]

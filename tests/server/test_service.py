@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore.api import BlockClient, LookupResult
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.errors import UnavailableError
-from kvstore.server.wire import chunk_bytes_for, namespace_to_pb
+from kvstore.wire import chunk_bytes_for, namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

@@ -10,7 +10,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
-from kvstore.server.wire import namespace_to_pb
+from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.server.conftest import MiB, ThreadedServer, make_config, namespace
 
