@@ -54,28 +54,32 @@ def test_unavailable_is_retried_and_invalid_argument_is_not(fresh_server: Thread
 
 
 def test_inflight_calls_are_bounded(server: ThreadedServer) -> None:
+    from kvstore import client as client_module
+    from kvstore.codec import encode_block
+    from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.wire import put_requests
+
     ns = namespace()
     hashes, tensors = kv_blocks(ns, 1)
-    release = threading.Event()
+    streaming, release = threading.Event(), threading.Event()
     with KVStoreClient(server.target, max_inflight=1, timeout_s=1.0, retries=0) as kv:
-        from kvstore.codec import encode_block
-        from kvstore.wire import put_requests
-        from kvstore.v1 import kvstore_pb2 as pb
-
         messages = [pb.PutRequest.FromString(m) for m in put_requests(ns, hashes, [encode_block(tensors[0])], 1024)]
 
         def slow_stream() -> Iterator[object]:
             yield from messages[:-1]
+            streaming.set()  # the call is in flight, holding the only slot
             release.wait(30)
             yield messages[-1]
 
-        def hold_the_slot() -> None:  # one call in flight that waits for `release`
-            kv._call(lambda t: kv._channel.stub.Put(slow_stream(), timeout=30))
+        def put_for_long(channel: object) -> object:  # the holder's own deadline, past the other call's
+            return lambda requests, timeout, metadata: channel.stub.Put(requests, timeout=30, metadata=metadata)
 
-        holder = threading.Thread(target=hold_the_slot)
+        holder_call = client_module._Rpc(client_module._REQUEST_STREAM, put_for_long,
+                                         lambda: client_module._RequestStream(iter(slow_stream())), lambda reply: reply)
+        holder = threading.Thread(target=lambda: kv._run(client_module._Plan({0: holder_call}, client_module._first)))
         holder.start()
         try:
-            time.sleep(0.2)  # let the holder take the only slot
+            assert streaming.wait(30)
             with pytest.raises(DeadlineExceededError, match="max_inflight=1"):
                 kv.lookup(ns, hashes)
         finally:
