@@ -46,7 +46,7 @@ async def test_promoted_back_block_is_evictable(tmp_path) -> None:
 import time
 
 from kvstore.client import KVStoreClient
-from tests.server.conftest import ThreadedServer, kv_blocks, make_config, namespace
+from tests.support.server import ThreadedServer, kv_blocks, make_config, namespace
 
 
 def test_server_still_takes_puts_after_blocks_were_promoted_back(tmp_path) -> None:

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 from kvstore.client import KVStoreClient
 from kvstore.connectors.hf import HFConnector
-from tests.connectors.test_hf import MAX_NEW_TOKENS, prompt, reference, tiny_model
+from tests.support.hf import MAX_NEW_TOKENS, prompt, reference, tiny_model
 from tests.support.kvnode import KVNode
 
 

@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 
 from kvstore.config import ENV_ALIASES, ENV_PREFIX, Config, load_config, parse_size
 
-from . import (
+from tests.support.deploy import (
     COMPOSE_FILE,
     CONFIG_FILE,
     DOCKERFILE,

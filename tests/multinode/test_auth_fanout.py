@@ -9,8 +9,8 @@ import pytest
 from kvstore.client import KVStoreClient
 from kvstore.security import bearer_metadata
 from kvstore.status import RemoteError
-from tests.security import TOKEN_A, auth_config, sha_namespace
-from tests.server.conftest import ThreadedServer, kv_blocks
+from tests.support.security import TOKEN_A, auth_config, sha_namespace
+from tests.support.server import ThreadedServer, kv_blocks
 
 
 @pytest.fixture(scope="module")

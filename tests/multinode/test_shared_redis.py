@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from tests.server.conftest import kv_blocks, namespace
+from tests.support.server import kv_blocks, namespace
 from tests.support.kvnode import KVNode
 from tests.support.redis import (  # noqa: F401  (redis_cluster and redis_cluster_session are fixtures)
     RedisClusterProcess,
@@ -19,7 +19,7 @@ from tests.support.redis import (  # noqa: F401  (redis_cluster and redis_cluste
     redis_cluster_session,
 )
 
-from . import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(redis_binaries() is None, reason="redis-server / redis-cli not installed")
 

@@ -20,9 +20,9 @@ from kvstore.status import PermissionDeniedError, UnauthenticatedError
 from kvstore.wire import namespace_to_pb, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.server.conftest import ThreadedServer, encoded, kv_blocks
+from tests.support.server import ThreadedServer, encoded, kv_blocks
 
-from . import AUTH_TOKENS, TOKEN_A, TOKEN_ADMIN, TOKEN_B, auth_config, client_of, raw_channel, sha_namespace
+from tests.support.security import AUTH_TOKENS, TOKEN_A, TOKEN_ADMIN, TOKEN_B, auth_config, client_of, raw_channel, sha_namespace
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 DENIED = grpc.StatusCode.PERMISSION_DENIED

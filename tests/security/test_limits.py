@@ -19,9 +19,10 @@ from kvstore.wire import namespace_to_pb, put_requests
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.server.conftest import ThreadedServer, encoded, kv_blocks
+from tests.support.server import ThreadedServer, encoded, kv_blocks
+from tests.support.waiting import wait_until
 
-from . import TOKEN_A, TOKEN_B, auth_config, client_of, raw_channel, sha_namespace
+from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, raw_channel, sha_namespace
 
 KiB = 1 << 10
 
@@ -206,10 +207,7 @@ def test_calls_in_flight_are_limited_per_connection() -> None:
                     return list(threaded.server.admission.inflight.snapshot().values())
                 return threaded.call(read())
 
-            deadline = time.monotonic() + 20
-            while inflight() != [2] and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert inflight() == [2]  # both Puts are in flight on one connection
+            wait_until(lambda: inflight() == [2], 20, "both Puts in flight on one connection")
             lookup = pb.LookupRequest(namespace=namespace_to_pb(ns), block_hashes=hashes)
             code, details = _code(lambda: pb_grpc.KVStoreStub(channel).Lookup(lookup, metadata=md, timeout=10))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_inflight_per_connection=2" in details
@@ -218,7 +216,8 @@ def test_calls_in_flight_are_limited_per_connection() -> None:
             release.set()
             assert [f.result(timeout=30).num_blocks for f in futures] == [1, 1]
             assert pb_grpc.KVStoreStub(channel).Lookup(lookup, metadata=md, timeout=10).num_blocks == 1
-            assert inflight() == []
+            # a call's slot comes back when gRPC has sent its status, a moment after the client has it
+            wait_until(lambda: inflight() == [], 20, "every slot back once the calls have ended")
     finally:
         release.set()
         threaded.stop()

@@ -17,7 +17,7 @@ from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-from .conftest import MiB, ThreadedServer, kv_blocks, make_config, namespace
+from tests.support.server import MiB, ThreadedServer, kv_blocks, make_config, namespace
 
 
 def _live(cls: type) -> int:

@@ -19,7 +19,7 @@ from kvstore.status import DeadlineExceededError, RemoteError, error_of, status_
 from tests.support.kvnode import KVNode
 from tests.support.redis import black_hole  # noqa: F401 - a fixture
 
-from .conftest import ThreadedServer, kv_blocks, namespace
+from tests.support.server import ThreadedServer, kv_blocks, namespace
 
 
 def _requests_total(server: ThreadedServer, method: str, code: str) -> float:
@@ -203,7 +203,7 @@ from kvstore.codec import decode_block, encode_block  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from kvstore.wire import chunk_bytes_for  # noqa: E402
 
-from .conftest import MiB  # noqa: E402
+from tests.support.server import MiB  # noqa: E402
 
 
 def _small_and_large_blocks(ns: Namespace) -> tuple[list[bytes], list[torch.Tensor], list[bytes]]:

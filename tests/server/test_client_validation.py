@@ -27,7 +27,7 @@ from kvstore.errors import InvalidArgumentError
 from kvstore.wire import chunk_bytes_for
 from tests.support.kvnode import REPO_ROOT, free_port
 
-from .conftest import ThreadedServer, encoded, kv_blocks, namespace
+from tests.support.server import ThreadedServer, encoded, kv_blocks, namespace
 
 
 def _put_calls(server: ThreadedServer) -> float:

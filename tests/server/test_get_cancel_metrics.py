@@ -14,7 +14,7 @@ from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.server.conftest import MiB, ThreadedServer, make_config, namespace
+from tests.support.server import MiB, ThreadedServer, make_config, namespace
 
 
 def _get_codes(server):

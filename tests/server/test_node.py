@@ -17,7 +17,7 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import UnavailableError
 from tests.support.kvnode import REPO_ROOT, KVNode, free_port
 
-from .conftest import kv_blocks, namespace
+from tests.support.server import kv_blocks, namespace
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,8 @@ from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
-from tests.server.conftest import MiB, ThreadedServer, make_config, namespace
+from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
+from tests.support.server import MiB, ThreadedServer, make_config, namespace
 from tests.support.store import NS, disk_footprint, held_keys, make_blocks, memory_tier
 
 MESSAGE = MiB

@@ -20,7 +20,7 @@ from kvstore.wire import chunk_bytes_for, namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-from .conftest import MiB, ThreadedServer, encoded, kv_blocks, make_config, namespace
+from tests.support.server import MiB, ThreadedServer, encoded, kv_blocks, make_config, namespace, scrape
 
 
 def test_put_lookup_get_delete_clear_stats_end_to_end(client: KVStoreClient) -> None:
@@ -251,18 +251,8 @@ def test_reflection_lists_the_services(server: ThreadedServer) -> None:
         assert replies[0].file_descriptor_response.file_descriptor_proto
 
 
-def _scrape(server: ThreadedServer) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read()
-    samples = {}
-    for line in text.decode().splitlines():
-        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", line)
-        if match:
-            samples[match.group(1)] = float(match.group(2))
-    return samples
-
-
 def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
-    before = _scrape(fresh_server)
+    before = scrape(fresh_server)
     assert before['kvstore_tier_blocks{tier="memory"}'] == 0
     assert before['kvstore_tier_capacity_bytes{tier="memory"}'] == 48 * MiB
     ns = namespace()
@@ -276,7 +266,7 @@ def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
         with pytest.raises(Exception):
             kv.lookup(ns, [b"short"])
         stats = kv.stats()
-    after = _scrape(fresh_server)
+    after = scrape(fresh_server)
     assert after['kvstore_lookup_blocks_total{result="hit"}'] == 5 == stats.lookup_hit_blocks
     assert after['kvstore_lookup_blocks_total{result="miss"}'] == 3 == stats.lookup_miss_blocks
     assert after['kvstore_requests_total{code="OK",method="Put"}'] == 1

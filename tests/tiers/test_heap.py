@@ -13,7 +13,7 @@ from kvstore.store import open_async_store
 from kvstore.tiers.base import LeasingTier, TierFullError
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
 from kvstore.tiers.memory import MemoryTier
-from tests.tiers.contract import TierContract, make_block, make_key, make_sized_block, meta
+from tests.support.tier_contract import TierContract, make_block, make_key, make_sized_block, meta
 
 KiB = 1024
 MiB = 1024 * KiB

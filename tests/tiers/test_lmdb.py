@@ -13,7 +13,7 @@ from kvstore.config import DiskTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.tiers.base import BlockMeta, TierFullError
 from kvstore.tiers.lmdb import LMDBTier, default_map_size_bytes
-from tests.tiers.contract import TierContract, make_block, make_key, make_sized_block, meta
+from tests.support.tier_contract import TierContract, make_block, make_key, make_sized_block, meta
 
 MiB = 1024 * 1024
 

@@ -12,7 +12,7 @@ from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.tiers.base import BlockMeta, TierFullError
 from kvstore.tiers.memory import MemoryTier, PageAllocator
-from tests.tiers.contract import TierContract, make_block, make_key, make_sized_block, meta
+from tests.support.tier_contract import TierContract, make_block, make_key, make_sized_block, meta
 
 KiB = 1024
 MiB = 1024 * KiB

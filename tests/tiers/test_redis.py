@@ -25,7 +25,7 @@ from tests.support.redis import (  # noqa: F401 - fixtures are used by name
     redis_cluster_session,
     redis_server,
 )
-from tests.tiers.contract import TierContract, make_block, make_key, make_sized_block, meta
+from tests.support.tier_contract import TierContract, make_block, make_key, make_sized_block, meta
 
 MiB = 1 << 20
 
