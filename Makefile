@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup system-deps demo test bench bench-smoke clean
+.PHONY: setup system-deps demo test test-fast bench bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,11 @@ demo: setup
 
 test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The loop while changing code: every test not marked `slow` (no subprocesses, no multi-node, no models), in under a
+# minute on an idle 2-core machine; the model-based store test runs fewer examples. `make test` runs everything.
+test-fast: setup system-deps
+	KVSTORE_MODEL_EXAMPLES=6 $(PY) -m pytest -m "not slow" -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: setup system-deps
 	for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done

@@ -48,7 +48,8 @@ class TierCounts:
         hits: blocks a get served from this tier.
         misses: blocks a get looked for in this tier and did not find there: served
             from a tier below it, or found in no tier (the first block past the prefix).
-        evictions: blocks that left this tier to make room (demoted or dropped).
+        evictions: blocks that left this tier to make room, or as the store closed (a volatile
+            tier is flushed into a persistent one): demoted or dropped.
         demotions: blocks written into this tier by an eviction from the tier above.
         promotions: blocks copied from this tier into the top tier after a hit.
         missing_records: blocks the index placed in this tier that it could not
@@ -458,6 +459,7 @@ class Mover:
         index.policies[level].expire(self._clock())  # type: ignore[attr-defined]  # ended retentions count as default
         keys = [key for key in index.resident_keys(level) if not index.leaving(level, key)]
         sources = [index.hold(level, key) for key in keys]
+        self._counts[level].evictions += len(sources)  # each leaves the tier: demoted (and counted so), or dropped
         if sources:
             await self._demote(level, sources, target, flush=True)
 

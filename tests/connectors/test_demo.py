@@ -12,6 +12,8 @@ from kvstore.demo import main
 from kvstore.demo.tokenizer import ByteTokenizer
 from kvstore.demo.workload import conversation, load_corpus, passage_questions
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 
 def test_workload_prompts_share_their_prefixes():
     corpus = load_corpus()

@@ -15,6 +15,9 @@ from kvstore.config import MemoryTierConfig
 from kvstore.connectors.hf import HFConnector, model_namespace
 from kvstore.errors import InvalidArgumentError
 from tests.support.hf import MAX_NEW_TOKENS, VOCAB, prompt, reference, tiny_model
+from transformers import MistralForCausalLM  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 SMALL_STORE = StoreConfig(memory=MemoryTierConfig(capacity_bytes=32 << 20))  # opens in milliseconds
 

@@ -349,6 +349,7 @@ def _compose_binary() -> list[str] | None:
     return [legacy] if legacy else None
 
 
+@pytest.mark.slow
 def test_compose_config_validates_with_the_compose_cli() -> None:
     binary = _compose_binary()
     if binary is None:

@@ -55,6 +55,7 @@ def _health(channel: grpc.Channel) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+@pytest.mark.slow
 def test_tls_client_round_trips_blocks(tls_server: ThreadedServer, pki: tuple[TlsFiles, TlsFiles]) -> None:
     ns = sha_namespace("")
     hashes, tensors = kv_blocks(ns, 2)

@@ -256,6 +256,7 @@ def test_bad_priority_or_retention_is_invalid_argument(client: KVStoreClient, se
     _unchanged(client, server, stored, before)
 
 
+@pytest.mark.slow
 @pytest.mark.server_config({"store.memory.capacity_bytes": "4MiB"})
 def test_no_room_when_everything_is_leased_is_resource_exhausted(fresh_server: ThreadedServer) -> None:
     ns = namespace()

@@ -28,6 +28,7 @@ def _requests_total(server: ThreadedServer, method: str, code: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+@pytest.mark.slow
 def test_deadline_covers_a_server_that_never_answers(black_hole) -> None:  # noqa: F811
     for call in ("health", "stats", "lookup"):
         with KVStoreClient(f"127.0.0.1:{black_hole.port}", timeout_s=0.5, retries=3) as kv:
@@ -53,6 +54,7 @@ def test_unavailable_is_retried_and_invalid_argument_is_not(fresh_server: Thread
         assert _requests_total(fresh_server, "Put", "UNAVAILABLE") == 4  # put is idempotent: retried too
 
 
+@pytest.mark.slow
 def test_inflight_calls_are_bounded(server: ThreadedServer) -> None:
     from kvstore import client as client_module
     from kvstore.codec import encode_block
@@ -160,6 +162,7 @@ def _in_child(work: Callable[[], bytes], *, use_multiprocessing: bool) -> bytes:
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_multiprocessing", [False, True], ids=["os.fork", "multiprocessing-fork"])
 def test_sync_client_works_in_a_forked_child(node: KVNode, use_multiprocessing: bool) -> None:
     ns = namespace()
@@ -224,6 +227,7 @@ def _check_get_reply(got: list, tensors: list[torch.Tensor], blocks: list[bytes]
         assert torch.equal(decode_block(received), sent)
 
 
+@pytest.mark.slow
 def test_get_lends_one_message_blocks_as_views_and_joins_larger_ones(client: KVStoreClient) -> None:
     ns = namespace()
     hashes, tensors, blocks = _small_and_large_blocks(ns)
@@ -234,6 +238,7 @@ def test_get_lends_one_message_blocks_as_views_and_joins_larger_ones(client: KVS
     assert client.delete(ns, hashes) == 3
 
 
+@pytest.mark.slow
 async def test_async_get_lends_one_message_blocks_as_views_and_joins_larger_ones(server: ThreadedServer) -> None:
     ns = namespace()
     hashes, tensors, blocks = _small_and_large_blocks(ns)
@@ -256,6 +261,7 @@ def test_a_view_from_get_stays_valid_after_later_calls(client: KVStoreClient) ->
     assert first == encode_block(tensors[0])  # the view holds its own message, not a server buffer
 
 
+@pytest.mark.slow
 def test_calls_in_flight_when_the_client_closes_raise_unavailable(server: ThreadedServer) -> None:
     """Regression: they raised RemoteError(CANCELLED, 'Channel closed!'), a status no caller handles."""
     ns = namespace()
@@ -286,6 +292,7 @@ def test_calls_in_flight_when_the_client_closes_raise_unavailable(server: Thread
     assert all(isinstance(e, UnavailableError) and "closed" in str(e) for e in errors), errors
 
 
+@pytest.mark.slow
 def test_inflight_slots_bound_the_calls_across_threads_and_time_out_when_full() -> None:
     slots = InflightSlots(2)
     active = peak = 0

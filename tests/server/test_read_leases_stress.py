@@ -37,6 +37,8 @@ from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha
 from tests.support.server import MiB, ThreadedServer, make_config, namespace
 from tests.support.store import NS, disk_footprint, held_keys, make_blocks, memory_tier
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 MESSAGE = MiB
 """``server.max_message_bytes`` of these tests: a 3 MiB block is 4 chunks."""
 BLOCK = 3 * MiB

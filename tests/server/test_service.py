@@ -90,6 +90,7 @@ def test_mla_layout_and_sha256_round_trip(client: KVStoreClient) -> None:
     ],
     ids=["12MiB", "4MiB+1", "one-chunk", "one-chunk+1"],
 )
+@pytest.mark.slow
 def test_large_blocks_round_trip_in_chunks(client: KVStoreClient, payload_bytes: int) -> None:
     # mla with block_size 1 and uint8 admits any payload size; its header is 64 bytes
     ns = namespace(layout="mla", dtype="uint8", block_size=1)
@@ -127,6 +128,7 @@ def test_get_stream_is_chunked_below_max_message(stub: pb_grpc.KVStoreStub, clie
     assert b"".join(c.data for c in chunks) == block
 
 
+@pytest.mark.slow
 def test_cancelled_get_leaves_no_lease_behind() -> None:
     server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "8MiB"}))
     try:
@@ -155,6 +157,7 @@ def test_cancelled_get_leaves_no_lease_behind() -> None:
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_stream_over_max_stream_s_ends_with_deadline_exceeded_and_frees_its_blocks() -> None:
     """A stalled reader with no deadline held its Get's leases for ever: nothing else could be stored."""
     import time

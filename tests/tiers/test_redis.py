@@ -107,6 +107,7 @@ class TestRedisTierContract(_RedisContractOverrides):
         await tier.close()
 
 
+@pytest.mark.slow
 class TestRedisClusterTierContract(_RedisContractOverrides):
     @pytest.fixture
     async def tier(self, redis_cluster: RedisClusterProcess) -> AsyncIterator[RedisTier]:
@@ -147,6 +148,7 @@ async def test_keys_have_the_documented_form_and_values_are_the_codec_bytes(
         assert client.pttl(expected) == -1  # no TTL unless configured
 
 
+@pytest.mark.slow
 async def test_ttl_is_set_when_configured(redis_server: RedisProcess) -> None:
     tier = RedisTier(tier_config(redis_server.url, ttl_s=30.0, prefix="ttl"))
     try:
@@ -217,6 +219,7 @@ async def test_batches_larger_than_a_chunk_round_trip(redis_tier: RedisTier) -> 
     assert await redis_tier.get(list(reversed(keys))) == list(reversed(values))
 
 
+@pytest.mark.slow
 async def test_clear_namespace_removes_only_that_namespace(redis_tier: RedisTier) -> None:
     ns_a, ns_b = Namespace("tests/a"), Namespace("tests/b")
     keys_a = [make_key(i, ns_a) for i in range(2500)]  # more than one SCAN batch
@@ -335,6 +338,7 @@ async def test_ping_closes_the_breaker_when_redis_is_back() -> None:
             await tier.close()
 
 
+@pytest.mark.slow
 async def test_a_black_hole_never_hangs_a_call(black_hole: BlackHole) -> None:
     timeout_s = 0.2
     tier = RedisTier(tier_config(black_hole.url, connect_timeout_s=timeout_s, socket_timeout_s=timeout_s,
@@ -382,6 +386,7 @@ async def test_the_breaker_short_circuits_a_black_hole(black_hole: BlackHole) ->
         await tier.close()
 
 
+@pytest.mark.slow
 async def test_a_killed_cluster_node_fails_soft_and_the_tier_recovers() -> None:
     with RedisClusterProcess(3, node_timeout_ms=1000) as cluster:
         tier = RedisTier(tier_config(cluster.url, cluster=True, breaker_reset_s=0.2))
