@@ -15,14 +15,20 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip uninstall -q -y kvstore 2>/dev/null || true  # the distribution's name before llm-kvstore
 	$(PY) -m pip install -q -e '.[hf,dev]'
 	touch $@
 
 setup: $(VENV)/.installed
 
+# Debian's packages the tests run: redis-server (fixtures), openssl (test CAs) and kubectl (`kubectl kustomize`,
+# from kubernetes-client; any kubectl on PATH will do). Compose files are checked against the Compose
+# Specification's JSON schema, and the Dockerfile by hadolint, both from .[dev]: no Docker is installed.
 system-deps:
-	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v docker-compose >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools docker-compose; }
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null \
+	  && command -v kubectl >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools openssl \
+	    $$(command -v kubectl >/dev/null || echo kubernetes-client); }
 
 demo: setup
 	$(VENV)/bin/kvstore demo

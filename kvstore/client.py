@@ -88,11 +88,12 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generator, Iterator,
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats
+from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats, merge_tier_status
 from kvstore.codec import decode_block, encode_blocks
 from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
-from kvstore.keys import BlockHash, Namespace
+from kvstore.keys import BlockHash, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
+from kvstore.security import call_metadata
 from kvstore.routing import (
     DEFAULT_DOWN_BACKOFF_S,
     DEFAULT_MAX_DOWN_BACKOFF_S,
@@ -505,7 +506,9 @@ def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
             acc = merged.get(tier.name)
             if acc is None:
                 merged[tier.name] = {f: getattr(tier, f) for f in _TIER_FIELDS} | {"counters": dict(tier.counters)}
+                merged[tier.name].update(merge_tier_status({}, tier))  # state and last_error
                 continue
+            acc.update(merge_tier_status(acc, tier))
             for f in _TIER_FIELDS:
                 value = getattr(tier, f)
                 acc[f] = -1 if f == "blocks" and (value < 0 or acc[f] < 0) else acc[f] + value
@@ -788,7 +791,7 @@ class _Client:
         self.max_backoff_s = settings.max_backoff_s
         self.retry = Retry(settings.retries, Backoff(settings.backoff_s, settings.max_backoff_s))
         self.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
-        self.metadata = tuple(metadata)
+        self.metadata = call_metadata(metadata)
         self._chunk_bytes = chunk_bytes_for(max_message_bytes)
         self.router = RendezvousRouter(self.targets)
         self.membership = Membership(self.router.node_ids, base_backoff_s=settings.down_backoff_s,
@@ -823,6 +826,7 @@ class _Client:
             InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
         ns = cached_namespace_pb(namespace)
         if self._single:
             return self._run(_Plan({0: _lookup_rpc(ns, block_hashes)}, _first))
@@ -846,6 +850,7 @@ class _Client:
         return self._run(self._get_plan(namespace, block_hashes))
 
     def _get_plan(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Plan:
+        check_block_hashes(namespace, block_hashes)
         if self._single:
             return _Plan({0: _get_rpc(namespace, block_hashes)}, _first)
         partition = self.router.split(block_hashes)
@@ -898,6 +903,7 @@ class _Client:
             ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
         priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
         encoded = encode_blocks(blocks, namespace.layout)
         chunk = self._chunk_bytes
@@ -913,6 +919,7 @@ class _Client:
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
         """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
+        check_block_hashes(namespace, block_hashes)
         ns = cached_namespace_pb(namespace)
         if self._single:
             return self._run(_Plan({0: _delete_rpc(ns, block_hashes)}, _first))

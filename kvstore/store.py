@@ -32,14 +32,24 @@ import time
 from typing import Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.codec import BlockHeader, Layout, decode_header, verify_block
+from kvstore.codec import BlockHeader, Layout, check_one_shape, decode_header, verify_block
 from kvstore.config import StoreConfig
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvstore.index import Entry, Index, NoRoomError, State
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.mover import Mover, TierCounts
 from kvstore.policy import PriorityLRUPolicy, check_priority
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, Framing, LeasingTier, SharedTier, Tier
+from kvstore.tiers.base import (
+    CHAIN_STEP_S,
+    BlockMeta,
+    Buffer,
+    Framing,
+    LeasingTier,
+    SharedTier,
+    Tier,
+    check_at_start,
+    tier_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +125,7 @@ class TieredStore:
             if entries:
                 policy = index.policies[level]
                 logger.info("tier %s: restored %d blocks (%d bytes)", tier.name, len(policy), policy.nbytes)
+        await check_at_start(self._shared)  # a shared tier that is down at start is named in a warning now
         self._mover.start()
 
     async def close(self) -> None:
@@ -444,6 +455,7 @@ class TieredStore:
             self._validate_block(namespace, position, block)
             if not self._fits_somewhere(len(block)):
                 raise ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
+        check_one_shape(blocks)
         index = self.index
         for key in reversed(keys):  # a block put again is in use: it counts as accessed, tail first
             level = index.level_of(key)
@@ -630,6 +642,7 @@ class TieredStore:
                 promotions=counts.promotions,
                 corrupt_records=extra.pop("corrupt_records", 0),
                 counters=extra,
+                **tier_status(tier),
             ))
         return StoreStats(tuple(result), self._lookup_hit_blocks, self._lookup_miss_blocks)
 

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server.admission import Admission
+from kvstore.server.health import NodeHealth
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
@@ -78,7 +79,7 @@ class KVStoreServer:
         self._own_store = store is None
         self._interceptors = interceptors
         self.metrics = ServiceMetrics()
-        self.health = health.aio.HealthServicer()
+        self.health = NodeHealth()
         self.servicer: KVStoreServicer | None = None
         self.admission: Admission | None = None
         self._server: grpc.aio.Server | None = None
@@ -104,8 +105,8 @@ class KVStoreServer:
         """Open the store (unless given), bind the port, report SERVING and start the metrics endpoint.
 
         Raises:
-            ConfigError: on an unusable security setting (a TLS or tokens file).
-            RuntimeError: if the port cannot be bound.
+            ConfigError: on an unusable security setting (a TLS or tokens file), or a gRPC or
+                metrics port that cannot be bound (naming ``server.port`` or ``server.metrics_port``).
         """
         server_cfg, security = self.config.server, self.config.security
         admission = Admission.from_config(self.config)  # before anything opens: a bad tokens file fails fast
@@ -118,6 +119,7 @@ class KVStoreServer:
         if self._store is None:
             self._store = await open_async_store(self.config.store, framing=functools.partial(
                 reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)))
+        self.health.tier_states = self._tier_states
         try:
             self.servicer = KVStoreServicer(self._store, self.config, self.metrics, admission)
             server = grpc.aio.server(
@@ -130,19 +132,24 @@ class KVStoreServer:
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
             address = f"{server_cfg.host}:{server_cfg.port}"
-            if credentials is not None:
-                self.port = server.add_secure_port(address, credentials)
-            else:
-                self.port = server.add_insecure_port(address)
+            try:
+                if credentials is not None:
+                    self.port = server.add_secure_port(address, credentials)
+                else:
+                    self.port = server.add_insecure_port(address)
+            except RuntimeError:  # grpc: "Failed to bind to address ...; set GRPC_VERBOSITY=debug"
+                self.port = 0
             if self.port == 0:
-                raise RuntimeError(f"cannot bind the gRPC port at {address}")
+                raise ConfigError("server.port", f"cannot listen on {address}: the port is in use (or the "
+                                                 "address is not this host's); pick another with --port "
+                                                 "(KVSTORE_PORT), or --port 0 for a free one")
             await server.start()
             self._server = server
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             if server_cfg.metrics_port >= 0:
                 self.metrics.add_store(StoreCollector.on_loop(asyncio.get_running_loop(), self._store.stats))
-                self.metrics_port = self.metrics.start_http(server_cfg.metrics_host, server_cfg.metrics_port)
+                self.metrics_port = _start_metrics(self.metrics, server_cfg.metrics_host, server_cfg.metrics_port)
         except BaseException:
             await self._abandon()
             self._stopped.set()
@@ -155,6 +162,10 @@ class KVStoreServer:
                               "require_sha256": self.servicer.require_sha256,
                               "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0]}},
         )
+
+    def _tier_states(self) -> dict[str, str]:
+        """``{tier: "up" | "down"}`` of the store's tiers that can be down, for :class:`NodeHealth`."""
+        return {t.name: t.state for t in self.store.stats().tiers if t.state}
 
     async def begin_shutdown(self) -> None:
         """Report NOT_SERVING and refuse new calls with UNAVAILABLE; running calls go on."""
@@ -233,6 +244,21 @@ class KVStoreServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _start_metrics(metrics: ServiceMetrics, host: str, port: int) -> int:
+    """Start the Prometheus endpoint; the bound port.
+
+    Raises:
+        ConfigError: naming ``server.metrics_port`` and the flags that change it, if it cannot listen there.
+    """
+    try:
+        return metrics.start_http(host, port)
+    except OSError as exc:
+        raise ConfigError("server.metrics_port", f"cannot listen on {host}:{port} for Prometheus metrics: "
+                                                 f"{exc.strerror or exc}; pick another with --metrics-port "
+                                                 "(KVSTORE_METRICS_PORT), --metrics-port 0 for a free one, or "
+                                                 "--metrics-port -1 for no metrics endpoint") from None
 
 
 def _is_loopback(host: str) -> bool:

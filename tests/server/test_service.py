@@ -267,7 +267,7 @@ def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
         missing, _ = kv_blocks(ns, 5, first_token=50_000)
         kv.lookup(ns, hashes[:2] + missing[2:])  # 2 blocks in the cached prefix, 3 past it
         with pytest.raises(Exception):
-            kv.lookup(ns, [b"short"])
+            kv.lookup(ns, hashes * 22)  # over the node's limits.max_hashes_per_request (64): refused by the node
         stats = kv.stats()
     after = scrape(fresh_server)
     assert after['kvstore_lookup_blocks_total{result="hit"}'] == 5 == stats.lookup_hit_blocks
