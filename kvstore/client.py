@@ -680,6 +680,28 @@ class _Probe(NamedTuple):
 
 _SLOT = _Slot()
 _Step = Generator[Any, Any, _T]
+_RETURNED = object()
+
+
+class _Outcome:
+    """What the last I/O a step asked for gave, a value or an error, to send into the step (each transport's loop)."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def send_into(self, step: _Step[Any]) -> Any:
+        """Resume ``step`` with this outcome; returns the next I/O it asks for, or ``_RETURNED`` (its result is
+        then :attr:`value`)."""
+        value, error = self.value, self.error
+        self.value, self.error = None, None
+        try:
+            return step.throw(error) if error is not None else step.send(value)
+        except StopIteration as stop:
+            self.value = stop.value
+            return _RETURNED
 
 
 def _stub(name: str) -> Callable[[TargetChannel], Any]:
@@ -1128,19 +1150,14 @@ class KVStoreClient(_Client):
 
     def _drive(self, step: _Step[_T]) -> _T:
         """Perform the I/O ``step`` yields, in this thread, until it returns."""
-        value: Any = None
-        error: BaseException | None = None
+        outcome = _Outcome()
         try:
-            while True:
+            while (op := outcome.send_into(step)) is not _RETURNED:
                 try:
-                    op = step.throw(error) if error is not None else step.send(value)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
-                value, error = None, None
-                try:
-                    value = self._perform(op)
+                    outcome.value = self._perform(op)
                 except BaseException as exc:  # noqa: BLE001 - sent back into the step, which decides
-                    error = exc
+                    outcome.error = exc
+            return outcome.value  # type: ignore[no-any-return]
         finally:
             step.close()
 
@@ -1277,21 +1294,16 @@ class AsyncKVStoreClient(_Client):
 
     async def _drive(self, step: _Step[_T]) -> _T:
         """Perform the I/O ``step`` yields, on the running loop, until it returns."""
-        value: Any = None
-        error: BaseException | None = None
+        outcome = _Outcome()
         try:
-            while True:
+            while (op := outcome.send_into(step)) is not _RETURNED:
                 try:
-                    op = step.throw(error) if error is not None else step.send(value)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
-                value, error = None, None
-                try:
-                    value = await self._perform(op)
+                    outcome.value = await self._perform(op)
                 except asyncio.CancelledError:
                     raise  # the caller's cancellation is not the call's outcome
                 except BaseException as exc:  # noqa: BLE001 - sent back into the step, which decides
-                    error = exc
+                    outcome.error = exc
+            return outcome.value  # type: ignore[no-any-return]
         finally:
             step.close()
 
