@@ -21,6 +21,8 @@ from tests.support.security import AUTH_TOKENS, TOKEN_A, client_of, raw_channel,
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 
 
+pytestmark = pytest.mark.slow  # a PKI made with openssl, and TLS servers: outside `make test-fast`
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[TlsFiles, TlsFiles]:
     """The server's CA (with server and client certificates) and an unrelated CA with its own client certificate."""
@@ -55,7 +57,6 @@ def _health(channel: grpc.Channel) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-@pytest.mark.slow
 def test_tls_client_round_trips_blocks(tls_server: ThreadedServer, pki: tuple[TlsFiles, TlsFiles]) -> None:
     ns = sha_namespace("")
     hashes, tensors = kv_blocks(ns, 2)

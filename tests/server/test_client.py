@@ -183,6 +183,7 @@ def test_sync_client_works_in_a_forked_child(node: KVNode, use_multiprocessing: 
         assert len(got) == 3 and all(a.equal(b) for a, b in zip(got, tensors))
 
 
+@pytest.mark.slow
 def test_forked_child_fails_clearly_when_grpc_fork_support_is_off(node: KVNode) -> None:
     with KVStoreClient(node.target) as kv:
         kv.health()

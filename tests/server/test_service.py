@@ -105,6 +105,7 @@ def test_large_blocks_round_trip_in_chunks(client: KVStoreClient, payload_bytes:
     client.delete(ns, hashes)
 
 
+@pytest.mark.slow
 def test_kv_block_of_12_mib_round_trips(client: KVStoreClient) -> None:
     ns = namespace()
     hashes, _ = kv_blocks(ns, 1)

@@ -210,6 +210,7 @@ async def test_the_servers_proto_max_bulk_len_is_respected() -> None:
             await tier.close()
 
 
+@pytest.mark.slow
 async def test_batches_larger_than_a_chunk_round_trip(redis_tier: RedisTier) -> None:
     num_blocks = CHUNK_BYTES // (512 * 1024) + 5  # more than one chunk of 512 KiB values
     keys = [make_key(i) for i in range(num_blocks)]
@@ -447,6 +448,7 @@ async def test_acl_username(redis_server: RedisProcess) -> None:
         await other.close()
 
 
+@pytest.mark.slow
 async def test_mutual_tls(tmp_path: Path) -> None:
     try:
         tls = make_tls_files(tmp_path)
