@@ -21,6 +21,7 @@ from tests.support.security import AUTH_TOKENS, TOKEN_A, client_of, raw_channel,
 pytestmark = [pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed"),
               pytest.mark.slow]  # a PKI made with openssl, and TLS servers: outside `make test-fast`
 
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[TlsFiles, TlsFiles]:
     """The server's CA (with server and client certificates) and an unrelated CA with its own client certificate."""
