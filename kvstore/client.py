@@ -883,14 +883,16 @@ class _Client:
         """Like :meth:`get`, decoded (checksums verified) into CPU tensors that view the received bytes.
 
         Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
-        ``[num_layers, 1, block_size, latent_dim]`` (``mla``); read-only: clone before writing.
+        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). The bytes are this
+        call's own received messages, which nothing else holds, so they are not
+        copied (``decode_block(copy=False)``); a write into a tensor changes only them.
 
         Raises:
             CodecError: if a received block fails to decode.
         """
         plan = self._get_plan(namespace, block_hashes)
         merge = plan.merge
-        return self._run(plan._replace(merge=lambda results: [decode_block(b) for b in merge(results)]))
+        return self._run(plan._replace(merge=lambda results: [decode_block(b, copy=False) for b in merge(results)]))
 
     def put(
         self,
