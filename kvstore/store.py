@@ -447,6 +447,12 @@ class TieredStore:
         first, so a bad batch stores nothing; once validated, the batch is
         written to its end even if the caller is cancelled.
 
+        A put that continues the cached prefix a :meth:`lookup` found (its first
+        new block is the one after that prefix) protects the prefix while it
+        makes room and touches it again after (:meth:`_place`); if a Get is
+        still promoting that prefix, the put first waits for the promotion
+        (``kvstore.sim.model`` replays the same order, ``docs/simulate.md``).
+
         Args:
             namespace: namespace of the blocks.
             block_hashes: one chained hash per block.
@@ -594,6 +600,17 @@ class TieredStore:
             return []
         finally:
             self._mover.release(held)
+
+    async def _spill(self, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
+                     generation: int) -> None:
+        """Blocks that fit no local tier, in ``write_back`` mode: straight into the shared tier."""
+        live = [i for i, entry in enumerate(entries) if entry.state is State.PLACING]  # not deleted meanwhile
+        if live:
+            tag = entries[0].key[:NAMESPACE_TAG_BYTES]
+            await self._mover.write_shared([entries[i].key for i in live], [values[i] for i in live],
+                                           [metas[i] for i in live], {tag: generation})
+        for entry in entries:
+            self.index.abandon(entry)
 
     def _first_fit(self, nbytes: int, start: int = 0) -> int | None:
         """The first local tier from ``start`` a block of ``nbytes`` fits, ``None`` for none (it goes to the shared
