@@ -535,9 +535,16 @@ class TieredStore:
         blocks are freed tail first in vLLM. ``kvstore.sim.model`` replays exactly this order.
 
         The write-through belongs to the placement, not to the caller: a put failed part-way has still published
-        blocks, and the last local tier drops its victims, counting on the shared tier's copy.
+        blocks, and the last local tier drops its victims, counting on the shared tier's copy. It is offered
+        first, before any I/O, for the blocks no delete has retired yet: a delete from then on drops the queued
+        copy or waits for the one on the wire before it unlinks (:meth:`delete`), so no copy lands after it.
         """
         metas = _chain_metas(meta, len(entries))
+        if self._write_through:
+            live = [i for i, entry in enumerate(entries) if entry.state is State.PLACING]  # not deleted meanwhile
+            if live:
+                self._mover.write_through([entries[i].key for i in live], [values[i] for i in live],
+                                          [meta] * len(live), *generations)
         try:
             by_level: dict[int | None, list[int]] = {}
             for i, value in enumerate(values):
@@ -555,9 +562,6 @@ class TieredStore:
                 if not entry.ended:
                     self.index.abandon(entry, exc if isinstance(exc, Exception) else None)
             raise
-        finally:
-            if self._write_through:
-                self._mover.write_through([e.key for e in entries], values, [meta] * len(entries), *generations)
 
     async def _place_down(self, level: int | None, entries: list[Entry], values: list[bytes],
                           metas: list[BlockMeta], protect: Sequence[BlockKey], shared_generation: int) -> None:
