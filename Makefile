@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup setup-vllm system-deps demo vllm-demo test test-vllm bench bench-smoke clean
+.PHONY: setup setup-vllm system-deps demo vllm-demo test test-fast test-vllm bench bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -56,6 +56,11 @@ vllm-demo: setup-vllm
 test: setup system-deps setup-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
+
+# The loop while changing code: every test not marked `slow` (no subprocesses, no multi-node, no models), in under a
+# minute on an idle 2-core machine; the model-based store test runs fewer examples. `make test` runs everything.
+test-fast: setup system-deps
+	KVSTORE_MODEL_EXAMPLES=6 $(PY) -m pytest -m "not slow" -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The vLLM connector's tests alone (real vLLM engines on CPU; several minutes).
 test-vllm: setup-vllm system-deps

@@ -45,9 +45,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from kvstore.keys import HashAlgorithm, Namespace
-    from tests.security import AUTH_TOKENS, TOKEN_A
+    from tests.support.security import AUTH_TOKENS, TOKEN_A
     from tests.security.test_hostile_clients import GoodClient
-    from tests.server.conftest import kv_blocks
+    from tests.support.server import kv_blocks
     from tests.support.hostile import Attacks, rss_bytes
     from tests.support.kvnode import KVNode
     from kvstore.client import KVStoreClient

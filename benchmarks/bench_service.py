@@ -75,7 +75,7 @@ def run_echo_server(max_message_bytes: int) -> None:
     import grpc
 
     from kvstore.server.app import tune_malloc
-    from kvstore.server.wire import channel_options, chunk_bytes_for
+    from kvstore.wire import channel_options, chunk_bytes_for
 
     tune_malloc()  # as `kvstore serve` does, so that both servers allocate alike
     chunk_bytes = chunk_bytes_for(max_message_bytes)
@@ -137,7 +137,7 @@ class EchoClient:
     def __init__(self, target: str, max_message_bytes: int) -> None:
         import grpc
 
-        from kvstore.server.wire import chunk_bytes_for, sync_client_channel_options
+        from kvstore.wire import chunk_bytes_for, sync_client_channel_options
 
         # the same channel options as KVStoreClient's, so that the two clients differ only in kvstore's own work
         self._channel = grpc.insecure_channel(target, options=sync_client_channel_options(max_message_bytes))

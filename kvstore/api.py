@@ -49,11 +49,12 @@ class TierStats:
         blocks: blocks resident (``-1`` when the tier cannot tell, e.g. shared Redis).
         bytes: capacity bytes those blocks occupy.
         capacity_bytes: capacity, bytes; 0 when the tier manages its own (Redis).
-        hits: blocks served from this tier by get.
-        misses: blocks looked for in this tier by get and not found there.
-        evictions: blocks evicted from this tier (demoted or dropped).
-        demotions: blocks written into this tier by eviction from the tier above.
-        promotions: blocks copied from this tier into the top tier on a hit.
+        hits: blocks a get served from this tier.
+        misses: blocks a get looked for in this tier and did not find there: served from a tier below,
+            or found in no tier (the first block past the prefix). Defined once, in ``docs/service.md``.
+        evictions: blocks that left this tier to make room, or as the store closed (demoted or dropped).
+        demotions: blocks written into this tier by an eviction from the tier above.
+        promotions: blocks copied from this tier into the top tier after a hit.
         corrupt_records: records that failed their checksum and were deleted.
         counters: further tier-specific counts (e.g. Redis ``errors``, ``skipped_writes``).
         state: ``up`` or ``down`` for a tier that can be unreachable (the shared Redis tier: ``down``

@@ -14,6 +14,7 @@ import importlib
 import json
 import math
 import sys
+import textwrap
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvstore.connection import add_connection_arguments, target_argument
@@ -125,7 +126,12 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
 
     stats = subparsers.add_parser(
         "stats", help="print a node's per-tier stats as JSON",
-        description="Print a node's per-tier stats (blocks, bytes, hits, misses, evictions, ...) as JSON.",
+        description=textwrap.fill("Print a node's per-tier stats (blocks, bytes, hits, misses, evictions, ...) as "
+                                  "JSON.") + "\n\n" + textwrap.fill(
+            "A tier's hits and misses count Gets, tier by tier: a block served from disk is a memory miss and a "
+            "disk hit, and the first block a Get did not find is a miss of every tier. lookup_hit_blocks and "
+            "lookup_miss_blocks count Lookups: the traffic's prefix hit ratio is hit / (hit + miss). Every counter "
+            "is defined in docs/service.md (Metrics)."),
         epilog=_STATS_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_target(stats)

@@ -1,12 +1,17 @@
 """Clients of ``kvstore serve`` nodes: ``KVStoreClient`` (synchronous) and ``AsyncKVStoreClient`` (asyncio).
 
 Both implement :class:`kvstore.api.BlockClient`, so a connector takes either
-or the embedded store. Every call has a deadline (``timeout_s``, covering all
+or the embedded store, and both are written once: every call's requests, its
+merge over nodes, the retries (:class:`Retry`, :class:`Backoff`), the fan-out
+and the nodes' membership are one piece of code with no I/O (``_Client``),
+which yields the I/O it needs; each client is a thin transport that performs
+it, in threads or on an asyncio loop, as redis-py shares its commands between
+its two clients. Every call has a deadline (``timeout_s``, covering all
 its retries and, with several nodes, all of its fan-out), the number of calls
 in flight is bounded (``max_inflight``), and calls that are safe to repeat are
 retried on UNAVAILABLE with exponential backoff and full jitter (the AWS
 Architecture Blog's "Exponential Backoff and Jitter"). Status errors are raised
-as kvstore's typed errors through the one mapping in ``kvstore.server.errors``.
+as kvstore's typed errors through the one mapping in ``kvstore.status``.
 
 Retried calls: lookup, get, delete, clear, stats, health and put. Put is
 idempotent because a block hash names its content (the chained hash of the
@@ -66,7 +71,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import numbers
@@ -78,14 +82,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, NamedTuple, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generator, Iterator, NamedTuple, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats, merge_tier_status
-from kvstore.codec import decode_block
-from kvstore.embedded import encode_blocks
+from kvstore.codec import decode_block, encode_blocks
 from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
 from kvstore.keys import BlockHash, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
@@ -98,8 +102,8 @@ from kvstore.routing import (
     Partition,
     RendezvousRouter,
 )
-from kvstore.server.errors import RETRYABLE_CODES, DeadlineExceededError, error_of
-from kvstore.server.wire import (
+from kvstore.status import RETRYABLE_CODES, DeadlineExceededError, error_of
+from kvstore.wire import (
     GET_METHOD,
     PUT_METHOD,
     BlockAssembler,
@@ -215,7 +219,7 @@ class TargetChannel:
         self._channel = channel
         self._stub = pb_grpc.KVStoreStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
-        # the data path: block bytes are (de)serialized by kvstore.server.wire, not copied through protobuf
+        # the data path: block bytes are (de)serialized by kvstore.wire, not copied through protobuf
         self._get = channel.unary_stream(GET_METHOD, request_serializer=identity, response_deserializer=identity)
         self._put = channel.stream_unary(PUT_METHOD, request_serializer=identity,
                                          response_deserializer=pb.PutResponse.FromString)
@@ -420,32 +424,6 @@ class _Settings(NamedTuple):
         )
 
 
-def _set_up(client: KVStoreClient | AsyncKVStoreClient, settings: _Settings, targets: tuple[str, ...], *, aio: bool,
-            max_message_bytes: int, credentials: grpc.ChannelCredentials | None,
-            metadata: Sequence[tuple[str, str]], channel_options: Sequence[tuple[str, Any]]) -> None:
-    """What both clients' constructors set alike: the checked settings, the router, membership and channels."""
-    client.targets = targets
-    client.target = targets[0]
-    client.timeout_s = settings.timeout_s
-    client.max_inflight = settings.max_inflight
-    client.retries = settings.retries
-    client.backoff_s = settings.backoff_s
-    client.max_backoff_s = settings.max_backoff_s
-    client.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
-    client.metadata = call_metadata(metadata)
-    client._chunk_bytes = chunk_bytes_for(max_message_bytes)
-    client.router = RendezvousRouter(targets)
-    client.membership = Membership(client.router.node_ids, base_backoff_s=settings.down_backoff_s,
-                                   max_backoff_s=settings.max_down_backoff_s)
-    client._channels = tuple(
-        TargetChannel(t, aio=aio, max_message_bytes=max_message_bytes, credentials=credentials,
-                      options=channel_options)
-        for t in client.router.node_ids
-    )
-    client._channel = client._channels[client.router.index(client.target)]
-    client._single = len(client._channels) == 1
-
-
 class _RequestStream:
     """The serialized messages of a Put, remembering an error raised while making them.
 
@@ -454,7 +432,7 @@ class _RequestStream:
     (asyncio); the caller gets the real error back from :meth:`raise_error`.
 
     Args:
-        messages: the serialized messages (:func:`kvstore.server.wire.put_requests`).
+        messages: the serialized messages (:func:`kvstore.wire.put_requests`).
     """
 
     def __init__(self, messages: Iterator[bytes]) -> None:
@@ -553,81 +531,6 @@ def _merge_health(statuses: Sequence[str | None]) -> str:
     return "SERVING" if "SERVING" in answered else answered[0]
 
 
-_Job = Callable[[TargetChannel, float], _T]
-"""One node's part of a call: ``job(channel, timeout_s)`` makes one attempt on that node."""
-_AsyncJob = Callable[[TargetChannel, float], Awaitable[_T]]
-
-
-# ---------------------------------------------------------------------- per-node jobs (synchronous)
-
-
-def _lookup_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
-                metadata: Sequence[tuple[str, str]]) -> _Job[LookupResult]:
-    request = request_with_hashes(pb.LookupRequest, namespace, block_hashes)
-    return lambda channel, timeout_s: lookup_from_pb(channel.stub.Lookup(request, timeout=timeout_s,
-                                                                         metadata=metadata))
-
-
-def _get_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
-             metadata: Sequence[tuple[str, str]]) -> _Job[list[Buffer]]:
-    request = encode_get_request(namespace, block_hashes)
-
-    def job(channel: TargetChannel, timeout_s: float) -> list[Buffer]:
-        assembler = _assembler(len(block_hashes))
-        stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
-        try:
-            for message in stream:
-                assembler.add_reply(message)
-        except BaseException:
-            stream.cancel()  # frees the call on an error (a stream that ended needs nothing)
-            raise
-        return assembler.finish()
-
-    return job
-
-
-def _put_job(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: Sequence[bytes], chunk_bytes: int,
-             priority: int | None, retention_s: float | None, metadata: Sequence[tuple[str, str]]) -> _Job[int]:
-    def job(channel: TargetChannel, timeout_s: float) -> int:
-        requests = _RequestStream(put_requests(namespace, block_hashes, encoded, chunk_bytes,
-                                               priority=priority, retention_s=retention_s))
-        try:
-            return int(channel.put_call(requests, timeout=timeout_s, metadata=metadata).num_stored)
-        except grpc.RpcError:  # UNKNOWN: "Exception iterating requests!"
-            requests.raise_error()
-            raise
-
-    return job
-
-
-def _delete_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
-                metadata: Sequence[tuple[str, str]]) -> _Job[int]:
-    request = request_with_hashes(pb.DeleteRequest, namespace, block_hashes)
-    return lambda channel, timeout_s: int(channel.stub.Delete(request, timeout=timeout_s,
-                                                              metadata=metadata).num_deleted)
-
-
-def _health_name(reply: health_pb2.HealthCheckResponse) -> str:
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
-_SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-
-
-def _health_job(service: str, metadata: Sequence[tuple[str, str]]) -> _Job[str]:
-    request = health_pb2.HealthCheckRequest(service=service)
-
-    def job(channel: TargetChannel, timeout_s: float) -> str:
-        try:
-            return _health_name(channel.health_stub.Check(request, timeout=timeout_s, metadata=metadata))
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]  # grpc.health.v1: unknown service
-                return _SERVICE_UNKNOWN
-            raise
-
-    return job
-
-
 class InflightSlots:
     """At most ``num_slots`` calls in flight across threads: a counter under a lock, which waits only when full.
 
@@ -671,11 +574,543 @@ class InflightSlots:
                 self._freed.notify()
 
 
-class KVStoreClient:
+
+# ---------------------------------------------------------------------- retries, as small composable objects
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential backoff with full jitter: before retry ``n`` (0-based), ``uniform(0, min(cap_s, base_s * 2^n))``.
+
+    From the AWS Architecture Blog's "Exponential Backoff and Jitter": full
+    jitter spreads the retries of many clients that failed together.
+
+    Attributes:
+        base_s: the first pause's upper bound, seconds.
+        cap_s: the largest upper bound, seconds.
+    """
+
+    base_s: float = DEFAULT_BACKOFF_S
+    cap_s: float = DEFAULT_MAX_BACKOFF_S
+
+    def pause_s(self, attempt: int) -> float:
+        """The pause before retry ``attempt``, seconds."""
+        return backoff_s(attempt, self.base_s, self.cap_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Which failed attempts of an idempotent call are made again, how often, and after what pause.
+
+    Attributes:
+        retries: retries per node after the first attempt (0 for none).
+        backoff: the pause before each retry.
+        codes: the status codes worth a retry (the node is restarting or shutting down).
+    """
+
+    retries: int = DEFAULT_RETRIES
+    backoff: Backoff = Backoff()
+    codes: frozenset[grpc.StatusCode] = RETRYABLE_CODES
+
+    def pause_s(self, attempt: int, code: grpc.StatusCode, idempotent: bool = True) -> float | None:
+        """Seconds to wait before retrying after failed attempt ``attempt`` (0-based); ``None``: do not retry."""
+        if idempotent and code in self.codes and attempt < self.retries:
+            return self.backoff.pause_s(attempt)
+        return None
+
+
+# ---------------------------------------------------------------------- calls, described once
+
+_UNARY, _REPLY_STREAM, _REQUEST_STREAM = range(3)
+
+
+class _Rpc(NamedTuple):
+    """One node's part of a call: what one attempt sends, and how its reply becomes a result.
+
+    Attributes:
+        kind: ``_UNARY``, ``_REPLY_STREAM`` (Get) or ``_REQUEST_STREAM`` (Put).
+        method: the channel's multicallable for the call (``TargetChannel`` -> callable).
+        request: the request (a message or serialized bytes); for ``_REQUEST_STREAM``,
+            a function making a fresh :class:`_RequestStream` for each attempt.
+        read: ``reply -> result``; for ``_REPLY_STREAM``, a function making a fresh
+            assembler (``add_reply``, ``finish``) for each attempt.
+        rescue: ``error -> result`` for a status that is an answer (health's NOT_FOUND), else ``None``.
+        wait_for_ready: wait for the channel's connection within the deadline (a probe of a down node).
+    """
+
+    kind: int
+    method: Callable[[TargetChannel], Any]
+    request: Any
+    read: Callable[..., Any]
+    rescue: Callable[[grpc.RpcError], Any] | None = None
+    wait_for_ready: bool = False
+
+
+class _Plan(NamedTuple):
+    """A whole call: each node's part, and how the per-node results (``None``: no part, or down) merge."""
+
+    rpcs: dict[int, _Rpc]
+    merge: Callable[[list[Any]], Any]
+
+
+# The I/O a call asks its transport for, yielded by the generators below (the logic is written once, without I/O;
+# each client's transport performs these, synchronously in threads or on an asyncio loop).
+class _Attempt(NamedTuple):
+    node: int
+    rpc: _Rpc
+    timeout_s: float
+
+
+class _Pause(NamedTuple):
+    seconds: float
+
+
+class _Together(NamedTuple):
+    parts: list[Generator[Any, Any, Any]]  # run at once; the transport sends back each one's result or exception
+    deadline: float  # of the call (time.monotonic()): a part not started by then is a miss
+
+
+class _Slot(NamedTuple):
+    pass  # take an in-flight slot; the transport sends back its release
+
+
+class _Probe(NamedTuple):
+    node_id: str  # start a health probe of a down node in the background
+
+
+_SLOT = _Slot()
+_Step = Generator[Any, Any, _T]
+_RETURNED = object()
+
+
+class _Outcome:
+    """What the last I/O a step asked for gave, a value or an error, to send into the step (each transport's loop)."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def send_into(self, step: _Step[Any]) -> Any:
+        """Resume ``step`` with this outcome; returns the next I/O it asks for, or ``_RETURNED`` (its result is
+        then :attr:`value`)."""
+        value, error = self.value, self.error
+        self.value, self.error = None, None
+        try:
+            return step.throw(error) if error is not None else step.send(value)
+        except StopIteration as stop:
+            self.value = stop.value
+            return _RETURNED
+
+
+def _stub(name: str) -> Callable[[TargetChannel], Any]:
+    return lambda channel: getattr(channel.stub, name)
+
+
+def _health(channel: TargetChannel) -> Any:
+    return channel.health_stub.Check
+
+
+def _get_call(channel: TargetChannel) -> Any:
+    return channel.get_call
+
+
+def _put_call(channel: TargetChannel) -> Any:
+    return channel.put_call
+
+
+def _health_name(reply: health_pb2.HealthCheckResponse) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+_SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+
+
+def _unknown_service(exc: grpc.RpcError) -> str:
+    """grpc.health.v1 answers NOT_FOUND for a service it does not know: an answer, not a failure."""
+    if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+        return _SERVICE_UNKNOWN
+    raise exc
+
+
+def _lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
+    return _Rpc(_UNARY, _stub("Lookup"), request_with_hashes(pb.LookupRequest, namespace, block_hashes),
+                lookup_from_pb)
+
+
+def _get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
+    num_blocks = len(block_hashes)
+    return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes),
+                lambda: _assembler(num_blocks))
+
+
+def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: Sequence[bytes], chunk_bytes: int,
+             priority: int | None, retention_s: float | None) -> _Rpc:
+    def requests() -> _RequestStream:
+        return _RequestStream(put_requests(namespace, block_hashes, encoded, chunk_bytes,
+                                           priority=priority, retention_s=retention_s))
+
+    return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored))
+
+
+def _delete_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
+    return _Rpc(_UNARY, _stub("Delete"), request_with_hashes(pb.DeleteRequest, namespace, block_hashes),
+                lambda reply: int(reply.num_deleted))
+
+
+def _total(results: list[int | None]) -> int:
+    return sum(r for r in results if r is not None)
+
+
+def _first(results: list[_T | None]) -> _T:
+    return results[0]  # type: ignore[return-value]
+
+
+class _Client:
+    """What :class:`KVStoreClient` and :class:`AsyncKVStoreClient` share: every setting, every call's request and
+    merge, the retries, the fan-out over nodes and their membership, written once.
+
+    The logic is a generator per call that yields the I/O it needs (an attempt on
+    a node, a pause, parts run at once, a slot, a probe) and is sent back the
+    outcome; each client's transport (:meth:`_run`) performs the I/O, the
+    synchronous one in the calling thread and worker threads, the asyncio one
+    on its loop. The public methods return the transport's result: a value
+    from :class:`KVStoreClient`, an awaitable from :class:`AsyncKVStoreClient`.
+    """
+
+    _aio = False
+
+    def __init__(
+        self,
+        target: str | Sequence[str] | None = None,
+        *,
+        targets: Sequence[str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        retries: int = DEFAULT_RETRIES,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        channel_options: Sequence[tuple[str, Any]] = (),
+        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
+        max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
+    ) -> None:
+        settings = _Settings.check(
+            timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s, probe_timeout_s=probe_timeout_s, down_backoff_s=down_backoff_s,
+            max_down_backoff_s=max_down_backoff_s,
+        )
+        self.targets = resolve_targets(target, targets)
+        self.target = self.targets[0]
+        self.timeout_s = settings.timeout_s
+        self.max_inflight = settings.max_inflight
+        self.retries = settings.retries
+        self.backoff_s = settings.backoff_s
+        self.max_backoff_s = settings.max_backoff_s
+        self.retry = Retry(settings.retries, Backoff(settings.backoff_s, settings.max_backoff_s))
+        self.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
+        self.metadata = call_metadata(metadata)
+        self._chunk_bytes = chunk_bytes_for(max_message_bytes)
+        self.router = RendezvousRouter(self.targets)
+        self.membership = Membership(self.router.node_ids, base_backoff_s=settings.down_backoff_s,
+                                     max_backoff_s=settings.max_down_backoff_s)
+        self._channels = tuple(
+            TargetChannel(t, aio=self._aio, max_message_bytes=max_message_bytes, credentials=credentials,
+                          options=channel_options)
+            for t in self.router.node_ids
+        )
+        self._channel = self._channels[self.router.index(self.target)]
+        self._single = len(self._channels) == 1
+        self._lock = threading.Lock()  # membership, across the synchronous client's threads
+        self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        """Set up the transport (each client's own)."""
+
+    def _run(self, plan: _Plan) -> Any:
+        """Perform ``plan`` (see the class docstring); each client's transport."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the API
+
+    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """The longest cached prefix of ``block_hashes`` and the tier of each of its blocks (a :class:`LookupResult`).
+
+        With several nodes, each owner is asked for its own hashes in parallel and
+        the answers are merged (see the module docstring); a down node's blocks are misses.
+
+        Raises:
+            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        check_block_hashes(namespace, block_hashes)
+        ns = cached_namespace_pb(namespace)
+        if self._single:
+            return self._run(_Plan({0: _lookup_rpc(ns, block_hashes)}, _first))
+        partition = self.router.split(block_hashes)
+        return self._run(_Plan({j: _lookup_rpc(ns, partition.sub_list(j, block_hashes))
+                                for j in partition.nodes_with_blocks()}, partition.merge_lookup))
+
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """Encoded blocks of the longest cached prefix, in order; stops at the first miss (a list of :data:`Buffer`).
+
+        A block that arrived in one message (up to ``max_message_bytes`` less
+        4 KiB) is a read-only ``memoryview`` of it, with no copy; a larger one
+        is ``bytes`` joined from its chunks (:data:`kvstore.api.Buffer`).
+        With several nodes, the owners are asked in parallel and their blocks
+        merged in order up to the first miss (a down node's blocks are misses).
+
+        Raises:
+            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        return self._run(self._get_plan(namespace, block_hashes))
+
+    def _get_plan(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Plan:
+        check_block_hashes(namespace, block_hashes)
+        if self._single:
+            return _Plan({0: _get_rpc(namespace, block_hashes)}, _first)
+        partition = self.router.split(block_hashes)
+        return _Plan({j: _get_rpc(namespace, partition.sub_list(j, block_hashes))
+                      for j in partition.nodes_with_blocks()}, partition.merge_blocks)
+
+    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """Like :meth:`get`, decoded (checksums verified) into CPU tensors that view the received bytes.
+
+        Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
+        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). The bytes are this
+        call's own received messages, which nothing else holds, so they are not
+        copied (``decode_block(copy=False)``); a write into a tensor changes only them.
+
+        Raises:
+            CodecError: if a received block fails to decode.
+        """
+        plan = self._get_plan(namespace, block_hashes)
+        merge = plan.merge
+        return self._run(plan._replace(merge=lambda results: [decode_block(b, copy=False) for b in merge(results)]))
+
+    def put(
+        self,
+        namespace: Namespace,
+        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[Block],
+        *,
+        priority: int | None = None,
+        retention_s: float | None = None,
+    ) -> Any:
+        """Store blocks (encoded bytes or tensors), each on its owner; returns how many were newly stored (an int).
+
+        The blocks stream to a node in chunks; it stores them only once the
+        whole stream has arrived and validated, so a failed put stores nothing
+        there. With several nodes, each owner gets its blocks in parallel and
+        blocks of a down node are skipped (not counted, no error).
+
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: one chained hash per block.
+            blocks: encoded blocks, or tensors of the namespace's layout
+                (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``).
+            priority: retention priority, an integer in ``[0, 100]``; the node's default when ``None``.
+            retention_s: seconds (>= 0, ``inf`` for ever) the priority holds before it reverts to the default.
+
+        Raises:
+            InvalidArgumentError: at the call, on a namespace that is not a :class:`Namespace`,
+                as many hashes as blocks not given, a hash that is not bytes-like or not
+                ``namespace.hash_bytes`` long, a priority that is not an integer in ``[0, 100]``,
+                or a ``retention_s`` that is not a number >= 0; from the node, on a malformed block.
+            CodecError: on a tensor that does not fit the codec.
+            ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        check_block_hashes(namespace, block_hashes)
+        priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
+        encoded = encode_blocks(blocks, namespace.layout)
+        chunk = self._chunk_bytes
+        if self._single:
+            return self._run(_Plan({0: _put_rpc(namespace, block_hashes, encoded, chunk, priority, retention_s)},
+                                   _first))
+        partition = self.router.split(block_hashes)
+        return self._run(_Plan({
+            j: _put_rpc(namespace, partition.sub_list(j, block_hashes), partition.sub_list(j, encoded), chunk,
+                        priority, retention_s)
+            for j in partition.nodes_with_blocks()
+        }, _total))
+
+    def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
+        check_block_hashes(namespace, block_hashes)
+        ns = cached_namespace_pb(namespace)
+        if self._single:
+            return self._run(_Plan({0: _delete_rpc(ns, block_hashes)}, _first))
+        partition = self.router.split(block_hashes)
+        return self._run(_Plan({j: _delete_rpc(ns, partition.sub_list(j, block_hashes))
+                                for j in partition.nodes_with_blocks()}, _total))
+
+    def clear(self, namespace: Namespace) -> Any:
+        """Delete every block of ``namespace`` on every node; returns how many local blocks went.
+
+        A node that is down keeps its local blocks (no error); clear again once
+        it is back. The shared tier's are gone for every node at once (``docs/redis.md``).
+        """
+        rpc = _Rpc(_UNARY, _stub("Clear"), pb.ClearRequest(namespace=cached_namespace_pb(namespace)),
+                   lambda reply: int(reply.num_deleted))
+        return self._run(_Plan(dict.fromkeys(range(len(self._channels)), rpc), _total))
+
+    def stats(self) -> Any:
+        """Per-tier stats: the node's, or with several nodes the tier-by-tier sum (:func:`merge_store_stats`)
+        over the nodes that answered (empty when none did)."""
+        return self._run(self._stats_plan(lambda by_node: merge_store_stats(list(by_node.values()))))
+
+    def node_stats(self) -> Any:
+        """Per-tier stats of each node that answered, by target.
+
+        Raises:
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        return self._run(self._stats_plan(lambda by_node: by_node))
+
+    def _stats_plan(self, finish: Callable[[dict[str, StoreStats]], Any]) -> _Plan:
+        rpc = _Rpc(_UNARY, _stub("Stats"), pb.StatsRequest(), stats_from_pb)
+        node_ids = self.router.node_ids
+        return _Plan(dict.fromkeys(range(len(self._channels)), rpc),
+                     lambda results: finish({node_ids[j]: r for j, r in enumerate(results) if r is not None}))
+
+    def health(self, service: str = "") -> Any:
+        """The ``grpc.health.v1`` status: ``SERVING``, ``NOT_SERVING``, ``SERVICE_UNKNOWN`` or ``UNKNOWN``.
+
+        A node that does not know ``service`` (it answers NOT_FOUND) is
+        ``SERVICE_UNKNOWN``. With several nodes: ``SERVING`` if any up node
+        serves (the client can serve calls), else the first answer in router order.
+
+        Args:
+            service: ``""`` for the whole server, or ``kvstore.v1.KVStore``.
+
+        Raises:
+            UnavailableError: if no node can be reached within the deadline
+                (:class:`DeadlineExceededError` when the deadline passed).
+            KVStoreError: with one target, the typed error of any other failed status
+                (e.g. UNAUTHENTICATED).
+        """
+        rpc = _Rpc(_UNARY, _health, health_pb2.HealthCheckRequest(service=service), _health_name, _unknown_service)
+        return self._run(_Plan(dict.fromkeys(range(len(self._channels)), rpc), _merge_health))
+
+    def nodes(self) -> tuple[NodeStatus, ...]:
+        """A snapshot of each node's membership (up or down, failures, next probe), in router order."""
+        with self._lock:
+            return self.membership.status()
+
+    def __repr__(self) -> str:
+        targets = repr(self.target) if self._single else repr(list(self.targets))
+        return f"{type(self).__name__}({targets})"
+
+    # ------------------------------------------------------------------ the logic of a call (no I/O)
+
+    def _call(self, plan: _Plan) -> _Step[Any]:
+        """A whole call under one deadline and one in-flight slot: with one target its errors raise; with several,
+        the nodes' parts run at once and a node that cannot be reached is marked down and is a miss."""
+        deadline = time.monotonic() + self.timeout_s
+        if self._closed:
+            raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
+        results: list[Any] = [None] * len(self._channels)
+        release = yield _SLOT
+        try:
+            if self._single:
+                for node, rpc in plan.rpcs.items():
+                    results[node] = yield from self._attempts(node, rpc, deadline)
+                return plan.merge(results)
+            with self._lock:
+                due = self.membership.due_probes()
+                live = [node for node in plan.rpcs if self.membership.is_up(self.router.node_ids[node])]
+            for node_id in due:
+                yield _Probe(node_id)
+            outcomes = yield _Together([self._on_node(node, plan.rpcs[node], deadline) for node in live], deadline)
+            for node, outcome in zip(live, outcomes):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results[node] = outcome
+            return plan.merge(results)
+        finally:
+            release()
+
+    def _attempts(self, node: int, rpc: _Rpc, deadline: float) -> _Step[Any]:
+        """One node's part, attempted until it succeeds, under the deadline and :attr:`retry`.
+
+        Raises:
+            DeadlineExceededError: if the deadline passes.
+            KVStoreError: the typed error of any other failed status.
+        """
+        attempt = 0
+        while True:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
+            try:
+                return (yield _Attempt(node, rpc, remaining_s))
+            except grpc.RpcError as exc:
+                if rpc.rescue is not None:
+                    try:
+                        return rpc.rescue(exc)
+                    except grpc.RpcError:
+                        pass
+                if self._closed:  # close() ended the call: gRPC says CANCELLED, "Channel closed!"
+                    raise UnavailableError(f"the client of {', '.join(self.targets)} was closed during the call") \
+                        from None
+                code = exc.code()  # type: ignore[attr-defined]
+                pause_s = self.retry.pause_s(attempt, code)
+                if pause_s is None:
+                    _raise_typed(exc)
+                pause_s = min(pause_s, deadline - time.monotonic())  # type: ignore[type-var]
+                logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
+                yield _Pause(max(0.0, pause_s))
+                attempt += 1
+
+    def _on_node(self, node: int, rpc: _Rpc, deadline: float) -> _Step[Any]:
+        """One node's part of a fanned-out call; ``None`` (and the node marked down) if it cannot be reached."""
+        node_id = self.router.node_ids[node]
+        if time.monotonic() >= deadline:  # queued behind busy workers until the deadline: not the node's fault
+            return None
+        try:
+            result = yield from self._attempts(node, rpc, deadline)
+        except UnavailableError as exc:  # also DeadlineExceededError
+            with self._lock:
+                was_up = self.membership.is_up(node_id)
+                wait_s = self.membership.record_failure(node_id)
+            if was_up:
+                logger.warning("kvstore node %s is down (%s); its blocks are misses for %.1f s", node_id, exc, wait_s)
+            return None
+        with self._lock:
+            rejoined = self.membership.record_success(node_id)
+        if rejoined:
+            logger.info("kvstore node %s is up again", node_id)
+        return result
+
+    def _probe(self, node_id: str) -> _Step[None]:
+        """Health-check a down node (waiting for its connection up to ``probe_timeout_s``) and report the result."""
+        rpc = _Rpc(_UNARY, _health, health_pb2.HealthCheckRequest(), lambda reply: reply.status, wait_for_ready=True)
+        try:
+            status = yield _Attempt(self.router.index(node_id), rpc, self.probe_timeout_s)
+            ok = status == health_pb2.HealthCheckResponse.SERVING
+        except Exception as exc:  # noqa: BLE001 - a background probe reports every failure as "still down"
+            logger.debug("probe of kvstore node %s failed: %s", node_id, exc)
+            ok = False
+        with self._lock:
+            self.membership.probe_done(node_id, ok)
+        if ok:
+            logger.info("kvstore node %s answers SERVING again; it rejoins", node_id)
+
+
+class KVStoreClient(_Client):
     """A synchronous, thread-safe client of one kvstore node or several; a :class:`~kvstore.api.BlockClient`.
 
     With several targets, blocks are spread over the nodes by rendezvous hashing
     and an unreachable node is a miss, not an error (see the module docstring).
+    Its transport runs a call in the calling thread, and the parts of a call
+    fanned out to several nodes in worker threads (started as calls need them).
 
     Args:
         target: ``host:port`` of the node, or a sequence of them (one per node).
@@ -684,7 +1119,7 @@ class KVStoreClient:
         max_inflight: calls in flight at once across threads; more wait (within
             their deadline) for a slot. A call fanned out to several nodes is one call.
         retries: retries of an idempotent call on UNAVAILABLE, per node (0 for none).
-        backoff_s: base of the exponential backoff, seconds.
+        backoff_s: base of the exponential backoff, seconds (:class:`Backoff`).
         max_backoff_s: cap of one backoff, seconds.
         max_message_bytes: largest gRPC message, bytes; must match the server's
             ``server.max_message_bytes`` (blocks are chunked to fit).
@@ -705,37 +1140,66 @@ class KVStoreClient:
             message names the argument.
     """
 
-    def __init__(
-        self,
-        target: str | Sequence[str] | None = None,
-        *,
-        targets: Sequence[str] | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_inflight: int = DEFAULT_MAX_INFLIGHT,
-        retries: int = DEFAULT_RETRIES,
-        backoff_s: float = DEFAULT_BACKOFF_S,
-        max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        credentials: grpc.ChannelCredentials | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
-        channel_options: Sequence[tuple[str, Any]] = (),
-        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
-        down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
-        max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
-    ) -> None:
-        _set_up(self, _Settings.check(
-            timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
-            max_backoff_s=max_backoff_s, probe_timeout_s=probe_timeout_s, down_backoff_s=down_backoff_s,
-            max_down_backoff_s=max_down_backoff_s,
-        ), resolve_targets(target, targets), aio=False, max_message_bytes=max_message_bytes, credentials=credentials,
-            metadata=metadata, channel_options=channel_options)
+    _aio = False
+
+    def _start(self) -> None:
         self._pid = os.getpid()
         self._slots = InflightSlots(self.max_inflight)
-        self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
-        self._closed = False
 
-    # ------------------------------------------------------------------ plumbing
+    def _run(self, plan: _Plan) -> Any:
+        return self._drive(self._call(plan))
+
+    def _drive(self, step: _Step[_T]) -> _T:
+        """Perform the I/O ``step`` yields, in this thread, until it returns."""
+        outcome = _Outcome()
+        try:
+            while (op := outcome.send_into(step)) is not _RETURNED:
+                try:
+                    outcome.value = self._perform(op)
+                except BaseException as exc:  # noqa: BLE001 - sent back into the step, which decides
+                    outcome.error = exc
+            return outcome.value  # type: ignore[no-any-return]
+        finally:
+            step.close()
+
+    def _perform(self, op: Any) -> Any:
+        if type(op) is _Attempt:
+            return self._attempt(op)
+        if type(op) is _Slot:
+            return self._acquire_slot()
+        if type(op) is _Pause:
+            time.sleep(op.seconds)
+            return None
+        if type(op) is _Together:
+            return self._together(op.parts, op.deadline)
+        self._pool().submit(self._drive, self._probe(op.node_id))  # _Probe
+        return None
+
+    def _attempt(self, op: _Attempt) -> Any:
+        """One attempt of one node's part: the synchronous transport of :class:`_Rpc`."""
+        rpc = op.rpc
+        call = rpc.method(self._channels[op.node])
+        if rpc.kind == _UNARY:
+            if rpc.wait_for_ready:
+                return rpc.read(call(rpc.request, timeout=op.timeout_s, metadata=self.metadata, wait_for_ready=True))
+            return rpc.read(call(rpc.request, timeout=op.timeout_s, metadata=self.metadata))
+        if rpc.kind == _REPLY_STREAM:
+            assembler = rpc.read()
+            stream = call(rpc.request, timeout=op.timeout_s, metadata=self.metadata)
+            try:
+                for message in stream:
+                    assembler.add_reply(message)
+            except BaseException:
+                stream.cancel()  # frees the call on an error (a stream that ended needs nothing)
+                raise
+            return assembler.finish()
+        requests = rpc.request()
+        try:
+            return rpc.read(call(requests, timeout=op.timeout_s, metadata=self.metadata))
+        except grpc.RpcError:  # UNKNOWN: "Exception iterating requests!"
+            requests.raise_error()
+            raise
 
     def _after_fork(self) -> None:
         """In a forked child: fresh slots, lock and worker threads (a parent's thread may have held them)."""
@@ -743,52 +1207,12 @@ class KVStoreClient:
             self._pid, self._slots = os.getpid(), InflightSlots(self.max_inflight)
             self._lock, self._executor = threading.Lock(), None
 
-    def _acquire_slot(self) -> InflightSlots:
+    def _acquire_slot(self) -> Callable[[], None]:
         self._after_fork()
         slots = self._slots
         if not slots.acquire(self.timeout_s):
             raise DeadlineExceededError(f"no free slot of max_inflight={self.max_inflight} within {self.timeout_s} s")
-        return slots
-
-    def _attempts(self, fn: Callable[[float], _T], deadline: float, idempotent: bool = True) -> _T:
-        """Run ``fn(timeout_s)`` until it succeeds, under the deadline and the retry policy.
-
-        Raises:
-            DeadlineExceededError: if the deadline passes.
-            KVStoreError: the typed error of any other failed status.
-        """
-        attempt = 0
-        while True:
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
-            try:
-                return fn(remaining_s)
-            except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
-                if self._closed:  # close() ended the call: gRPC says CANCELLED, "Channel closed!"
-                    raise UnavailableError(f"the client of {', '.join(self.targets)} was closed during the call") \
-                        from None
-                if not (idempotent and code in RETRYABLE_CODES and attempt < self.retries):
-                    _raise_typed(exc)
-                pause_s = min(backoff_s(attempt, self.backoff_s, self.max_backoff_s), deadline - time.monotonic())
-                logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
-                time.sleep(max(0.0, pause_s))
-                attempt += 1
-
-    def _call(self, fn: Callable[[float], _T], *, idempotent: bool = True) -> _T:
-        """Run ``fn(timeout_s)`` under the deadline, an in-flight slot and the retry policy (one node).
-
-        Raises:
-            DeadlineExceededError: if the deadline passes (also while waiting for a slot).
-            KVStoreError: the typed error of any other failed status.
-        """
-        deadline = time.monotonic() + self.timeout_s
-        slots = self._acquire_slot()
-        try:
-            return self._attempts(fn, deadline, idempotent)
-        finally:
-            slots.release()
+        return slots.release
 
     def _pool(self) -> ThreadPoolExecutor:
         """The worker threads of this process (started on first use), for the nodes' parts and the probes.
@@ -806,260 +1230,28 @@ class KVStoreClient:
                 )
             return self._executor
 
-    def _fan_out(self, jobs: dict[int, _Job[_T]]) -> list[_T | None]:
-        """Run ``jobs[j]`` on node ``j`` for every key, in parallel, under one deadline and one slot.
+    def _together(self, parts: list[_Step[Any]], deadline: float) -> list[Any]:
+        """Run the parts at once: the first in this thread, the rest in worker threads; each one's result or
+        exception, in order. A part still queued behind busy workers when the deadline has passed is a miss."""
+        if not parts:
+            return []
+        futures = [self._pool().submit(self._outcome, part) for part in parts[1:]]
+        outcomes = [self._outcome(parts[0])]
+        if futures:
+            futures_wait(futures, timeout=max(0.0, deadline - time.monotonic()) + _GRACE_S)
+            for future in futures:
+                if future.done():
+                    outcomes.append(future.result())
+                else:  # queued behind busy workers until the deadline: a miss, not the node's fault
+                    future.cancel()
+                    outcomes.append(None)
+        return outcomes
 
-        With one target the job runs as a plain call and its errors raise.
-
-        Returns:
-            Per node (in router order): the job's result, or ``None`` for a node
-            with no job, a node that is down, or one the job could not reach.
-
-        Raises:
-            UnavailableError: if the client is closed.
-            KVStoreError: the typed error of a node's failure other than UNAVAILABLE
-                and DEADLINE_EXCEEDED (e.g. INVALID_ARGUMENT).
-        """
-        results: list[_T | None] = [None] * len(self._channels)
-        if self._single:
-            for node, job in jobs.items():
-                results[node] = self._call(functools.partial(job, self._channels[node]))
-            return results
-        if self._closed:
-            raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
-        deadline = time.monotonic() + self.timeout_s
-        slots = self._acquire_slot()
+    def _outcome(self, part: _Step[Any]) -> Any:
         try:
-            self._start_probes()
-            with self._lock:
-                live = [node for node in jobs if self.membership.is_up(self.router.node_ids[node])]
-            if not live:
-                return results
-            pool = self._pool() if len(live) > 1 else None
-            futures = {node: pool.submit(self._on_node, node, jobs[node], deadline)
-                       for node in live[1:]} if pool is not None else {}
-            results[live[0]] = self._on_node(live[0], jobs[live[0]], deadline)
-            if futures:
-                done, _ = futures_wait(futures.values(), timeout=max(0.0, deadline - time.monotonic()) + _GRACE_S)
-                for node, future in futures.items():
-                    if future in done:
-                        results[node] = future.result()
-                    else:  # queued behind busy workers until the deadline: a miss, not the node's fault
-                        future.cancel()
-            return results
-        finally:
-            slots.release()
-
-    def _on_node(self, node: int, job: _Job[_T], deadline: float) -> _T | None:
-        """One node's part of a fanned-out call; ``None`` (and the node marked down) if it cannot be reached."""
-        if time.monotonic() >= deadline:
-            return None
-        node_id = self.router.node_ids[node]
-        try:
-            result = self._attempts(lambda t: job(self._channels[node], t), deadline)
-        except UnavailableError as exc:  # also DeadlineExceededError
-            with self._lock:
-                was_up = self.membership.is_up(node_id)
-                wait_s = self.membership.record_failure(node_id)
-            if was_up:
-                logger.warning("kvstore node %s is down (%s); its blocks are misses for %.1f s", node_id, exc, wait_s)
-            return None
-        with self._lock:
-            rejoined = self.membership.record_success(node_id)
-        if rejoined:
-            logger.info("kvstore node %s is up again", node_id)
-        return result
-
-    def _start_probes(self) -> None:
-        with self._lock:
-            due = self.membership.due_probes()
-        for node_id in due:
-            self._pool().submit(self._probe, node_id)
-
-    def _probe(self, node_id: str) -> None:
-        """Health-check a down node (waiting for its connection up to ``probe_timeout_s``) and report the result."""
-        channel = self._channels[self.router.index(node_id)]
-        try:
-            reply = channel.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s,
-                                              metadata=self.metadata, wait_for_ready=True)
-            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except Exception as exc:  # noqa: BLE001 - a background probe reports every failure as "still down"
-            logger.debug("probe of kvstore node %s failed: %s", node_id, exc)
-            ok = False
-        with self._lock:
-            self.membership.probe_done(node_id, ok)
-        if ok:
-            logger.info("kvstore node %s answers SERVING again; it rejoins", node_id)
-
-    def _partition(self, block_hashes: Sequence[BlockHash]) -> tuple[Partition, list[int]]:
-        """The split of ``block_hashes`` by owner, and the nodes to ask: those that own at least one."""
-        partition = self.router.split(block_hashes)
-        return partition, partition.nodes_with_blocks()
-
-    # ------------------------------------------------------------------ API
-
-    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
-        """The longest cached prefix of ``block_hashes`` and the tier of each of its blocks.
-
-        With several nodes, each owner is asked for its own hashes in parallel and
-        the answers are merged (see the module docstring); a down node's blocks are misses.
-
-        Raises:
-            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
-            UnavailableError: with one target, if the node cannot be reached within the deadline.
-        """
-        check_block_hashes(namespace, block_hashes)
-        if self._single:
-            job = _lookup_job(cached_namespace_pb(namespace), block_hashes, self.metadata)
-            return self._call(lambda t: job(self._channel, t))
-        partition, nodes = self._partition(block_hashes)
-        ns = cached_namespace_pb(namespace)
-        results = self._fan_out({j: _lookup_job(ns, partition.sub_list(j, block_hashes), self.metadata)
-                                 for j in nodes})
-        return partition.merge_lookup(results)
-
-    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[Buffer]:
-        """Encoded blocks of the longest cached prefix, in order; stops at the first miss.
-
-        A block that arrived in one message (up to ``max_message_bytes`` less
-        4 KiB) is a read-only ``memoryview`` of it, with no copy; a larger one
-        is ``bytes`` joined from its chunks (:data:`kvstore.api.Buffer`).
-        With several nodes, the owners are asked in parallel and their blocks
-        merged in order up to the first miss (a down node's blocks are misses).
-
-        Raises:
-            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
-            UnavailableError: with one target, if the node cannot be reached within the deadline.
-        """
-        check_block_hashes(namespace, block_hashes)
-        if self._single:
-            job = _get_job(namespace, block_hashes, self.metadata)
-            return self._call(lambda t: job(self._channel, t))
-        partition, nodes = self._partition(block_hashes)
-        results = self._fan_out({j: _get_job(namespace, partition.sub_list(j, block_hashes), self.metadata)
-                                 for j in nodes})
-        return partition.merge_blocks(results)
-
-    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
-        """Like :meth:`get`, decoded (checksums verified) into CPU tensors that view the received bytes.
-
-        Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
-        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). The bytes are this
-        call's own received messages, which nothing else holds, so they are not
-        copied (``decode_block(copy=False)``); a write into a tensor changes only them.
-
-        Raises:
-            CodecError: if a received block fails to decode.
-        """
-        return [decode_block(b, copy=False) for b in self.get(namespace, block_hashes)]
-
-    def put(
-        self,
-        namespace: Namespace,
-        block_hashes: Sequence[BlockHash],
-        blocks: Sequence[Block],
-        *,
-        priority: int | None = None,
-        retention_s: float | None = None,
-    ) -> int:
-        """Store blocks (encoded bytes or tensors), each on its owner; returns how many were newly stored.
-
-        The blocks stream to a node in chunks; it stores them only once the
-        whole stream has arrived and validated, so a failed put stores nothing
-        there. With several nodes, each owner gets its blocks in parallel and
-        blocks of a down node are skipped (not counted, no error).
-
-        Args:
-            namespace: namespace of the blocks.
-            block_hashes: one chained hash per block.
-            blocks: encoded blocks, or tensors of the namespace's layout
-                (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``).
-            priority: retention priority, an integer in ``[0, 100]``; the node's default when ``None``.
-            retention_s: seconds (>= 0, ``inf`` for ever) the priority holds before it reverts to the default.
-
-        Raises:
-            InvalidArgumentError: before any call, on a namespace that is not a :class:`Namespace`,
-                as many hashes as blocks not given, a hash that is not bytes-like or not
-                ``namespace.hash_bytes`` long, a priority that is not an integer in ``[0, 100]``,
-                or a ``retention_s`` that is not a number >= 0; from the node, on a malformed block.
-            CodecError: on a tensor that does not fit the codec.
-            ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
-            UnavailableError: with one target, if the node cannot be reached within the deadline.
-        """
-        check_block_hashes(namespace, block_hashes)
-        priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
-        encoded = encode_blocks(namespace, blocks)
-        if self._single:
-            job = _put_job(namespace, block_hashes, encoded, self._chunk_bytes, priority, retention_s, self.metadata)
-            return self._call(lambda t: job(self._channel, t))
-        partition, nodes = self._partition(block_hashes)
-        results = self._fan_out({
-            j: _put_job(namespace, partition.sub_list(j, block_hashes), partition.sub_list(j, encoded),
-                        self._chunk_bytes, priority, retention_s, self.metadata)
-            for j in nodes
-        })
-        return sum(r for r in results if r is not None)
-
-    def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
-        """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
-        check_block_hashes(namespace, block_hashes)
-        ns = cached_namespace_pb(namespace)
-        if self._single:
-            job = _delete_job(ns, block_hashes, self.metadata)
-            return self._call(lambda t: job(self._channel, t))
-        partition, nodes = self._partition(block_hashes)
-        results = self._fan_out({j: _delete_job(ns, partition.sub_list(j, block_hashes), self.metadata)
-                                 for j in nodes})
-        return sum(r for r in results if r is not None)
-
-    def clear(self, namespace: Namespace) -> int:
-        """Delete every block of ``namespace`` on every node; returns how many local blocks went.
-
-        A node that is down keeps its blocks (no error); clear again once it is back.
-        """
-        request = pb.ClearRequest(namespace=cached_namespace_pb(namespace))
-        results = self._fan_out({j: (lambda channel, t: int(channel.stub.Clear(
-            request, timeout=t, metadata=self.metadata).num_deleted)) for j in range(len(self._channels))})
-        return sum(r for r in results if r is not None)
-
-    def stats(self) -> StoreStats:
-        """Per-tier stats: the node's, or with several nodes the tier-by-tier sum (:func:`merge_store_stats`)
-        over the nodes that answered (empty when none did)."""
-        return merge_store_stats(list(self.node_stats().values()))
-
-    def node_stats(self) -> dict[str, StoreStats]:
-        """Per-tier stats of each node that answered, by target.
-
-        Raises:
-            UnavailableError: with one target, if the node cannot be reached within the deadline.
-        """
-        results = self._fan_out({j: (lambda channel, t: stats_from_pb(channel.stub.Stats(
-            pb.StatsRequest(), timeout=t, metadata=self.metadata))) for j in range(len(self._channels))})
-        return {self.router.node_ids[j]: r for j, r in enumerate(results) if r is not None}
-
-    def health(self, service: str = "") -> str:
-        """The ``grpc.health.v1`` status: ``SERVING``, ``NOT_SERVING``, ``SERVICE_UNKNOWN`` or ``UNKNOWN``.
-
-        A node that does not know ``service`` (it answers NOT_FOUND) is
-        ``SERVICE_UNKNOWN``. With several nodes: ``SERVING`` if any up node
-        serves (the client can serve calls), else the first answer in router order.
-
-        Args:
-            service: ``""`` for the whole server, or ``kvstore.v1.KVStore``.
-
-        Raises:
-            UnavailableError: if no node can be reached within the deadline
-                (:class:`DeadlineExceededError` when the deadline passed).
-            KVStoreError: with one target, the typed error of any other failed status
-                (e.g. UNAUTHENTICATED).
-        """
-        job = _health_job(service, self.metadata)
-        return _merge_health(self._fan_out({j: job for j in range(len(self._channels))}))
-
-    def nodes(self) -> tuple[NodeStatus, ...]:
-        """A snapshot of each node's membership (up or down, failures, next probe), in router order."""
-        with self._lock:
-            return self.membership.status()
+            return self._drive(part)
+        except BaseException as exc:  # noqa: BLE001 - returned, and raised by the call that gathers it
+            return exc
 
     def close(self) -> None:
         """Close the channels, then wait for the worker threads to end; idempotent.
@@ -1082,391 +1274,95 @@ class KVStoreClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return f"KVStoreClient({self.target!r})" if self._single else f"KVStoreClient({list(self.targets)!r})"
 
+class AsyncKVStoreClient(_Client):
+    """The asyncio client: the same methods as :class:`KVStoreClient`, each returning an awaitable, the same policies.
 
-# ---------------------------------------------------------------------- per-node jobs (asyncio)
+    Use from one event loop; the channels are opened on the first call. With
+    several targets the nodes are asked concurrently on that loop, and health
+    probes of down nodes run as tasks on it. Its constructor takes the same
+    arguments as :class:`KVStoreClient`'s, with the same checks.
+    """
 
+    _aio = True
 
-def _alookup_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
-                 metadata: Sequence[tuple[str, str]]) -> _AsyncJob[LookupResult]:
-    request = request_with_hashes(pb.LookupRequest, namespace, block_hashes)
+    def _start(self) -> None:
+        self._aslots: asyncio.Semaphore | None = None
+        self._slots_pid = -1
+        self._probes: set[asyncio.Task[None]] = set()
 
-    async def job(channel: TargetChannel, timeout_s: float) -> LookupResult:
-        return lookup_from_pb(await channel.stub.Lookup(request, timeout=timeout_s, metadata=metadata))
+    def _run(self, plan: _Plan) -> Awaitable[Any]:
+        return self._drive(self._call(plan))
 
-    return job
-
-
-def _aget_job(namespace: Namespace, block_hashes: Sequence[BlockHash],
-              metadata: Sequence[tuple[str, str]]) -> _AsyncJob[list[Buffer]]:
-    request = encode_get_request(namespace, block_hashes)
-
-    async def job(channel: TargetChannel, timeout_s: float) -> list[Buffer]:
-        assembler = _assembler(len(block_hashes))
-        stream = channel.get_call(request, timeout=timeout_s, metadata=metadata)
+    async def _drive(self, step: _Step[_T]) -> _T:
+        """Perform the I/O ``step`` yields, on the running loop, until it returns."""
+        outcome = _Outcome()
         try:
-            async for message in stream:
-                assembler.add_reply(message)
-        except BaseException:
-            stream.cancel()
-            raise
-        return assembler.finish()
+            while (op := outcome.send_into(step)) is not _RETURNED:
+                try:
+                    outcome.value = await self._perform(op)
+                except asyncio.CancelledError:
+                    raise  # the caller's cancellation is not the call's outcome
+                except BaseException as exc:  # noqa: BLE001 - sent back into the step, which decides
+                    outcome.error = exc
+            return outcome.value  # type: ignore[no-any-return]
+        finally:
+            step.close()
 
-    return job
+    async def _perform(self, op: Any) -> Any:
+        if type(op) is _Attempt:
+            return await self._attempt(op)
+        if type(op) is _Slot:
+            return await self._acquire_slot()
+        if type(op) is _Pause:
+            await asyncio.sleep(op.seconds)
+            return None
+        if type(op) is _Together:
+            return await asyncio.gather(*(self._drive(part) for part in op.parts), return_exceptions=True)
+        task = asyncio.get_running_loop().create_task(self._drive(self._probe(op.node_id)))  # _Probe
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+        return None
 
-
-def _aput_job(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: Sequence[bytes], chunk_bytes: int,
-              priority: int | None, retention_s: float | None,
-              metadata: Sequence[tuple[str, str]]) -> _AsyncJob[int]:
-    async def job(channel: TargetChannel, timeout_s: float) -> int:
-        requests = _RequestStream(put_requests(namespace, block_hashes, encoded, chunk_bytes,
-                                               priority=priority, retention_s=retention_s))
+    async def _attempt(self, op: _Attempt) -> Any:
+        """One attempt of one node's part: the asyncio transport of :class:`_Rpc`."""
+        rpc = op.rpc
+        call = rpc.method(self._channels[op.node])
+        if rpc.kind == _UNARY:
+            if rpc.wait_for_ready:
+                return rpc.read(await call(rpc.request, timeout=op.timeout_s, metadata=self.metadata,
+                                           wait_for_ready=True))
+            return rpc.read(await call(rpc.request, timeout=op.timeout_s, metadata=self.metadata))
+        if rpc.kind == _REPLY_STREAM:
+            assembler = rpc.read()
+            stream = call(rpc.request, timeout=op.timeout_s, metadata=self.metadata)
+            try:
+                async for message in stream:
+                    assembler.add_reply(message)
+            except BaseException:
+                stream.cancel()
+                raise
+            return assembler.finish()
+        requests = rpc.request()
         try:
-            reply = await channel.put_call(requests, timeout=timeout_s, metadata=metadata)
+            return rpc.read(await call(requests, timeout=op.timeout_s, metadata=self.metadata))
         except (asyncio.CancelledError, grpc.RpcError):  # grpc.aio cancels the call when the stream fails
             task = asyncio.current_task()
             if task is None or not task.cancelling():  # a cancellation of the caller's task stays one
                 requests.raise_error()
             raise
-        return int(reply.num_stored)
 
-    return job
-
-
-def _adelete_job(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
-                 metadata: Sequence[tuple[str, str]]) -> _AsyncJob[int]:
-    request = request_with_hashes(pb.DeleteRequest, namespace, block_hashes)
-
-    async def job(channel: TargetChannel, timeout_s: float) -> int:
-        return int((await channel.stub.Delete(request, timeout=timeout_s, metadata=metadata)).num_deleted)
-
-    return job
-
-
-def _aclear_job(namespace: pb.Namespace, metadata: Sequence[tuple[str, str]]) -> _AsyncJob[int]:
-    request = pb.ClearRequest(namespace=namespace)
-
-    async def job(channel: TargetChannel, timeout_s: float) -> int:
-        return int((await channel.stub.Clear(request, timeout=timeout_s, metadata=metadata)).num_deleted)
-
-    return job
-
-
-def _astats_job(metadata: Sequence[tuple[str, str]]) -> _AsyncJob[StoreStats]:
-    async def job(channel: TargetChannel, timeout_s: float) -> StoreStats:
-        return stats_from_pb(await channel.stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=metadata))
-
-    return job
-
-
-def _ahealth_job(service: str, metadata: Sequence[tuple[str, str]]) -> _AsyncJob[str]:
-    request = health_pb2.HealthCheckRequest(service=service)
-
-    async def job(channel: TargetChannel, timeout_s: float) -> str:
-        try:
-            return _health_name(await channel.health_stub.Check(request, timeout=timeout_s, metadata=metadata))
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]  # grpc.health.v1: unknown service
-                return _SERVICE_UNKNOWN
-            raise
-
-    return job
-
-
-class AsyncKVStoreClient:
-    """The asyncio twin of :class:`KVStoreClient`: the same methods as coroutines, the same policies.
-
-    Use from one event loop; the channels are opened on the first call. With
-    several targets the nodes are asked concurrently on that loop, and health
-    probes of down nodes run as tasks on it.
-
-    Args:
-        target: ``host:port`` of the node, or a sequence of them (one per node).
-        targets: the nodes' ``host:port``, as a keyword (instead of ``target``).
-        timeout_s: deadline of every call, seconds, covering its retries and its fan-out.
-        max_inflight: calls in flight at once; more wait (within their deadline) for a slot.
-        retries: retries of an idempotent call on UNAVAILABLE, per node (0 for none).
-        backoff_s: base of the exponential backoff, seconds.
-        max_backoff_s: cap of one backoff, seconds.
-        max_message_bytes: largest gRPC message, bytes; must match the server's.
-        credentials: TLS channel credentials, for every target; ``None`` for plaintext.
-        metadata: ``(key, value)`` pairs sent with every call to every target.
-        channel_options: extra gRPC channel options, for every target.
-        probe_timeout_s: deadline of one health probe of a down node, seconds (capped at ``timeout_s``).
-        down_backoff_s: how long a node stays down after its first failure before it is probed, seconds.
-        max_down_backoff_s: cap of that backoff, which doubles per consecutive failure, seconds.
-
-    Raises:
-        InvalidArgumentError: on a bad target or setting, as :class:`KVStoreClient` (the message names it).
-    """
-
-    def __init__(
-        self,
-        target: str | Sequence[str] | None = None,
-        *,
-        targets: Sequence[str] | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_inflight: int = DEFAULT_MAX_INFLIGHT,
-        retries: int = DEFAULT_RETRIES,
-        backoff_s: float = DEFAULT_BACKOFF_S,
-        max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        credentials: grpc.ChannelCredentials | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
-        channel_options: Sequence[tuple[str, Any]] = (),
-        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
-        down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
-        max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
-    ) -> None:
-        _set_up(self, _Settings.check(
-            timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
-            max_backoff_s=max_backoff_s, probe_timeout_s=probe_timeout_s, down_backoff_s=down_backoff_s,
-            max_down_backoff_s=max_down_backoff_s,
-        ), resolve_targets(target, targets), aio=True, max_message_bytes=max_message_bytes, credentials=credentials,
-            metadata=metadata, channel_options=channel_options)
-        self._slots: asyncio.Semaphore | None = None
-        self._slots_pid = -1
-        self._probes: set[asyncio.Task[None]] = set()
-        self._closed = False
-
-    # ------------------------------------------------------------------ plumbing
-
-    async def _acquire_slot(self) -> asyncio.Semaphore:
-        if self._slots is None or self._slots_pid != os.getpid():
-            self._slots, self._slots_pid = asyncio.Semaphore(self.max_inflight), os.getpid()
-        slots = self._slots
+    async def _acquire_slot(self) -> Callable[[], None]:
+        if self._aslots is None or self._slots_pid != os.getpid():
+            self._aslots, self._slots_pid = asyncio.Semaphore(self.max_inflight), os.getpid()
+        slots = self._aslots
         try:
             await asyncio.wait_for(slots.acquire(), self.timeout_s)
         except asyncio.TimeoutError:
             raise DeadlineExceededError(
                 f"no free slot of max_inflight={self.max_inflight} within {self.timeout_s} s"
             ) from None
-        return slots
-
-    async def _attempts(self, fn: Callable[[float], Awaitable[_T]], deadline: float, idempotent: bool = True) -> _T:
-        """Await ``fn(timeout_s)`` until it succeeds, under the deadline (loop time) and the retry policy.
-
-        Raises:
-            DeadlineExceededError: if the deadline passes.
-            KVStoreError: the typed error of any other failed status.
-        """
-        loop = asyncio.get_running_loop()
-        attempt = 0
-        while True:
-            remaining_s = deadline - loop.time()
-            if remaining_s <= 0:
-                raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
-            try:
-                return await fn(remaining_s)
-            except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
-                if self._closed:  # close() ended the call: gRPC says CANCELLED, "Channel closed!"
-                    raise UnavailableError(f"the client of {', '.join(self.targets)} was closed during the call") \
-                        from None
-                if not (idempotent and code in RETRYABLE_CODES and attempt < self.retries):
-                    _raise_typed(exc)
-                pause_s = min(backoff_s(attempt, self.backoff_s, self.max_backoff_s), deadline - loop.time())
-                logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
-                await asyncio.sleep(max(0.0, pause_s))
-                attempt += 1
-
-    async def _call(self, fn: Callable[[float], Awaitable[_T]], *, idempotent: bool = True) -> _T:
-        """Await ``fn(timeout_s)`` under the deadline, an in-flight slot and the retry policy (one node).
-
-        Raises:
-            DeadlineExceededError: if the deadline passes (also while waiting for a slot).
-            KVStoreError: the typed error of any other failed status.
-        """
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
-        slots = await self._acquire_slot()
-        try:
-            return await self._attempts(fn, deadline, idempotent)
-        finally:
-            slots.release()
-
-    async def _fan_out(self, jobs: dict[int, _AsyncJob[_T]]) -> list[_T | None]:
-        """Await ``jobs[j]`` on node ``j`` for every key, concurrently, under one deadline and one slot.
-
-        With one target the job runs as a plain call and its errors raise.
-
-        Returns:
-            Per node (in router order): the job's result, or ``None`` for a node
-            with no job, a node that is down, or one the job could not reach.
-
-        Raises:
-            UnavailableError: if the client is closed.
-            KVStoreError: the typed error of a node's failure other than UNAVAILABLE
-                and DEADLINE_EXCEEDED (e.g. INVALID_ARGUMENT).
-        """
-        results: list[_T | None] = [None] * len(self._channels)
-        if self._single:
-            for node, job in jobs.items():
-                results[node] = await self._call(functools.partial(job, self._channels[node]))
-            return results
-        if self._closed:
-            raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
-        slots = await self._acquire_slot()
-        try:
-            self._start_probes()
-            live = [node for node in jobs if self.membership.is_up(self.router.node_ids[node])]
-            outcomes = await asyncio.gather(*(self._on_node(node, jobs[node], deadline) for node in live),
-                                            return_exceptions=True)
-            for node, outcome in zip(live, outcomes):
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                results[node] = outcome
-            return results
-        finally:
-            slots.release()
-
-    async def _on_node(self, node: int, job: _AsyncJob[_T], deadline: float) -> _T | None:
-        """One node's part of a fanned-out call; ``None`` (and the node marked down) if it cannot be reached."""
-        node_id = self.router.node_ids[node]
-        try:
-            result = await self._attempts(lambda t: job(self._channels[node], t), deadline)
-        except UnavailableError as exc:  # also DeadlineExceededError
-            was_up = self.membership.is_up(node_id)
-            wait_s = self.membership.record_failure(node_id)
-            if was_up:
-                logger.warning("kvstore node %s is down (%s); its blocks are misses for %.1f s", node_id, exc, wait_s)
-            return None
-        if self.membership.record_success(node_id):
-            logger.info("kvstore node %s is up again", node_id)
-        return result
-
-    def _start_probes(self) -> None:
-        for node_id in self.membership.due_probes():
-            task = asyncio.get_running_loop().create_task(self._probe(node_id))
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
-
-    async def _probe(self, node_id: str) -> None:
-        """Health-check a down node (waiting for its connection up to ``probe_timeout_s``) and report the result."""
-        channel = self._channels[self.router.index(node_id)]
-        try:
-            reply = await channel.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s,
-                                                    metadata=self.metadata, wait_for_ready=True)
-            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except Exception as exc:  # noqa: BLE001 - a background probe reports every failure as "still down"
-            logger.debug("probe of kvstore node %s failed: %s", node_id, exc)
-            ok = False
-        self.membership.probe_done(node_id, ok)
-        if ok:
-            logger.info("kvstore node %s answers SERVING again; it rejoins", node_id)
-
-    def _partition(self, block_hashes: Sequence[BlockHash]) -> tuple[Partition, list[int]]:
-        """The split of ``block_hashes`` by owner, and the nodes to ask: those that own at least one."""
-        partition = self.router.split(block_hashes)
-        return partition, partition.nodes_with_blocks()
-
-    # ------------------------------------------------------------------ API
-
-    async def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
-        """The longest cached prefix of ``block_hashes`` (see :meth:`KVStoreClient.lookup`)."""
-        check_block_hashes(namespace, block_hashes)
-        if self._single:
-            job = _alookup_job(cached_namespace_pb(namespace), block_hashes, self.metadata)
-            return await self._call(lambda t: job(self._channel, t))
-        partition, nodes = self._partition(block_hashes)
-        ns = cached_namespace_pb(namespace)
-        results = await self._fan_out({j: _alookup_job(ns, partition.sub_list(j, block_hashes), self.metadata)
-                                       for j in nodes})
-        return partition.merge_lookup(results)
-
-    async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[Buffer]:
-        """Encoded blocks of the longest cached prefix (see :meth:`KVStoreClient.get`)."""
-        check_block_hashes(namespace, block_hashes)
-        if self._single:
-            job = _aget_job(namespace, block_hashes, self.metadata)
-            return await self._call(lambda t: job(self._channel, t))
-        partition, nodes = self._partition(block_hashes)
-        results = await self._fan_out({j: _aget_job(namespace, partition.sub_list(j, block_hashes), self.metadata)
-                                       for j in nodes})
-        return partition.merge_blocks(results)
-
-    async def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
-        """Like :meth:`get`, decoded (checksums verified) into CPU tensors that view the received bytes (see
-        :meth:`KVStoreClient.get_tensors`)."""
-        return [decode_block(b, copy=False) for b in await self.get(namespace, block_hashes)]
-
-    async def put(
-        self,
-        namespace: Namespace,
-        block_hashes: Sequence[BlockHash],
-        blocks: Sequence[Block],
-        *,
-        priority: int | None = None,
-        retention_s: float | None = None,
-    ) -> int:
-        """Store blocks (bytes or tensors); returns how many were newly stored (see :meth:`KVStoreClient.put`).
-
-        Raises:
-            InvalidArgumentError: on a bad argument, raised by ``put`` before any call (the
-                checks of :meth:`KVStoreClient.put`), or a malformed block.
-            ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
-            UnavailableError: with one target, if the node cannot be reached within the deadline.
-        """
-        check_block_hashes(namespace, block_hashes)
-        priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
-        encoded = encode_blocks(namespace, blocks)
-        if self._single:
-            job = _aput_job(namespace, block_hashes, encoded, self._chunk_bytes, priority, retention_s, self.metadata)
-            return await self._call(lambda t: job(self._channel, t))
-        partition, nodes = self._partition(block_hashes)
-        results = await self._fan_out({
-            j: _aput_job(namespace, partition.sub_list(j, block_hashes), partition.sub_list(j, encoded),
-                         self._chunk_bytes, priority, retention_s, self.metadata)
-            for j in nodes
-        })
-        return sum(r for r in results if r is not None)
-
-    async def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
-        """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
-        check_block_hashes(namespace, block_hashes)
-        ns = cached_namespace_pb(namespace)
-        if self._single:
-            job = _adelete_job(ns, block_hashes, self.metadata)
-            return await self._call(lambda t: job(self._channel, t))
-        partition, nodes = self._partition(block_hashes)
-        results = await self._fan_out({j: _adelete_job(ns, partition.sub_list(j, block_hashes), self.metadata)
-                                       for j in nodes})
-        return sum(r for r in results if r is not None)
-
-    async def clear(self, namespace: Namespace) -> int:
-        """Delete every block of ``namespace`` on every node; returns how many local blocks went.
-
-        See :meth:`KVStoreClient.clear`.
-        """
-        job = _aclear_job(cached_namespace_pb(namespace), self.metadata)
-        results = await self._fan_out({j: job for j in range(len(self._channels))})
-        return sum(r for r in results if r is not None)
-
-    async def stats(self) -> StoreStats:
-        """Per-tier stats, summed over the nodes that answered (see :meth:`KVStoreClient.stats`)."""
-        return merge_store_stats(list((await self.node_stats()).values()))
-
-    async def node_stats(self) -> dict[str, StoreStats]:
-        """Per-tier stats of each node that answered, by target (see :meth:`KVStoreClient.node_stats`)."""
-        job = _astats_job(self.metadata)
-        results = await self._fan_out({j: job for j in range(len(self._channels))})
-        return {self.router.node_ids[j]: r for j, r in enumerate(results) if r is not None}
-
-    async def health(self, service: str = "") -> str:
-        """The ``grpc.health.v1`` status; ``SERVICE_UNKNOWN`` for an unknown service (see :meth:`KVStoreClient.health`).
-
-        Raises:
-            UnavailableError: if no node can be reached within the deadline.
-            KVStoreError: with one target, the typed error of any other failed status.
-        """
-        job = _ahealth_job(service, self.metadata)
-        return _merge_health(await self._fan_out({j: job for j in range(len(self._channels))}))
-
-    def nodes(self) -> tuple[NodeStatus, ...]:
-        """A snapshot of each node's membership (up or down, failures, next probe), in router order."""
-        return self.membership.status()
+        return slots.release
 
     async def close(self) -> None:
         """Cancel running health probes and close the channels; idempotent."""
@@ -1483,7 +1379,3 @@ class AsyncKVStoreClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    def __repr__(self) -> str:
-        targets = repr(self.target) if self._single else repr(list(self.targets))
-        return f"AsyncKVStoreClient({targets})"

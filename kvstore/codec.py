@@ -252,6 +252,26 @@ def encode_block(tensor: torch.Tensor, layout: Layout | str = Layout.KV) -> byte
     return b"".join((encode_header(name, layout, tuple(host.shape), payload), payload))
 
 
+def encode_blocks(blocks: Sequence[object], layout: Layout | str = Layout.KV) -> list[bytes]:
+    """The blocks of one put as the block API takes them, encoded in ``layout`` (:func:`encode_any` each).
+
+    What the clients and the embedded store do with the blocks a put is given:
+    tensors and numpy arrays of the namespace's layout are encoded, encoded
+    bytes pass through; then the batch must have one shape (:func:`check_one_shape`).
+
+    Raises:
+        InvalidArgumentError: on one block instead of a sequence of them, or a block of another type (named,
+            with its index).
+        ElementCountError: on blocks of different shapes, or a tensor's shape that does not fit the layout.
+        UnknownDtypeError: if a tensor's dtype has no codec code.
+    """
+    if isinstance(blocks, (bytes, bytearray, memoryview, str)):
+        raise InvalidArgumentError(f"expected a sequence of blocks, got {type(blocks).__name__} (one block? pass [block])")
+    encoded = [b if type(b) is bytes else encode_any(b, layout, index=i) for i, b in enumerate(blocks)]
+    check_one_shape(encoded)
+    return encoded  # type: ignore[return-value]
+
+
 def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     """Parse and validate the header of an encoded block, without touching the payload.
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Coroutine, Sequence, TypeVar
 
 from kvstore.api import Block, LookupResult, StoreStats
-from kvstore.codec import check_one_shape, decode_block, encode_any
+from kvstore.codec import decode_block, encode_blocks
 from kvstore.config import Config, StoreConfig, load_config
-from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.store import TieredStore, open_async_store
 
@@ -19,22 +19,6 @@ if TYPE_CHECKING:
     import torch
 
 _T = TypeVar("_T")
-
-
-def encode_blocks(namespace: Namespace, blocks: Sequence[Block]) -> list[bytes]:
-    """Encode tensors and numpy arrays with the namespace's layout; bytes pass through (:func:`kvstore.codec.encode_any`).
-
-    Raises:
-        InvalidArgumentError: on a block of another type (named, with its index), or one put of blocks
-            of different shapes (:func:`kvstore.codec.check_one_shape`).
-        CodecError: if a tensor's dtype or shape does not fit the codec.
-    """
-    if isinstance(blocks, (bytes, bytearray, memoryview, str)):
-        raise InvalidArgumentError(f"expected a sequence of blocks, got {type(blocks).__name__} (one block? pass [block])")
-    encoded = [b if type(b) is bytes else encode_any(b, namespace.layout, index=i)  # type: ignore[misc]
-               for i, b in enumerate(blocks)]
-    check_one_shape(encoded)
-    return encoded  # type: ignore[return-value]
 
 
 class EmbeddedStore:
@@ -120,7 +104,7 @@ class EmbeddedStore:
         retention_s: float | None = None,
     ) -> int:
         """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`)."""
-        encoded = encode_blocks(namespace, blocks)
+        encoded = encode_blocks(blocks, namespace.layout)
         return self._call(self._store.put(namespace, block_hashes, encoded, priority=priority, retention_s=retention_s))
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:

@@ -538,7 +538,7 @@ def _keys_of_packed(tag: bytes, data: bytes, width: int) -> list[BlockKey]:
 class PackedHashes(Sequence[bytes]):
     """Block hashes of one length, end to end in one ``bytes``: a list of hashes without an object per hash.
 
-    What the server reads out of a request (``kvstore.server.wire.decode_hash_request``):
+    What the server reads out of a request (``kvstore.wire.decode_hash_request``):
     :func:`block_keys` makes keys from it in C, with no length check per hash
     (all are ``width`` bytes by construction). Indexing and iteration give
     ``bytes``; a slice is another :class:`PackedHashes`.

@@ -26,7 +26,7 @@ from kvstore.cli import main
 from kvstore.client import KVStoreClient
 from kvstore.config import DiskTierConfig, MemoryTierConfig, RedisTierConfig, StoreConfig
 from kvstore.errors import ConfigError, InvalidArgumentError, UnavailableError, UnknownDtypeError
-from tests.server.conftest import ThreadedServer, make_config
+from tests.support.server import ThreadedServer, make_config
 from tests.support.kvnode import REPO_ROOT, KVNode, free_port
 from tests.support.redis import RedisProcess, redis_binaries
 

@@ -204,6 +204,7 @@ def test_encoding_is_unambiguous() -> None:
     assert a.encode() != b.encode() and a.root != b.root
 
 
+@pytest.mark.slow
 def test_hashes_agree_across_processes_with_different_hash_seeds() -> None:
     code = "from kvstore.keys import Namespace, hash_blocks; ns = Namespace(model='m', block_size=4, cache_salt='s');" \
            "print(','.join(h.hex() for h in hash_blocks(ns, list(range(32)))))"

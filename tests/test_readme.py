@@ -22,14 +22,13 @@ import pytest
 
 from kvstore.cli import build_parser
 
+from tests.support.demo import DEMO_LINE
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 300
 
-DEMO_LINE = re.compile(
-    r"^ *(question|turn) \d+: +\d+ tokens, +\d+ cached \( *\d+%\)  TTFT +[\d.]+ s -> +[\d.]+ s \( *[\d.]+x\)  "
-    r"output (identical|DIFFERS) \(logits max \|diff\| \d\.\de[+-]\d\d\)( +\[store failed: full prefill\])?$")
-"""A request line of ``kvstore demo``'s output."""
+
 
 
 def _fenced(text: str) -> list[tuple[str, str]]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import mmap
 import os
 
 import lmdb
@@ -16,32 +14,11 @@ from kvstore.codec import encode_block
 from kvstore.config import DiskTierConfig, MemoryTierConfig, StoreConfig
 from kvstore.embedded import open_store
 from kvstore.errors import ChecksumError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
-from kvstore.keys import Namespace, block_key, hash_blocks
-from kvstore.server.wire import reply_head
+from kvstore.keys import block_key, hash_blocks
 from kvstore.store import TieredStore
-from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
-from kvstore.tiers.lmdb import MAX_KEY_BYTES, RECORD_OVERHEAD_BYTES, LMDBTier
+from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
-
-BLOCK_SIZE = 4
-NS = Namespace(model="test-model", dtype="float16", block_size=BLOCK_SIZE)
-PAGE = 4096
-
-
-def make_blocks(n: int, seed: int = 0, ns: Namespace = NS) -> tuple[list[bytes], list[bytes]]:
-    """``n`` chained hashes and encoded ``[2, 2, 2, block_size, 64]`` blocks (about 4 KiB each)."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 50_000, (n * ns.block_size,), generator=generator)
-    hashes = hash_blocks(ns, tokens)
-    blocks = [
-        encode_block(torch.randn(2, 2, 2, ns.block_size, 64, generator=generator).to(torch.float16)) for _ in range(n)
-    ]
-    return hashes, blocks
-
-
-def memory_tier(num_blocks: int) -> MemoryTier:
-    return MemoryTier(num_blocks * 2 * PAGE, page_bytes=PAGE)  # an encoded block takes two pages
-
+from tests.support.store import BLOCK_SIZE, NS, PAGE, disk_footprint, held_keys, heap_tier, make_blocks, memory_tier
 
 @pytest.fixture
 async def two_tier(tmp_path):
@@ -52,13 +29,6 @@ async def two_tier(tmp_path):
     await store.start()
     yield store
     await store.close()
-
-
-def disk_footprint() -> int:
-    """Capacity bytes one test block takes in the LMDB tier (overflow pages plus record overhead)."""
-    _, blocks = make_blocks(1)
-    pages = -(-(len(blocks[0]) + 16 + MAX_KEY_BYTES) // mmap.PAGESIZE)  # a record is the block and its key
-    return pages * mmap.PAGESIZE + RECORD_OVERHEAD_BYTES
 
 
 async def test_put_lookup_get_round_trip() -> None:
@@ -164,6 +134,7 @@ async def test_cancelled_get_releases_its_leases(tmp_path) -> None:
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
+        await store.drain()  # the read's disk I/O, once started, ends first: then its references go
         newcomer, newblock = make_blocks(2, seed=5)
         assert await store.put(NS, newcomer, newblock) == 2
 
@@ -304,6 +275,7 @@ async def test_closed_store_is_unavailable() -> None:
         await store.lookup(NS, [])
 
 
+@pytest.mark.slow
 def test_embedded_store_round_trip_and_fork(tmp_path) -> None:
     config = StoreConfig(memory=MemoryTierConfig(capacity_bytes=1 << 20), disk=DiskTierConfig(path=str(tmp_path / "d")))
     tensors = [torch.randn(2, 2, 2, BLOCK_SIZE, 8).half() for _ in range(2)]
@@ -386,17 +358,17 @@ async def test_a_read_refreshes_recency_with_the_head_most_recent() -> None:
         assert await store.locate(NS, hashes) == bytes(1)
 
 
-async def test_a_read_from_the_heap_tier_lends_its_replies_by_reference_and_counts_when_closed() -> None:
-    from kvstore.server.wire import decode_block_chunk
+async def test_a_read_from_the_heap_tier_lends_its_framed_values_by_reference_and_counts_when_closed() -> None:
+    from kvstore.wire import decode_block_chunk
 
     hashes, blocks = make_blocks(3)
     async with TieredStore([heap_tier(2)]) as store:
         await store.put(NS, hashes[:2], blocks[:2])
         read = store.read(NS, hashes)
         got = read.open_now()  # every cached block is in the top tier: no await
-        assert got == blocks[:2] and read.replies is not None
-        assert [decode_block_chunk(r)[1] for r in read.replies] == blocks[:2]  # type: ignore[arg-type]
-        assert not store._policies[0]._pins  # references need no pins...
+        assert got == blocks[:2] and read.framed is not None
+        assert [decode_block_chunk(r)[1] for r in read.framed] == blocks[:2]  # type: ignore[arg-type]
+        assert held_keys(store) == [set()]  # references need no holds...
         assert await store.put(NS, hashes[2:], blocks[2:]) == 1  # ...so the read does not stop eviction
         assert got == blocks[:2]  # and what it holds stays whole
         assert store.stats().tier("memory").hits == 0  # counted when the read closes
@@ -404,13 +376,6 @@ async def test_a_read_from_the_heap_tier_lends_its_replies_by_reference_and_coun
         read.close()  # once
         stats = store.stats().tier("memory")
         assert (stats.hits, stats.misses) == (2, 1)
-
-
-def heap_tier(num_blocks: int) -> HeapTier:
-    """A heap tier (``kvstore serve``'s memory tier) of ``num_blocks`` test blocks, with reply heads."""
-    _, blocks = make_blocks(1)
-    return HeapTier(num_blocks * (len(blocks[0]) + BLOCK_OVERHEAD_BYTES),
-                    reply_head=functools.partial(reply_head, chunk_bytes=1 << 20))
 
 
 @pytest.mark.parametrize("kind", ["heap", "pages"])
@@ -450,7 +415,7 @@ async def test_a_read_of_a_prefix_partly_in_a_lower_tier_cannot_open_now(two_tie
     hashes, blocks = make_blocks(5)
     await store.put(NS, hashes, blocks)  # memory holds 3: the rest went down to disk
     read = store.read(NS, hashes)
-    assert read.open_now() is None and not store._policies[0]._pins  # nothing taken
+    assert read.open_now() is None and held_keys(store) == [set(), set()]  # nothing taken
     async with read as got:
         assert got == blocks
 
@@ -655,10 +620,6 @@ async def test_close_sizes_low_priority_blocks_by_their_bytes_on_disk(tmp_path) 
     store = TieredStore([memory_tier(2), LMDBTier(tmp_path / "d", 1 * disk_footprint())], config)
     await store.start()
     await store.put(NS, hashes, blocks, priority=10)
-    disk = store._tiers[1]
-    print("len", len(blocks[0]), "mem size_of", store._policies[0].size_of(store._policies[0].__iter__().__next__()),
-          "disk fp(len)", disk.footprint(len(blocks[0])), "disk fp(mem fp)",
-          disk.footprint(store._policies[0].size_of(next(iter(store._policies[0])))), "disk cap", disk.capacity_bytes)
     await store.close()
     store = TieredStore([memory_tier(2), LMDBTier(tmp_path / "d", 1 * disk_footprint())], config)
     await store.start()
@@ -683,7 +644,7 @@ async def test_close_reads_priorities_after_retentions_end(tmp_path) -> None:
     await store.put(NS, hashes[1:2], blocks[1:2], priority=60)
     await store.put(NS, hashes[2:3], blocks[2:3], priority=90, retention_s=0.05)  # B
     await store.put(NS, hashes[3:4], blocks[3:4], priority=90)  # C; the 60s are on disk now, disk full
-    assert len(store._policies[1]) == 2
+    assert len(store.index.policies[1]) == 2
     await asyncio.sleep(0.1)  # B is priority 10 now
     await store.close()
     store = TieredStore(tiers(), config)
@@ -708,7 +669,7 @@ async def test_close_flushes_each_volatile_tier_straight_to_disk(tmp_path) -> No
     await store.start()
     await store.put(NS, hashes[1:], blocks[1:], priority=90, retention_s=0.05)  # B: reverts to 10 soon
     await store.put(NS, hashes[:1], blocks[:1], priority=90)  # A: pushes B into memory2
-    assert len(store._policies[1]) == 1 and len(store._policies[2]) == 0
+    assert len(store.index.policies[1]) == 1 and len(store.index.policies[2]) == 0
     await asyncio.sleep(0.1)  # B is now priority 10, below the floor; the disk has room for 8 blocks
     await store.close()
     store = TieredStore(tiers(), config)

@@ -7,10 +7,11 @@ that saw blocks demoted and promoted back refused all puts.
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
-from tests.test_store import NS, disk_footprint, make_blocks, memory_tier
-from tests.test_store_index_stress import writer_held
+from tests.support.store import NS, disk_footprint, held_keys, make_blocks, memory_tier, writer_held
 
 
 async def test_evicted_key_keeps_no_lease(tmp_path) -> None:
@@ -20,10 +21,10 @@ async def test_evicted_key_keeps_no_lease(tmp_path) -> None:
         hashes, blocks = make_blocks(3)
         await store.put(NS, hashes[:2], blocks[:2])
         await store.put(NS, hashes[2:], blocks[2:])          # memory full: one block demoted to disk
-        mem_policy = store._policies[0]
-        assert len(mem_policy) == 2
-        # no read is in flight: nothing may hold a lease
-        assert mem_policy._pins == {}, f"evicted keys still pinned: {len(mem_policy._pins)}"
+        assert len(store.index.policies[0]) == 2
+        # no read is in flight: nothing may hold a reference
+        assert held_keys(store) == [set(), set()]
+        assert store.index.num_entries() == 0
 
 
 async def test_promoted_back_block_is_evictable(tmp_path) -> None:
@@ -47,9 +48,10 @@ async def test_promoted_back_block_is_evictable(tmp_path) -> None:
 import time
 
 from kvstore.client import KVStoreClient
-from tests.server.conftest import ThreadedServer, kv_blocks, make_config, namespace
+from tests.support.server import ThreadedServer, kv_blocks, make_config, namespace
 
 
+@pytest.mark.slow
 def test_server_still_takes_puts_after_blocks_were_promoted_back(tmp_path) -> None:
     server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "8MiB",
                                            "store.disk.path": str(tmp_path / "disk"),

@@ -10,7 +10,7 @@ from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.redis import RedisTier
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
-from tests.test_store import NS, disk_footprint, make_blocks, memory_tier
+from tests.support.store import NS, disk_footprint, make_blocks, memory_tier
 
 
 async def test_prefix_redis_disk_memory_is_found_whole(tmp_path, redis_server: RedisProcess) -> None:

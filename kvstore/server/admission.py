@@ -20,7 +20,7 @@ import grpc
 from kvstore.config import Config
 from kvstore.errors import KVStoreError
 from kvstore.server.auth import Authenticator, Principal
-from kvstore.server.errors import status_of
+from kvstore.status import status_of
 from kvstore.server.limits import InflightLimiter
 
 logger = logging.getLogger(__name__)

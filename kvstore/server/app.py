@@ -32,7 +32,7 @@ from kvstore.server.health import NodeHealth
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
-from kvstore.server.wire import channel_options, chunk_bytes_for, reply_head
+from kvstore.wire import channel_options, chunk_bytes_for, reply_head
 from kvstore.store import TieredStore, open_async_store
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class KVStoreServer:
         self.admission = admission
         self._stopped, self._hurry = asyncio.Event(), asyncio.Event()
         if self._store is None:
-            self._store = await open_async_store(self.config.store, reply_head=functools.partial(
+            self._store = await open_async_store(self.config.store, framing=functools.partial(
                 reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)))
         self.health.tier_states = self._tier_states
         try:

@@ -2,7 +2,7 @@
 
 All are used from the server's one asyncio loop (the store's owner), so they
 keep plain dicts and need no locks. Limits on one request (hashes per request,
-bytes per block) are checked by the servicer and ``kvstore.server.wire``.
+bytes per block) are checked by the servicer and ``kvstore.wire``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
-from kvstore.server.errors import DeadlineExceededError
+from kvstore.status import DeadlineExceededError
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class StreamWatchdog:
     A stream runs inside ``async with watchdog.watch("Get"):``. One background
     task wakes every :attr:`check_every_s` seconds while streams are open and
     cancels each one past its limit, which then leaves the ``async with`` with
-    :class:`~kvstore.server.errors.DeadlineExceededError`; so a stalled reader cannot
+    :class:`~kvstore.status.DeadlineExceededError`; so a stalled reader cannot
     hold a Get's leases, or a Put's buffer, for ever. A stream may overrun the
     limit by up to :attr:`check_every_s`.
 

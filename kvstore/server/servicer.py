@@ -3,13 +3,13 @@
 Every method runs inside :meth:`KVStoreServicer._call`, the one place that
 admits the call (``kvstore.server.admission``: token, in-flight slot), counts
 it in the metrics, logs it, and turns a raised kvstore error into its status
-code (``kvstore.server.errors.status_of``). Requests arrive as raw bytes and are
+code (``kvstore.status.status_of``). Requests arrive as raw bytes and are
 parsed inside it, so a malformed message is INVALID_ARGUMENT (not gRPC's
 UNKNOWN) and is parsed only after the caller was admitted. With authentication
 on, every namespace must be one of the caller's tenants (``cache_salt``;
 PERMISSION_DENIED otherwise), and with ``limits.tenant_quota_bytes`` a Put must
 fit the tenant's quota (``kvstore.server.limits.TenantQuota``). The data path (chunking
-and reassembly) is in ``kvstore.server.wire``, so a later same-host zero-copy
+and reassembly) is in ``kvstore.wire``, so a later same-host zero-copy
 data plane can replace it without touching the servicer's shape.
 """
 
@@ -33,10 +33,10 @@ from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, block_key
 from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
-from kvstore.server.errors import DeadlineExceededError, UnauthenticatedError, status_of
+from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
 from kvstore.server.limits import StreamWatch, StreamWatchdog, TenantQuota
 from kvstore.server.metrics import ServiceMetrics
-from kvstore.server.wire import (
+from kvstore.wire import (
     MAX_NAMESPACE_WIRE_BYTES,
     BlockAssembler,
     HashRequest,
@@ -128,7 +128,7 @@ class NamespaceCache:
     Each entry counts twice its wire bytes (the key, and the parsed strings)
     plus :data:`NAMESPACE_ENTRY_OVERHEAD_BYTES`; the servicer only adds
     namespaces whose caller was authorized, and the wire form is at most
-    :data:`~kvstore.server.wire.MAX_NAMESPACE_WIRE_BYTES`, so no caller can make
+    :data:`~kvstore.wire.MAX_NAMESPACE_WIRE_BYTES`, so no caller can make
     it hold more than ``max_bytes``.
 
     Args:
@@ -214,7 +214,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the service on ``server``, with the data path's own (de)serializers.
 
-        Get replies and Put requests are serialized by ``kvstore.server.wire``
+        Get replies and Put requests are serialized by ``kvstore.wire``
         (block bytes are not copied through protobuf); the wire format is the
         ``.proto``'s all the same. Every request arrives as bytes and is parsed
         in the method (see the module docstring).
@@ -274,8 +274,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         The prefix stays leased (pinned, and read in place from the memory
         tier) until the last chunk is handed to gRPC; if the client goes away or
         its deadline passes, cancellation leaves ``store.read`` and releases the
-        leases. A block the heap tier holds as its ready reply is sent as
-        stored; any other is copied once, from its leased view into its
+        leases. A block the heap tier holds framed as its ready reply
+        (``store.read(...).framed``) is sent as stored; any other is copied once, from its leased view into its
         messages (so the last message never refers to a leased page). The read
         is closed (leases released, hits counted) on the loop's next turn, once
         gRPC has the last message and the status, which the client waits for.
@@ -294,11 +294,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if blocks is None:
                 blocks = await read.open()
             try:
-                replies = read.replies
-                if replies is None or None in replies:
-                    replies = iter_block_chunks(blocks, self._chunk_bytes, replies)  # type: ignore[assignment]
+                messages = read.framed  # blocks the heap tier holds framed as this reply: sent as stored
+                if messages is None or None in messages:
+                    messages = iter_block_chunks(blocks, self._chunk_bytes, messages)  # type: ignore[assignment]
                 last = None
-                for message in replies:  # type: ignore[union-attr]
+                for message in messages:  # type: ignore[union-attr]
                     if last is not None:
                         await context.write(last)
                     last = message
@@ -380,7 +380,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def _namespace(self, wire: bytes, call: _Call) -> Namespace:
         """The namespace of a request (its serialized ``Namespace``), once the caller may use its tenant and hash.
 
-        A namespace over :data:`~kvstore.server.wire.MAX_NAMESPACE_WIRE_BYTES`
+        A namespace over :data:`~kvstore.wire.MAX_NAMESPACE_WIRE_BYTES`
         is refused before it is parsed. Validated namespaces are kept by their
         serialized form in :attr:`namespaces` (bounded in bytes), so a worker's
         repeated namespace is parsed once, but only once the caller is allowed
@@ -482,7 +482,7 @@ class _Call:
     On entry it refuses the call while shutting down (UNAVAILABLE) and admits it
     (``kvstore.server.admission``: token, in-flight slot); on exit it releases
     the slot, counts the call in the metrics, and turns a raised kvstore error
-    into its status code (``kvstore.server.errors.status_of``) with
+    into its status code (``kvstore.status.status_of``) with
     ``context.abort`` (see :func:`_sheds_aborts`). A call that ended on the client's side (it went away, or
     its deadline passed) is counted as CANCELLED or DEADLINE_EXCEEDED and ends
     as cancelled, however the handler finished.
@@ -610,7 +610,7 @@ def _call_ended(context: grpc.aio.ServicerContext) -> bool:
 
 
 def _hash_request(message_type: type[Message], raw: bytes | Message) -> HashRequest:
-    """A Lookup, Get or Delete request received as bytes (:func:`~kvstore.server.wire.decode_hash_request`).
+    """A Lookup, Get or Delete request received as bytes (:func:`~kvstore.wire.decode_hash_request`).
 
     A message passes through, for direct calls.
 

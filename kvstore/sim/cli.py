@@ -192,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma list of default, {', '.join(POLICIES)} (default: {DEFAULT_POLICIES})")
     parser.add_argument("--capacity", default=DEFAULT_CAPACITIES,
                         help=f"comma list of memory-tier capacities: blocks, percentages of the trace's distinct "
-                             f"blocks, sizes or inf (default: {DEFAULT_CAPACITIES})")
+                             f"blocks, sizes or inf (default: {DEFAULT_CAPACITIES.replace('%', '%%')})")
     parser.add_argument("--disk-capacity", default=None,
                         help="capacity of a disk tier below memory that takes its victims: blocks, a percentage "
                              "or a size (store.disk.capacity_bytes: blocks get the part of it LMDB leaves them, as on a node)")

@@ -15,8 +15,9 @@ and evicts in this order. ``docs/simulate.md`` explains why.
    it records ``b[h]`` as the start of a put to come, continuing ``b[0..h)``.
 2. **Get** ``b[0..h)``: each block is touched in its tier, tail first
    (``b[h-1]`` first, so the head ends most recent). The blocks found in the
-   disk tier are then promoted: placed in the memory tier (step 4, with
-   nothing protected) and forgotten by the disk tier.
+   disk tier are then promoted: held in the disk tier (no victims there)
+   and placed in the memory tier (step 4, with nothing protected); each
+   batch leaves the disk tier as it is inserted in memory.
 3. **Put** ``b[h..n)``: its blocks already resident are touched in their tiers,
    tail first; the others (fresh, in order) are placed in the memory tier
    (step 4) with the put's continuation ``b[0..h)`` protected. Then the blocks
@@ -140,11 +141,11 @@ class NodeModel:
         disk = policies[1]
         moving = [key for key, level in zip(prefix, levels) if level == 1 and key in disk]
         metas = {key: (disk.priority_of(key), disk.expiry_of(key)) for key in moving}
-        self._place_in(0, moving, now, metas=metas, source=1)
-        top = policies[0]
-        for key in moving:
-            if key in top and key in disk:
-                disk.remove(key)
+        disk.pin_many(moving)  # held in the disk tier while they move, as the store's mover holds them
+        try:
+            self._place_in(0, moving, now, metas=metas, source=1)
+        finally:
+            disk.unpin_many([key for key in moving if key in disk])
 
     def _put(self, keys: Sequence[int], now: float, priority: int | None, expires_at: float) -> None:
         policies = self.policies
@@ -198,10 +199,14 @@ class NodeModel:
                 start = max(0, end - room)
                 excess = policy.nbytes + (end - start) - capacity
                 if excess > 0:
-                    self._evict(level, policy.victims(excess, now), now)
+                    victims = policy.victims(excess, now)
+                    if source is not None and len(victims) < excess:  # a move into a tier held full: the store
+                        return keys[:end]  # cannot reserve its room, and the move gives up (its blocks dropped)
+                    self._evict(level, victims, now)
                 if source is None and meta is not None:  # new blocks of a put: none is tracked here
                     policy.insert_many(keys[start:end], 1, *meta)
                 else:
+                    moved = []
                     for i in range(end - 1, start - 1, -1):
                         key = keys[i]
                         if source is not None and key not in self.policies[source]:
@@ -210,10 +215,20 @@ class NodeModel:
                             policy.remove(key)
                         priority, expires_at = metas[key] if metas is not None else meta  # type: ignore[misc]
                         policy.insert(key, 1, priority, expires_at)
+                        moved.append(key)
+                    if source is not None and level < source:  # a promotion: the batch leaves its source now
+                        self._leave(source, moved)
                 end = start
             return []
         finally:
             policy.unpin_many(pinned)
+
+    def _leave(self, level: int, keys: list[int]) -> None:
+        """Keys promoted out of tier ``level``, their hold there given back (tiers are exclusive)."""
+        policy = self.policies[level]
+        present = [key for key in keys if key in policy]
+        policy.unpin_many(present)
+        policy.remove_many(present)
 
     def _evict(self, level: int, victims: list[int], now: float) -> None:
         policy = self.policies[level]

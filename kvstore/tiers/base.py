@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Awaitable, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvstore.api import Buffer
 from kvstore.errors import InvalidArgumentError, KVStoreError
@@ -90,7 +91,8 @@ class Tier(Protocol):
         """The value of each key, or ``None`` for a miss.
 
         A value that fails its checksum is a miss, is deleted, and is counted
-        in :meth:`counters` as ``corrupt_records``; it is never returned.
+        in :meth:`counters` as ``corrupt_records``; it is never returned. The
+        store forgets every block it indexed that a get could not return.
         """
         ...
 
@@ -102,16 +104,15 @@ class Tier(Protocol):
         """
         ...
 
-    async def delete(self, keys: Sequence[BlockKey]) -> None:
+    def delete(self, keys: Sequence[BlockKey]) -> Awaitable[None]:
         """Remove each key; missing keys are ignored.
 
-        The removal takes effect for the tier's later calls as soon as the
-        coroutine starts, before it first suspends: a tier that finishes it in
-        a worker thread must run later writes after it (LMDB's one writer
-        thread does), and must finish it even if the caller is cancelled. The
-        store forgets a block before it deletes it, and relies on both: a put
-        of the same key that starts meanwhile is not deleted with it, and no
-        record is left that no index entry accounts for.
+        The removal takes effect when the method is called, for every later
+        call of the tier; the awaitable it returns completes when the removal
+        is done. A tier that finishes it in a worker thread runs later writes
+        after it (LMDB's one writer thread does). The store forgets a block
+        and calls this in one step, so a put of the same key made afterwards
+        is never deleted by it.
         """
         ...
 
@@ -126,6 +127,13 @@ class Tier(Protocol):
     async def close(self) -> None:
         """Flush and release everything; the tier is unusable afterwards."""
         ...
+
+
+def done() -> asyncio.Future[None]:
+    """An awaitable that has completed: what :meth:`Tier.delete` returns when it had nothing to wait for."""
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
 
 
 def put_order(keys: Sequence[BlockKey], values: Sequence[object], metas: Sequence[BlockMeta]) -> list[int]:
@@ -146,21 +154,14 @@ def put_order(keys: Sequence[BlockKey], values: Sequence[object], metas: Sequenc
     return list({key: i for i, key in enumerate(keys)}.values())
 
 
-DropListener = Callable[[list[BlockKey]], None]
-"""Told the keys of records a tier deleted on its own (see :class:`DroppingTier`)."""
+Framing = Callable[[int], "bytes | None"]
+"""A value encoding a tier may store blocks in: ``framing(nbytes)`` is the head to store in front of a block of
+``nbytes``, or ``None`` to store it bare.
 
-
-@runtime_checkable
-class DroppingTier(Tier, Protocol):
-    """A tier that deletes records on its own: the disk tier drops the corrupt records its gets find.
-
-    Attributes:
-        on_drop: set by the store; the tier calls it on the event loop with
-            the keys of each such delete once it has taken effect, also when
-            the call that found them was cancelled, so that the store forgets them.
-    """
-
-    on_drop: DropListener | None
+It is the server's choice, passed in (``kvstore serve`` frames each block as its
+Get reply, ``kvstore.wire.reply_head``), so that a tier that lends by reference
+can hand the server a ready message with no copy; no tier knows the wire.
+"""
 
 
 @runtime_checkable
@@ -204,15 +205,14 @@ class TierLease(NamedTuple):
             ``bytes`` where the tier had to copy), or ``None`` for a miss.
         release: gives the memory back; call exactly once, after the last use
             of any view (the tier may reuse the pages afterwards).
-        replies: per key, the whole Get reply message that carries the block,
-            where the tier holds one ready (the heap tier, built with
-            ``kvstore.server.wire.reply_head``), else ``None``; ``None`` for a
-            tier that holds none.
+        framed: per key, the stored framed value (the :data:`Framing` head, then
+            the block), where the tier holds one (the heap tier, built with a
+            framing), else ``None``; ``None`` for a tier that frames nothing.
     """
 
     values: list[Buffer | None]
     release: Callable[[], None]
-    replies: list[bytes | None] | None = None
+    framed: list[bytes | None] | None = None
 
 
 @runtime_checkable
@@ -224,21 +224,22 @@ class LeasingTier(Tier, Protocol):
     same-host data plane can hand the same views to another process.
 
     Attributes:
-        used_bytes: capacity bytes in use, those of blocks deleted or replaced
-            while a lease still holds them included (freed at its release), unless
-            the tier lends by reference.
+        held_bytes: capacity bytes that blocks already deleted or replaced still
+            take because a lease (or a copy in flight) holds them; freed at its
+            release. The store counts them as used, so room for a put comes from
+            evicting other blocks.
         lends_references: ``True`` when a lease is a reference to immutable
             values (the heap tier's ``bytes``), which stay valid however long they
-            are held: the store then pins nothing it reads from this tier, so
-            eviction may take a block still being read, whose memory is freed when
-            the read ends; ``False`` when the values are views of memory the tier
-            reuses (the page pool), which the store pins until the release.
+            are held: the store then holds nothing it reads whole from this tier,
+            so eviction may take a block still being read, whose memory is freed
+            when the read ends; ``False`` when the values are views of memory the
+            tier reuses (the page pool), which the store holds until the release.
     """
 
     lends_references: bool
 
     @property
-    def used_bytes(self) -> int: ...
+    def held_bytes(self) -> int: ...
 
     def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
         """Views of each key's value, pinned until ``release``; ``None`` when this tier cannot lend now.
@@ -246,4 +247,35 @@ class LeasingTier(Tier, Protocol):
         Raises:
             UnavailableError: if the tier is closed.
         """
+        ...
+
+
+@runtime_checkable
+class SharedTier(Tier, Protocol):
+    """A tier that several nodes share (Redis): not indexed by any store, and cleared by namespace generations.
+
+    Each namespace has a generation, kept in the tier itself and part of every
+    key it writes; a clear moves the namespace to the next one, for every node
+    at once (``kvstore.tiers.redis``).
+    """
+
+    def generation(self, tag: bytes) -> int:
+        """The newest generation of the namespace ``tag`` this node has seen; copies prepared now are written under it."""
+        ...
+
+    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta], *,
+                  generations: Mapping[bytes, int] | None = None) -> list[bool]:
+        """:meth:`Tier.put`, each key under the generation ``generations`` names for its namespace (default: now)."""
+        ...
+
+    async def clear_namespace(self, tag: bytes) -> int:
+        """Move the namespace to its next generation, for every node; returns it.
+
+        Raises:
+            UnavailableError: if the tier cannot be reached.
+        """
+        ...
+
+    async def sweep_namespace(self, tag: bytes, generation: int) -> int:
+        """Remove the namespace's keys of generations before ``generation`` (best effort); returns how many went."""
         ...

@@ -1,4 +1,4 @@
-"""The heap tier: host memory where each block is one immutable ``bytes`` object, stored as a ready Get reply.
+"""The heap tier: host memory where each block is one immutable ``bytes`` object, stored in the server's framing.
 
 The page pool (``kvstore.tiers.memory``) suits a process that moves blocks to
 and from a GPU: its pages are preallocated, can be pinned, and never fragment.
@@ -6,15 +6,17 @@ A ``kvstore serve`` node does something else with its blocks: it hands them to
 grpcio, which takes a ``bytes`` object per message and copies it once into its
 own buffers. Lent from the pool, each block is first copied into such an object,
 which costs as much as a tenth of a 2 MiB Get (``benchmarks/bench_service.py``).
-This tier stores each block already as that object: the ``BlockChunk`` reply
-that carries it, written once at put time, behind a few bytes of reply head
-(``kvstore.server.wire.reply_head``), the way a network stack keeps headroom
-in front of a packet's payload. A Get then sends the stored object as is, and
-the copy the node pays for is the one grpcio makes, as for any ``bytes`` reply.
+This tier stores each block already as that object, in a **framing** the server
+chooses and passes in (:data:`~kvstore.tiers.base.Framing`): ``kvstore serve``
+frames a block as the ``BlockChunk`` reply that carries it, a few bytes of head
+written once at put time (``kvstore.wire.reply_head``), the way a network stack
+keeps headroom in front of a packet's payload. A Get then sends the stored
+object as is, and the copy the node pays for is the one grpcio makes, as for any
+``bytes`` reply. The tier itself knows nothing of gRPC.
 
-Blocks too large for one message (over the node's chunk size), and every block
-of a tier built without ``reply_head``, are stored bare: a put of a ``bytes``
-object then keeps that object itself, with no copy. Memory comes from the
+Blocks the framing leaves bare (over the node's chunk size), and every block of
+a tier built without a framing, are stored bare: a put of a ``bytes`` object
+then keeps that object itself, with no copy. Memory comes from the
 process's allocator; the tier counts each block's length plus
 :data:`BLOCK_OVERHEAD_BYTES` against its capacity.
 
@@ -44,25 +46,22 @@ Checksums are not verified on reads (blocks were verified on the way in), so
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple, Sequence
+from typing import Awaitable, NamedTuple, Sequence
 
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease, put_order
+from kvstore.tiers.base import BlockMeta, Buffer, Framing, ResidentEntry, TierFullError, TierLease, done, put_order
 
 logger = logging.getLogger(__name__)
 
 BLOCK_OVERHEAD_BYTES = 64
-"""Capacity a block takes beyond its own length, bytes: the ``bytes`` object's header (33 in CPython) and a reply
-head (at most 24), rounded up."""
-
-ReplyHead = Callable[[int], "bytes | None"]
-"""``reply_head(nbytes)``: the bytes to store in front of a block of ``nbytes``, or ``None`` to store it bare."""
+"""Capacity a block takes beyond its own length, bytes: the ``bytes`` object's header (33 in CPython) and a framing
+head (at most 24 for ``kvstore serve``'s), rounded up."""
 
 
 class _Record(NamedTuple):
-    """One stored block: ``message[start:]`` is the block, ``message`` the whole reply when ``start`` > 0."""
+    """One stored block: ``message[start:]`` is the block, ``message`` the whole framed value when ``start`` > 0."""
 
     message: bytes
     start: int
@@ -70,7 +69,7 @@ class _Record(NamedTuple):
 
 
 class HeapTier:
-    """Encoded blocks in host memory, one ``bytes`` object each, framed as the node's Get reply.
+    """Encoded blocks in host memory, one ``bytes`` object each, in the server's framing.
 
     Implements :class:`kvstore.tiers.base.LeasingTier`, lending by reference. It never evicts: a put
     that does not fit raises :class:`TierFullError` and stores nothing of its
@@ -79,8 +78,8 @@ class HeapTier:
 
     Args:
         capacity_bytes: bytes the tier may hold, each block counted as :meth:`footprint`.
-        reply_head: the head to store in front of a block of ``n`` bytes (``None``
-            for a block to store bare), e.g. ``functools.partial(kvstore.server.wire.reply_head,
+        framing: the head to store in front of a block of ``n`` bytes (``None``
+            for a block to store bare), e.g. ``functools.partial(kvstore.wire.reply_head,
             chunk_bytes=...)``; ``None`` stores every block bare.
         name: tier name in stats and metrics.
 
@@ -91,23 +90,23 @@ class HeapTier:
     persistent = False
     lends_references = True
 
-    def __init__(self, capacity_bytes: int, *, reply_head: ReplyHead | None = None, name: str = "memory") -> None:
+    def __init__(self, capacity_bytes: int, *, framing: Framing | None = None, name: str = "memory") -> None:
         if capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
         self.capacity_bytes: int | None = capacity_bytes
-        self._reply_head = reply_head
+        self._framing = framing
         self._index: dict[BlockKey, _Record] = {}
         self._stored_bytes = 0  # footprints of the blocks in the index
         self._closed = False
-        logger.info("heap tier %s: %s bytes, reply heads %s", name, capacity_bytes,
-                    "on" if reply_head is not None else "off")
+        logger.info("heap tier %s: %s bytes, framing %s", name, capacity_bytes,
+                    "on" if framing is not None else "off")
 
     @classmethod
-    def from_config(cls, cfg: MemoryTierConfig, *, reply_head: ReplyHead | None = None,
+    def from_config(cls, cfg: MemoryTierConfig, *, framing: Framing | None = None,
                     name: str = "memory") -> HeapTier:
         """Build the tier from its config section (``store.memory``, ``storage: heap``)."""
-        return cls(cfg.capacity_bytes, reply_head=reply_head, name=name)
+        return cls(cfg.capacity_bytes, framing=framing, name=name)
 
     # -- accounting ---------------------------------------------------------------
 
@@ -119,6 +118,11 @@ class HeapTier:
     def used_bytes(self) -> int:
         """Capacity bytes in use: the footprints of the blocks held (not those of blocks gone that a Get still sends)."""
         return self._stored_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Always 0: a block deleted while a Get still sends it is not counted (see the module docstring)."""
+        return 0
 
     @property
     def num_blocks(self) -> int:
@@ -149,9 +153,9 @@ class HeapTier:
                 for r in (index.get(key) for key in keys)]
 
     def lease(self, keys: Sequence[BlockKey]) -> TierLease:
-        """Each key's value by reference (the stored ``bytes``, or a read-only view of its reply), and its reply.
+        """Each key's value by reference (the stored ``bytes``, or a read-only view into its framed value), and that.
 
-        ``replies[i]`` is the stored Get reply of key ``i`` (its head, then the
+        ``framed[i]`` is the stored framed value of key ``i`` (its head, then the
         block), or ``None`` for a miss or a block stored bare. The values stay
         valid however long they are held; ``release`` does nothing.
 
@@ -160,23 +164,23 @@ class HeapTier:
         """
         self._check_open()
         values: list[Buffer | None] = []
-        replies: list[bytes | None] = []
+        framed: list[bytes | None] = []
         index = self._index
         for key in keys:
             record = index.get(key)
             if record is None:
                 values.append(None)
-                replies.append(None)
+                framed.append(None)
             elif record.start:
                 values.append(memoryview(record.message)[record.start:])
-                replies.append(record.message)
+                framed.append(record.message)
             else:
                 values.append(record.message)
-                replies.append(None)
-        return TierLease(values, _keep, replies)
+                framed.append(None)
+        return TierLease(values, _keep, framed)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[Buffer], metas: Sequence[BlockMeta]) -> list[bool]:
-        """Store each value with its meta, behind its reply head, replacing any value held under the same key.
+        """Store each value with its meta, behind its framing head, replacing any value held under the same key.
 
         Args:
             keys: block keys.
@@ -207,7 +211,7 @@ class HeapTier:
             self._publish(keys[i], record)
         return [True] * len(keys)
 
-    async def delete(self, keys: Sequence[BlockKey]) -> None:
+    def delete(self, keys: Sequence[BlockKey]) -> Awaitable[None]:
         """Remove each key; missing keys are ignored. A block a Get still sends stays in memory until it ends.
 
         Raises:
@@ -218,6 +222,7 @@ class HeapTier:
             record = self._index.pop(key, None)
             if record is not None:
                 self._stored_bytes -= self.footprint(len(record.message) - record.start)
+        return done()
 
     async def resident(self) -> list[ResidentEntry]:
         """Every block held, with its meta (this tier is empty after a restart)."""
@@ -240,8 +245,8 @@ class HeapTier:
             raise UnavailableError(f"heap tier {self.name} is closed")
 
     def _record(self, block: bytes | memoryview, meta: BlockMeta) -> _Record:
-        """The stored form of one block: behind its reply head (one copy), or bare (no copy of a ``bytes``)."""
-        head = self._reply_head(len(block)) if self._reply_head is not None else None
+        """The stored form of one block: behind its framing head (one copy), or bare (no copy of a ``bytes``)."""
+        head = self._framing(len(block)) if self._framing is not None else None
         if head:
             return _Record(b"".join((head, block)), len(head), meta)
         return _Record(block if type(block) is bytes else block.tobytes(), 0, meta)

@@ -39,8 +39,8 @@ maps, so the tier protects itself in three places:
   file changed while the node runs) is a miss for that record alone, is counted
   as ``unreadable_records`` and is not served again until a restart checks the file.
 
-Every record the tier stops serving on its own is reported to the store
-(:attr:`LMDBTier.on_drop`), which forgets it.
+Every record the tier stops serving on its own is a miss of the get that
+found it, and the store forgets a block its get missed.
 :meth:`LMDBTier.resident` checks structure only (meta decodes, block present
 with the recorded length), not checksums, so that a restart does not read the
 whole database.
@@ -67,7 +67,7 @@ import shutil
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import lmdb
 
@@ -76,7 +76,7 @@ from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, ConfigError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import DEFAULT_PRIORITY, MAX_PRIORITY
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, DropListener, ResidentEntry, TierFullError, put_order
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order
 from kvstore.tiers.lmdb_file import check_data_file, salvage_records
 
 logger = logging.getLogger(__name__)
@@ -283,9 +283,8 @@ class LMDBTier:
     writes were submitted (see :meth:`kvstore.tiers.base.Tier.delete`).
 
     A record a get finds corrupt is deleted, and one LMDB cannot read or delete
-    is set aside until the next restart; both keys are reported to
-    :attr:`on_drop` (:class:`~kvstore.tiers.base.DroppingTier`) once that has
-    taken effect, also when the get's caller was cancelled.
+    is set aside until the next restart; either is a miss, which the store
+    forgets.
 
     Args:
         path: directory of the environment; created if missing. Its ``data.mdb``
@@ -352,7 +351,6 @@ class LMDBTier:
                 raise
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {exc}") from exc
         self._touched: dict[BlockKey, float] = {}  # keys hit by gets since the last write txn -> time
-        self.on_drop: DropListener | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"lmdb-{name}-w")
         self._readers = ThreadPoolExecutor(num_reader_threads, thread_name_prefix=f"lmdb-{name}-r")
         self._closed = False
@@ -575,8 +573,7 @@ class LMDBTier:
         transaction, before this returns) and counted as ``corrupt_records``. A
         record LMDB cannot read (or then delete) is a miss as well, counted as
         ``unreadable_records`` and set aside until a restart checks the file;
-        the rest of the batch is read all the same. Both are reported to
-        :attr:`on_drop`.
+        the rest of the batch is read all the same.
 
         Raises:
             UnavailableError: if the tier is closed or LMDB fails other than on a record.
@@ -596,22 +593,20 @@ class LMDBTier:
         return values
 
     def _set_apart(self, keys: Iterable[BlockKey], *, count: bool = True) -> None:
-        """Stop serving records LMDB cannot read or delete, count them, and have the store forget them."""
+        """Stop serving records LMDB cannot read or delete (until a restart checks the file), and count them."""
         fresh = [key for key in keys if key not in self._set_aside]
         self._set_aside.update(fresh)
         if count:
             self._unreadable_records += len(fresh)
-        self._dropped(fresh)
-
-    def _dropped(self, keys: list[BlockKey]) -> None:
-        if keys and self.on_drop is not None:
-            self.on_drop(keys)
 
     def _deleted(self, outcome: tuple[list[BlockKey], list[BlockKey]]) -> None:
-        """What a drop of corrupt records did: report those deleted, and set aside those LMDB could not delete."""
-        dropped, failed = outcome
-        self._dropped(dropped)
+        """What a drop of corrupt records did: set aside those LMDB could not delete."""
+        _dropped, failed = outcome
         self._set_apart(failed, count=False)  # counted as corrupt_records
+
+    def _delete_failed(self, failed: list[BlockKey]) -> None:
+        """What a delete did: set aside the records LMDB could not delete."""
+        self._set_apart(failed)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
         """Store each value with its meta in one write transaction.
@@ -644,23 +639,21 @@ class LMDBTier:
         self._set_apart(failed)
         return [key not in failed for key in keys]
 
-    async def delete(self, keys: Sequence[BlockKey]) -> None:
-        """Remove each key in one write transaction; missing keys are ignored.
+    def delete(self, keys: Sequence[BlockKey]) -> Awaitable[None]:
+        """Remove each key in one write transaction, submitted now (it takes effect for later calls at once);
+        missing keys are ignored.
 
         A record LMDB cannot delete is set aside (not served) until a restart checks the file.
 
         Raises:
-            UnavailableError: if the tier is closed or LMDB fails other than on a record.
+            UnavailableError: if the tier is closed (at the call) or LMDB fails other than on a record (awaiting it).
         """
         self._check_open()
         if not keys:
-            return
+            return done()
         for key in keys:
             self._touched.pop(key, None)
-        failed = await self._write(self._delete_txn, list(keys))
-        if failed:
-            self._set_aside.update(failed)
-            self._unreadable_records += len(failed)
+        return self._write(self._delete_txn, list(keys), on_success=self._delete_failed)
 
     async def resident(self) -> list[ResidentEntry]:
         """Every block held, with its meta as of the last get; records that do not pair up are repaired or dropped.
@@ -711,23 +704,18 @@ class LMDBTier:
         if self._closed:
             raise UnavailableError(f"disk tier {self.name} is closed")
 
-    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any, finish: bool = False,
-                   on_success: Callable[[_T], None] | None = None) -> _T:
-        """Run ``fn(*args)`` in ``pool``; with ``finish``, to its end even if the caller is cancelled.
-
-        Without ``finish`` a cancelled caller also cancels the call if it has
-        not started yet (``asyncio.wrap_future``), which suits reads.
-        ``on_success`` gets what ``fn`` returned, on the event loop, whether or
-        not the caller is still there.
-        """
+    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn(*args)`` in ``pool``; a cancelled caller also cancels the call if it has not started yet
+        (``asyncio.wrap_future``), which suits reads."""
         try:
             future = pool.submit(fn, *args)
         except RuntimeError as exc:  # the pool was shut down by close()
             raise UnavailableError(f"disk tier {self.name} is closed") from exc
-        waited = asyncio.wrap_future(future)
-        if on_success is not None:
-            waited.add_done_callback(
-                lambda done: done.cancelled() or done.exception() is not None or on_success(done.result()))
+        return await self._outcome(asyncio.wrap_future(future))
+
+    async def _outcome(self, waited: asyncio.Future[_T], finish: bool = False) -> _T:
+        """The result of a call submitted to a worker thread, LMDB errors as :class:`UnavailableError`; with
+        ``finish``, a cancelled caller leaves the call to run to its end."""
         try:
             if finish:
                 try:
@@ -742,15 +730,33 @@ class LMDBTier:
             logger.error("disk tier %s: LMDB error: %s", self.name, exc)
             raise UnavailableError(f"disk tier {self.name}: LMDB error: {exc}") from exc
 
-    async def _write(self, fn: Callable[..., _T], *args: Any, on_success: Callable[[_T], None] | None = None) -> _T:
-        """Run ``fn(txn_args..., touched)`` in the writer thread with the pending recency updates.
+    def _write(self, fn: Callable[..., _T], *args: Any, on_success: Callable[[_T], None] | None = None
+               ) -> Awaitable[_T]:
+        """Submit ``fn(txn_args..., touched)`` to the writer thread now, with the pending recency updates; returns
+        an awaitable of its result. ``on_success`` gets that result, on the event loop, whether or not the caller
+        is still there.
 
         Writes run one at a time, in the order they were submitted, and each runs to its end once submitted,
         even if the caller is cancelled (see :meth:`kvstore.tiers.base.Tier.delete`).
+
+        Raises:
+            UnavailableError: if the tier is closed.
         """
         touched, self._touched = self._touched, {}
+        try:
+            future = self._writer.submit(fn, *args, touched)
+        except RuntimeError as exc:  # the pool was shut down by close()
+            self._touched.update(touched)
+            raise UnavailableError(f"disk tier {self.name} is closed") from exc
+        waited = asyncio.wrap_future(future)
+        if on_success is not None:
+            waited.add_done_callback(
+                lambda ended: ended.cancelled() or ended.exception() is not None or on_success(ended.result()))
+        return self._written(waited, touched)
+
+    async def _written(self, waited: asyncio.Future[_T], touched: Mapping[BlockKey, float]) -> _T:
         try:  # runs to its end once submitted: see Tier.delete
-            return await self._run(self._writer, fn, *args, touched, finish=True, on_success=on_success)
+            return await self._outcome(waited, finish=True)
         except asyncio.CancelledError:
             raise  # the write goes on, with the recency updates
         except BaseException:

@@ -39,14 +39,14 @@ import bisect
 import logging
 import struct
 import warnings
-from typing import Callable, Sequence, TypeVar
+from typing import Awaitable, Callable, Sequence, TypeVar
 
 import torch
 
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease, put_order
+from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease, done, put_order
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +274,7 @@ class MemoryTier:
         self._index: dict[BlockKey, _Record] = {}
         self._readers: dict[int, int] = {}  # id(record) -> gets copying it now (records are distinct objects)
         self._unpublished: dict[int, _Record] = {}  # pinned records already deleted or replaced
+        self._held_pages = 0  # pages of those
         logger.info(
             "memory tier %s: %s pages of %s bytes on %s (pinned=%s)",
             name, num_pages, page_bytes, self.device, self.pinned,
@@ -306,6 +307,11 @@ class MemoryTier:
     def used_bytes(self) -> int:
         """Bytes of the pool in use, whole pages."""
         return (self._allocator.num_pages - self._allocator.num_free_pages) * self.page_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of pages that blocks deleted or replaced still take, because a lease or a copy holds them."""
+        return self._held_pages * self.page_bytes
 
     @property
     def num_blocks(self) -> int:
@@ -440,7 +446,7 @@ class MemoryTier:
                 self._release(old)
         return [True] * len(keys)
 
-    async def delete(self, keys: Sequence[BlockKey]) -> None:
+    def delete(self, keys: Sequence[BlockKey]) -> Awaitable[None]:
         """Remove each key; missing keys are ignored. Pages a get is copying are freed when it ends.
 
         Raises:
@@ -451,6 +457,7 @@ class MemoryTier:
             record = self._index.pop(key, None)
             if record is not None:
                 self._release(record)
+        return done()
 
     async def resident(self) -> list[ResidentEntry]:
         """Every block held, with its meta (this tier is empty after a restart)."""
@@ -463,6 +470,7 @@ class MemoryTier:
             return
         self._index.clear()
         self._unpublished.clear()
+        self._held_pages = 0
         self._pool = self._flat = None
         self._host_view = None
         logger.info("memory tier %s closed", self.name)
@@ -495,6 +503,7 @@ class MemoryTier:
         """Return an unpublished record's pages, or defer that until the gets copying it end."""
         if id(record) in self._readers:
             self._unpublished[id(record)] = record
+            self._held_pages += sum(count for _, count in _record_runs(record))
         else:
             self._free(_record_runs(record))
 
@@ -505,7 +514,9 @@ class MemoryTier:
             return
         del self._readers[id(record)]
         if self._unpublished.pop(id(record), None) is not None:
-            self._free(_record_runs(record))
+            runs = _record_runs(record)
+            self._held_pages -= sum(count for _, count in runs)
+            self._free(runs)
 
     def _free(self, runs: Sequence[tuple[int, int]]) -> None:
         if self._pool is None:

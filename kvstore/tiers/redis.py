@@ -1,14 +1,22 @@
 """The shared Redis (or Redis Cluster) tier: one key per block, batched, bounded, never failing its caller.
 
 Keys and values. A :data:`~kvstore.keys.BlockKey` (``namespace tag (8 bytes) ||
-block hash``) is stored under ``<prefix>:<tag hex>:<block hash hex>``, e.g.
-``kvstore:1f2e3d4c5b6a7988:00112233445566778899aabbccddeeff``, so one namespace
-can be found with ``SCAN MATCH <prefix>:<tag hex>:*``. The value is the block's
-codec bytes (:mod:`kvstore.codec`), header and checksum included; a get
+block hash``) is stored under ``<prefix>:<tag hex>:<generation>:<block hash hex>``,
+e.g. ``kvstore:1f2e3d4c5b6a7988:0:00112233445566778899aabbccddeeff``, so one
+namespace can be found with ``SCAN MATCH <prefix>:<tag hex>:*``. The value is the
+block's codec bytes (:mod:`kvstore.codec`), header and checksum included; a get
 verifies the checksum, which covers every byte, and a corrupt value is a miss,
 is deleted and is counted; the store then checks the header against the
 request's namespace. A block of another codec version (a node of another
 release sharing the Redis) is a miss that is left in place.
+
+Generations. Each namespace has a generation, kept in Redis under
+``<prefix>:<tag hex>:generation`` (missing: 0) and part of every key of the
+namespace. A clear increments it (``INCR``), on whichever node it runs: every
+call reads the generation beside its own command, so from then on no node reads
+or writes the old keys, which are unlinked later (:meth:`RedisTier.sweep_namespace`,
+``SCAN`` + ``UNLINK``) or age out. A call that finds the namespace moved on
+(cleared by another node) is made again under the new generation.
 
 Batches. A get is one ``MGET`` per chunk of about :data:`CHUNK_BYTES` (in a
 cluster, ``mget_nonatomic``: one ``MGET`` per slot, pipelined per node); puts,
@@ -43,7 +51,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Any, Awaitable, Mapping, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -141,6 +149,39 @@ def _verify_all(values: Sequence[bytes | None]) -> list[int]:
     return verdicts
 
 
+_A = TypeVar("_A")
+_B = TypeVar("_B")
+
+
+async def _both(first: Awaitable[_A], second: Awaitable[_B]) -> tuple[_A, _B]:
+    """Await two commands sent at once (on two connections, or nodes); raises the first one's error, if any,
+    after both have ended."""
+    a, b = await asyncio.gather(first, second, return_exceptions=True)
+    for outcome in (a, b):
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return a, b  # type: ignore[return-value]
+
+
+def _by_namespace(keys: Sequence[BlockKey]) -> dict[bytes, list[int]]:
+    """The positions of ``keys`` by namespace tag, in order (a store's call has one namespace)."""
+    groups: dict[bytes, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key[:NAMESPACE_TAG_BYTES], []).append(i)
+    return groups
+
+
+def _generation_of(name: bytes | str) -> int:
+    """The generation field of a block's Redis key (``<prefix>:<tag>:<generation>:<hash>``); a key of another form
+    (the generation key itself, an older release's ``<prefix>:<tag>:<hash>``) reads as the newest, -1 for old keys."""
+    parts = (name.decode() if isinstance(name, bytes) else name).split(":")
+    if len(parts) == 4 and parts[2].isdigit():
+        return int(parts[2])
+    if len(parts) == 3 and parts[2] != "generation":
+        return -1  # an older release's key, with no generation: always old
+    return 1 << 62
+
+
 def _chunks_by_bytes(sizes: Sequence[int], limit_bytes: int) -> list[range]:
     """Cut ``range(len(sizes))`` into consecutive runs of at most ``limit_bytes`` (at least one item each)."""
     chunks: list[range] = []
@@ -199,13 +240,14 @@ class RedisTier:
         self._server_max_value_bytes: int | None = None
         self._value_bytes_hint = DEFAULT_VALUE_BYTES_HINT
         self._closed = False
+        self._generations: dict[bytes, int] = {}  # namespace tag -> newest generation seen
         self.state = "up"
         """``up``, or ``down`` from a failed round trip until one succeeds (:class:`~kvstore.tiers.base.ReachableTier`)."""
         self.last_error = ""
         """The last failure and when it happened (UTC), e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``."""
         self._counts = dict.fromkeys(
-            ("hits", "misses", "written", "skipped_writes", "oversized", "oom_rejected", "errors",
-             "timeouts", "breaker_open", "corrupt_records", "foreign_records"),
+            ("written", "skipped_writes", "oversized", "oom_rejected", "errors",
+             "timeouts", "breaker_open", "corrupt_records", "foreign_records", "stale_generation"),
             0,
         )
         if not HIREDIS_AVAILABLE:
@@ -279,10 +321,22 @@ class RedisTier:
 
     # -- key encoding ---------------------------------------------------------------
 
-    def redis_key(self, key: BlockKey) -> str:
-        """The Redis key of a block: ``<prefix>:<namespace tag hex>:<block hash hex>``."""
+    def redis_key(self, key: BlockKey, generation: int | None = None) -> str:
+        """The Redis key of a block: ``<prefix>:<namespace tag hex>:<generation>:<block hash hex>``.
+
+        Args:
+            key: the block key.
+            generation: the namespace's generation; the newest this tier has seen when ``None``.
+        """
         text = key.hex()
-        return f"{self._prefix}:{text[: 2 * NAMESPACE_TAG_BYTES]}:{text[2 * NAMESPACE_TAG_BYTES :]}"
+        tag = text[: 2 * NAMESPACE_TAG_BYTES]
+        if generation is None:
+            generation = self.generation(key[:NAMESPACE_TAG_BYTES])
+        return f"{self._prefix}:{tag}:{generation}:{text[2 * NAMESPACE_TAG_BYTES :]}"
+
+    def generation_key(self, tag: bytes) -> str:
+        """The Redis key that holds a namespace's generation: ``<prefix>:<namespace tag hex>:generation``."""
+        return f"{self._prefix}:{tag.hex()}:generation"
 
     def namespace_pattern(self, tag: bytes) -> str:
         """The ``SCAN MATCH`` pattern of every key of one namespace: ``<prefix>:<tag hex>:*``."""
@@ -302,7 +356,8 @@ class RedisTier:
     def counters(self) -> dict[str, int]:
         """Event counts since start.
 
-        Keys: ``hits`` and ``misses`` (keys read), ``written`` and
+        Hits and misses are the store's (``TierStats``), counted as for every
+        tier. Keys: ``written`` and
         ``skipped_writes`` (keys put or not put, for any reason), ``oversized``
         (keys refused before sending: over ``max_value_bytes`` or the server's
         ``proto-max-bulk-len``), ``oom_rejected`` (keys refused by a full
@@ -310,36 +365,50 @@ class RedisTier:
         an error reply other than OOM), ``timeouts`` (those of ``errors`` that
         timed out), ``breaker_open`` (calls short-circuited by the open
         breaker), ``breaker_trips`` (times it opened), ``corrupt_records``
-        (values that failed their checks, deleted) and ``foreign_records``
-        (blocks of another format version, from nodes of another release: misses, kept).
+        (values that failed their checks, deleted), ``foreign_records`` (blocks
+        of another format version, from nodes of another release: misses, kept)
+        and ``stale_generation``
+        (calls that found their namespace moved to a newer generation: a get
+        or lookup is made again under it, a write is unlinked and skipped).
         """
         return {**self._counts, "breaker_trips": self._breaker.num_trips}
 
     # -- the Tier protocol ------------------------------------------------------------
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Whether each key is in Redis (one pipelined ``EXISTS`` each); ``False`` for all while Redis fails.
+        """Whether each key is in Redis under its namespace's current generation (pipelined ``EXISTS``);
+        ``False`` for all while Redis fails.
 
         Raises:
             UnavailableError: if the tier is closed.
         """
         self._check_open()
+        found = [False] * len(keys)
         if not keys:
-            return []
+            return found
         if not self._admit():
-            return [False] * len(keys)
-        names = [self.redis_key(k) for k in keys]
+            return found
         try:
-            replies = await self._round_trip(self._pipelined("exists", names), self._op_bound_s)
+            for tag, positions in _by_namespace(keys).items():
+                for _ in range(2):  # once more if the namespace turns out to have moved on (cleared elsewhere)
+                    generation = self.generation(tag)
+                    names = [self.redis_key(keys[i], generation) for i in positions]
+                    replies, seen = await self._round_trip(
+                        _both(self._pipelined("exists", names), self._read_generation(tag)), self._op_bound_s)
+                    if not self._stale(tag, generation, seen):
+                        break
+                self._count_reply_errors(replies)
+                for i, reply in zip(positions, replies):
+                    found[i] = isinstance(reply, int) and reply > 0
         except _RoundTripFailed as exc:
             self._on_failure(exc)
             return [False] * len(keys)
         self._on_success()
-        self._count_reply_errors(replies)
-        return [isinstance(r, int) and r > 0 for r in replies]
+        return found
 
     async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
-        """Each key's verified value, or ``None`` for a miss, a corrupt value or a Redis failure.
+        """Each key's verified value under its namespace's current generation, or ``None`` for a miss, a corrupt
+        value or a Redis failure.
 
         Values are fetched with ``MGET`` in chunks of about :data:`CHUNK_BYTES`; a
         value failing its checksum is deleted and counted as ``corrupt_records``.
@@ -350,59 +419,97 @@ class RedisTier:
         """
         self._check_open()
         results: list[bytes | None] = [None] * len(keys)
-        if not keys:
+        if not keys or not self._admit():
             return results
-        if not self._admit():
-            self._counts["misses"] += len(keys)
-            return results
-        names = [self.redis_key(k) for k in keys]
-        per_chunk = max(1, CHUNK_BYTES // self._value_bytes_hint)
-        verdicts: list[tuple[range, Awaitable[list[int]] | list[int]]] = []
         failure: _RoundTripFailed | None = None
-        for start in range(0, len(keys), per_chunk):
-            chunk = range(start, min(start + per_chunk, len(keys)))
+        corrupt: list[str] = []
+        for tag, positions in _by_namespace(keys).items():
+            for _ in range(2):  # once more if the namespace turns out to have moved on (cleared elsewhere)
+                generation = self.generation(tag)
+                names = [self.redis_key(keys[i], generation) for i in positions]
+                values, bad, seen, failure = await self._mget_chunks(names, tag)
+                if failure is not None or not self._stale(tag, generation, seen):
+                    break
+            for j in bad:
+                values[j] = None
+            corrupt += [names[j] for j in bad]
+            for i, value in zip(positions, values):
+                results[i] = value
+            if failure is not None:
+                break
+        self._on_outcome(failure)
+        if corrupt:
+            await self._drop_corrupt(corrupt)
+        return results
+
+    async def _mget_chunks(self, names: list[str], tag: bytes
+                           ) -> tuple[list[bytes | None], list[int], int | None, _RoundTripFailed | None]:
+        """``MGET`` of ``names`` in chunks, the namespace's generation read beside the first.
+
+        A chunk of at least :data:`VERIFY_OFFLOAD_BYTES` is checksummed in a
+        worker thread while the next one is fetched, the others on the loop.
+
+        Returns:
+            The values (``None`` past a failure), the positions of those that
+            failed their checksum, the generation seen, and the failure, if any.
+        """
+        values: list[bytes | None] = [None] * len(names)
+        per_chunk = max(1, CHUNK_BYTES // self._value_bytes_hint)
+        seen: int | None = None
+        failure: _RoundTripFailed | None = None
+        verdicts: list[tuple[int, Awaitable[list[int]] | list[int]]] = []
+        for start in range(0, len(names), per_chunk):
+            chunk = names[start:start + per_chunk]
             try:
-                values = await self._round_trip(self._mget([names[i] for i in chunk]), self._op_bound_s)
+                if start == 0:
+                    fetched, seen = await self._round_trip(
+                        _both(self._mget(chunk), self._read_generation(tag)), self._op_bound_s)
+                else:
+                    fetched = await self._round_trip(self._mget(chunk), self._op_bound_s)
             except _RoundTripFailed as exc:
                 failure = exc
                 break
-            sizes = [len(v) for v in values if v is not None]
-            for i, value in zip(chunk, values):
-                results[i] = value
+            sizes = [len(v) for v in fetched if v is not None]
             if sizes:
                 self._value_bytes_hint = max(self._value_bytes_hint, max(sizes))
+            values[start:start + len(chunk)] = fetched
             if sum(sizes) >= VERIFY_OFFLOAD_BYTES:  # checksum in a thread while the next chunk arrives
-                verdicts.append((chunk, asyncio.ensure_future(asyncio.to_thread(_verify_all, values))))
+                verdicts.append((start, asyncio.ensure_future(asyncio.to_thread(_verify_all, fetched))))
             else:
-                verdicts.append((chunk, _verify_all(values)))
+                verdicts.append((start, _verify_all(fetched)))
         corrupt: list[int] = []
-        for chunk, verdict in verdicts:
+        for start, verdict in verdicts:
             found = verdict if isinstance(verdict, list) else await verdict
-            for i, outcome in zip(chunk, found):
+            for j, outcome in enumerate(found):
                 if outcome == _CORRUPT:
-                    corrupt.append(i)
-                elif outcome == _FOREIGN:
-                    results[i] = None
+                    corrupt.append(start + j)
+                elif outcome == _FOREIGN:  # a miss, left for the node of the release that wrote it
+                    values[start + j] = None
                     self._counts["foreign_records"] += 1
-        self._on_outcome(failure)
-        if corrupt:
-            for i in corrupt:
-                results[i] = None
-            await self._drop_corrupt([names[i] for i in corrupt])
-        num_hits = sum(v is not None for v in results)
-        self._counts["hits"] += num_hits
-        self._counts["misses"] += len(keys) - num_hits
-        return results
+        return values, corrupt, seen, failure
 
-    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
+    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta], *,
+                  generations: Mapping[bytes, int] | None = None) -> list[bool]:
         """``SET`` each value (with ``PX`` when ``ttl_s`` is set); ``False`` where it was not written.
 
-        A value over ``max_value_bytes`` or the server's ``proto-max-bulk-len`` is
-        refused before it is sent (``oversized``; nothing is written under its
-        key); a full server's "OOM command not allowed" refuses that key
-        (``oom_rejected``); while Redis fails, the rest of the batch is skipped.
-        Priorities in ``metas`` are not stored: Redis evicts by its own
-        ``maxmemory-policy``. Never raises :class:`~kvstore.tiers.base.TierFullError`.
+        Each key is written under its namespace's generation as of the call
+        (or as ``generations`` names it: the store passes the one it knew when
+        the copy was prepared), so a copy that began before a clear lands
+        under the old generation, where nothing reads it. A write that finds
+        the namespace moved on meanwhile is unlinked again and counted as
+        skipped. A value over ``max_value_bytes`` or the server's
+        ``proto-max-bulk-len`` is refused before it is sent (``oversized``;
+        nothing is written under its key); a full server's "OOM command not
+        allowed" refuses that key (``oom_rejected``); while Redis fails, the
+        rest of the batch is skipped. Priorities in ``metas`` are not stored:
+        Redis evicts by its own ``maxmemory-policy``. Never raises
+        :class:`~kvstore.tiers.base.TierFullError`.
+
+        Args:
+            keys: block keys.
+            values: encoded blocks, one per key.
+            metas: one per key (unused).
+            generations: namespace tag -> the generation to write under; this tier's newest known when absent.
 
         Raises:
             UnavailableError: if the tier is closed.
@@ -414,6 +521,8 @@ class RedisTier:
         stored = [False] * len(keys)
         if not keys:
             return stored
+        groups = _by_namespace(keys)
+        written_under = {tag: (generations or {}).get(tag, self.generation(tag)) for tag in groups}  # before any await
         if not self._admit():
             self._counts["skipped_writes"] += len(keys)
             return stored
@@ -424,32 +533,53 @@ class RedisTier:
             self._on_failure(exc)
             self._counts["skipped_writes"] += len(keys)
             return stored
-        sendable = [i for i, value in enumerate(values) if len(value) <= limit_bytes]
-        num_oversized = len(keys) - len(sendable)
+        num_oversized = sum(len(value) > limit_bytes for value in values)
         if num_oversized:
             self._counts["oversized"] += num_oversized
             logger.warning("redis tier %s: refused %s values over %s bytes", self.name, num_oversized, limit_bytes)
-        if sendable:
-            self._value_bytes_hint = max(self._value_bytes_hint, max(len(values[i]) for i in sendable))
-        for chunk in _chunks_by_bytes([len(values[i]) for i in sendable], CHUNK_BYTES):
-            items = [sendable[j] for j in chunk]
-            work = self._set_many([self.redis_key(keys[i]) for i in items], [values[i] for i in items])
-            try:
-                replies = await self._round_trip(work, self._op_bound_s)
-            except _RoundTripFailed as exc:
-                failure = exc
+        sizes = [len(value) for value in values if len(value) <= limit_bytes]
+        if sizes:
+            self._value_bytes_hint = max(self._value_bytes_hint, max(sizes))
+        for tag, positions in groups.items():
+            items = [i for i in positions if len(values[i]) <= limit_bytes]
+            generation = written_under[tag]
+            failure, seen = await self._set_chunks(items, keys, values, generation, tag, stored)
+            if failure is not None:
                 break
-            for i, reply in zip(items, replies):
-                stored[i] = reply is True
-            self._count_reply_errors(replies)
+            if self._stale(tag, generation, seen):  # cleared meanwhile (or before, on another node): not readable
+                await self._unlink_quietly([self.redis_key(keys[i], generation) for i in items if stored[i]])
+                for i in items:
+                    stored[i] = False
         self._on_outcome(failure)
         num_written = sum(stored)
         self._counts["written"] += num_written
         self._counts["skipped_writes"] += len(keys) - num_written
         return stored
 
+    async def _set_chunks(self, items: list[int], keys: Sequence[BlockKey], values: Sequence[bytes],
+                          generation: int, tag: bytes, stored: list[bool]) -> tuple[_RoundTripFailed | None, int | None]:
+        """``SET`` ``values[i]`` for each of ``items`` under ``generation``, in chunks, the namespace's generation
+        read beside the last; marks ``stored``. Returns the failure, if any, and the generation seen."""
+        chunks = _chunks_by_bytes([len(values[i]) for i in items], CHUNK_BYTES)
+        seen: int | None = None
+        for n, chunk in enumerate(chunks):
+            batch = [items[j] for j in chunk]
+            work = self._set_many([self.redis_key(keys[i], generation) for i in batch], [values[i] for i in batch])
+            try:
+                if n == len(chunks) - 1:
+                    replies, seen = await self._round_trip(_both(work, self._read_generation(tag)), self._op_bound_s)
+                else:
+                    replies = await self._round_trip(work, self._op_bound_s)
+            except _RoundTripFailed as exc:
+                return exc, seen
+            for i, reply in zip(batch, replies):
+                stored[i] = reply is True
+            self._count_reply_errors(replies)
+        return None, seen
+
     async def delete(self, keys: Sequence[BlockKey]) -> None:
-        """``UNLINK`` each key (pipelined); best effort: nothing happens while Redis fails.
+        """``UNLINK`` each key under its namespace's current generation (pipelined); best effort: nothing happens
+        while Redis fails, and a write of the key already on its way may land after it.
 
         Raises:
             UnavailableError: if the tier is closed.
@@ -524,26 +654,54 @@ class RedisTier:
         return False
 
     async def clear_namespace(self, tag: bytes) -> int:
-        """Delete every key of one namespace: ``SCAN MATCH <prefix>:<tag hex>:*`` and batched ``UNLINK``.
+        """Move a namespace to a new generation (``INCR`` of its generation key): no node reads its old keys again.
 
-        In a cluster every primary is scanned. Keys written while the scan runs
-        may survive it (``SCAN`` guarantees only the keys present throughout).
+        Every node reads the generation beside each call, so a lookup or get
+        that starts after this returns, on any node, finds none of the old
+        blocks, and a write that began before it lands where nothing reads. The
+        old keys are left for :meth:`sweep_namespace`.
 
         Args:
             tag: the 8-byte namespace tag (:attr:`kvstore.keys.Namespace.tag`).
 
         Returns:
-            Number of keys unlinked.
+            The namespace's new generation.
 
         Raises:
-            UnavailableError: if the tier is closed, the breaker is open, or Redis
-                fails part-way (keys unlinked before the failure stay unlinked).
+            UnavailableError: if the tier is closed, the breaker is open, or Redis cannot be reached.
         """
         self._check_open()
         if not self._admit():
             raise UnavailableError(
                 f"redis tier {self.name}: Redis at {self._redacted_url()} is down (circuit breaker open; last error: "
                 f"{self.last_error or 'none'}); its blocks of the namespace were not cleared: retry once it answers")
+        try:
+            generation = int(await self._round_trip(self._client.incr(self.generation_key(tag)), self._op_bound_s))
+        except _RoundTripFailed as exc:
+            self._on_failure(exc)
+            raise UnavailableError(f"redis tier {self.name}: clearing namespace {tag.hex()} in Redis at "
+                                   f"{self._redacted_url()} failed: {exc}") from exc
+        self._on_success()
+        self._generations[tag] = max(self.generation(tag), generation)
+        logger.info("redis tier %s: namespace %s is at generation %d", self.name, tag.hex(), generation)
+        return generation
+
+    async def sweep_namespace(self, tag: bytes, generation: int) -> int:
+        """Unlink a namespace's keys of generations before ``generation``: ``SCAN MATCH <prefix>:<tag hex>:*``.
+
+        In a cluster every primary is scanned. Best effort: what a failure
+        leaves ages out under Redis's own eviction (or ``ttl_s``), and nothing
+        reads it meanwhile.
+
+        Returns:
+            Number of keys unlinked.
+
+        Raises:
+            UnavailableError: if the tier is closed.
+        """
+        self._check_open()
+        if not self._admit():
+            return 0
         pattern = self.namespace_pattern(tag)
         num_removed = 0
         try:
@@ -556,19 +714,44 @@ class RedisTier:
                 cursor = 0
                 while True:
                     cursor, names = await self._round_trip(self._scan(node, cursor, pattern), self._op_bound_s)
-                    if names:
-                        num_removed += sum(r for r in await self._unlink(names) if isinstance(r, int))
+                    old = [name for name in names if _generation_of(name) < generation]
+                    if old:
+                        num_removed += sum(r for r in await self._unlink(old) if isinstance(r, int))
                     if cursor == 0:
                         break
         except _RoundTripFailed as exc:
             self._on_failure(exc)
-            raise UnavailableError(
-                f"redis tier {self.name}: clearing {pattern} in Redis at {self._redacted_url()} failed after "
-                f"{num_removed} keys: {exc}"
-            ) from exc
+            logger.warning("redis tier %s: sweeping %s stopped after %d keys: %s", self.name, pattern, num_removed,
+                           exc)
+            return num_removed
         self._on_success()
-        logger.info("redis tier %s: cleared %s keys of %s", self.name, num_removed, pattern)
+        logger.info("redis tier %s: swept %d keys of %s before generation %d", self.name, num_removed, pattern,
+                    generation)
         return num_removed
+
+    def generation(self, tag: bytes) -> int:
+        """The newest generation of a namespace this tier has seen (0 before any clear)."""
+        return self._generations.get(tag, 0)
+
+    async def _read_generation(self, tag: bytes) -> int:
+        """The namespace's generation in Redis (its key missing reads 0)."""
+        raw = await self._client.get(self.generation_key(tag))
+        return int(raw) if raw is not None else 0
+
+    def _stale(self, tag: bytes, used: int, seen: int | None) -> bool:
+        """Whether a call made under generation ``used`` is stale: Redis has a newer one (which it now knows)."""
+        if seen is None or seen <= used:
+            return False
+        self._generations[tag] = seen
+        self._counts["stale_generation"] += 1
+        return True
+
+    async def _unlink_quietly(self, names: list[str]) -> None:
+        if names:
+            try:
+                await self._unlink(names)
+            except _RoundTripFailed as exc:
+                self._on_failure(exc)
 
     # -- internals ------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ pytest.importorskip("transformers")
 from kvstore.demo import main
 from kvstore.demo.tokenizer import ByteTokenizer
 from kvstore.demo.workload import conversation, load_corpus, passage_questions
-from tests.test_readme import DEMO_LINE  # the README's sample output has this shape
+from tests.support.demo import DEMO_LINE  # the README's sample output has this shape
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 
 def test_workload_prompts_share_their_prefixes():

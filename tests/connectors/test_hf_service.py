@@ -8,8 +8,10 @@ pytest.importorskip("transformers")
 
 from kvstore.client import KVStoreClient
 from kvstore.connectors.hf import HFConnector
-from tests.connectors.test_hf import MAX_NEW_TOKENS, prompt, reference, tiny_model
+from tests.support.hf import MAX_NEW_TOKENS, prompt, reference, tiny_model
 from tests.support.kvnode import KVNode
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 
 def test_hits_through_a_server_then_falls_back_when_it_dies():

@@ -24,7 +24,7 @@ from kvstore.security import channel_credentials
 from tests.support.kvnode import KVNode
 from tests.support.redis import make_tls_files
 
-from . import COMPOSE_FILE, COMPOSE_TLS_FILE, DOCKERFILE, KUBERNETES_DIR, healthcheck_command, load_yaml_documents, \
+from tests.support.deploy import COMPOSE_FILE, COMPOSE_TLS_FILE, DOCKERFILE, KUBERNETES_DIR, healthcheck_command, load_yaml_documents, \
     parse_dockerfile
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")

@@ -32,7 +32,7 @@ from packaging.requirements import Requirement
 from kvstore.config import ENV_ALIASES, ENV_PREFIX, Config, load_config, parse_size
 from kvstore.connection import CLIENT_ENV
 
-from . import (
+from tests.support.deploy import (
     COMPOSE_FILE,
     COMPOSE_TLS_FILE,
     CONFIG_FILE,

@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 
 from kvstore.connectors.vllm.config import parse_config
 
-from . import COMPOSE_FILE, KUBERNETES_DIR, REPO_ROOT, exec_form, load_yaml_documents, parse_dockerfile
+from tests.support.deploy import COMPOSE_FILE, KUBERNETES_DIR, REPO_ROOT, exec_form, load_yaml_documents, parse_dockerfile
 
 VLLM_DOCKERFILE = REPO_ROOT / "deploy" / "vllm" / "Dockerfile"
 WORKER_EXAMPLE = KUBERNETES_DIR / "vllm-worker.example.yaml"

@@ -8,9 +8,11 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from kvstore.security import bearer_metadata
-from kvstore.server.errors import RemoteError
-from tests.security import TOKEN_A, auth_config, sha_namespace
-from tests.server.conftest import ThreadedServer, kv_blocks
+from kvstore.status import RemoteError
+from tests.support.security import TOKEN_A, auth_config, sha_namespace
+from tests.support.server import ThreadedServer, kv_blocks
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 
 @pytest.fixture(scope="module")

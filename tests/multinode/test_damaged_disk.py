@@ -6,7 +6,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import block_key
-from tests.server.conftest import kv_blocks, namespace
+from tests.support.server import kv_blocks, namespace
 from tests.support.kvnode import KVNode
 from tests.support.lmdb_pages import page_map
 

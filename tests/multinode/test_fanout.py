@@ -14,11 +14,13 @@ from kvstore.client import AsyncKVStoreClient, KVStoreClient, merge_store_stats,
 from kvstore.errors import InvalidArgumentError
 from kvstore.keys import Namespace
 from kvstore.routing import RendezvousRouter
-from tests.server.conftest import kv_blocks, namespace
+from tests.support.server import kv_blocks, namespace
 from tests.support.kvnode import KVNode
 from tests.support.redis import BlackHole, black_hole  # noqa: F401
 
-from . import wait_until
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 FAST_REJOIN = {"down_backoff_s": 0.2, "max_down_backoff_s": 1.0}
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from tests.server.conftest import kv_blocks, namespace
+from tests.support.server import kv_blocks, namespace
 from tests.support.kvnode import KVNode
 from tests.support.redis import (  # noqa: F401  (redis_cluster and redis_cluster_session are fixtures)
     RedisClusterProcess,
@@ -19,9 +19,10 @@ from tests.support.redis import (  # noqa: F401  (redis_cluster and redis_cluste
     redis_cluster_session,
 )
 
-from . import wait_until
+from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.skipif(redis_binaries() is None, reason="redis-server / redis-cli not installed")
+pytestmark = [pytest.mark.skipif(redis_binaries() is None, reason="redis-server / redis-cli not installed"),
+              pytest.mark.slow]  # starts processes: outside `make test-fast`
 
 FAST_REDIS_ENV = {  # short Redis timeouts and breaker, so a dead Redis costs the loop little
     "KVSTORE_STORE__REDIS__MODE": "write_through",

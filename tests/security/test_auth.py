@@ -16,13 +16,13 @@ from kvstore.keys import HashAlgorithm
 from kvstore.security import bearer_metadata, main, token_sha256
 from kvstore.server.app import KVStoreServer
 from kvstore.server.auth import Authenticator, Principal, TokenEntry, parse_tokens
-from kvstore.server.errors import PermissionDeniedError, UnauthenticatedError
-from kvstore.server.wire import namespace_to_pb, put_requests
+from kvstore.status import PermissionDeniedError, UnauthenticatedError
+from kvstore.wire import namespace_to_pb, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.server.conftest import ThreadedServer, encoded, kv_blocks
+from tests.support.server import ThreadedServer, encoded, kv_blocks
 
-from . import AUTH_TOKENS, TOKEN_A, TOKEN_ADMIN, TOKEN_B, auth_config, client_of, raw_channel, sha_namespace
+from tests.support.security import AUTH_TOKENS, TOKEN_A, TOKEN_ADMIN, TOKEN_B, auth_config, client_of, raw_channel, sha_namespace
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 DENIED = grpc.StatusCode.PERMISSION_DENIED
@@ -168,7 +168,7 @@ def _calls(channel: grpc.Channel, ns_pb: pb.Namespace, hashes: list[bytes],
     stub = pb_grpc.KVStoreStub(channel)
     put = channel.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=None,
                                response_deserializer=pb.PutResponse.FromString)
-    from kvstore.server.wire import namespace_from_pb
+    from kvstore.wire import namespace_from_pb
 
     ns = namespace_from_pb(ns_pb)
     return {

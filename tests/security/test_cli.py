@@ -23,7 +23,7 @@ from kvstore.security import channel_credentials
 from tests.support.kvnode import REPO_ROOT, KVNode
 from tests.support.redis import TlsFiles, make_tls_files
 
-from . import AUTH_TOKENS, TOKEN_A
+from tests.support.security import AUTH_TOKENS, TOKEN_A
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 

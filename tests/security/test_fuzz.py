@@ -21,11 +21,13 @@ from hypothesis import strategies as st
 
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.security import bearer_metadata
-from kvstore.server.wire import GET_METHOD, PUT_METHOD, namespace_to_pb, put_requests
+from kvstore.wire import GET_METHOD, PUT_METHOD, namespace_to_pb, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.server.conftest import ThreadedServer, encoded, kv_blocks
+from tests.support.server import ThreadedServer, encoded, kv_blocks
 
-from . import TOKEN_A, auth_config, raw_channel, sha_namespace
+from tests.support.security import TOKEN_A, auth_config, raw_channel, sha_namespace
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 OK = grpc.StatusCode.OK
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -19,11 +19,11 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.keys import HashAlgorithm, Namespace
 from kvstore.security import bearer_metadata
-from tests.server.conftest import kv_blocks
+from tests.support.server import kv_blocks
 from tests.support.hostile import Attacks, Figures, rss_bytes
 from tests.support.kvnode import KVNode
 
-from . import AUTH_TOKENS, TOKEN_A
+from tests.support.security import AUTH_TOKENS, TOKEN_A
 
 MiB = 1 << 20
 GROWTH_PER_ROUND_BYTES = 48 * MiB

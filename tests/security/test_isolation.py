@@ -8,13 +8,13 @@ import mmap
 import pytest
 import torch
 
-from kvstore.server.errors import PermissionDeniedError
+from kvstore.status import PermissionDeniedError
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.tiers.lmdb import MAX_KEY_BYTES, RECORD_OVERHEAD_BYTES, default_map_size_bytes
-from tests.server.conftest import ThreadedServer, encoded, kv_blocks
+from tests.support.server import ThreadedServer, encoded, kv_blocks
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 
-from . import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
+from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
 
 def test_tenant_b_never_hits_tenant_a_in_any_tier(redis_server: RedisProcess, tmp_path) -> None:  # noqa: F811
     ns_a = sha_namespace("tenant-a")

@@ -9,12 +9,12 @@ import pytest
 from kvstore.errors import InvalidArgumentError
 from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, Namespace
 from kvstore.security import bearer_metadata
-from kvstore.server.wire import MAX_NAMESPACE_WIRE_BYTES, namespace_to_pb
+from kvstore.wire import MAX_NAMESPACE_WIRE_BYTES, namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.server.conftest import ThreadedServer, make_config
+from tests.support.server import ThreadedServer, make_config
 
-from . import TOKEN_A, auth_config, raw_channel, sha_namespace
+from tests.support.security import TOKEN_A, auth_config, raw_channel, sha_namespace
 
 TEXT_FIELDS = ["model", "revision", "dtype", "layout", "adapter", "cache_salt", "hash_algorithm"]
 

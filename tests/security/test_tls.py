@@ -13,12 +13,13 @@ from kvstore.config import SecurityConfig
 from kvstore.errors import ConfigError
 from kvstore.security import bearer_metadata, channel_credentials
 from kvstore.server.app import KVStoreServer
-from tests.server.conftest import ThreadedServer, kv_blocks, make_config
+from tests.support.server import ThreadedServer, kv_blocks, make_config
 from tests.support.redis import TlsFiles, make_tls_files
 
-from . import AUTH_TOKENS, TOKEN_A, client_of, raw_channel, sha_namespace
+from tests.support.security import AUTH_TOKENS, TOKEN_A, client_of, raw_channel, sha_namespace
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed"),
+              pytest.mark.slow]  # a PKI made with openssl, and TLS servers: outside `make test-fast`
 
 
 @pytest.fixture(scope="module")

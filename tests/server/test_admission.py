@@ -14,10 +14,10 @@ from kvstore.errors import ResourceExhaustedError
 from kvstore.security import bearer_metadata
 from kvstore.server.admission import OPEN_TICKET, Admission, Ticket
 from kvstore.server.auth import Authenticator, Principal
-from kvstore.server.errors import UnauthenticatedError
+from kvstore.status import UnauthenticatedError
 from kvstore.server.limits import InflightLimiter
-from tests.security import TOKEN_A, TOKEN_ADMIN, TOKEN_B, auth_config
-from tests.server.conftest import make_config
+from tests.support.security import TOKEN_A, TOKEN_ADMIN, TOKEN_B, auth_config
+from tests.support.server import make_config
 
 
 class Context:

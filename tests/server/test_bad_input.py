@@ -13,11 +13,11 @@ from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import Namespace, block_key
-from kvstore.server.wire import namespace_to_pb, put_requests
+from kvstore.wire import namespace_to_pb, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-from .conftest import MiB, ThreadedServer, kv_blocks, namespace
+from tests.support.server import MiB, ThreadedServer, kv_blocks, namespace
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -256,6 +256,7 @@ def test_bad_priority_or_retention_is_invalid_argument(client: KVStoreClient, se
     _unchanged(client, server, stored, before)
 
 
+@pytest.mark.slow
 @pytest.mark.server_config({"store.memory.capacity_bytes": "4MiB"})
 def test_no_room_when_everything_is_leased_is_resource_exhausted(fresh_server: ThreadedServer) -> None:
     ns = namespace()
@@ -265,10 +266,14 @@ def test_no_room_when_everything_is_leased_is_resource_exhausted(fresh_server: T
         store = fresh_server.server.store
         keys = [block_key(ns, h) for h in hashes]
 
-        async def lease(pin: bool) -> None:  # hold the leases a long-running reader would hold
-            policy = store._policies[0]
-            for key in keys:
-                policy.pin(key) if pin else policy.unpin(key)
+        held = []
+
+        async def lease(pin: bool) -> None:  # hold the references a long-running reader would hold
+            if pin:
+                held.extend(store.index.hold(0, key) for key in keys)
+            else:
+                for entry in held:
+                    store.index.release(entry)
 
         fresh_server.call(lease(True))
         more, more_tensors = kv_blocks(ns, 2, num_layers=4, num_kv_heads=8, head_dim=512, first_token=3000)

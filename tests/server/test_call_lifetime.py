@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import gc
 import threading
 import time
@@ -13,17 +15,18 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.server.servicer import _Call
-from kvstore.server.wire import namespace_to_pb
+from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-from .conftest import MiB, ThreadedServer, kv_blocks, make_config, namespace
+from tests.support.server import MiB, ThreadedServer, kv_blocks, make_config, namespace
 
 
 def _live(cls: type) -> int:
     return sum(1 for o in gc.get_objects() if type(o) is cls)
 
 
+@pytest.mark.slow
 def test_a_finished_call_leaves_no_reference_cycle(server: ThreadedServer) -> None:
     """context.add_done_callback keeps partial(_finish, context) in rpc_state.callbacks, which gRPC never clears:
     _Call -> context -> rpc_state -> callbacks -> _Call. Every call became cyclic garbage (was: freed at once)."""

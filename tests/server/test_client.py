@@ -15,11 +15,11 @@ import pytest
 
 from kvstore.client import InflightSlots, KVStoreClient, backoff_s
 from kvstore.errors import InvalidArgumentError, KVStoreError, ResourceExhaustedError, UnavailableError
-from kvstore.server.errors import DeadlineExceededError, RemoteError, error_of, status_of
+from kvstore.status import DeadlineExceededError, RemoteError, error_of, status_of
 from tests.support.kvnode import KVNode
 from tests.support.redis import black_hole  # noqa: F401 - a fixture
 
-from .conftest import ThreadedServer, kv_blocks, namespace
+from tests.support.server import ThreadedServer, kv_blocks, namespace
 
 
 def _requests_total(server: ThreadedServer, method: str, code: str) -> float:
@@ -28,6 +28,7 @@ def _requests_total(server: ThreadedServer, method: str, code: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+@pytest.mark.slow
 def test_deadline_covers_a_server_that_never_answers(black_hole) -> None:  # noqa: F811
     for call in ("health", "stats", "lookup"):
         with KVStoreClient(f"127.0.0.1:{black_hole.port}", timeout_s=0.5, retries=3) as kv:
@@ -53,29 +54,34 @@ def test_unavailable_is_retried_and_invalid_argument_is_not(fresh_server: Thread
         assert _requests_total(fresh_server, "Put", "UNAVAILABLE") == 4  # put is idempotent: retried too
 
 
+@pytest.mark.slow
 def test_inflight_calls_are_bounded(server: ThreadedServer) -> None:
+    from kvstore import client as client_module
+    from kvstore.codec import encode_block
+    from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.wire import put_requests
+
     ns = namespace()
     hashes, tensors = kv_blocks(ns, 1)
-    release = threading.Event()
+    streaming, release = threading.Event(), threading.Event()
     with KVStoreClient(server.target, max_inflight=1, timeout_s=1.0, retries=0) as kv:
-        from kvstore.codec import encode_block
-        from kvstore.server.wire import put_requests
-        from kvstore.v1 import kvstore_pb2 as pb
-
         messages = [pb.PutRequest.FromString(m) for m in put_requests(ns, hashes, [encode_block(tensors[0])], 1024)]
 
         def slow_stream() -> Iterator[object]:
             yield from messages[:-1]
+            streaming.set()  # the call is in flight, holding the only slot
             release.wait(30)
             yield messages[-1]
 
-        def hold_the_slot() -> None:  # one call in flight that waits for `release`
-            kv._call(lambda t: kv._channel.stub.Put(slow_stream(), timeout=30))
+        def put_for_long(channel: object) -> object:  # the holder's own deadline, past the other call's
+            return lambda requests, timeout, metadata: channel.stub.Put(requests, timeout=30, metadata=metadata)
 
-        holder = threading.Thread(target=hold_the_slot)
+        holder_call = client_module._Rpc(client_module._REQUEST_STREAM, put_for_long,
+                                         lambda: client_module._RequestStream(iter(slow_stream())), lambda reply: reply)
+        holder = threading.Thread(target=lambda: kv._run(client_module._Plan({0: holder_call}, client_module._first)))
         holder.start()
         try:
-            time.sleep(0.2)  # let the holder take the only slot
+            assert streaming.wait(30)
             with pytest.raises(DeadlineExceededError, match="max_inflight=1"):
                 kv.lookup(ns, hashes)
         finally:
@@ -156,6 +162,7 @@ def _in_child(work: Callable[[], bytes], *, use_multiprocessing: bool) -> bytes:
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_multiprocessing", [False, True], ids=["os.fork", "multiprocessing-fork"])
 def test_sync_client_works_in_a_forked_child(node: KVNode, use_multiprocessing: bool) -> None:
     ns = namespace()
@@ -176,6 +183,7 @@ def test_sync_client_works_in_a_forked_child(node: KVNode, use_multiprocessing: 
         assert len(got) == 3 and all(a.equal(b) for a, b in zip(got, tensors))
 
 
+@pytest.mark.slow
 def test_forked_child_fails_clearly_when_grpc_fork_support_is_off(node: KVNode) -> None:
     with KVStoreClient(node.target) as kv:
         kv.health()
@@ -197,9 +205,9 @@ import torch  # noqa: E402
 from kvstore.client import AsyncKVStoreClient  # noqa: E402
 from kvstore.codec import decode_block, encode_block  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
-from kvstore.server.wire import chunk_bytes_for  # noqa: E402
+from kvstore.wire import chunk_bytes_for  # noqa: E402
 
-from .conftest import MiB  # noqa: E402
+from tests.support.server import MiB  # noqa: E402
 
 
 def _small_and_large_blocks(ns: Namespace) -> tuple[list[bytes], list[torch.Tensor], list[bytes]]:
@@ -220,6 +228,7 @@ def _check_get_reply(got: list, tensors: list[torch.Tensor], blocks: list[bytes]
         assert torch.equal(decode_block(received), sent)
 
 
+@pytest.mark.slow
 def test_get_lends_one_message_blocks_as_views_and_joins_larger_ones(client: KVStoreClient) -> None:
     ns = namespace()
     hashes, tensors, blocks = _small_and_large_blocks(ns)
@@ -230,6 +239,7 @@ def test_get_lends_one_message_blocks_as_views_and_joins_larger_ones(client: KVS
     assert client.delete(ns, hashes) == 3
 
 
+@pytest.mark.slow
 async def test_async_get_lends_one_message_blocks_as_views_and_joins_larger_ones(server: ThreadedServer) -> None:
     ns = namespace()
     hashes, tensors, blocks = _small_and_large_blocks(ns)
@@ -252,6 +262,7 @@ def test_a_view_from_get_stays_valid_after_later_calls(client: KVStoreClient) ->
     assert first == encode_block(tensors[0])  # the view holds its own message, not a server buffer
 
 
+@pytest.mark.slow
 def test_calls_in_flight_when_the_client_closes_raise_unavailable(server: ThreadedServer) -> None:
     """Regression: they raised RemoteError(CANCELLED, 'Channel closed!'), a status no caller handles."""
     ns = namespace()
@@ -282,6 +293,7 @@ def test_calls_in_flight_when_the_client_closes_raise_unavailable(server: Thread
     assert all(isinstance(e, UnavailableError) and "closed" in str(e) for e in errors), errors
 
 
+@pytest.mark.slow
 def test_inflight_slots_bound_the_calls_across_threads_and_time_out_when_full() -> None:
     slots = InflightSlots(2)
     active = peak = 0

@@ -24,10 +24,10 @@ from kvstore import client as client_module
 from kvstore.cli import main
 from kvstore.client import MAX_TIMEOUT_S, AsyncKVStoreClient, KVStoreClient
 from kvstore.errors import InvalidArgumentError
-from kvstore.server.wire import chunk_bytes_for
+from kvstore.wire import chunk_bytes_for
 from tests.support.kvnode import REPO_ROOT, free_port
 
-from .conftest import ThreadedServer, encoded, kv_blocks, namespace
+from tests.support.server import ThreadedServer, encoded, kv_blocks, namespace
 
 
 def _put_calls(server: ThreadedServer) -> float:
@@ -140,9 +140,9 @@ async def test_async_put_turns_a_failing_request_stream_into_an_error_not_a_canc
     ns = namespace()
     hashes, _ = kv_blocks(ns, 1)
     not_bytes: Any = object()  # len() of it fails inside the request stream
-    job = client_module._aput_job(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None, ())
+    rpc = client_module._put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
     async with AsyncKVStoreClient(server.target, timeout_s=30.0, retries=0) as kv:
-        task = asyncio.ensure_future(kv._call(lambda t: job(kv._channel, t)))
+        task = asyncio.ensure_future(kv._run(client_module._Plan({0: rpc}, client_module._first)))
         with pytest.raises(InvalidArgumentError, match="Put request"):
             await task
         assert not task.cancelled()
@@ -152,9 +152,9 @@ def test_put_turns_a_failing_request_stream_into_an_error(client: KVStoreClient)
     ns = namespace()
     hashes, _ = kv_blocks(ns, 1)
     not_bytes: Any = object()  # len() of it fails inside the request stream
-    job = client_module._put_job(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None, ())
+    rpc = client_module._put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
     with pytest.raises(InvalidArgumentError, match="Put request"):
-        client._call(lambda t: job(client._channel, t))
+        client._run(client_module._Plan({0: rpc}, client_module._first))
 
 
 # ---------------------------------------------------------------------- client settings

@@ -12,9 +12,11 @@ from prometheus_client import generate_latest
 
 from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
-from kvstore.server.wire import namespace_to_pb
+from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.server.conftest import MiB, ThreadedServer, make_config, namespace
+from tests.support.server import MiB, ThreadedServer, make_config, namespace
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 
 def _get_codes(server):

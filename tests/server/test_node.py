@@ -17,7 +17,9 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import UnavailableError
 from tests.support.kvnode import REPO_ROOT, KVNode, free_port
 
-from .conftest import kv_blocks, namespace
+from tests.support.server import kv_blocks, namespace
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +166,7 @@ def test_a_second_sigterm_cuts_the_grace_short_but_still_closes_the_store(tmp_pa
     import grpc
 
     from kvstore.codec import encode_block
-    from kvstore.server.wire import encode_get_request, identity
+    from kvstore.wire import encode_get_request, identity
 
     ns = namespace(layout="mla", dtype="uint8", block_size=1)
     hashes = [bytes([i]) * 16 for i in range(1, 5)]

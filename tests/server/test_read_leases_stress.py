@@ -25,17 +25,19 @@ from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.config import StoreConfig
 from kvstore.errors import ResourceExhaustedError
-from kvstore.server.errors import PermissionDeniedError
+from kvstore.status import PermissionDeniedError
 from kvstore.keys import block_keys
-from kvstore.server.wire import chunk_bytes_for, decode_block_chunk, namespace_to_pb, put_requests
+from kvstore.wire import chunk_bytes_for, decode_block_chunk, namespace_to_pb, put_requests
 from kvstore.store import TieredStore
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
-from tests.server.conftest import MiB, ThreadedServer, make_config, namespace
-from tests.test_store import NS, disk_footprint, make_blocks, memory_tier
+from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
+from tests.support.server import MiB, ThreadedServer, make_config, namespace
+from tests.support.store import NS, disk_footprint, held_keys, make_blocks, memory_tier
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 MESSAGE = MiB
 """``server.max_message_bytes`` of these tests: a 3 MiB block is 4 chunks."""
@@ -96,12 +98,13 @@ def on_loop(server: ThreadedServer, fn: Any) -> Any:
 
 def tier_leases(server: ThreadedServer) -> tuple[dict[int, int], dict[int, bytes]]:
     """The memory tier's pinned records and its deleted-but-pinned records."""
-    memory = server.server.store._tiers[0]
+    memory = server.server.store.tiers[0]
     return on_loop(server, lambda: (dict(memory._readers), dict(memory._unpublished)))
 
 
-def policy_pins(server: ThreadedServer) -> list[dict[bytes, int]]:
-    return on_loop(server, lambda: [dict(p._pins) for p in server.server.store._policies])
+def policy_pins(server: ThreadedServer) -> list[set[bytes]]:
+    """Per local tier, the keys some read or copy holds a reference on."""
+    return on_loop(server, lambda: held_keys(server.server.store))
 
 
 def inflight(server: ThreadedServer) -> dict[str, int]:
@@ -190,7 +193,7 @@ def test_a_stalled_get_of_ready_replies_survives_delete_eviction_and_new_bytes(t
                                            "store.memory.capacity_bytes": 8 * (small + 64),
                                            "store.disk.path": str(tmp_path / "disk")}))
     try:
-        assert type(server.server.store._tiers[0]).__name__ == "HeapTier"
+        assert type(server.server.store.tiers[0]).__name__ == "HeapTier"
         ns = uint8_namespace()
         streamed, pressure = hashes_of(1, 4), hashes_of(100, 8)
         blocks = [mla_block(small, i) for i in range(4)]
@@ -442,7 +445,7 @@ def test_multi_node_get_merges_views_and_joined_blocks_in_order(nodes: list[Thre
 def _oracle(store: TieredStore, hashes: list[bytes]) -> bytes:
     levels = bytearray()
     for key in block_keys(NS, hashes):
-        level = next((i for i, policy in enumerate(store._policies) if key in policy), None)
+        level = next((i for i, policy in enumerate(store.index.policies) if key in policy), None)
         if level is None:
             break
         levels.append(level)
@@ -506,9 +509,9 @@ async def test_reads_keep_their_views_while_writers_delete_and_rewrite_the_same_
                 await asyncio.sleep(0)
 
         await asyncio.gather(*(reader() for _ in range(4)), writer(0), writer(1))
-        memory = store._tiers[0]
+        memory = store.tiers[0]
         assert memory._readers == {} and memory._unpublished == {}
-        assert not store._policies[0]._pins
+        assert held_keys(store) == [set()] and store.index.num_entries() == 0
         assert memory.num_free_pages == memory.num_pages - 8 * 2  # every deleted version's pages came back
         assert await store.get(NS, hashes) == [current[h] for h in hashes]
 

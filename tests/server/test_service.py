@@ -16,11 +16,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore.api import BlockClient, LookupResult
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.errors import UnavailableError
-from kvstore.server.wire import chunk_bytes_for, namespace_to_pb
+from kvstore.wire import chunk_bytes_for, namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-from .conftest import MiB, ThreadedServer, encoded, kv_blocks, make_config, namespace
+from tests.support.server import MiB, ThreadedServer, encoded, kv_blocks, make_config, namespace, scrape
 
 
 def test_put_lookup_get_delete_clear_stats_end_to_end(client: KVStoreClient) -> None:
@@ -90,6 +90,7 @@ def test_mla_layout_and_sha256_round_trip(client: KVStoreClient) -> None:
     ],
     ids=["12MiB", "4MiB+1", "one-chunk", "one-chunk+1"],
 )
+@pytest.mark.slow
 def test_large_blocks_round_trip_in_chunks(client: KVStoreClient, payload_bytes: int) -> None:
     # mla with block_size 1 and uint8 admits any payload size; its header is 64 bytes
     ns = namespace(layout="mla", dtype="uint8", block_size=1)
@@ -104,6 +105,7 @@ def test_large_blocks_round_trip_in_chunks(client: KVStoreClient, payload_bytes:
     client.delete(ns, hashes)
 
 
+@pytest.mark.slow
 def test_kv_block_of_12_mib_round_trips(client: KVStoreClient) -> None:
     ns = namespace()
     hashes, _ = kv_blocks(ns, 1)
@@ -127,6 +129,7 @@ def test_get_stream_is_chunked_below_max_message(stub: pb_grpc.KVStoreStub, clie
     assert b"".join(c.data for c in chunks) == block
 
 
+@pytest.mark.slow
 def test_cancelled_get_leaves_no_lease_behind() -> None:
     server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "8MiB"}))
     try:
@@ -155,6 +158,7 @@ def test_cancelled_get_leaves_no_lease_behind() -> None:
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_stream_over_max_stream_s_ends_with_deadline_exceeded_and_frees_its_blocks() -> None:
     """A stalled reader with no deadline held its Get's leases for ever: nothing else could be stored."""
     import time
@@ -251,18 +255,8 @@ def test_reflection_lists_the_services(server: ThreadedServer) -> None:
         assert replies[0].file_descriptor_response.file_descriptor_proto
 
 
-def _scrape(server: ThreadedServer) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read()
-    samples = {}
-    for line in text.decode().splitlines():
-        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", line)
-        if match:
-            samples[match.group(1)] = float(match.group(2))
-    return samples
-
-
 def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
-    before = _scrape(fresh_server)
+    before = scrape(fresh_server)
     assert before['kvstore_tier_blocks{tier="memory"}'] == 0
     assert before['kvstore_tier_capacity_bytes{tier="memory"}'] == 48 * MiB
     ns = namespace()
@@ -276,7 +270,7 @@ def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
         with pytest.raises(Exception):
             kv.lookup(ns, hashes * 22)  # over the node's limits.max_hashes_per_request (64): refused by the node
         stats = kv.stats()
-    after = _scrape(fresh_server)
+    after = scrape(fresh_server)
     assert after['kvstore_lookup_blocks_total{result="hit"}'] == 5 == stats.lookup_hit_blocks
     assert after['kvstore_lookup_blocks_total{result="miss"}'] == 3 == stats.lookup_miss_blocks
     assert after['kvstore_requests_total{code="OK",method="Put"}'] == 1

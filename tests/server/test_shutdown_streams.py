@@ -10,9 +10,9 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
-from kvstore.server.wire import namespace_to_pb
+from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.server.conftest import MiB, ThreadedServer, make_config, namespace
+from tests.support.server import MiB, ThreadedServer, make_config, namespace
 
 
 def test_blocks_being_streamed_at_shutdown_survive_a_restart(tmp_path):
@@ -45,7 +45,9 @@ def test_blocks_being_streamed_at_shutdown_survive_a_restart(tmp_path):
 # The same at the store level, deterministic: close() while a read holds leases.
 from kvstore.store import TieredStore  # noqa: E402
 from kvstore.tiers.lmdb import LMDBTier  # noqa: E402
-from tests.test_store import NS, disk_footprint, make_blocks, memory_tier  # noqa: E402
+from tests.support.store import NS, disk_footprint, make_blocks, memory_tier  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 
 async def test_store_close_during_a_read_demotes_the_leased_memory_blocks(tmp_path, caplog) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError, UnknownDtypeError
 from kvstore.keys import HashAlgorithm, Namespace
-from kvstore.server.wire import (
+from kvstore.wire import (
     BlockAssembler,
     encode_get_request,
     iter_chunks,
@@ -98,8 +98,8 @@ def test_assembler_bounds_the_bytes_of_one_stream() -> None:
 import grpc  # noqa: E402
 
 from kvstore.api import LookupResult  # noqa: E402
-from kvstore.server.errors import RemoteError  # noqa: E402
-from kvstore.server.wire import (  # noqa: E402
+from kvstore.status import RemoteError  # noqa: E402
+from kvstore.wire import (  # noqa: E402
     decode_block_chunk,
     encode_block_chunk,
     iter_block_chunks,
@@ -335,7 +335,7 @@ def test_get_request_matches_protobuf(hashes: list[bytes]) -> None:
     assert encode_get_request(namespace, hashes) == reference.SerializeToString()
 
 
-from kvstore.server.wire import decode_hash_request  # noqa: E402
+from kvstore.wire import decode_hash_request  # noqa: E402
 
 _NS = pb.Namespace(model="m" * 200, dtype="float16", layout="kv", block_size=16, tp_size=1, hash_algorithm="xxh3_128")
 

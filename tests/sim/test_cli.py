@@ -11,6 +11,8 @@ import pytest
 from kvstore.sim.cli import main, parse_capacity, register
 from kvstore.trace import TraceRequest, write_trace
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
 
 
@@ -81,4 +83,4 @@ def test_the_node_takes_the_same_policy_names() -> None:
         load_config(env={}, overrides={"store.policy": "fifo"})
     for name, kind in (("default", AdaptivePolicy), ("slru", SegmentedLRUPolicy)):
         store = TieredStore([MemoryTier(1 << 20)], StoreConfig(policy=name))
-        assert type(store._policies[0]) is kind and store._policies[0].capacity_bytes == 1 << 20
+        assert type(store.index.policies[0]) is kind and store.index.policies[0].capacity_bytes == 1 << 20

@@ -26,7 +26,7 @@ import grpc
 
 from kvstore.keys import HashAlgorithm, Namespace
 from kvstore.security import bearer_metadata
-from kvstore.server.wire import namespace_to_pb
+from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

@@ -1,4 +1,4 @@
-"""Tests of the heap tier: the shared contract (with and without reply heads), then its ready replies and leases."""
+"""Tests of the heap tier: the shared contract (with and without a framing), then its framed values and leases."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.errors import ConfigError, InvalidArgumentError, UnavailableError
-from kvstore.server.wire import decode_block_chunk, encode_block_chunk, reply_head
+from kvstore.wire import decode_block_chunk, encode_block_chunk, reply_head
 from kvstore.store import open_async_store
 from kvstore.tiers.base import LeasingTier, TierFullError
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
 from kvstore.tiers.memory import MemoryTier
-from tests.tiers.contract import TierContract, make_block, make_key, make_sized_block, meta
+from tests.support.tier_contract import TierContract, make_block, make_key, make_sized_block, meta
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -24,7 +24,7 @@ HEADS = functools.partial(reply_head, chunk_bytes=CHUNK)
 class TestHeapTierContract(TierContract):
     @pytest.fixture(params=["reply heads", "bare"])
     async def tier(self, request):
-        tier = HeapTier(4 * MiB, reply_head=HEADS if request.param == "reply heads" else None)
+        tier = HeapTier(4 * MiB, framing=HEADS if request.param == "reply heads" else None)
         yield tier
         await tier.close()
 
@@ -44,26 +44,26 @@ def test_footprint_is_the_block_and_a_fixed_overhead():
 
 
 async def test_a_block_is_stored_as_its_ready_reply_and_leased_without_a_copy():
-    tier = HeapTier(MiB, reply_head=HEADS)
+    tier = HeapTier(MiB, framing=HEADS)
     block = make_block(0)
     await tier.put([make_key(0)], [memoryview(block)], [meta()])
     lease = tier.lease([make_key(0), make_key(1)])
-    (reply, missing), (value, miss) = lease.replies, lease.values  # type: ignore[misc]
+    (reply, missing), (value, miss) = lease.framed, lease.values  # type: ignore[misc]
     assert missing is None and miss is None
     assert reply == encode_block_chunk(0, len(block), block, True)
     assert decode_block_chunk(reply)[1] == block == value
     assert isinstance(value, memoryview) and value.readonly and value.obj is reply  # a view of the reply itself
-    assert tier.lease([make_key(0)]).replies[0] is reply  # type: ignore[index]  # the same object on every read
+    assert tier.lease([make_key(0)]).framed[0] is reply  # type: ignore[index]  # the same object on every read
     lease.release()
     await tier.close()
 
 
 async def test_a_block_over_one_message_is_stored_bare_and_a_bytes_value_is_kept_as_is():
-    tier = HeapTier(MiB, reply_head=HEADS)
+    tier = HeapTier(MiB, framing=HEADS)
     big = make_sized_block(0, CHUNK + 2)
     await tier.put([make_key(0)], [big], [meta()])
     lease = tier.lease([make_key(0)])
-    assert lease.replies == [None] and lease.values[0] is big
+    assert lease.framed == [None] and lease.values[0] is big
     assert (await tier.get([make_key(0)]))[0] is big
     lease.release()
     await tier.close()
@@ -74,7 +74,7 @@ async def test_a_bare_tier_copies_only_what_is_not_bytes():
     block = make_block(0)
     await tier.put([make_key(0), make_key(1)], [block, bytearray(block)], [meta()] * 2)
     lease = tier.lease([make_key(0), make_key(1)])
-    assert lease.replies == [None, None]
+    assert lease.framed == [None, None]
     assert lease.values[0] is block and type(lease.values[1]) is bytes and lease.values[1] == block
     lease.release()
     await tier.close()
@@ -82,7 +82,7 @@ async def test_a_bare_tier_copies_only_what_is_not_bytes():
 
 async def test_capacity_counts_footprints_and_a_batch_that_does_not_fit_stores_nothing():
     block = make_sized_block(0, 10 * KiB)
-    tier = HeapTier(3 * tier_footprint(block), reply_head=HEADS)
+    tier = HeapTier(3 * tier_footprint(block), framing=HEADS)
     await tier.put([make_key(0), make_key(1)], [block, block], [meta()] * 2)
     assert tier.used_bytes == 2 * tier_footprint(block)
     with pytest.raises(TierFullError):
@@ -99,7 +99,7 @@ def tier_footprint(block: bytes) -> int:
 
 async def test_a_lease_is_a_reference_that_outlives_a_delete_and_a_replace():
     old, new = make_sized_block(1, 10 * KiB), make_sized_block(2, 10 * KiB)
-    tier = HeapTier(tier_footprint(old), reply_head=HEADS)
+    tier = HeapTier(tier_footprint(old), framing=HEADS)
     assert tier.lends_references
     await tier.put([make_key(1)], [old], [meta()])
     lease = tier.lease([make_key(1), make_key(1)])
@@ -108,7 +108,7 @@ async def test_a_lease_is_a_reference_that_outlives_a_delete_and_a_replace():
     await tier.delete([make_key(1)])
     assert tier.used_bytes == 0 and await tier.contains([make_key(1)]) == [False]
     assert lease.values == [old, old]  # the leased values never change
-    assert all(decode_block_chunk(reply)[1] == old for reply in lease.replies)  # type: ignore[union-attr, arg-type]
+    assert all(decode_block_chunk(reply)[1] == old for reply in lease.framed)  # type: ignore[union-attr, arg-type]
     lease.release()
     lease.release()  # nothing to give back, however often
     assert tier.used_bytes == 0
@@ -116,7 +116,7 @@ async def test_a_lease_is_a_reference_that_outlives_a_delete_and_a_replace():
 
 
 async def test_a_batch_with_a_value_that_is_not_bytes_like_stores_nothing_of_it():
-    tier = HeapTier(MiB, reply_head=HEADS)
+    tier = HeapTier(MiB, framing=HEADS)
     with pytest.raises(InvalidArgumentError, match="bytes-like"):
         await tier.put([make_key(0), make_key(1)], [make_block(0), 12345], [meta()] * 2)  # type: ignore[list-item]
     with pytest.raises(InvalidArgumentError, match="priority"):  # every occurrence of a key is checked
@@ -126,7 +126,7 @@ async def test_a_batch_with_a_value_that_is_not_bytes_like_stores_nothing_of_it(
 
 
 async def test_a_non_contiguous_or_typed_value_is_stored_as_its_bytes():
-    tier = HeapTier(MiB, reply_head=HEADS)
+    tier = HeapTier(MiB, framing=HEADS)
     block = make_block(0)
     strided = memoryview(bytearray(block) * 2)[::2]  # every other byte: not contiguous
     typed = memoryview(bytearray(block)).cast("H")  # two bytes per item
@@ -137,7 +137,7 @@ async def test_a_non_contiguous_or_typed_value_is_stored_as_its_bytes():
 
 
 async def test_leases_outlive_a_close_and_releasing_after_it_is_harmless():
-    tier = HeapTier(MiB, reply_head=HEADS)
+    tier = HeapTier(MiB, framing=HEADS)
     block = make_block(0)
     await tier.put([make_key(0)], [block], [meta()])
     lease = tier.lease([make_key(0)])
@@ -159,9 +159,9 @@ async def test_leases_outlive_a_close_and_releasing_after_it_is_harmless():
 ])
 async def test_storage_picks_the_memory_tier(storage: str, with_heads: bool, expected: type) -> None:
     config = StoreConfig(memory=MemoryTierConfig(capacity_bytes=MiB, storage=storage))
-    store = await open_async_store(config, reply_head=HEADS if with_heads else None)
+    store = await open_async_store(config, framing=HEADS if with_heads else None)
     try:
-        assert type(store._tiers[0]) is expected
+        assert type(store.tiers[0]) is expected
     finally:
         await store.close()
 

@@ -31,7 +31,7 @@ import numpy as np
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import Layout, dtype_name
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
-from kvstore.server.errors import RemoteError
+from kvstore.status import RemoteError
 from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, PackedHashes
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -623,19 +623,19 @@ def identity(message: bytes) -> bytes:
 
 
 def iter_block_chunks(blocks: Sequence[bytes | memoryview], chunk_bytes: int,
-                      replies: Sequence[bytes | None] | None = None) -> Iterator[bytes]:
+                      framed: Sequence[bytes | None] | None = None) -> Iterator[bytes]:
     """Serialized ``BlockChunk`` messages of a Get reply: every block's chunks, in order.
 
     Args:
         blocks: the encoded blocks, in prefix order.
         chunk_bytes: the largest ``data`` of one message, bytes (:func:`chunk_bytes_for`).
-        replies: per block, its whole reply message when a tier holds one ready
+        framed: per block, its whole reply message when a tier holds it framed so
             (``reply_head(len(block), chunk_bytes) + block``, see
-            :attr:`kvstore.tiers.base.TierLease.replies`), sent as is; ``None``
+            :attr:`kvstore.tiers.base.TierLease.framed`), sent as is; ``None``
             (or a ``None`` entry) to encode that block here, one copy.
     """
     for index, block in enumerate(blocks):
-        reply = replies[index] if replies is not None else None
+        reply = framed[index] if framed is not None else None
         if reply is not None:
             yield reply
             continue

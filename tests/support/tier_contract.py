@@ -127,6 +127,17 @@ class TierContract:
         assert await tier.contains(keys) == [False, False, False]
         assert await tier.resident() == []
 
+    async def test_a_delete_takes_effect_when_called_so_a_later_put_survives_it(self, tier: Tier) -> None:
+        """The store forgets a block and calls ``delete`` in one step; a put of the key made after that call, even
+        before the delete is awaited, must not be deleted by it."""
+        key, value = make_key(0), make_block(0)
+        await tier.put([key], [value], [meta()])
+        deleting = tier.delete([key])
+        put = tier.put([key], [value], [meta()])
+        await deleting
+        assert await put == [True]
+        assert await tier.get([key]) == [value]
+
     async def test_put_of_a_held_key_replaces_value_and_meta(self, tier: Tier) -> None:
         key = make_key(0)
         first, second = make_block(1), make_block(2, shape=(2, 2, 4, 16, 8))

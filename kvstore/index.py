@@ -1,0 +1,437 @@
+"""The index: every fact about the blocks the local tiers hold, changed only synchronously on the event loop.
+
+What it knows, per local tier (``level`` 0 is the fastest):
+
+* the **resident** blocks, in that tier's eviction policy (``kvstore.policy``):
+  their keys, bytes, priority and retention, in eviction order;
+* the **entries** of blocks that an operation is using right now (see :class:`Entry`):
+  a block being written (``PLACING``), one being read or moved (a resident
+  block with references), and one removed while references remained (``RETIRED``);
+* its **room**: the bytes resident (less those of victims on their way out),
+  being written, and still held for readers, which :meth:`Index.reserve` keeps
+  within the tier's capacity.
+
+And per namespace: the bytes its resident blocks take (tenant quotas) and a
+**generation** that every clear of the namespace bumps.
+
+Every operation of the store is prepare -> I/O -> complete. Prepare and complete
+call the index (synchronously, so they need no locks); the I/O between them,
+awaited, never does. A delete, clear or eviction removes an entry at once, so
+an operation whose entry went while its I/O ran finds that out at its complete
+step (:meth:`Index.publish` answers ``False``) and discards what it wrote.
+
+Why a resident block no operation uses has no :class:`Entry`: an object per
+block costs about 100 bytes of RAM (object, slots and a dict slot), a third
+more than all the rest of the index together (``benchmarks/bench_index.py``:
+264 bytes per block). A resident block is its key in its tier's policy; an
+entry is made when an operation first takes the block and dropped when the
+last one lets go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from typing import Callable, Iterable, Iterator, Sequence
+
+from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
+from kvstore.policy import EvictionPolicy
+
+
+class State(enum.Enum):
+    """The life of an :class:`Entry`."""
+
+    PLACING = "placing"
+    """Being written into its tier; not yet visible to lookups and reads."""
+    RESIDENT = "resident"
+    """In its tier and in the tier's policy; visible."""
+    RETIRED = "retired"
+    """Removed from the index (deleted, cleared, evicted or moved), or a placement given up on."""
+
+
+class NoRoomError(Exception):
+    """A tier cannot make the room asked for: what is left to evict is in use (internal)."""
+
+
+class Entry:
+    """A block an operation is using: the handle that operation holds between its prepare and complete steps.
+
+    Attributes:
+        key: the block key.
+        level: its local tier (0 is the fastest); -1 for a placement not yet charged to one.
+        nbytes: capacity bytes it takes there (the tier's ``footprint``).
+        generation: a number no other entry had; a newer entry of the same key has a larger one.
+        readers: references held (readers, and the mover while it copies the block).
+        state: see :class:`State`.
+        priority: retention priority of a ``PLACING`` entry, ``[0, 100]``.
+        expires_at: when that priority reverts to the default (0.0: never), the store's clock.
+        done: a placing entry's future, made for the first concurrent put that waits for it (:meth:`wait`).
+        ended: whether a placement has ended (published or discarded).
+        owns_record: for a retired entry, whether its record is still in its tier, to be deleted
+            with its last reference (a block moved out while readers held it); a deleted
+            block's record goes at once (the tier keeps what a reader leased valid).
+    """
+
+    __slots__ = ("key", "level", "nbytes", "generation", "readers", "state", "priority", "expires_at", "done",
+                 "ended", "owns_record")
+
+    def __init__(self, key: BlockKey, level: int, nbytes: int, generation: int, state: State,
+                 priority: int = 0, expires_at: float = 0.0) -> None:
+        self.key = key
+        self.level = level
+        self.nbytes = nbytes
+        self.generation = generation
+        self.readers = 0
+        self.state = state
+        self.priority = priority
+        self.expires_at = expires_at
+        self.done: asyncio.Future[Exception | None] | None = None
+        self.ended = False
+        self.owns_record = False
+
+    async def wait(self) -> Exception | None:
+        """Wait until a placement has ended (published or discarded); returns the error that ended it, if any."""
+        if self.ended:
+            return None
+        if self.done is None:
+            self.done = asyncio.get_running_loop().create_future()
+        return await self.done
+
+    def __repr__(self) -> str:
+        return f"Entry({self.key.hex()[:12]}..., level={self.level}, gen={self.generation}, {self.state.value}, " \
+               f"readers={self.readers})"
+
+
+class Index:
+    """All block metadata of one store's local tiers; use from one event loop, and never across an ``await``.
+
+    Args:
+        policies: one eviction policy per local tier, fastest first (the index owns them from now on).
+        capacities: capacity of each tier, bytes.
+        clock: the store's clock, seconds (retentions end by it).
+        held_bytes: per tier, a function giving the bytes the tier still holds for blocks already deleted
+            (``LeasingTier.held_bytes``: pages a lease still holds); they count as used.
+    """
+
+    def __init__(self, policies: Sequence[EvictionPolicy], capacities: Sequence[int], clock: Callable[[], float],
+                 held_bytes: Sequence[Callable[[], int] | None] = ()) -> None:
+        self.policies = list(policies)
+        self.capacities = list(capacities)
+        self._clock = clock
+        self._tier_held = list(held_bytes) or [None] * len(self.policies)
+        self._generation = 0
+        self._held: list[dict[BlockKey, Entry]] = [{} for _ in self.policies]  # resident entries with references
+        self._placing: dict[BlockKey, Entry] = {}  # at most one placement of a key at a time
+        self._placing_bytes = [0] * len(self.policies)
+        self._leaving_bytes = [0] * len(self.policies)  # resident, claimed as victims, not yet gone
+        self._leaving: list[set[BlockKey]] = [set() for _ in self.policies]
+        self._retired_bytes = [0] * len(self.policies)
+        self._tag_bytes: dict[bytes, int] = {}
+        self._namespace_generations: dict[bytes, int] = {}
+
+    # ------------------------------------------------------------------ reading
+
+    def level_of(self, key: BlockKey) -> int | None:
+        """The tier a key is resident in, ``None`` if none."""
+        for level, policy in enumerate(self.policies):
+            if key in policy:
+                return level
+        return None
+
+    def locate(self, keys: Sequence[BlockKey]) -> bytes:
+        """The tier of each block of the longest prefix of ``keys`` resident locally, one byte per block.
+
+        Batched per tier (``contains_many``), and the common case, a prefix wholly
+        in the top tier, never leaves C loops: Lookup of 1,024 hashes is a hot path.
+        """
+        policies = self.policies
+        if not policies or not keys:
+            return b""
+        top = _contains_many(policies[0], keys)
+        if False not in top:
+            return bytes(len(keys))
+        start = top.index(False)
+        rest = keys[start:]
+        found = [top[start:], *(_contains_many(policy, rest) for policy in policies[1:])]
+        levels = bytearray(start)
+        for hits in zip(*found):
+            if True not in hits:
+                break
+            levels.append(hits.index(True))
+        return bytes(levels)
+
+    def levels_of(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """The local tier of every key (not just a prefix), ``None`` where none holds it."""
+        levels: list[int | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for level, policy in enumerate(self.policies):
+            if not pending:
+                break
+            found = _contains_many(policy, [keys[i] for i in pending])
+            for i, hit in zip(pending, found):
+                if hit:
+                    levels[i] = level
+            pending = [i for i, hit in zip(pending, found) if not hit]
+        return levels
+
+    def placing(self, key: BlockKey) -> Entry | None:
+        """The placement of ``key`` in flight, if any: ``PLACING``, or ``RETIRED`` by a delete while its write
+        still runs (a newer put of the key waits for it to end, so that its stale record goes first)."""
+        return self._placing.get(key)
+
+    def held(self, level: int, key: BlockKey) -> Entry | None:
+        """The entry of a resident block of tier ``level`` that has references, if any."""
+        return self._held[level].get(key)
+
+    def resident_keys(self, level: int) -> Iterator[BlockKey]:
+        """Every key resident in tier ``level``, in the policy's order."""
+        return iter(self.policies[level])
+
+    def used_bytes(self, level: int) -> int:
+        """Capacity bytes of tier ``level`` in use or promised: resident, being written, moved out but still read
+        there, and deleted but still held by the tier for a reader (``held_bytes``)."""
+        held = self._tier_held[level]
+        return (self.policies[level].nbytes + self._placing_bytes[level] + self._retired_bytes[level]
+                + (held() if held is not None else 0))
+
+    def namespace_bytes(self, tag: bytes) -> int:
+        """Capacity bytes the resident blocks of one namespace (by its tag) take in local tiers."""
+        return self._tag_bytes.get(tag, 0)
+
+    def namespace_generation(self, tag: bytes) -> int:
+        """How many times this store cleared the namespace: a copy made under an older value is stale."""
+        return self._namespace_generations.get(tag, 0)
+
+    def num_entries(self) -> int:
+        """Entries alive in the index: placements, and resident blocks with references (tests, drain)."""
+        return len(self._placing) + sum(map(len, self._held))
+
+    # ------------------------------------------------------------------ room
+
+    def reserve(self, level: int, nbytes: int) -> list[BlockKey]:
+        """Promise ``nbytes`` more in tier ``level``: returns the victims to move out first (claimed, in order).
+
+        The victims stay resident, and readable, until the mover has moved them
+        out (:meth:`retire`); each holds a reference for the mover meanwhile, so
+        no other reservation claims them. The promise itself is the caller's
+        placing entries (:meth:`place`), made next, with no await in between.
+
+        Raises:
+            NoRoomError: if the blocks not in use cannot make the room.
+        """
+        capacity = self.capacities[level]
+        excess = self.used_bytes(level) - self._leaving_bytes[level] + nbytes - capacity
+        if excess <= 0:
+            return []
+        policy = self.policies[level]
+        victims = policy.victims(excess, self._clock())
+        freed = sum(policy.size_of(key) for key in victims)  # type: ignore[attr-defined]
+        if freed < excess:
+            raise NoRoomError(f"no room in tier {level}: {nbytes} bytes needed and the rest is in use")
+        leaving = self._leaving[level]
+        for key in victims:
+            self.hold(level, key)
+            leaving.add(key)
+        self._leaving_bytes[level] += freed
+        return victims
+
+    def over_capacity(self, level: int) -> int:
+        """Bytes by which tier ``level`` is over its capacity once the evictions under way end (0 if none)."""
+        return max(0, self.used_bytes(level) - self._leaving_bytes[level] - self.capacities[level])
+
+    def leaving(self, level: int, key: BlockKey) -> bool:
+        """Whether a resident block is claimed as a victim, its eviction under way."""
+        return key in self._leaving[level]
+
+    def _unclaim(self, level: int, key: BlockKey, nbytes: int) -> None:
+        leaving = self._leaving[level]
+        if key in leaving:
+            leaving.discard(key)
+            self._leaving_bytes[level] -= nbytes
+
+    # ------------------------------------------------------------------ placing and publishing
+
+    def place(self, key: BlockKey, priority: int, expires_at: float) -> Entry:
+        """Start writing ``key``: a ``PLACING`` entry, which a concurrent put of the key waits for.
+
+        It counts against a tier's room once :meth:`charge` names the tier.
+        """
+        assert key not in self._placing, key
+        self._generation += 1
+        entry = Entry(key, -1, 0, self._generation, State.PLACING, priority, expires_at)
+        self._placing[key] = entry
+        return entry
+
+    def charge(self, entries: Sequence[Entry], level: int, sizes: Sequence[int]) -> None:
+        """Count placing ``entries`` against the room of tier ``level``, ``sizes`` bytes each, where they are written."""
+        for entry, nbytes in zip(entries, sizes):
+            assert entry.level < 0 and entry.state is State.PLACING, entry
+            entry.level, entry.nbytes = level, nbytes
+            self._placing_bytes[level] += nbytes
+
+    def publish(self, entry: Entry) -> bool:
+        """Make a placement resident, if it is still the current one; whether it was (else the write is stale).
+
+        A stale placement (removed by a delete or clear while it was written)
+        needs its record discarded: :meth:`record_unneeded` says whether.
+        """
+        self._end_placing(entry)
+        if entry.state is not State.PLACING:
+            return False
+        level, key = entry.level, entry.key
+        assert level >= 0 and self.level_of(key) is None, (entry, self.level_of(key))  # a move retires its source first
+        self.policies[level].insert(key, entry.nbytes, entry.priority, entry.expires_at)
+        self._add_tag_bytes(key, entry.nbytes)
+        entry.state = State.RESIDENT
+        return True
+
+    def abandon(self, entry: Entry, error: Exception | None = None) -> None:
+        """End a placement that is not published (its write failed, was skipped or went stale).
+
+        Args:
+            entry: the placing entry.
+            error: what a concurrent put waiting for it raises (``None``: nothing; it just returns).
+        """
+        self._end_placing(entry, error)
+        entry.state = State.RETIRED
+
+    def _end_placing(self, entry: Entry, error: Exception | None = None) -> None:
+        if self._placing.get(entry.key) is entry:
+            del self._placing[entry.key]
+            if entry.level >= 0:
+                self._placing_bytes[entry.level] -= entry.nbytes
+        entry.ended = True
+        if entry.done is not None and not entry.done.done():
+            entry.done.set_result(error)
+
+    # ------------------------------------------------------------------ references
+
+    def hold(self, level: int, key: BlockKey) -> Entry:
+        """Take a reference on the resident block ``key`` of tier ``level``; it is no victim until released."""
+        held = self._held[level]
+        entry = held.get(key)
+        if entry is None:
+            policy = self.policies[level]
+            self._generation += 1
+            entry = Entry(key, level, policy.size_of(key), self._generation, State.RESIDENT)  # type: ignore[attr-defined]
+            held[key] = entry
+            policy.pin(key)
+        entry.readers += 1
+        return entry
+
+    def release(self, entry: Entry) -> bool:
+        """Give back one reference; whether the caller must now delete the block's record.
+
+        That is so for the last reference of a block moved out while it was
+        read (``owns_record``), unless a newer entry of the key owns the record
+        by now (:meth:`record_unneeded`).
+        """
+        entry.readers -= 1
+        if entry.readers:
+            return False
+        if entry.state is State.RESIDENT:
+            if self._held[entry.level].get(entry.key) is entry:
+                del self._held[entry.level][entry.key]
+                self.policies[entry.level].unpin(entry.key)
+            return False
+        if not entry.owns_record:
+            return False
+        entry.owns_record = False
+        self._retired_bytes[entry.level] -= entry.nbytes
+        return self.record_unneeded(entry)
+
+    def record_unneeded(self, entry: Entry) -> bool:
+        """Whether the record a gone entry leaves in its tier should be deleted: not if a newer entry of the key
+        lives in that tier (resident or being written), whose record it is, or will be, by the tier's write order."""
+        key, level = entry.key, entry.level
+        if level < 0:
+            return False  # never written
+        if key in self.policies[level]:
+            return False
+        placing = self._placing.get(key)
+        return placing is None or placing.level != level
+
+    # ------------------------------------------------------------------ removing
+
+    def forget(self, level: int, key: BlockKey, *, keep_record: bool = False) -> bool:
+        """Remove the resident block ``key`` from tier ``level``; whether the caller deletes its record now.
+
+        A block with references is retired. With ``keep_record`` (a block moved
+        out) its record stays, and its bytes count, until the last reference
+        goes, for readers still reading it there (:meth:`release`); otherwise (a
+        delete) the record goes now, and the tier keeps what a reader leased
+        (its ``held_bytes``).
+        """
+        policy = self.policies[level]
+        if key not in policy:
+            return False
+        entry = self._held[level].pop(key, None)
+        nbytes = policy.size_of(key) if entry is None else entry.nbytes  # type: ignore[attr-defined]
+        self._unclaim(level, key, nbytes)
+        if entry is not None:
+            policy.unpin(key)
+        policy.remove(key)
+        self._add_tag_bytes(key, -nbytes)
+        if entry is None:
+            return True
+        entry.state = State.RETIRED
+        entry.owns_record = keep_record
+        if keep_record:
+            self._retired_bytes[level] += entry.nbytes
+        return not keep_record
+
+    def retire(self, entry: Entry) -> None:
+        """Remove a held resident entry that the mover has moved out (or dropped); its record goes with the last
+        reference (:meth:`release`), so readers still reading it in this tier finish."""
+        if entry.state is State.RESIDENT and self._held[entry.level].get(entry.key) is entry:
+            self.forget(entry.level, entry.key, keep_record=True)
+
+    def delete(self, keys: Iterable[BlockKey]) -> tuple[dict[int, list[BlockKey]], int]:
+        """Remove ``keys`` from every tier and every placement under way.
+
+        The entries go at once, so a copy or put of them in flight loses at its
+        complete step. A placement whose write is under way stays, retired,
+        until that step: a newer put of the key waits for it, so that the stale
+        record is discarded before the new one is written.
+
+        Returns:
+            The records to delete now, by tier, and how many keys were resident.
+        """
+        records: dict[int, list[BlockKey]] = {}
+        found = 0
+        for key in keys:
+            placing = self._placing.get(key)
+            if placing is not None:
+                if placing.level < 0:  # nothing written yet: it just ends
+                    self.abandon(placing)
+                else:  # its write runs on: it stays, retired, until its owner discards what it wrote
+                    placing.state = State.RETIRED
+            level = self.level_of(key)
+            if level is not None:
+                found += 1
+                if self.forget(level, key):
+                    records.setdefault(level, []).append(key)
+        return records, found
+
+    def clear(self, tag: bytes) -> tuple[dict[int, list[BlockKey]], int]:
+        """:meth:`delete` of every block of one namespace, and a new generation for it (:meth:`namespace_generation`)."""
+        self._namespace_generations[tag] = self.namespace_generation(tag) + 1
+        keys = [key for policy in self.policies for key in policy if key.startswith(tag)]
+        keys += [key for key in self._placing if key.startswith(tag)]
+        return self.delete(keys)
+
+    def _add_tag_bytes(self, key: BlockKey, nbytes: int) -> None:
+        tag = key[:NAMESPACE_TAG_BYTES]
+        left = self._tag_bytes.get(tag, 0) + nbytes
+        if left:
+            self._tag_bytes[tag] = left
+        else:
+            self._tag_bytes.pop(tag, None)
+
+
+def _contains_many(policy: EvictionPolicy, keys: Sequence[BlockKey]) -> list[bool]:
+    """``[key in policy for key in keys]``, through the policy's batch form when it has one."""
+    batch = getattr(policy, "contains_many", None)
+    if batch is not None:
+        return batch(keys)  # type: ignore[no-any-return]
+    return [key in policy for key in keys]
