@@ -101,8 +101,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--cached-tokens", type=int, default=1536)
     parser.add_argument("--model", default="default", help="kvstore.demo preset: default (~147M) or small")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                        help="model and KV dtype (bf16 matmuls are emulated, and slow, on CPUs without AVX512-BF16)")
+    parser.add_argument("--dtype", default=default_dtype(), choices=["bfloat16", "float32", "float16"],
+                        help="model and KV dtype (default: bfloat16 where the CPU has AVX512-BF16, else float32: "
+                             "bf16 matmuls are emulated, and take hours here, on CPUs without it)")
     parser.add_argument("--engines", type=lambda text: text.split(","), default=list(ENGINES),
                         help=f"comma list of the engines to run, of: {', '.join(ENGINES)}")
     parser.add_argument("--out", default=str(RESULTS / "bench_vllm_ttft"))
@@ -322,8 +323,17 @@ def describe(preset: str) -> str:
             f"heads, ~{spec.num_params() / 1e6:.0f}M parameters")
 
 
+def default_dtype() -> str:
+    """``bfloat16`` where this CPU computes it natively (the ``avx512_bf16`` or ``amx_bf16`` flag), else ``float32``."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+
+
 def parser_defaults() -> dict[str, Any]:
-    return {"trials": 5, "prompt_tokens": 2048, "cached_tokens": 1536, "model": "default", "dtype": "bfloat16",
+    return {"trials": 5, "prompt_tokens": 2048, "cached_tokens": 1536, "model": "default", "dtype": default_dtype(),
             "engines": list(ENGINES)}
 
 
