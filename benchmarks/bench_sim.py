@@ -4,6 +4,13 @@ Run from the repository root::
 
     python benchmarks/bench_sim.py                        # the bundled and generated traces
     python benchmarks/bench_sim.py --sessions DIR         # also kv-cache-tester session files (not bundled)
+    python benchmarks/bench_sim.py --disk-only            # rerun only the memory plus disk rows
+
+``--disk-only`` keeps the memory-only rows of the recorded ``sim_results.json``
+and replays only the memory plus disk rows, for a change to the tier model
+(demotion, promotion) that cannot move a memory-only figure. A trace it
+cannot rebuild (the session merges without ``--sessions``) keeps its recorded
+disk rows, and the page says so.
 
 Traces: the two bundled Mooncake traces, three synthetic agentic workloads
 (``kvstore.sim.agentic``, seeded), and with ``--sessions`` real agentic
@@ -66,11 +73,29 @@ def _traces(sessions: Path | None, num_sessions: int) -> dict[str, tuple[list[Tr
     return out
 
 
+def _disk_rows(name: str, requests: list[TraceRequest], block_tokens: int, unique: int,
+               out: list[tuple[str, SimResult]]) -> None:
+    """Append the memory plus disk rows of one trace: 1 % and 5 % of ``unique`` blocks in memory, 4x that on disk."""
+    for fraction in (0.01, 0.05):
+        capacity = max(1, int(unique * fraction))
+        for policy in ("lru", "default", "belady"):
+            out.append((name, simulate(requests, policy, capacity, disk_capacity_blocks=4 * capacity,
+                                       block_tokens=block_tokens)))
+
+
+def _result(entry: dict) -> SimResult:
+    """A recorded row of ``sim_results.json`` back as a ``SimResult`` (the derived ratios dropped)."""
+    fields = {name: entry[name] for name in SimResult.__dataclass_fields__}
+    return SimResult(**{**fields, "hit_blocks_per_tier": tuple(fields["hit_blocks_per_tier"])})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=Path, default=None, help="a directory of kv-cache-tester session files")
     parser.add_argument("--num-sessions", type=int, default=30, help="sessions sampled per merged workload")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--disk-only", action="store_true",
+                        help="keep the recorded memory-only rows; replay only the memory plus disk rows")
     args = parser.parse_args()
     started = time.perf_counter()
     load = os.getloadavg()
@@ -78,7 +103,24 @@ def main() -> int:
     disk_rows: list[tuple[str, SimResult]] = []
     traces = _traces(args.sessions, args.num_sessions)
     meta = {}
+    recorded = json.loads((args.out / "sim_results.json").read_text()) if args.disk_only else None
+    kept_disk: list[str] = []
+    if recorded is not None:
+        meta = recorded["traces"]
+        for entry in recorded["results"]:
+            result = _result(entry)
+            if result.disk_capacity_blocks == 0:
+                rows.append((entry["trace"], result))
+            elif entry["trace"] not in traces:
+                disk_rows.append((entry["trace"], result))
+        kept_disk = [name for name in meta if name not in traces]
     for name, (requests, block_tokens, mooncake) in traces.items():
+        if recorded is not None:
+            if name not in meta:
+                raise SystemExit(f"--disk-only: {name} has no recorded memory rows; run without --disk-only")
+            _disk_rows(name, requests, block_tokens, meta[name]["distinct_blocks"], disk_rows)
+            print(format_table([r for r in disk_rows if r[0] == name]), flush=True)
+            continue
         unique = len({key for r in requests for key in r.block_ids})
         meta[name] = {"requests": len(requests), "blocks": sum(len(r.block_ids) for r in requests),
                       "distinct_blocks": unique, "block_tokens": block_tokens, "mooncake": mooncake}
@@ -88,11 +130,7 @@ def main() -> int:
             for policy in POLICIES:
                 rows.append((name, simulate(requests, policy, capacity, block_tokens=block_tokens)))
         rows.append((name, simulate(requests, "lru", None, block_tokens=block_tokens)))
-        for fraction in (0.01, 0.05):  # memory plus a disk tier 4x as large
-            capacity = max(1, int(unique * fraction))
-            for policy in ("lru", "default", "belady"):
-                disk_rows.append((name, simulate(requests, policy, capacity, disk_capacity_blocks=4 * capacity,
-                                                 block_tokens=block_tokens)))
+        _disk_rows(name, requests, block_tokens, unique, disk_rows)
         print(format_table([r for r in rows if r[0] == name]), flush=True)
 
     def hit(name: str, policy: str, capacity: int | None, disk: int = 0) -> float:
@@ -117,10 +155,25 @@ def main() -> int:
     moon = [s for s in summary if s["moonshot_met"] is not None]
     elapsed = time.perf_counter() - started
     command = "python benchmarks/bench_sim.py" + (" --sessions DIR" if args.sessions else "")
+    provenance = f"Command: `{command}` ({elapsed:.0f} s; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} " \
+                 "on 2 cores"
+    if recorded is not None:
+        first = recorded.get("memory_rows", recorded)
+        old = first["load_average"]
+        provenance = (f"Memory-only rows: `{first['command']}` ({first['elapsed_s']:.0f} s; load average "
+                      f"{old[0]:.1f} {old[1]:.1f} {old[2]:.1f}). Memory plus disk rows rerun after the tier model "
+                      f"changed (promoted blocks held on disk while they move): `{command} --disk-only` "
+                      f"({elapsed:.0f} s; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on 2 cores")
+    stale = (f" The memory plus disk rows of {', '.join(kept_disk)} (marked *) are the earlier tier model's, not "
+             f"rerun: their session files were not at hand.") if kept_disk else ""
     args.out.mkdir(parents=True, exist_ok=True)
     plot(rows, args.out / "sim_results.png")
     (args.out / "sim_results.json").write_text(json.dumps({
-        "command": command, "elapsed_s": elapsed, "load_average": load, "traces": meta, "summary": summary,
+        "command": command + (" --disk-only" if recorded is not None else ""), "elapsed_s": elapsed,
+        "load_average": load, "traces": meta, "summary": summary,
+        **({"memory_rows": {k: recorded.get("memory_rows", recorded)[k] for k in ("command", "elapsed_s",
+                                                                                  "load_average")},
+            "disk_rows_not_rerun": kept_disk} if recorded is not None else {}),
         "floor_met_everywhere": floor_ok, "moonshot_met": sum(bool(s["moonshot_met"]) for s in moon),
         "moonshot_points": len(moon),
         "results": [{"trace": t, **r.to_dict()} for t, r in rows + disk_rows],
@@ -137,12 +190,13 @@ def main() -> int:
         for t, r in disk_rows:
             if t == name and r.policy == "lru":
                 c, d = r.capacity_blocks, r.disk_capacity_blocks
-                disk_lines.append(f"| {name} | {c:,} | {d:,} | {r.hit_ratio:.4f} | {hit(name, 'adaptive', c, d):.4f} "
+                mark = " *" if name in kept_disk else ""
+                default = hit(name, "adaptive", c, d)
+                disk_lines.append(f"| {name}{mark} | {c:,} | {d:,} | {r.hit_ratio:.4f} | {default:.4f} "
                                   f"| {hit(name, 'belady', c, d):.4f} |")
     text = (
         f"# Simulator results: LRU, the default policy and the bound\n\n"
-        f"Command: `{command}` ({elapsed:.0f} s; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on 2 cores, "
-        f"so the times are not speed figures: see `sim_speed.md`).\n\n"
+        f"{provenance}, so the times are not speed figures: see `sim_speed.md`).{stale}\n\n"
         f"Capacities are fractions of each trace's distinct blocks (memory only). `default` is "
         f"`kvstore simulate --policy default` (the adaptive policy); the bound is Belady's MIN with bypass, "
         f"exact for these traces (they have the chain property, `kvstore.sim.belady`). `gap closed` is "
