@@ -3,6 +3,7 @@
 Regression: grpc.aio may fail the handler's ``context.write`` with ``ExecuteBatchError`` rather than
 cancel it; ``_Call.__aexit__`` now asks the context whether the call ended before mapping an error.
 """
+import threading
 import time
 
 import grpc
@@ -17,6 +18,8 @@ from kvstore.v1 import kvstore_pb2 as pb
 from tests.support.server import MiB, ThreadedServer, make_config, namespace
 
 pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
+CALLS = 3
 
 
 def _get_codes(server):
@@ -43,23 +46,25 @@ def test_a_get_stream_ended_by_the_client_is_counted_with_its_code(how: str) -> 
         get = channel.unary_stream("/kvstore.v1.KVStore/Get", request_serializer=pb.GetRequest.SerializeToString,
                                    response_deserializer=lambda b: b)
         request = pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=hashes)
-        for _ in range(5):
-            stream = get(request, timeout=0.2 if how == "deadline" else None)
+        for _ in range(CALLS):
+            # a deadline long enough for the first message on a busy machine, then passed while nothing is read
+            stream = get(request, timeout=5.0 if how == "deadline" else None)
+            ended = threading.Event()
+            stream.add_callback(ended.set)
             next(stream)                       # the server is now blocked in context.write (flow control)
             if how == "cancel":
                 stream.cancel()
-            else:
-                time.sleep(0.3)
+            assert ended.wait(60), "the call did not end"
             with pytest.raises(grpc.RpcError):
                 list(stream)
         channel.close()
         expected = "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"
         deadline = time.monotonic() + 10
-        while sum(_get_codes(server).values()) < 5 and time.monotonic() < deadline:  # handlers finish after
+        while sum(_get_codes(server).values()) < CALLS and time.monotonic() < deadline:  # handlers finish after
             time.sleep(0.02)
         codes = _get_codes(server)
         assert "INTERNAL" not in codes, codes
-        assert codes.get(expected) == 5, codes
+        assert codes.get(expected) == CALLS, codes
     finally:
         server.stop()
 
