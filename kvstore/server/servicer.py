@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import weakref
-from typing import AsyncIterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Sequence, TypeVar
 
 import grpc
 
@@ -34,6 +34,7 @@ from kvstore.server.auth import Principal
 from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
 from kvstore.server.limits import StreamWatch, StreamWatchdog, TenantQuota
 from kvstore.server.metrics import ServiceMetrics
+from kvstore.server.shared_memory import SharedMemoryMethods
 from kvstore.wire import (
     BlockAssembler,
     HashRequest,
@@ -49,6 +50,9 @@ from kvstore.wire import (
 from kvstore.store import TieredStore
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvstore.shm.node import SharedMemoryNode
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +118,11 @@ _REPLY_LOST = _ReplyLostFilter()
 _GRPC_AIO_LOGGER = "grpc._cython.cygrpc"  # the logger of grpc.aio's server (its Cython module)
 
 
-class KVStoreServicer(pb_grpc.KVStoreServicer):
+class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
     """Serves one :class:`~kvstore.store.TieredStore` over gRPC (``grpc.aio``).
+
+    The same-host methods (Capabilities, Attach, GetShared, PutShared) are in
+    ``kvstore.server.shared_memory``; their bytes move through ``kvstore.shm``.
 
     Args:
         store: the started store; the servicer never closes it.
@@ -127,6 +134,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         metrics: where to count calls; ``None`` for no metrics.
         admission: the token check and in-flight limit of every call; built
             from ``config`` when ``None``.
+        shm: the node's same-host data plane (``kvstore.shm.node``), ``None`` for none.
 
     Raises:
         ConfigError: when ``admission`` is ``None`` and the tokens of ``config`` are unusable.
@@ -140,8 +148,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     """
 
     def __init__(self, store: TieredStore, config: Config, metrics: ServiceMetrics | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, shm: SharedMemoryNode | None = None) -> None:
         self._store = store
+        self.shm = shm
         self._config = config
         self._metrics = metrics
         self._chunk_bytes = chunk_bytes_for(config.server.max_message_bytes)
@@ -182,6 +191,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             "Delete": grpc.unary_unary_rpc_method_handler(self.Delete, identity, pb.DeleteResponse.SerializeToString),
             "Clear": grpc.unary_unary_rpc_method_handler(self.Clear, identity, pb.ClearResponse.SerializeToString),
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, identity, pb.StatsResponse.SerializeToString),
+            "Capabilities": grpc.unary_unary_rpc_method_handler(
+                self.Capabilities, identity, pb.CapabilitiesResponse.SerializeToString),
+            "Attach": grpc.stream_stream_rpc_method_handler(self.Attach, identity, pb.AttachReply.SerializeToString),
+            "GetShared": grpc.unary_unary_rpc_method_handler(
+                self.GetShared, identity, pb.GetSharedResponse.SerializeToString),
+            "PutShared": grpc.unary_unary_rpc_method_handler(
+                self.PutShared, identity, pb.PutResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
