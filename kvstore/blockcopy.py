@@ -1,0 +1,158 @@
+"""Blocks into caller memory and back: a Get's encoded blocks copied into the caller's tensors, a Put's tensors
+encoded straight into a target range; one copy each way, and no intermediate ``bytes``.
+
+Used by every transport: the same-host data plane (from and into shared-memory
+segments, ``kvstore.shm.link``), the gRPC client (from the received messages)
+and the embedded store (from the tier's leased memory).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Sequence
+
+from kvstore.codec import (
+    Layout,
+    _check_shape,
+    decode_header,
+    dtype_name,
+    encode_header,
+    header_nbytes,
+    torch_dtype,
+    verify_block,
+)
+from kvstore.errors import DestinationMismatchError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.api import Block, Buffer
+
+
+def check_destinations(destinations: Sequence[Any], num_hashes: int) -> None:
+    """Check the destinations of a Get into caller tensors before any call starts.
+
+    Raises:
+        InvalidArgumentError: if there is not one per hash, or one is not a ``torch.Tensor``.
+    """
+    import torch
+
+    if isinstance(destinations, torch.Tensor) or len(destinations) != num_hashes:
+        count = "a tensor" if isinstance(destinations, torch.Tensor) else f"{len(destinations)} destinations"
+        raise InvalidArgumentError(f"give one destination tensor per block hash: {num_hashes} hashes, {count}")
+    for position, destination in enumerate(destinations):
+        if not isinstance(destination, torch.Tensor):
+            raise InvalidArgumentError(f"destination {position}: expected a torch.Tensor, got "
+                                       f"{type(destination).__name__}")
+
+
+def check_blocks(blocks: Sequence[Block], layout: Layout | str) -> None:
+    """Check what encoding the blocks of a put would refuse, without encoding them (no copy).
+
+    Raises:
+        InvalidArgumentError: on a block that is neither encoded bytes nor a ``torch.Tensor``.
+        UnknownDtypeError: on a tensor whose dtype has no codec code.
+        ElementCountError: on a tensor whose shape does not fit the layout.
+    """
+    import torch
+
+    layout = Layout(layout)
+    for position, block in enumerate(blocks):
+        if isinstance(block, (bytes, bytearray, memoryview)):
+            continue
+        if not isinstance(block, torch.Tensor):
+            raise InvalidArgumentError(f"block {position}: expected encoded bytes or a torch.Tensor, got "
+                                       f"{type(block).__name__}")
+        dtype_name(block.dtype)
+        _check_shape(layout, tuple(block.shape))
+
+
+def byte_view(buffer: Buffer) -> torch.Tensor:
+    """A 1-D ``uint8`` tensor viewing ``buffer`` without a copy (read-only buffers too: never write into it)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is not writable: it is only read
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
+                    source: torch.Tensor | None = None, position: int = 0, num_found: int = 1) -> None:
+    """Copy one encoded block's payload into ``destination`` (any device, any strides): one copy.
+
+    Args:
+        block: the encoded block (header, then payload).
+        destination: a tensor of the block's dtype and shape, e.g. ``[num_layers, 2, num_kv_heads,
+            block_size, head_dim]``; a slice of a larger tensor (a cache, a staging buffer) is fine.
+        verify: check the block's checksum first.
+        source: a ``uint8`` tensor over exactly ``block``'s bytes, if the caller has one (saves making it).
+        position: the block's index in its call, for the error.
+        num_found: blocks the call fetched, for the error.
+
+    Raises:
+        DestinationMismatchError: if the block's dtype or shape is not the destination's.
+        CodecError: if the block is malformed, or (with ``verify``) corrupt.
+    """
+    header = verify_block(block) if verify else decode_header(block)
+    dtype = torch_dtype(header.dtype)
+    if destination.dtype != dtype or tuple(destination.shape) != header.shape:
+        raise DestinationMismatchError(
+            f"block {position} is {header.dtype} {list(header.shape)}, its destination "
+            f"{str(destination.dtype).removeprefix('torch.')} {list(destination.shape)}", position, num_found)
+    if header.payload_nbytes == 0:
+        return
+    if source is None:
+        source = byte_view(block)
+    destination.copy_(source[header.header_nbytes:header.nbytes].view(dtype).view(header.shape))
+
+
+def copy_blocks_into(blocks: Sequence[Buffer], destinations: Sequence[torch.Tensor], *, verify: bool,
+                     sources: Sequence[torch.Tensor] | None = None) -> int:
+    """Copy each block into its destination, in order (see :func:`copy_block_into`); returns how many.
+
+    Raises:
+        DestinationMismatchError: at the first block that does not fit its destination (those before it are copied).
+        CodecError: as :func:`copy_block_into`.
+    """
+    num_found = len(blocks)
+    for position, (block, destination) in enumerate(zip(blocks, destinations)):
+        copy_block_into(block, destination, verify=verify, source=None if sources is None else sources[position],
+                        position=position, num_found=num_found)
+    return num_found
+
+
+def encoded_nbytes(block: Block) -> int:
+    """The encoded length of a block (encoded bytes as they are, or a tensor to encode), bytes."""
+    if isinstance(block, (bytes, bytearray, memoryview)):
+        return memoryview(block).nbytes
+    return header_nbytes(block.dim()) + block.numel() * block.element_size()
+
+
+def encode_into(block: Block, layout: Layout | str, target: memoryview, target_bytes: torch.Tensor) -> int:
+    """Write one block encoded into ``target`` (at its start): encoded bytes are copied as they are; a tensor's
+    payload is copied straight in (from any device), then its header is computed over that copy and written
+    before it. Returns the encoded length, bytes.
+
+    Args:
+        block: encoded bytes, or a tensor of the layout's shape (``[num_layers, 2, num_kv_heads, block_size,
+            head_dim]`` for ``kv``).
+        layout: the namespace's layout.
+        target: a writable range of at least :func:`encoded_nbytes` bytes.
+        target_bytes: a ``uint8`` tensor over the same range.
+
+    Raises:
+        UnknownDtypeError: if a tensor's dtype has no codec code.
+        ElementCountError: if a tensor's shape does not fit the layout.
+    """
+    if isinstance(block, (bytes, bytearray, memoryview)):
+        view = memoryview(block).cast("B")
+        target[:view.nbytes] = view
+        return view.nbytes
+    name = dtype_name(block.dtype)
+    head = header_nbytes(block.dim())
+    nbytes = head + block.numel() * block.element_size()
+    if nbytes > head:
+        target_bytes[head:nbytes].view(block.dtype).view(block.shape).copy_(block.detach())
+    header = encode_header(name, layout, tuple(block.shape), target[head:nbytes])
+    target[:head] = header
+    return nbytes
