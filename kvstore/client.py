@@ -791,11 +791,14 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
     from the caller's memory (their dtypes and shapes were checked beforehand: encoding cannot fail)."""
     encoded: list[list[bytes]] = []
 
-    def requests() -> _RequestStream:
+    def messages() -> Iterator[bytes]:
         if not encoded:
             encoded.append(encode_blocks(blocks, namespace.layout))
-        return _RequestStream(put_requests(namespace, block_hashes, encoded[0], chunk_bytes,
-                                           priority=priority, retention_s=retention_s))
+        yield from put_requests(namespace, block_hashes, encoded[0], chunk_bytes, priority=priority,
+                                retention_s=retention_s)
+
+    def requests() -> _RequestStream:
+        return _RequestStream(messages())
 
     def shared(session: SharedSession) -> tuple[_Rpc, Callable[[], None]] | None:
         staged = session.stage(blocks, namespace.layout)

@@ -431,6 +431,13 @@ class _Call:
         self._watch: StreamWatch | None = None
         self.principal: Principal | None = None
 
+    def give_back_slot(self) -> None:
+        """Give the call's in-flight slot back now, for the rest of a long-lived call (a same-host session's
+        Attach stream, which ``shared_memory.max_sessions`` bounds instead)."""
+        if self._ticket is not None:
+            self._servicer.admission.release(self._ticket)
+            self._ticket = self._ticket._replace(peer=None)
+
     def watch(self, watchdog: StreamWatchdog) -> None:
         """Put the rest of the call under ``watchdog`` (``limits.max_stream_s``), until the call leaves.
 

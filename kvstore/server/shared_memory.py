@@ -77,6 +77,7 @@ class SharedMemoryMethods:
         async with self._call("Attach", context) as call:  # type: ignore[operator]
             shm = self._require_shm()
             session = shm.open(call.principal)
+            call.give_back_slot()  # a session lasts as long as its client: max_sessions bounds them, not the slots
             try:
                 await context.write(pb.AttachReply(
                     session_id=session.session_id, grant=session.grant,

@@ -142,15 +142,17 @@ class Segment:
         return stat.S_IMODE(os.fstat(self.fd).st_mode)
 
     def close(self) -> None:
-        """Unmap and close; idempotent. A mapping still viewed elsewhere goes with the last view of it."""
+        """Close this side's file descriptor; idempotent.
+
+        The mapping stays until the last reference to this segment, or to a
+        view of it, goes (CPython frees it then): a call still copying, or a
+        tensor viewing it, keeps it valid. It is never unmapped under a view:
+        ``torch.frombuffer`` keeps no buffer export, so an explicit unmap would
+        leave such a tensor pointing at nothing.
+        """
         if self._closed:
             return
         self._closed = True
-        try:
-            self.view.release()
-            self._map.close()
-        except BufferError:  # a view of it is still held (a read the client has not released): it goes with that view
-            pass
         os.close(self.fd)
 
     @property
