@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import grpc
@@ -292,6 +293,12 @@ class SharedSession:
         self.alive = False
 
 
+def _tell_ended(session_box: list[weakref.ref[SharedSession]]) -> None:
+    session = session_box[0]() if session_box else None
+    if session is not None:
+        session.ended()
+
+
 def _requests(releases: queue.SimpleQueue[pb.AttachRequest | None]) -> Iterator[pb.AttachRequest]:
     while True:
         item = releases.get()
@@ -411,7 +418,7 @@ class SharedMemoryLink:
         call = stub.Attach(_requests(releases), metadata=self._metadata)
         first: list[Any] = []
         got_first = threading.Event()
-        session_box: list[SharedSession] = []
+        session_box: list[weakref.ref[SharedSession]] = []  # weak: the session goes when the link lets go of it
 
         def read_stream() -> None:  # the stream's one reply, then its end: the session's end
             try:
@@ -422,10 +429,10 @@ class SharedMemoryLink:
             try:
                 for _ in call:
                     pass
-            except grpc.RpcError:
-                pass
-            if session_box:
-                session_box[0].ended()
+            except grpc.RpcError as exc:
+                # the call raises itself: its traceback would hold this frame, and the frame the call (a cycle)
+                exc.__traceback__ = None
+            _tell_ended(session_box)
 
         threading.Thread(target=read_stream, name=f"kvstore-shm-{self.target}", daemon=True).start()
         try:
@@ -450,7 +457,7 @@ class SharedMemoryLink:
             call.cancel()
             raise
         session = SharedSession(reply.session_id, reply.lease_s, get_segment, put_segment, releases, call, channel)
-        session_box.append(session)
+        session_box.append(weakref.ref(session))
         if not call.is_active():  # ended before the reader could tell the session
             session.ended()
         return session

@@ -167,10 +167,7 @@ class SharedMemoryNode:
         Returns:
             The lease and each block's offset and length (the offsets in the
             segment, each block :data:`BLOCK_ALIGNMENT`-aligned); no lease and no
-            offsets when the segment has no room left now (the client uses gRPC).
-
-        Raises:
-            ResourceExhaustedError: if the blocks are more than a whole get segment holds.
+            offsets when the segment has no room for them (the client uses gRPC).
         """
         assert self.sessions is not None
         sizes = [memoryview(block).nbytes for block in blocks]

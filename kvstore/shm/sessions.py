@@ -218,14 +218,8 @@ class SessionTable:
     # ------------------------------------------------------------------ leases
 
     def lease(self, session: Session, nbytes: int) -> Lease | None:
-        """A lease on a new range of ``nbytes`` of the session's get segment; ``None`` when it has no room.
-
-        Raises:
-            ResourceExhaustedError: if ``nbytes`` is larger than the whole segment (it would never fit).
-        """
-        if session.allocator.aligned(nbytes) > session.allocator.capacity_bytes:
-            raise ResourceExhaustedError(f"{nbytes} bytes is more than a session's get segment holds "
-                                         f"({self.segment_bytes} bytes, shared_memory.segment_bytes)")
+        """A lease on a new range of ``nbytes`` of the session's get segment; ``None`` when it has no room now
+        (its other leases hold it), or ever (``nbytes`` is more than the segment holds): the client uses gRPC."""
         offset = session.allocator.allocate(nbytes)
         if offset is None:
             self.counts.no_room += 1
