@@ -353,6 +353,9 @@ class SharedMemoryLink:
             session = self.current()
             if session is not None or self._closed or time.monotonic() < self._retry_at:
                 return session
+            if self._session is not None:  # it ended (the node stopped): close what is left of it here
+                self._session.retire()
+                self._session = None
             try:
                 self._session = self._attach()
             except _Off as off:

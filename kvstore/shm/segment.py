@@ -23,6 +23,7 @@ import os
 import socket
 import stat
 import sys
+import weakref
 
 from kvstore.errors import KVStoreError
 
@@ -65,7 +66,7 @@ class Segment:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
         self.view = memoryview(self._map)
-        self._closed = False
+        self._close_fd = weakref.finalize(self, os.close, fd)  # also when it is dropped unclosed
 
     @classmethod
     def create(cls, name: str, nbytes: int, *, writable: bool = True) -> Segment:
@@ -150,15 +151,12 @@ class Segment:
         ``torch.frombuffer`` keeps no buffer export, so an explicit unmap would
         leave such a tensor pointing at nothing.
         """
-        if self._closed:
-            return
-        self._closed = True
-        os.close(self.fd)
+        self._close_fd()
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
+        """Whether this side's descriptor is closed."""
+        return not self._close_fd.alive
 
     def __repr__(self) -> str:
         return f"Segment(fd={self.fd}, {self.nbytes} bytes, {'rw' if self.writable else 'ro'})"
