@@ -362,7 +362,7 @@ class SharedMemoryLink:
                 self._off(str(off), permanent=off.permanent)
                 return None
             except (grpc.RpcError, OSError, KVStoreError, TimeoutError) as exc:
-                self._off(f"{type(exc).__name__}: {_detail(exc)}", permanent=False)
+                self._off(_detail(exc), permanent=False)
                 return None
             self._retry_s = RETRY_S[0]
             if self.reason:
@@ -481,6 +481,7 @@ class _Off(Exception):
 
 
 def _detail(exc: BaseException) -> str:
+    """``CODE: details`` of a status, ``Type: message`` of any other error (why a link is off)."""
     if isinstance(exc, grpc.RpcError):
-        return f"{exc.code().name} {exc.details()}"  # type: ignore[attr-defined]
-    return str(exc)
+        return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+    return f"{type(exc).__name__}: {exc}"
