@@ -684,6 +684,7 @@ class _Probe(NamedTuple):
 
 class _Link(NamedTuple):
     node: int  # the node's same-host session, attached first if it is time to try; the transport sends back it or None
+    timeout_s: float  # the longest an attach may take (what is left of the call's deadline)
 
 
 _SLOT = _Slot()
@@ -1234,7 +1235,7 @@ class _Client:
                 raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
             chosen, done, session = rpc, None, None
             if rpc.shared is not None and self._links[node] is not None and shared_tries < _MAX_SHARED_TRIES:
-                session = yield _Link(node)
+                session = yield _Link(node, remaining_s)
                 made = None if session is None else rpc.shared(session)
                 if made is not None:
                     chosen, done = made
@@ -1379,7 +1380,7 @@ class KVStoreClient(_Client):
         if type(op) is _Attempt:
             return self._attempt(op)
         if type(op) is _Link:
-            return self._links[op.node].ensure()  # type: ignore[union-attr]
+            return self._links[op.node].ensure(op.timeout_s)  # type: ignore[union-attr]
         if type(op) is _Slot:
             return self._acquire_slot()
         if type(op) is _Pause:
@@ -1538,7 +1539,7 @@ class AsyncKVStoreClient(_Client):
             session = link.current()
             if session is not None or link.settled():
                 return session
-            return await asyncio.to_thread(link.ensure)  # attaching blocks (a handoff over a Unix socket)
+            return await asyncio.to_thread(link.ensure, op.timeout_s)  # attaching blocks (a handoff, a Unix socket)
         if type(op) is _Slot:
             return await self._acquire_slot()
         if type(op) is _Pause:

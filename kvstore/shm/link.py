@@ -342,8 +342,13 @@ class SharedMemoryLink:
         """Whether :meth:`ensure` would answer without I/O (attached, or off until a later retry)."""
         return self.current() is not None or self._closed or time.monotonic() < self._retry_at
 
-    def ensure(self) -> SharedSession | None:
-        """The attached session, attaching first if it is time to try; ``None``: use gRPC (blocking; thread-safe)."""
+    def ensure(self, timeout_s: float = ATTACH_TIMEOUT_S) -> SharedSession | None:
+        """The attached session, attaching first if it is time to try; ``None``: use gRPC (blocking; thread-safe).
+
+        Args:
+            timeout_s: the longest the attaching may take (at most :data:`ATTACH_TIMEOUT_S`), seconds:
+                what is left of the calling call's deadline.
+        """
         session = self.current()
         if session is not None:
             return session
@@ -357,7 +362,7 @@ class SharedMemoryLink:
                 self._session.retire()
                 self._session = None
             try:
-                self._session = self._attach()
+                self._session = self._attach(min(ATTACH_TIMEOUT_S, timeout_s))
             except _Off as off:
                 self._off(str(off), permanent=off.permanent)
                 return None
@@ -388,7 +393,7 @@ class SharedMemoryLink:
         self._retry_at = math.inf if permanent else time.monotonic() + self._retry_s
         self._retry_s = min(RETRY_S[1], self._retry_s * 2)
 
-    def _attach(self) -> SharedSession:
+    def _attach(self, timeout_s: float) -> SharedSession:
         reason = unsupported_reason()
         if reason is not None:
             raise _Off(reason, permanent=True)
@@ -397,16 +402,16 @@ class SharedMemoryLink:
         else:
             channel = grpc.insecure_channel(self.target, options=self._options)
         try:
-            return self._attach_on(channel)
+            return self._attach_on(channel, timeout_s)
         except BaseException:
             channel.close()
             raise
 
-    def _attach_on(self, channel: grpc.Channel) -> SharedSession:
+    def _attach_on(self, channel: grpc.Channel, timeout_s: float) -> SharedSession:
         stub = pb_grpc.KVStoreStub(channel)
-        deadline = time.monotonic() + ATTACH_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         try:
-            capabilities = stub.Capabilities(pb.CapabilitiesRequest(), timeout=ATTACH_TIMEOUT_S,
+            capabilities = stub.Capabilities(pb.CapabilitiesRequest(), timeout=max(0.01, timeout_s),
                                              metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
