@@ -9,7 +9,7 @@ and the embedded store (from the tier's leased memory).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from kvstore.codec import (
     Layout,
@@ -106,19 +106,35 @@ def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
     destination.copy_(source[header.header_nbytes:header.nbytes].view(dtype).view(header.shape))
 
 
-def copy_blocks_into(blocks: Sequence[Buffer], destinations: Sequence[torch.Tensor], *, verify: bool,
-                     sources: Sequence[torch.Tensor] | None = None) -> int:
-    """Copy each block into its destination, in order (see :func:`copy_block_into`); returns how many.
+class Copied(NamedTuple):
+    """A Get into caller tensors, on one node: blocks copied in prefix order, blocks found, and the mismatch if any."""
+
+    num_copied: int
+    num_found: int
+    error: DestinationMismatchError | None = None
+
+
+def copy_into_destinations(blocks: Sequence[Buffer], destinations: Sequence[torch.Tensor], verify: bool,
+                           sources: Sequence[torch.Tensor] | None = None) -> Copied:
+    """Copy blocks into their destinations, in order, until one does not fit (:func:`copy_block_into`).
+
+    Args:
+        blocks: the encoded blocks fetched, in prefix order.
+        destinations: one tensor per block (at least as many).
+        verify: check each checksum first.
+        sources: ``uint8`` tensors over the blocks' bytes, if the caller has them.
 
     Raises:
-        DestinationMismatchError: at the first block that does not fit its destination (those before it are copied).
-        CodecError: as :func:`copy_block_into`.
+        CodecError: on a malformed block, or (with ``verify``) a corrupt one.
     """
-    num_found = len(blocks)
-    for position, (block, destination) in enumerate(zip(blocks, destinations)):
-        copy_block_into(block, destination, verify=verify, source=None if sources is None else sources[position],
-                        position=position, num_found=num_found)
-    return num_found
+    for position, block in enumerate(blocks):
+        try:
+            copy_block_into(block, destinations[position], verify=verify,
+                            source=None if sources is None else sources[position], position=position,
+                            num_found=len(blocks))
+        except DestinationMismatchError as exc:
+            return Copied(position, len(blocks), exc)
+    return Copied(len(blocks), len(blocks))
 
 
 def encoded_nbytes(block: Block) -> int:

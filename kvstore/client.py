@@ -90,7 +90,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats
-from kvstore.blockcopy import check_blocks, check_destinations
+from kvstore.blockcopy import Copied, check_blocks, check_destinations, copy_into_destinations
 from kvstore.codec import decode_block, encode_blocks
 from kvstore.errors import DestinationMismatchError, InvalidArgumentError, KVStoreError, UnavailableError
 from kvstore.keys import BlockHash, Namespace
@@ -103,7 +103,7 @@ from kvstore.routing import (
     Partition,
     RendezvousRouter,
 )
-from kvstore.shm.link import BlockLease, Copied, SharedMemoryLink, SharedSession, UseGrpc, copy_into_destinations
+from kvstore.shm.link import BlockLease, SharedMemoryLink, SharedSession, UseGrpc
 from kvstore.status import RETRYABLE_CODES, DeadlineExceededError, error_of
 from kvstore.wire import (
     GET_METHOD,

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import grpc
 
-from kvstore.blockcopy import byte_view, copy_block_into, encode_into, encoded_nbytes
+from kvstore.blockcopy import Copied, byte_view, copy_block_into, copy_into_destinations, encode_into, encoded_nbytes
 from kvstore.codec import Layout, decode_header, torch_dtype, verify_block
-from kvstore.errors import DestinationMismatchError, KVStoreError
+from kvstore.errors import KVStoreError
 from kvstore.shm.allocator import RangeAllocator
 from kvstore.shm.handoff import redeem_grant
 from kvstore.shm.node import BLOCK_ALIGNMENT, host_id
@@ -56,27 +56,6 @@ LEASE_MARGIN_S = 0.5
 
 class UseGrpc(Exception):
     """The same-host path declined one call (the segment had no room, or the lease ran out): send it over gRPC."""
-
-
-class Copied(NamedTuple):
-    """A Get into caller tensors, on one node: blocks copied in prefix order, blocks found, and the mismatch if any."""
-
-    num_copied: int
-    num_found: int
-    error: DestinationMismatchError | None = None
-
-
-def copy_into_destinations(blocks: Sequence[Buffer], destinations: Sequence[torch.Tensor], verify: bool,
-                           sources: Sequence[torch.Tensor] | None = None) -> Copied:
-    """Copy blocks into their destinations until one does not fit (:func:`kvstore.blockcopy.copy_block_into`)."""
-    for position, block in enumerate(blocks):
-        try:
-            copy_block_into(block, destinations[position], verify=verify,
-                            source=None if sources is None else sources[position], position=position,
-                            num_found=len(blocks))
-        except DestinationMismatchError as exc:
-            return Copied(position, len(blocks), exc)
-    return Copied(len(blocks), len(blocks))
 
 
 class BlockLease:

@@ -178,3 +178,19 @@ def test_a_closed_client_leaves_no_segment_open(server: ThreadedServer) -> None:
         session = client._links[0].current().session_id  # type: ignore[union-attr]
         assert open_segments() - before == {f"memfd:kvstore-get-{session:x}", f"memfd:kvstore-put-{session:x}"}
     wait_until(lambda: open_segments() == before, 30, "the session's segments closed on both sides")
+
+
+def test_the_embedded_store_fills_destinations_the_same_way() -> None:
+    from kvstore.embedded import open_store
+
+    ns = namespace(dtype="bfloat16", block_size=4)
+    hashes = hash_blocks(ns, list(range(3 * 4)))
+    tensors = random_blocks(ns, 3, seed=8)
+    with open_store() as store:
+        store.put(ns, hashes, tensors)
+        cache = torch.zeros(3, 2, 2, 12, 24, dtype=torch.bfloat16)
+        assert store.get_into(ns, hashes, [cache[:, :, :, i * 4:(i + 1) * 4] for i in range(3)]) == 3
+        assert same_bits(cache, torch.cat(tensors, dim=3))
+        with pytest.raises(DestinationMismatchError) as info:
+            store.get_into(ns, hashes, [torch.empty_like(tensors[0]), torch.empty(1), torch.empty(1)])
+        assert (info.value.num_blocks, info.value.num_found) == (1, 3)
