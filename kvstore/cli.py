@@ -14,7 +14,10 @@ import importlib
 import json
 import math
 import sys
+import textwrap
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from kvstore.connection import add_connection_arguments, target_argument
 
 if TYPE_CHECKING:
     from kvstore.client import KVStoreClient
@@ -46,7 +49,8 @@ examples:
   kvstore stats --target kv-0.kv:50051 | jq '.tiers[] | {name, blocks, hits}'
 
 Prints {"tiers": [{"name": ..., "blocks": ..., "bytes": ..., "capacity_bytes": ...,
-"hits": ..., "misses": ..., "evictions": ..., ...}, ...]} as JSON, fastest tier first."""
+"hits": ..., "misses": ..., "evictions": ..., "state": ..., "last_error": ..., ...}, ...]}
+as JSON, fastest tier first; "state" is "up" or "down" for the shared Redis tier."""
 
 _HEALTH_EXAMPLES = """\
 examples:
@@ -56,7 +60,11 @@ examples:
 
 Prints the grpc.health.v1 status (SERVING, NOT_SERVING, SERVICE_UNKNOWN for an
 unknown --service, ...) and exits 0 only when it is SERVING; 1 otherwise, also
-when the node cannot be reached (UNREACHABLE on stderr); 2 on a bad option."""
+when the node cannot be reached (UNREACHABLE on stderr); 2 on a bad option.
+A node that serves while its shared tier is down (Redis) is still SERVING; a
+line such as "tier redis: down (last error: ...)" follows. The node's health
+service tells (kvstore.tiers, kvstore.tier.<name>: no token needed); the last
+error comes from its stats, which on a node with tokens need one."""
 
 
 def _timeout_s(text: str) -> float:
@@ -71,10 +79,11 @@ def _timeout_s(text: str) -> float:
 
 
 def _add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, metavar="HOST:PORT",
-                        help=f"address of the node (default {DEFAULT_TARGET})")
+    parser.add_argument("--target", type=target_argument, default=DEFAULT_TARGET, metavar="HOST:PORT",
+                        help=f"address of the node; a bare HOST means HOST:50051 (default {DEFAULT_TARGET})")
     parser.add_argument("--timeout", type=_timeout_s, default=5.0, metavar="SECONDS",
                         help="deadline of the call, seconds > 0 (default 5)")
+    add_connection_arguments(parser)
 
 
 _CORE_COMMANDS = ("serve", "stats", "health")
@@ -86,6 +95,7 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
         prog="kvstore",
         description="A multi-tier KV-cache store for LLM inference, served over gRPC.",
         epilog="Run 'kvstore COMMAND --help' for the options and examples of a command.",
+        allow_abbrev=False,
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -117,7 +127,12 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
 
     stats = subparsers.add_parser(
         "stats", help="print a node's per-tier stats as JSON",
-        description="Print a node's per-tier stats (blocks, bytes, hits, misses, evictions, ...) as JSON.",
+        description=textwrap.fill("Print a node's per-tier stats (blocks, bytes, hits, misses, evictions, ...) as "
+                                  "JSON.") + "\n\n" + textwrap.fill(
+            "A tier's hits and misses count Gets, tier by tier: a block served from disk is a memory miss and a "
+            "disk hit, and the first block a Get did not find is a miss of every tier. lookup_hit_blocks and "
+            "lookup_miss_blocks count Lookups: the traffic's prefix hit ratio is hit / (hit + miss). Every counter "
+            "is defined in docs/service.md (Metrics)."),
         epilog=_STATS_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_target(stats)
@@ -134,6 +149,9 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
 
     for name in extra_modules:
         _register(name, subparsers)
+    for command in subparsers.choices.values():
+        command.allow_abbrev = False  # `serve --memory 1GiB` is not --memory-capacity
+        command.set_defaults(command_parser=command)  # to report an unknown option with this usage
     return parser
 
 
@@ -177,11 +195,13 @@ def _serve(args: argparse.Namespace) -> int:
 def _client(command: str, args: argparse.Namespace) -> KVStoreClient | None:
     """A client of ``--target`` with ``--timeout`` and no retries; ``None`` (the error printed) on a bad flag."""
     from kvstore.client import KVStoreClient
-    from kvstore.errors import InvalidArgumentError
+    from kvstore.connection import Connection
+    from kvstore.errors import ConfigError, InvalidArgumentError
 
     try:
-        return KVStoreClient(args.target, timeout_s=args.timeout, retries=0)
-    except InvalidArgumentError as exc:
+        return KVStoreClient(args.target, timeout_s=args.timeout, retries=0,
+                             **Connection.from_args(args).client_kwargs())
+    except (InvalidArgumentError, ConfigError) as exc:
         print(f"kvstore {command}: invalid argument: {exc}", file=sys.stderr)
         return None
 
@@ -220,8 +240,31 @@ def _health(args: argparse.Namespace) -> int:
         except KVStoreError as exc:  # the node answered with an error (e.g. UNAUTHENTICATED)
             print(f"kvstore health: {args.target}: {exc}", file=sys.stderr)
             return 1
-    print(status)
+        print(status)
+        if status == "SERVING":
+            for line in _tier_problems(client):
+                print(line)
     return 0 if status == "SERVING" else 1
+
+
+def _tier_problems(client: KVStoreClient) -> list[str]:
+    """A line for each tier of the node that is down (a shared Redis), empty while all are up.
+
+    Asks the health service ``kvstore.tiers`` (``kvstore.server.health``; it
+    needs no token), and only while a tier is down the stats, for its last
+    error; where those need a token that was not given, the line says so.
+    """
+    from kvstore.errors import KVStoreError
+    from kvstore.server.health import TIERS_SERVICE
+
+    try:
+        if client.health(TIERS_SERVICE) != "NOT_SERVING":
+            return []  # SERVING, or SERVICE_UNKNOWN from a node that predates the tier services
+        stats = client.stats()
+    except KVStoreError:
+        return ["a tier of the node is down; `kvstore stats` (with the node's token) gives its last error"]
+    return [f"tier {t.name}: {t.state}" + (f" (last error: {t.last_error})" if t.last_error else "")
+            for t in stats.tiers if t.state == "down"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,7 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     core_only = bool(argv) and argv[0] in _CORE_COMMANDS  # `kvstore health` in a probe need not import torch
     parser = build_parser(() if core_only else SUBCOMMAND_MODULES)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # report it with the usage of the subcommand, not the top level's
+        command: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

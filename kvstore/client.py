@@ -89,12 +89,13 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generator, Iterator,
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats
-from kvstore.blockcopy import Copied, check_blocks, check_destinations, copy_into_destinations
+from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats, merge_tier_status
+from kvstore.blockcopy import Copied, blocks_for_put, check_destinations, copy_into_destinations
 from kvstore.codec import decode_block, encode_blocks
 from kvstore.errors import DestinationMismatchError, InvalidArgumentError, KVStoreError, UnavailableError
-from kvstore.keys import BlockHash, Namespace
+from kvstore.keys import BlockHash, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
+from kvstore.security import call_metadata
 from kvstore.routing import (
     DEFAULT_DOWN_BACKOFF_S,
     DEFAULT_MAX_DOWN_BACKOFF_S,
@@ -508,7 +509,9 @@ def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
             acc = merged.get(tier.name)
             if acc is None:
                 merged[tier.name] = {f: getattr(tier, f) for f in _TIER_FIELDS} | {"counters": dict(tier.counters)}
+                merged[tier.name].update(merge_tier_status({}, tier))  # state and last_error
                 continue
+            acc.update(merge_tier_status(acc, tier))
             for f in _TIER_FIELDS:
                 value = getattr(tier, f)
                 acc[f] = -1 if f == "blocks" and (value < 0 or acc[f] < 0) else acc[f] + value
@@ -689,6 +692,28 @@ class _Link(NamedTuple):
 
 _SLOT = _Slot()
 _Step = Generator[Any, Any, _T]
+_RETURNED = object()
+
+
+class _Outcome:
+    """What the last I/O a step asked for gave, a value or an error, to send into the step (each transport's loop)."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def send_into(self, step: _Step[Any]) -> Any:
+        """Resume ``step`` with this outcome; returns the next I/O it asks for, or ``_RETURNED`` (its result is
+        then :attr:`value`)."""
+        value, error = self.value, self.error
+        self.value, self.error = None, None
+        try:
+            return step.throw(error) if error is not None else step.send(value)
+        except StopIteration as stop:
+            self.value = stop.value
+            return _RETURNED
 
 
 def _stub(name: str) -> Callable[[TargetChannel], Any]:
@@ -899,7 +924,7 @@ class _Client:
         self.max_backoff_s = settings.max_backoff_s
         self.retry = Retry(settings.retries, Backoff(settings.backoff_s, settings.max_backoff_s))
         self.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
-        self.metadata = tuple(metadata)
+        self.metadata = call_metadata(metadata)
         self._chunk_bytes = chunk_bytes_for(max_message_bytes)
         self.router = RendezvousRouter(self.targets)
         self.membership = Membership(self.router.node_ids, base_backoff_s=settings.down_backoff_s,
@@ -941,6 +966,7 @@ class _Client:
             InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
         ns = cached_namespace_pb(namespace)
         if self._single:
             return self._run(_Plan({0: _lookup_rpc(ns, block_hashes)}, _first))
@@ -964,6 +990,8 @@ class _Client:
         return self._run(self._get_plan(namespace, block_hashes))
 
     def _get_plan(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Plan:
+        check_block_hashes(namespace, block_hashes)
+
         def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
             return _get_rpc(namespace, hashes)._replace(
                 shared=_shared_get(cached_namespace_pb(namespace), hashes, SharedSession.take_bytes))
@@ -991,6 +1019,8 @@ class _Client:
         Raises:
             CodecError: if a received block fails to decode.
         """
+        check_block_hashes(namespace, block_hashes)
+
         def decode(blocks: list[Buffer]) -> list[Any]:
             return [decode_block(b) for b in blocks]
 
@@ -1032,6 +1062,7 @@ class _Client:
             CodecError: on a malformed block, or (when checked) a corrupt one.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
         check_destinations(destinations, len(block_hashes))
         over_grpc = True if verify is None else bool(verify)
         shared = False if verify is None else bool(verify)
@@ -1057,6 +1088,8 @@ class _Client:
             InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
+
         def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
             return _get_then(namespace, hashes, lambda blocks: BlockLease(blocks, []), SharedSession.lease)
 
@@ -1099,8 +1132,9 @@ class _Client:
             ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
+        check_block_hashes(namespace, block_hashes)
         priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
-        check_blocks(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
+        blocks = blocks_for_put(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
 
         def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> _Rpc:
             return _put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s)
@@ -1109,6 +1143,7 @@ class _Client:
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
         """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
+        check_block_hashes(namespace, block_hashes)
         ns = cached_namespace_pb(namespace)
         if self._single:
             return self._run(_Plan({0: _delete_rpc(ns, block_hashes)}, _first))
@@ -1360,19 +1395,14 @@ class KVStoreClient(_Client):
 
     def _drive(self, step: _Step[_T]) -> _T:
         """Perform the I/O ``step`` yields, in this thread, until it returns."""
-        value: Any = None
-        error: BaseException | None = None
+        outcome = _Outcome()
         try:
-            while True:
+            while (op := outcome.send_into(step)) is not _RETURNED:
                 try:
-                    op = step.throw(error) if error is not None else step.send(value)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
-                value, error = None, None
-                try:
-                    value = self._perform(op)
+                    outcome.value = self._perform(op)
                 except BaseException as exc:  # noqa: BLE001 - sent back into the step, which decides
-                    error = exc
+                    outcome.error = exc
+            return outcome.value  # type: ignore[no-any-return]
         finally:
             step.close()
 
@@ -1512,21 +1542,16 @@ class AsyncKVStoreClient(_Client):
 
     async def _drive(self, step: _Step[_T]) -> _T:
         """Perform the I/O ``step`` yields, on the running loop, until it returns."""
-        value: Any = None
-        error: BaseException | None = None
+        outcome = _Outcome()
         try:
-            while True:
+            while (op := outcome.send_into(step)) is not _RETURNED:
                 try:
-                    op = step.throw(error) if error is not None else step.send(value)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
-                value, error = None, None
-                try:
-                    value = await self._perform(op)
+                    outcome.value = await self._perform(op)
                 except asyncio.CancelledError:
                     raise  # the caller's cancellation is not the call's outcome
                 except BaseException as exc:  # noqa: BLE001 - sent back into the step, which decides
-                    error = exc
+                    outcome.error = exc
+            return outcome.value  # type: ignore[no-any-return]
         finally:
             step.close()
 

@@ -31,10 +31,11 @@ from __future__ import annotations
 import enum
 import math
 import struct
+import sys
 import warnings
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING, Sequence
+
 import xxhash
 
 if TYPE_CHECKING:  # torch is imported on first use, so parsing a header (the server, `kvstore health`) never loads it
@@ -44,6 +45,7 @@ from kvstore.errors import (
     BadMagicError,
     ChecksumError,
     ElementCountError,
+    InvalidArgumentError,
     TruncatedBlockError,
     UnknownDtypeError,
 )
@@ -218,17 +220,23 @@ def encode_block(tensor: torch.Tensor, layout: Layout | str = Layout.KV) -> byte
 
 
 def encode_blocks(blocks: Sequence[object], layout: Layout | str = Layout.KV) -> list[bytes]:
-    """Encode the tensors of ``blocks`` with :func:`encode_block` in ``layout``; encoded bytes pass through unchanged.
+    """The blocks of one put as the block API takes them, encoded in ``layout`` (:func:`encode_any` each).
 
-    What the clients and the embedded store do with the blocks a put is given
-    (tensors of the namespace's layout, or blocks encoded already).
+    What the clients and the embedded store do with the blocks a put is given:
+    tensors and numpy arrays of the namespace's layout are encoded, encoded
+    bytes pass through; then the batch must have one shape (:func:`check_one_shape`).
 
     Raises:
+        InvalidArgumentError: on one block instead of a sequence of them, or a block of another type (named,
+            with its index).
+        ElementCountError: on blocks of different shapes, or a tensor's shape that does not fit the layout.
         UnknownDtypeError: if a tensor's dtype has no codec code.
-        ElementCountError: if a tensor's shape does not fit the layout.
     """
-    return [b if isinstance(b, (bytes, bytearray, memoryview)) else encode_block(b, layout)  # type: ignore[misc]
-            for b in blocks]
+    if isinstance(blocks, (bytes, bytearray, memoryview, str)):
+        raise InvalidArgumentError(f"expected a sequence of blocks, got {type(blocks).__name__} (one block? pass [block])")
+    encoded = [b if type(b) is bytes else encode_any(b, layout, index=i) for i, b in enumerate(blocks)]
+    check_one_shape(encoded)
+    return encoded  # type: ignore[return-value]
 
 
 def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
@@ -315,3 +323,114 @@ def decode_block(buf: bytes | bytearray | memoryview, *, verify: bool = True) ->
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers: documented above
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=header.payload_nbytes, offset=header.header_nbytes)
     return flat.view(torch_dtype(header.dtype)).view(header.shape)
+
+
+_NUMPY_DTYPES = ("float16", "float32", "float64", "int8", "uint8")
+"""numpy dtypes that map one to one onto codec dtypes (numpy has no bfloat16 or float8)."""
+
+
+def encode_any(block: object, layout: Layout | str = Layout.KV, *, index: int = 0) -> bytes | bytearray | memoryview:
+    """One block as the block API takes it, encoded: bytes pass through, tensors and numpy arrays are encoded.
+
+    Args:
+        block: encoded bytes (``bytes``, ``bytearray`` or ``memoryview``), a ``torch.Tensor``,
+            or a ``numpy.ndarray`` of ``float16``, ``float32``, ``float64``, ``int8`` or ``uint8``,
+            shaped as ``layout`` needs (see the module docstring).
+        layout: layout tag of the namespace.
+        index: position of the block in its call, for the error message.
+
+    Raises:
+        InvalidArgumentError: naming ``index``, on any other type, or a numpy dtype without a codec code
+            (e.g. ``int64``; bfloat16 KV must come as a torch tensor).
+        CodecError: if a tensor's dtype or shape does not fit the codec.
+    """
+    block = as_block(block, index=index)
+    if isinstance(block, (bytes, bytearray, memoryview)):
+        return block
+    return encode_block(block, layout)
+
+
+def as_block(block: object, *, index: int = 0) -> bytes | bytearray | memoryview | torch.Tensor:
+    """One block as the block API takes it, not encoded: bytes and tensors pass through, a numpy array becomes a
+    tensor over its memory (copied only when it is not contiguous).
+
+    What the same-host data plane stages straight into shared memory, with the
+    one copy encoding would make (:func:`encode_any` is this, then encoding).
+
+    Raises:
+        InvalidArgumentError: as :func:`encode_any`.
+    """
+    if isinstance(block, (bytes, bytearray, memoryview)):
+        return block
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(block, torch.Tensor):
+        return block
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(block, numpy.ndarray):
+        if block.dtype.name not in _NUMPY_DTYPES:
+            raise InvalidArgumentError(f"block {index}: a numpy array of {block.dtype} has no kvstore dtype; "
+                                       f"use one of {', '.join(_NUMPY_DTYPES)}, or a torch.Tensor")
+        return _torch().from_numpy(numpy.ascontiguousarray(block))
+    raise InvalidArgumentError(f"block {index}: expected a torch.Tensor, a numpy.ndarray or encoded bytes, "
+                               f"got {type(block).__module__}.{type(block).__qualname__}".replace("builtins.", ""))
+
+
+def check_one_shape(blocks: Sequence[bytes | bytearray | memoryview | torch.Tensor],
+                    layout: Layout | str = Layout.KV) -> None:
+    """Check that the blocks of one call have one model's shape, as the blocks of one namespace must.
+
+    A namespace names one model's KV, so its blocks share the layout and every
+    dimension but the tokens' (layers, K/V, KV heads, head size); a batch that
+    mixes, say, 32-layer and 16-layer blocks was put under the wrong namespace.
+    Only headers are compared (a few bytes each), or the shapes of tensors not
+    yet encoded (which ``layout`` is theirs). The dtype and the tokens per
+    block are checked against the namespace itself by the store, and malformed
+    blocks by :func:`verify_block`.
+
+    Raises:
+        ElementCountError: naming the first block whose shape differs from block 0's, and both shapes.
+    """
+    if len(blocks) < 2:
+        return
+    layout = Layout(layout)
+    first = _shape_bytes(blocks[0], layout)
+    if first is None:
+        return
+    for index in range(1, len(blocks)):
+        other = _shape_bytes(blocks[index], layout)
+        if other is not None and other != first:
+            raise ElementCountError(
+                f"block {index} has shape {_shape_of(blocks[index])} but block 0 has {_shape_of(blocks[0])}: the "
+                "blocks of one namespace have one shape (one model's KV); put another model's blocks under its "
+                "own namespace")
+
+
+def _shape_of(block: bytes | bytearray | memoryview | torch.Tensor) -> list[int]:
+    if isinstance(block, (bytes, bytearray, memoryview)):
+        return list(decode_header(block).shape)
+    return list(block.shape)
+
+
+_TOKEN_DIM = {1: 3, 2: 2}
+"""Layout code -> the dimension that counts tokens (``kv``: 3, ``mla``: 2), which the namespace checks."""
+
+
+def _shape_bytes(block: bytes | bytearray | memoryview | torch.Tensor, layout: Layout) -> bytes | None:
+    """Layout, ndim and the shape but the token dimension of an encoded block's header (or of a tensor of
+    ``layout``, as its header would have them); ``None`` without a header."""
+    if not isinstance(block, (bytes, bytearray, memoryview)):
+        shape = tuple(block.shape)
+        token_dim = _TOKEN_DIM[layout.code]
+        if len(shape) <= token_dim:
+            return None
+        return bytes((layout.code, len(shape))) + struct.pack(f"<{len(shape) - 1}Q", *shape[:token_dim],
+                                                              *shape[token_dim + 1:])
+    view = memoryview(block).cast("B")
+    if view.nbytes < _FIXED.size or view[:4] != MAGIC:
+        return None
+    layout_code, ndim = view[7], view[8]
+    token_dim = _TOKEN_DIM.get(layout_code)
+    if token_dim is None or ndim <= token_dim or view.nbytes < _FIXED.size + 8 * ndim:
+        return None
+    shape = bytes(view[_FIXED.size: _FIXED.size + 8 * ndim])
+    return bytes(view[7:9]) + shape[: 8 * token_dim] + shape[8 * token_dim + 8:]

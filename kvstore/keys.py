@@ -23,7 +23,8 @@ from typing import Iterable, Iterator, NewType, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.errors import InvalidArgumentError
+from kvstore.codec import DTYPES, Layout, dtype_name
+from kvstore.errors import InvalidArgumentError, UnknownDtypeError
 
 BlockHash = NewType("BlockHash", bytes)
 """The chained hash of one full block: 16 bytes (xxh3-128) or 32 bytes (SHA-256)."""
@@ -76,8 +77,11 @@ class Namespace:
         hash_algorithm: ``H`` of the chain.
 
     Raises:
-        InvalidArgumentError: on an empty model, a non-positive block size or
-            an out-of-range rank.
+        InvalidArgumentError: on an empty model, a non-positive block size,
+            an out-of-range rank, or a layout that is not ``kv`` or ``mla``.
+        UnknownDtypeError: (an ``InvalidArgumentError``) on a dtype that is not a
+            codec dtype name, naming the valid ones (``torch.float16`` and a
+            ``torch.dtype`` are taken as ``float16``).
     """
 
     model: str
@@ -101,6 +105,8 @@ class Namespace:
             raise InvalidArgumentError(
                 f"namespace tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})"
             )
+        object.__setattr__(self, "dtype", namespace_dtype(self.dtype))
+        object.__setattr__(self, "layout", namespace_layout(self.layout))
         object.__setattr__(self, "hash_algorithm", HashAlgorithm(self.hash_algorithm))
         object.__setattr__(self, "root", BlockHash(self.hash_algorithm.digest(self.encode())))
 
@@ -128,6 +134,47 @@ class Namespace:
     def hash_bytes(self) -> int:
         """Length of one block hash in this namespace (16 or 32 bytes): the root's, a hash of the same ``H``."""
         return len(self.root)
+
+
+_DTYPE_ALIASES = {
+    "fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16", "fp32": "float32",
+    "float": "float32", "f32": "float32", "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
+}
+"""Short dtype names that engines use (vLLM's ``--kv-cache-dtype``, numpy's), and the codec name each means."""
+
+
+def namespace_dtype(dtype: object) -> str:
+    """The codec name of a namespace's KV dtype: ``float16`` for ``"float16"``, ``"torch.float16"`` or ``torch.float16``.
+
+    Raises:
+        UnknownDtypeError: if it is not a codec dtype, naming the valid names (and the one meant, for
+            an engine's short name such as ``fp16``).
+    """
+    try:
+        return dtype_name(dtype)  # type: ignore[arg-type]
+    except UnknownDtypeError:
+        pass
+    except (AttributeError, TypeError):
+        raise UnknownDtypeError(f"namespace.dtype must be a dtype name such as 'float16', "
+                                f"got {type(dtype).__name__} {dtype!r}") from None
+    text = str(dtype).removeprefix("torch.")
+    meant = _DTYPE_ALIASES.get(text.lower())
+    hint = f" (did you mean {meant!r}?)" if meant else ""
+    raise UnknownDtypeError(f"namespace.dtype {dtype!r} is not a kvstore dtype{hint}; valid: {', '.join(DTYPES)}")
+
+
+def namespace_layout(layout: object) -> str:
+    """The layout tag of a namespace: ``kv`` or ``mla`` (a :class:`~kvstore.codec.Layout` or its value).
+
+    Raises:
+        InvalidArgumentError: on any other value, naming the valid ones.
+    """
+    try:
+        return Layout(layout).value
+    except ValueError:
+        raise InvalidArgumentError(f"namespace.layout must be one of {[v.value for v in Layout]}, "
+                                   f"got {layout!r}") from None
 
 
 def _put_str(parts: list[bytes], text: str) -> None:
@@ -222,7 +269,79 @@ def _as_bytes(block_hash: object) -> bytes:
     try:
         return memoryview(block_hash).tobytes()  # type: ignore[arg-type]
     except TypeError:
-        raise InvalidArgumentError(f"a block hash must be bytes, got {type(block_hash).__name__}") from None
+        raise InvalidArgumentError(f"a block hash must be bytes, got {type(block_hash).__name__}"
+                                   " (hashes come from kvstore.hash_blocks)") from None
+
+
+_ONE_HASH_TYPES = (bytes, bytearray, memoryview, str)
+"""What a caller passes by mistake for a list of hashes: one hash, or a string."""
+
+
+def check_hash_list(namespace: object, block_hashes: object) -> None:
+    """Check, in constant time, that a call got a :class:`Namespace` and a sequence of hashes, not one hash.
+
+    What the block API (``lookup``, ``get``, ``put``, ``delete``) of the store and
+    the clients checks first; :func:`check_block_hashes` checks every hash too.
+
+    Raises:
+        InvalidArgumentError: if ``namespace`` is not a :class:`Namespace`, or ``block_hashes`` is
+            ``bytes``, ``bytearray``, ``memoryview`` or ``str`` (one hash, not a list of them).
+    """
+    if type(namespace) is not Namespace and not isinstance(namespace, Namespace):
+        raise InvalidArgumentError(f"namespace must be a kvstore Namespace, got {type(namespace).__name__}")
+    if isinstance(block_hashes, _ONE_HASH_TYPES):
+        raise InvalidArgumentError(
+            f"expected a sequence of block hashes, got {type(block_hashes).__name__}"
+            + (" (a hex string? use [bytes.fromhex(h) for h in hashes])" if isinstance(block_hashes, str)
+               else " (one hash? pass [block_hash])"))
+
+
+def check_block_hashes(namespace: Namespace, block_hashes: Sequence[bytes]) -> None:
+    """Check a call's hashes: a sequence (:func:`check_hash_list`) of bytes-like hashes of the namespace's length.
+
+    The usual case is checked by one C call (joining the hashes: 1,024 in about
+    10 µs), which checks the total length; only a list that fails it is
+    diagnosed hash by hash. Where lengths that differ add up to the right total,
+    the store (and a node) still refuses the hash of the wrong length.
+
+    Raises:
+        InvalidArgumentError: as :func:`check_hash_list`; if ``block_hashes`` has no length (a
+            generator); or naming the index of the first hash that is not bytes-like (a ``str`` is
+            told to use ``bytes.fromhex``) or not ``namespace.hash_bytes`` long.
+    """
+    check_hash_list(namespace, block_hashes)
+    try:
+        num_hashes = len(block_hashes)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"expected a sequence of block hashes, got {type(block_hashes).__name__}") from None
+    try:
+        total_bytes = len(b"".join(block_hashes))
+    except TypeError:  # a hash that is not bytes-like
+        total_bytes = -1
+    if total_bytes != num_hashes * namespace.hash_bytes:
+        _check_each_hash(namespace, block_hashes)
+
+
+def _check_each_hash(namespace: Namespace, block_hashes: Iterable[object]) -> None:
+    """Raise :class:`InvalidArgumentError` naming the first hash that is not bytes-like of the namespace's length."""
+    for index, block_hash in enumerate(block_hashes):
+        _check_one_hash(namespace, index, block_hash)
+
+
+def _check_one_hash(namespace: Namespace, index: int, block_hash: object) -> None:
+    """Raise :class:`InvalidArgumentError` naming hash ``index`` if it is not bytes-like of the namespace's length."""
+    if isinstance(block_hash, str):
+        raise InvalidArgumentError(f"block hash {index}: expected bytes, got str (a hex string? "
+                                   f"use bytes.fromhex({block_hash[:12]!r}...))")
+    try:
+        nbytes = memoryview(block_hash).nbytes  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"block hash {index}: expected bytes, got {type(block_hash).__name__}"
+                                   " (hashes come from kvstore.hash_blocks)") from None
+    if nbytes != namespace.hash_bytes:
+        raise InvalidArgumentError(f"block hash {index}: must be {namespace.hash_bytes} bytes for "
+                                   f"{namespace.hash_algorithm.value}, got {nbytes}")
 
 
 def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[BlockKey]:
@@ -234,8 +353,10 @@ def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[Bloc
     ``benchmarks/bench_service.py``).
 
     Raises:
-        InvalidArgumentError: if any hash length does not match the namespace's algorithm.
+        InvalidArgumentError: as :func:`check_block_hashes`: one hash instead of a sequence, a hash
+            that is not bytes-like, or a length that does not match the namespace's algorithm.
     """
+    check_hash_list(namespace, block_hashes)
     width = namespace.hash_bytes
     tag = namespace.tag
     if type(block_hashes) is list and len(block_hashes) < _PACKED_MIN_HASHES:  # a Get's few hashes: the hot path
@@ -248,13 +369,14 @@ def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[Bloc
         return _keys_of_packed(tag, block_hashes.data, width)
     hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
     if set(map(type, hashes)) - {bytes}:  # bytearray, memoryview, typed buffers: by their bytes
+        if any(isinstance(h, str) for h in hashes):
+            _check_each_hash(namespace, hashes)  # raises, naming the first and the fix
         hashes = [h if type(h) is bytes else _as_bytes(h) for h in hashes]
     if len(hashes) >= _PACKED_MIN_HASHES and set(map(len, hashes)) == {width}:
         packed = tag + tag.join(hashes)  # tag h0 tag h1 ...: the keys, end to end
         return np.frombuffer(packed, dtype=f"V{len(tag) + width}").tolist()  # type: ignore[no-any-return]
-    for h in hashes:
-        if len(h) != width:
-            block_key(namespace, h)  # raises, naming the lengths
+    if set(map(len, hashes)) - {width}:
+        _check_each_hash(namespace, hashes)  # raises, naming the first hash of the wrong length
     return [tag + h for h in hashes]  # type: ignore[misc]
 
 

@@ -48,11 +48,14 @@ class TierCounts:
         hits: blocks a get served from this tier.
         misses: blocks a get looked for in this tier and did not find there: served
             from a tier below it, or found in no tier (the first block past the prefix).
-        evictions: blocks that left this tier to make room (demoted or dropped).
+        evictions: blocks that left this tier to make room, or as the store closed (a volatile
+            tier is flushed into a persistent one): demoted or dropped.
         demotions: blocks written into this tier by an eviction from the tier above.
         promotions: blocks copied from this tier into the top tier after a hit.
-        missing_records: blocks the index placed in this tier that it could not
-            serve (gone, corrupt or unreadable): forgotten at once.
+        lost_records: blocks the index placed in this tier that a read did not
+            find there (gone, corrupt or unreadable): forgotten at once.
+        mismatched: blocks read from a persistent tier that did not fit their
+            namespace (dtype, layout, block size): deleted, and counted as corrupt.
         copies_dropped: copies into this tier given up because the background queue was full.
     """
 
@@ -61,7 +64,8 @@ class TierCounts:
     evictions: int = 0
     demotions: int = 0
     promotions: int = 0
-    missing_records: int = 0
+    lost_records: int = 0
+    mismatched: int = 0
     copies_dropped: int = 0
 
 
@@ -235,7 +239,11 @@ class Mover:
                                                  f"its {capacity} bytes is leased") from None
                 placing = [entries[i] for i in batch]
                 index.charge(placing, level, [sizes[i] for i in batch])
-                await self._write(level, placing, [values[i] for i in batch], [metas[i] for i in batch], victims)
+                stored = await self._write(level, placing, [values[i] for i in batch], [metas[i] for i in batch],
+                                           victims)
+                for entry, ok in zip(placing, stored):
+                    if not ok:  # the tier could not write it (a damaged disk page): not published
+                        index.abandon(entry)
                 if sources is not None:  # complete
                     self._move_out([sources[i] for i in batch], placing)
                 published += self.settle(placing, True)
@@ -247,8 +255,8 @@ class Mover:
         return published
 
     async def _write(self, level: int, entries: list[Entry], values: Sequence[bytes], metas: Sequence[BlockMeta],
-                     victims: list[BlockKey]) -> None:
-        """The I/O of one batch: move its victims out, then write it into tier ``level``.
+                     victims: list[BlockKey]) -> list[bool]:
+        """The I/O of one batch: move its victims out, then write it into tier ``level``; whether each was stored.
 
         Raises:
             ResourceExhaustedError: if the tier cannot make room.
@@ -258,7 +266,7 @@ class Mover:
         await self.make_room(level, victims)
         keys = [entry.key for entry in entries]
         try:
-            await tier.put(keys, values, metas)
+            return await tier.put(keys, values, metas)
         except TierFullError:  # room the index could not see (a full LMDB map): evict as much again, once
             try:
                 more = self._index.reserve(level, sum(entry.nbytes for entry in entries))
@@ -266,7 +274,7 @@ class Mover:
                 raise ResourceExhaustedError(f"tier {tier.name} is full") from exc
             await self.make_room(level, more)
             try:
-                await tier.put(keys, values, metas)
+                return await tier.put(keys, values, metas)
             except TierFullError as exc:
                 raise ResourceExhaustedError(f"tier {tier.name} is full: {exc}") from exc
 
@@ -458,6 +466,7 @@ class Mover:
         index.policies[level].expire(self._clock())  # type: ignore[attr-defined]  # ended retentions count as default
         keys = [key for key in index.resident_keys(level) if not index.leaving(level, key)]
         sources = [index.hold(level, key) for key in keys]
+        self._counts[level].evictions += len(sources)  # each leaves the tier: demoted (and counted so), or dropped
         if sources:
             await self._demote(level, sources, target, flush=True)
 

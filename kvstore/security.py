@@ -22,11 +22,11 @@ import argparse
 import hashlib
 import secrets
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import grpc
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidArgumentError
 
 AUTHORIZATION_KEY = "authorization"
 """The metadata key of the bearer token (gRPC metadata keys are lower case; RFC 6750 section 2.1)."""
@@ -79,6 +79,38 @@ def bearer_metadata(token: str) -> list[tuple[str, str]]:
     if not token or not token.isascii() or any(c.isspace() or not c.isprintable() for c in token):
         raise ValueError("a bearer token must be non-empty printable ASCII without whitespace")
     return [(AUTHORIZATION_KEY, f"{BEARER_SCHEME} {token}")]
+
+
+def call_metadata(metadata: Sequence[tuple[str, str | bytes]] | Mapping[str, str | bytes] | None
+                  ) -> tuple[tuple[str, str | bytes], ...]:
+    """The metadata a client sends with every call, checked: ``None`` is none, a mapping gives its items.
+
+    Args:
+        metadata: ``(key, value)`` pairs (e.g. :func:`bearer_metadata`), a mapping of them, or ``None``.
+
+    Returns:
+        The pairs, as a tuple.
+
+    Raises:
+        InvalidArgumentError: if it is not pairs of a lower-case ``str`` key and a ``str`` value
+            (``bytes`` only for keys ending in ``-bin``), as gRPC requires.
+    """
+    if metadata is None:
+        return ()
+    if isinstance(metadata, (str, bytes)):
+        raise InvalidArgumentError(f"metadata must be (key, value) pairs, e.g. bearer_metadata(token), "
+                                   f"got {type(metadata).__name__}")
+    pairs = tuple(metadata.items() if isinstance(metadata, Mapping) else metadata)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise InvalidArgumentError(f"metadata must be (key, value) pairs, e.g. bearer_metadata(token), "
+                                       f"got {pair!r}")
+        key, value = pair
+        if key != key.lower() or not key:
+            raise InvalidArgumentError(f"metadata key {key!r} must be non-empty and lower case (gRPC)")
+        if not isinstance(value, str if not key.endswith("-bin") else (str, bytes)):
+            raise InvalidArgumentError(f"metadata value of {key!r} must be a str, got {type(value).__name__}")
+    return pairs
 
 
 def channel_credentials(

@@ -32,14 +32,24 @@ import time
 from typing import Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.codec import BlockHeader, Layout, decode_header, verify_block
+from kvstore.codec import BlockHeader, Layout, check_one_shape, decode_header, verify_block
 from kvstore.config import StoreConfig
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvstore.index import Entry, Index, NoRoomError, State
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.mover import Mover, TierCounts
 from kvstore.policy import PriorityLRUPolicy, check_priority
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, Framing, LeasingTier, SharedTier, Tier
+from kvstore.tiers.base import (
+    CHAIN_STEP_S,
+    BlockMeta,
+    Buffer,
+    Framing,
+    LeasingTier,
+    SharedTier,
+    Tier,
+    check_at_start,
+    tier_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +125,7 @@ class TieredStore:
             if entries:
                 policy = index.policies[level]
                 logger.info("tier %s: restored %d blocks (%d bytes)", tier.name, len(policy), policy.nbytes)
+        await check_at_start(self._shared)  # a shared tier that is down at start is named in a warning now
         self._mover.start()
 
     async def close(self) -> None:
@@ -314,7 +325,7 @@ class TieredStore:
         if wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
             shared = self._shared
             for i, value in zip(wanted, await shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
-                if value is None or not self._shared_block_fits(read.namespace, keys[i], value):
+                if value is None or not self._fits(read.namespace, keys[i], value, shared.name):  # type: ignore[union-attr]
                     local = [j for j in local if j < i]
                     break
                 found[i] = value
@@ -327,16 +338,26 @@ class TieredStore:
         for positions, values in zip(by_level.values(), results):
             for i, value in zip(positions, values):
                 found[i] = value
-        # complete: a located block its tier could not serve is forgotten (its record deleted with the reference)
+        # complete: a located block its tier could not serve (gone, unreadable), or a block of a persistent tier
+        # that does not fit the namespace, is a miss, forgotten at once and its record deleted
         entries = {entry.key: entry for entry in held.values()}
         for i in local:
             entry = entries[keys[i]]
-            if found[i] is None and entry.state is State.RESIDENT:
-                if self.index.forget(entry.level, entry.key):
-                    self._mover.discard(entry.level, [entry.key])
-                self._counts[entry.level].missing_records += 1
+            if entry.state is not State.RESIDENT:
+                continue  # deleted or moved out meanwhile: what the read got (or not) is not the index's business
+            value = found[i]
+            if value is None:
+                self._counts[entry.level].lost_records += 1
                 logger.warning("tier %s: block %s is indexed but could not be read; forgotten",
                                self._tiers[entry.level].name, keys[i].hex())
+            elif self._tiers[entry.level].persistent and not self._fits(read.namespace, keys[i], value,
+                                                                        self._tiers[entry.level].name):
+                found[i] = None
+                self._counts[entry.level].mismatched += 1
+            else:
+                continue
+            if self.index.forget(entry.level, entry.key):
+                self._mover.discard(entry.level, [entry.key])
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]
         self._count_get([len(self._tiers) if s is None else s for s in sources[:hit]], len(keys))
@@ -444,6 +465,7 @@ class TieredStore:
             self._validate_block(namespace, position, block)
             if not self._fits_somewhere(len(block)):
                 raise ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
+        check_one_shape(blocks)
         index = self.index
         for key in reversed(keys):  # a block put again is in use: it counts as accessed, tail first
             level = index.level_of(key)
@@ -615,9 +637,10 @@ class TieredStore:
         for level, (tier, counts) in enumerate(zip(self.tiers, self._counts)):
             extra = dict(tier.counters())
             local = level < len(self._tiers)
-            for name in ("missing_records", "copies_dropped"):
-                if getattr(counts, name):
-                    extra[name] = getattr(counts, name)
+            if local:
+                extra["lost_records"] = counts.lost_records
+            if counts.copies_dropped:
+                extra["copies_dropped"] = counts.copies_dropped
             result.append(TierStats(
                 name=tier.name,
                 blocks=len(self.index.policies[level]) if local else -1,
@@ -628,8 +651,9 @@ class TieredStore:
                 evictions=counts.evictions,
                 demotions=counts.demotions,
                 promotions=counts.promotions,
-                corrupt_records=extra.pop("corrupt_records", 0),
+                corrupt_records=extra.pop("corrupt_records", 0) + counts.mismatched,
                 counters=extra,
+                **tier_status(tier),
             ))
         return StoreStats(tuple(result), self._lookup_hit_blocks, self._lookup_miss_blocks)
 
@@ -669,20 +693,20 @@ class TieredStore:
         if mismatch:
             raise InvalidArgumentError(f"block {position}: {mismatch}")
 
-    def _shared_block_fits(self, namespace: Namespace, key: BlockKey, block: Buffer) -> bool:
-        """Whether a block read from the shared tier has the namespace's dtype, layout and block size.
+    def _fits(self, namespace: Namespace, key: BlockKey, block: Buffer, tier_name: str) -> bool:
+        """Whether a block read from a tier that outlives this process (disk, Redis) has the namespace's dtype,
+        layout and block size.
 
-        Redis is shared with other nodes (maybe of another version) and anything
-        that can reach it, and its tier verifies only the checksum: a block put
-        by a node would have been refused here, so it is a miss (logged), never served.
+        Such a tier verifies only the block's checksum, and Redis is shared with
+        other nodes (maybe of another version) and anything that can reach it: a
+        block a put would have refused here is a miss (logged), never served.
         """
         try:
             mismatch = _namespace_mismatch(namespace, decode_header(block))
         except CodecError as exc:
             mismatch = str(exc)
         if mismatch:
-            logger.warning("shared tier %s: block %s does not fit its namespace (%s); a miss",
-                           self._shared.name, key.hex(), mismatch)  # type: ignore[union-attr]
+            logger.warning("tier %s: block %s does not fit its namespace (%s); a miss", tier_name, key.hex(), mismatch)
         return not mismatch
 
 

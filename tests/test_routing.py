@@ -120,6 +120,7 @@ def partition_of(owners: list[int], num_nodes: int) -> Partition:
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 4).flatmap(lambda n: st.tuples(
     st.just(n), st.lists(st.integers(0, n - 1), max_size=30), st.lists(st.integers(0, 30), min_size=n, max_size=n))))
+@pytest.mark.slow
 def test_merged_prefix_ends_at_the_first_block_past_its_owners_prefix(case: tuple[int, list[int], list[int]]) -> None:
     num_nodes, owners, raw_prefix = case
     partition = partition_of(owners, num_nodes)

@@ -275,6 +275,7 @@ async def test_closed_store_is_unavailable() -> None:
         await store.lookup(NS, [])
 
 
+@pytest.mark.slow
 def test_embedded_store_round_trip_and_fork(tmp_path) -> None:
     config = StoreConfig(memory=MemoryTierConfig(capacity_bytes=1 << 20), disk=DiskTierConfig(path=str(tmp_path / "d")))
     tensors = [torch.randn(2, 2, 2, BLOCK_SIZE, 8).half() for _ in range(2)]

@@ -95,7 +95,7 @@ async def test_a_read_cancelled_while_it_reads_a_corrupt_record_leaves_tier_and_
             await cancel_when(store.get(NS, hashes), lambda: writes_queued(disk) == 1)
         assert not await tier_and_index_disagree(store)
         assert (await store.lookup(NS, hashes)).num_blocks == 1
-        assert store.stats().tier("disk").counters["missing_records"] == 1
+        assert store.stats().tier("disk").counters["lost_records"] == 1
 
 
 async def test_every_corrupt_record_one_read_finds_is_forgotten(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ that saw blocks demoted and promoted back refused all puts.
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from tests.support.store import NS, disk_footprint, held_keys, make_blocks, memory_tier, writer_held
@@ -49,6 +51,7 @@ from kvstore.client import KVStoreClient
 from tests.support.server import ThreadedServer, kv_blocks, make_config, namespace
 
 
+@pytest.mark.slow
 def test_server_still_takes_puts_after_blocks_were_promoted_back(tmp_path) -> None:
     server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "8MiB",
                                            "store.disk.path": str(tmp_path / "disk"),

@@ -51,7 +51,7 @@ from kvstore.keys import BlockHash, HashAlgorithm, Namespace, hash_blocks
 try:  # transformers is the optional ``hf`` extra
     from transformers import DynamicCache
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("kvstore.connectors.hf needs transformers: pip install 'kvstore[hf]'") from exc
+    raise ImportError("kvstore.connectors.hf needs transformers: pip install 'llm-kvstore[hf]'") from exc
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +117,17 @@ def model_namespace(
     dtype: torch.dtype | str | None = None,
     cache_salt: str = "",
     hash_algorithm: HashAlgorithm | str = HashAlgorithm.XXH3_128,
+    adapter: str | tuple[str, str] | None = None,
 ) -> Namespace:
     """The namespace of a model's KV blocks: any difference in weights or KV shape changes it.
 
     ``Namespace.model`` is ``"<model id>|<model_type>|L<layers>|KV<kv heads>|D<head dim>"``,
     so the layer count, KV-head count and head size each change the root even
-    when two models share a name; ``revision``, ``dtype`` and ``cache_salt`` go
-    into their own namespace fields.
+    when two models share a name; ``revision``, ``dtype``, ``cache_salt`` and the
+    LoRA ``adapter`` go into their own namespace fields. A LoRA adapter changes
+    the keys and values of every layer it adapts, so blocks of an adapted model
+    are never shared with its base model or with another adapter (vLLM keys its
+    prefix cache by LoRA id the same way).
 
     Args:
         model: a transformers ``PreTrainedModel`` (its ``config`` and ``dtype`` are read).
@@ -135,9 +139,14 @@ def model_namespace(
         dtype: KV dtype; defaults to ``model.dtype``.
         cache_salt: per-tenant salt; different salts never share blocks.
         hash_algorithm: ``H`` of the block-hash chain (``sha256`` for untrusted clients).
+        adapter: the LoRA adapter applied to the model: its name (or path), or ``(name, version)``
+            (stored as ``name@version``; give the version, or a content hash, whenever the same name can
+            hold other weights). ``""`` for the base model. ``None`` (the default) reads the model: a model
+            with PEFT adapters loaded (``model.peft_config``) must be given one explicitly.
 
     Raises:
-        InvalidArgumentError: if no model id is known, or block_size is not positive.
+        InvalidArgumentError: if no model id is known, block_size is not positive, the adapter is
+            malformed, or ``adapter`` is ``None`` for a model with PEFT adapters loaded.
         UnknownDtypeError: if the KV dtype has no codec code.
     """
     config = model.config
@@ -156,9 +165,38 @@ def model_namespace(
         dtype=kv_dtype,
         layout="kv",
         block_size=block_size,
+        adapter=adapter_id(model, adapter),
         cache_salt=cache_salt,
         hash_algorithm=HashAlgorithm(hash_algorithm),
     )
+
+
+def adapter_id(model: Any, adapter: str | tuple[str, str] | None) -> str:
+    """``Namespace.adapter`` of a model: ``name``, ``name@version``, or ``""`` for the base model.
+
+    Args:
+        model: the model (read only when ``adapter`` is ``None``, for PEFT adapters it holds).
+        adapter: as :func:`model_namespace` takes it.
+
+    Raises:
+        InvalidArgumentError: on an empty name with a version, a name or version that is not a
+            string, or ``None`` for a model with PEFT adapters loaded.
+    """
+    if adapter is None:
+        loaded = getattr(model, "peft_config", None)
+        if loaded:
+            names = ", ".join(map(str, loaded))
+            raise InvalidArgumentError(
+                f"the model has LoRA adapters loaded ({names}); pass adapter='name' or adapter=('name', 'version') "
+                "so that its blocks are not shared with the base model's (adapter='' if they are disabled)")
+        return ""
+    if isinstance(adapter, str):
+        return adapter.strip()
+    if (isinstance(adapter, tuple) and len(adapter) == 2 and all(isinstance(part, str) for part in adapter)
+            and adapter[0].strip()):
+        name, version = adapter[0].strip(), adapter[1].strip()
+        return f"{name}@{version}" if version else name
+    raise InvalidArgumentError(f"adapter must be a name or a (name, version) pair of strings, got {adapter!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +366,8 @@ class HFConnector:
         revision: weights revision (see :func:`model_namespace`).
         cache_salt: per-tenant salt.
         hash_algorithm: ``H`` of the block-hash chain.
+        adapter: the LoRA adapter applied to the model, a name or ``(name, version)``; ``""`` for
+            the base model (see :func:`model_namespace`).
         load_timeout_s: seconds a load may take before falling back to a full prefill.
         priority: priority of saved blocks (0..100), ``None`` for the store's default.
         retention_s: seconds saved blocks keep ``priority``, ``None`` for no limit.
@@ -347,6 +387,7 @@ class HFConnector:
         revision: str | None = None,
         cache_salt: str = "",
         hash_algorithm: HashAlgorithm | str = HashAlgorithm.XXH3_128,
+        adapter: str | tuple[str, str] | None = None,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         priority: int | None = None,
         retention_s: float | None = None,
@@ -360,7 +401,7 @@ class HFConnector:
         self.shape = model_shape(model.config)
         self.namespace = model_namespace(
             model, block_size=block_size, model_id=model_id, revision=revision,
-            cache_salt=cache_salt, hash_algorithm=hash_algorithm,
+            cache_salt=cache_salt, hash_algorithm=hash_algorithm, adapter=adapter,
         )
         self.load_timeout_s = load_timeout_s
         self._priority = priority

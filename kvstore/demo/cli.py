@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvstore.api import BlockClient
+from kvstore.connection import Connection, add_connection_arguments, redact, target_argument
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,9 @@ which differs only because the suffix is computed in a shorter batch.
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the demo's flags to ``parser`` (shared by ``kvstore demo`` and ``python -m kvstore.demo``)."""
-    parser.add_argument("--target", metavar="HOST:PORT", default="",
-                        help="use a running `kvstore serve` at HOST:PORT (default: an embedded in-process store)")
+    parser.add_argument("--target", metavar="HOST:PORT", default="", type=target_argument,
+                        help="use a running `kvstore serve` at HOST:PORT, a bare HOST meaning HOST:50051 "
+                             "(default: an embedded in-process store)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder for summary.json and ttft.png (default {DEFAULT_OUT})")
     model = parser.add_argument_group("model (random weights, built offline)")
     model.add_argument("--model", default="default", choices=["default", "small", "tiny"],
@@ -70,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     work.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                       help=f"greedy tokens generated per request (default {DEFAULT_MAX_NEW_TOKENS})")
     work.add_argument("--cache-salt", default="", help="tenant salt of the namespace")
+    add_connection_arguments(parser)
     return parser
 
 
@@ -85,19 +88,24 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def open_client(target: str) -> tuple[BlockClient, str]:
+def open_client(target: str, connection: Connection | None = None) -> tuple[BlockClient, str]:
     """A block client: the gRPC ``KVStoreClient`` for ``HOST:PORT``, else an embedded store.
+
+    Args:
+        target: ``HOST:PORT`` of a node, or empty for an embedded store.
+        connection: TLS and token settings for the node (``kvstore.connection``); plaintext when ``None``.
 
     Returns:
         The client and a label for reports (``embedded`` or the target).
 
     Raises:
-        KVStoreError: (e.g. ``UnavailableError``, ``DeadlineExceededError``) if the target cannot be reached.
+        KVStoreError: (e.g. ``UnavailableError``, ``DeadlineExceededError``, ``UnauthenticatedError``)
+            if the target cannot be reached or refuses the call; ``ConfigError`` on an unreadable TLS file.
     """
     if target:
         from kvstore.client import KVStoreClient
 
-        client = KVStoreClient(target)
+        client = KVStoreClient(target, **(connection or Connection()).client_kwargs())
         try:
             client.stats()  # fail now, not by silently falling back on every request
         except Exception:
@@ -155,15 +163,18 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     model = build_model(spec, device=args.device)
     try:
-        client, store_label = open_client(args.target)
+        connection = Connection.from_args(args)
+        client, store_label = open_client(args.target, connection)
     except KVStoreError as exc:
         print(f"ERROR: cannot use the store at {args.target}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    # a node with tokens requires SHA-256 block hashes by default (security.require_sha256)
+    hash_algorithm = "sha256" if args.target and connection.token else "xxh3_128"
     print(f"model built in {time.perf_counter() - started:.1f} s; store: {store_label}", flush=True)
     rows: list[dict[str, Any]] = []
     try:
         with HFConnector(model, client, block_size=args.block_size, model_id=spec.model_id,
-                         cache_salt=args.cache_salt) as connector:
+                         cache_salt=args.cache_salt, hash_algorithm=hash_algorithm) as connector:
             connector.generate(tokenizer.encode(requests[0].text[:64]), 2, use_store=False)  # warm-up, untimed
             progress = tqdm(requests, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True, disable=None)
             for request in progress:
@@ -239,7 +250,7 @@ def _summary(args: argparse.Namespace, spec: Any, store_label: str, rows: list[d
     hits_base = sum(r["ttft_no_cache_s"] for r in hits)
     hits_cache = sum(r["ttft_cache_s"] for r in hits)
     return {
-        "command": getattr(args, "demo_command", None) or "kvstore " + " ".join(sys.argv[1:]),
+        "command": getattr(args, "demo_command", None) or "kvstore " + " ".join(redact(sys.argv[1:])),
         "model": {**asdict(spec), "model_id": spec.model_id, "num_params": spec.num_params(), "device": args.device},
         "store": store_label,
         "block_size": args.block_size,
@@ -269,6 +280,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvstore.demo [flags]``: parse flags and :func:`run`."""
     parser = add_arguments(argparse.ArgumentParser(prog="kvstore demo", description=__doc__))
     args = parser.parse_args(argv)
-    args.demo_command = "python -m kvstore.demo " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.demo_command = "python -m kvstore.demo " + " ".join(redact(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return run(args)

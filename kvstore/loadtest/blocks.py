@@ -33,7 +33,7 @@ import xxhash
 
 from kvstore.codec import Layout, encode_header, header_nbytes
 from kvstore.errors import InvalidArgumentError
-from kvstore.keys import BlockHash, Namespace, hash_blocks
+from kvstore.keys import BlockHash, HashAlgorithm, Namespace, hash_blocks
 from kvstore.trace import MOONCAKE_BLOCK_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ _POOL_SEED_TAG = b"kvstore/loadtest/payload/v1\x00"
 
 
 def loadtest_namespace(
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS, *, model: str = DEFAULT_MODEL, cache_salt: str = ""
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS, *, model: str = DEFAULT_MODEL, cache_salt: str = "",
+    hash_algorithm: HashAlgorithm | str = HashAlgorithm.XXH3_128,
 ) -> Namespace:
     """The namespace the load tester reads and writes: ``uint8`` blocks of the ``kv`` layout.
 
@@ -63,6 +64,8 @@ def loadtest_namespace(
         block_tokens: tokens per block (512 for Mooncake traces).
         model: ``Namespace.model``; runs with different models never share blocks.
         cache_salt: ``Namespace.cache_salt`` (tenant salt).
+        hash_algorithm: ``H`` of the block hashes; ``sha256`` for a node with tokens
+            (``security.require_sha256``).
 
     Raises:
         InvalidArgumentError: if ``block_tokens`` is below 3 (an id needs three tokens) or the
@@ -71,7 +74,7 @@ def loadtest_namespace(
     if block_tokens < _MIN_BLOCK_TOKENS:
         raise InvalidArgumentError(f"block_tokens must be >= {_MIN_BLOCK_TOKENS}, got {block_tokens}")
     return Namespace(model=model, dtype=PAYLOAD_DTYPE, layout=Layout.KV.value, block_size=block_tokens,
-                     cache_salt=cache_salt)
+                     cache_salt=cache_salt, hash_algorithm=HashAlgorithm(hash_algorithm))
 
 
 def _words(block_id: int) -> list[int]:

@@ -14,7 +14,9 @@ from typing import Any, Sequence
 
 from kvstore.client import AsyncKVStoreClient
 from kvstore.config import parse_size
-from kvstore.errors import InvalidArgumentError, KVStoreError
+from kvstore.connection import Connection, add_connection_arguments, target_argument
+from kvstore.data import bundled_trace
+from kvstore.errors import ConfigError, InvalidArgumentError, KVStoreError
 from kvstore.loadtest.blocks import DEFAULT_MODEL, DEFAULT_PAYLOAD_BYTES
 from kvstore.loadtest.runner import (
     DEFAULT_MAX_INFLIGHT,
@@ -28,9 +30,8 @@ from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, TraceRequest, iter_tra
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
-"""The Mooncake conversation trace in a source checkout (not in a wheel: pass ``--trace`` there)."""
-"""The trace used when ``--trace`` is not given, relative to the current directory (the repository root)."""
+DEFAULT_TRACE = bundled_trace()
+"""The trace used when ``--trace`` is not given: the Mooncake conversation trace, shipped in the package."""
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -95,8 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), metavar="PATH",
                         help=f"trace file (default: {DEFAULT_TRACE})")
     parser.add_argument("--format", choices=FORMATS, default="auto", help="trace format (default: auto)")
-    parser.add_argument("--target", action="append", default=None, metavar="HOST:PORT",
-                        help=f"a node; repeatable (default: {DEFAULT_TARGET})")
+    parser.add_argument("--target", action="append", default=None, metavar="HOST:PORT", type=target_argument,
+                        help=f"a node, a bare HOST meaning HOST:50051; repeatable (default: {DEFAULT_TARGET})")
     pacing = parser.add_mutually_exclusive_group()
     pacing.add_argument("--concurrency", type=_positive_int, default=None, metavar="N",
                         help="closed loop: N workers, each starting its next request when the last ends (default: 1)")
@@ -113,6 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, metavar="N",
                         help=f"tokens per trace block (default: {MOONCAKE_BLOCK_TOKENS}, Mooncake's)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"namespace model name (default: {DEFAULT_MODEL})")
+    parser.add_argument("--cache-salt", default="", metavar="TENANT",
+                        help="namespace cache_salt: the tenant, which a node with tokens checks (default: none)")
+    parser.add_argument("--hash-algorithm", choices=("auto", "xxh3_128", "sha256"), default="auto",
+                        help="namespace block hash; auto is sha256 when a token is sent (a node with tokens "
+                             "requires it by default), else xxh3_128")
     parser.add_argument("--seed", type=int, default=0, help="payload seed (default: 0)")
     parser.add_argument("--window", type=_positive_float, default=DEFAULT_WINDOW_S, metavar="SECONDS",
                         help=f"window of the hit ratio over time (default: {DEFAULT_WINDOW_S:g})")
@@ -128,6 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-policy", default="lru", help="policy of --sim-capacity (default: lru)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="live progress bar on stderr (default: only on a terminal)")
+    add_connection_arguments(parser)
 
 
 def read_requests(path: str, format: str, limit: int | None) -> list[TraceRequest]:
@@ -152,12 +159,19 @@ def _sim_capacity(text: str | None) -> tuple[bool, int | None]:
     return True, int(value)
 
 
-def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
+def config_from_args(args: argparse.Namespace, connection: Connection | None = None) -> LoadTestConfig:
     """The :class:`LoadTestConfig` of parsed ``loadtest`` arguments.
+
+    Args:
+        args: the parsed arguments.
+        connection: the client's TLS and token; with a token, ``--hash-algorithm auto`` is ``sha256``.
 
     Raises:
         InvalidArgumentError: on an invalid size or value.
     """
+    hash_algorithm = getattr(args, "hash_algorithm", "auto")
+    if hash_algorithm == "auto":
+        hash_algorithm = "sha256" if connection is not None and connection.token else "xxh3_128"
     try:
         payload_bytes = parse_size(args.block_bytes) if args.block_bytes is not None else DEFAULT_PAYLOAD_BYTES
     except ValueError as exc:
@@ -174,6 +188,8 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         payload_bytes=payload_bytes,
         block_tokens=args.block_tokens,
         model=args.model,
+        cache_salt=getattr(args, "cache_salt", ""),
+        hash_algorithm=hash_algorithm,
         seed=args.seed,
         window_s=args.window,
         timeout_s=args.timeout,
@@ -215,12 +231,14 @@ def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = N
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-async def _check_reachable(targets: Sequence[str], timeout_s: float) -> str | None:
+async def _check_reachable(targets: Sequence[str], timeout_s: float, connection: Connection) -> str | None:
     """``None`` if every target reports SERVING, else what is wrong with the first that does not."""
     for target in targets:
-        async with AsyncKVStoreClient(target, timeout_s=timeout_s, retries=1) as client:
+        async with AsyncKVStoreClient(target, timeout_s=timeout_s, retries=1, **connection.client_kwargs()) as client:
             try:
                 status = await client.health()
+                if status == "SERVING":
+                    await client.stats()  # health needs no token: this call checks TLS and token in full
             except KVStoreError as exc:
                 return f"{target}: {exc}"
         if status != "SERVING":
@@ -228,21 +246,35 @@ async def _check_reachable(targets: Sequence[str], timeout_s: float) -> str | No
     return None
 
 
+async def _replay(requests: Sequence[TraceRequest], config: LoadTestConfig, connection: Connection,
+                  progress: bool | None) -> LoadTestResult:
+    """:func:`run_loadtest` through a client of ``config.targets`` with the TLS and token of ``connection``."""
+    async with AsyncKVStoreClient(targets=list(config.targets), timeout_s=config.timeout_s,
+                                  max_inflight=max(config.concurrency, config.max_inflight),
+                                  **connection.client_kwargs()) as client:
+        return await run_loadtest(requests, config, client=client, progress=progress)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``loadtest`` with parsed ``args``; print a summary. Returns the exit status (0, 1 or 2)."""
     try:
-        config = config_from_args(args)
+        connection = Connection.from_args(args)
+        connection.client_kwargs()  # an unreadable TLS file is a usage error, before any call
+        config = config_from_args(args, connection)
         compare, sim_capacity = _sim_capacity(args.sim_capacity)
         requests = read_requests(args.trace, args.format, config.max_requests)
-    except (InvalidArgumentError, OSError) as exc:
+        if not requests:
+            raise InvalidArgumentError(f"the trace {args.trace} has no requests (an empty file?); "
+                                       "nothing to replay")
+    except (InvalidArgumentError, ConfigError, OSError) as exc:
         print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    unreachable = asyncio.run(_check_reachable(config.targets, min(config.timeout_s, 10.0)))
+    unreachable = asyncio.run(_check_reachable(config.targets, min(config.timeout_s, 10.0), connection))
     if unreachable is not None:
         print(f"kvstore loadtest: node not serving: {unreachable}", file=sys.stderr)
         return EXIT_FAILED
     try:
-        result = asyncio.run(run_loadtest(requests, config, progress=args.progress))
+        result = asyncio.run(_replay(requests, config, connection, args.progress))
     except InvalidArgumentError as exc:
         print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

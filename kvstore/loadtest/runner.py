@@ -77,6 +77,9 @@ class LoadTestConfig:
             an encoded block is 128 bytes more.
         block_tokens: tokens per trace block (512 for Mooncake).
         model: ``Namespace.model`` of the blocks.
+        cache_salt: ``Namespace.cache_salt`` of the blocks: the tenant, which a node with tokens
+            checks against the token's tenants.
+        hash_algorithm: ``Namespace.hash_algorithm`` of the blocks (``sha256`` for a node with tokens).
         seed: payload seed (see :class:`PayloadFactory`).
         window_s: length of the time windows of the hit ratio over time, seconds.
         timeout_s: deadline of each call, seconds.
@@ -96,6 +99,8 @@ class LoadTestConfig:
     payload_bytes: int = DEFAULT_PAYLOAD_BYTES
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     model: str = DEFAULT_MODEL
+    cache_salt: str = ""
+    hash_algorithm: str = "xxh3_128"
     seed: int = 0
     window_s: float = DEFAULT_WINDOW_S
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -117,8 +122,20 @@ class LoadTestConfig:
         for ok, message in checks:
             if not ok:
                 raise InvalidArgumentError(message)
-        loadtest_namespace(self.block_tokens, model=self.model)
+        self.namespace()
         check_payload_bytes(self.block_tokens, self.payload_bytes)
+
+    def namespace(self) -> Namespace:
+        """The namespace of the replayed blocks (:func:`loadtest_namespace` of these settings).
+
+        Raises:
+            InvalidArgumentError: on a block size below 3 or an invalid namespace field.
+        """
+        try:
+            return loadtest_namespace(self.block_tokens, model=self.model, cache_salt=self.cache_salt,
+                                      hash_algorithm=self.hash_algorithm)
+        except ValueError as exc:  # an unknown hash algorithm
+            raise InvalidArgumentError(f"hash_algorithm: {exc}") from None
 
     @property
     def mode(self) -> str:
@@ -494,7 +511,7 @@ async def run_loadtest(
         InvalidArgumentError: on a payload size that does not fit the block size
             or a block id that cannot be encoded.
     """
-    namespace = loadtest_namespace(config.block_tokens, model=config.model)
+    namespace = config.namespace()
     payloads = PayloadFactory(namespace, config.payload_bytes, seed=config.seed)
     if config.max_requests is not None:
         requests = requests[: config.max_requests]

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server.admission import Admission
+from kvstore.server.health import NodeHealth
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
@@ -83,7 +84,7 @@ class KVStoreServer:
         self._own_store = store is None
         self._interceptors = interceptors
         self.metrics = ServiceMetrics()
-        self.health = health.aio.HealthServicer()
+        self.health = NodeHealth()
         self.servicer: KVStoreServicer | None = None
         self.admission: Admission | None = None
         self._server: grpc.aio.Server | None = None
@@ -119,8 +120,8 @@ class KVStoreServer:
         """Open the store (unless given), bind the port, report SERVING and start the metrics endpoint.
 
         Raises:
-            ConfigError: on an unusable security setting (a TLS or tokens file).
-            RuntimeError: if the port cannot be bound.
+            ConfigError: on an unusable security setting (a TLS or tokens file), or a gRPC or
+                metrics port that cannot be bound (naming ``server.port`` or ``server.metrics_port``).
         """
         server_cfg, security = self.config.server, self.config.security
         admission = Admission.from_config(self.config)  # before anything opens: a bad tokens file fails fast
@@ -133,6 +134,7 @@ class KVStoreServer:
         if self._store is None:
             self._store = await open_async_store(self.config.store, framing=functools.partial(
                 reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)))
+        self.health.tier_states = self._tier_states
         try:
             self.shm = await _start_shared_memory(self.config)
             self.servicer = KVStoreServicer(self._store, self.config, self.metrics, admission, self.shm)
@@ -149,11 +151,16 @@ class KVStoreServer:
                 address = f"{server_cfg.host}:{server_cfg.port}"
                 self.port = _add_port(server, address, credentials)
                 if self.port == 0:
-                    raise RuntimeError(f"cannot bind the gRPC port at {address}")
+                    raise ConfigError("server.port", f"cannot listen on {address}: the port is in use (or the "
+                                                     "address is not this host's); pick another with --port "
+                                                     "(KVSTORE_PORT), or --port 0 for a free one")
             if server_cfg.unix_socket:
                 claim_socket_path(server_cfg.unix_socket)  # a stale file is replaced; a live node's is an error
                 if _add_port(server, self.unix_target, credentials) == 0:
-                    raise RuntimeError(f"cannot listen on the Unix socket {server_cfg.unix_socket}")
+                    raise ConfigError("server.unix_socket", f"cannot listen on the Unix socket "
+                                                            f"{server_cfg.unix_socket} (is its directory there "
+                                                            "and writable?); pick another with --unix-socket "
+                                                            "(KVSTORE_UNIX_SOCKET)")
             await server.start()
             self._server = server
             if server_cfg.unix_socket:
@@ -166,7 +173,7 @@ class KVStoreServer:
                 if self.shm is not None:
                     self.metrics.add_shared_memory(StoreCollector.on_loop(asyncio.get_running_loop(),  # type: ignore
                                                                           self.shm.counters))
-                self.metrics_port = self.metrics.start_http(server_cfg.metrics_host, server_cfg.metrics_port)
+                self.metrics_port = _start_metrics(self.metrics, server_cfg.metrics_host, server_cfg.metrics_port)
         except BaseException:
             await self._abandon()
             self._stopped.set()
@@ -181,6 +188,10 @@ class KVStoreServer:
                               "require_sha256": self.servicer.require_sha256,
                               "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0]}},
         )
+
+    def _tier_states(self) -> dict[str, str]:
+        """``{tier: "up" | "down"}`` of the store's tiers that can be down, for :class:`NodeHealth`."""
+        return {t.name: t.state for t in self.store.stats().tiers if t.state}
 
     async def begin_shutdown(self) -> None:
         """Report NOT_SERVING and refuse new calls with UNAVAILABLE; running calls go on."""
@@ -275,9 +286,12 @@ class KVStoreServer:
 
 def _add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     """Listen on ``address`` (``host:port`` or ``unix://<path>``); the port bound (0: failed; 1 for a Unix socket)."""
-    if credentials is not None:
-        return server.add_secure_port(address, credentials)
-    return server.add_insecure_port(address)
+    try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:  # grpc: "Failed to bind to address ...; set GRPC_VERBOSITY=debug"
+        return 0
 
 
 async def _start_shared_memory(config: Config) -> SharedMemoryNode | None:
@@ -302,6 +316,21 @@ async def _start_shared_memory(config: Config) -> SharedMemoryNode | None:
     node = SharedMemoryNode(config.shared_memory, address)
     await node.start()
     return node
+
+
+def _start_metrics(metrics: ServiceMetrics, host: str, port: int) -> int:
+    """Start the Prometheus endpoint; the bound port.
+
+    Raises:
+        ConfigError: naming ``server.metrics_port`` and the flags that change it, if it cannot listen there.
+    """
+    try:
+        return metrics.start_http(host, port)
+    except OSError as exc:
+        raise ConfigError("server.metrics_port", f"cannot listen on {host}:{port} for Prometheus metrics: "
+                                                 f"{exc.strerror or exc}; pick another with --metrics-port "
+                                                 "(KVSTORE_METRICS_PORT), --metrics-port 0 for a free one, or "
+                                                 "--metrics-port -1 for no metrics endpoint") from None
 
 
 def _is_loopback(host: str) -> bool:

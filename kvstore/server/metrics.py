@@ -122,12 +122,13 @@ class StoreCollector(Collector):
         }
         counters = {
             name: CounterMetricFamily(f"kvstore_tier_{name}", help_text, labels=["tier"])
-            for name, help_text in (
-                ("hits", "Blocks served from the tier by get."),
-                ("misses", "Blocks looked for in the tier by get and not found."),
-                ("evictions", "Blocks evicted from the tier (demoted or dropped)."),
-                ("demotions", "Blocks written into the tier by eviction from the tier above."),
-                ("promotions", "Blocks copied from the tier into the top tier on a hit."),
+            for name, help_text in (  # defined once, in docs/service.md ("Metrics")
+                ("hits", "Blocks a get served from the tier."),
+                ("misses", "Blocks a get looked for in the tier and did not find there (served from a tier below, "
+                           "or found in none)."),
+                ("evictions", "Blocks that left the tier to make room, or as the store closed (demoted or dropped)."),
+                ("demotions", "Blocks written into the tier by an eviction from the tier above."),
+                ("promotions", "Blocks copied from the tier into the top tier after a hit."),
                 ("corrupt_records", "Records that failed their checksum and were deleted."),
             )
         }

@@ -13,14 +13,14 @@ from typing import Sequence
 
 from kvstore.config import parse_size
 from kvstore.errors import InvalidArgumentError
+from kvstore.data import bundled_trace
 from kvstore.sim.replay import POLICIES, SimResult, simulate
 from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, read_trace
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
-"""The Mooncake conversation trace in a source checkout (not in a wheel: pass ``--trace`` there)."""
-"""The trace used when ``--trace`` is not given, relative to the current directory (the repository root)."""
+DEFAULT_TRACE = bundled_trace()
+"""The trace used when ``--trace`` is not given: the Mooncake conversation trace, shipped in the package."""
 
 DEFAULT_CAPACITIES = "1000,2000,5859,10000,20000,50000,inf"
 
@@ -187,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         rows: list[tuple[str, SimResult]] = []
         for trace in traces:
             requests = read_trace(trace, args.format)
+            if not requests:
+                raise InvalidArgumentError(f"the trace {trace} has no requests (an empty file?); nothing to replay")
             name = Path(trace).stem
             for capacity in capacities:
                 if capacity is None:  # nothing is evicted, so every policy gives the same: one row

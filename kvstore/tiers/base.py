@@ -164,6 +164,37 @@ can hand the server a ready message with no copy; no tier knows the wire.
 """
 
 
+@runtime_checkable
+class ReachableTier(Tier, Protocol):
+    """A tier that can be unreachable (the shared Redis tier): it tells its state and last error.
+
+    Attributes:
+        state: ``up`` or ``down`` (``down`` from a failed round trip until one succeeds).
+        last_error: the last failure and when it happened (UTC); ``""`` if none.
+    """
+
+    state: str
+    last_error: str
+
+    async def check_at_start(self) -> bool:
+        """Make one round trip as the store opens, logging a WARNING that names the tier's URL and the error
+        when it fails; whether it succeeded. Never raises for the tier's failure."""
+        ...
+
+
+def tier_status(tier: Tier) -> dict[str, str]:
+    """``state`` and ``last_error`` for :class:`kvstore.api.TierStats`: a :class:`ReachableTier`'s, else empty."""
+    if isinstance(tier, ReachableTier):
+        return {"state": tier.state, "last_error": tier.last_error}
+    return {}
+
+
+async def check_at_start(tier: Tier | None) -> None:
+    """At the store's start, let a :class:`ReachableTier` check that it is reachable (and warn if not)."""
+    if isinstance(tier, ReachableTier):
+        await tier.check_at_start()
+
+
 class TierLease(NamedTuple):
     """Blocks read in place: views of a tier's own memory, valid until :attr:`release` is called.
 

@@ -37,7 +37,7 @@ import lmdb
 
 from kvstore.codec import verify_block
 from kvstore.config import DiskTierConfig
-from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
+from kvstore.errors import CodecError, ConfigError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import MAX_PRIORITY
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order
@@ -96,6 +96,47 @@ def default_map_size_bytes(capacity_bytes: int) -> int:
 
 
 LOCK_FILE = "kvstore.lock"
+
+
+def prepare_directory(path: str, capacity_bytes: int) -> None:
+    """Create the disk tier's directory, and check that it is one this process can write and that it can hold the tier.
+
+    A capacity over what the filesystem can give (its free space plus what the
+    tier's files already take) is accepted with a WARNING, not refused: free
+    space changes, and the tier turns a full disk into eviction; but until then
+    the node competes with everything else on that filesystem.
+
+    Args:
+        path: ``store.disk.path``.
+        capacity_bytes: ``store.disk.capacity_bytes``.
+
+    Raises:
+        ConfigError: naming ``store.disk.path`` and the path, if it exists and is not a directory, cannot
+            be created, or is not writable.
+    """
+    flag = "--disk-path (store.disk.path, KVSTORE_DISK_PATH)"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError("store.disk.path", f"{path} exists and is not a directory; point {flag} at a directory "
+                                             "for the LMDB files (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("store.disk.path", f"cannot create the directory {path}: {exc.strerror or exc}; "
+                                             f"point {flag} at a directory this user can write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("store.disk.path", f"{path} is not writable by this user (uid {os.getuid()}); "
+                                             f"point {flag} at a directory it can write, or change its owner")
+    own_bytes = sum(os.path.getsize(os.path.join(path, name)) for name in ("data.mdb",)
+                    if os.path.isfile(os.path.join(path, name)))
+    available_bytes = shutil.disk_usage(path).free + own_bytes
+    if capacity_bytes > available_bytes:
+        logger.warning(
+            "disk tier at %s: store.disk.capacity_bytes is %.1f GiB but its filesystem has %.1f GiB for it: the tier "
+            "may fill the filesystem before it reaches its capacity and starts to evict; lower --disk-capacity "
+            "(store.disk.capacity_bytes, KVSTORE_DISK_CAPACITY) below that",
+            path, capacity_bytes / 2**30, available_bytes / 2**30,
+            extra={"fields": {"path": path, "capacity_bytes": capacity_bytes, "available_bytes": available_bytes}},
+        )
 
 
 def _lock_directory(path: str) -> int:
@@ -184,7 +225,7 @@ class LMDBTier:
         self.path = os.fspath(path)
         self.sync = sync
         map_size = default_map_size_bytes(capacity_bytes) if map_size_bytes is None else map_size_bytes
-        os.makedirs(self.path, exist_ok=True)
+        prepare_directory(self.path, capacity_bytes)
         free_bytes = shutil.disk_usage(self.path).free
         if free_bytes < MIN_FREE_BYTES:  # LMDB maps its files: growing one on a full disk is a SIGBUS, not an error
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {free_bytes} bytes free on its "

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Awaitable, Mapping, Sequence, TypeVar
 from urllib.parse import urlsplit
 
@@ -226,6 +227,10 @@ class RedisTier:
         self._value_bytes_hint = DEFAULT_VALUE_BYTES_HINT
         self._closed = False
         self._generations: dict[bytes, int] = {}  # namespace tag -> newest generation seen
+        self.state = "up"
+        """``up``, or ``down`` from a failed round trip until one succeeds (:class:`~kvstore.tiers.base.ReachableTier`)."""
+        self.last_error = ""
+        """The last failure and when it happened (UTC), e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``."""
         self._counts = dict.fromkeys(
             ("written", "skipped_writes", "oversized", "oom_rejected", "errors",
              "timeouts", "breaker_open", "corrupt_records", "stale_generation"),
@@ -608,6 +613,25 @@ class RedisTier:
         self._on_success()
         return bool(ok)
 
+    async def check_at_start(self) -> bool:
+        """One ``PING`` as the store opens; on a failure, a WARNING naming the URL and the error.
+
+        The node serves all the same, from its local tiers: Redis reads are misses and writes
+        are skipped until Redis answers (``state`` and ``last_error`` in the stats say so).
+
+        Returns:
+            Whether Redis answered.
+        """
+        if await self.ping():
+            return True
+        logger.warning(
+            "redis tier %s: Redis at %s does not answer at start (%s); serving from the local tiers, with Redis "
+            "reads as misses and writes skipped until it answers; check store.redis.url (--redis-url, "
+            "KVSTORE_REDIS_URL) and that Redis is up", self.name, self._redacted_url(), self.last_error,
+            extra={"fields": {"tier": self.name, "url": self._redacted_url(), "error": self.last_error}},
+        )
+        return False
+
     async def clear_namespace(self, tag: bytes) -> int:
         """Move a namespace to a new generation (``INCR`` of its generation key): no node reads its old keys again.
 
@@ -627,12 +651,15 @@ class RedisTier:
         """
         self._check_open()
         if not self._admit():
-            raise UnavailableError(f"redis tier {self.name}: circuit breaker open, namespace not cleared")
+            raise UnavailableError(
+                f"redis tier {self.name}: Redis at {self._redacted_url()} is down (circuit breaker open; last error: "
+                f"{self.last_error or 'none'}); its blocks of the namespace were not cleared: retry once it answers")
         try:
             generation = int(await self._round_trip(self._client.incr(self.generation_key(tag)), self._op_bound_s))
         except _RoundTripFailed as exc:
             self._on_failure(exc)
-            raise UnavailableError(f"redis tier {self.name}: clearing namespace {tag.hex()} failed: {exc}") from exc
+            raise UnavailableError(f"redis tier {self.name}: clearing namespace {tag.hex()} in Redis at "
+                                   f"{self._redacted_url()} failed: {exc}") from exc
         self._on_success()
         self._generations[tag] = max(self.generation(tag), generation)
         logger.info("redis tier %s: namespace %s is at generation %d", self.name, tag.hex(), generation)
@@ -729,8 +756,11 @@ class RedisTier:
         if self._breaker.state is not BreakerState.CLOSED:
             logger.info("redis tier %s: Redis answers again; circuit breaker closed", self.name)
         self._breaker.record_success()
+        self.state = "up"
 
     def _on_failure(self, failure: _RoundTripFailed) -> None:
+        self.state = "down"
+        self.last_error = f"{failure} (at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})"
         if self.cfg.cluster:
             self._client_stale = True  # also after an error reply: a failed initialize() leaves it unusable
         if not failure.unreachable:

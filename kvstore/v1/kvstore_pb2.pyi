@@ -127,7 +127,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions", "corrupt_records", "counters")
+    __slots__ = ("name", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions", "corrupt_records", "counters", "state", "last_error")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,8 @@ class TierStats(_message.Message):
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_RECORDS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     blocks: int
     bytes: int
@@ -157,7 +159,9 @@ class TierStats(_message.Message):
     promotions: int
     corrupt_records: int
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    state: str
+    last_error: str
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "lookup_hit_blocks", "lookup_miss_blocks")

@@ -11,6 +11,9 @@ pytest.importorskip("transformers")
 from kvstore.demo import main
 from kvstore.demo.tokenizer import ByteTokenizer
 from kvstore.demo.workload import conversation, load_corpus, passage_questions
+from tests.support.demo import DEMO_LINE  # the README's sample output has this shape
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 
 def test_workload_prompts_share_their_prefixes():
@@ -40,4 +43,7 @@ def test_demo_runs_end_to_end_with_the_embedded_store(tmp_path, capsys):
     assert rows[3]["cached_tokens"] > 0 and rows[4]["cached_tokens"] > rows[3]["cached_tokens"]
     assert summary["connector"]["num_load_failures"] == 0
     assert (tmp_path / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "outputs identical: 5/5" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "outputs identical: 5/5" in out
+    request_lines = [line for line in out.splitlines() if "TTFT" in line and "cached" in line]
+    assert len(request_lines) == 5 and all(DEMO_LINE.match(line) for line in request_lines), request_lines

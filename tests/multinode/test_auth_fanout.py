@@ -12,6 +12,8 @@ from kvstore.status import RemoteError
 from tests.support.security import TOKEN_A, auth_config, sha_namespace
 from tests.support.server import ThreadedServer, kv_blocks
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def auth_pair() -> Iterator[list[ThreadedServer]]:

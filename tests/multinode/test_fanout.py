@@ -20,6 +20,8 @@ from tests.support.redis import BlackHole, black_hole  # noqa: F401
 
 from tests.support.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 FAST_REJOIN = {"down_backoff_s": 0.2, "max_down_backoff_s": 1.0}
 
 

@@ -21,7 +21,8 @@ from tests.support.redis import (  # noqa: F401  (redis_cluster and redis_cluste
 
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.skipif(redis_binaries() is None, reason="redis-server / redis-cli not installed")
+pytestmark = [pytest.mark.skipif(redis_binaries() is None, reason="redis-server / redis-cli not installed"),
+              pytest.mark.slow]  # starts processes: outside `make test-fast`
 
 FAST_REDIS_ENV = {  # short Redis timeouts and breaker, so a dead Redis costs the loop little
     "KVSTORE_STORE__REDIS__MODE": "write_through",

@@ -27,6 +27,8 @@ from tests.support.server import ThreadedServer, encoded, kv_blocks
 
 from tests.support.security import TOKEN_A, auth_config, raw_channel, sha_namespace
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 OK = grpc.StatusCode.OK
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 DENIED = grpc.StatusCode.PERMISSION_DENIED

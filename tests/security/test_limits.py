@@ -116,6 +116,7 @@ async def test_a_watch_opened_soon_starts_at_the_first_wait_and_ends_a_stalled_s
     watchdog.close()
 
 
+@pytest.mark.slow
 async def test_stream_watchdog_leaves_an_outside_cancellation_alone_and_stops_when_idle() -> None:
     watchdog = StreamWatchdog(10)
     inside = asyncio.Event()

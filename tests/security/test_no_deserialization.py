@@ -8,6 +8,8 @@ to must never use them.
 
 from __future__ import annotations
 
+import pytest
+
 import ast
 from pathlib import Path
 
@@ -64,6 +66,7 @@ def violations(source: str, filename: str = "<source>") -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_package_source_has_no_deserialization() -> None:
     files = sorted(PACKAGE_DIR.rglob("*.py"))
     assert len(files) > 20  # the scan sees the whole package

@@ -18,7 +18,8 @@ from tests.support.redis import TlsFiles, make_tls_files
 
 from tests.support.security import AUTH_TOKENS, TOKEN_A, client_of, raw_channel, sha_namespace
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed"),
+              pytest.mark.slow]  # a PKI made with openssl, and TLS servers: outside `make test-fast`
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import gc
 import threading
 import time
@@ -29,6 +31,7 @@ def _live(cls: type) -> int:
     return sum(1 for o in objects if type(o) is cls and id(o) not in ignored)
 
 
+@pytest.mark.slow
 def test_a_finished_call_leaves_no_reference_cycle(server: ThreadedServer) -> None:
     """context.add_done_callback keeps partial(_finish, context) in rpc_state.callbacks, which gRPC never clears:
     _Call -> context -> rpc_state -> callbacks -> _Call. Every call became cyclic garbage (was: freed at once)."""

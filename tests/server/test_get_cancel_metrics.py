@@ -16,6 +16,8 @@ from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.support.server import MiB, ThreadedServer, make_config, namespace
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 
 def _get_codes(server):
     lines = generate_latest(server.server.metrics.registry).decode().splitlines()

@@ -50,6 +50,7 @@ def _get_counts(server: ThreadedServer) -> dict[str, float]:
     return {k: v for k, v in scrape(server).items() if k.startswith("kvstore_requests_total") and "Get" in k}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, code", [("cancel", "CANCELLED"), ("deadline", "DEADLINE_EXCEEDED")])
 def test_a_get_ended_by_its_client_while_its_last_message_waits_is_counted_as_such_and_logs_no_error(
         how: str, code: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,8 @@ from tests.support.kvnode import REPO_ROOT, KVNode, free_port
 
 from tests.support.server import kv_blocks, namespace
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def disk_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVNode]:

@@ -14,6 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STUBS = ("__init__.py", "kvstore_pb2.py", "kvstore_pb2.pyi", "kvstore_pb2_grpc.py")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("grpc_tools") is None, reason="grpcio-tools is not installed")
 def test_regenerating_the_stubs_changes_nothing(tmp_path: Path) -> None:
     subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gen_proto.sh"), str(tmp_path)], check=True,

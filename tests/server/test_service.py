@@ -90,6 +90,7 @@ def test_mla_layout_and_sha256_round_trip(client: KVStoreClient) -> None:
     ],
     ids=["12MiB", "4MiB+1", "one-chunk", "one-chunk+1"],
 )
+@pytest.mark.slow
 def test_large_blocks_round_trip_in_chunks(client: KVStoreClient, payload_bytes: int) -> None:
     # mla with block_size 1 and uint8 admits any payload size; its header is 64 bytes
     ns = namespace(layout="mla", dtype="uint8", block_size=1)
@@ -104,6 +105,7 @@ def test_large_blocks_round_trip_in_chunks(client: KVStoreClient, payload_bytes:
     client.delete(ns, hashes)
 
 
+@pytest.mark.slow
 def test_kv_block_of_12_mib_round_trips(client: KVStoreClient) -> None:
     ns = namespace()
     hashes, _ = kv_blocks(ns, 1)
@@ -127,6 +129,7 @@ def test_get_stream_is_chunked_below_max_message(stub: pb_grpc.KVStoreStub, clie
     assert b"".join(c.data for c in chunks) == block
 
 
+@pytest.mark.slow
 def test_cancelled_get_leaves_no_lease_behind() -> None:
     server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "8MiB"}))
     try:
@@ -155,6 +158,7 @@ def test_cancelled_get_leaves_no_lease_behind() -> None:
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_stream_over_max_stream_s_ends_with_deadline_exceeded_and_frees_its_blocks() -> None:
     """A stalled reader with no deadline held its Get's leases for ever: nothing else could be stored."""
     import time
@@ -264,7 +268,7 @@ def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
         missing, _ = kv_blocks(ns, 5, first_token=50_000)
         kv.lookup(ns, hashes[:2] + missing[2:])  # 2 blocks in the cached prefix, 3 past it
         with pytest.raises(Exception):
-            kv.lookup(ns, [b"short"])
+            kv.lookup(ns, hashes * 22)  # over the node's limits.max_hashes_per_request (64): refused by the node
         stats = kv.stats()
     after = scrape(fresh_server)
     assert after['kvstore_lookup_blocks_total{result="hit"}'] == 5 == stats.lookup_hit_blocks

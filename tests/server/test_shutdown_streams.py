@@ -47,6 +47,8 @@ from kvstore.store import TieredStore  # noqa: E402
 from kvstore.tiers.lmdb import LMDBTier  # noqa: E402
 from tests.support.store import NS, disk_footprint, make_blocks, memory_tier  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 
 async def test_store_close_during_a_read_demotes_the_leased_memory_blocks(tmp_path, caplog) -> None:
     store = TieredStore([memory_tier(3), LMDBTier(tmp_path / "d", 16 * disk_footprint())])

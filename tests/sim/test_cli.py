@@ -11,6 +11,8 @@ import pytest
 from kvstore.sim.cli import main, parse_capacity, register
 from kvstore.trace import TraceRequest, write_trace
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
 
 

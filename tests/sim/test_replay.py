@@ -10,6 +10,8 @@ from kvstore.errors import InvalidArgumentError
 from kvstore.sim import BeladyPolicy, NextUseOracle, simulate
 from kvstore.trace import TraceRequest, read_trace
 
+pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
+
 TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
 
 

@@ -12,6 +12,7 @@ from kvstore.trace import TraceFormatError, TraceRequest, iter_trace, read_trace
 TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
 
 
+@pytest.mark.slow
 def test_reads_the_mooncake_conversation_trace() -> None:
     requests = read_trace(TRACES / "mooncake_conversation_trace.jsonl")
     assert len(requests) == 12031

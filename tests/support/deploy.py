@@ -20,6 +20,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO_ROOT / "deploy" / "Dockerfile"
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+COMPOSE_TLS_FILE = REPO_ROOT / "docker-compose.tls.yml"
 CONFIG_FILE = REPO_ROOT / "deploy" / "config" / "kvstore.yaml"
 PROMETHEUS_FILE = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"

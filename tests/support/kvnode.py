@@ -56,6 +56,8 @@ class KVNode(OwnedProcess):
         workdir: directory of the log file; a new temporary one when ``None`` (removed by :meth:`close`).
         file_size_limit_bytes: largest file the node may write (``RLIMIT_FSIZE``), bytes: a disk that
             fills up, for fault tests (its log file counts too); ``None`` for no limit.
+        client_kwargs: ``KVStoreClient`` keyword arguments of the readiness check (e.g. ``credentials``
+            for a node with TLS); none when ``None``.
 
     Raises:
         RuntimeError: from :meth:`start`, with the log tail, if the node does not come up.
@@ -77,6 +79,7 @@ class KVNode(OwnedProcess):
         startup_timeout_s: float = 90.0,
         workdir: str | os.PathLike[str] | None = None,
         file_size_limit_bytes: int | None = None,
+        client_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.args: list[str] = []
         for flag, value in (
@@ -94,6 +97,7 @@ class KVNode(OwnedProcess):
         self.workdir = Path(tempfile.mkdtemp(prefix="kvstore-node-")) if workdir is None else Path(workdir)
         self.port = 0
         self.metrics_port = -1 if not metrics else 0
+        self.client_kwargs = dict(client_kwargs or {})
         self.num_starts = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -189,7 +193,7 @@ class KVNode(OwnedProcess):
         from kvstore.client import KVStoreClient
         from kvstore.errors import KVStoreError
 
-        with KVStoreClient(self.target, timeout_s=2.0, retries=0) as client:
+        with KVStoreClient(self.target, timeout_s=2.0, retries=0, **self.client_kwargs) as client:
             while time.monotonic() < deadline:
                 with contextlib.suppress(KVStoreError):
                     if client.health() == "SERVING":

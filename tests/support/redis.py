@@ -103,8 +103,13 @@ class TlsFiles:
     client_key: str
 
 
-def make_tls_files(directory: str | os.PathLike[str]) -> TlsFiles:
+def make_tls_files(directory: str | os.PathLike[str],
+                   subject_alt_names: Sequence[str] = ("IP:127.0.0.1", "DNS:localhost")) -> TlsFiles:
     """Create a CA and server and client certificates (EC P-256, valid one day) with the ``openssl`` CLI.
+
+    Args:
+        directory: where the PEM files go (created if missing).
+        subject_alt_names: the certificates' ``subjectAltName`` entries.
 
     Raises:
         RuntimeError: if ``openssl`` is missing or fails.
@@ -115,7 +120,7 @@ def make_tls_files(directory: str | os.PathLike[str]) -> TlsFiles:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (d / "san.ext").write_text(f"subjectAltName={','.join(subject_alt_names)}\n")
 
     def run(*args: str) -> None:
         result = subprocess.run([openssl, *args], capture_output=True, check=False, cwd=d)

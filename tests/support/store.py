@@ -63,9 +63,10 @@ def disk_footprint() -> int:
 
 
 def redis_config(url: str, mode: str) -> StoreConfig:
-    """A store config with a Redis tier at ``url`` in ``mode``, with short timeouts and a quick breaker."""
+    """A store config with a Redis tier at ``url`` in ``mode``, with a quick breaker (and timeouts a loaded machine
+    meets: a killed Redis refuses connections at once)."""
     return StoreConfig(redis=RedisTierConfig(url=url, mode=mode, breaker_failures=2, breaker_reset_s=0.2,
-                                             connect_timeout_s=0.2, socket_timeout_s=0.2))
+                                             connect_timeout_s=1.0, socket_timeout_s=1.0))
 
 
 def store_key(store: TieredStore, block_hash: bytes) -> str:

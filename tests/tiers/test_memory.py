@@ -108,6 +108,7 @@ def test_pool_is_pinned_only_when_cuda_is_there():
     assert MemoryTier(MiB, page_bytes=PAGE, pin_memory=False).pinned is False
 
 
+@pytest.mark.slow
 async def test_pages_are_reused_and_the_pool_never_grows():
     tier = MemoryTier(2 * MiB, page_bytes=PAGE)
     pool_ptr, pool_shape = tier._pool.data_ptr(), tuple(tier._pool.shape)
