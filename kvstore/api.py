@@ -148,7 +148,11 @@ class BlockClient(Protocol):
         ...
 
     def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
-        """Like :meth:`get`, decoded into CPU tensors of the namespace's layout."""
+        """Like :meth:`get`, decoded into CPU tensors of the namespace's layout.
+
+        No tensor writes into a stored block: the embedded store copies each block
+        into its tensor, a remote client's tensors view its own received messages.
+        """
         ...
 
     def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],

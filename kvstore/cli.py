@@ -22,7 +22,9 @@ from kvstore.connection import add_connection_arguments, target_argument
 if TYPE_CHECKING:
     from kvstore.client import KVStoreClient
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ("kvstore.sim.cli", "kvstore.loadtest.cli", "kvstore.demo.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "kvstore.sim.cli", "kvstore.sim.trace_cli", "kvstore.loadtest.cli", "kvstore.demo.cli",
+)
 """Modules that add subcommands through ``register(subparsers)``."""
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -120,6 +122,9 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
     serve.add_argument("--disk-path", metavar="DIR", help="LMDB directory; enables the disk tier (store.disk.path)")
     serve.add_argument("--disk-capacity", metavar="SIZE", help="disk tier size, e.g. 100GiB (store.disk.capacity_bytes)")
     serve.add_argument("--redis-url", metavar="URL", help="redis:// or rediss:// URL; enables the Redis tier")
+    serve.add_argument("--policy", metavar="NAME",
+                       help="eviction policy of the local tiers: default, lru, slru or adaptive, as kvstore "
+                            "simulate --policy names them (store.policy, default: default = adaptive)")
     serve.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper,
                        help="server.log_level (default INFO)")
     serve.add_argument("--log-format", choices=("json", "text"), help="server.log_format (default json)")
@@ -183,6 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
         "store.disk.path": args.disk_path,
         "store.disk.capacity_bytes": args.disk_capacity,
         "store.redis.url": args.redis_url,
+        "store.policy": args.policy,
     }
     try:
         config = load_config(args.config, overrides=overrides)

@@ -1012,9 +1012,11 @@ class _Client:
         """Like :meth:`get`, decoded (checksums verified) into CPU tensors.
 
         Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
-        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). Over gRPC they view the
-        received bytes (read-only: clone before writing); over the same-host data
-        plane each is a tensor of its own, copied once from shared memory.
+        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). Over gRPC they view
+        this call's own received messages, which nothing else holds, so they are
+        not copied (``decode_block(copy=False)``) and a write into a tensor changes
+        only them; over the same-host data plane each is a tensor of its own,
+        copied once from shared memory.
 
         Raises:
             CodecError: if a received block fails to decode.
@@ -1022,7 +1024,7 @@ class _Client:
         check_block_hashes(namespace, block_hashes)
 
         def decode(blocks: list[Buffer]) -> list[Any]:
-            return [decode_block(b) for b in blocks]
+            return [decode_block(b, copy=False) for b in blocks]
 
         def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
             return _get_then(namespace, hashes, decode,

@@ -4,17 +4,28 @@ Wire and disk format of one block (all integers little-endian)::
 
     offset  size  field
     0       4     magic b"KVB\\x01"
-    4       2     version (1)
+    4       2     version (2)
     6       1     dtype code (see DTYPES)
     7       1     layout code (see Layout)
     8       1     ndim
     9       1     flags (0)
     10      2     header_nbytes: offset of the payload, a multiple of 64
     12      8     payload_nbytes
-    20      8     xxh3-64 checksum of the payload
+    20      8     checksum: xxh3-64 of the whole block with these 8 bytes as zeros
     28      8*n   shape, one uint64 per dimension
     ...           zero padding up to header_nbytes
     header_nbytes payload: the tensor's bytes in C order
+
+The checksum covers every byte of the block: the header (its own field read
+as zeros, so that it can be computed before it is written) and the payload,
+in that order, as one xxh3-64 stream with seed 0. A reader that checks it knows
+that the dtype, layout, shape, flags and padding are the ones the writer set,
+not only the payload. Flags and padding must be zero.
+
+Version 1 checksummed the payload alone, so a flipped dtype byte (float16 read
+as bfloat16) went unseen. It is no longer read: a version-1 block is a
+:class:`~kvstore.errors.BadMagicError` naming the version, and stored ones are
+dropped (``docs/disk.md``, ``docs/security.md``).
 
 The payload is 64-byte aligned inside the buffer so that ``torch.frombuffer``
 can view it without a copy. Shapes follow the layout:
@@ -48,13 +59,18 @@ from kvstore.errors import (
     InvalidArgumentError,
     TruncatedBlockError,
     UnknownDtypeError,
+    UnsupportedVersionError,
 )
 
 MAGIC = b"KVB\x01"
-VERSION = 1
+VERSION = 2
+"""The block format this build writes and reads (see the module docstring); version 1 is refused."""
 ALIGNMENT = 64
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sHBBBBHQQ")  # 28 bytes
+_CHECKSUM_AT = 20  # offset of the checksum field in the header
+_CHECKSUM_BYTES = 8
+_NO_CHECKSUM = bytes(_CHECKSUM_BYTES)
 
 DTYPES: dict[str, tuple[int, int]] = {
     "float32": (1, 4),
@@ -137,7 +153,7 @@ class BlockHeader:
         shape: tensor shape (see the module docstring for each layout).
         header_nbytes: offset of the payload in the buffer, bytes.
         payload_nbytes: payload length, bytes.
-        checksum: xxh3-64 of the payload.
+        checksum: xxh3-64 of the whole block, its own field as zeros (see the module docstring).
     """
 
     dtype: str
@@ -188,12 +204,29 @@ def encode_header(dtype: str, layout: Layout | str, shape: tuple[int, ...], payl
         )
     size = header_nbytes(len(shape))
     header = bytearray(size)
-    _FIXED.pack_into(
-        header, 0, MAGIC, VERSION, DTYPES[name][0], layout.code, len(shape), 0, size,
-        payload.nbytes, xxhash.xxh3_64_intdigest(payload),
-    )
+    _FIXED.pack_into(header, 0, MAGIC, VERSION, DTYPES[name][0], layout.code, len(shape), 0, size, payload.nbytes, 0)
     struct.pack_into(f"<{len(shape)}Q", header, _FIXED.size, *shape)
+    struct.pack_into("<Q", header, _CHECKSUM_AT, block_checksum(header, payload))
     return bytes(header)
+
+
+def block_checksum(header: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview) -> int:
+    """The checksum of a block: xxh3-64 (seed 0) of ``header`` with its checksum field read as zeros, then ``payload``.
+
+    Args:
+        header: the block's ``header_nbytes`` header bytes (whatever its checksum field holds).
+        payload: the payload bytes.
+
+    Returns:
+        The unsigned 64-bit digest stored at offset 20 of the header.
+    """
+    head = memoryview(header).cast("B")
+    digest = xxhash.xxh3_64()
+    digest.update(head[:_CHECKSUM_AT])
+    digest.update(_NO_CHECKSUM)
+    digest.update(head[_CHECKSUM_AT + _CHECKSUM_BYTES:])
+    digest.update(payload)
+    return digest.intdigest()
 
 
 def encode_block(tensor: torch.Tensor, layout: Layout | str = Layout.KV) -> bytes:
@@ -244,10 +277,11 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
 
     Raises:
         TruncatedBlockError: if ``buf`` is shorter than the header or header plus payload.
-        BadMagicError: on a wrong magic or version.
+        BadMagicError: on a wrong magic; :class:`~kvstore.errors.UnsupportedVersionError`
+            on a version other than :data:`VERSION` (naming it).
         UnknownDtypeError: on an unknown dtype code.
-        ElementCountError: if the payload size, shape and layout disagree, or
-            bytes trail the payload.
+        ElementCountError: if the payload size, shape and layout disagree, bytes
+            trail the payload, or the flags or padding are not zero.
     """
     view = memoryview(buf).cast("B")
     if view.nbytes < _FIXED.size:
@@ -255,8 +289,13 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     magic, version, dtype_code, layout_code, ndim, _flags, hdr_nbytes, payload_nbytes, checksum = (
         _FIXED.unpack_from(view, 0)
     )
-    if magic != MAGIC or version != VERSION:
-        raise BadMagicError(f"not a kvstore block (magic {bytes(magic)!r}, version {version})")
+    if magic != MAGIC:
+        raise BadMagicError(f"not a kvstore block (magic {bytes(magic)!r})")
+    if version != VERSION:
+        raise UnsupportedVersionError(f"kvstore block format version {version} is not read by this build, which reads version "
+                            f"{VERSION} (its checksum covers the header too); encode the block with this kvstore")
+    if _flags:
+        raise ElementCountError(f"bad header: flags {_flags:#04x}, must be 0")
     if dtype_code not in _CODE_TO_NAME:
         raise UnknownDtypeError(f"unknown dtype code {dtype_code}")
     if layout_code not in _CODE_TO_LAYOUT:
@@ -266,6 +305,8 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     if view.nbytes < hdr_nbytes:
         raise TruncatedBlockError(f"block of {view.nbytes} bytes is shorter than its {hdr_nbytes}-byte header")
     shape = struct.unpack_from(f"<{ndim}Q", view, _FIXED.size)
+    if any(view[_FIXED.size + 8 * ndim: hdr_nbytes]):
+        raise ElementCountError("bad header: its padding is not zero")
     name = _CODE_TO_NAME[dtype_code]
     layout = _CODE_TO_LAYOUT[layout_code]
     _check_shape(layout, shape)
@@ -283,46 +324,60 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
 
 
 def verify_block(buf: bytes | bytearray | memoryview) -> BlockHeader:
-    """Validate an encoded block completely: header, sizes and payload checksum.
+    """Validate an encoded block completely: header, sizes and the checksum of every byte.
 
     Returns:
         The parsed header.
 
     Raises:
         CodecError: a subclass naming the cause (see :func:`decode_header`), or
-            :class:`ChecksumError` if the payload is corrupt.
+            :class:`ChecksumError` if any byte of the header or payload is not what was written.
     """
     header = decode_header(buf)
-    payload = memoryview(buf).cast("B")[header.header_nbytes :]
-    if xxhash.xxh3_64_intdigest(payload) != header.checksum:
-        raise ChecksumError("payload checksum mismatch: the block is corrupt")
+    view = memoryview(buf).cast("B")
+    if block_checksum(view[: header.header_nbytes], view[header.header_nbytes :]) != header.checksum:
+        raise ChecksumError("checksum mismatch: the block (header or payload) is corrupt")
     return header
 
 
-def decode_block(buf: bytes | bytearray | memoryview, *, verify: bool = True) -> torch.Tensor:
-    """Decode an encoded block into a CPU tensor that views ``buf`` without a copy.
+def decode_block(buf: bytes | bytearray | memoryview, *, verify: bool = True, copy: bool | None = None) -> torch.Tensor:
+    """Decode an encoded block into a CPU tensor; read-only bytes are copied, so no tensor writes into them.
 
-    The tensor shares memory with ``buf``; when ``buf`` is immutable (``bytes``)
-    the caller must not write to it (clone or ``.to(device)`` first).
+    torch has no read-only tensors: ``torch.frombuffer`` over ``bytes`` or a
+    read-only ``memoryview`` returns a tensor whose writes land in that memory
+    (a stored block, a tier's page pool), which its owner never expected to
+    change. So by default a read-only ``buf`` is copied into a tensor of its
+    own, and only a writable one (``bytearray``, a writable ``memoryview``) is
+    viewed without a copy, its writes landing in ``buf``.
 
     Args:
         buf: ``header || payload`` as produced by :func:`encode_block`.
-        verify: check the payload checksum (skip only for bytes verified already).
+        verify: check the checksum (skip only for bytes verified already).
+        copy: ``None`` (default): copy exactly when ``buf`` is read-only;
+            ``True``: always copy; ``False``: always view ``buf``, even
+            read-only, for a caller whose bytes no one else holds (a client's
+            own received message), so that a write reaches nothing shared.
 
     Returns:
-        A tensor of the header's dtype and shape.
+        A tensor of the header's dtype and shape, e.g. ``[num_layers, 2,
+        num_kv_heads, block_size, head_dim]`` for the ``kv`` layout.
 
     Raises:
         CodecError: a subclass naming the cause (see :func:`verify_block`).
     """
     torch = _torch()
     header = verify_block(buf) if verify else decode_header(buf)
+    dtype = torch_dtype(header.dtype)
     if header.payload_nbytes == 0:
-        return torch.empty(header.shape, dtype=torch_dtype(header.dtype))
+        return torch.empty(header.shape, dtype=dtype)
+    if copy is None:
+        copy = memoryview(buf).readonly
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: documented above
+        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer is only viewed when the caller said so
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=header.payload_nbytes, offset=header.header_nbytes)
-    return flat.view(torch_dtype(header.dtype)).view(header.shape)
+    if copy:
+        flat = flat.clone()
+    return flat.view(dtype).view(header.shape)
 
 
 _NUMPY_DTYPES = ("float16", "float32", "float64", "int8", "uint8")

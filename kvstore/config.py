@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import yaml
 
 from kvstore.errors import ConfigError
-from kvstore.policy import DEFAULT_PRIORITY
+from kvstore.policy import DEFAULT_PRIORITY, POLICY_NAMES, resolve_policy_name
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _UNITS = {
@@ -105,7 +105,8 @@ class DiskTierConfig:
 
     Attributes:
         path: directory of the LMDB environment; empty disables the tier.
-        capacity_bytes: bytes of blocks the tier may hold.
+        capacity_bytes: the most bytes ``data.mdb`` takes (LMDB's map size); blocks fill
+            ``kvstore.tiers.lmdb.usable_bytes`` of it, three quarters of a large one (``docs/disk.md``).
         sync: fsync every write transaction (durable, slower).
     """
 
@@ -182,6 +183,9 @@ class StoreConfig:
             (closing the store demotes them too where the disk has free room for them).
         max_block_bytes: the largest encoded block accepted, bytes.
         default_priority: priority of puts that name none, and after retention ends.
+        policy: the eviction policy of every local tier: ``default`` (the node's default,
+            ``kvstore.policy.DEFAULT_POLICY``), ``lru``, ``slru`` or ``adaptive``; the names
+            ``kvstore simulate --policy`` takes (``docs/simulate.md``).
     """
 
     memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
@@ -191,8 +195,14 @@ class StoreConfig:
     demote_min_priority: int = 0
     max_block_bytes: int = 64 * MiB
     default_priority: int = DEFAULT_PRIORITY
+    policy: str = "default"
 
     def __post_init__(self) -> None:
+        try:
+            resolve_policy_name(self.policy)
+        except ValueError:
+            raise ConfigError("policy", f"unknown policy {self.policy!r}; known: default, "
+                                        f"{', '.join(POLICY_NAMES)}") from None
         _require(0 <= self.demote_min_priority <= 101, "demote_min_priority", "must be in [0, 101]")
         _require(0 <= self.default_priority <= 100, "default_priority", "must be in [0, 100]")
         _require(self.max_block_bytes > 0, "max_block_bytes", "must be > 0")
@@ -377,6 +387,7 @@ ENV_ALIASES: dict[str, str] = {
     "KVSTORE_DISK_PATH": "store.disk.path",
     "KVSTORE_DISK_CAPACITY": "store.disk.capacity_bytes",
     "KVSTORE_REDIS_URL": "store.redis.url",
+    "KVSTORE_POLICY": "store.policy",
 }
 """Short environment names of the common settings, and the dotted field each sets."""
 

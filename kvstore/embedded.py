@@ -80,12 +80,20 @@ class EmbeddedStore:
         return self._call(self._store.get(namespace, block_hashes))
 
     def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
-        """Blocks of the longest cached prefix as CPU tensors that view the fetched bytes.
+        """Blocks of the longest cached prefix as CPU tensors of their own: copies, which the caller may write.
 
         Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
-        ``[num_layers, 1, block_size, latent_dim]`` (``mla``); read-only: clone before writing.
+        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). The prefix is
+        leased while each block is copied, once, straight out of its tier's
+        memory into its tensor, in the calling thread; a write into a tensor
+        never reaches a stored block.
         """
-        return [decode_block(b, verify=False) for b in self.get(namespace, block_hashes)]
+        read = self._store.read(namespace, block_hashes)
+        blocks = self._call(read.open())
+        try:
+            return [decode_block(b, verify=False, copy=True) for b in blocks]
+        finally:
+            self._loop.call_soon_threadsafe(read.close)
 
     def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],
                  destinations: Sequence[torch.Tensor], *, verify: bool | None = None) -> int:

@@ -43,6 +43,10 @@ class BadMagicError(CodecError):
     """The buffer does not start with the block magic, or has an unsupported version."""
 
 
+class UnsupportedVersionError(BadMagicError):
+    """The buffer is a kvstore block of a format version this build does not read (e.g. version 1)."""
+
+
 class UnknownDtypeError(CodecError):
     """The header names a dtype code, or the caller a dtype, that kvstore does not know."""
 

@@ -7,6 +7,16 @@ process, language and restart agrees:
 
     h_{-1} = H(canonical encoding of the namespace)        (the namespace root)
     h_i    = H(h_{i-1} || token ids of block i as little-endian uint32)
+    h_i    = H(h_{i-1} || token ids of block i || uint32 len(e_i) || e_i)   (with extra key e_i)
+
+A block may carry an optional **extra key** ``e_i``: bytes that the KV of the
+block depends on beyond its token ids, such as the content hash of an image or
+audio clip whose placeholder tokens lie in the block (vLLM's
+``generate_block_hash_extra_keys`` does the same for multimodal inputs). The
+token part of a block has a fixed length, so the length-prefixed extra key is
+unambiguous, and a block without one hashes exactly as before.
+:func:`span_extra_keys` builds ``e_i`` from spans of content keys in the canonical
+form documented there.
 
 ``H`` is xxh3-128 by default and SHA-256 where clients are not trusted (xxh3
 collisions can be forced on purpose, SHA-256 collisions cannot).
@@ -33,6 +43,23 @@ BlockKey = NewType("BlockKey", bytes)
 """A tier key: the 8-byte namespace tag followed by the block hash (24 or 40 bytes)."""
 
 NAMESPACE_TAG_BYTES = 8
+
+NAMESPACE_FIELD_MAX_BYTES: dict[str, int] = {
+    "model": 512,
+    "revision": 128,
+    "dtype": 32,
+    "layout": 16,
+    "adapter": 256,
+    "cache_salt": 256,
+    "hash_algorithm": 16,
+}
+"""The longest each text field of a :class:`Namespace` may be, in UTF-8 bytes (``docs/security.md``).
+
+A Hugging Face model id is at most 96 + 1 + 96 characters and a git revision
+40; the limits leave room for local paths and long tags, and bound what one
+request's namespace can make a node hold (the node caches namespaces it has
+seen). Past a limit, the namespace is refused with :class:`InvalidArgumentError`.
+"""
 _NAMESPACE_MAGIC = b"kvstore/namespace/v1\x00"
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -77,8 +104,9 @@ class Namespace:
         hash_algorithm: ``H`` of the chain.
 
     Raises:
-        InvalidArgumentError: on an empty model, a non-positive block size,
-            an out-of-range rank, or a layout that is not ``kv`` or ``mla``.
+        InvalidArgumentError: on an empty model, a text field over its limit in
+            :data:`NAMESPACE_FIELD_MAX_BYTES`, a non-positive block size, an
+            out-of-range rank, or a layout that is not ``kv`` or ``mla``.
         UnknownDtypeError: (an ``InvalidArgumentError``) on a dtype that is not a
             codec dtype name, naming the valid ones (``torch.float16`` and a
             ``torch.dtype`` are taken as ``float16``).
@@ -99,6 +127,13 @@ class Namespace:
     def __post_init__(self) -> None:
         if not self.model:
             raise InvalidArgumentError("namespace.model must not be empty")
+        for name, max_bytes in NAMESPACE_FIELD_MAX_BYTES.items():
+            text = getattr(self, name)
+            if not isinstance(text, str):
+                continue  # the hash algorithm as an enum: checked below
+            if len(text) > max_bytes or len(text.encode("utf-8")) > max_bytes:  # the first test is cheap
+                raise InvalidArgumentError(
+                    f"namespace.{name} is {len(text.encode('utf-8'))} bytes, over its limit of {max_bytes}")
         if not 0 < self.block_size <= 1 << 20:
             raise InvalidArgumentError(f"namespace.block_size must be in [1, 2^20], got {self.block_size}")
         if not 0 < self.tp_size <= 1 << 16 or not 0 <= self.tp_rank < self.tp_size:
@@ -207,6 +242,7 @@ def hash_blocks(
     token_ids: Sequence[int] | np.ndarray,
     *,
     parent: BlockHash | None = None,
+    extra_keys: Sequence[bytes | None] | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of the full blocks of ``token_ids``; a partial last block is not hashed.
 
@@ -215,12 +251,18 @@ def hash_blocks(
         token_ids: ``[num_tokens]`` token ids, each in ``[0, 2^32)``.
         parent: hash of the block just before ``token_ids[0]``, to extend a
             chain; the namespace root when ``None``.
+        extra_keys: per block of ``token_ids`` (block 0 starts at ``token_ids[0]``),
+            the block's extra key ``e_i`` (see the module docstring), or ``None``
+            or ``b""`` for none. Entries past the last full block are ignored (a
+            partial block is not hashed), missing ones mean none; ``None`` for
+            no extra keys at all, which gives the same hashes as before extra keys existed.
 
     Returns:
         ``num_tokens // block_size`` block hashes, in order.
 
     Raises:
-        InvalidArgumentError: on malformed token ids or a parent of the wrong length.
+        InvalidArgumentError: on malformed token ids, a parent of the wrong
+            length, or an extra key that is not bytes-like or is 2^32 bytes or longer.
     """
     ids = token_bytes(token_ids)
     previous = namespace.root if parent is None else parent
@@ -233,11 +275,112 @@ def hash_blocks(
         if namespace.hash_algorithm is HashAlgorithm.XXH3_128
         else lambda b: hashlib.sha256(b).digest()
     )
+    num_blocks = len(ids) // namespace.block_size
+    extras = _extra_suffixes(extra_keys, num_blocks)
     hashes: list[BlockHash] = []
-    for start in range(0, len(ids) // namespace.block_size * block_nbytes, block_nbytes):
-        previous = digest(previous + data[start : start + block_nbytes])
+    for i, start in enumerate(range(0, num_blocks * block_nbytes, block_nbytes)):
+        previous = digest(previous + data[start : start + block_nbytes] + extras[i])
         hashes.append(BlockHash(previous))
     return hashes
+
+
+def _extra_suffixes(extra_keys: Sequence[bytes | None] | None, num_blocks: int) -> list[bytes]:
+    """Per full block, the bytes hashed after its token ids: ``b""``, or ``uint32 len(e) || e``.
+
+    Raises:
+        InvalidArgumentError: on an extra key that is not bytes-like or is too long.
+    """
+    suffixes = [b""] * num_blocks
+    if extra_keys is None:
+        return suffixes
+    for i, extra in enumerate(list(extra_keys)[:num_blocks]):
+        if extra is None:
+            continue
+        try:
+            raw = memoryview(extra).tobytes()  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidArgumentError(
+                f"extra key of block {i} must be bytes, got {type(extra).__name__}"
+            ) from None
+        if len(raw) > _MAX_TOKEN_ID:
+            raise InvalidArgumentError(f"extra key of block {i} is {len(raw)} bytes; the limit is 2^32 - 1")
+        if raw:
+            suffixes[i] = struct.pack("<I", len(raw)) + raw
+    return suffixes
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpan:
+    """Content that a run of tokens stands for, identified by a key: e.g. an image behind its placeholders.
+
+    Attributes:
+        start: position of the span's first token in the sequence (0-based).
+        length: tokens in the span, > 0.
+        key: the content's identifier, e.g. vLLM's ``MultiModalFeatureSpec.identifier``
+            (a hash of the image bytes and processor settings); a ``str`` is taken as its UTF-8 bytes.
+
+    Raises:
+        InvalidArgumentError: on a negative start, a non-positive length, or a
+            start, length or key that does not fit a uint32.
+    """
+
+    start: int
+    length: int
+    key: bytes | str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= _MAX_TOKEN_ID or not 0 < self.length <= _MAX_TOKEN_ID:
+            raise InvalidArgumentError(f"a key span needs 0 <= start and 0 < length < 2^32, got {self.start}, "
+                                       f"{self.length}")
+        key = self.key
+        try:
+            key = key.encode("utf-8") if isinstance(key, str) else memoryview(key).tobytes()
+        except TypeError:
+            raise InvalidArgumentError(f"a key span's key must be bytes or str, got {type(key).__name__}") from None
+        object.__setattr__(self, "key", key)
+        if len(key) > _MAX_TOKEN_ID:
+            raise InvalidArgumentError("a key span's key must be shorter than 2^32 bytes")
+
+    def encode(self) -> bytes:
+        """Canonical bytes: ``uint32 len(key) || key || uint32 start || uint32 length``, little-endian."""
+        key = self.key if isinstance(self.key, bytes) else self.key.encode("utf-8")
+        return struct.pack("<I", len(key)) + key + struct.pack("<II", self.start, self.length)
+
+
+def span_extra_keys(num_tokens: int, block_size: int, spans: Iterable[KeySpan]) -> list[bytes | None]:
+    """The extra key of each block of a sequence from the spans of content that overlap it.
+
+    Block ``i`` covers tokens ``[i * block_size, (i + 1) * block_size)``; its
+    extra key is the concatenation, in the order given, of :meth:`KeySpan.encode`
+    of every span that overlaps it, or ``None`` when none does. Absolute
+    positions are encoded, so the same content placed elsewhere, or split into
+    spans differently, gives different keys. Pass the result to
+    :func:`hash_blocks` as ``extra_keys``; two prompts whose placeholder tokens
+    are equal but whose images differ then get different block hashes from the
+    first block an image touches on.
+
+    Args:
+        num_tokens: tokens in the sequence (the last block may be partial).
+        block_size: tokens per block, > 0.
+        spans: the content spans, positions relative to the sequence's first token.
+
+    Returns:
+        ``ceil(num_tokens / block_size)`` entries.
+
+    Raises:
+        InvalidArgumentError: on a non-positive block size or a negative token count.
+    """
+    if block_size <= 0 or num_tokens < 0:
+        raise InvalidArgumentError(f"need block_size > 0 and num_tokens >= 0, got {block_size}, {num_tokens}")
+    num_blocks = -(-num_tokens // block_size)
+    parts: list[list[bytes]] = [[] for _ in range(num_blocks)]
+    for span in spans:
+        first = span.start // block_size
+        last = min((span.start + span.length - 1) // block_size, num_blocks - 1)
+        encoded = span.encode()
+        for i in range(first, last + 1):
+            parts[i].append(encoded)
+    return [b"".join(p) if p else None for p in parts]
 
 
 def block_key(namespace: Namespace, block_hash: bytes) -> BlockKey:

@@ -76,6 +76,11 @@ class _Promotion:
     values: list[bytes]
     generation: int  # the namespace generation the values were read under (shared source)
     nbytes: int = field(default=0)
+    done: asyncio.Future[None] | None = None  # set once the promotion ended (``Mover.promotions_of``)
+    all_keys: list[BlockKey] = field(default_factory=list)  # the keys offered (a delete may drop some from keys)
+
+    def __post_init__(self) -> None:
+        self.all_keys = list(self.keys)
 
 
 @dataclass(slots=True)
@@ -142,6 +147,7 @@ class Mover:
         self._worker: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[object]] = set()  # operations and record deletes in flight
         self._shared_writes: dict[BlockKey, asyncio.Future[None]] = {}  # keys on their way into the shared tier
+        self._promoting: dict[BlockKey, asyncio.Future[None]] = {}  # keys of queued or running promotions
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -166,6 +172,10 @@ class Mover:
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
+        for done in self._promoting.values():  # never run: nothing waits on them any more
+            if not done.done():
+                done.set_result(None)
+        self._promoting.clear()
 
     def run(self, work: Awaitable[object]) -> asyncio.Future[object]:
         """Run ``work`` (an operation's I/O and complete step) to its end even if its caller is cancelled.
@@ -204,7 +214,7 @@ class Mover:
                                              f"{self._tiers[level].capacity_bytes} bytes is leased") from exc
 
     async def place(self, level: int, entries: list[Entry], values: Sequence[bytes], metas: Sequence[BlockMeta],
-                    sources: Sequence[Entry] | None = None) -> list[BlockKey]:
+                    sources: Sequence[Entry] | None = None, *, room: int | None = None) -> list[BlockKey]:
         """Write placing ``entries`` into tier ``level`` and publish those still current; returns the keys published.
 
         In batches that fit the tier at once, tail first, so a head written last
@@ -212,6 +222,8 @@ class Mover:
         an I/O (victims moved out, then the write) and a complete step (publish).
         With ``sources`` (a move: one held resident entry per block) each source
         leaves its tier as its copy is published, so tiers stay exclusive.
+        ``room`` bounds a batch's bytes (the tier's capacity by default; less
+        where a put holds its cached prefix in the tier).
 
         Raises:
             ResourceExhaustedError: if the tier cannot make room; entries not yet written are abandoned.
@@ -220,12 +232,13 @@ class Mover:
         tier, index = self._tiers[level], self._index
         sizes = [tier.footprint(len(v)) for v in values]
         capacity = tier.capacity_bytes or 0
+        room = capacity if room is None else room
         published: list[BlockKey] = []
         end = len(entries)
         try:
             while end > 0:
                 start, need = end, 0
-                while start > 0 and need + sizes[start - 1] <= capacity:
+                while start > 0 and need + sizes[start - 1] <= room:
                     start -= 1
                     need += sizes[start]
                 batch = [i for i in range(start, end) if entries[i].state is State.PLACING]  # not deleted meanwhile
@@ -488,7 +501,30 @@ class Mover:
     def promote(self, source: int | None, keys: list[BlockKey], values: list[bytes], generation: int = 0) -> None:
         """Offer to copy hits from tier ``source`` (``None``: the shared tier, read under namespace ``generation``)
         into the top tier; the source keeps no copy, except the shared tier."""
-        self.offer(_Promotion(source, keys, values, generation))
+        job = _Promotion(source, keys, values, generation)
+        if self.offer(job):
+            job.done = asyncio.get_running_loop().create_future()
+            for key in keys:
+                self._promoting[key] = job.done
+
+    def promotions_of(self, keys: Sequence[BlockKey]) -> list[asyncio.Future[None]]:
+        """The promotions queued or running now that carry any of ``keys``; each is done once its copy ended.
+
+        A put that continues a prefix a Get is still promoting waits for them, so that it makes its room after
+        the promotion made its own, as ``kvstore.sim.model`` replays (``TieredStore.put``).
+        """
+        promoting = self._promoting
+        if not promoting:
+            return []
+        return list({id(promoting[k]): promoting[k] for k in keys if k in promoting}.values())
+
+    def _promotion_ended(self, job: _Promotion) -> None:
+        if job.done is None:
+            return
+        for key in job.all_keys:
+            if self._promoting.get(key) is job.done:
+                del self._promoting[key]
+        job.done.set_result(None)
 
     def write_through(self, keys: list[BlockKey], values: list[bytes], metas: list[BlockMeta], generation: int,
                       shared_generation: int) -> None:
@@ -538,6 +574,8 @@ class Mover:
                 logger.exception("background copy failed")
             finally:
                 self._queued_bytes -= job.nbytes
+                if isinstance(job, _Promotion):
+                    self._promotion_ended(job)
 
     async def _promote(self, job: _Promotion) -> None:
         index = self._index

@@ -19,8 +19,11 @@ recent and the tail is evicted first.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
-from typing import Hashable, Iterator, Protocol, Sequence, TypeVar
+from bisect import bisect_left
+from collections import OrderedDict, deque
+from itertools import accumulate, islice, repeat
+from operator import or_
+from typing import Hashable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
@@ -65,6 +68,16 @@ class EvictionPolicy(Protocol[K]):
         Returns fewer bytes than asked for only when everything else is pinned.
         """
 
+    def touch_many(self, keys: Sequence[K]) -> None:
+        """:meth:`touch` each of ``keys`` (a chain segment, head first) tail first, so the head ends most recent."""
+
+    def insert_many(self, keys: Sequence[K], nbytes: int, priority: int = DEFAULT_PRIORITY,
+                    expires_at: float = 0.0) -> None:
+        """:meth:`insert` each of ``keys`` (head first, ``nbytes`` each) tail first, so the head ends most recent."""
+
+    def remove_many(self, keys: Sequence[K]) -> int:
+        """:meth:`remove` each of ``keys``; return the bytes freed."""
+
     def __contains__(self, key: object) -> bool: ...
 
     def __len__(self) -> int: ...
@@ -93,6 +106,19 @@ class Leases:
             raise KeyError(key)
         self._pins[key] = self._pins.get(key, 0) + 1
 
+    def pin_many(self, keys: Sequence[Hashable]) -> None:
+        """:meth:`pin` each of ``keys``. Raises ``KeyError`` if one is unknown (then none is pinned)."""
+        if False in self.contains_many(keys):  # type: ignore[attr-defined]
+            raise KeyError(next(key for key in keys if key not in self))
+        pins = self._pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+
+    def unpin_many(self, keys: Sequence[Hashable]) -> None:
+        """:meth:`unpin` each of ``keys``."""
+        for key in keys:
+            self.unpin(key)
+
     def unpin(self, key: Hashable) -> None:
         """Release one lease on ``key``; unknown or unpinned keys are ignored."""
         count = self._pins.get(key)
@@ -116,7 +142,7 @@ class PriorityLRUPolicy(Leases):
         default_priority: the priority a block reverts to when its retention expires.
     """
 
-    __slots__ = ("_levels", "_priority", "_pins", "_expiry", "_heap", "_nbytes", "_count", "_interned",
+    __slots__ = ("_levels", "_priority", "_pins", "_expiry", "_heap", "_heap_seq", "_nbytes", "_count", "_interned",
                  "default_priority")
 
     def __init__(self, default_priority: int = DEFAULT_PRIORITY) -> None:
@@ -125,7 +151,8 @@ class PriorityLRUPolicy(Leases):
         self._priority: dict[K, int] = {}  # only keys whose priority is not the default
         self._pins: dict[K, int] = {}
         self._expiry: dict[K, float] = {}
-        self._heap: list[tuple[float, int, K]] = []
+        self._heap: list[tuple[float, int, K]] = []  # (expires_at, insertion number, key): ties in insertion order
+        self._heap_seq = 0
         self._nbytes = 0
         self._count = 0
         self._interned: dict[int, int] = {}
@@ -147,12 +174,24 @@ class PriorityLRUPolicy(Leases):
         found = list(map(self._levels[self.default_priority].__contains__, keys))  # a C loop
         others = self._priority
         if others and False in found:  # some keys hold a non-default priority
-            return [hit or key in others for hit, key in zip(found, keys)]
+            return list(map(or_, found, map(others.__contains__, keys)))
         return found
 
     def __iter__(self) -> Iterator[K]:
-        for level in self._levels:
-            yield from level
+        """Every tracked key, in eviction order (pins aside): lowest priority first, least recent first."""
+        for key, _ in self._ordered():
+            yield key
+
+    def _ordered(self) -> Iterator[tuple[K, int]]:
+        """``(key, nbytes)`` of every tracked key in eviction order."""
+        for run in self._runs():
+            yield from run.items()
+
+    def _runs(self) -> list[OrderedDict[K, int]]:
+        """The non-empty levels (``key -> nbytes``, least recent first), in eviction order (for :meth:`victims`)."""
+        if not self._priority:  # every key at the default level
+            return [self._levels[self.default_priority]]
+        return [level for level in self._levels if level]
 
     @property
     def nbytes(self) -> int:
@@ -196,7 +235,8 @@ class PriorityLRUPolicy(Leases):
             self._priority[key] = priority
             if expires_at:
                 self._expiry[key] = expires_at
-                heapq.heappush(self._heap, (expires_at, id(key), key))
+                self._heap_seq += 1
+                heapq.heappush(self._heap, (expires_at, self._heap_seq, key))
         self._levels[priority][key] = self._intern(nbytes)
         self._nbytes += nbytes
         self._count += 1
@@ -204,6 +244,57 @@ class PriorityLRUPolicy(Leases):
     def touch(self, key: K) -> None:
         """Move ``key`` to the most recent end of its level. Raises ``KeyError`` if unknown."""
         self._levels[self._level_of(key)].move_to_end(key)
+
+    def touch_many(self, keys: Sequence[K]) -> None:
+        """:meth:`touch` each of ``keys`` (a chain segment, head first) tail first, so the head ends most recent.
+
+        Raises:
+            KeyError: if a key is not tracked (the keys before it, tail first, are touched).
+        """
+        if not self._priority:  # every key at the default level: one C loop
+            deque(map(self._levels[self.default_priority].move_to_end, reversed(keys)), 0)
+            return
+        for key in reversed(keys):
+            self.touch(key)
+
+    def insert_many(self, keys: Sequence[K], nbytes: int, priority: int = DEFAULT_PRIORITY,
+                    expires_at: float = 0.0) -> None:
+        """:meth:`insert` each of ``keys`` (head first, ``nbytes`` each) tail first, so the head ends most recent.
+
+        Raises:
+            ValueError: as :meth:`insert`; nothing is inserted then.
+        """
+        self._check_batch(keys, nbytes, priority)
+        if priority != self.default_priority:
+            for key in reversed(keys):
+                self.insert(key, nbytes, priority, expires_at)
+            return
+        self._levels[priority].update(zip(reversed(keys), repeat(self._intern(nbytes))))
+        self._nbytes += nbytes * len(keys)
+        self._count += len(keys)
+
+    def _check_batch(self, keys: Sequence[K], nbytes: int, priority: int) -> None:
+        """What :meth:`insert` checks, for a batch. Raises ``ValueError``."""
+        check_priority(priority)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if True in self.contains_many(keys) or len(set(keys)) < len(keys):
+            raise ValueError("a key is already tracked, or given twice")
+
+    def remove_many(self, keys: Sequence[K]) -> int:
+        """:meth:`remove` each of ``keys``; return the bytes freed."""
+        if self._priority:
+            return sum(map(self.remove, keys))
+        sizes = list(map(self._levels[self.default_priority].pop, keys, repeat(None)))  # a C loop
+        return self._forget_sizes(sizes)
+
+    def _forget_sizes(self, sizes: list[int | None]) -> int:
+        """Account for default-level entries just popped: ``None`` where a key was not tracked."""
+        found = [size for size in sizes if size is not None]
+        freed = sum(found)
+        self._nbytes -= freed
+        self._count -= len(found)
+        return freed
 
     def remove(self, key: K) -> int:
         """Forget ``key``; return its bytes, or 0 if it was not tracked.
@@ -261,8 +352,24 @@ class PriorityLRUPolicy(Leases):
         chosen: list[K] = []
         freed = 0
         pins = self._pins
-        for level in self._levels:
-            for key, size in level.items():
+        for run in self._runs():
+            if not run:
+                continue
+            # the common case in C loops: as many least recent keys as the first one's size says are needed,
+            # none of them pinned
+            guess = list(islice(run, -(-(nbytes - freed) // max(1, next(iter(run.values()))))))
+            if not (pins and True in map(pins.__contains__, guess)):
+                totals = list(accumulate(map(run.__getitem__, guess), initial=freed))
+                if totals[-1] >= nbytes:
+                    cut = bisect_left(totals, nbytes, 1)
+                    chosen += guess[:cut]
+                    return chosen
+                chosen += guess
+                freed = totals[-1]
+                rest: Iterable[tuple[K, int]] = islice(run.items(), len(guess), None)
+            else:
+                rest = run.items()
+            for key, size in rest:
                 if key in pins:
                     continue
                 chosen.append(key)
@@ -280,3 +387,502 @@ class LRUPolicy(PriorityLRUPolicy):
     def insert(self, key: K, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0) -> None:
         """Track ``key`` as the most recently used block; priority and retention are ignored."""
         super().insert(key, nbytes, self.default_priority, 0.0)
+
+
+PROTECTED_FRACTION = 0.25
+"""Segmented LRU's protected segment: at most this fraction of a tier's bytes (``SegmentedLRUPolicy``)."""
+
+SWITCH_MARGIN = 0.03
+"""``AdaptivePolicy`` leaves LRU only when its shadow scores this much (relative) better than the tier."""
+
+SCORE_HALF_LIFE_TURNOVERS = 8
+"""``AdaptivePolicy`` scores halve every this many turnovers (a turnover: a tier's capacity in accessed bytes)."""
+
+
+class _Segments:
+    """Segmented LRU over ``(key, nbytes)`` entries: a probation and a protected segment, least recent first.
+
+    A new entry joins probation; a touch moves a probation entry to protected,
+    whose least recent entries fall back to probation's most recent end while
+    protected holds more than ``target`` bytes. Victims come from probation's
+    least recent end first, then protected's. With ``target`` ``None`` there is
+    no protected segment: a touch moves the entry to probation's most recent
+    end, which is plain LRU (Karedla, Love and Wherry, "Caching strategies to
+    improve disk system performance", IEEE Computer 27(3), 1994).
+
+    Both the policy's default priority level and its shadow are one of these.
+    """
+
+    __slots__ = ("probation", "protected", "protected_bytes", "target")
+
+    def __init__(self, target: int | None) -> None:
+        self.probation: OrderedDict[Hashable, int] = OrderedDict()
+        self.protected: OrderedDict[Hashable, int] = OrderedDict()
+        self.protected_bytes = 0
+        self.target = target
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.probation or key in self.protected
+
+    def touch(self, key: Hashable) -> int:
+        """Record a use of a tracked ``key``; returns its bytes. Raises ``KeyError`` if it is not tracked."""
+        probation = self.probation
+        size = probation.get(key)
+        if size is None:
+            self.protected.move_to_end(key)
+            return self.protected[key]
+        if self.target is None:
+            probation.move_to_end(key)
+            return size
+        del probation[key]
+        self.protected[key] = size
+        self.protected_bytes += size
+        self._demote_overflow()
+        return size
+
+    def _demote_overflow(self) -> None:
+        protected, probation = self.protected, self.probation
+        while self.protected_bytes > (self.target or 0) and protected:
+            key, size = protected.popitem(last=False)
+            probation[key] = size
+            self.protected_bytes -= size
+
+    def remove(self, key: Hashable) -> int | None:
+        """Forget ``key``; its bytes, or ``None`` if it was not tracked."""
+        size = self.probation.pop(key, None)
+        if size is None:
+            size = self.protected.pop(key, None)
+            if size is not None:
+                self.protected_bytes -= size
+        return size
+
+    def set_target(self, target: int | None) -> None:
+        """Change the protected segment's bound; ``None`` (plain LRU) folds it into probation's most recent end."""
+        self.target = target
+        if target is None:
+            self.probation.update(self.protected)
+            self.protected.clear()
+            self.protected_bytes = 0
+        else:
+            self._demote_overflow()
+
+    def items(self) -> Iterator[tuple[Hashable, int]]:
+        """``(key, nbytes)`` in eviction order: probation, then protected, least recent first."""
+        yield from self.probation.items()
+        yield from self.protected.items()
+
+
+class _Shadow:
+    """A metadata-only cache of the same capacity that runs the policy ``AdaptivePolicy`` is not running.
+
+    It sees every access the tier's policy sees (touches and inserts, keys and
+    sizes) and keeps its own contents, evicting its own victims when over
+    capacity (skipping keys the tier holds pinned); it holds no data. It
+    answers one question: would that policy have hit this access?
+    """
+
+    __slots__ = ("segments", "nbytes", "capacity_bytes", "_pins")
+
+    def __init__(self, segments: _Segments, nbytes: int, capacity_bytes: int, pins: dict[Hashable, int]) -> None:
+        self.segments = segments
+        self.nbytes = nbytes
+        self.capacity_bytes = capacity_bytes
+        self._pins = pins
+
+    def access(self, key: Hashable, nbytes: int) -> bool:
+        """Record an access of ``key``; whether the shadow held it."""
+        segments = self.segments
+        probation = segments.probation
+        if key in probation:
+            if segments.target is None:
+                probation.move_to_end(key)
+            else:
+                segments.touch(key)
+            return True
+        protected = segments.protected
+        if key in protected:
+            protected.move_to_end(key)
+            return True
+        probation[key] = nbytes
+        self.nbytes += nbytes
+        if self.nbytes > self.capacity_bytes:
+            victim, size = probation.popitem(last=False)  # the common case: one unpinned victim
+            self.nbytes -= size
+            if victim in self._pins:
+                probation[victim] = size
+                probation.move_to_end(victim, last=False)
+                self.nbytes += size
+                self.trim()
+            elif self.nbytes > self.capacity_bytes:
+                self.trim()
+        return False
+
+    def trim(self) -> None:
+        """Evict the shadow's own victims until it fits its capacity."""
+        probation, pins = self.segments.probation, self._pins
+        while self.nbytes > self.capacity_bytes and probation:
+            key = next(iter(probation))
+            if key in pins:
+                break
+            self.nbytes -= probation.pop(key)
+        if self.nbytes <= self.capacity_bytes:
+            return
+        excess = self.nbytes - self.capacity_bytes  # pinned keys in the way: the general walk
+        chosen = []
+        for key, size in self.segments.items():
+            if key in pins:
+                continue
+            chosen.append(key)
+            excess -= size
+            if excess <= 0:
+                break
+        for key in chosen:
+            self.nbytes -= self.segments.remove(key) or 0
+
+
+class SegmentedLRUPolicy(PriorityLRUPolicy):
+    """``PriorityLRUPolicy`` whose default priority level is a segmented LRU (``_Segments``).
+
+    Blocks at the default priority start in probation; a block used again moves
+    to the protected segment, which holds at most ``protected_fraction`` of the
+    tier's bytes, so a burst of new blocks (most of them never used again)
+    cannot flush the blocks that are being reused. Priorities other than the
+    default keep their own LRU levels, lowest priority evicted first, as
+    TensorRT-LLM's retention priorities.
+
+    Args:
+        default_priority: the priority a block reverts to when its retention expires.
+        capacity_bytes: the tier's capacity, bytes; it sizes the protected segment.
+        protected_fraction: the protected segment's bound, a fraction of ``capacity_bytes``.
+
+    Raises:
+        ValueError: on a bad priority, a negative capacity or a fraction outside ``[0, 1]``.
+    """
+
+    __slots__ = ("_segments", "capacity_bytes")
+
+    def __init__(self, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0,
+                 protected_fraction: float | None = PROTECTED_FRACTION) -> None:
+        super().__init__(default_priority)
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if protected_fraction is not None and not 0.0 <= protected_fraction <= 1.0:
+            raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
+        self.capacity_bytes = capacity_bytes
+        target = None if protected_fraction is None else int(capacity_bytes * protected_fraction)
+        self._segments = _Segments(target)
+        self._levels[self.default_priority] = self._segments.probation  # type: ignore[assignment]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._levels[self._priority.get(key, self.default_priority)] or key in self._segments.protected
+
+    def contains_many(self, keys: Sequence[K]) -> list[bool]:
+        """Whether each key is tracked; the batch form of ``in`` for hot paths."""
+        segments = self._segments
+        if segments.protected:  # C loops over both segments
+            in_probation = map(segments.probation.__contains__, keys)
+            found = list(map(or_, in_probation, map(segments.protected.__contains__, keys)))
+        else:
+            found = list(map(segments.probation.__contains__, keys))
+        if self._priority and False in found:
+            return list(map(or_, found, map(self._priority.__contains__, keys)))
+        return found
+
+    def _runs(self) -> list[OrderedDict[K, int]]:
+        segments = self._segments
+        if not self._priority:  # every key at the default level
+            return [segments.probation, segments.protected]
+        default = self.default_priority
+        runs: list[OrderedDict[K, int]] = []
+        for priority, level in enumerate(self._levels):
+            if level:
+                runs.append(level)
+            if priority == default and self._segments.protected:
+                runs.append(self._segments.protected)
+        return runs
+
+    def remove_many(self, keys: Sequence[K]) -> int:
+        """:meth:`remove` each of ``keys``; return the bytes freed."""
+        if self._priority:
+            return sum(map(self.remove, keys))
+        segments = self._segments
+        sizes = list(map(segments.probation.pop, keys, repeat(None)))  # a C loop
+        if segments.protected and None in sizes:
+            for i, key in enumerate(keys):
+                if sizes[i] is None:
+                    size = sizes[i] = segments.protected.pop(key, None)
+                    if size is not None:
+                        segments.protected_bytes -= size
+        return self._forget_sizes(sizes)
+
+    def size_of(self, key: K) -> int:
+        """Bytes of ``key``. Raises ``KeyError`` if it is not tracked."""
+        size = self._segments.protected.get(key)
+        return size if size is not None else super().size_of(key)
+
+    def priority_of(self, key: K) -> int:
+        """Current priority of ``key``. Raises ``KeyError`` if it is not tracked."""
+        if key in self._segments.protected:
+            return self.default_priority
+        return super().priority_of(key)
+
+    def touch(self, key: K) -> None:
+        """Record a use of ``key``: within the default level a probation block becomes protected. Raises
+        ``KeyError`` if unknown."""
+        priority = self._priority.get(key)
+        if priority is None:
+            self._segments.touch(key)
+        else:
+            self._levels[priority].move_to_end(key)
+
+    def touch_many(self, keys: Sequence[K]) -> None:
+        """:meth:`touch` each of ``keys`` (head first) tail first. Raises ``KeyError`` if one is not tracked."""
+        segments = self._segments
+        if segments.target is None and not self._priority:  # plain LRU over one level: one C loop
+            deque(map(segments.probation.move_to_end, reversed(keys)), 0)
+            return
+        for key in reversed(keys):
+            self.touch(key)
+
+    def remove(self, key: K) -> int:
+        """Forget ``key``; return its bytes, or 0 if it was not tracked (its leases stay, as in the base class)."""
+        size = self._segments.protected.pop(key, None)
+        if size is None:
+            return super().remove(key)
+        self._segments.protected_bytes -= size
+        self._nbytes -= size
+        self._count -= 1
+        return size
+
+
+class AdaptivePolicy(SegmentedLRUPolicy):
+    """The default: LRU, or segmented LRU when a shadow of segmented LRU shows it would hit more. Needs no tuning.
+
+    The tier runs one of two policies over its default priority level, plain
+    LRU (the start) or :class:`SegmentedLRUPolicy`'s segmented LRU, and a
+    shadow (``_Shadow``: keys and sizes, no data, the same capacity) runs the
+    other on the same accesses. Each side scores the bytes it would have hit,
+    both scores halving every :data:`SCORE_HALF_LIFE_TURNOVERS` turnovers. When
+    the shadow's score passes the tier's, by :data:`SWITCH_MARGIN` when the
+    tier runs LRU and by any amount when it runs segmented LRU, the two swap:
+    the tier takes the shadow's policy over its own contents, and the shadow
+    restarts from a copy of the tier's contents under the policy it ran. So a
+    workload where LRU is best stays on LRU, paying only the shadow's upkeep,
+    and one where reused blocks are worth protecting moves to segmented LRU.
+
+    It is the set-dueling idea of adaptive insertion (Qureshi, Jaleel, Patt,
+    Steely and Emer, "Adaptive insertion policies for high performance caching",
+    ISCA 2007) with a whole shadow cache in place of sampled sets, as in
+    Waldspurger, Saemundsson, Ahmad and Park, "Cache modeling and optimization
+    using miniature simulations" (USENIX ATC 2017), without the sampling:
+    prefix chains do not survive sampling by key. ``docs/simulate.md`` has the
+    measurements, and the policies that were tried and did not work.
+
+    Args:
+        default_priority: the priority a block reverts to when its retention expires.
+        capacity_bytes: the tier's capacity, bytes; the shadow's capacity and the
+            protected segment's scale. With 0 the policy stays plain LRU.
+
+    Raises:
+        ValueError: on a bad priority or a negative capacity.
+    """
+
+    __slots__ = ("_shadow", "_lru_mode", "_tier_score", "_shadow_score", "_accessed", "_decay", "switches")
+
+    def __init__(self, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0) -> None:
+        super().__init__(default_priority, capacity_bytes, None)
+        self._lru_mode = True
+        self._shadow = _Shadow(_Segments(int(capacity_bytes * PROTECTED_FRACTION)), 0, capacity_bytes, self._pins)
+        self._tier_score = 0.0
+        self._shadow_score = 0.0
+        self._accessed = 0
+        self._decay = 0.5 ** (1.0 / SCORE_HALF_LIFE_TURNOVERS)
+        self.switches = 0
+        """How often the tier and the shadow swapped policies."""
+
+    @property
+    def mode(self) -> str:
+        """The policy the tier runs now: ``lru`` or ``slru``."""
+        return "lru" if self._lru_mode else "slru"
+
+    def _access(self, key: K, nbytes: int, hit: bool) -> None:
+        if hit:
+            self._tier_score += nbytes
+        if self._shadow.access(key, nbytes):
+            self._shadow_score += nbytes
+        self._accessed += nbytes
+        if self._accessed >= self.capacity_bytes > 0:
+            self._turnover()
+
+    def _turnover(self) -> None:
+        """A capacity's worth of bytes was accessed: decay the scores, and swap if the shadow is ahead."""
+        self._accessed = 0
+        self._tier_score *= self._decay
+        self._shadow_score *= self._decay
+        margin = 1.0 + SWITCH_MARGIN if self._lru_mode else 1.0
+        if self._shadow_score > self._tier_score * margin:
+            self._swap()
+
+    def _swap(self) -> None:
+        """The tier takes the shadow's policy, and the shadow restarts from the tier's contents and old policy."""
+        segments = self._segments
+        old = _Segments(segments.target)
+        old.probation.update((key, size) for key, size in self._ordered() if key not in segments.protected)
+        old.protected.update(segments.protected)
+        old.protected_bytes = segments.protected_bytes
+        self._lru_mode = not self._lru_mode
+        segments.set_target(None if self._lru_mode else int(self.capacity_bytes * PROTECTED_FRACTION))
+        self._shadow = _Shadow(old, self._nbytes, self.capacity_bytes, self._pins)
+        self._shadow.trim()
+        self._tier_score, self._shadow_score = self._shadow_score, self._tier_score
+        self.switches += 1
+
+    def insert(self, key: K, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0) -> None:
+        """Track ``key`` as a new block (see :meth:`PriorityLRUPolicy.insert` for arguments and errors)."""
+        super().insert(key, nbytes, priority, expires_at)
+        self._access(key, nbytes, False)
+
+    def touch(self, key: K) -> None:
+        """Record a use (a hit) of ``key``. Raises ``KeyError`` if unknown."""
+        priority = self._priority.get(key)
+        if priority is None:
+            nbytes = self._segments.touch(key)
+        else:
+            level = self._levels[priority]
+            level.move_to_end(key)
+            nbytes = level[key]
+        self._access(key, nbytes, True)
+
+    def touch_many(self, keys: Sequence[K]) -> None:
+        """:meth:`touch` each of ``keys`` (head first) tail first; the same as one call per key, only faster.
+
+        Raises:
+            KeyError: if a key is not tracked (the keys before it, tail first, are touched).
+        """
+        if self._priority or self.capacity_bytes <= 0:
+            for key in reversed(keys):
+                self.touch(key)
+            return
+        self._run(reversed(keys), True, 0)
+
+    def insert_many(self, keys: Sequence[K], nbytes: int, priority: int = DEFAULT_PRIORITY,
+                    expires_at: float = 0.0) -> None:
+        """:meth:`insert` each of ``keys`` (head first) tail first; the same as one call per key, only faster.
+
+        Raises:
+            ValueError: as :meth:`insert`; nothing is inserted then.
+        """
+        self._check_batch(keys, nbytes, priority)
+        if priority != self.default_priority or self.capacity_bytes <= 0:
+            for key in reversed(keys):
+                self.insert(key, nbytes, priority, expires_at)
+            return
+        self._run(reversed(keys), False, self._intern(nbytes))
+
+    def _run(self, keys: Iterator[K], touch: bool, size: int) -> None:
+        """Touches (``touch``) or inserts of ``size`` bytes, in order, each with its shadow access, in one loop.
+
+        The same steps as :meth:`touch` or :meth:`insert` with :meth:`_access` per key, inlined: this is the
+        simulator's hot loop (``benchmarks/bench_sim_speed.py``).
+        """
+        segments, capacity, pins = self._segments, self.capacity_bytes, self._pins
+        probation = segments.probation
+        tier_lru = segments.target is None
+        shadow = self._shadow
+        shadow_p, shadow_q = shadow.segments.probation, shadow.segments.protected
+        shadow_lru = shadow.segments.target is None
+        accessed, tier_score, shadow_score = self._accessed, self._tier_score, self._shadow_score
+        added = 0
+        for key in keys:
+            if not touch:
+                probation[key] = size
+                added += 1
+            elif tier_lru:
+                probation.move_to_end(key)
+                size = probation[key]
+                tier_score += size
+            else:
+                size = segments.touch(key)
+                tier_score += size
+            if key in shadow_p:  # the shadow's side: _Shadow.access, inlined
+                if shadow_lru:
+                    shadow_p.move_to_end(key)
+                else:
+                    shadow.segments.touch(key)
+                shadow_score += size
+            elif key in shadow_q:
+                shadow_q.move_to_end(key)
+                shadow_score += size
+            else:
+                shadow_p[key] = size
+                shadow.nbytes += size
+                if shadow.nbytes > capacity:
+                    victim, victim_size = shadow_p.popitem(last=False)
+                    shadow.nbytes -= victim_size
+                    if victim in pins:
+                        shadow_p[victim] = victim_size
+                        shadow_p.move_to_end(victim, last=False)
+                        shadow.nbytes += victim_size
+                        shadow.trim()
+                    elif shadow.nbytes > capacity:
+                        shadow.trim()
+            accessed += size
+            if accessed >= capacity:
+                self._nbytes += added * size
+                self._count += added
+                added = 0
+                self._accessed, self._tier_score, self._shadow_score = accessed, tier_score, shadow_score
+                self._turnover()
+                accessed, tier_score, shadow_score = self._accessed, self._tier_score, self._shadow_score
+                tier_lru = segments.target is None
+                shadow = self._shadow
+                shadow_p, shadow_q = shadow.segments.probation, shadow.segments.protected
+                shadow_lru = shadow.segments.target is None
+        self._nbytes += added * size
+        self._count += added
+        self._accessed, self._tier_score, self._shadow_score = accessed, tier_score, shadow_score
+
+
+DEFAULT_POLICY = "adaptive"
+"""The policy a node runs when its config names none, and what ``default`` means."""
+
+POLICY_NAMES = ("lru", "slru", "adaptive")
+"""Names of the online policies, as ``kvstore serve --policy`` and ``kvstore simulate --policy`` take them."""
+
+
+def resolve_policy_name(name: str) -> str:
+    """The policy ``name`` stands for: itself, or :data:`DEFAULT_POLICY` for ``default``.
+
+    Raises:
+        ValueError: for a name that is not ``default`` or in :data:`POLICY_NAMES`.
+    """
+    if name == "default":
+        return DEFAULT_POLICY
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {name!r}; known: default, {', '.join(POLICY_NAMES)}")
+    return name
+
+
+def make_policy(name: str, *, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0,
+                demotes: bool = False) -> PriorityLRUPolicy:
+    """A new, empty eviction policy for one tier.
+
+    Args:
+        name: ``lru`` (:class:`PriorityLRUPolicy`), ``slru`` (:class:`SegmentedLRUPolicy`),
+            ``adaptive`` (:class:`AdaptivePolicy`) or ``default`` (:data:`DEFAULT_POLICY`).
+        default_priority: priority of blocks inserted without one, and after retention ends.
+        capacity_bytes: the tier's capacity, bytes (the segmented policies size their segments by it).
+        demotes: whether the tier's victims are demoted into a local tier below it. The adaptive
+            policy then keeps LRU order in this tier: its victims are not lost, and the choice that
+            matters is made in the last tier, where they are. (Adapting the memory tier above a disk
+            tier cost up to 1.8 % of all hits in our runs, ``docs/simulate.md``.)
+
+    Raises:
+        ValueError: for an unknown name or a bad priority.
+    """
+    name = resolve_policy_name(name)
+    if name == "lru" or (name == "adaptive" and demotes):
+        return PriorityLRUPolicy(default_priority)
+    if name == "slru":
+        return SegmentedLRUPolicy(default_priority, capacity_bytes)
+    return AdaptivePolicy(default_priority, capacity_bytes)

@@ -34,11 +34,12 @@ from typing import Awaitable, Callable, Sequence
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import BlockHeader, Layout, check_one_shape, decode_header, verify_block
 from kvstore.config import StoreConfig
+from kvstore.continuations import Continuations
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvstore.index import Entry, Index, NoRoomError, State
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.mover import Mover, TierCounts
-from kvstore.policy import PriorityLRUPolicy, check_priority
+from kvstore.policy import check_priority, make_policy
 from kvstore.tiers.base import (
     CHAIN_STEP_S,
     BlockMeta,
@@ -88,7 +89,10 @@ class TieredStore:
         self._tier_names = tuple(t.name for t in self._tiers) + ((shared.name,) if shared is not None else ())
         self._write_through = shared is not None and self.config.redis.mode == "write_through"
         self._clock = clock
-        self.index = Index([PriorityLRUPolicy(self.config.default_priority) for _ in self._tiers],
+        policies = [make_policy(self.config.policy, default_priority=self.config.default_priority,
+                                capacity_bytes=tier.capacity_bytes or 0, demotes=level + 1 < len(self._tiers))
+                    for level, tier in enumerate(self._tiers)]
+        self.index = Index(policies,
                            [tier.capacity_bytes or 0 for tier in self._tiers], clock,
                            [_held_bytes(lender) for lender in self._lenders])
         self._counts = [TierCounts() for _ in self._tier_names]
@@ -96,6 +100,7 @@ class TieredStore:
                             demote_min_priority=self.config.demote_min_priority,
                             write_back=shared is not None and not self._write_through,
                             default_priority=self.config.default_priority, clock=clock)
+        self._continuations: Continuations[BlockKey] = Continuations()  # lookups' prefixes, by a put's start
         self._lookup_hit_blocks = 0
         self._lookup_miss_blocks = 0
         self._closed = False
@@ -215,6 +220,8 @@ class TieredStore:
             located += bytes(tail)
         self._lookup_hit_blocks += len(located)
         self._lookup_miss_blocks += len(keys) - len(located)
+        if 0 < len(located) < len(keys):  # the put of the rest protects this prefix (``put``)
+            self._continuations.record(keys, len(located))
         return located
 
     # ------------------------------------------------------------------ get
@@ -440,6 +447,12 @@ class TieredStore:
         first, so a bad batch stores nothing; once validated, the batch is
         written to its end even if the caller is cancelled.
 
+        A put that continues the cached prefix a :meth:`lookup` found (its first
+        new block is the one after that prefix) protects the prefix while it
+        makes room and touches it again after (:meth:`_place`); if a Get is
+        still promoting that prefix, the put first waits for the promotion
+        (``kvstore.sim.model`` replays the same order, ``docs/simulate.md``).
+
         Args:
             namespace: namespace of the blocks.
             block_hashes: one chained hash per block.
@@ -467,6 +480,12 @@ class TieredStore:
                 raise ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
         check_one_shape(blocks)
         index = self.index
+        first_new = next((key for key in keys if index.level_of(key) is None), None)
+        protect = self._continuations.pop(first_new) if first_new is not None else ()
+        promoting = self._mover.promotions_of(protect)
+        if promoting:  # the Get before this put is still promoting its prefix: this put continues that prefix
+            await asyncio.wait(promoting)
+            self._check_open()
         for key in reversed(keys):  # a block put again is in use: it counts as accessed, tail first
             level = index.level_of(key)
             if level is not None:
@@ -494,7 +513,8 @@ class TieredStore:
                 entries = [index.place(key, meta.priority, meta.expires_at) for key in fresh]
                 generations = (index.namespace_generation(namespace.tag),
                                self._mover.shared_generations(keys[:1]).get(namespace.tag, 0))
-                await asyncio.shield(self._mover.run(self._place(entries, list(fresh.values()), meta, generations)))
+                await asyncio.shield(self._mover.run(self._place(entries, list(fresh.values()), meta, generations,
+                                                                 protect)))
                 num_new += len(fresh)
             for entry in waits:
                 error = await asyncio.shield(entry.wait())
@@ -504,37 +524,86 @@ class TieredStore:
         return num_new
 
     async def _place(self, entries: list[Entry], values: list[bytes], meta: BlockMeta,
-                     generations: tuple[int, int]) -> None:
+                     generations: tuple[int, int], protect: Sequence[BlockKey] = ()) -> None:
         """A put's I/O and complete step: each block into the first local tier it fits, in batches that fit the
         tier at once, tail first, so a head written last evicts the tail; blocks that fit no local tier go to the
         shared tier in ``write_back`` mode. In ``write_through`` mode every block is then offered to the shared tier.
 
+        ``protect``: the cached prefix this put continues (``kvstore.continuations``, recorded by the lookup). It
+        is held while room is made, so the new blocks cannot push out their own head, and touched again, tail
+        first, once they are in, so the whole chain ends ordered tail (least recent) to head, as a request's
+        blocks are freed tail first in vLLM. ``kvstore.sim.model`` replays exactly this order.
+
         The write-through belongs to the placement, not to the caller: a put failed part-way has still published
-        blocks, and the last local tier drops its victims, counting on the shared tier's copy.
+        blocks, and the last local tier drops its victims, counting on the shared tier's copy. It is offered
+        first, before any I/O, for the blocks no delete has retired yet: a delete from then on drops the queued
+        copy or waits for the one on the wire before it unlinks (:meth:`delete`), so no copy lands after it.
         """
         metas = _chain_metas(meta, len(entries))
+        if self._write_through:
+            live = [i for i, entry in enumerate(entries) if entry.state is State.PLACING]  # not deleted meanwhile
+            if live:
+                self._mover.write_through([entries[i].key for i in live], [values[i] for i in live],
+                                          [meta] * len(live), *generations)
         try:
             by_level: dict[int | None, list[int]] = {}
             for i, value in enumerate(values):
                 by_level.setdefault(self._first_fit(len(value)), []).append(i)
             for level, positions in by_level.items():
-                if level is None:
-                    await self._spill([entries[i] for i in positions], [values[i] for i in positions],
-                                      [metas[i] for i in positions], generations[1])
-                else:
-                    await self._place_in(level, [entries[i] for i in positions], [values[i] for i in positions],
-                                         [metas[i] for i in positions])
+                await self._place_down(level, [entries[i] for i in positions], [values[i] for i in positions],
+                                       [metas[i] for i in positions], protect, generations[1])
+            index = self.index
+            for key in reversed(protect):  # tail first: the chain's head ends the most recent
+                level = index.level_of(key)
+                if level is not None:
+                    index.policies[level].touch(key)
         except BaseException as exc:
             for entry in entries:
                 if not entry.ended:
                     self.index.abandon(entry, exc if isinstance(exc, Exception) else None)
             raise
-        finally:
-            if self._write_through:
-                self._mover.write_through([e.key for e in entries], values, [meta] * len(entries), *generations)
 
-    async def _place_in(self, level: int, entries: list[Entry], values: list[bytes], metas: list[BlockMeta]) -> None:
-        await self._mover.place(level, entries, values, metas)
+    async def _place_down(self, level: int | None, entries: list[Entry], values: list[bytes],
+                          metas: list[BlockMeta], protect: Sequence[BlockKey], shared_generation: int) -> None:
+        """Blocks into local tier ``level``; those the protected prefix leaves no room for there go on to the next
+        tier they fit, and past the last one to the shared tier in ``write_back`` mode, or nowhere (not stored;
+        no error). ``level`` ``None``: no local tier is left for them."""
+        if level is None:
+            if self._shared is not None and not self._write_through:
+                await self._spill(entries, values, metas, shared_generation)
+            else:
+                for entry in entries:
+                    self.index.abandon(entry)
+            return
+        declined = await self._place_in(level, entries, values, metas, protect)
+        if not declined:
+            return
+        below: dict[int | None, list[int]] = {}
+        for i in declined:
+            below.setdefault(self._first_fit(len(values[i]), level + 1), []).append(i)
+        for target, positions in below.items():
+            await self._place_down(target, [entries[i] for i in positions], [values[i] for i in positions],
+                                   [metas[i] for i in positions], protect, shared_generation)
+
+    async def _place_in(self, level: int, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
+                        protect: Sequence[BlockKey] = ()) -> list[int]:
+        """Write blocks into tier ``level`` with the protected blocks resident there held, so no victim; the room
+        is the tier's capacity less theirs. Returns the positions of the blocks that room cannot take: all of
+        them (one of them is larger than the room), or none."""
+        index = self.index
+        held = [index.hold(level, key) for key in dict.fromkeys(protect) if index.level_of(key) == level]
+        try:
+            room = None
+            if held:
+                tier = self._tiers[level]
+                room = (tier.capacity_bytes or 0) - sum(entry.nbytes for entry in held
+                                                        if not index.leaving(level, entry.key))
+                if max(tier.footprint(len(v)) for v in values) > room:
+                    return list(range(len(entries)))
+            await self._mover.place(level, entries, values, metas, room=room)
+            return []
+        finally:
+            self._mover.release(held)
 
     async def _spill(self, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
                      generation: int) -> None:
@@ -547,9 +616,11 @@ class TieredStore:
         for entry in entries:
             self.index.abandon(entry)
 
-    def _first_fit(self, nbytes: int) -> int | None:
-        """The first local tier a block of ``nbytes`` fits, ``None`` for none (it goes to the shared tier)."""
-        for level, tier in enumerate(self._tiers):
+    def _first_fit(self, nbytes: int, start: int = 0) -> int | None:
+        """The first local tier from ``start`` a block of ``nbytes`` fits, ``None`` for none (it goes to the shared
+        tier)."""
+        for level in range(start, len(self._tiers)):
+            tier = self._tiers[level]
             if tier.footprint(nbytes) <= (tier.capacity_bytes or 0):
                 return level
         return None

@@ -13,9 +13,12 @@ Two formats, one JSON object per line; blank lines are skipped.
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 1397, 1398]}
 
 ``timestamp`` is milliseconds since the start of the trace, ``input_length`` and
-``output_length`` are tokens, and ``hash_ids`` are the ids of 512-token blocks
-(``MOONCAKE_BLOCK_TOKENS``), so ``len(hash_ids) == ceil(input_length / 512)`` and
-the last block may be partial. Both are checked.
+``output_length`` are tokens, and ``hash_ids`` are the ids of blocks of
+``block_tokens`` tokens (512 in Mooncake's traces, ``MOONCAKE_BLOCK_TOKENS``; a
+reader's argument, ``--block-tokens``), so ``len(hash_ids)`` is
+``ceil(input_length / block_tokens)`` (the last block may be partial) or
+``floor(input_length / block_tokens)`` (only full blocks hashed, as vLLM
+does). Both are accepted and checked.
 
 **Generic** (``format="generic"``), for traces of any block size::
 
@@ -31,8 +34,25 @@ simulator's ``block_tokens``); ``tokens`` is not checked against it. Other keys
 are ignored, so a line can carry more fields. :func:`write_trace` writes this
 format with integer ids.
 
-``format="auto"`` picks by the keys of the first non-blank line: ``hash_ids``
-means Mooncake, ``blocks`` means generic.
+**Agentic sessions** (``format="weka"``): the kv-cache-tester format of agentic
+coding sessions (``callanjfox/kv-cache-tester``, ``trace_replay_tester.py``):
+one JSON document per file, one session::
+
+    {"block_size": 64, "hash_id_scope": "local", "tool_tokens": 12974, "system_tokens": 4243,
+     "requests": [{"t": 0.0, "in": 71175, "out": 169, "hash_ids": [1, 2, ...]},
+                  {"t": 134.2, "type": "subagent", "requests": [{"t": 0.0, "in": 9526, ...}]}, ...]}
+
+``t`` is seconds since the session's start (a subagent's requests count from
+the subagent's own ``t``), ``in`` and ``out`` are tokens, and ``hash_ids`` name
+the request's blocks of ``block_size`` tokens, as for Mooncake. Requests come
+out sorted by time, a subagent's interleaved with its parent's. Several session
+files make one workload with :func:`merge_sessions` (``kvstore trace
+convert``), which keeps sessions' ids apart when their ``hash_id_scope`` is
+``local``; a directory given as a trace path is read that way.
+
+``format="auto"`` picks by the first non-blank line: ``hash_ids`` means
+Mooncake, ``blocks`` means generic, and a document with ``requests`` (on one
+line or not) means an agentic session.
 """
 
 from __future__ import annotations
@@ -43,7 +63,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 from kvstore.errors import InvalidArgumentError
 
@@ -52,7 +72,7 @@ logger = logging.getLogger(__name__)
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per block of Mooncake's ``hash_ids`` (the FAST '25 traces' README)."""
 
-FORMATS = ("auto", "mooncake", "generic")
+FORMATS = ("auto", "mooncake", "generic", "weka")
 """The values ``format`` accepts."""
 
 
@@ -136,19 +156,25 @@ def _ids(obj: dict[str, Any], name: str, fail: Any, *, allow_hex: bool) -> tuple
     return tuple(out)
 
 
-def _parse_mooncake(obj: dict[str, Any], fail: Any) -> TraceRequest:
+def _check_block_count(num_ids: int, input_tokens: int, block_tokens: int, fields: tuple[str, str],
+                       fail: Any) -> None:
+    full, ceil = input_tokens // block_tokens, -(-input_tokens // block_tokens)
+    if num_ids not in (full, ceil):
+        ids, length = fields
+        fail(f"{ids!r} has {num_ids} ids but {length} {input_tokens} with {block_tokens}-token blocks needs "
+             f"{ceil} (ceil) or {full} (full blocks only); is --block-tokens right?")
+
+
+def _parse_mooncake(obj: dict[str, Any], fail: Any, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> TraceRequest:
     timestamp_ms = _time(obj, "timestamp", fail)
     input_tokens = _count(obj, "input_length", fail)
     output_tokens = _count(obj, "output_length", fail, default=0)
     block_ids = _ids(obj, "hash_ids", fail, allow_hex=False)
-    expected = -(-input_tokens // MOONCAKE_BLOCK_TOKENS)
-    if len(block_ids) != expected:
-        fail(f"'hash_ids' has {len(block_ids)} ids but input_length {input_tokens} needs "
-             f"ceil({input_tokens} / {MOONCAKE_BLOCK_TOKENS}) = {expected}")
+    _check_block_count(len(block_ids), input_tokens, block_tokens, ("hash_ids", "input_length"), fail)
     return TraceRequest(timestamp_ms / 1000.0, input_tokens, output_tokens, block_ids)
 
 
-def _parse_generic(obj: dict[str, Any], fail: Any) -> TraceRequest:
+def _parse_generic(obj: dict[str, Any], fail: Any, block_tokens: int = 0) -> TraceRequest:
     return TraceRequest(
         _time(obj, "t_s", fail),
         _count(obj, "tokens", fail),
@@ -160,18 +186,47 @@ def _parse_generic(obj: dict[str, Any], fail: Any) -> TraceRequest:
 _PARSERS = {"mooncake": _parse_mooncake, "generic": _parse_generic}
 
 
-def iter_trace(path: str | os.PathLike[str], format: str = "auto") -> Iterator[TraceRequest]:
-    """Yield the requests of a trace file in file order.
+def _check_block_tokens(block_tokens: int) -> None:
+    if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
+        raise InvalidArgumentError(f"block_tokens must be an integer > 0, got {block_tokens!r}")
+
+
+def _first_line(path: str | os.PathLike[str]) -> str:
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                return line
+    return ""
+
+
+def _is_session(path: str | os.PathLike[str]) -> bool:
+    """Whether a file holds an agentic session: its first line is, or starts, a JSON document with ``requests``."""
+    line = _first_line(path).strip()
+    if not line.startswith("{"):
+        return False
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:  # a document over several lines: only a session is written so
+        return True
+    return isinstance(obj, dict) and "requests" in obj and "hash_ids" not in obj and "blocks" not in obj
+
+
+def iter_trace(path: str | os.PathLike[str], format: str = "auto",
+               block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Iterator[TraceRequest]:
+    """Yield the requests of a trace file in file order (an agentic session: in time order).
 
     Args:
-        path: a JSONL trace (format in the module docstring).
-        format: ``auto``, ``mooncake`` or ``generic``.
+        path: a trace file (formats in the module docstring), or a directory of
+            agentic session files (merged with :func:`merge_sessions`'s defaults).
+        format: ``auto``, ``mooncake``, ``generic`` or ``weka``.
+        block_tokens: tokens per block of a Mooncake trace, to check its
+            ``hash_ids`` against ``input_length``; sessions carry their own.
 
     Yields:
-        One :class:`TraceRequest` per non-blank line.
+        One :class:`TraceRequest` per request.
 
     Raises:
-        InvalidArgumentError: for an unknown ``format``.
+        InvalidArgumentError: for an unknown ``format`` or a bad ``block_tokens``.
         TraceFormatError: naming the file and line, for a line that is not a
             JSON object, misses a field, has a field of the wrong type or range,
             or (auto) a first line of neither format.
@@ -179,6 +234,16 @@ def iter_trace(path: str | os.PathLike[str], format: str = "auto") -> Iterator[T
     """
     if format not in FORMATS:
         raise InvalidArgumentError(f"trace format must be one of {', '.join(FORMATS)}, got {format!r}")
+    _check_block_tokens(block_tokens)
+    if os.path.isdir(path):
+        if format not in ("auto", "weka"):
+            raise InvalidArgumentError(f"{os.fspath(path)} is a directory: only agentic session files (weka) "
+                                       f"are read from a directory")
+        yield from merge_sessions(sorted(Path(path).glob("*.json")))
+        return
+    if format == "weka" or (format == "auto" and _is_session(path)):
+        yield from read_session(path).requests
+        return
     parser = _PARSERS.get(format)
     with open(path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
@@ -200,14 +265,138 @@ def iter_trace(path: str | os.PathLike[str], format: str = "auto") -> Iterator[T
                 elif "blocks" in obj:
                     parser = _parse_generic
                 else:
-                    fail("cannot tell the format: expected a 'hash_ids' (mooncake) or 'blocks' (generic) field")
+                    fail("cannot tell the format: expected a 'hash_ids' (mooncake) or 'blocks' (generic) field, "
+                         "or an agentic session's 'requests'")
                 logger.debug("trace %s: format %s", path, "mooncake" if parser is _parse_mooncake else "generic")
-            yield parser(obj, fail)
+            yield parser(obj, fail, block_tokens)
 
 
-def read_trace(path: str | os.PathLike[str], format: str = "auto") -> list[TraceRequest]:
+def read_trace(path: str | os.PathLike[str], format: str = "auto",
+               block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
     """Read a whole trace file into a list; see :func:`iter_trace` for arguments and errors."""
-    return list(iter_trace(path, format))
+    return list(iter_trace(path, format, block_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """One agentic session file (kv-cache-tester format): its requests in time order, and how to read its ids.
+
+    Attributes:
+        requests: the session's requests and its subagents', sorted by time (ties in file order).
+        block_tokens: tokens per block (``block_size``).
+        local_ids: whether the ids are the session's own (``hash_id_scope`` ``local``,
+            the default) rather than shared with other sessions (``global``).
+        prefix_tokens: ``tool_tokens + system_tokens``, the session's system and tool prefix (0 if absent).
+    """
+
+    requests: tuple[TraceRequest, ...]
+    block_tokens: int
+    local_ids: bool
+    prefix_tokens: int
+
+
+def read_session(path: str | os.PathLike[str]) -> Session:
+    """Read one agentic session file (module docstring); nested subagents' requests are merged in by time.
+
+    Raises:
+        TraceFormatError: naming the file and the request (``requests[3].requests[0]``) at fault.
+        OSError: if the file cannot be read.
+    """
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(path, exc.lineno, f"not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("requests"), list):
+        raise TraceFormatError(path, 0, "an agentic session must be a JSON object with a 'requests' list")
+
+    def fail_at(where: str) -> Any:
+        def fail(message: str) -> None:
+            raise TraceFormatError(path, 0, f"{where}: {message}")
+        return fail
+
+    block_tokens = _count(doc, "block_size", fail_at("block_size"))
+    if block_tokens <= 0:
+        raise TraceFormatError(path, 0, f"'block_size' must be > 0, got {block_tokens}")
+    scope = doc.get("hash_id_scope", "local")
+    if scope not in ("local", "global"):
+        raise TraceFormatError(path, 0, f"'hash_id_scope' must be 'local' or 'global', got {scope!r}")
+    found: list[tuple[float, int, TraceRequest]] = []
+
+    def walk(requests: list[Any], start_s: float, where: str) -> None:
+        for index, obj in enumerate(requests):
+            here = f"{where}[{index}]"
+            fail = fail_at(here)
+            if not isinstance(obj, dict):
+                fail(f"expected a JSON object, got {type(obj).__name__}")
+            t_s = start_s + _time(obj, "t", fail)
+            if obj.get("type") == "subagent":
+                if not isinstance(obj.get("requests"), list):
+                    fail("a subagent needs a 'requests' list")
+                walk(obj["requests"], t_s, f"{here}.requests")
+                continue
+            input_tokens = _count(obj, "in", fail)
+            block_ids = _ids(obj, "hash_ids", fail, allow_hex=False)
+            _check_block_count(len(block_ids), input_tokens, block_tokens, ("hash_ids", "in"), fail)
+            request = TraceRequest(t_s, input_tokens, _count(obj, "out", fail, default=0), block_ids)
+            found.append((t_s, len(found), request))
+
+    walk(doc["requests"], 0.0, "requests")
+    found.sort(key=lambda item: (item[0], item[1]))
+    prefix = sum(v for v in (doc.get("tool_tokens"), doc.get("system_tokens")) if _is_int(v) and v > 0)
+    return Session(tuple(r for _, _, r in found), block_tokens, scope == "local", prefix)
+
+
+def merge_sessions(paths: Sequence[str | os.PathLike[str]], *, stagger_s: float = 0.0,
+                   shared_prefix_fraction: float = 0.0) -> list[TraceRequest]:
+    """One workload from several agentic session files: their requests interleaved by time.
+
+    Session ``i`` (in the order given) starts ``i * stagger_s`` seconds in. Ids
+    of sessions with local ids are renumbered so that no two sessions share a
+    block; ids of global-scope sessions are kept (renumbered into the same space).
+    New ids are assigned in order of first use, so the result is the same in
+    every run.
+
+    Args:
+        paths: session files.
+        stagger_s: seconds between the starts of consecutive sessions (>= 0).
+        shared_prefix_fraction: the fraction (``[0, 1]``) of each session's system
+            and tool prefix (``tool_tokens + system_tokens``, in whole blocks) that
+            all sessions share, as kv-cache-tester's ``--warm-prefix-pct`` assumes
+            of one agent's tool definitions: those first blocks get common ids.
+
+    Raises:
+        InvalidArgumentError: on a bad ``stagger_s`` or fraction, no file, or
+            sessions of different block sizes.
+        TraceFormatError: for a bad session file.
+        OSError: if a file cannot be read.
+    """
+    if not stagger_s >= 0 or not 0.0 <= shared_prefix_fraction <= 1.0:
+        raise InvalidArgumentError("stagger_s must be >= 0 and shared_prefix_fraction in [0, 1]")
+    if not paths:
+        raise InvalidArgumentError("give at least one session file")
+    ids: dict[tuple[int, int], int] = {}
+    merged: list[tuple[float, int, int, TraceRequest]] = []
+    block_tokens = None
+    for index, path in enumerate(paths):
+        session = read_session(path)
+        if block_tokens is None:
+            block_tokens = session.block_tokens
+        elif session.block_tokens != block_tokens:
+            raise InvalidArgumentError(f"{os.fspath(path)}: block_size {session.block_tokens}, but earlier "
+                                       f"sessions have {block_tokens}")
+        space = index if session.local_ids else -1
+        shared = int(shared_prefix_fraction * session.prefix_tokens) // session.block_tokens
+        offset_s = index * stagger_s
+        for order, request in enumerate(session.requests):
+            renamed = tuple(
+                ids.setdefault((-2, position) if position < shared else (space, key), len(ids))
+                for position, key in enumerate(request.block_ids)
+            )
+            merged.append((request.timestamp_s + offset_s, index, order,
+                           TraceRequest(request.timestamp_s + offset_s, request.input_tokens,
+                                        request.output_tokens, renamed)))
+    merged.sort(key=lambda item: item[:3])
+    return [request for *_, request in merged]
 
 
 def write_trace(path: str | os.PathLike[str], requests: Iterable[TraceRequest]) -> int:

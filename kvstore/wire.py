@@ -32,7 +32,7 @@ from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import Layout, dtype_name
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.status import RemoteError
-from kvstore.keys import HashAlgorithm, Namespace, PackedHashes
+from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, PackedHashes
 from kvstore.v1 import kvstore_pb2 as pb
 
 GET_METHOD = "/kvstore.v1.KVStore/Get"
@@ -92,6 +92,11 @@ def namespace_to_pb(namespace: Namespace) -> pb.Namespace:
     )
 
 
+MAX_NAMESPACE_WIRE_BYTES = sum(NAMESPACE_FIELD_MAX_BYTES.values()) + 64
+"""The longest serialized ``Namespace`` a node parses, bytes: every text field at its limit
+(:data:`kvstore.keys.NAMESPACE_FIELD_MAX_BYTES`) plus each field's tag and length, and the three integers."""
+
+
 def namespace_from_pb(message: pb.Namespace) -> Namespace:
     """Rebuild and validate a :class:`~kvstore.keys.Namespace` from its wire message.
 
@@ -100,7 +105,8 @@ def namespace_from_pb(message: pb.Namespace) -> Namespace:
     tp_size, hash_algorithm).
 
     Raises:
-        InvalidArgumentError: on an empty model, a bad block size or rank, an
+        InvalidArgumentError: on an empty model, a text field over its limit
+            (:data:`kvstore.keys.NAMESPACE_FIELD_MAX_BYTES`), a bad block size or rank, an
             unknown dtype (``UnknownDtypeError``), layout or hash algorithm.
     """
     try:

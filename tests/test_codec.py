@@ -22,6 +22,7 @@ from kvstore.codec import (
 )
 from kvstore.errors import (
     BadMagicError,
+    CodecError,
     ChecksumError,
     ElementCountError,
     TruncatedBlockError,
@@ -113,3 +114,74 @@ def test_bad_magic() -> None:
         decode_block(b"\x80\x04" + bytes(200))
     with pytest.raises(BadMagicError):
         decode_block(pickle.dumps(kv_block()))
+
+
+def test_every_header_byte_is_covered_by_the_checksum() -> None:
+    """Regression (issue 18, finding 1): the checksum covered the payload alone, so a flipped dtype byte (float16
+    read as bfloat16), flags byte or padding byte was served with the block."""
+    buf = encode_block(kv_block())
+    size = decode_header(buf).header_nbytes
+    for offset in range(size):
+        for flip in (0x01, 0x80, 0xFF):
+            damaged = bytearray(buf)
+            damaged[offset] ^= flip
+            with pytest.raises(CodecError):
+                verify_block(damaged)
+
+
+@pytest.mark.parametrize(("first", "second"), [("float16", "bfloat16"), ("int8", "uint8"),
+                                               ("float8_e4m3fn", "float8_e5m2")])
+def test_a_dtype_swapped_for_one_of_the_same_size_fails_the_checksum(first: str, second: str) -> None:
+    buf = bytearray(encode_block(torch.zeros(1, 2, 1, 4, 8).to(torch_dtype(first))))
+    assert buf[6] == DTYPES[first][0]
+    buf[6] = DTYPES[second][0]
+    assert decode_header(buf).dtype == second  # the header alone still parses...
+    with pytest.raises(ChecksumError):
+        verify_block(buf)  # ...but the block is refused
+
+
+def test_the_checksum_is_the_documented_xxh3_stream() -> None:
+    """Other languages can check a block: xxh3-64 (seed 0) of the header with its checksum field as zeros, then the payload."""
+    import xxhash
+
+    buf = encode_block(kv_block())
+    size = decode_header(buf).header_nbytes
+    zeroed = bytearray(buf[:size])
+    zeroed[20:28] = bytes(8)
+    assert struct.unpack_from("<Q", buf, 20)[0] == xxhash.xxh3_64_intdigest(bytes(zeroed) + buf[size:])
+
+
+def test_version_1_blocks_are_refused_naming_the_version() -> None:
+    buf = bytearray(encode_block(kv_block()))
+    struct.pack_into("<H", buf, 4, 1)
+    with pytest.raises(BadMagicError, match="version 1"):
+        decode_header(buf)
+
+
+def test_non_zero_flags_or_padding_are_refused_by_the_header_check_alone() -> None:
+    buf = encode_block(kv_block())
+    for offset in (9, decode_header(buf).header_nbytes - 1):  # flags, last padding byte
+        damaged = bytearray(buf)
+        damaged[offset] = 1
+        with pytest.raises(ElementCountError):
+            decode_header(damaged)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "readonly_view"])
+def test_a_tensor_decoded_from_read_only_bytes_does_not_write_into_them(kind: str) -> None:
+    """Regression (issue 18, finding 7): ``torch.frombuffer`` over read-only bytes gave a writable tensor whose
+    writes changed a stored block (the heap tier's ``bytes``, the page pool's read-only views)."""
+    stored = encode_block(kv_block())
+    buf = stored if kind == "bytes" else memoryview(bytearray(stored)).toreadonly()
+    before = bytes(buf)
+    tensor = decode_block(buf)
+    tensor.fill_(7)
+    assert bytes(buf) == before
+    verify_block(buf)
+
+
+def test_copy_false_views_even_read_only_bytes() -> None:
+    """For a caller whose bytes no one else holds (a client's received message): no copy."""
+    buf = memoryview(bytearray(encode_block(kv_block()))).toreadonly()
+    tensor = decode_block(buf, copy=False)
+    assert tensor.data_ptr() == torch.frombuffer(buf.obj, dtype=torch.uint8).data_ptr() + decode_header(buf).header_nbytes

@@ -116,7 +116,8 @@ def test_a_disk_capacity_over_the_free_space_is_a_warning_at_start(tmp_path: Pat
     with caplog.at_level(logging.WARNING, logger="kvstore.tiers.lmdb"):
         with kvstore.open_store(StoreConfig(disk=DiskTierConfig(path=str(tmp_path / "lmdb"),
                                                                 capacity_bytes=too_big))) as store:
-            assert store.stats().tier("disk").capacity_bytes == too_big  # accepted: a warning, not a refusal
+            # accepted: a warning, not a refusal (blocks get the capacity less LMDB's share of the map: docs/disk.md)
+            assert too_big // 2 <= store.stats().tier("disk").capacity_bytes <= too_big
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("store.disk.capacity_bytes" in w and "--disk-capacity" in w and str(tmp_path) in w
                for w in warnings), warnings

@@ -16,7 +16,17 @@ import torch
 import xxhash
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.keys import HashAlgorithm, Namespace, PackedHashes, block_key, block_keys, hash_blocks, split_key
+from kvstore.keys import (
+    HashAlgorithm,
+    KeySpan,
+    Namespace,
+    PackedHashes,
+    block_key,
+    block_keys,
+    hash_blocks,
+    span_extra_keys,
+    split_key,
+)
 
 NS = Namespace(model="meta-llama/Llama-3.1-8B", revision="main", dtype="float16", layout="kv", block_size=4)
 
@@ -39,6 +49,89 @@ def test_frozen_vectors_sha256() -> None:
     ns = dataclasses.replace(NS, hash_algorithm=HashAlgorithm.SHA256)
     assert ns.root.hex() == SHA256_ROOT
     assert [h.hex() for h in hash_blocks(ns, list(range(10)))] == SHA256_CHAIN
+
+
+# Frozen vectors of per-block extra keys: an image (content key "sha256:abc") on tokens 2..6 of range(10).
+IMAGE_SPAN = KeySpan(start=2, length=5, key="sha256:abc")
+IMAGE_EXTRA = "0a0000007368613235363a61626302000000050000" "00"
+XXH3_IMAGE_CHAIN = ["1e2cb3e018ba7c763dc44a8415e5dbe9", "c8b4d59816c666aff49793041625aef2"]
+SHA256_IMAGE_CHAIN = [
+    "a8d4b2e011274836ec585d8983ae73a8a0fd1c9bf3be432388ea2d010761c867",
+    "48a7848d2d6624ec45512598da288bc9acb611f34fbbb11742040a4c3f4ec7ef",
+]
+
+
+def test_frozen_vectors_with_extra_keys() -> None:
+    extra = span_extra_keys(10, NS.block_size, [IMAGE_SPAN])
+    assert [e.hex() if e else None for e in extra] == [IMAGE_EXTRA, IMAGE_EXTRA, None]
+    assert [h.hex() for h in hash_blocks(NS, list(range(10)), extra_keys=extra)] == XXH3_IMAGE_CHAIN
+    ns = dataclasses.replace(NS, hash_algorithm=HashAlgorithm.SHA256)
+    assert [h.hex() for h in hash_blocks(ns, list(range(10)), extra_keys=extra)] == SHA256_IMAGE_CHAIN
+
+
+def test_extra_key_formula_is_the_documented_one() -> None:
+    """h_i = H(h_{i-1} || token ids || uint32 len(e_i) || e_i); a block without an extra key hashes as before."""
+    h0 = xxhash.xxh3_128_digest(NS.root + struct.pack("<4I", 0, 1, 2, 3))
+    h1 = xxhash.xxh3_128_digest(h0 + struct.pack("<4I", 4, 5, 6, 7) + struct.pack("<I", 3) + b"img")
+    assert hash_blocks(NS, range(8), extra_keys=[None, b"img"]) == [h0, h1]
+    assert IMAGE_SPAN.encode() == struct.pack("<I", 10) + b"sha256:abc" + struct.pack("<II", 2, 5)
+
+
+@pytest.mark.parametrize("no_extra", [None, [], [None, None, None], [b"", b""], [None, b"", None, None, None]])
+def test_no_extra_keys_leave_every_hash_unchanged(no_extra: list | None) -> None:
+    assert [h.hex() for h in hash_blocks(NS, list(range(10)), extra_keys=no_extra)] == XXH3_CHAIN
+
+
+def test_an_extra_key_changes_its_block_and_every_later_one_only() -> None:
+    tokens = list(range(16))
+    plain = hash_blocks(NS, tokens)
+    keyed = hash_blocks(NS, tokens, extra_keys=[None, b"a"])
+    assert keyed[0] == plain[0] and not set(keyed[1:]) & set(plain)
+    other = hash_blocks(NS, tokens, extra_keys=[None, b"b"])
+    assert other[0] == plain[0] and not set(other[1:]) & set(keyed[1:])
+    # the extra key is length-prefixed: moving bytes between the tokens and the key cannot collide
+    assert hash_blocks(NS, tokens, extra_keys=[None, bytearray(b"a")]) == keyed
+    assert hash_blocks(NS, tokens, extra_keys=[None, memoryview(b"a")]) == keyed
+
+
+def test_same_placeholders_different_images_get_different_keys() -> None:
+    """The bug behind extra keys: equal placeholder tokens for two images must not share blocks."""
+    placeholder = [7] * 8
+    prompt = [1, 2, 3, 4] + placeholder + [5, 6, 7, 8]
+    cat = hash_blocks(NS, prompt, extra_keys=span_extra_keys(len(prompt), 4, [KeySpan(4, 8, "cat")]))
+    dog = hash_blocks(NS, prompt, extra_keys=span_extra_keys(len(prompt), 4, [KeySpan(4, 8, "dog")]))
+    assert cat[0] == dog[0] == hash_blocks(NS, prompt)[0]  # the text before the image still matches
+    assert not set(cat[1:]) & set(dog[1:])
+    moved = hash_blocks(NS, prompt, extra_keys=span_extra_keys(len(prompt), 4, [KeySpan(5, 7, "cat")]))
+    assert moved[1:] != cat[1:]  # where the content lies is part of the key
+    two = span_extra_keys(len(prompt), 4, [KeySpan(4, 4, "cat"), KeySpan(8, 4, "cat")])
+    assert hash_blocks(NS, prompt, extra_keys=two)[1:] != cat[1:]  # so is how it splits into spans
+
+
+def test_span_extra_keys_cover_the_blocks_a_span_touches() -> None:
+    spans = [KeySpan(3, 2, b"a"), KeySpan(4, 9, b"b")]
+    keys = span_extra_keys(14, 4, spans)
+    assert len(keys) == 4
+    assert keys[0] == spans[0].encode()
+    assert keys[1] == spans[0].encode() + spans[1].encode()
+    assert keys[2] == keys[3] == spans[1].encode()
+    assert span_extra_keys(8, 4, []) == [None, None]
+    assert span_extra_keys(8, 4, [KeySpan(20, 4, b"past the end")]) == [None, None]
+    assert len(span_extra_keys(0, 4, [])) == 0
+
+
+@pytest.mark.parametrize("bad", [{"start": -1, "length": 2, "key": b"k"}, {"start": 0, "length": 0, "key": b"k"},
+                                 {"start": 0, "length": 1, "key": 3}])
+def test_bad_key_spans(bad: dict) -> None:
+    with pytest.raises(InvalidArgumentError):
+        KeySpan(**bad)
+
+
+def test_bad_extra_keys() -> None:
+    with pytest.raises(InvalidArgumentError, match="extra key of block 1 must be bytes"):
+        hash_blocks(NS, range(8), extra_keys=[None, "text"])
+    with pytest.raises(InvalidArgumentError):
+        span_extra_keys(8, 0, [])
 
 
 def test_chain_formula_is_the_documented_one() -> None:

@@ -133,3 +133,147 @@ def test_a_lease_outlives_a_remove_and_releases_only_itself() -> None:
     assert policy.is_pinned("a") and policy.victims(10) == []
     policy.unpin("a")
     assert not policy.is_pinned("a") and policy.victims(10) == ["a"]
+
+
+# ---------------------------------------------------------------- the segmented and adaptive policies
+
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from kvstore.policy import (  # noqa: E402
+    POLICY_NAMES,
+    AdaptivePolicy,
+    SegmentedLRUPolicy,
+    make_policy,
+    resolve_policy_name,
+)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_honors_priorities_and_pins(name: str) -> None:
+    """Client priorities and retention sit on top of every ordering, as TensorRT-LLM's retention API."""
+    policy = make_policy(name, capacity_bytes=100)
+    policy.insert("important", 10, priority=90)
+    policy.insert("normal", 10)
+    policy.insert("scratch", 10, priority=0)
+    policy.insert("kept", 10, priority=80, expires_at=5.0)
+    policy.touch("normal")
+    assert policy.victims(40) == ["scratch", "normal", "kept", "important"]
+    assert policy.victims(40, now=6.0) == ["scratch", "kept", "normal", "important"]  # retention ended
+    assert policy.priority_of("kept") == DEFAULT_PRIORITY
+    policy.pin("scratch")
+    assert "scratch" not in policy.victims(40)
+    assert policy.nbytes == 40 and len(policy) == 4
+
+
+def test_segmented_lru_protects_reused_blocks() -> None:
+    policy = SegmentedLRUPolicy(capacity_bytes=8)  # protected: at most 2 bytes
+    for key in "abcdef":
+        policy.insert(key, 1)
+    policy.touch("a")
+    policy.touch("b")
+    policy.touch("c")  # a falls back to probation's most recent end
+    assert list(policy) == ["d", "e", "f", "a", "b", "c"]
+    assert policy.victims(3) == ["d", "e", "f"]  # the new blocks before any reused one
+    assert policy.size_of("c") == 1 and "c" in policy and policy.contains_many(["c", "z"]) == [True, False]
+    assert policy.remove("c") == 1 and "c" not in policy and policy.nbytes == 5
+
+
+def test_adaptive_starts_as_lru_and_moves_to_segmented_lru_when_its_shadow_wins() -> None:
+    policy = AdaptivePolicy(capacity_bytes=10)
+    assert policy.mode == "lru"
+    hot = [f"hot{i}" for i in range(2)]
+    for key in hot:
+        policy.insert(key, 1)
+        policy.touch(key)  # used twice: protected in the shadow
+    scan = iter(range(10**6))
+    for _ in range(60):  # two hot blocks reused between scans of new ones: LRU loses them, SLRU keeps them
+        for _ in range(9):
+            victims = policy.victims(policy.nbytes + 1 - 10)
+            policy.remove_many(victims)
+            policy.insert(f"new{next(scan)}", 1)
+        for key in hot:
+            if key in policy:
+                policy.touch(key)
+            else:
+                policy.remove_many(policy.victims(policy.nbytes + 1 - 10))
+                policy.insert(key, 1)
+    assert policy.mode == "slru" and policy.switches >= 1
+
+
+def _random_ops(policy_name: str, batched: bool, seed: int) -> list[object]:
+    rng = random.Random(seed)
+    policy = make_policy(policy_name, capacity_bytes=40)
+    trace: list[object] = []
+    for step in range(3000):
+        chain = [f"k{rng.randrange(120)}" for _ in range(rng.randint(1, 6))]
+        chain = list(dict.fromkeys(chain))
+        present = [k for k in chain if k in policy]
+        missing = [k for k in chain if k not in policy]
+        if batched:
+            policy.touch_many(present)
+        else:
+            for key in reversed(present):
+                policy.touch(key)
+        need = policy.nbytes + len(missing) - 40
+        if need > 0:
+            victims = policy.victims(need)
+            trace.append(tuple(victims))
+            if batched:
+                policy.remove_many(victims)
+            else:
+                for key in victims:
+                    policy.remove(key)
+        if batched:
+            policy.insert_many(missing, 1)
+        else:
+            for key in reversed(missing):
+                policy.insert(key, 1)
+        if step % 500 == 0:
+            trace.append(tuple(policy))
+    trace.append((policy.nbytes, len(policy), getattr(policy, "switches", 0)))
+    return trace
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_batch_calls_are_the_same_as_one_call_per_key(name: str) -> None:
+    """The simulator's batch calls and the store's single calls leave the same state and name the same victims."""
+    assert _random_ops(name, True, 3) == _random_ops(name, False, 3)
+
+
+def test_policy_names() -> None:
+    assert resolve_policy_name("default") == "adaptive"
+    assert isinstance(make_policy("default", capacity_bytes=1), AdaptivePolicy)
+    assert type(make_policy("lru")) is PriorityLRUPolicy
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fifo")
+    with pytest.raises(ValueError, match="already tracked"):
+        make_policy("adaptive", capacity_bytes=4).insert_many(["a", "a"], 1)
+
+
+_EXPIRY_ORDER = """
+import json
+from kvstore.policy import make_policy
+out = []
+for name in ("lru", "slru", "adaptive"):
+    policy = make_policy(name, capacity_bytes=1000)
+    for i in range(200):
+        policy.insert(f"block-{i}".encode(), 1, priority=60, expires_at=1.0)  # one retention end for all
+    out.append([k.decode() for k in policy.victims(200, now=2.0)])
+print(json.dumps(out))
+"""
+
+
+def test_retention_ties_are_the_same_in_every_process() -> None:
+    """Blocks whose retention ends at the same time revert in insertion order, not by memory address."""
+    outputs = set()
+    for seed in ("0", "1", "4242"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", _EXPIRY_ORDER], capture_output=True, text=True, check=True,
+                             env=env).stdout
+        outputs.add(out)
+    assert len(outputs) == 1
+    assert json.loads(outputs.pop())[0][:3] == ["block-0", "block-1", "block-2"]

@@ -49,7 +49,8 @@ examples:
   kvstore loadtest --target 127.0.0.1:50051                      # conversation trace, 1 worker, file order
   kvstore loadtest --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --concurrency 8 --duration 60
   kvstore loadtest --speedup 10 --max-inflight 32 --json out.json --plot-dir plots/
-  kvstore loadtest --requests 2000 --sim-capacity 5859           # also print kvstore simulate's LRU hit ratio
+  kvstore loadtest --requests 2000 --sim-capacity 5859           # also print kvstore simulate's hit ratio
+  kvstore loadtest --sim-capacity 1827 --sim-disk-capacity 45697 # a node with a disk tier: the same in the simulation
 
 Exit status: 0 if every call succeeded and every block matched; 1 if a call
 failed, a block mismatched or the node is unreachable; 2 on a bad argument or
@@ -130,22 +131,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot-dir", default=None, metavar="DIR",
                         help="write loadtest_hit_ratio.png and loadtest_latency_cdf.png there")
     parser.add_argument("--sim-capacity", default=None, metavar="BLOCKS",
-                        help="also run kvstore simulate on the replayed requests at this capacity (blocks or inf)")
-    parser.add_argument("--sim-policy", default="lru", help="policy of --sim-capacity (default: lru)")
+                        help="also run kvstore simulate on the replayed requests with a memory tier of this many "
+                             "blocks (or inf): the node's memory capacity over one block's footprint")
+    parser.add_argument("--sim-disk-capacity", default=None, metavar="BLOCKS",
+                        help="the simulation's disk tier, blocks: give it for a node with a disk tier, so that the "
+                             "simulation has the same (default: none)")
+    parser.add_argument("--sim-policy", default="default",
+                        help="policy of the simulation, the node's --policy (default: default)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="live progress bar on stderr (default: only on a terminal)")
     add_connection_arguments(parser)
 
 
-def read_requests(path: str, format: str, limit: int | None) -> list[TraceRequest]:
+def read_requests(path: str, format: str, limit: int | None,
+                  block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
     """The first ``limit`` requests of a trace (all when ``None``), read before any load starts.
+
+    Args:
+        path: the trace (``kvstore.trace``).
+        format: its format, or ``auto``.
+        limit: requests to read at most.
+        block_tokens: tokens per block (a Mooncake trace's ``hash_ids`` are checked against it).
 
     Raises:
         TraceFormatError: naming the file and line of a malformed line.
-        InvalidArgumentError: on an unknown format.
+        InvalidArgumentError: on an unknown format, or a trace with no request.
         OSError: if the file cannot be read.
     """
-    return list(itertools.islice(iter_trace(path, format), limit))
+    requests = list(itertools.islice(iter_trace(path, format, block_tokens), limit))
+    if not requests:
+        raise InvalidArgumentError(f"the trace {path} has no requests (an empty file?); nothing to replay")
+    return requests
 
 
 def _sim_capacity(text: str | None) -> tuple[bool, int | None]:
@@ -157,6 +173,16 @@ def _sim_capacity(text: str | None) -> tuple[bool, int | None]:
     if not value.isdigit():
         raise InvalidArgumentError(f"--sim-capacity must be a block count or inf, got {text!r}")
     return True, int(value)
+
+
+def _sim_disk_capacity(text: str | None, compare: bool) -> int:
+    if text is None:
+        return 0
+    if not compare:
+        raise InvalidArgumentError("--sim-disk-capacity needs --sim-capacity")
+    if not text.strip().isdigit():
+        raise InvalidArgumentError(f"--sim-disk-capacity must be a block count, got {text!r}")
+    return int(text)
 
 
 def config_from_args(args: argparse.Namespace, connection: Connection | None = None) -> LoadTestConfig:
@@ -224,7 +250,8 @@ def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = N
     rows.append(("short gets", str(result.short_gets)))
     if comparison is not None:
         capacity = "inf" if comparison["capacity_blocks"] is None else comparison["capacity_blocks"]
-        rows.append(("simulator", f"{comparison['policy']}@{capacity}: hit ratio "
+        disk = f" + disk {comparison['disk_capacity_blocks']}" if comparison["disk_capacity_blocks"] else ""
+        rows.append(("simulator", f"{comparison['policy']}@{capacity}{disk}: hit ratio "
                                   f"{comparison['sim_hit_ratio']:.4f}, "
                                   f"loadtest - sim = {comparison['hit_ratio_diff']:+.4f}"))
     width = max(len(k) for k, _ in rows)
@@ -262,10 +289,8 @@ def run(args: argparse.Namespace) -> int:
         connection.client_kwargs()  # an unreadable TLS file is a usage error, before any call
         config = config_from_args(args, connection)
         compare, sim_capacity = _sim_capacity(args.sim_capacity)
-        requests = read_requests(args.trace, args.format, config.max_requests)
-        if not requests:
-            raise InvalidArgumentError(f"the trace {args.trace} has no requests (an empty file?); "
-                                       "nothing to replay")
+        sim_disk = _sim_disk_capacity(args.sim_disk_capacity, compare)
+        requests = read_requests(args.trace, args.format, config.max_requests, config.block_tokens)
     except (InvalidArgumentError, ConfigError, OSError) as exc:
         print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -283,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
         from kvstore.loadtest.compare import compare_with_simulator
 
         try:
-            comparison = compare_with_simulator(requests, result, sim_capacity, policy=args.sim_policy)
+            comparison = compare_with_simulator(requests, result, sim_capacity, policy=args.sim_policy,
+                                                disk_capacity_blocks=sim_disk)
         except InvalidArgumentError as exc:
             print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -1,11 +1,13 @@
 """Compare a load test with ``kvstore simulate`` on the same requests: the hit ratios should agree.
 
-The simulator replays the trace in file order through the store's policy at a
-capacity counted in blocks. A load test with one closed-loop worker replays the
-same order against a node whose top tier holds ``capacity_blocks`` blocks (its
-capacity divided by the tier's footprint of one encoded block), so the two hit
-ratios should agree closely. Concurrent workers or the open loop interleave
-requests, and the ratios can then differ a little.
+The simulator replays the trace in file order through the node's replay model
+(``kvstore.sim.model``) with the node's policy, at capacities counted in blocks.
+A load test with one closed-loop worker replays the same order against a node
+whose memory tier holds ``capacity_blocks`` blocks (its capacity divided by the
+tier's footprint of one encoded block) and whose disk tier, if any, holds
+``disk_capacity_blocks``, so the two count the same hits (exactly for memory
+alone: ``tests/sim/test_node_agreement.py``). Concurrent workers or the open
+loop interleave requests, and the ratios can then differ a little.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def compare_with_simulator(
     result: LoadTestResult,
     capacity_blocks: int | None,
     *,
-    policy: str = "lru",
+    policy: str = "default",
     disk_capacity_blocks: int = 0,
 ) -> dict[str, Any]:
     """Simulate the requests the load test started and set the two hit ratios side by side.
@@ -32,8 +34,10 @@ def compare_with_simulator(
             ``result.num_issued`` requests are simulated.
         result: the load test's result.
         capacity_blocks: blocks the node's top tier holds; ``None`` for infinite.
-        policy: simulator policy (``lru`` for a node whose puts all use the default priority).
-        disk_capacity_blocks: blocks of the node's second tier; 0 for none.
+        policy: simulator policy: the node's ``store.policy`` (``default`` unless set).
+        disk_capacity_blocks: blocks of the node's disk tier (its capacity over one block's
+            footprint); 0 for none. Without it a disk-backed node is compared with a
+            memory-only simulation.
 
     Returns:
         ``{"policy", "capacity_blocks", "num_requests", "sim_hit_ratio",

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from typing import TYPE_CHECKING, AsyncIterator, Sequence, TypeVar
 
 import grpc
@@ -28,7 +30,7 @@ from google.protobuf.message import Message
 
 from kvstore.config import Config
 from kvstore.errors import InvalidArgumentError, UnavailableError
-from kvstore.keys import HashAlgorithm, Namespace, block_key
+from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, block_key
 from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
 from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
@@ -36,6 +38,7 @@ from kvstore.server.limits import StreamWatch, StreamWatchdog, TenantQuota
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.shared_memory import SharedMemoryMethods
 from kvstore.wire import (
+    MAX_NAMESPACE_WIRE_BYTES,
     BlockAssembler,
     HashRequest,
     chunk_bytes_for,
@@ -57,9 +60,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=Message)
+_H = TypeVar("_H")
 
-NAMESPACE_CACHE_SIZE = 1024
-"""Validated namespaces a servicer keeps by their wire form (a node serves a handful)."""
+NAMESPACE_CACHE_BYTES = 1 << 20
+"""Bytes of validated namespaces a servicer keeps by their wire form (a node serves a handful; 1 MiB holds hundreds)."""
+
+NAMESPACE_ENTRY_OVERHEAD_BYTES = 768
+"""What :class:`NamespaceCache` counts per entry beyond twice its wire bytes: the ``Namespace`` object, its
+strings' headers and root, and the dict's share (CPython 3.11, measured with ``tracemalloc``)."""
 
 DEADLINE_SLACK_S = 0.05
 """A call its client ended this close to the deadline (seconds) is counted as DEADLINE_EXCEEDED, not CANCELLED.
@@ -118,6 +126,53 @@ _REPLY_LOST = _ReplyLostFilter()
 _GRPC_AIO_LOGGER = "grpc._cython.cygrpc"  # the logger of grpc.aio's server (its Cython module)
 
 
+class NamespaceCache:
+    """Validated namespaces by their serialized form, least recently used first out, bounded in bytes.
+
+    Each entry counts twice its wire bytes (the key, and the parsed strings)
+    plus :data:`NAMESPACE_ENTRY_OVERHEAD_BYTES`; the servicer only adds
+    namespaces whose caller was authorized, and the wire form is at most
+    :data:`~kvstore.wire.MAX_NAMESPACE_WIRE_BYTES`, so no caller can make
+    it hold more than ``max_bytes``.
+
+    Args:
+        max_bytes: the bound, bytes.
+    """
+
+    def __init__(self, max_bytes: int = NAMESPACE_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[bytes, Namespace] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, wire: object) -> bool:
+        return wire in self._entries
+
+    @staticmethod
+    def entry_bytes(wire: bytes) -> int:
+        """The bytes one entry counts for."""
+        return 2 * len(wire) + NAMESPACE_ENTRY_OVERHEAD_BYTES
+
+    def get(self, wire: bytes) -> Namespace | None:
+        """The namespace cached under ``wire``, now the most recently used; ``None`` if none is."""
+        namespace = self._entries.get(wire)
+        if namespace is not None:
+            self._entries.move_to_end(wire)
+        return namespace
+
+    def put(self, wire: bytes, namespace: Namespace) -> None:
+        """Cache ``namespace`` under ``wire``, dropping the least recently used entries past ``max_bytes``."""
+        if wire in self._entries:
+            return
+        self._entries[wire] = namespace
+        self.nbytes += self.entry_bytes(wire)
+        while self.nbytes > self.max_bytes and self._entries:
+            old, _ = self._entries.popitem(last=False)
+            self.nbytes -= self.entry_bytes(old)
+
+
 class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
     """Serves one :class:`~kvstore.store.TieredStore` over gRPC (``grpc.aio``).
 
@@ -160,7 +215,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         security = config.security
         self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
         self.require_sha256 = self._auth if security.require_sha256 is None else security.require_sha256
-        self._namespaces: dict[bytes, Namespace] = {}  # serialized wire namespace -> validated Namespace
+        self.namespaces = NamespaceCache()  # serialized wire namespace -> validated Namespace, of authorized calls
         quota_bytes = config.limits.tenant_quota_bytes
         self.quota = TenantQuota(quota_bytes, store.namespace_bytes) if quota_bytes > 0 else None
         self.accepting = True
@@ -184,20 +239,25 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         (:class:`_ReplyLostFilter`, installed here).
         """
         handlers = {
-            "Lookup": grpc.unary_unary_rpc_method_handler(self.Lookup, identity, pb.LookupResponse.SerializeToString),
+            "Lookup": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Lookup), identity,
+                                                          pb.LookupResponse.SerializeToString),
             # a unary handler, so that the reply's last message leaves with its status (Get's docstring)
-            "Get": grpc.unary_unary_rpc_method_handler(self.Get, identity, identity),
-            "Put": grpc.stream_unary_rpc_method_handler(self.Put, identity, pb.PutResponse.SerializeToString),
-            "Delete": grpc.unary_unary_rpc_method_handler(self.Delete, identity, pb.DeleteResponse.SerializeToString),
-            "Clear": grpc.unary_unary_rpc_method_handler(self.Clear, identity, pb.ClearResponse.SerializeToString),
-            "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, identity, pb.StatsResponse.SerializeToString),
+            "Get": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Get), identity, identity),
+            "Put": grpc.stream_unary_rpc_method_handler(_sheds_aborts(self.Put), identity,
+                                                        pb.PutResponse.SerializeToString),
+            "Delete": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Delete), identity,
+                                                          pb.DeleteResponse.SerializeToString),
+            "Clear": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Clear), identity,
+                                                         pb.ClearResponse.SerializeToString),
+            "Stats": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Stats), identity,
+                                                         pb.StatsResponse.SerializeToString),
             "Capabilities": grpc.unary_unary_rpc_method_handler(
-                self.Capabilities, identity, pb.CapabilitiesResponse.SerializeToString),
-            "Attach": grpc.stream_stream_rpc_method_handler(self.Attach, identity, pb.AttachReply.SerializeToString),
+                _sheds_aborts(self.Capabilities), identity, pb.CapabilitiesResponse.SerializeToString),
+            "Attach": grpc.stream_stream_rpc_method_handler(_sheds_aborts(self.Attach), identity, pb.AttachReply.SerializeToString),
             "GetShared": grpc.unary_unary_rpc_method_handler(
-                self.GetShared, identity, pb.GetSharedResponse.SerializeToString),
+                _sheds_aborts(self.GetShared), identity, pb.GetSharedResponse.SerializeToString),
             "PutShared": grpc.unary_unary_rpc_method_handler(
-                self.PutShared, identity, pb.PutResponse.SerializeToString),
+                _sheds_aborts(self.PutShared), identity, pb.PutResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -336,22 +396,27 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
     def _namespace(self, wire: bytes, call: _Call) -> Namespace:
         """The namespace of a request (its serialized ``Namespace``), once the caller may use its tenant and hash.
 
-        Validated namespaces are kept by their serialized form (at most
-        :data:`NAMESPACE_CACHE_SIZE`; the cache starts over when full), so a
-        worker's repeated namespace is parsed once; the tenant and hash checks
-        run on every call.
+        A namespace over :data:`~kvstore.wire.MAX_NAMESPACE_WIRE_BYTES`
+        is refused before it is parsed. Validated namespaces are kept by their
+        serialized form in :attr:`namespaces` (bounded in bytes), so a worker's
+        repeated namespace is parsed once, but only once the caller is allowed
+        to use it: a refused caller leaves nothing behind. The tenant and hash
+        checks run on every call.
 
         Raises:
-            InvalidArgumentError: on a malformed namespace, or xxh3 where SHA-256 is required.
+            InvalidArgumentError: on a malformed or oversized namespace (each text field has a limit,
+                ``kvstore.keys.NAMESPACE_FIELD_MAX_BYTES``), or xxh3 where SHA-256 is required.
             UnauthenticatedError: if authentication is on and the call carries no principal.
             PermissionDeniedError: if the caller's token does not cover the namespace's ``cache_salt``.
         """
-        namespace = self._namespaces.get(wire)
+        namespace = self.namespaces.get(wire)
+        fresh = namespace is None
         if namespace is None:
+            if len(wire) > MAX_NAMESPACE_WIRE_BYTES:
+                raise InvalidArgumentError(
+                    f"namespace of {len(wire)} bytes is over the limit of {MAX_NAMESPACE_WIRE_BYTES}; each field has "
+                    f"its own limit: {NAMESPACE_FIELD_MAX_BYTES}")
             namespace = namespace_from_pb(_parse(pb.Namespace, wire))
-            if len(self._namespaces) >= NAMESPACE_CACHE_SIZE:
-                self._namespaces.clear()
-            self._namespaces[wire] = namespace
         if self._auth:
             if call.principal is None:  # fail closed: an authenticating node never serves an anonymous call
                 raise UnauthenticatedError("authentication is on but this call was not authenticated")
@@ -361,6 +426,8 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
                 "this server requires namespace.hash_algorithm='sha256' (security.require_sha256, on by default "
                 "with authentication): xxh3 collisions can be forced, so untrusted clients must hash with SHA-256"
             )
+        if fresh:
+            self.namespaces.put(wire, namespace)
         return namespace
 
     def _reserve(self, namespace: Namespace, incoming_bytes: int) -> contextlib.AbstractContextManager[None]:
@@ -403,6 +470,28 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         await context.abort(status, message)
 
 
+def _sheds_aborts(handler: _H) -> _H:
+    """``handler`` as registered with gRPC: an abort leaves it holding none of the call's frames.
+
+    grpc.aio keeps an abort's exception on the call's state, which the frames
+    of its traceback reference (each holds the context): every aborted call was
+    cyclic garbage holding its request and all its handler held (a refused 4 MB
+    request too) until the collector ran, so refused callers could pin memory.
+    The exception leaves here without its traceback and the error it was raised
+    in, and the frames go as soon as the call ends (``tests/security/test_hostile_clients.py``).
+    """
+    @functools.wraps(handler)
+    async def handle(request: object, context: grpc.aio.ServicerContext) -> object:
+        try:
+            return await handler(request, context)  # type: ignore[operator]
+        except grpc.aio.AbortError as abort:
+            abort.__traceback__ = abort.__context__ = abort.__cause__ = None
+            del request, context
+            raise
+
+    return handle  # type: ignore[return-value]
+
+
 class _Call:
     """One call of the servicer, from admission to its status: ``async with servicer._call(method, context)``.
 
@@ -410,7 +499,7 @@ class _Call:
     (``kvstore.server.admission``: token, in-flight slot); on exit it releases
     the slot, counts the call in the metrics, and turns a raised kvstore error
     into its status code (``kvstore.status.status_of``) with
-    ``context.abort``. A call that ended on the client's side (it went away, or
+    ``context.abort`` (see :func:`_sheds_aborts`). A call that ended on the client's side (it went away, or
     its deadline passed) is counted as CANCELLED or DEADLINE_EXCEEDED and ends
     as cancelled, however the handler finished.
 

@@ -1,22 +1,26 @@
-"""Offline eviction-policy simulator: replay prefix-block traces through the store's policies and count hits.
+"""Offline simulator: replay prefix-block traces through the node's model and the offline bound, and count hits.
 
-``simulate`` replays a trace (``kvstore.trace``) through ``kvstore.policy``'s
-``LRUPolicy`` or ``PriorityLRUPolicy`` (with priorities from
-``ChainPriorityAssigner``) or through ``BeladyPolicy``, the offline optimum,
-over one tier or a top tier plus a second one. ``kvstore.sim.cli`` is the
-``kvstore simulate`` command.
+``simulate`` replays a trace (``kvstore.trace``) through ``NodeModel``, which
+runs the store's own policies (``kvstore.policy``) in the store's per-request
+order over a memory tier and an optional disk tier, or through the offline
+bound (``belady_bound``: Belady's MIN with bypass). ``kvstore.sim.cli`` is the
+``kvstore simulate`` command; ``kvstore.sim.agentic`` generates synthetic
+agentic-coding sessions.
 """
 
-from kvstore.sim.belady import BeladyPolicy, NextUseOracle
-from kvstore.sim.priority import ChainPriorityAssigner
-from kvstore.sim.replay import POLICIES, PriorityAssigner, SimResult, simulate
+from kvstore.sim.belady import BoundResult, belady_bound, check_chains
+from kvstore.sim.model import NodeModel, RequestHits
+from kvstore.sim.replay import BOUND, POLICIES, SimResult, resolve, simulate
 
 __all__ = [
+    "BOUND",
     "POLICIES",
-    "BeladyPolicy",
-    "ChainPriorityAssigner",
-    "NextUseOracle",
-    "PriorityAssigner",
+    "BoundResult",
+    "NodeModel",
+    "RequestHits",
     "SimResult",
+    "belady_bound",
+    "check_chains",
+    "resolve",
     "simulate",
 ]

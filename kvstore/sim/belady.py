@@ -1,191 +1,129 @@
-"""Belady's offline-optimal eviction (MIN): evict the resident block whose next use is farthest away.
+"""The offline bound: Belady's MIN with bypass, over whole requests, with ties broken by chain depth.
 
-It needs the future, so it exists only in the simulator, as the upper bound the
-online policies are measured against (L. A. Belady, "A study of replacement
-algorithms for a virtual-storage computer", IBM Systems Journal 5(2), 1966).
-It answers the same ``insert`` / ``touch`` / ``remove`` / ``victims`` calls as
-``kvstore.policy.PriorityLRUPolicy``, so the replay loop drives both alike.
+MIN keeps, after each request, the blocks whose next use comes soonest; the
+blocks of the request just served are candidates too, so a block that is not
+needed again before every resident one is not admitted (bypass). Belady, "A
+study of replacement algorithms for a virtual-storage computer", IBM Systems
+Journal 5(2), 1966; with bypass it is optimal for unit-size blocks among all
+policies, online or not, that may keep any subset of what was resident or
+just requested (the offline caching problem; see e.g. Jain and Lin, "Back to
+the future: leveraging Belady's algorithm for improved cache replacement",
+ISCA 2016, for MIN as the bound of replacement studies).
+
+The model. Between two requests the cache holds at most ``capacity`` blocks.
+Request ``r`` hits the longest prefix of its blocks held before it; after it,
+the cache keeps any ``capacity`` blocks of those it held and those ``r`` named.
+Time is the request index; a block's next use is the next request that names
+it (``NEVER`` if none).
+
+Ties. Blocks whose next use is the same request are all in that request's
+chain; the deeper one (larger position) goes first. Blocks never used again go
+first of all, deepest first, then the larger id. So the order is total and
+the same in every run and process.
+
+Prefix chains, and why the bound is exact. A hit counts only if every earlier
+block of the request hits too. MIN maximizes block hits, which bound prefix
+hits from above. When the trace has the chain property (each block id always
+appears at one position, after one parent id: true of chained hashes, and
+checked by :func:`check_chains`), a block's parent is named by every request
+that names the block, so the parent's next use is never later than the
+child's, and the depth tie-break evicts the child first: the cache stays
+closed under prefixes, every block hit is a prefix hit, and MIN's block hits
+are reached by a prefix-caching policy. The bound is then exact, the optimum
+of the model. On a trace without the chain property it is an upper bound.
+
+Two tiers. Hits in either tier count the same, so the bound for memory plus
+disk is this bound at their summed capacity.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Hashable, Iterator, Sequence
-
-from kvstore.policy import DEFAULT_PRIORITY, Leases
+from dataclasses import dataclass
+from typing import Sequence
 
 NEVER = 1 << 62
-"""The next-use time of a block that is never requested again."""
-
-_POSITION_BITS = 20  # a chain may hold up to 2**20 blocks; time = request index << 20 | position
+"""The next use of a block no later request names."""
 
 
-class NextUseOracle:
-    """For each block, the requests that name it, so that a replay can ask "when is it needed next?".
+def check_chains(chains: Sequence[Sequence[int]]) -> bool:
+    """Whether every block id appears at one position only, always after the same parent id (the chain property)."""
+    parent_of: dict[int, tuple[int, int]] = {}
+    for chain in chains:
+        parent = -1
+        for position, key in enumerate(chain):
+            seen = parent_of.setdefault(key, (position, parent))
+            if seen != (position, parent):
+                return False
+            parent = key
+    return True
 
-    Time is counted in requests: the replay calls :meth:`advance` with the
-    index of the request it is about to serve, and :meth:`next_use` answers
-    with the first later request that names the block. Ties between blocks
-    needed by the same request are broken by their position in its chain, the
-    tail counting as farther away, so that MIN, too, evicts a tail before its head.
 
-    Args:
-        chains: the block ids of every request, in replay order; shape ``(num_requests, num_blocks_i)``.
+@dataclass(frozen=True, slots=True)
+class BoundResult:
+    """The bound's counts.
+
+    Attributes:
+        hit_blocks: prefix hits of MIN with bypass, over all requests.
+        block_hits: block hits (each block resident when named), an upper bound of ``hit_blocks``.
+        exact: whether the trace has the chain property, so that ``hit_blocks`` is the optimum.
+        hits_per_request: prefix hits of each request, in replay order.
     """
 
-    __slots__ = ("_uses", "_cursor", "_position", "now")
-
-    def __init__(self, chains: Sequence[Sequence[Hashable]]) -> None:
-        uses: dict[Hashable, list[int]] = {}
-        position: dict[Hashable, int] = {}
-        for index, chain in enumerate(chains):
-            for pos, key in enumerate(chain):
-                found = uses.get(key)
-                if found is None:
-                    uses[key] = [index]
-                    position[key] = pos
-                elif found[-1] != index:
-                    found.append(index)
-        self._uses = uses
-        self._position = position
-        self._cursor: dict[Hashable, int] = {}
-        self.now = -1
-
-    def advance(self, request_index: int) -> None:
-        """Set the clock to the request about to be served; it never moves back.
-
-        Raises:
-            ValueError: if ``request_index`` is before the current one.
-        """
-        if request_index < self.now:
-            raise ValueError(f"the clock only moves forward: {request_index} < {self.now}")
-        self.now = request_index
-
-    def next_use(self, key: Hashable) -> int:
-        """When ``key`` is next needed after the current request: ``request << 20 | position``, or :data:`NEVER`."""
-        uses = self._uses.get(key)
-        if uses is None:
-            return NEVER
-        cursor = self._cursor.get(key, 0)
-        now = self.now
-        while cursor < len(uses) and uses[cursor] <= now:
-            cursor += 1
-        self._cursor[key] = cursor
-        if cursor == len(uses):
-            return NEVER
-        return (uses[cursor] << _POSITION_BITS) | self._position[key]
+    hit_blocks: int
+    block_hits: int
+    exact: bool
+    hits_per_request: tuple[int, ...] = ()
 
 
-class BeladyPolicy(Leases):
-    """MIN as an eviction policy: victims are the blocks needed farthest in the future.
-
-    A max-heap of next-use times with lazy invalidation: every insert or touch
-    pushes a fresh entry, and entries whose time no longer matches the block's
-    are skipped when popped (each entry carries a sequence number, and only the
-    block's latest one is live). Among equal times the older entry goes first. Priorities and retention are accepted and ignored.
+def belady_bound(chains: Sequence[Sequence[int]], capacity_blocks: int) -> BoundResult:
+    """Replay ``chains`` through MIN with bypass at ``capacity_blocks`` and count hits; see the module docstring.
 
     Args:
-        oracle: the next-use times of the trace being replayed, shared by every tier.
+        chains: block ids of each request, head first, in replay order; shape ``(num_requests, num_blocks_i)``.
+        capacity_blocks: blocks the cache holds between requests (>= 0).
+
+    Returns:
+        Prefix hits, block hits, and whether the bound is exact for this trace.
+
+    Raises:
+        ValueError: on a negative capacity.
+
+    Time ``O(B log C)`` for ``B`` block accesses, memory ``O(distinct blocks)``.
     """
-
-    __slots__ = ("_oracle", "_entries", "_heap", "_pins", "_nbytes", "_seq")
-
-    def __init__(self, oracle: NextUseOracle) -> None:
-        self._oracle = oracle
-        self._entries: dict[Hashable, tuple[int, int]] = {}  # key -> (nbytes, sequence number of its live heap entry)
-        self._heap: list[tuple[int, int, Hashable]] = []  # (-next use, sequence number, key)
-        self._seq = 0
-        self._pins: dict[Hashable, int] = {}
-        self._nbytes = 0
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __iter__(self) -> Iterator[Hashable]:
-        return iter(self._entries)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every tracked key."""
-        return self._nbytes
-
-    def priority_of(self, key: Hashable) -> int:
-        """Always the default priority (MIN has none). Raises ``KeyError`` if ``key`` is not tracked."""
-        self._entries[key]
-        return DEFAULT_PRIORITY
-
-    def expiry_of(self, key: Hashable) -> float:
-        """Always 0.0 (MIN keeps no retention)."""
-        return 0.0
-
-    def _push(self, key: Hashable, nbytes: int) -> None:
-        self._seq += 1
-        self._entries[key] = (nbytes, self._seq)
-        heapq.heappush(self._heap, (-self._oracle.next_use(key), self._seq, key))
-
-    def insert(self, key: Hashable, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0) -> None:
-        """Track a new resident ``key`` of ``nbytes``; ``priority`` and ``expires_at`` are ignored.
-
-        Raises:
-            ValueError: on a negative size or a key already tracked.
-        """
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if key in self._entries:
-            raise ValueError(f"key {key!r} is already tracked")
-        self._push(key, nbytes)
-        self._nbytes += nbytes
-
-    def touch(self, key: Hashable) -> None:
-        """Record a use of ``key`` now: its next use moves on. Raises ``KeyError`` if unknown."""
-        self._push(key, self._entries[key][0])
-
-    def remove(self, key: Hashable) -> int:
-        """Forget ``key``; return its bytes, or 0 if it was not tracked.
-
-        Its leases stay: they belong to the readers that took them, and each is
-        released by its own :meth:`unpin`. A key stored again while an old
-        reader still holds it is thus not a victim until that reader is done
-        (dropping the leases here let the old reader's ``unpin`` release a new
-        reader's lease instead).
-        """
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return 0
-        self._nbytes -= entry[0]
-        return entry[0]
-
-    def victims(self, nbytes: int, now: float = 0.0) -> list[Hashable]:
-        """Keys to evict, farthest next use first, to free at least ``nbytes``; pinned keys are skipped.
-
-        Args:
-            nbytes: bytes to free; nothing is returned for ``nbytes <= 0``.
-            now: ignored (the oracle's clock is the request index).
-
-        Returns:
-            Fewer bytes than asked for only when the rest is pinned. The keys stay
-            tracked until the caller removes them.
-        """
-        if nbytes <= 0:
-            return []
-        heap, entries, pins = self._heap, self._entries, self._pins
-        chosen: list[Hashable] = []
-        held: list[tuple[int, int, Hashable]] = []
-        freed = 0
-        while heap and freed < nbytes:
-            item = heapq.heappop(heap)
-            key = item[2]
-            entry = entries.get(key)
-            if entry is None or entry[1] != item[1]:
-                continue  # stale: removed, or touched since
-            held.append(item)
-            if key in pins:
-                continue
-            chosen.append(key)
-            freed += entry[0]
-        for item in held:  # victims() only answers; remove() is what forgets
-            heapq.heappush(heap, item)
-        return chosen
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity must be >= 0 blocks, got {capacity_blocks}")
+    next_use: list[list[int]] = [[]] * len(chains)
+    last: dict[int, int] = {}
+    for index in range(len(chains) - 1, -1, -1):
+        chain = chains[index]
+        next_use[index] = [last.get(key, NEVER) for key in chain]
+        for key in chain:
+            last[key] = index
+    resident: dict[int, int] = {}  # key -> next use of its live heap entry
+    heap: list[tuple[int, int, int]] = []  # (-next use, -position, -key): the farthest first
+    hits = block_hits = 0
+    per_request = []
+    for index, chain in enumerate(chains):
+        prefix = True
+        request_hits = 0
+        for key in chain:
+            if key in resident:
+                block_hits += 1
+                if prefix:
+                    request_hits += 1
+            else:
+                prefix = False
+        hits += request_hits
+        per_request.append(request_hits)
+        for position, (key, use) in enumerate(zip(chain, next_use[index])):
+            resident[key] = use
+            heapq.heappush(heap, (-use, -position, -key))
+        while len(resident) > capacity_blocks:
+            use, _, key = heapq.heappop(heap)
+            if resident.get(-key) == -use:
+                del resident[-key]
+        if len(heap) > 4 * len(resident) + 1024:  # drop stale entries now and then: memory stays O(C)
+            heap = [(u, p, k) for u, p, k in heap if resident.get(-k) == -u]
+            heapq.heapify(heap)
+    return BoundResult(hits, block_hits, check_chains(chains), tuple(per_request))

@@ -7,45 +7,59 @@ import json
 import logging
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 from kvstore.config import parse_size
 from kvstore.errors import InvalidArgumentError
 from kvstore.data import bundled_trace
-from kvstore.sim.replay import POLICIES, SimResult, simulate
-from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, read_trace
+from kvstore.sim.replay import POLICIES, SimResult, resolve, simulate
+from kvstore.tiers.lmdb import usable_bytes
+from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, _is_session, read_session, read_trace
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRACE = bundled_trace()
 """The trace used when ``--trace`` is not given: the Mooncake conversation trace, shipped in the package."""
 
-DEFAULT_CAPACITIES = "1000,2000,5859,10000,20000,50000,inf"
+DEFAULT_CAPACITIES = "1%,5%,10%,25%,50%,inf"
+DEFAULT_POLICIES = "lru,default,belady"
 
 _EPILOG = """\
-capacities are block counts (5859), sizes (3GiB; divided by --block-bytes) or inf.
+capacities are block counts (5859), percentages of the trace's distinct blocks (5%),
+sizes (3GiB; divided by --block-bytes) or inf. Policies: lru, slru, adaptive, default
+(what a node runs by default: adaptive) and belady (the offline bound, MIN with bypass).
+The replay model is the node's own; docs/simulate.md explains it.
 examples:
-  kvstore simulate --policy lru,priority,belady --capacity 1000,5859,20000,inf
+  kvstore simulate --policy lru,default,belady --capacity 1%,5%,25%,inf
   kvstore simulate --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --capacity 3GiB --block-bytes 512KiB
-  kvstore simulate --capacity 5859 --disk-capacity 50000 --json out.json --plot out.png
+  kvstore simulate --capacity 5% --disk-capacity 25% --json out.json --plot out.png
+  kvstore simulate --trace sessions/ --block-tokens 64    # a directory of agentic session files
 """
 
 
-def parse_capacity(text: str, block_bytes: int | None) -> int | None:
-    """Parse one capacity into blocks: ``inf``, a block count, or a size divided by ``block_bytes``.
+def _is_size(text: str) -> bool:
+    """Whether a capacity is a size with a unit (``25GiB``), not ``inf``, a block count or a percentage."""
+    value = text.strip()
+    return value[:1].isdigit() and not value.isdigit() and not value.endswith("%")
+
+
+def parse_capacity(text: str, block_bytes: int | None, num_unique_blocks: int | None = None) -> int | None:
+    """Parse one capacity into blocks: ``inf``, a block count, a percentage, or a size divided by ``block_bytes``.
 
     Args:
-        text: ``inf``, an integer count of blocks (``5859``), or a size with a unit
-            (``3GiB``, ``512MB``; see ``kvstore.config.parse_size``).
+        text: ``inf``, an integer count of blocks (``5859``), a percentage of the
+            trace's distinct blocks (``5%``), or a size with a unit (``3GiB``,
+            ``512MB``; see ``kvstore.config.parse_size``).
         block_bytes: bytes of one block; required for a size with a unit.
+        num_unique_blocks: distinct blocks of the trace; required for a percentage.
 
     Returns:
-        Blocks (a size is rounded down to whole blocks), or ``None`` for infinite.
+        Blocks (rounded down to whole blocks), or ``None`` for infinite.
 
     Raises:
-        InvalidArgumentError: on anything else, or a size without ``block_bytes``.
+        InvalidArgumentError: on anything else, a size without ``block_bytes``, or
+            a percentage without ``num_unique_blocks``.
     """
     value = text.strip()
     if value.lower() in ("inf", "infinite", "none"):
@@ -53,7 +67,16 @@ def parse_capacity(text: str, block_bytes: int | None) -> int | None:
     if value.isdigit():
         return int(value)
     if not value[:1].isdigit():  # e.g. -5: neither a count nor a size
-        raise InvalidArgumentError(f"bad capacity {text!r}: give inf, a block count (5859) or a size (3GiB)")
+        raise InvalidArgumentError(f"bad capacity {text!r}: give inf, a block count (5859), a percentage (5%) "
+                                   f"or a size (3GiB)")
+    if value.endswith("%"):
+        try:
+            percent = float(value[:-1])
+        except ValueError:
+            raise InvalidArgumentError(f"bad capacity {text!r}: not a percentage") from None
+        if num_unique_blocks is None:
+            raise InvalidArgumentError(f"capacity {text!r} is a percentage of a trace's distinct blocks")
+        return int(num_unique_blocks * percent / 100.0)
     if block_bytes is None:
         raise InvalidArgumentError(f"capacity {text!r} is a size: give --block-bytes to turn it into blocks")
     try:
@@ -71,21 +94,36 @@ def _label(capacity_blocks: int | None) -> str:
 
 
 def format_table(rows: Sequence[tuple[str, SimResult]]) -> str:
-    """Plain aligned text: one row per (trace, result), with block, token and per-tier hit ratios."""
-    header = ("trace", "policy", "capacity", "disk", "hit_ratio", "token_hit", "tier_hits", "vs_lru", "time_s")
-    lru = {(trace, r.capacity_blocks, r.disk_capacity_blocks): r.hit_ratio for trace, r in rows if r.policy == "lru"}
+    """Plain aligned text: one row per (trace, result), with hit ratios, the ratio to LRU and the gap closed.
+
+    ``vs_lru`` is the hit ratio over LRU's at the same capacities; ``gap_closed``
+    is ``(hit - lru) / (bound - lru)``, the share of LRU's distance to the
+    offline bound that the policy makes up (when both are in the rows).
+    """
+    header = ("trace", "policy", "capacity", "disk", "hit_ratio", "token_hit", "tier_hits", "vs_lru", "gap_closed",
+              "M acc/s")
+
+    def by(policy: str) -> dict[tuple[str, int | None, int], float]:
+        return {(t, r.capacity_blocks, r.disk_capacity_blocks): r.hit_ratio for t, r in rows if r.policy == policy}
+
+    lru, bound = by("lru"), by("belady")
     lines = [header]
     for trace, r in rows:
-        base = lru.get((trace, r.capacity_blocks, r.disk_capacity_blocks))
+        where = (trace, r.capacity_blocks, r.disk_capacity_blocks)
+        base, top = lru.get(where), bound.get(where)
+        closed = "-"
+        if base is not None and top is not None and top > base and r.policy not in ("lru", "belady"):
+            closed = f"{(r.hit_ratio - base) / (top - base):+.3f}"
         lines.append((
             trace, r.policy, _label(r.capacity_blocks), str(r.disk_capacity_blocks or "-"),
             f"{r.hit_ratio:.4f}", f"{r.token_hit_ratio:.4f}",
             "/".join(f"{x:.4f}" for x in r.tier_hit_ratios),
-            f"{r.hit_ratio / base:.3f}" if base else "-", f"{r.elapsed_s:.2f}",
+            f"{r.hit_ratio / base:.3f}" if base else "-", closed,
+            f"{r.accesses_per_s / 1e6:.2f}" if r.policy != "infinite" else "-",
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-                     for line in lines)
+    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(line, widths))) for line in lines)
 
 
 def plot(rows: Sequence[tuple[str, SimResult]], path: str | os.PathLike[str]) -> None:
@@ -107,7 +145,9 @@ def plot(rows: Sequence[tuple[str, SimResult]], path: str | os.PathLike[str]) ->
             points = sorted((r.capacity_blocks, r.hit_ratio) for r in mine
                             if r.policy == policy and r.capacity_blocks is not None)
             if points:
-                ax.plot([c for c, _ in points], [h for _, h in points], marker="o", label=policy)
+                label = "bound (MIN with bypass)" if policy == "belady" else policy
+                ax.plot([c for c, _ in points], [h for _, h in points], marker="o", label=label,
+                         linestyle=":" if policy == "belady" else "-")
         infinite = [r.hit_ratio for r in mine if r.capacity_blocks is None]
         if infinite:
             ax.axhline(infinite[0], color="grey", linestyle="--", label="infinite")
@@ -131,9 +171,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "simulate",
         help="replay request traces through eviction policies and report prefix hit ratios",
-        description=("Replay request traces (Mooncake or generic JSONL, see kvstore.trace) through the store's "
-                     "eviction policies and report the prefix hit ratio at each capacity. A request hits the "
-                     "longest prefix of its blocks that is resident; then all its blocks count as accessed."),
+        description=("Replay request traces (Mooncake or generic JSONL, or agentic session files; see "
+                     "kvstore.trace) through the node's replay model with its own eviction policies, and "
+                     "through the offline bound, and report the prefix hit ratio at each capacity. A request "
+                     "hits the longest prefix of its blocks that is resident."),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -147,18 +188,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", action="append", default=[], metavar="PATH",
                         help=f"trace file; repeatable or a comma list (default: {DEFAULT_TRACE})")
     parser.add_argument("--format", choices=FORMATS, default="auto", help="trace format (default: auto)")
-    parser.add_argument("--policy", default="lru,priority,belady",
-                        help=f"comma list of {', '.join(POLICIES)} (default: all)")
+    parser.add_argument("--policy", default=DEFAULT_POLICIES,
+                        help=f"comma list of default, {', '.join(POLICIES)} (default: {DEFAULT_POLICIES})")
     parser.add_argument("--capacity", default=DEFAULT_CAPACITIES,
-                        help=f"comma list of top-tier capacities: blocks, sizes or inf (default: {DEFAULT_CAPACITIES})")
+                        help=f"comma list of memory-tier capacities: blocks, percentages of the trace's distinct "
+                             f"blocks, sizes or inf (default: {DEFAULT_CAPACITIES.replace('%', '%%')})")
     parser.add_argument("--disk-capacity", default=None,
-                        help="capacity of a second tier that takes the top tier's victims: blocks or a size")
+                        help="capacity of a disk tier below memory that takes its victims: blocks, a percentage "
+                             "or a size (store.disk.capacity_bytes: blocks get the part of it LMDB leaves them, as on a node)")
     parser.add_argument("--block-bytes", default=None,
                         help="bytes of one block, to turn sizes into blocks (e.g. 512KiB)")
-    parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
-                        help=f"tokens per block, for the token hit ratio (default: {MOONCAKE_BLOCK_TOKENS})")
+    parser.add_argument("--block-tokens", type=int, default=None,
+                        help=f"tokens per block: checks Mooncake traces' hash_ids and weighs the token hit ratio "
+                             f"(default: {MOONCAKE_BLOCK_TOKENS}, or a session file's block_size)")
     parser.add_argument("--plot", default=None, metavar="PATH.png", help="write hit ratio vs capacity as a PNG")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result as JSON")
+
+
+def _block_tokens_of(path: str, format: str, given: int | None) -> int:
+    """The trace's block size: ``given``, else a session file's ``block_size``, else Mooncake's 512."""
+    if given is not None:
+        return given
+    first = path
+    if os.path.isdir(path):
+        first = next(iter(sorted(Path(path).glob("*.json"))), path)
+    if os.path.isfile(first) and (format == "weka" or (format == "auto" and _is_session(first))):
+        return read_session(first).block_tokens
+    return MOONCAKE_BLOCK_TOKENS
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,37 +223,43 @@ def run(args: argparse.Namespace) -> int:
         block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
         if block_bytes is not None and block_bytes <= 0:
             raise InvalidArgumentError("--block-bytes must be > 0")
-        capacities = [parse_capacity(c, block_bytes) for c in _split([args.capacity])]
-        disk_blocks = 0
-        if args.disk_capacity:
-            disk = parse_capacity(args.disk_capacity, block_bytes)
-            if disk is None:
-                raise InvalidArgumentError("--disk-capacity cannot be infinite")
-            disk_blocks = disk
+        if args.block_tokens is not None and args.block_tokens <= 0:
+            raise InvalidArgumentError("--block-tokens must be > 0")
         policies = _split([args.policy])
         for policy in policies:
-            if policy not in POLICIES:
-                raise InvalidArgumentError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+            resolve(policy)
         traces = _split(args.trace) or [str(DEFAULT_TRACE)]
-        if not capacities or not policies:
+        capacity_texts = _split([args.capacity])
+        if not capacity_texts or not policies:
             raise InvalidArgumentError("give at least one capacity and one policy")
         for output in filter(None, (args.json, args.plot)):  # before the run, not after it
             if not Path(output).resolve().parent.is_dir():
                 raise InvalidArgumentError(f"cannot write {output}: no directory {Path(output).resolve().parent}")
         rows: list[tuple[str, SimResult]] = []
         for trace in traces:
-            requests = read_trace(trace, args.format)
+            block_tokens = _block_tokens_of(trace, args.format, args.block_tokens)
+            requests = read_trace(trace, args.format, block_tokens)
             if not requests:
                 raise InvalidArgumentError(f"the trace {trace} has no requests (an empty file?); nothing to replay")
+            unique = len({key for r in requests for key in r.block_ids})
+            capacities = [parse_capacity(c, block_bytes, unique) for c in capacity_texts]
+            disk_blocks = 0
+            if args.disk_capacity:
+                disk = parse_capacity(args.disk_capacity, block_bytes, unique)
+                if disk is not None and _is_size(args.disk_capacity):
+                    # a size is store.disk.capacity_bytes, the bound of data.mdb: blocks get its usable part
+                    disk = usable_bytes(parse_size(args.disk_capacity.strip())) // block_bytes
+                if disk is None:
+                    raise InvalidArgumentError("--disk-capacity cannot be infinite")
+                disk_blocks = disk
             name = Path(trace).stem
             for capacity in capacities:
                 if capacity is None:  # nothing is evicted, so every policy gives the same: one row
-                    result = simulate(requests, "lru", None, block_tokens=args.block_tokens)
-                    rows.append((name, replace(result, policy="infinite")))
+                    rows.append((name, simulate(requests, "lru", None, block_tokens=block_tokens)))
                     continue
                 for policy in policies:
                     rows.append((name, simulate(requests, policy, capacity, disk_capacity_blocks=disk_blocks,
-                                                block_tokens=args.block_tokens)))
+                                                block_tokens=block_tokens)))
     except (InvalidArgumentError, OSError) as exc:
         print(f"kvstore simulate: error: {exc}", file=sys.stderr)
         return 2

@@ -1,27 +1,9 @@
-"""Replay a trace of prefix-block chains through the store's eviction policies and count prefix hits.
+"""Replay a trace through the node's model (``kvstore.sim.model``) or the offline bound, and count prefix hits.
 
-The replay model (kept equal to the figures in ``benchmarks/traces/README.md``):
-
-1. Requests are served in file order.
-2. A request hits the longest prefix of its blocks that is resident in any
-   tier; the first block that is not ends the hit (prefix semantics).
-3. Then every block of the request counts as accessed. Room is made first in
-   the top tier for the blocks it lacks, with the request's own resident
-   blocks pinned (the store holds leases on them). Then the chain is walked
-   tail first (``reversed``), as the store records it: resident blocks are
-   touched, missing ones inserted, so the head ends up the most recent.
-   A block the request found in a lower tier is promoted: removed there and
-   inserted in the top tier (``StoreConfig.promote_on_hit``; the tiers are
-   exclusive, a block lives in exactly one).
-4. Eviction is ``policy.victims(need)`` and then ``remove``, as in the store.
-   Victims of the top tier are demoted to the next tier (whose own victims
-   are dropped); victims of the last tier are dropped. A demoted block enters
-   the second tier as its most recent block at the default priority without
-   retention (a raised priority is tuned to the top tier's horizon; kept,
-   it lost hits in the second tier in our runs), except that priority 0 stays 0.
-
-Capacity is counted in ``block_bytes`` units per block: 1 for a capacity in
-blocks, or the bytes of one block for a capacity in bytes; ``None`` is infinite.
+Requests are served in file order. Online policies run in :class:`NodeModel`,
+the store's own per-request order of touches, inserts and evictions, with the
+store's policy code (``kvstore.policy``); ``belady`` is the offline bound
+(``kvstore.sim.belady``); a capacity of ``None`` is an infinite cache.
 
 Hit ratio = hit blocks / requested blocks over the whole trace. Token hit ratio
 = hit tokens / prompt tokens, where a request's hit tokens are
@@ -34,59 +16,34 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Sequence
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.policy import DEFAULT_PRIORITY, MIN_PRIORITY, LRUPolicy, PriorityLRUPolicy
-from kvstore.sim.belady import BeladyPolicy, NextUseOracle
-from kvstore.sim.priority import ChainPriorityAssigner
+from kvstore.policy import DEFAULT_POLICY, POLICY_NAMES
+from kvstore.sim.belady import belady_bound
+from kvstore.sim.model import NodeModel
 from kvstore.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("lru", "priority", "belady")
-"""Policy names the simulator knows: the store's two policies and the offline bound."""
+BOUND = "belady"
+"""The name of the offline bound (MIN with bypass) among the simulator's policies."""
+
+POLICIES = (*POLICY_NAMES, BOUND)
+"""Policy names the simulator takes: the node's online policies and the offline bound (and ``default``)."""
 
 
-class SimPolicy(Protocol):
-    """The subset of ``kvstore.policy.EvictionPolicy`` the replay uses, plus ``priority_of``."""
+def resolve(policy: str) -> str:
+    """The simulator policy ``policy`` names (``default`` is the node's default).
 
-    nbytes: int
-
-    def insert(self, key: int, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0) -> None: ...
-
-    def touch(self, key: int) -> None: ...
-
-    def remove(self, key: int) -> int: ...
-
-    def pin(self, key: int) -> None: ...
-
-    def unpin(self, key: int) -> None: ...
-
-    def victims(self, nbytes: int, now: float = 0.0) -> list[int]: ...
-
-    def priority_of(self, key: int) -> int: ...
-
-    def __contains__(self, key: object) -> bool: ...
-
-    def __len__(self) -> int: ...
-
-
-class PriorityAssigner(Protocol):
-    """Online rule that gives each block of a request a retention priority (TensorRT-LLM's 0..100)."""
-
-    def priorities(self, request: TraceRequest, num_hit_blocks: int) -> Sequence[tuple[int, float]]:
-        """Priorities of ``request.block_ids``, knowing only this and earlier requests.
-
-        Args:
-            request: the request being served.
-            num_hit_blocks: length of its hit prefix.
-
-        Returns:
-            One ``(priority, retention_s)`` per block, head first: a priority in
-            ``[0, 100]`` and the seconds after which it reverts to the default
-            (0.0 for never), as ``PriorityLRUPolicy.insert`` takes them.
-        """
+    Raises:
+        InvalidArgumentError: for an unknown name.
+    """
+    if policy == "default":
+        return DEFAULT_POLICY
+    if policy not in POLICIES:
+        raise InvalidArgumentError(f"unknown policy {policy!r}; known: default, {', '.join(POLICIES)}")
+    return policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,19 +51,22 @@ class SimResult:
     """What one replay measured.
 
     Attributes:
-        policy: policy name (``lru``, ``priority``, ``belady``).
-        capacity_blocks: capacity of the top tier in blocks; ``None`` for infinite.
-        disk_capacity_blocks: capacity of the second tier in blocks; 0 when there is none.
+        policy: policy name (``lru``, ``slru``, ``adaptive``, ``belady``, or ``infinite``).
+        capacity_blocks: capacity of the memory tier in blocks; ``None`` for infinite.
+        disk_capacity_blocks: capacity of the disk tier in blocks; 0 when there is none.
         num_requests: requests replayed.
         num_blocks: blocks requested, over all requests.
         num_unique_blocks: distinct block ids in the trace.
         hit_blocks: prefix blocks found resident, over all requests.
-        hit_blocks_per_tier: of those, how many each tier served, top tier first.
+        hit_blocks_per_tier: of those, how many each tier served, memory first (one
+            number for the bound, which does not split tiers).
         input_tokens: prompt tokens over all requests.
         hit_tokens: prompt tokens covered by hit blocks (see the module docstring).
         evicted_blocks: blocks dropped from the last tier.
-        demoted_blocks: blocks moved from the top tier to the second.
-        elapsed_s: wall time of the replay, seconds.
+        demoted_blocks: blocks moved from the memory tier to the disk tier.
+        elapsed_s: wall time of the replay itself (not of counting distinct blocks), seconds.
+        bound_exact: for ``belady``, whether the bound is the exact optimum (the
+            trace has the chain property; ``kvstore.sim.belady``); ``None`` otherwise.
     """
 
     policy: str
@@ -122,6 +82,7 @@ class SimResult:
     evicted_blocks: int
     demoted_blocks: int
     elapsed_s: float = field(compare=False)
+    bound_exact: bool | None = None
 
     @property
     def hit_ratio(self) -> float:
@@ -135,8 +96,13 @@ class SimResult:
 
     @property
     def tier_hit_ratios(self) -> tuple[float, ...]:
-        """Each tier's hit blocks / requested blocks, top tier first."""
+        """Each tier's hit blocks / requested blocks, memory first."""
         return tuple(h / self.num_blocks if self.num_blocks else 0.0 for h in self.hit_blocks_per_tier)
+
+    @property
+    def accesses_per_s(self) -> float:
+        """Block accesses replayed per second of wall time."""
+        return self.num_blocks / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict of every field and ratio."""
@@ -157,18 +123,23 @@ class SimResult:
             "token_hit_ratio": self.token_hit_ratio,
             "tier_hit_ratios": list(self.tier_hit_ratios),
             "elapsed_s": self.elapsed_s,
+            "accesses_per_s": self.accesses_per_s,
+            "bound_exact": self.bound_exact,
         }
 
 
-def _make_policy(name: str, oracle: NextUseOracle | None) -> SimPolicy:
-    if name == "lru":
-        return LRUPolicy()
-    if name == "priority":
-        return PriorityLRUPolicy()
-    if name == "belady":
-        assert oracle is not None
-        return BeladyPolicy(oracle)
-    raise InvalidArgumentError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+def _prefix_hits_infinite(requests: Sequence[TraceRequest]) -> list[int]:
+    seen: set[int] = set()
+    out = []
+    for request in requests:
+        hits = 0
+        for key in request.block_ids:
+            if key not in seen:
+                break
+            hits += 1
+        seen.update(request.block_ids)
+        out.append(hits)
+    return out
 
 
 def simulate(
@@ -178,21 +149,17 @@ def simulate(
     *,
     disk_capacity_blocks: int = 0,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-    assigner_factory: Callable[[], PriorityAssigner] | None = None,
 ) -> SimResult:
     """Replay ``requests`` through one policy and count prefix hits.
 
     Args:
         requests: the trace, in replay order.
-        policy: ``lru`` (``kvstore.policy.LRUPolicy``), ``priority``
-            (``kvstore.policy.PriorityLRUPolicy`` with priorities from
-            ``assigner_factory``, by default :class:`ChainPriorityAssigner`) or
-            ``belady`` (:class:`BeladyPolicy`, offline MIN).
-        capacity_blocks: blocks the top tier holds; ``None`` for infinite.
-        disk_capacity_blocks: blocks of a second tier that takes the top tier's
-            victims; 0 for none. Ignored when ``capacity_blocks`` is ``None``.
+        policy: an online policy (``lru``, ``slru``, ``adaptive``, ``default``), run in
+            :class:`~kvstore.sim.model.NodeModel`, or ``belady``, the offline bound.
+        capacity_blocks: blocks the memory tier holds; ``None`` for infinite.
+        disk_capacity_blocks: blocks of a disk tier below it; 0 for none. Ignored
+            when ``capacity_blocks`` is ``None``. For ``belady`` the two add up.
         block_tokens: tokens per block, for the token hit ratio.
-        assigner_factory: builds the priority rule of the ``priority`` policy.
 
     Returns:
         The counts and ratios of the replay.
@@ -201,136 +168,62 @@ def simulate(
         InvalidArgumentError: on an unknown policy, a negative capacity or a
             non-positive ``block_tokens``.
     """
-    if policy not in POLICIES:
-        raise InvalidArgumentError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    name = resolve(policy)
     if capacity_blocks is not None and capacity_blocks < 0:
         raise InvalidArgumentError(f"capacity must be >= 0 blocks, got {capacity_blocks}")
     if disk_capacity_blocks < 0:
         raise InvalidArgumentError(f"disk capacity must be >= 0 blocks, got {disk_capacity_blocks}")
     if block_tokens <= 0:
         raise InvalidArgumentError(f"block_tokens must be > 0, got {block_tokens}")
-    started = time.perf_counter()
-    infinite = capacity_blocks is None
-    if infinite:
+    if capacity_blocks is None:
         disk_capacity_blocks = 0
-    oracle = NextUseOracle([r.block_ids for r in requests]) if policy == "belady" and not infinite else None
-    ram = _make_policy(policy, oracle)
-    disk = _make_policy(policy, oracle) if disk_capacity_blocks > 0 else None
-    assigner: PriorityAssigner | None = None
-    if policy == "priority" and not infinite:
-        assigner = assigner_factory() if assigner_factory else ChainPriorityAssigner(block_tokens=block_tokens)
-    ram_cap = capacity_blocks if capacity_blocks is not None else 0
-
-    num_blocks = hit_ram = hit_disk = input_tokens = hit_tokens = evicted = demoted = 0
-    seen: set[int] = set()
-
-    def make_room_in_disk(count: int, now: float) -> None:
-        nonlocal evicted
-        assert disk is not None
-        need = disk.nbytes + count - disk_capacity_blocks
-        if need > 0:
-            for key in disk.victims(need, now):
-                disk.remove(key)
-                evicted += 1
-
-    def evict_ram(need: int, now: float) -> None:
-        nonlocal evicted, demoted
-        victims = ram.victims(need, now)
-        if disk is None:
-            for key in victims:
-                ram.remove(key)
-            evicted += len(victims)
-            return
-        moved = [(key, ram.priority_of(key)) for key in victims]
-        for key, _ in moved:
-            ram.remove(key)
-        make_room_in_disk(len(moved), now)
-        for key, priority in moved:
-            disk.insert(key, 1, DEFAULT_PRIORITY if priority else MIN_PRIORITY)
-        demoted += len(moved)
-
-    for index, request in enumerate(requests):
-        blocks = request.block_ids
-        now = request.timestamp_s
-        if oracle is not None:
-            oracle.advance(index)
-        num_blocks += len(blocks)
-        input_tokens += request.input_tokens
-        if infinite:
-            hits = 0
-            for key in blocks:
-                if key not in seen:
-                    break
-                hits += 1
-            seen.update(blocks)
-            hit_ram += hits
-            hit_tokens += min(hits * block_tokens, request.input_tokens)
-            continue
-
-        in_ram = in_disk = 0
-        for key in blocks:
-            if key in ram:
-                in_ram += 1
-            elif disk is not None and key in disk:
-                in_disk += 1
-            else:
-                break
-        hit_ram += in_ram
-        hit_disk += in_disk
-        hit_tokens += min((in_ram + in_disk) * block_tokens, request.input_tokens)
-        priorities = assigner.priorities(request, in_ram + in_disk) if assigner is not None else None
-
-        resident = [key for key in blocks if key in ram]
-        if disk is not None:
-            for key in blocks:
-                disk.remove(key)  # promoted below; 0 when it is not there
-        need = ram.nbytes + len(blocks) - len(resident) - ram_cap
-        if need > 0:
-            for key in resident:
-                ram.pin(key)
-            evict_ram(need, now)
-            for key in resident:
-                ram.unpin(key)
-
-        if priorities is None:
-            for key in reversed(blocks):
-                if key in ram:
-                    ram.touch(key)
-                else:
-                    ram.insert(key, 1)
-        else:
-            for position in range(len(blocks) - 1, -1, -1):
-                key = blocks[position]
-                priority, retention_s = priorities[position]
-                if key in ram:
-                    if not retention_s and ram.priority_of(key) == priority:
-                        ram.touch(key)
-                        continue
-                    ram.remove(key)
-                ram.insert(key, 1, priority, now + retention_s if retention_s else 0.0)
-        over = ram.nbytes - ram_cap
-        if over > 0:  # a chain longer than the room its pins left
-            evict_ram(over, now)
-
-    if infinite:
-        unique = len(seen)
+    chains = [r.block_ids for r in requests]
+    evicted = demoted = 0
+    exact: bool | None = None
+    started = time.perf_counter()
+    if capacity_blocks is None:
+        per_request = _prefix_hits_infinite(requests)
+        per_tier: tuple[int, ...] = (sum(per_request),)
+    elif name == BOUND:
+        bound = belady_bound(chains, capacity_blocks + disk_capacity_blocks)
+        per_request = list(bound.hits_per_request)
+        per_tier = (bound.hit_blocks,)
+        exact = bound.exact
+    elif capacity_blocks == 0 and disk_capacity_blocks == 0:
+        per_request = [0] * len(requests)
+        per_tier = (0,)
     else:
-        unique = len({key for r in requests for key in r.block_ids})
+        model = NodeModel(name, capacity_blocks or disk_capacity_blocks,
+                          disk_capacity_blocks=disk_capacity_blocks if capacity_blocks else 0)
+        memory = disk = 0
+        per_request = []
+        request_of = model.request
+        for request in requests:
+            hits = request_of(request.block_ids, request.timestamp_s)
+            memory += hits.memory
+            disk += hits.disk
+            per_request.append(hits.memory + hits.disk)
+        per_tier = (memory, disk) if len(model.policies) > 1 else (memory,)
+        evicted, demoted = model.evicted_blocks, model.demoted_blocks
+    elapsed_s = time.perf_counter() - started
+    hit_blocks = sum(per_tier)
+    hit_tokens = sum(min(h * block_tokens, r.input_tokens) for h, r in zip(per_request, requests))
     result = SimResult(
-        policy=policy,
+        policy="infinite" if capacity_blocks is None else name,
         capacity_blocks=capacity_blocks,
         disk_capacity_blocks=disk_capacity_blocks,
         num_requests=len(requests),
-        num_blocks=num_blocks,
-        num_unique_blocks=unique,
-        hit_blocks=hit_ram + hit_disk,
-        hit_blocks_per_tier=(hit_ram, hit_disk) if disk is not None else (hit_ram,),
-        input_tokens=input_tokens,
+        num_blocks=sum(map(len, chains)),
+        num_unique_blocks=len({key for chain in chains for key in chain}),
+        hit_blocks=hit_blocks,
+        hit_blocks_per_tier=per_tier,
+        input_tokens=sum(r.input_tokens for r in requests),
         hit_tokens=hit_tokens,
         evicted_blocks=evicted,
         demoted_blocks=demoted,
-        elapsed_s=time.perf_counter() - started,
+        elapsed_s=elapsed_s,
+        bound_exact=exact,
     )
     logger.debug("simulated %s at %s blocks: hit ratio %.4f in %.2f s",
-                 policy, capacity_blocks, result.hit_ratio, result.elapsed_s)
+                 name, capacity_blocks, result.hit_ratio, result.elapsed_s)
     return result

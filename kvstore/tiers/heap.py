@@ -29,6 +29,12 @@ then it is not counted in :attr:`HeapTier.used_bytes`. That excess is the
 blocks of the Gets in flight, which ``limits.max_inflight_per_connection``
 bounds per connection and ``limits.max_stream_s`` in time.
 
+Read-only. What the tier hands out (by :meth:`HeapTier.get` and in a lease)
+is the stored ``bytes`` or a read-only view of it, never memory a caller can
+write; ``kvstore.codec.decode_block`` copies such memory into a tensor of its
+own, so no tensor a caller writes reaches a stored block (``torch.frombuffer``
+alone would give a writable tensor over the ``bytes``).
+
 Every method is called from the store's one asyncio loop and none suspends, so
 a put is published whole or not at all. Joining a block behind its head holds
 the GIL (a ``bytes`` join does not release it), so unlike the page pool this

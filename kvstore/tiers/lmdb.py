@@ -1,11 +1,16 @@
 """The disk tier: encoded blocks in an LMDB environment that survives restarts with their priority and recency.
 
-Layout of the environment (a directory holding ``data.mdb`` and ``lock.mdb``):
+Layout of the environment (a directory holding ``data.mdb`` and ``lock.mdb``),
+disk format :data:`DISK_FORMAT`:
 
-* sub-database ``blocks``: key -> the encoded block (``kvstore.codec`` format);
+* sub-database ``blocks``: key -> the encoded block (``kvstore.codec`` format),
+  then the key itself. The trailing key binds the record to its key: a damaged
+  page number that points a leaf at another block's pages yields a value that
+  does not end with the key asked for, never another block;
 * sub-database ``meta``: key -> ``<BddQ`` little-endian struct of 25 bytes:
   priority (u8), expires_at (f64, ``time.time()`` seconds, 0 for none),
-  last_access (f64, seconds), nbytes (u64, length of the block).
+  last_access (f64, seconds), nbytes (u64, length of the block);
+* sub-database ``info``: ``format`` -> the disk format, ``b"2"``.
 
 Every LMDB call runs off the event loop: writes in one dedicated writer thread
 (one write transaction per put or delete batch, so writers never wait on
@@ -15,23 +20,54 @@ keys they hit are remembered in memory with the time and their new
 :meth:`LMDBTier.close`. A process that dies without closing loses only those
 recency updates, never a block.
 
-Reads verify the block checksum; a block that fails (any ``CodecError``) is a
-miss, is deleted and is counted as ``corrupt_records``. :meth:`LMDBTier.resident`
-checks structure only (meta decodes, block present with the recorded length),
-not checksums, so that a restart does not read the whole database.
+Integrity (``docs/disk.md``). LMDB keeps no checksums and trusts every byte it
+maps, so the tier protects itself in three places:
+
+* at open, before LMDB maps the file, ``data.mdb`` is checked page by page
+  without a map (:func:`kvstore.tiers.lmdb_file.check_data_file`). A file that
+  fails (a flipped byte in a tree page, a truncated file, a zeroed meta page)
+  is moved aside into ``quarantine/`` with an ERROR log line naming it and the
+  reason, and the blocks that can still be read and verified are copied into a
+  fresh file (:func:`~kvstore.tiers.lmdb_file.salvage_records`: from the newest
+  snapshot whose meta page is valid); the tier then
+  opens that, so the node always starts. A file of disk format 1 (blocks of
+  codec version 1, no key binding) is dropped, logged as a warning;
+* on every read, a record must end with its key and its block must pass
+  :func:`kvstore.codec.verify_block` (the checksum covers header and payload);
+  one that fails is a miss, is deleted and is counted as ``corrupt_records``;
+* a record LMDB cannot read or delete (``MDB_CORRUPTED`` and the like, from a
+  file changed while the node runs) is a miss for that record alone, is counted
+  as ``unreadable_records`` and is not served again until a restart checks the file.
+
+Every record the tier stops serving on its own is a miss of the get that
+found it, and the store forgets a block its get missed.
+:meth:`LMDBTier.resident` checks structure only (meta decodes, block present
+with the recorded length), not checksums, so that a restart does not read the
+whole database.
+
+Capacity. ``disk.capacity_bytes`` is LMDB's map size, which bounds ``data.mdb``:
+the file never grows past it. Blocks fill :func:`usable_bytes` of it (their
+:meth:`LMDBTier.footprint`; :data:`DISK_FILL_FRACTION` of a large map); the rest
+is LMDB's own: branch pages, pages freed by the last two write transactions,
+which LMDB reuses only after them, and runs of free pages too short for a new value. When LMDB runs out of map all the same,
+a put raises :class:`~kvstore.tiers.base.TierFullError` and the store evicts
+more. A damaged file moved to ``quarantine/`` is extra: one at most, kept only
+while the filesystem still has room for the new file to reach its bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import fcntl
 import logging
+import mmap
 import os
 import shutil
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import lmdb
 
@@ -39,8 +75,9 @@ from kvstore.codec import verify_block
 from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, ConfigError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.policy import MAX_PRIORITY
+from kvstore.policy import DEFAULT_PRIORITY, MAX_PRIORITY
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order
+from kvstore.tiers.lmdb_file import check_data_file, salvage_records
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +86,41 @@ MiB = 1024 * 1024
 _META = struct.Struct("<BddQ")
 """priority u8, expires_at f64, last_access f64, nbytes u64: the ``meta`` record of one block (25 bytes)."""
 
+DISK_FORMAT = b"2"
+"""The layout of the environment (see the module docstring); format 1 stored bare codec-version-1 blocks."""
+
+MAX_KEY_BYTES = 40
+"""The longest tier key (an 8-byte namespace tag and a 32-byte SHA-256 block hash): each record ends with its key."""
+
 RECORD_OVERHEAD_BYTES = 256
 """Bytes :meth:`LMDBTier.footprint` adds per block for its two leaf nodes and their share of branch pages."""
+
+DISK_FILL_FRACTION = 0.75
+"""Of a large map size (``disk.capacity_bytes``), the share blocks may fill; LMDB's own pages need the rest
+(``benchmarks/bench_disk_capacity.py`` measures how much they take)."""
+
+MIN_SLACK_BYTES = 32 * MiB
+"""Map bytes left to LMDB however small the map, up to half of it: pages freed by the last two write
+transactions are reused only after them, so a small map needs room for a few large batches beyond its blocks."""
+
+FLOOR_SLACK_BYTES = 256 * 1024
+"""Map bytes always left to LMDB, even in a tiny map: its meta pages, a copy of each tree's path, the free list."""
+
+MIN_MAP_BYTES = FLOOR_SLACK_BYTES
+"""The smallest map (and ``disk.capacity_bytes``) the tier uses; it holds no block."""
+
+QUARANTINE_DIR = "quarantine"
+"""Where a damaged data file is kept for an operator to look at: the latest only, and only while the filesystem
+keeps room for the new file to grow to its map size."""
+_REBUILD_DIR = ".rebuild"
 
 _PAGE_HEADER_BYTES = 16  # LMDB's PAGEHDRSZ: the first overflow page of a value starts with a page header
 
 _T = TypeVar("_T")
 
+_RECORD_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.InvalidError,
+                  lmdb.IncompatibleError, lmdb.BadTxnError)
+"""LMDB errors that mean a page of the file is not what LMDB wrote: the records they stop are lost, the tier is not."""
 
 MIN_FREE_BYTES = 1 << 20
 """Free bytes the disk tier's filesystem must have when it opens (for LMDB's lock and meta pages)."""
@@ -67,32 +132,32 @@ def _consume_outcome(future: asyncio.Future[Any]) -> None:
         logger.error("LMDB write failed after its caller was cancelled: %s", future.exception())
 
 
-def _check_not_truncated(env: lmdb.Environment, path: str) -> None:
-    """Refuse a ``data.mdb`` shorter than the pages its meta page says are in use.
+def usable_bytes(map_size_bytes: int) -> int:
+    """The bytes of block footprints a disk tier whose map (and file) is ``map_size_bytes`` may hold.
 
-    LMDB maps the file and would read past its end: the process dies of SIGBUS
-    with nothing logged (a copy cut short, a disk that filled up).
-
-    Raises:
-        UnavailableError: naming the file and both sizes.
+    All but ``max(256 KiB, map / 4, min(map / 2, 32 MiB))`` (:data:`FLOOR_SLACK_BYTES`,
+    :data:`DISK_FILL_FRACTION`, :data:`MIN_SLACK_BYTES`): three quarters of a map of
+    128 MiB or more, half of one from 512 KiB to 64 MiB, 32 MiB less in between.
     """
-    data_file = os.path.join(path, "data.mdb")
-    needed_bytes = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    file_bytes = os.path.getsize(data_file)
-    if file_bytes < needed_bytes:
-        raise UnavailableError(f"LMDB file {data_file} is truncated: {file_bytes} bytes, but its pages need "
-                               f"{needed_bytes}; restore it from a copy, or move it away to start empty")
+    slack = max(FLOOR_SLACK_BYTES, map_size_bytes // 4, min(map_size_bytes // 2, MIN_SLACK_BYTES))
+    return max(0, map_size_bytes - slack)
 
 
 def default_map_size_bytes(capacity_bytes: int) -> int:
-    """The LMDB map size for a capacity: 1.5x plus 64 MiB, rounded up to 1 MiB.
+    """The LMDB map size (the bound of ``data.mdb``) for ``capacity_bytes`` of footprints, rounded up to a page.
 
-    The slack covers what :meth:`LMDBTier.footprint` does not model: pages freed
-    by the last write transaction, which LMDB reuses only one transaction later,
-    the free-page list itself, and runs of free pages too short for a new
-    overflow value.
+    The inverse of :func:`usable_bytes`, so that a tier built from ``disk.capacity_bytes``
+    (:meth:`LMDBTier.from_config`) and one built from the footprints it holds agree.
     """
-    return -(-(capacity_bytes * 3 // 2 + 64 * MiB) // MiB) * MiB
+    if capacity_bytes <= FLOOR_SLACK_BYTES:
+        map_size = capacity_bytes + FLOOR_SLACK_BYTES
+    elif capacity_bytes <= MIN_SLACK_BYTES:
+        map_size = 2 * capacity_bytes
+    elif capacity_bytes <= 3 * MIN_SLACK_BYTES:
+        map_size = capacity_bytes + MIN_SLACK_BYTES
+    else:
+        map_size = -(-capacity_bytes * 4 // 3)
+    return max(MIN_MAP_BYTES, -(-map_size // mmap.PAGESIZE) * mmap.PAGESIZE)
 
 
 LOCK_FILE = "kvstore.lock"
@@ -174,10 +239,39 @@ def _unpack_meta(raw: bytes | memoryview | None) -> tuple[BlockMeta, int] | None
     return BlockMeta(priority, expires_at, last_access), nbytes
 
 
+def _block_of(key: bytes, record: bytes | memoryview) -> bytes:
+    """The block a ``blocks`` record holds, copied out and checked: the record ends with ``key``, the block verifies.
+
+    Raises:
+        CodecError: naming what is wrong with it.
+    """
+    view = memoryview(record)
+    nbytes = view.nbytes - len(key)
+    if nbytes <= 0 or view[nbytes:] != key:
+        raise CodecError("the record does not end with its own key (a damaged page points it elsewhere)")
+    block = bytes(view[:nbytes])
+    verify_block(block)
+    return block
+
+
+def _ends_with(record: bytes | memoryview, key: bytes) -> bool:
+    """Whether a ``blocks`` record is long enough to hold a block and ends with ``key`` (reads only its tail)."""
+    view = memoryview(record)
+    return view.nbytes > len(key) and view[view.nbytes - len(key):] == key
+
+
+def _remove_environment_files(path: str) -> None:
+    for name in ("data.mdb", "lock.mdb"):
+        try:
+            os.unlink(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
 class LMDBTier:
     """Encoded blocks in an LMDB environment on local disk.
 
-    Implements :class:`kvstore.tiers.base.Tier`. It never evicts: it keeps its
+    Implements :class:`kvstore.tiers.base.DroppingTier`. It never evicts: it keeps its
     own count of :meth:`footprint` bytes held and refuses a batch that would
     take it over ``capacity_bytes``, and it turns a full LMDB map into
     :class:`TierFullError`; either way nothing of the batch is stored. A put of
@@ -188,22 +282,26 @@ class LMDBTier:
     submitted, a write runs to its end in the writer thread, in the order
     writes were submitted (see :meth:`kvstore.tiers.base.Tier.delete`).
 
-    A corrupt record that a get finds is deleted (and is a miss, which the store
-    forgets).
+    A record a get finds corrupt is deleted, and one LMDB cannot read or delete
+    is set aside until the next restart; either is a miss, which the store
+    forgets.
 
     Args:
-        path: directory of the environment; created if missing.
+        path: directory of the environment; created if missing. Its ``data.mdb``
+            is checked, and repaired when damaged, before LMDB opens it (module docstring).
         capacity_bytes: bytes of :meth:`footprint` the tier may hold.
         sync: fsync data and meta pages at every commit (``lmdb.open(sync=, metasync=)``);
             without it a commit survives a process crash but not an OS crash.
         name: tier name in stats and metrics.
-        map_size_bytes: LMDB map size, bytes; :func:`default_map_size_bytes` of the
-            capacity when ``None``. An existing larger environment keeps its size.
+        map_size_bytes: LMDB map size, bytes: the most ``data.mdb`` grows to;
+            :func:`default_map_size_bytes` of the capacity when ``None``. A file
+            already larger keeps its size (LMDB never shrinks one).
         num_reader_threads: threads that run read transactions.
 
     Raises:
         InvalidArgumentError: on a negative capacity.
-        UnavailableError: if the environment cannot be opened.
+        UnavailableError: if the environment cannot be opened (a full filesystem,
+            another process on the directory).
     """
 
     persistent = True
@@ -224,31 +322,34 @@ class LMDBTier:
         self.capacity_bytes: int | None = capacity_bytes
         self.path = os.fspath(path)
         self.sync = sync
-        map_size = default_map_size_bytes(capacity_bytes) if map_size_bytes is None else map_size_bytes
+        self.map_size_bytes = default_map_size_bytes(capacity_bytes) if map_size_bytes is None else map_size_bytes
+        self._num_reader_threads = num_reader_threads
         prepare_directory(self.path, capacity_bytes)
         free_bytes = shutil.disk_usage(self.path).free
         if free_bytes < MIN_FREE_BYTES:  # LMDB maps its files: growing one on a full disk is a SIGBUS, not an error
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {free_bytes} bytes free on its "
                                    f"filesystem, fewer than {MIN_FREE_BYTES}")
         self._lock_fd = _lock_directory(self.path)
+        self._corrupt_records = 0
+        self._unreadable_records = 0
+        self._repaired_records = 0
+        self._set_aside: set[BlockKey] = set()  # records LMDB could not read or delete: not served until a restart
         try:
-            self._env = lmdb.open(
-                self.path, map_size=map_size, max_dbs=2, sync=sync, metasync=sync,
-                max_readers=126 + num_reader_threads,
-            )
-            _check_not_truncated(self._env, self.path)
-            self._blocks = self._env.open_db(b"blocks")
-            self._meta = self._env.open_db(b"meta")
-        except (lmdb.Error, UnavailableError) as exc:
+            self._prepare_file()
+            try:
+                self._open_environment()
+            except _RECORD_ERRORS as exc:  # the file passed the check, and LMDB refuses it all the same
+                if hasattr(self, "_env"):
+                    self._env.close()
+                self._repair([f"LMDB refused to open it: {exc}"])
+                self._open_environment()
+        except (lmdb.Error, OSError, UnavailableError) as exc:
             if hasattr(self, "_env"):
                 self._env.close()
             os.close(self._lock_fd)
             if isinstance(exc, UnavailableError):
                 raise
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {exc}") from exc
-        self.page_bytes: int = self._env.stat()["psize"]
-        self._used_bytes = self._scan_used_bytes()
-        self._corrupt_records = 0
         self._touched: dict[BlockKey, float] = {}  # keys hit by gets since the last write txn -> time
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"lmdb-{name}-w")
         self._readers = ThreadPoolExecutor(num_reader_threads, thread_name_prefix=f"lmdb-{name}-r")
@@ -262,12 +363,161 @@ class LMDBTier:
     def from_config(cls, cfg: DiskTierConfig, *, name: str = "disk") -> LMDBTier:
         """Build the tier from its config section (``store.disk``); ``cfg.path`` must be set.
 
+        ``cfg.capacity_bytes`` is the map size, the bound of ``data.mdb``; blocks
+        take :func:`usable_bytes` of it (:attr:`capacity_bytes`).
+
         Raises:
             InvalidArgumentError: if ``cfg.path`` is empty (the tier is disabled).
         """
         if not cfg.path:
             raise InvalidArgumentError("store.disk.path is empty: the disk tier is disabled")
-        return cls(cfg.path, cfg.capacity_bytes, sync=cfg.sync, name=name)
+        map_size = max(MIN_MAP_BYTES, cfg.capacity_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
+        return cls(cfg.path, usable_bytes(map_size), sync=cfg.sync, name=name, map_size_bytes=map_size)
+
+    # -- opening ------------------------------------------------------------------
+
+    @property
+    def _data_file(self) -> str:
+        return os.path.join(self.path, "data.mdb")
+
+    def _file_bytes(self) -> int:
+        try:
+            return os.path.getsize(self._data_file)
+        except OSError:
+            return 0
+
+    def _open_environment(self) -> None:
+        """Open the environment and its trees, drop one of another disk format, and count the bytes held."""
+        self._env = lmdb.open(
+            self.path, map_size=self.map_size_bytes, max_dbs=3, sync=self.sync, metasync=self.sync,
+            max_readers=126 + self._num_reader_threads,
+        )
+        self._blocks = self._env.open_db(b"blocks")
+        self._meta = self._env.open_db(b"meta")
+        self._info = self._env.open_db(b"info")
+        self._check_format()
+        self.page_bytes: int = self._env.stat()["psize"]
+        self._used_bytes = self._scan_used_bytes()
+
+    def _prepare_file(self) -> None:
+        """Check ``data.mdb`` before LMDB maps it; move a damaged one aside and open what can be salvaged instead.
+
+        No other process has the directory (the lock is held), so the file does not change meanwhile.
+        """
+        shutil.rmtree(os.path.join(self.path, _REBUILD_DIR), ignore_errors=True)  # left by a crash mid-repair
+        if self._file_bytes() == 0:
+            return  # none yet (LMDB creates it), or an empty one LMDB treats as new
+        started = time.monotonic()
+        problems = check_data_file(self._data_file)
+        if not problems:
+            logger.info("disk tier %s: %s passed its check in %.2f s", self.name, self._data_file,
+                        time.monotonic() - started)
+            return
+        self._repair(problems)
+
+    def _repair(self, problems: list[str]) -> None:
+        """Quarantine a damaged ``data.mdb`` and put a file of every block salvaged from it in its place."""
+        rebuild = os.path.join(self.path, _REBUILD_DIR)
+        os.makedirs(rebuild)
+        try:
+            kept, lost = self._salvage_into(rebuild)
+        except (lmdb.Error, OSError) as exc:  # e.g. no room for the new file: start empty
+            logger.error("disk tier %s: salvaging %s failed (%s); starting empty", self.name, self._data_file, exc)
+            kept, lost = 0, -1
+        quarantine = os.path.join(self.path, QUARANTINE_DIR)
+        os.makedirs(quarantine, exist_ok=True)
+        for old in os.listdir(quarantine):  # one damaged file is kept at most: the latest
+            os.unlink(os.path.join(quarantine, old))
+            logger.warning("disk tier %s: deleted the older quarantined file %s", self.name, old)
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        moved = os.path.join(quarantine, f"data-{stamp}.mdb")
+        os.replace(self._data_file, moved)
+        _remove_environment_files(self.path)
+        if kept:
+            os.replace(os.path.join(rebuild, "data.mdb"), self._data_file)
+        shutil.rmtree(rebuild, ignore_errors=True)
+        where = f"moved to {moved}"
+        if shutil.disk_usage(self.path).free < self.map_size_bytes - self._file_bytes():  # the new file may need
+            # that room to grow to its bound: keep no copy
+            os.unlink(moved)
+            where = f"deleted, not quarantined: {self.path} has no room beside the new file for it ({moved})"
+        logger.error(
+            "disk tier %s: %s failed its check (%s%s); %s; %s blocks salvaged into a new file%s",
+            self.name, self._data_file, problems[0], f", and {len(problems) - 1} more problems" if problems[1:] else "",
+            where, kept, f", {lost} records could not be read or verified" if lost >= 0 else "",
+        )
+
+    def _salvage_into(self, directory: str) -> tuple[int, int]:
+        """Copy every block of the damaged file that still verifies, with its meta, into a new environment.
+
+        Returns:
+            Blocks copied, and records that were found but dropped (unverifiable, or of disk format 1).
+        """
+        metas = {record.key: record.value for record in salvage_records(self._data_file, {b"meta"})}  # 25 bytes each
+        kept = found = 0
+        env = lmdb.open(directory, map_size=self.map_size_bytes, max_dbs=3, sync=True, metasync=True)
+        try:
+            blocks_db, meta_db, info_db = (env.open_db(name) for name in (b"blocks", b"meta", b"info"))
+            with env.begin(write=True) as txn:
+                txn.put(b"format", DISK_FORMAT, db=info_db)
+            batch: list[tuple[bytes, bytes, bytes]] = []
+            for record in salvage_records(self._data_file, {b"blocks"}):  # one block at a time
+                found += 1
+                try:
+                    block = _block_of(record.key, record.value)
+                except CodecError:
+                    continue
+                parsed = _unpack_meta(metas.pop(record.key, None))
+                if parsed is None or parsed[1] != len(block):  # the meta is gone: the block is still good
+                    parsed = BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), len(block)
+                batch.append((record.key, record.value, _pack_meta(*parsed)))
+                if len(batch) >= 256:
+                    kept += self._write_salvaged(env, blocks_db, meta_db, batch)
+                    batch = []
+            kept += self._write_salvaged(env, blocks_db, meta_db, batch)
+        finally:
+            env.close()
+        return kept, found + len(metas) - kept
+
+    @staticmethod
+    def _write_salvaged(env: lmdb.Environment, blocks_db: Any, meta_db: Any,
+                        batch: list[tuple[bytes, bytes, bytes]]) -> int:
+        if not batch:
+            return 0
+        try:
+            with env.begin(write=True) as txn:
+                for key, record, meta in batch:
+                    txn.put(key, record, db=blocks_db)
+                    txn.put(key, meta, db=meta_db)
+        except lmdb.MapFullError:
+            return 0  # more than the map holds (the capacity was lowered): the rest is dropped
+        return len(batch)
+
+    def _check_format(self) -> None:
+        """Drop an environment of another disk format (logged), and mark a new one with :data:`DISK_FORMAT`."""
+        with self._env.begin(write=True) as txn:
+            found = txn.get(b"format", db=self._info)
+            num_records = txn.stat(self._blocks)["entries"] + txn.stat(self._meta)["entries"]
+            if found is None and not num_records:
+                txn.put(b"format", DISK_FORMAT, db=self._info)
+                return
+        if found == DISK_FORMAT:
+            return
+        self._env.close()
+        if found is None:  # format 1: blocks of codec version 1, which this build does not read
+            logger.warning("disk tier %s at %s holds %s records of disk format 1 (codec version 1 blocks, whose "
+                           "checksum did not cover the header); dropped, the tier starts empty",
+                           self.name, self.path, num_records)
+            _remove_environment_files(self.path)
+        else:  # a newer kvstore's: kept aside, not deleted, for that version to use again
+            quarantine = os.path.join(self.path, QUARANTINE_DIR)
+            os.makedirs(quarantine, exist_ok=True)
+            moved = os.path.join(quarantine, f"data-format-{found.decode(errors='replace')}.mdb")
+            os.replace(self._data_file, moved)
+            _remove_environment_files(self.path)
+            logger.error("disk tier %s at %s is of disk format %r, which this build does not read; moved to %s, "
+                         "the tier starts empty", self.name, self.path, found, moved)
+        self._open_environment()  # a new file: marked with this format there, and never dropped again
 
     # -- accounting ---------------------------------------------------------------
 
@@ -275,10 +525,12 @@ class LMDBTier:
         """Bytes of capacity a block of ``nbytes`` takes.
 
         LMDB keeps a large value in a run of overflow pages whose first page
-        starts with a 16-byte header (``ceil((nbytes + 16) / page_bytes)`` pages),
-        plus :data:`RECORD_OVERHEAD_BYTES` for its leaf nodes in ``blocks`` and ``meta``.
+        starts with a 16-byte header; the record is the block and its key (up
+        to :data:`MAX_KEY_BYTES`), so it takes
+        ``ceil((nbytes + 40 + 16) / page_bytes)`` pages, plus
+        :data:`RECORD_OVERHEAD_BYTES` for its leaf nodes in ``blocks`` and ``meta``.
         """
-        pages = -(-(nbytes + _PAGE_HEADER_BYTES) // self.page_bytes)
+        pages = -(-(nbytes + MAX_KEY_BYTES + _PAGE_HEADER_BYTES) // self.page_bytes)
         return pages * self.page_bytes + RECORD_OVERHEAD_BYTES
 
     @property
@@ -287,42 +539,74 @@ class LMDBTier:
         return self._used_bytes
 
     def counters(self) -> dict[str, int]:
-        """Event counts since start: ``corrupt_records`` (blocks failing their checksum, junk records), deleted."""
-        return {"corrupt_records": self._corrupt_records}
+        """Event counts since start.
+
+        Keys: ``corrupt_records`` (records that failed their key or checksum
+        check, and junk records, deleted), ``unreadable_records`` (records
+        LMDB could not read or delete, set aside until a restart checks the
+        file) and ``repaired_records`` (blocks whose meta record was lost, kept
+        at the default priority; :meth:`resident`).
+        """
+        return {"corrupt_records": self._corrupt_records, "unreadable_records": self._unreadable_records,
+                "repaired_records": self._repaired_records}
 
     # -- the Tier protocol --------------------------------------------------------------
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether each key has a block record (its checksum is checked only by :meth:`get`).
 
+        A record LMDB cannot read is not contained.
+
         Raises:
             UnavailableError: if the tier is closed or LMDB fails.
         """
         self._check_open()
         if not keys:
             return []
-        return await self._run(self._readers, self._contains_txn, list(keys))
+        found = await self._run(self._readers, self._contains_txn, list(keys))
+        return [hit and key not in self._set_aside for key, hit in zip(keys, found)]
 
     async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """The verified value of each key, or ``None`` for a miss.
 
-        A value that fails verification is a miss; it is deleted (in a write
-        transaction, before this returns) and counted as ``corrupt_records``.
+        A record that fails its check is a miss; it is deleted (in a write
+        transaction, before this returns) and counted as ``corrupt_records``. A
+        record LMDB cannot read (or then delete) is a miss as well, counted as
+        ``unreadable_records`` and set aside until a restart checks the file;
+        the rest of the batch is read all the same.
 
         Raises:
-            UnavailableError: if the tier is closed or LMDB fails.
+            UnavailableError: if the tier is closed or LMDB fails other than on a record.
         """
         self._check_open()
         if not keys:
             return []
-        values, corrupt = await self._run(self._readers, self._get_txn, list(keys))
+        values, corrupt, unreadable = await self._run(self._readers, self._get_txn, list(keys), self._set_aside.copy())
         now = time.time()
         for position, (key, value) in enumerate(zip(keys, values)):
             if value is not None:  # the keys of a read are a prefix in order: its head is the most recent
                 self._touched[key] = now - position * CHAIN_STEP_S
+        if unreadable:
+            self._set_apart(unreadable)
         if corrupt:
-            await self._write(self._drop_corrupt_txn, corrupt)
+            await self._write(self._drop_corrupt_txn, corrupt, on_success=self._deleted)
         return values
+
+    def _set_apart(self, keys: Iterable[BlockKey], *, count: bool = True) -> None:
+        """Stop serving records LMDB cannot read or delete (until a restart checks the file), and count them."""
+        fresh = [key for key in keys if key not in self._set_aside]
+        self._set_aside.update(fresh)
+        if count:
+            self._unreadable_records += len(fresh)
+
+    def _deleted(self, outcome: tuple[list[BlockKey], list[BlockKey]]) -> None:
+        """What a drop of corrupt records did: set aside those LMDB could not delete."""
+        _dropped, failed = outcome
+        self._set_apart(failed, count=False)  # counted as corrupt_records
+
+    def _delete_failed(self, failed: list[BlockKey]) -> None:
+        """What a delete did: set aside the records LMDB could not delete."""
+        self._set_apart(failed)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
         """Store each value with its meta in one write transaction.
@@ -333,7 +617,9 @@ class LMDBTier:
             metas: priority and recency, one per key.
 
         Returns:
-            ``True`` for every key.
+            ``True`` for every key stored: all of them, unless a page LMDB needs for
+            a key is damaged (a file changed while the node runs), when each key
+            is written alone and ``False`` marks those that could not be.
 
         Raises:
             InvalidArgumentError: if the three sequences differ in length or a
@@ -348,42 +634,52 @@ class LMDBTier:
         if not keys:
             return []
         batch = [(keys[i], values[i], metas[i]) for i in order]
-        await self._write(self._put_txn, batch)
-        return [True] * len(keys)
+        failed = await self._write(self._put_txn, batch)
+        self._set_aside.difference_update(key for key, _, _ in batch if key not in failed)
+        self._set_apart(failed)
+        return [key not in failed for key in keys]
 
     def delete(self, keys: Sequence[BlockKey]) -> Awaitable[None]:
         """Remove each key in one write transaction, submitted now (it takes effect for later calls at once);
         missing keys are ignored.
 
+        A record LMDB cannot delete is set aside (not served) until a restart checks the file.
+
         Raises:
-            UnavailableError: if the tier is closed (at the call) or LMDB fails (awaiting it).
+            UnavailableError: if the tier is closed (at the call) or LMDB fails other than on a record (awaiting it).
         """
         self._check_open()
         if not keys:
             return done()
         for key in keys:
             self._touched.pop(key, None)
-        return self._write(self._delete_txn, list(keys))
+        return self._write(self._delete_txn, list(keys), on_success=self._delete_failed)
 
     async def resident(self) -> list[ResidentEntry]:
-        """Every block held, with its meta as of the last get; junk records are deleted and counted.
+        """Every block held, with its meta as of the last get; records that do not pair up are repaired or dropped.
 
-        Junk is a ``meta`` record that does not decode, a block without meta or
-        meta without block, or a block whose length differs from its meta.
+        A block record (ending with its key) whose ``meta`` record is missing,
+        does not decode or gives another length gets a new one, at the default
+        priority (its checksum is checked on its first get, as always): losing
+        a meta record costs a block only its priority and recency, and is counted
+        as ``repaired_records``. Anything else that does not pair up is junk,
+        deleted and counted as ``corrupt_records``: a meta record without its
+        block, or a block record that does not end with its key.
 
         Raises:
             UnavailableError: if the tier is closed or LMDB fails.
         """
         self._check_open()
-        entries, junk = await self._run(self._readers, self._scan_txn)
-        if junk:
-            await self._write(self._drop_junk_txn, junk)
-        touched = self._touched
+        entries, junk, repairs = await self._run(self._readers, self._scan_txn)
+        if junk or repairs:
+            await self._write(self._repair_txn, junk, repairs)
+            entries += [ResidentEntry(key, nbytes, BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0)) for key, nbytes in repairs]
+        touched, set_aside = self._touched, self._set_aside
         return [
             ResidentEntry(e.key, e.nbytes, BlockMeta(e.meta.priority, e.meta.expires_at, touched[e.key]))
             if e.key in touched and touched[e.key] > e.meta.last_access
             else e
-            for e in entries
+            for e in entries if e.key not in set_aside
         ]
 
     async def close(self) -> None:
@@ -434,9 +730,11 @@ class LMDBTier:
             logger.error("disk tier %s: LMDB error: %s", self.name, exc)
             raise UnavailableError(f"disk tier {self.name}: LMDB error: {exc}") from exc
 
-    def _write(self, fn: Callable[..., _T], *args: Any) -> Awaitable[_T]:
+    def _write(self, fn: Callable[..., _T], *args: Any, on_success: Callable[[_T], None] | None = None
+               ) -> Awaitable[_T]:
         """Submit ``fn(txn_args..., touched)`` to the writer thread now, with the pending recency updates; returns
-        an awaitable of its result.
+        an awaitable of its result. ``on_success`` gets that result, on the event loop, whether or not the caller
+        is still there.
 
         Writes run one at a time, in the order they were submitted, and each runs to its end once submitted,
         even if the caller is cancelled (see :meth:`kvstore.tiers.base.Tier.delete`).
@@ -450,7 +748,11 @@ class LMDBTier:
         except RuntimeError as exc:  # the pool was shut down by close()
             self._touched.update(touched)
             raise UnavailableError(f"disk tier {self.name} is closed") from exc
-        return self._written(asyncio.wrap_future(future), touched)
+        waited = asyncio.wrap_future(future)
+        if on_success is not None:
+            waited.add_done_callback(
+                lambda ended: ended.cancelled() or ended.exception() is not None or on_success(ended.result()))
+        return self._written(waited, touched)
 
     async def _written(self, waited: asyncio.Future[_T], touched: Mapping[BlockKey, float]) -> _T:
         try:  # runs to its end once submitted: see Tier.delete
@@ -475,48 +777,106 @@ class LMDBTier:
         return used
 
     def _contains_txn(self, keys: list[BlockKey]) -> list[bool]:
-        with self._env.begin(db=self._blocks, buffers=True) as txn:
-            return [txn.get(key) is not None for key in keys]
+        try:
+            with self._env.begin(db=self._blocks, buffers=True) as txn:
+                return [txn.get(key) is not None for key in keys]
+        except _RECORD_ERRORS:
+            pass
+        found = []
+        for key in keys:  # a damaged page on the way to one of them: each alone
+            try:
+                with self._env.begin(db=self._blocks, buffers=True) as txn:
+                    found.append(txn.get(key) is not None)
+            except _RECORD_ERRORS:
+                found.append(False)
+        return found
 
-    def _get_txn(self, keys: list[BlockKey]) -> tuple[list[bytes | None], list[BlockKey]]:
-        values: list[bytes | None] = []
+    def _get_txn(self, keys: list[BlockKey], set_aside: set[BlockKey]
+                 ) -> tuple[list[bytes | None], list[BlockKey], list[BlockKey]]:
+        """The checked block of each key (``None`` for a miss); the keys of corrupt records; of unreadable ones."""
         corrupt: list[BlockKey] = []
-        with self._env.begin(db=self._blocks) as txn:
-            for key in keys:
-                value = txn.get(key)
-                if value is not None:
-                    try:
-                        verify_block(value)
-                    except CodecError as exc:
-                        logger.warning("disk tier %s: corrupt block %s: %s", self.name, key.hex(), exc)
-                        corrupt.append(key)
-                        value = None
-                values.append(value)
-        return values, corrupt
+        try:
+            with self._env.begin(db=self._blocks, buffers=True) as txn:
+                return [None if key in set_aside else self._read(txn, key, corrupt) for key in keys], corrupt, []
+        except _RECORD_ERRORS as exc:  # a damaged page on the way to some record: read each alone
+            logger.warning("disk tier %s: a read of %s blocks failed (%s); reading each alone", self.name, len(keys), exc)
+        values: list[bytes | None] = []
+        corrupt, unreadable = [], []
+        for key in keys:
+            if key in set_aside:
+                values.append(None)
+                continue
+            try:
+                with self._env.begin(db=self._blocks, buffers=True) as txn:
+                    values.append(self._read(txn, key, corrupt))
+            except _RECORD_ERRORS as exc:
+                logger.warning("disk tier %s: block %s cannot be read: %s", self.name, key.hex(), exc)
+                unreadable.append(key)
+                values.append(None)
+        return values, corrupt, unreadable
 
-    def _scan_txn(self) -> tuple[list[ResidentEntry], list[BlockKey]]:
+    def _read(self, txn: lmdb.Transaction, key: BlockKey, corrupt: list[BlockKey]) -> bytes | None:
+        """One key's checked block, copied out of the map; a record that fails its check is added to ``corrupt``."""
+        record = txn.get(key)
+        if record is None:
+            return None
+        try:
+            return _block_of(key, record)
+        except CodecError as exc:
+            logger.warning("disk tier %s: corrupt block %s: %s", self.name, key.hex(), exc)
+            corrupt.append(key)
+            return None
+
+    def _scan_txn(self) -> tuple[list[ResidentEntry], list[BlockKey], list[tuple[BlockKey, int]]]:
+        """Every block that pairs up with its meta; the junk keys; the blocks whose meta must be rewritten, with
+        the length of each (see :meth:`resident`)."""
         entries: list[ResidentEntry] = []
         junk: list[BlockKey] = []
+        repairs: list[tuple[BlockKey, int]] = []
         with self._env.begin(buffers=True) as txn:
             for key, raw in txn.cursor(db=self._meta):
                 key = BlockKey(bytes(key))
                 parsed = _unpack_meta(raw)
-                block = txn.get(key, db=self._blocks)
-                if parsed is None or block is None or len(block) != parsed[1]:
-                    junk.append(key)
-                else:
+                record = txn.get(key, db=self._blocks)
+                if parsed is not None and record is not None and len(record) == parsed[1] + len(key):
                     entries.append(ResidentEntry(key, parsed[1], parsed[0]))
-            for key in txn.cursor(db=self._blocks).iternext(keys=True, values=False):
+                elif record is not None and _ends_with(record, key):
+                    repairs.append((key, len(record) - len(key)))
+                else:
+                    junk.append(key)
+            for key, record in txn.cursor(db=self._blocks):
                 if txn.get(key, db=self._meta) is None:
-                    junk.append(BlockKey(bytes(key)))
-        return entries, junk
+                    key = BlockKey(bytes(key))
+                    if _ends_with(record, key):
+                        repairs.append((key, len(record) - len(key)))
+                    else:
+                        junk.append(key)
+        return entries, junk, repairs
 
-    def _is_junk(self, txn: lmdb.Transaction, key: BlockKey) -> bool:
-        parsed = _unpack_meta(txn.get(key, db=self._meta))
-        block = txn.get(key, db=self._blocks)
-        if parsed is None and block is None:
-            return False  # gone already
-        return parsed is None or block is None or len(block) != parsed[1]
+    def _repair_txn(self, junk: list[BlockKey], repairs: list[tuple[BlockKey, int]],
+                    touched: Mapping[BlockKey, float]) -> None:
+        """Delete ``junk`` records, and give each block of ``repairs`` a new meta record at the default priority."""
+        unique = list(dict.fromkeys(junk))
+        keys = unique + [key for key, _ in repairs]
+        dropped: list[BlockKey] = []
+
+        def fix_one(txn: lmdb.Transaction, i: int) -> int:
+            if i < len(unique):
+                key = unique[i]
+                logger.warning("disk tier %s: junk record %s deleted", self.name, key.hex())
+                dropped.append(key)
+                return self._remove(txn, key)
+            key, nbytes = repairs[i - len(unique)]
+            held = self._held_nbytes(txn, key)
+            txn.put(key, _pack_meta(BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), nbytes), db=self._meta)
+            return self.footprint(nbytes) - (0 if held is None else self.footprint(held))
+
+        failed = set(self._transact(keys, fix_one, touched))
+        self._corrupt_records += len(set(dropped) - failed)
+        self._repaired_records += len({key for key, _ in repairs} - failed)
+        if repairs:
+            logger.warning("disk tier %s: %s blocks had lost their meta record; kept at the default priority",
+                           self.name, len(repairs))
 
     def _held_nbytes(self, txn: lmdb.Transaction, key: BlockKey) -> int | None:
         """nbytes the accounting counts for ``key``: from its meta record, ``None`` if it has none."""
@@ -539,67 +899,102 @@ class LMDBTier:
                 meta, nbytes = parsed
                 txn.put(key, _pack_meta(BlockMeta(meta.priority, meta.expires_at, when), nbytes), db=self._meta)
 
-    def _put_txn(self, batch: list[tuple[BlockKey, bytes, BlockMeta]], touched: Mapping[BlockKey, float]) -> None:
+    def _transact(self, keys: list[BlockKey], apply: Callable[[lmdb.Transaction, int], int],
+                  touched: Mapping[BlockKey, float]) -> list[BlockKey]:
+        """Run ``apply(txn, i)`` for every key (it returns the change of used bytes) in one write transaction that
+        also saves the pending recency updates; returns the keys that could not be written.
+
+        That is none, unless a damaged page stops the transaction (``MDB_CORRUPTED``
+        and the like, from a file changed while the node runs): then each key is
+        written in a transaction of its own, and those that fail are returned.
+
+        Raises:
+            TierFullError: raised by ``apply`` in the one transaction (nothing is written).
+            lmdb.Error: any other LMDB failure.
+        """
         try:
             with self._env.begin(write=True, buffers=True) as txn:
-                delta = 0
-                for key, value, _ in batch:
-                    held = self._held_nbytes(txn, key)
-                    delta += self.footprint(memoryview(value).nbytes) - (0 if held is None else self.footprint(held))
-                assert self.capacity_bytes is not None
-                if delta > 0 and self._used_bytes + delta > self.capacity_bytes:
-                    raise TierFullError(
-                        f"disk tier {self.name}: batch needs {delta} more bytes, "
-                        f"{self.capacity_bytes - self._used_bytes} of {self.capacity_bytes} free"
-                    )
-                for key, value, meta in batch:
-                    txn.put(key, value, db=self._blocks)
-                    txn.put(key, _pack_meta(meta, memoryview(value).nbytes), db=self._meta)
-                self._flush_touched(txn, touched, skip={key for key, _, _ in batch})
+                delta = sum(apply(txn, i) for i in range(len(keys)))
+                self._flush_touched(txn, touched, skip=set(keys))
+        except _RECORD_ERRORS as exc:
+            logger.warning("disk tier %s: a write of %s blocks failed (%s); writing each alone", self.name, len(keys), exc)
+        else:
+            self._used_bytes += delta
+            return []
+        failed: list[BlockKey] = []
+        for i, key in enumerate(keys):
+            try:
+                with self._env.begin(write=True, buffers=True) as txn:
+                    delta = apply(txn, i)
+            except (*_RECORD_ERRORS, TierFullError, lmdb.MapFullError) as exc:
+                logger.warning("disk tier %s: block %s cannot be written: %s", self.name, key.hex(), exc)
+                failed.append(key)
+            else:
+                self._used_bytes += delta
+        for key, when in touched.items():  # recency is advisory: what cannot be saved is dropped
+            try:
+                with self._env.begin(write=True, buffers=True) as txn:
+                    self._flush_touched(txn, {key: when})
+            except _RECORD_ERRORS:
+                pass
+        return failed
+
+    def _put_txn(self, batch: list[tuple[BlockKey, bytes, BlockMeta]], touched: Mapping[BlockKey, float]
+                 ) -> list[BlockKey]:
+        """Write a put batch; returns the keys a damaged page kept from being written (see :meth:`_transact`)."""
+        assert self.capacity_bytes is not None
+        capacity = self.capacity_bytes
+        pending = [0]  # footprint bytes the transaction adds so far
+
+        def put_one(txn: lmdb.Transaction, i: int) -> int:
+            key, value, meta = batch[i]
+            nbytes = memoryview(value).nbytes
+            held = self._held_nbytes(txn, key)
+            delta = self.footprint(nbytes) - (0 if held is None else self.footprint(held))
+            if delta > 0 and self._used_bytes + pending[0] + delta > capacity:
+                raise TierFullError(f"disk tier {self.name}: {delta} more bytes needed, "
+                                    f"{capacity - self._used_bytes - pending[0]} of {capacity} free")
+            pending[0] += delta
+            txn.put(key, b"".join((value, key)), db=self._blocks)  # the block, then its key (module docstring)
+            txn.put(key, _pack_meta(meta, nbytes), db=self._meta)
+            return delta
+
+        try:
+            return self._transact([key for key, _, _ in batch], put_one, touched)
         except lmdb.MapFullError as exc:
             logger.warning("disk tier %s: LMDB map full (%s); batch of %s blocks refused", self.name, exc, len(batch))
             raise TierFullError(f"disk tier {self.name}: LMDB map is full") from exc
-        self._used_bytes += delta
+        finally:
+            pending[0] = 0
 
-    def _delete_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]) -> None:
-        with self._env.begin(write=True, buffers=True) as txn:
-            delta = sum(self._remove(txn, key) for key in set(keys))
-            self._flush_touched(txn, touched, skip=set(keys))
-        self._used_bytes += delta
+    def _delete_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]) -> list[BlockKey]:
+        """Delete both records of each key; returns the keys a damaged page kept from being deleted."""
+        unique = list(dict.fromkeys(keys))
+        return self._transact(unique, lambda txn, i: self._remove(txn, unique[i]), touched)
 
-    def _drop_corrupt_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]) -> list[BlockKey]:
-        """Delete the records of ``keys`` that are still corrupt; returns their keys."""
+    def _drop_corrupt_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]
+                          ) -> tuple[list[BlockKey], list[BlockKey]]:
+        """Delete the records of ``keys`` that are still corrupt; returns their keys, and those LMDB could not delete."""
+        unique = list(dict.fromkeys(keys))
         dropped: list[BlockKey] = []
-        with self._env.begin(write=True, buffers=True) as txn:
-            delta = 0
-            for key in set(keys):
-                value = txn.get(key, db=self._blocks)
-                if value is None:
-                    continue
-                try:
-                    verify_block(value)
-                    continue  # replaced by a good block since it was read
-                except CodecError:
-                    pass
-                delta += self._remove(txn, key)
-                dropped.append(key)
-            self._flush_touched(txn, touched, skip=set(keys))
-        self._used_bytes += delta
-        self._corrupt_records += len(dropped)
-        return dropped
 
-    def _drop_junk_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]) -> None:
-        dropped = 0
-        with self._env.begin(write=True, buffers=True) as txn:
-            delta = 0
-            for key in set(keys):
-                if self._is_junk(txn, key):
-                    logger.warning("disk tier %s: junk record %s deleted", self.name, key.hex())
-                    delta += self._remove(txn, key)
-                    dropped += 1
-            self._flush_touched(txn, touched, skip=set(keys))
-        self._used_bytes += delta
-        self._corrupt_records += dropped
+        def drop_one(txn: lmdb.Transaction, i: int) -> int:
+            key = unique[i]
+            record = txn.get(key, db=self._blocks)
+            if record is None:
+                return 0
+            try:
+                _block_of(key, record)
+                return 0  # replaced by a good block since it was read
+            except CodecError:
+                pass
+            dropped.append(key)
+            return self._remove(txn, key)
+
+        failed = self._transact(unique, drop_one, touched)
+        dropped = [key for key in dict.fromkeys(dropped) if key not in failed]
+        self._corrupt_records += len(dropped) + len(failed)
+        return dropped, failed
 
     def _close_txn(self, touched: Mapping[BlockKey, float]) -> None:
         if not touched:

@@ -23,6 +23,11 @@ while a copy of them is in flight:
 * a caller cancelled during a threaded copy does not stop the thread, so the
   pages it reserved or pinned are freed or unpinned only when the thread ends.
 
+Read-only. A lease hands out read-only views of the host pool (its only way
+out without a copy); ``kvstore.codec.decode_block`` copies such a view into a
+tensor of its own, so no caller's write reaches the pool. :meth:`MemoryTier.get`
+returns copies.
+
 Checksums are not verified on reads: blocks were verified when they entered
 the store and RAM is trusted, so ``corrupt_records`` stays 0 for this tier.
 """

@@ -5,7 +5,10 @@ block hash``) is stored under ``<prefix>:<tag hex>:<generation>:<block hash hex>
 e.g. ``kvstore:1f2e3d4c5b6a7988:0:00112233445566778899aabbccddeeff``, so one
 namespace can be found with ``SCAN MATCH <prefix>:<tag hex>:*``. The value is the
 block's codec bytes (:mod:`kvstore.codec`), header and checksum included; a get
-verifies the checksum, and a corrupt value is a miss, is deleted and is counted.
+verifies the checksum, which covers every byte, and a corrupt value is a miss,
+is deleted and is counted; the store then checks the header against the
+request's namespace. A block of another codec version (a node of another
+release sharing the Redis) is a miss that is left in place.
 
 Generations. Each namespace has a generation, kept in Redis under
 ``<prefix>:<tag hex>:generation`` (missing: 0) and part of every key of the
@@ -60,7 +63,7 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from kvstore.codec import verify_block
 from kvstore.config import RedisTierConfig
-from kvstore.errors import CodecError, ConfigError, UnavailableError
+from kvstore.errors import CodecError, ConfigError, UnavailableError, UnsupportedVersionError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.tiers.base import BlockMeta, ResidentEntry
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
@@ -119,20 +122,31 @@ class _RoundTripFailed(Exception):
         self.unreachable = unreachable
 
 
-def _verify_all(values: Sequence[bytes | None]) -> list[bool]:
-    """Whether each value passes :func:`kvstore.codec.verify_block`; ``None`` counts as valid (a miss)."""
-    ok = []
+_GOOD, _CORRUPT, _FOREIGN = 0, 1, 2
+"""Verdicts of :func:`_verify_all` on one value."""
+
+
+def _verify_all(values: Sequence[bytes | None]) -> list[int]:
+    """Each value's verdict (:func:`kvstore.codec.verify_block`): good (a ``None`` miss too), corrupt, or foreign.
+
+    A foreign value is a kvstore block of another format version, written by a
+    node of another release sharing this Redis: a miss, but not deleted, since
+    that node may still read it (``docs/redis.md``).
+    """
+    verdicts = []
     for value in values:
         if value is None:
-            ok.append(True)
+            verdicts.append(_GOOD)
             continue
         try:
             verify_block(value)
+        except UnsupportedVersionError:
+            verdicts.append(_FOREIGN)
         except CodecError:
-            ok.append(False)
+            verdicts.append(_CORRUPT)
         else:
-            ok.append(True)
-    return ok
+            verdicts.append(_GOOD)
+    return verdicts
 
 
 _A = TypeVar("_A")
@@ -233,7 +247,7 @@ class RedisTier:
         """The last failure and when it happened (UTC), e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``."""
         self._counts = dict.fromkeys(
             ("written", "skipped_writes", "oversized", "oom_rejected", "errors",
-             "timeouts", "breaker_open", "corrupt_records", "stale_generation"),
+             "timeouts", "breaker_open", "corrupt_records", "foreign_records", "stale_generation"),
             0,
         )
         if not HIREDIS_AVAILABLE:
@@ -351,7 +365,9 @@ class RedisTier:
         an error reply other than OOM), ``timeouts`` (those of ``errors`` that
         timed out), ``breaker_open`` (calls short-circuited by the open
         breaker), ``breaker_trips`` (times it opened), ``corrupt_records``
-        (values that failed their checksum, deleted) and ``stale_generation``
+        (values that failed their checks, deleted), ``foreign_records`` (blocks
+        of another format version, from nodes of another release: misses, kept)
+        and ``stale_generation``
         (calls that found their namespace moved to a newer generation: a get
         or lookup is made again under it, a write is unlinked and skipped).
         """
@@ -441,7 +457,7 @@ class RedisTier:
         per_chunk = max(1, CHUNK_BYTES // self._value_bytes_hint)
         seen: int | None = None
         failure: _RoundTripFailed | None = None
-        verdicts: list[tuple[int, Awaitable[list[bool]] | list[bool]]] = []
+        verdicts: list[tuple[int, Awaitable[list[int]] | list[int]]] = []
         for start in range(0, len(names), per_chunk):
             chunk = names[start:start + per_chunk]
             try:
@@ -463,8 +479,13 @@ class RedisTier:
                 verdicts.append((start, _verify_all(fetched)))
         corrupt: list[int] = []
         for start, verdict in verdicts:
-            ok = verdict if isinstance(verdict, list) else await verdict
-            corrupt.extend(start + j for j, good in enumerate(ok) if not good)
+            found = verdict if isinstance(verdict, list) else await verdict
+            for j, outcome in enumerate(found):
+                if outcome == _CORRUPT:
+                    corrupt.append(start + j)
+                elif outcome == _FOREIGN:  # a miss, left for the node of the release that wrote it
+                    values[start + j] = None
+                    self._counts["foreign_records"] += 1
         return values, corrupt, seen, failure
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta], *,

@@ -419,8 +419,9 @@ def test_k8s_statefulset_shape(statefulset: dict, container: dict, k8s_objects: 
     assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
     headless = k8s_objects[("Service", spec["serviceName"])]
     assert headless["spec"]["clusterIP"] == "None"
-    cluster_ip = [o for (kind, _), o in k8s_objects.items()
-                  if kind == "Service" and o["spec"].get("clusterIP") != "None"]
+    cluster_ip = [o for (kind, _), o in k8s_objects.items()  # kvstore's own (vllm-worker.example.yaml has one too)
+                  if kind == "Service" and o["spec"].get("clusterIP") != "None"
+                  and o["spec"]["selector"].items() <= pod_labels.items()]
     assert len(cluster_ip) == 1 and cluster_ip[0]["spec"].get("type", "ClusterIP") == "ClusterIP"
     for service in (headless, cluster_ip[0]):
         assert service["spec"]["selector"].items() <= pod_labels.items()

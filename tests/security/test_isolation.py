@@ -10,7 +10,7 @@ import torch
 
 from kvstore.status import PermissionDeniedError
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
-from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES
+from kvstore.tiers.lmdb import MAX_KEY_BYTES, RECORD_OVERHEAD_BYTES, default_map_size_bytes
 from tests.support.server import ThreadedServer, encoded, kv_blocks
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 
@@ -21,11 +21,11 @@ def test_tenant_b_never_hits_tenant_a_in_any_tier(redis_server: RedisProcess, tm
     ns_b = dataclasses.replace(ns_a, cache_salt="tenant-b")  # the same model, dtype, layout: only the salt differs
     hashes, tensors = kv_blocks(ns_a, 6)
     block_bytes = len(encoded(ns_a, tensors[:1])[0])
-    disk_block_bytes = -(-(block_bytes + 16) // mmap.PAGESIZE) * mmap.PAGESIZE + RECORD_OVERHEAD_BYTES
+    disk_block_bytes = -(-(block_bytes + 16 + MAX_KEY_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE + RECORD_OVERHEAD_BYTES
     threaded = ThreadedServer(auth_config(**{
         "store.memory.capacity_bytes": 2 * (block_bytes + BLOCK_OVERHEAD_BYTES),  # two blocks
         "store.disk.path": str(tmp_path / "lmdb"),
-        "store.disk.capacity_bytes": 2 * disk_block_bytes,      # two blocks; the rest goes on to Redis
+        "store.disk.capacity_bytes": default_map_size_bytes(2 * disk_block_bytes),  # two blocks; the rest to Redis
         "store.redis.url": redis_server.url,
         "store.redis.mode": "write_back",
     }))

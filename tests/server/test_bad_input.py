@@ -287,9 +287,6 @@ def test_no_room_when_everything_is_leased_is_resource_exhausted(fresh_server: T
 
 # ---------------------------------------------------------------------- the servicer's namespace cache
 
-from kvstore.server import servicer as servicer_module  # noqa: E402
-
-
 def test_a_bad_namespace_is_refused_every_time_and_never_cached(stub: pb_grpc.KVStoreStub, client: KVStoreClient,
                                                                 server: ThreadedServer, stored: tuple) -> None:
     ns, hashes, _ = stored
@@ -299,7 +296,7 @@ def test_a_bad_namespace_is_refused_every_time_and_never_cached(stub: pb_grpc.KV
         assert code == INVALID and "block_size" in details
         code, _ = _code_of(lambda: list(stub.Get(pb.GetRequest(namespace=bad, block_hashes=hashes))))
         assert code == INVALID
-    assert bad.SerializeToString() not in server.server.servicer._namespaces
+    assert bad.SerializeToString() not in server.server.servicer.namespaces
     good = namespace_to_pb(ns)
     assert stub.Lookup(pb.LookupRequest(namespace=good, block_hashes=hashes)).num_blocks == 2
     assert len(list(stub.Get(pb.GetRequest(namespace=good, block_hashes=hashes)))) == 2
@@ -322,17 +319,23 @@ def test_namespaces_that_differ_in_one_field_are_not_confused(stub: pb_grpc.KVSt
     assert stub.Lookup(pb.LookupRequest(namespace=good, block_hashes=hashes)).num_blocks == 2
 
 
-def test_the_namespace_cache_starts_over_when_full(monkeypatch: pytest.MonkeyPatch, client: KVStoreClient,
-                                                   server: ThreadedServer) -> None:
-    monkeypatch.setattr(servicer_module, "NAMESPACE_CACHE_SIZE", 2)
-    cache = server.server.servicer._namespaces
+def test_the_namespace_cache_is_bounded_in_bytes_and_keeps_the_most_recent(client: KVStoreClient,
+                                                                            server: ThreadedServer) -> None:
+    cache = server.server.servicer.namespaces
     namespaces = [namespace() for _ in range(5)]
-    for _ in range(2):
-        for ns in namespaces:
-            hashes, tensors = kv_blocks(ns, 1)
-            client.put(ns, hashes, tensors)
-            assert client.lookup(ns, hashes).num_blocks == 1
-            assert len(cache) <= 2
+    entry_bytes = cache.entry_bytes(namespace_to_pb(namespaces[0]).SerializeToString())
+    old_max, cache.max_bytes = cache.max_bytes, 2 * entry_bytes + entry_bytes // 2  # room for two
+    try:
+        for _ in range(2):
+            for ns in namespaces:
+                hashes, tensors = kv_blocks(ns, 1)
+                client.put(ns, hashes, tensors)
+                assert client.lookup(ns, hashes).num_blocks == 1
+                assert len(cache) <= 2 and cache.nbytes <= cache.max_bytes
+        assert namespace_to_pb(namespaces[-1]).SerializeToString() in cache
+        assert namespace_to_pb(namespaces[0]).SerializeToString() not in cache
+    finally:
+        cache.max_bytes = old_max
     for ns in namespaces:
         client.clear(ns)
 
@@ -348,7 +351,7 @@ def test_a_cached_namespace_is_still_checked_for_sha256_on_every_call(fresh_serv
         for _ in range(2):
             code, details = _code_of(lambda: stub.Lookup(pb.LookupRequest(namespace=xxh3, block_hashes=[b"\x00" * 16])))
             assert code == INVALID and "sha256" in details
-            assert xxh3.SerializeToString() in fresh_server.server.servicer._namespaces  # well formed: kept
+            assert xxh3.SerializeToString() not in fresh_server.server.servicer.namespaces  # refused: not kept
         assert stub.Lookup(pb.LookupRequest(namespace=sha, block_hashes=[b"\x00" * 32])).num_blocks == 0
     finally:
         channel.close()

@@ -250,21 +250,52 @@ def test_a_disk_that_fills_up_costs_its_demotions_not_the_puts(tmp_path: Path) -
         assert logs, "the failed demotions are logged"
 
 
-def test_a_truncated_lmdb_file_stops_the_node_with_a_message_not_a_bus_error(tmp_path: Path) -> None:
-    """Regression: LMDB maps ``data.mdb`` and read past the end of a file cut short; the node died of
-    SIGBUS (exit -7) with nothing logged."""
+@pytest.mark.parametrize("damage", ["value_size", "truncated", "meta_pages"])
+def test_a_damaged_lmdb_file_is_quarantined_and_the_node_comes_up_and_serves(tmp_path: Path, damage: str) -> None:
+    """Regression (issue 18, finding 2): one value-size field of a leaf page set to 16,744,576 killed the node with
+    SIGBUS on every start, logging nothing (LMDB read off the map); a file cut short, or zeroed meta pages, stopped it
+    until an operator moved the file by hand. Now the file is checked before LMDB maps it, moved aside with an ERROR
+    naming it and the reason, and the node comes up on a new file holding every block that could be salvaged."""
+    import struct
+
+    from kvstore.keys import block_key
+    from tests.support.lmdb_pages import page_map
+
     ns = namespace()
     hashes, tensors = kv_blocks(ns, 60, num_layers=4, num_kv_heads=8, head_dim=64)
+    chains = [hashes[i:i + 1] for i in range(60)]  # one block per prefix: each stands or falls alone
     node = KVNode(memory_capacity="0", disk_path=tmp_path / "disk", disk_capacity="64MiB")
     with node:
         with KVStoreClient(node.target, retries=0, timeout_s=30) as kv:
-            assert kv.put(ns, hashes, tensors) == 60
+            for chain, tensor in zip(chains, tensors):
+                assert kv.put(ns, chain, [tensor]) == 1
         assert node.stop() == 0
         data_file = tmp_path / "disk" / "data.mdb"
+        layout = page_map(data_file)
+        changed: set[int] = set()
         with open(data_file, "r+b") as data:
-            data.truncate(data_file.stat().st_size // 2)
-        with pytest.raises(RuntimeError):
-            node.start()
-        assert node.returncode == 1  # observed: -7 (SIGBUS)
+            if damage == "value_size":
+                record = layout.records[b"blocks"][block_key(ns, hashes[7])]
+                data.seek(record.node_offset)
+                data.write(struct.pack("<HH", 16_744_576 & 0xFFFF, 16_744_576 >> 16))
+                changed = {record.path[-1]}
+            elif damage == "truncated":
+                size = data_file.stat().st_size
+                data.truncate(size // 2 // 4096 * 4096)
+                changed = set(range(size // 2 // 4096, size // 4096))
+            else:
+                data.write(bytes(2 * 4096))
+                changed = {0, 1}
+        node.start()  # observed before: exit -7 (SIGBUS), or 1 with "truncated" / MDB_INVALID
         errors = [r for r in node.log_records(since_start=True) if r["level"] == "ERROR"]
-        assert errors and "truncated" in errors[-1]["event"] and str(data_file) in errors[-1]["event"]
+        assert errors and str(data_file) in errors[0]["event"] and "quarantine" in errors[0]["event"]
+        assert len(list((tmp_path / "disk" / "quarantine").iterdir())) == 1
+        with KVStoreClient(node.target, retries=0, timeout_s=30) as kv:
+            for chain, tensor in zip(chains, tensors):
+                got = kv.get_tensors(ns, chain)
+                assert got == [] or (len(got) == 1 and torch.equal(got[0], tensor))  # a miss, never a wrong byte
+                if not layout.hit(b"blocks", block_key(ns, chain[0]), changed):
+                    assert len(got) == 1 and torch.equal(got[0], tensor)  # and every block not hit is served
+            assert kv.put(ns, chains[7], [tensors[7]]) in (0, 1)
+            assert torch.equal(kv.get_tensors(ns, chains[7])[0], tensors[7])
+            assert kv.health() == "SERVING"

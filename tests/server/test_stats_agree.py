@@ -13,7 +13,7 @@ from pathlib import Path
 from kvstore.api import StoreStats
 from kvstore.client import KVStoreClient
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
-from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES
+from kvstore.tiers.lmdb import MAX_KEY_BYTES, RECORD_OVERHEAD_BYTES, default_map_size_bytes
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 from tests.support.server import ThreadedServer, encoded, kv_blocks, make_config, namespace, scrape
 
@@ -43,10 +43,10 @@ def test_stats_and_metrics_count_one_workload_over_memory_disk_and_redis_alike(
     ns = namespace()
     hashes, tensors = kv_blocks(ns, 8)
     block_bytes = len(encoded(ns, tensors[:1])[0])
-    disk_bytes = -(-(block_bytes + 16) // mmap.PAGESIZE) * mmap.PAGESIZE + RECORD_OVERHEAD_BYTES
+    disk_bytes = -(-(block_bytes + 16 + MAX_KEY_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE + RECORD_OVERHEAD_BYTES
     server = ThreadedServer(make_config(**{
         "store.memory.capacity_bytes": 3 * (block_bytes + BLOCK_OVERHEAD_BYTES),  # three blocks
-        "store.disk.path": str(tmp_path / "disk"), "store.disk.capacity_bytes": 2 * disk_bytes,  # two blocks
+        "store.disk.path": str(tmp_path / "disk"), "store.disk.capacity_bytes": default_map_size_bytes(2 * disk_bytes),  # two blocks
         "store.redis.url": redis_server.url, "store.redis.mode": "write_back",
         "store.promote_on_hit": False,
     }))

@@ -18,7 +18,7 @@ TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
 
 def test_cli_writes_table_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    code = main(["--trace", str(TRACES / "mooncake_synthetic_trace.jsonl"), "--policy", "lru,priority",
+    code = main(["--trace", str(TRACES / "mooncake_synthetic_trace.jsonl"), "--policy", "lru,default,belady",
                  "--capacity", "1000,3GiB,inf", "--block-bytes", "512KiB", "--json", str(out_json),
                  "--plot", str(out_png)])
     assert code == 0
@@ -27,7 +27,9 @@ def test_cli_writes_table_json_and_png(tmp_path: Path, capsys: pytest.CaptureFix
     data = json.loads(out_json.read_text())
     rows = data["results"]
     assert [(r["policy"], r["capacity_blocks"]) for r in rows] == [
-        ("lru", 1000), ("priority", 1000), ("lru", 6144), ("priority", 6144), ("infinite", None)]
+        ("lru", 1000), ("adaptive", 1000), ("belady", 1000), ("lru", 6144), ("adaptive", 6144), ("belady", 6144),
+        ("infinite", None)]
+    assert rows[2]["bound_exact"] is True and rows[2]["hit_ratio"] >= rows[1]["hit_ratio"]
     assert rows[-1]["hit_ratio"] == pytest.approx(0.6396, abs=0.002)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -62,3 +64,23 @@ def test_register_adds_the_subcommand() -> None:
     assert callable(args.func) and args.capacity == "inf"
     assert parse_capacity("inf", None) is None
     assert parse_capacity("3GiB", 512 * 1024) == 6144
+    assert parse_capacity("5%", None, 43924) == 2196
+
+
+def test_the_node_takes_the_same_policy_names() -> None:
+    from kvstore.cli import build_parser
+    from kvstore.config import StoreConfig, load_config
+    from kvstore.errors import ConfigError
+    from kvstore.policy import DEFAULT_POLICY, AdaptivePolicy, SegmentedLRUPolicy
+    from kvstore.store import TieredStore
+    from kvstore.tiers.memory import MemoryTier
+
+    assert StoreConfig().policy == "default" and DEFAULT_POLICY == "adaptive"
+    args = build_parser().parse_args(["serve", "--policy", "slru"])
+    assert load_config(env={}, overrides={"store.policy": args.policy}).store.policy == "slru"
+    assert load_config(env={"KVSTORE_POLICY": "lru"}).store.policy == "lru"
+    with pytest.raises(ConfigError, match="unknown policy 'fifo'"):
+        load_config(env={}, overrides={"store.policy": "fifo"})
+    for name, kind in (("default", AdaptivePolicy), ("slru", SegmentedLRUPolicy)):
+        store = TieredStore([MemoryTier(1 << 20)], StoreConfig(policy=name))
+        assert type(store.index.policies[0]) is kind and store.index.policies[0].capacity_bytes == 1 << 20

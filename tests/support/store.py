@@ -23,7 +23,7 @@ from kvstore.config import RedisTierConfig, StoreConfig
 from kvstore.keys import Namespace, block_key, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
-from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, LMDBTier
+from kvstore.tiers.lmdb import MAX_KEY_BYTES, RECORD_OVERHEAD_BYTES, LMDBTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.wire import reply_head
 
@@ -58,7 +58,7 @@ def heap_tier(num_blocks: int) -> HeapTier:
 def disk_footprint() -> int:
     """Capacity bytes one test block takes in the LMDB tier (overflow pages plus record overhead)."""
     _, blocks = make_blocks(1)
-    pages = -(-(len(blocks[0]) + 16) // mmap.PAGESIZE)
+    pages = -(-(len(blocks[0]) + 16 + MAX_KEY_BYTES) // mmap.PAGESIZE)  # a record is the block and its key
     return pages * mmap.PAGESIZE + RECORD_OVERHEAD_BYTES
 
 

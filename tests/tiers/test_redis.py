@@ -181,6 +181,38 @@ async def test_a_corrupt_value_is_a_miss_and_is_deleted_and_counted(
         assert client.exists(redis_tier.redis_key(good_key)) == 1
 
 
+@pytest.mark.parametrize("damage", ["dtype", "flags", "padding", "checksum"])
+async def test_a_value_with_a_damaged_header_is_a_miss_and_is_deleted(
+    redis_tier: RedisTier, redis_server: RedisProcess, damage: str
+) -> None:
+    """Regression (issue 18, finding 1): a flipped flags or padding byte was served, the checksum covering the
+    payload alone; the dtype (float16 as bfloat16) only the store's namespace check caught."""
+    key, value = make_key(3), make_block(3)
+    await redis_tier.put([key], [value], [meta()])
+    damaged = bytearray(value)
+    damaged[{"dtype": 6, "flags": 9, "padding": 100, "checksum": 21}[damage]] ^= 0x01
+    with redis_server.client() as client:
+        client.set(redis_tier.redis_key(key), bytes(damaged))
+    assert await redis_tier.get([key]) == [None]
+    assert redis_tier.counters()["corrupt_records"] == 1
+    with redis_server.client() as client:
+        assert client.exists(redis_tier.redis_key(key)) == 0
+
+
+async def test_a_block_of_another_format_version_is_a_miss_left_in_place(
+    redis_tier: RedisTier, redis_server: RedisProcess
+) -> None:
+    """A node of another release sharing the Redis wrote it: not served, not deleted, counted."""
+    key, value = make_key(4), bytearray(make_block(4))
+    value[4:6] = (1).to_bytes(2, "little")  # codec version 1
+    with redis_server.client() as client:
+        client.set(redis_tier.redis_key(key), bytes(value))
+    assert await redis_tier.get([key]) == [None]
+    assert redis_tier.counters()["foreign_records"] == 1 and redis_tier.counters()["corrupt_records"] == 0
+    with redis_server.client() as client:
+        assert client.exists(redis_tier.redis_key(key)) == 1
+
+
 async def test_a_value_over_max_value_bytes_is_refused_before_sending(redis_server: RedisProcess) -> None:
     tier = RedisTier(tier_config(redis_server.url, max_value_bytes=64 * 1024))
     try:

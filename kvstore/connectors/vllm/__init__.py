@@ -1,0 +1,52 @@
+"""kvstore as a vLLM v1 KV connector: engines fetch prefix KV blocks from kvstore instead of recomputing prefill.
+
+Use (vLLM 0.32; ``docs/vllm.md`` documents every setting)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.connectors.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"target": "127.0.0.1:50051"}}'
+
+or ``LLM(..., kv_transfer_config=KVTransferConfig(...))`` with the same fields.
+Without ``target`` each worker keeps an embedded store in its own process.
+
+:class:`KVStoreConnector` is thin: vLLM creates it once in the scheduler
+(``KVConnectorRole.SCHEDULER``, ``kvstore.connectors.vllm.scheduler``) and once
+in every worker (``WORKER``, ``kvstore.connectors.vllm.worker``); it checks the
+settings and the model, then hands each hook to its side. The worker's side
+sends its page format (and, embedded, its lookup endpoint) to the scheduler
+through vLLM's connector handshake, so both sides key blocks alike.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+SUPPORTED_VLLM = ">=0.32.0,<0.33"
+"""The vLLM releases the connector is tested with (0.32.0; 0.33 was not on PyPI when it was written)."""
+
+_EXPORTS = {
+    "KVStoreConnector": "kvstore.connectors.vllm.connector",
+    "KVStoreHandshake": "kvstore.connectors.vllm.connector",
+    "UnsupportedModelError": "kvstore.connectors.vllm.layout",
+    "VLLMConnectorConfig": "kvstore.connectors.vllm.config",
+    "parse_config": "kvstore.connectors.vllm.config",
+    "on_worker": "kvstore.connectors.vllm.worker",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import public names on first use (PEP 562): vLLM is imported only by the parts that need it,
+    so ``kvstore.connectors.vllm.config`` checks settings where vLLM is not installed."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore.connectors.vllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,160 @@
+"""The vLLM connector's settings: ``kv_connector_extra_config``, typed and checked in one place."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvstore.config import GiB, build
+from kvstore.errors import ConfigError
+from kvstore.keys import HashAlgorithm
+
+EXTRA_CONFIG = "kv_connector_extra_config"
+"""Where the settings live in vLLM's ``KVTransferConfig``; error messages name keys under it."""
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMConnectorConfig:
+    """Settings of :class:`~kvstore.connectors.vllm.KVStoreConnector`, one per key of ``kv_connector_extra_config``.
+
+    Attributes:
+        target: ``host:port`` of a ``kvstore serve`` node, or a comma-separated
+            list of several (blocks are spread over them by rendezvous hashing,
+            ``kvstore.client``). Empty: every worker opens an embedded store in
+            its own process (an in-process offload tier).
+        config: a kvstore config file (TOML or YAML, ``docs/service.md``) whose
+            ``store`` section configures the embedded store (memory capacity, an
+            LMDB disk tier, Redis). Only without ``target``; ``KVSTORE_*``
+            environment variables apply on top, as for ``kvstore.open_store``.
+        timeout_s: the longest any store call may take, seconds: a lookup in the
+            scheduler, a load or a save in a worker. Past it the request is served
+            as a miss and its KV is recomputed.
+        block_size: tokens per kvstore block, a multiple of vLLM's block size
+            (``--block-size``); vLLM's block size when unset. A kvstore block of
+            ``k`` times vLLM's size holds ``k`` consecutive vLLM blocks, so fewer,
+            larger blocks move per request.
+        hash_algorithm: ``xxh3_128`` (default) or ``sha256`` (required by nodes
+            that serve untrusted clients, ``docs/security.md``).
+        model_id: the model's name in the namespace; vLLM's ``--model`` when unset.
+            Set it when engines load the same weights from different paths and should share blocks.
+        priority: retention priority of saved blocks, 0..100 (TensorRT-LLM's
+            semantics); the store's default when unset.
+        retention_s: seconds the priority holds before it reverts to the default; for ever when unset.
+        save_decode_blocks: also save, when a request ends, the full blocks that
+            hold generated tokens (useful for multi-turn chat); prompt blocks are
+            saved as soon as prefill computes them either way.
+        load_failure_policy: ``recompute`` (default): a block that fails to load
+            is recomputed by vLLM, as a cache miss would be. ``fail``: keep vLLM's
+            ``kv_load_failure_policy`` as configured, which fails the request.
+        down_backoff_s: after a store call fails, seconds during which the
+            connector does not call the store at all (misses, no saves), so an
+            unreachable node does not cost every request a timeout. It doubles
+            per consecutive failure, up to 16 times this value.
+        max_pending_save_bytes: KV bytes waiting to be saved at most; saves past it
+            are dropped (and counted) rather than using up the worker's memory.
+        tls_ca_file: CA certificate(s) of the nodes, to connect over TLS.
+        tls_cert_file: client certificate, for nodes that require mutual TLS (with ``tls_key_file``).
+        tls_key_file: the client certificate's private key.
+        token_file: a file holding the bearer token to send (``docs/security.md``).
+        token_env: environment variable holding the bearer token, read when no
+            ``token_file`` is given and the variable is set.
+
+    Raises:
+        ConfigError: naming the key, on a value out of range or settings that contradict each other.
+    """
+
+    target: str = ""
+    config: str | None = None
+    timeout_s: float = 2.0
+    block_size: int | None = None
+    hash_algorithm: str = HashAlgorithm.XXH3_128.value
+    model_id: str | None = None
+    priority: int | None = None
+    retention_s: float | None = None
+    save_decode_blocks: bool = True
+    load_failure_policy: str = "recompute"
+    down_backoff_s: float = 5.0
+    max_pending_save_bytes: int = 1 * GiB
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    token_file: str | None = None
+    token_env: str = "KVSTORE_TOKEN"
+
+    def __post_init__(self) -> None:
+        _require(all(t.strip() for t in self.target.split(",")) or not self.target, "target",
+                 f"must be host:port or a comma-separated list of them, got {self.target!r}")
+        _require(not (self.target and self.config), "config",
+                 "configures the embedded store, which is not used when 'target' names kvstore nodes")
+        _require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", "must be a number > 0")
+        _require(self.block_size is None or self.block_size > 0, "block_size", "must be > 0")
+        _require(self.hash_algorithm in {a.value for a in HashAlgorithm}, "hash_algorithm",
+                 f"must be one of {[a.value for a in HashAlgorithm]}, got {self.hash_algorithm!r}")
+        _require(self.model_id is None or bool(self.model_id), "model_id", "must not be empty")
+        _require(self.priority is None or 0 <= self.priority <= 100, "priority", "must be in [0, 100]")
+        _require(self.retention_s is None or self.retention_s >= 0, "retention_s", "must be >= 0")
+        _require(self.load_failure_policy in ("recompute", "fail"), "load_failure_policy",
+                 f"must be 'recompute' or 'fail', got {self.load_failure_policy!r}")
+        _require(math.isfinite(self.down_backoff_s) and self.down_backoff_s >= 0, "down_backoff_s",
+                 "must be a number >= 0")
+        _require(self.max_pending_save_bytes > 0, "max_pending_save_bytes", "must be > 0")
+        _require(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_cert_file",
+                 "a client certificate and its key (tls_key_file) must be given together")
+        _require(not (self.target == "" and (self.tls_ca_file or self.tls_cert_file or self.token_file)), "target",
+                 "TLS and token settings apply to kvstore nodes; name them in 'target'")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The nodes' ``host:port``, in order; empty for the embedded store."""
+        return tuple(t.strip() for t in self.target.split(",")) if self.target else ()
+
+    @property
+    def embedded(self) -> bool:
+        """Whether each worker uses an embedded store (no ``target``)."""
+        return not self.target
+
+    def bearer_token(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The bearer token to send: ``token_file``'s content, else ``token_env``'s value, else ``None``.
+
+        Raises:
+            ConfigError: if ``token_file`` cannot be read or is empty.
+        """
+        if self.token_file:
+            try:
+                token = Path(self.token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"{EXTRA_CONFIG}.token_file", f"cannot read {self.token_file}: {exc}") from None
+            if not token:
+                raise ConfigError(f"{EXTRA_CONFIG}.token_file", f"{self.token_file} is empty")
+            return token
+        value = (os.environ if environ is None else environ).get(self.token_env, "").strip()
+        return value or None
+
+
+def _require(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(name, message)
+
+
+def parse_config(extra: Mapping[str, Any] | None) -> VLLMConnectorConfig:
+    """Check and type ``kv_connector_extra_config``: every key known, every value of its type and range.
+
+    ``target`` may also be a JSON list of ``host:port`` strings.
+
+    Raises:
+        ConfigError: naming ``kv_connector_extra_config.<key>``, for an unknown
+            key (the message lists the known ones) or a bad value.
+    """
+    data = dict(extra or {})
+    if isinstance(data.get("target"), (list, tuple)):
+        data["target"] = ",".join(str(t) for t in data["target"])
+    if data.get("target") is None:
+        data.pop("target", None)
+    known = sorted(f.name for f in fields(VLLMConnectorConfig))
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{EXTRA_CONFIG}.{key}", f"unknown key; the kvstore connector knows {known}")
+    return build(VLLMConnectorConfig, data, f"{EXTRA_CONFIG}.")

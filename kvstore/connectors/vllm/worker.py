@@ -1,0 +1,368 @@
+"""A worker's half of the connector: loads blocks into vLLM's paged KV before the forward pass, saves them after.
+
+Loads (``start_load_kv``, before the step's forward pass; the scheduler makes
+loads synchronous, so vLLM calls it first): the step's
+:class:`~kvstore.connectors.vllm.jobs.LoadJob` s are fetched concurrently, each
+within the connector's ``timeout_s`` of the step's start. Every fetched block
+is checked before it is used: its checksum (``kvstore.codec.verify_block``), its
+dtype, layout and shape against this worker's page format. The blocks are
+written up to the first one that is missing, late, corrupt or mismatched; every
+vLLM block from there on is reported by ``get_block_ids_with_load_errors``, so
+vLLM recomputes it, and is never counted as loaded. A block that failed its
+checks is also deleted from the store, so a recomputed one can replace it.
+Nothing is written into vLLM's cache but checked blocks, and only into the
+blocks vLLM allocated for the load. Loading is not pipelined layer by layer:
+one block holds every layer, so the whole load is one fetch, then the copies
+(``kvstore.connectors.vllm.layout.PagedKV.scatter``); ``wait_for_layer_load`` has nothing to wait for.
+
+Saves (``wait_for_save``, after the forward pass): the blocks of the step's
+:class:`~kvstore.connectors.vllm.jobs.SaveJob` s are copied out of vLLM's cache
+at once (one ``index_select`` per layer, to host memory), so vLLM may reuse the
+blocks as soon as the step ends; one background thread then puts them. A save
+planned at a request's end is reported in ``finished_sending`` right after the
+copy. Saves are dropped (and counted) while the store is down or when
+``max_pending_save_bytes`` of KV already wait.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kvstore.api import BlockClient, Buffer
+from kvstore.codec import decode_block, verify_block
+from kvstore.connectors.vllm.config import VLLMConnectorConfig
+from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadJob, RankKey, SaveJob, TenantKey
+from kvstore.connectors.vllm.layout import PagedKV
+from kvstore.connectors.vllm.metrics import KVStoreConnectorStats
+from kvstore.connectors.vllm.namespaces import ModelIdentity, RankInfo, storage_namespace
+from kvstore.connectors.vllm.stores import LookupEndpoint, StoreHealth, embedded_config, open_client
+from kvstore.embedded import EmbeddedStore
+from kvstore.errors import CodecError, KVStoreError
+from kvstore.keys import HashAlgorithm, Namespace
+
+logger = logging.getLogger(__name__)
+
+MAX_CONCURRENT_FETCHES = 4
+"""Load jobs of one step fetched at once."""
+
+SHUTDOWN_DRAIN_S = 10.0
+"""Longest wait at shutdown for saves already queued, seconds."""
+
+
+@dataclass(slots=True)
+class _Put:
+    namespace: Namespace
+    hashes: list[bytes]
+    blocks: torch.Tensor
+    nbytes: int
+
+
+@dataclass(slots=True)
+class _Delete:
+    namespace: Namespace
+    hashes: list[bytes]
+
+
+class WorkerSide:
+    """One worker's connector logic, independent of vLLM's class hierarchy (see the module docstring).
+
+    Args:
+        config: the connector's settings.
+        identity: the engine's model identity.
+        paged: this worker's paged KV (``kvstore.connectors.vllm.layout.paged_kv``).
+        rank: ``(pp_rank, tp_rank)`` of this worker.
+        vllm_block_size: tokens per vLLM block.
+        client: the store (a ``KVStoreClient``, or an embedded store), which this object closes.
+        endpoint: the embedded store's lookup endpoint, if any; closed with it.
+        writer: whether this rank saves (MLA blocks are saved by TP rank 0 only).
+    """
+
+    def __init__(self, config: VLLMConnectorConfig, identity: ModelIdentity, paged: PagedKV, rank: RankKey,
+                 vllm_block_size: int, client: BlockClient, *, endpoint: LookupEndpoint | None = None,
+                 writer: bool = True) -> None:
+        self.config = config
+        self.identity = identity
+        self.paged = paged
+        self.rank = rank
+        self.block_size = config.block_size or vllm_block_size
+        self.vllm_block_size = vllm_block_size
+        self.client = client
+        self.endpoint = endpoint
+        self.writer = writer
+        self.info = RankInfo(rank[0], rank[1], paged.page_format,
+                             endpoint.target if endpoint else None, endpoint.token if endpoint else None)
+        self.health = StoreHealth(config.down_backoff_s)
+        self.units_per_kv_block = self.block_size // paged.page_format.unit_tokens
+        self._block_shape = paged.page_format.block_shape(self.block_size)
+        self._hash_algorithm = HashAlgorithm(config.hash_algorithm)
+        self._namespaces: dict[TenantKey, Namespace] = {}
+        self._stats = KVStoreConnectorStats()
+        self._stats_lock = threading.Lock()
+        self._failed_block_ids: set[int] = set()
+        self._failed_loads: dict[str, int] = {}
+        self._finished_sending: set[str] = set()
+        self._fetcher = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_FETCHES, thread_name_prefix="kvstore-load")
+        self._pending_bytes = 0
+        self._pending_lock = threading.Condition()
+        self._tasks: queue.Queue[_Put | _Delete | None] = queue.Queue()
+        self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
+        self._saver.start()
+        self._closed = False
+
+    # ------------------------------------------------------------------ helpers
+
+    def namespace(self, tenant: TenantKey) -> Namespace:
+        """This worker's namespace for a tenant and adapter (cached)."""
+        namespace = self._namespaces.get(tenant)
+        if namespace is None:
+            namespace = storage_namespace(self.identity, self.info, block_size=self.block_size,
+                                          hash_algorithm=self._hash_algorithm, cache_salt=tenant.cache_salt,
+                                          adapter=tenant.adapter)
+            self._namespaces[tenant] = namespace
+        return namespace
+
+    def _count(self, **amounts: int) -> None:
+        with self._stats_lock:
+            for name, amount in amounts.items():
+                self._stats.add(name, amount)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        with self._stats_lock:
+            self._stats.observe(name, seconds)
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load(self, meta: KVStoreConnectorMetadata) -> None:
+        """Fetch, check and write every load job of the step (see the module docstring); never raises."""
+        if not meta.loads:
+            return
+        started = time.monotonic()
+        if not self.health.up():
+            for job in meta.loads:
+                self._fail(job, 0, len(job.hashes.get(self.rank, ())))
+            return
+        futures = {}
+        for job in meta.loads:
+            if job.hashes.get(self.rank):
+                futures[self._fetcher.submit(self._fetch, job)] = job
+            else:  # nothing to fetch for blocks vLLM counts as loaded: all of them are recomputed
+                self._fail(job, 0, 0)
+        deadline = started + self.config.timeout_s
+        for future, job in futures.items():
+            num_blocks = len(job.hashes.get(self.rank, ()))
+            try:
+                buffers = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                self.health.failed("load", None)
+                self._fail(job, 0, num_blocks)
+                continue
+            except (KVStoreError, OSError) as exc:
+                self.health.failed("load", exc)
+                self._fail(job, 0, num_blocks)
+                continue
+            except Exception:  # noqa: BLE001 - a bug in a fetch must not take the engine down
+                logger.exception("kvstore load of request %s failed", job.req_id)
+                self._fail(job, 0, num_blocks)
+                continue
+            self.health.succeeded()
+            self._write(job, buffers)
+        self._observe("load_seconds", time.monotonic() - started)
+
+    def _fetch(self, job: LoadJob) -> list[Buffer]:
+        return self.client.get(self.namespace(job.tenant), job.hashes[self.rank])
+
+    def _write(self, job: LoadJob, buffers: list[Buffer]) -> None:
+        """Check the fetched blocks in order and write the good prefix; report the rest."""
+        expected = job.hashes[self.rank]
+        fmt = self.paged.page_format
+        good: list[torch.Tensor] = []
+        bad: str | None = None
+        for buffer in buffers[: len(expected)]:
+            try:
+                header = verify_block(buffer)
+            except CodecError as exc:
+                bad = f"corrupt ({exc})"
+                break
+            if header.dtype != fmt.dtype or header.layout is not fmt.layout or header.shape != self._block_shape:
+                bad = (f"of {header.dtype}/{header.layout.value} {list(header.shape)}, not "
+                       f"{fmt.dtype}/{fmt.layout.value} {list(self._block_shape)}")
+                break
+            good.append(decode_block(buffer, verify=False))
+        if bad is not None:
+            index = len(good)
+            logger.warning("kvstore block %d of request %s is %s: recomputing it, and deleting it from the store",
+                           job.first_block + index, job.req_id, bad)
+            self._tasks.put(_Delete(self.namespace(job.tenant), [expected[index]]))
+        if good:
+            skip_units = job.skip_tokens // fmt.unit_tokens
+            num_units = len(good) * self.units_per_kv_block - skip_units
+            units = self.paged.units_of(job.block_ids)[:num_units]
+            first_units = [skip_units] + [0] * (len(good) - 1)
+            try:
+                self.paged.scatter(units, good, self.units_per_kv_block, first_units)
+            except Exception:  # noqa: BLE001 - never leave a half-written load counted as loaded
+                logger.exception("writing kvstore blocks of request %s into vLLM's cache failed", job.req_id)
+                self._fail(job, 0, len(expected))
+                return
+            self._count(loaded_blocks=len(good), loaded_tokens=len(good) * self.block_size)
+        if len(good) < len(expected):
+            self._fail(job, len(good), len(expected))
+
+    def _fail(self, job: LoadJob, first_bad: int, num_blocks: int) -> None:
+        """Report the vLLM blocks of kvstore blocks ``first_bad`` onwards of a load as not loaded."""
+        ratio = self.block_size // self.vllm_block_size
+        skipped = job.skip_tokens // self.vllm_block_size
+        start = max(0, first_bad * ratio - skipped)
+        self._failed_block_ids.update(job.block_ids[start:])
+        self._failed_loads[job.req_id] = min(job.first_block + first_bad,
+                                             self._failed_loads.get(job.req_id, job.first_block + first_bad))
+        self._count(load_failed_blocks=max(0, num_blocks - first_bad))
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM blocks that failed to load since the last call (vLLM recomputes them)."""
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed
+
+    def take_worker_meta(self) -> KVStoreWorkerMetadata | None:
+        """The failed loads since the last call, for the scheduler (``None`` when there were none)."""
+        if not self._failed_loads:
+            return None
+        failed, self._failed_loads = self._failed_loads, {}
+        return KVStoreWorkerMetadata(failed_loads=failed)
+
+    # ------------------------------------------------------------------ saves
+
+    def save(self, meta: KVStoreConnectorMetadata) -> None:
+        """Copy the step's save jobs out of vLLM's cache and queue their puts; never raises."""
+        for job in meta.saves:
+            if job.at_finish:
+                self._finished_sending.add(job.req_id)
+            hashes = job.hashes.get(self.rank, [])
+            if not self.writer or not hashes:
+                continue
+            if not self.health.up():
+                self._count(save_failed_blocks=len(hashes))
+                continue
+            try:
+                blocks = self.paged.gather(self.paged.units_of(job.block_ids), self.units_per_kv_block)
+                if blocks.device.type != "cpu":
+                    blocks = blocks.to("cpu")
+            except Exception:  # noqa: BLE001 - a failed save is a future miss, never an engine failure
+                logger.exception("copying blocks of request %s out of vLLM's cache failed", job.req_id)
+                self._count(save_failed_blocks=len(hashes))
+                continue
+            nbytes = blocks.numel() * blocks.element_size()
+            with self._pending_lock:
+                if self._pending_bytes + nbytes > self.config.max_pending_save_bytes:
+                    logger.warning("kvstore save queue is full (%d bytes waiting): dropping %d blocks of request %s",
+                                   self._pending_bytes, len(hashes), job.req_id)
+                    self._count(save_failed_blocks=len(hashes))
+                    continue
+                self._pending_bytes += nbytes
+            self._tasks.put(_Put(self.namespace(job.tenant), hashes, blocks, nbytes))
+
+    def _save_loop(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            started = time.monotonic()
+            try:
+                if isinstance(task, _Delete):
+                    self.client.delete(task.namespace, task.hashes)
+                    continue
+                if not self.health.up():
+                    self._count(save_failed_blocks=len(task.hashes))
+                    continue
+                self.client.put(task.namespace, task.hashes, list(task.blocks), priority=self.config.priority,
+                                retention_s=self.config.retention_s)
+                self.health.succeeded()
+                self._count(saved_blocks=len(task.hashes), saved_tokens=len(task.hashes) * self.block_size)
+                self._observe("save_seconds", time.monotonic() - started)
+            except Exception as exc:  # noqa: BLE001 - the thread must survive any store failure
+                if isinstance(task, _Put):
+                    self.health.failed("save", exc)
+                    self._count(save_failed_blocks=len(task.hashes))
+                else:
+                    logger.warning("deleting a bad kvstore block failed: %s", exc)
+            finally:
+                if isinstance(task, _Put):
+                    with self._pending_lock:
+                        self._pending_bytes -= task.nbytes
+                        self._pending_lock.notify_all()
+                self._tasks.task_done()
+
+    def take_finished_sending(self) -> set[str]:
+        """Requests whose end-of-request save has been copied out, so vLLM may free their blocks."""
+        finished, self._finished_sending = self._finished_sending, set()
+        return finished
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued save and delete has reached the store (or failed); returns whether all did."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        waiter = threading.Thread(target=self._tasks.join, daemon=True)
+        waiter.start()
+        waiter.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not waiter.is_alive()
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        """This worker's counts since the last call."""
+        with self._stats_lock:
+            return self._stats.take()
+
+    def close(self) -> None:
+        """Finish queued saves (for up to :data:`SHUTDOWN_DRAIN_S`), then close the store; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.drain(SHUTDOWN_DRAIN_S):
+            logger.warning("kvstore saves still queued at shutdown were dropped")
+        self._tasks.put(None)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        if self.endpoint is not None:
+            self.endpoint.close()
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - shutting down
+            logger.debug("closing the kvstore client failed", exc_info=True)
+
+
+def open_worker_store(config: VLLMConnectorConfig) -> tuple[BlockClient, LookupEndpoint | None]:
+    """The worker's store: a client of the nodes, or an embedded store with its lookup endpoint.
+
+    Raises:
+        ConfigError: on a bad config file, TLS or token file.
+    """
+    if not config.embedded:
+        return open_client(config), None
+    whole = embedded_config(config)
+    store = EmbeddedStore(whole.store)
+    try:
+        return store, LookupEndpoint(store, whole)
+    except BaseException:
+        store.close()
+        raise
+
+
+def on_worker(fn: Callable[[WorkerSide], Any]) -> Callable[[Any], Any]:
+    """A function for ``LLM.collective_rpc`` that runs ``fn`` on each worker's :class:`WorkerSide`.
+
+    Example: ``llm.collective_rpc(on_worker(lambda w: w.drain(30)))`` waits for every worker's saves.
+    vLLM sends a function to its workers only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+    (it is pickled), so use this between processes you own (tests, benchmarks).
+    """
+    def call(_worker: Any) -> Any:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        connector = get_kv_transfer_group()
+        side = getattr(connector, "worker_side", None)
+        if side is None:
+            raise RuntimeError("the engine's KV connector is not kvstore's, or its worker is not set up")
+        return fn(side)
+
+    return call

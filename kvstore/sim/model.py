@@ -1,0 +1,247 @@
+"""The node's replay model: what one request does to a node's tiers, in the order ``kvstore.store`` does it.
+
+``kvstore simulate`` runs this model; ``kvstore loadtest`` with one worker
+runs the same requests against a real node (``TieredStore``), and the two
+count the same hits (``tests/sim/test_node_agreement.py`` checks it exactly).
+The policies are the store's own (``kvstore.policy``), called in the store's
+order; blocks are one unit each, so a capacity is a number of blocks.
+
+One request, with blocks ``b[0..n)`` (head first), is a client's lookup, get
+and put (as ``kvstore loadtest`` and the connectors do), and touches, inserts
+and evicts in this order. ``docs/simulate.md`` explains why.
+
+1. **Lookup** ``b``: the hit is the longest prefix ``b[0..h)`` resident in the
+   local tiers (each block in whichever tier holds it). It changes no recency;
+   it records ``b[h]`` as the start of a put to come, continuing ``b[0..h)``.
+2. **Get** ``b[0..h)``: each block is touched in its tier, tail first
+   (``b[h-1]`` first, so the head ends most recent). The blocks found in the
+   disk tier are then promoted: held in the disk tier (no victims there)
+   and placed in the memory tier (step 4, with nothing protected); each
+   batch leaves the disk tier as it is inserted in memory.
+3. **Put** ``b[h..n)``: its blocks already resident are touched in their tiers,
+   tail first; the others (fresh, in order) are placed in the memory tier
+   (step 4) with the put's continuation ``b[0..h)`` protected. Then the blocks
+   of ``b[0..h)`` still resident are touched again, tail first, so the request's
+   chain ends ordered tail (least recent) to head, as a request's blocks are
+   freed tail first in vLLM.
+4. **Placing** blocks in a tier: the protected blocks resident in the tier are
+   pinned; ``room`` is the capacity less the pinned blocks. The blocks go in
+   batches of at most ``room``, tail first; for each batch the policy names
+   victims for the batch (``victims``, pinned blocks skipped), the victims are
+   evicted, and the batch is inserted tail first. Blocks no room is left for
+   go to the next tier, or nowhere from the last.
+5. **Evicting** from the memory tier demotes the victims to the disk tier, when
+   there is one: placed there in the victims' order reversed (so the first
+   victim, the least recent, ends most recent), with their priority and
+   retention kept; the disk tier's own victims are dropped. A block being
+   promoted that the disk tier drops meanwhile is not placed in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvstore.continuations import Continuations
+from kvstore.errors import InvalidArgumentError
+from kvstore.policy import DEFAULT_PRIORITY, PriorityLRUPolicy, make_policy
+
+
+@dataclass(slots=True)
+class RequestHits:
+    """What one request hit: blocks of its prefix found in the memory tier and in the disk tier."""
+
+    memory: int = 0
+    disk: int = 0
+
+
+class NodeModel:
+    """One node's local tiers, memory and an optional disk tier, replaying requests in the store's order.
+
+    Args:
+        policy: a name ``kvstore.policy.make_policy`` takes (``lru``, ``slru``, ``adaptive``, ``default``).
+        capacity_blocks: blocks the memory tier holds (> 0).
+        disk_capacity_blocks: blocks the disk tier holds; 0 for no disk tier.
+        default_priority: the tiers' default priority.
+
+    Raises:
+        InvalidArgumentError: on an unknown policy or a capacity out of range.
+    """
+
+    def __init__(self, policy: str, capacity_blocks: int, *, disk_capacity_blocks: int = 0,
+                 default_priority: int = DEFAULT_PRIORITY) -> None:
+        if capacity_blocks <= 0 or disk_capacity_blocks < 0:
+            raise InvalidArgumentError(f"capacities must be > 0 (memory) and >= 0 (disk) blocks, "
+                                       f"got {capacity_blocks} and {disk_capacity_blocks}")
+        try:
+            self.policies: list[PriorityLRUPolicy] = [
+                make_policy(policy, default_priority=default_priority, capacity_bytes=capacity_blocks,
+                            demotes=disk_capacity_blocks > 0)
+            ]
+            if disk_capacity_blocks > 0:
+                self.policies.append(make_policy(policy, default_priority=default_priority,
+                                                 capacity_bytes=disk_capacity_blocks))
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        self.capacities = [capacity_blocks, disk_capacity_blocks][: len(self.policies)]
+        self._continuations: Continuations[int] = Continuations()
+        self.evicted_blocks = 0
+        self.demoted_blocks = 0
+
+    def tier_of(self, key: int) -> int | None:
+        """The tier holding ``key`` (0 memory, 1 disk), or ``None``."""
+        for level, policy in enumerate(self.policies):
+            if key in policy:
+                return level
+        return None
+
+    def request(self, blocks: Sequence[int], now: float = 0.0, priority: int | None = None,
+                expires_at: float = 0.0) -> RequestHits:
+        """Replay one request (module docstring, steps 1-5) and return its hits.
+
+        Args:
+            blocks: the request's chained block ids, head first.
+            now: the request's time, seconds (for retention).
+            priority: the priority of its put (the tier's default when ``None``).
+            expires_at: when that priority's retention ends (0.0 for none).
+        """
+        hits = RequestHits()
+        levels = self._lookup(blocks)
+        h = len(levels)
+        if h:
+            hits.memory = levels.count(0)
+            hits.disk = h - hits.memory
+            self._get(blocks[:h], levels, now)
+        if h < len(blocks):
+            self._put(blocks[h:], now, priority, expires_at)
+        return hits
+
+    def _lookup(self, blocks: Sequence[int]) -> list[int]:
+        policies = self.policies
+        found = policies[0].contains_many(blocks)
+        if False not in found:
+            return [0] * len(blocks)
+        levels = [0] * found.index(False)
+        if len(policies) > 1:
+            rest = blocks[len(levels):]
+            for in_memory, in_disk in zip(policies[0].contains_many(rest), policies[1].contains_many(rest)):
+                if not (in_memory or in_disk):
+                    break
+                levels.append(0 if in_memory else 1)
+        self._continuations.record(blocks, len(levels))
+        return levels
+
+    def _get(self, prefix: Sequence[int], levels: list[int], now: float) -> None:
+        policies = self.policies
+        if 1 not in levels:
+            policies[0].touch_many(prefix)
+            return
+        for i in range(len(prefix) - 1, -1, -1):
+            policies[levels[i]].touch(prefix[i])
+        disk = policies[1]
+        moving = [key for key, level in zip(prefix, levels) if level == 1 and key in disk]
+        metas = {key: (disk.priority_of(key), disk.expiry_of(key)) for key in moving}
+        disk.pin_many(moving)  # held in the disk tier while they move, as the store's mover holds them
+        try:
+            self._place_in(0, moving, now, metas=metas, source=1)
+        finally:
+            disk.unpin_many([key for key in moving if key in disk])
+
+    def _put(self, keys: Sequence[int], now: float, priority: int | None, expires_at: float) -> None:
+        policies = self.policies
+        if len(policies) == 1:
+            found = policies[0].contains_many(keys)
+            if True in found:
+                policies[0].touch_many([key for key, hit in zip(keys, found) if hit])
+                fresh = list(dict.fromkeys(key for key, hit in zip(keys, found) if not hit))
+            else:
+                fresh = list(dict.fromkeys(keys))
+        else:
+            for i in range(len(keys) - 1, -1, -1):
+                level = self.tier_of(keys[i])
+                if level is not None:
+                    policies[level].touch(keys[i])
+            fresh = list(dict.fromkeys(key for key in keys if self.tier_of(key) is None))
+        if not fresh:
+            return
+        protect = self._continuations.pop(fresh[0])
+        meta = (policies[0].default_priority if priority is None else priority, expires_at)
+        left = fresh
+        for level in range(len(policies)):
+            left = self._place_in(level, left, now, meta=meta, protect=protect)
+            if not left:
+                break
+        if protect:
+            if len(policies) == 1:
+                top = policies[0]
+                found = top.contains_many(protect)
+                top.touch_many(protect if False not in found else [k for k, hit in zip(protect, found) if hit])
+            else:
+                for i in range(len(protect) - 1, -1, -1):
+                    level = self.tier_of(protect[i])
+                    if level is not None:
+                        policies[level].touch(protect[i])
+
+    def _place_in(self, level: int, keys: list[int], now: float, *, meta: tuple[int, float] | None = None,
+                  metas: dict[int, tuple[int, float]] | None = None, source: int | None = None,
+                  protect: Sequence[int] = ()) -> list[int]:
+        """Step 4 for tier ``level``; returns the keys no room was left for, in order (all of them or none)."""
+        policy = self.policies[level]
+        capacity = self.capacities[level]
+        pinned = [key for key, hit in zip(protect, policy.contains_many(protect)) if hit] if protect else []
+        policy.pin_many(pinned)
+        try:
+            room = capacity - len(pinned)
+            if room <= 0:
+                return keys
+            end = len(keys)
+            while end > 0:
+                start = max(0, end - room)
+                excess = policy.nbytes + (end - start) - capacity
+                if excess > 0:
+                    victims = policy.victims(excess, now)
+                    if source is not None and len(victims) < excess:  # a move into a tier held full: the store
+                        return keys[:end]  # cannot reserve its room, and the move gives up (its blocks dropped)
+                    self._evict(level, victims, now)
+                if source is None and meta is not None:  # new blocks of a put: none is tracked here
+                    policy.insert_many(keys[start:end], 1, *meta)
+                else:
+                    moved = []
+                    for i in range(end - 1, start - 1, -1):
+                        key = keys[i]
+                        if source is not None and key not in self.policies[source]:
+                            continue  # dropped from its source tier while it was being moved
+                        if key in policy:
+                            policy.remove(key)
+                        priority, expires_at = metas[key] if metas is not None else meta  # type: ignore[misc]
+                        policy.insert(key, 1, priority, expires_at)
+                        moved.append(key)
+                    if source is not None and level < source:  # a promotion: the batch leaves its source now
+                        self._leave(source, moved)
+                end = start
+            return []
+        finally:
+            policy.unpin_many(pinned)
+
+    def _leave(self, level: int, keys: list[int]) -> None:
+        """Keys promoted out of tier ``level``, their hold there given back (tiers are exclusive)."""
+        policy = self.policies[level]
+        present = [key for key in keys if key in policy]
+        policy.unpin_many(present)
+        policy.remove_many(present)
+
+    def _evict(self, level: int, victims: list[int], now: float) -> None:
+        policy = self.policies[level]
+        if level + 1 < len(self.policies):
+            kept = {key: (policy.priority_of(key), policy.expiry_of(key)) for key in victims}
+            for key in victims:
+                policy.pin(key)  # claimed while they move out, as the store does
+            try:
+                self._place_in(level + 1, victims, now, metas=kept, source=level)
+            finally:
+                for key in victims:
+                    policy.unpin(key)
+            self.demoted_blocks += len(victims)
+        else:
+            self.evicted_blocks += len(victims)
+        policy.remove_many(victims)

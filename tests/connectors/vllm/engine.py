@@ -1,0 +1,142 @@
+"""A real vLLM engine in its own process, driven by a test over a ``multiprocessing.connection`` (``harness.Engine``).
+
+Run as ``python -m tests.connectors.vllm.engine ADDRESS AUTHKEY_HEX``. The
+first message is the engine's settings; the process answers ``{"ready": ...}``
+once the ``LLM`` is built (or ``{"error": traceback}``), then serves commands
+until ``quit``. Only the test's own objects cross the connection (plain dicts,
+lists and kvstore namespaces).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from multiprocessing.connection import Client
+from typing import Any
+
+
+def _generate(llm: Any, conn: Any, cmd: dict[str, Any]) -> list[list[int]]:
+    """Run prompts to completion through the engine's step loop; optionally pause after some finish.
+
+    ``cmd["prompts"]``: dicts with ``tokens`` and optional ``salt``, ``lora``
+    (``[name, id, path]``), ``load``, ``save``, ``max_tokens``. With
+    ``pause_after=k``, the loop stops stepping once ``k`` requests have
+    finished, sends ``{"paused": k}`` and waits for any message before going on.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    engine = llm.llm_engine
+    ids = []
+    for i, prompt in enumerate(cmd["prompts"]):
+        options = {k: prompt[k] for k in ("load", "save") if k in prompt}
+        extra = {"kv_transfer_params": {"kvstore": options}} if options else None
+        params = SamplingParams(max_tokens=prompt.get("max_tokens", cmd.get("max_tokens", 16)), temperature=0.0,
+                                ignore_eos=True, extra_args=extra)
+        tokens = TokensPrompt(prompt_token_ids=list(prompt["tokens"]))
+        if prompt.get("salt"):
+            tokens["cache_salt"] = prompt["salt"]
+        lora = LoRARequest(*prompt["lora"]) if prompt.get("lora") else None
+        request_id = f"{cmd.get('tag', 'r')}-{i}"
+        engine.add_request(request_id, tokens, params, lora_request=lora)
+        ids.append(request_id)
+    outputs: dict[str, list[int]] = {}
+    pause_after = cmd.get("pause_after")
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = list(output.outputs[0].token_ids)
+        if pause_after is not None and len(outputs) >= pause_after:
+            conn.send({"paused": len(outputs)})
+            conn.recv()
+            pause_after = None
+    return [outputs[i] for i in ids]
+
+
+def _ttft(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Seconds from submitting one prompt to its first token (greedy, one token), and the token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    engine.add_request(cmd["tag"], TokensPrompt(prompt_token_ids=list(cmd["tokens"])), params)
+    ttft_s, token = None, None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if ttft_s is None and output.outputs and output.outputs[0].token_ids:
+                ttft_s, token = time.perf_counter() - started, output.outputs[0].token_ids[0]
+    return {"ttft_s": ttft_s, "token": token}
+
+
+def _metrics(llm: Any, cmd: dict[str, Any]) -> dict[str, float]:
+    """The ``vllm:kvstore_*`` metrics (and vLLM's own prefix-cache counters) from the engine's Prometheus registry.
+
+    A histogram gives ``<name>_sum`` (seconds) and ``<name>_count``.
+    """
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(("vllm:kvstore_", "vllm:prefix_cache", "vllm:external_prefix_cache")):
+            name = metric.name.removeprefix("vllm:")
+            if hasattr(metric, "sum") and hasattr(metric, "count"):
+                values[f"{name}_sum"], values[f"{name}_count"] = float(metric.sum), float(metric.count)
+            else:
+                values[name] = float(getattr(metric, "value", 0) or 0)
+    return values
+
+
+def _on_workers(llm: Any, fn: Any) -> list[Any]:
+    from kvstore.connectors.vllm import on_worker
+
+    return llm.collective_rpc(on_worker(fn))
+
+
+def _namespace(llm: Any, cmd: dict[str, Any]) -> Any:
+    from kvstore.connectors.vllm.jobs import TenantKey
+
+    tenant = TenantKey(cmd.get("salt", ""), cmd.get("adapter", ""))
+    return _on_workers(llm, lambda side: side.namespace(tenant))[0]
+
+
+def _drain(llm: Any, cmd: dict[str, Any]) -> bool:
+    timeout_s = float(cmd.get("timeout_s", 60.0))
+    return all(_on_workers(llm, lambda side: side.drain(timeout_s)))
+
+
+def main(address: str, authkey_hex: str) -> None:
+    conn = Client(address, authkey=bytes.fromhex(authkey_hex))
+    settings: dict[str, Any] = conn.recv()
+    try:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kv = settings.get("kv_transfer")
+        transfer = KVTransferConfig(**kv) if kv else None
+        llm = LLM(**settings["llm"], kv_transfer_config=transfer)
+    except BaseException:  # noqa: BLE001 - the test reads the start-up error
+        conn.send({"error": traceback.format_exc()})
+        return
+    conn.send({"ready": True})
+    handlers = {"metrics": _metrics, "ttft": _ttft, "namespace": _namespace, "drain": _drain,
+                "reset_prefix_cache": lambda llm, cmd: llm.reset_prefix_cache()}
+    while True:
+        cmd = conn.recv()
+        if cmd["op"] == "quit":
+            conn.send({"result": None})
+            break
+        try:
+            if cmd["op"] == "generate":
+                result = _generate(llm, conn, cmd)
+            else:
+                result = handlers[cmd["op"]](llm, cmd)
+            conn.send({"result": result})
+        except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+            conn.send({"error": traceback.format_exc()})
+    del llm
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

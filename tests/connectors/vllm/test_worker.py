@@ -1,0 +1,207 @@
+"""Tests of a worker's half: saves and loads through a real embedded store, and every way a load can fail.
+
+The paged KV is vLLM's CPU layout over plain tensors; failures come from the
+store itself (a block that is not there) or from a client that misbehaves on
+purpose (corrupt bytes, a block of another shape, a call that hangs). A failed
+load must report exactly the vLLM blocks from the first bad one on, write
+nothing for them, and count nothing as loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.api import Buffer
+from kvstore.codec import encode_block
+from kvstore.config import MemoryTierConfig, StoreConfig
+from kvstore.connectors.vllm.config import parse_config
+from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, LoadJob, SaveJob, TenantKey
+from kvstore.connectors.vllm.layout import KVFamily, PagedKV, PageFormat, canonical_view
+from kvstore.connectors.vllm.namespaces import ModelIdentity
+from kvstore.connectors.vllm.worker import WorkerSide
+from kvstore.embedded import EmbeddedStore
+from kvstore.errors import UnavailableError
+
+NUM_BLOCKS, H, N, D, LAYERS = 16, 2, 32, 32, 2
+FORMAT = PageFormat(backend="CPU_ATTN", family="split_tokens", interior="cpu_attn:isa=vec", num_layers=LAYERS,
+                    num_kv_heads=H, head_size=D, unit_tokens=N, dtype="bfloat16", cache_dtype="auto")
+IDENTITY = ModelIdentity(model_id="m", revision="", config_digest="c", act_dtype="bfloat16", quantization="",
+                         tp_size=1, pp_size=1)
+RANK = (0, 0)
+
+
+class Proxy:
+    """A block client that forwards to the store, but can corrupt, replace or hold back what ``get`` returns."""
+
+    def __init__(self, store: EmbeddedStore) -> None:
+        self.store = store
+        self.edit: Any = None
+        self.gate: threading.Event | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def get(self, namespace: Any, hashes: Any) -> list[Buffer]:
+        if self.gate is not None:
+            self.gate.wait()
+        blocks = self.store.get(namespace, hashes)
+        return self.edit(blocks) if self.edit else blocks
+
+    def close(self) -> None:
+        """The test closes the store."""
+
+
+@pytest.fixture()
+def store() -> Any:
+    with EmbeddedStore(StoreConfig(memory=MemoryTierConfig(capacity_bytes=64 << 20))) as store:
+        yield store
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUM_BLOCKS, H, N, 2 * D, generator=generator).bfloat16() for _ in range(LAYERS)]
+
+
+def _worker(client: Any, caches: list[torch.Tensor], **extra: Any) -> WorkerSide:
+    paged = PagedKV(FORMAT, [canonical_view(c, KVFamily.SPLIT_TOKENS, H, D, N) for c in caches], 1)
+    config = parse_config({"block_size": 64, "timeout_s": 5, **extra})  # kvstore blocks of 2 vLLM blocks
+    return WorkerSide(config, IDENTITY, paged, RANK, 32, client)
+
+
+HASHES = [bytes([i]) * 16 for i in range(4)]  # stand-ins: the worker stores whatever hashes the scheduler names
+
+
+def _save(worker: WorkerSide, block_ids: list[int], hashes: list[bytes] = HASHES, **kwargs: Any) -> None:
+    job = SaveJob("s", TenantKey(), {RANK: hashes}, block_ids, **kwargs)
+    worker.save(KVStoreConnectorMetadata(saves=[job]))
+    assert worker.drain(30)
+
+
+def _load(worker: WorkerSide, block_ids: list[int], hashes: list[bytes] = HASHES, skip_tokens: int = 0) -> set[int]:
+    job = LoadJob("l", TenantKey(), 0, {RANK: hashes}, skip_tokens, block_ids)
+    worker.start_load(KVStoreConnectorMetadata(loads=[job]))
+    return worker.take_load_errors()
+
+
+def _units_equal(a: list[torch.Tensor], a_ids: list[int], b: list[torch.Tensor], b_ids: list[int]) -> bool:
+    return all(torch.equal(x[a_ids], y[b_ids]) for x, y in zip(a, b))
+
+
+def test_saved_blocks_load_into_other_blocks_of_another_worker(store: EmbeddedStore) -> None:
+    source, target = _caches(1), _caches(2)
+    saver, loader = _worker(store, source), _worker(store, target)
+    _save(saver, [3, 4, 9, 1, 0, 7, 12, 13])  # 4 kvstore blocks
+    before = [t.clone() for t in target]
+    assert _load(loader, [5, 6, 10, 11, 2, 8, 14, 15]) == set()
+    assert _units_equal(source, [3, 4, 9, 1, 0, 7, 12, 13], target, [5, 6, 10, 11, 2, 8, 14, 15])
+    assert _units_equal(before, [3, 4, 9], target, [3, 4, 9])  # nothing else written
+    stats = loader.take_stats()
+    assert stats is not None and stats.data["loaded_blocks"] == 4 and stats.data["load_failed_blocks"] == 0
+    assert saver.take_stats().data["saved_blocks"] == 4
+
+
+def test_a_block_partly_in_vllms_local_cache_is_written_only_past_it(store: EmbeddedStore) -> None:
+    source, target = _caches(1), _caches(2)
+    _save(_worker(store, source), [3, 4, 9, 1], HASHES[:2])
+    before = [t.clone() for t in target]
+    assert _load(_worker(store, target), [6, 7, 8], HASHES[:2], skip_tokens=32) == set()  # vLLM has tokens 0..31
+    assert _units_equal(source, [4, 9, 1], target, [6, 7, 8])
+    assert _units_equal(before, [5], target, [5])
+
+
+def test_a_miss_after_the_lookup_reports_the_missing_blocks_and_writes_nothing_for_them(store: EmbeddedStore) -> None:
+    source, target = _caches(1), _caches(2)
+    _save(_worker(store, source), [3, 4, 9, 1], HASHES[:2])  # only 2 of the 4 blocks are in the store
+    before = [t.clone() for t in target]
+    loader = _worker(store, target)
+    assert _load(loader, [5, 6, 10, 11, 2, 8, 14, 15]) == {2, 8, 14, 15}
+    assert _units_equal(source, [3, 4, 9, 1], target, [5, 6, 10, 11])
+    assert _units_equal(before, [2, 8, 14, 15], target, [2, 8, 14, 15])
+    stats = loader.take_stats()
+    assert stats.data["loaded_blocks"] == 2 and stats.data["load_failed_blocks"] == 2
+    meta = loader.take_worker_meta()
+    assert meta is not None and meta.failed_loads == {"l": 2}
+    assert loader.take_worker_meta() is None and loader.take_load_errors() == set()
+
+
+@pytest.mark.parametrize("damage", ["checksum", "shape", "dtype"])
+def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: EmbeddedStore, damage: str) -> None:
+    source, target = _caches(1), _caches(2)
+    saver = _worker(store, source)
+    _save(saver, [3, 4, 9, 1, 0, 7], HASHES[:3])
+    proxy = Proxy(store)
+
+    def edit(blocks: list[Buffer]) -> list[Buffer]:
+        bad = bytearray(blocks[1])
+        if damage == "checksum":
+            bad[-1] ^= 0xFF  # one flipped bit of payload
+        elif damage == "shape":
+            bad = bytearray(encode_block(torch.zeros(LAYERS + 1, 2, H, 64, D, dtype=torch.bfloat16)))
+        else:
+            bad = bytearray(encode_block(torch.zeros(LAYERS, 2, H, 64, D, dtype=torch.float16)))
+        return [blocks[0], bytes(bad), *blocks[2:]]
+
+    proxy.edit = edit
+    before = [t.clone() for t in target]
+    loader = _worker(proxy, target)
+    assert _load(loader, [5, 6, 10, 11, 2, 8], HASHES[:3]) == {10, 11, 2, 8}  # block 1 and all after it
+    assert _units_equal(source, [3, 4], target, [5, 6])
+    assert _units_equal(before, [10, 11, 2, 8], target, [10, 11, 2, 8])
+    assert loader.drain(30)
+    namespace = loader.namespace(TenantKey())
+    assert store.lookup(namespace, HASHES[:3]).num_blocks == 1  # the bad block is gone, a new save replaces it
+
+
+def test_a_load_that_hangs_is_given_up_after_the_timeout(store: EmbeddedStore) -> None:
+    _save(_worker(store, _caches(1)), [3, 4, 9, 1], HASHES[:2])
+    proxy = Proxy(store)
+    proxy.gate = threading.Event()  # the store never answers until the test ends
+    target = _caches(2)
+    before = [t.clone() for t in target]
+    loader = _worker(proxy, target, timeout_s=0.2, down_backoff_s=3600)
+    try:
+        assert _load(loader, [5, 6, 10, 11], HASHES[:2]) == {5, 6, 10, 11}
+        assert _units_equal(before, [5, 6, 10, 11], target, [5, 6, 10, 11])
+        # the store is now down for the backoff: the next load fails at once, without calling it
+        assert _load(loader, [5, 6, 10, 11], HASHES[:2]) == {5, 6, 10, 11}
+        assert loader.take_stats().data["load_failed_blocks"] == 4
+    finally:
+        proxy.gate.set()
+
+
+def test_saves_are_dropped_and_counted_while_the_store_is_down(store: EmbeddedStore) -> None:
+    class Down(Proxy):
+        def put(self, *args: Any, **kwargs: Any) -> int:
+            raise UnavailableError("node down")
+
+    worker = _worker(Down(store), _caches(1), down_backoff_s=3600)
+    _save(worker, [3, 4], HASHES[:1])
+    _save(worker, [9, 1], HASHES[1:2], at_finish=True)
+    assert worker.take_finished_sending() == {"s"}  # vLLM may free the blocks whatever happened to the put
+    stats = worker.take_stats()
+    assert stats.data["saved_blocks"] == 0 and stats.data["save_failed_blocks"] == 2
+
+
+def test_saves_past_the_pending_limit_are_dropped(store: EmbeddedStore) -> None:
+    proxy = Proxy(store)
+    block_bytes = LAYERS * 2 * H * 64 * D * 2
+    worker = _worker(proxy, _caches(1), max_pending_save_bytes=block_bytes)
+    hold = threading.Event()
+    proxy.put = lambda *a, **k: hold.wait() or 1  # the first put waits, so the queue stays full
+    job = lambda i: SaveJob(f"s{i}", TenantKey(), {RANK: [HASHES[i]]}, [2 * i, 2 * i + 1])  # noqa: E731
+    worker.save(KVStoreConnectorMetadata(saves=[job(0), job(1)]))
+    hold.set()
+    assert worker.drain(30)
+    stats = worker.take_stats()
+    assert stats.data["saved_blocks"] == 1 and stats.data["save_failed_blocks"] == 1
+
+
+def test_a_job_with_nothing_to_fetch_reports_every_block(store: EmbeddedStore) -> None:
+    worker = _worker(store, _caches(1))
+    job = LoadJob("l", TenantKey(), 0, {}, 0, [3, 4, 5])
+    worker.start_load(KVStoreConnectorMetadata(loads=[job]))
+    assert worker.take_load_errors() == {3, 4, 5}
