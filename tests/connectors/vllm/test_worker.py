@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvstore.api import Buffer
+from kvstore.blockcopy import copy_into_destinations
 from kvstore.codec import encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.connectors.vllm.config import parse_config
@@ -50,6 +51,19 @@ class Proxy:
             self.gate.wait()
         blocks = self.store.get(namespace, hashes)
         return self.edit(blocks) if self.edit else blocks
+
+    def get_into(self, namespace: Any, hashes: Any, destinations: Any, *, verify: bool | None = None) -> int:
+        """The edited blocks copied as every client's ``get_into`` copies them (``kvstore.blockcopy``)."""
+        copied = copy_into_destinations(self.get(namespace, hashes), destinations, bool(verify))
+        if copied.error is not None:
+            raise copied.error
+        return copied.num_copied
+
+
+class GetOnly(Proxy):
+    """A client without ``get_into`` (a third party's ``BlockClient``): the worker checks and decodes encoded blocks."""
+
+    get_into = None  # type: ignore[assignment]  # what the worker's getattr(client, "get_into", None) sees of none
 
     def close(self) -> None:
         """The test closes the store."""
@@ -91,9 +105,10 @@ def _units_equal(a: list[torch.Tensor], a_ids: list[int], b: list[torch.Tensor],
     return all(torch.equal(x[a_ids], y[b_ids]) for x, y in zip(a, b))
 
 
-def test_saved_blocks_load_into_other_blocks_of_another_worker(store: EmbeddedStore) -> None:
+@pytest.mark.parametrize("client", [EmbeddedStore, GetOnly])
+def test_saved_blocks_load_into_other_blocks_of_another_worker(store: EmbeddedStore, client: Any) -> None:
     source, target = _caches(1), _caches(2)
-    saver, loader = _worker(store, source), _worker(store, target)
+    saver, loader = _worker(store, source), _worker(store if client is EmbeddedStore else client(store), target)
     _save(saver, [3, 4, 9, 1, 0, 7, 12, 13])  # 4 kvstore blocks
     before = [t.clone() for t in target]
     assert _load(loader, [5, 6, 10, 11, 2, 8, 14, 15]) == set()
@@ -128,12 +143,14 @@ def test_a_miss_after_the_lookup_reports_the_missing_blocks_and_writes_nothing_f
     assert loader.take_worker_meta() is None and loader.take_load_errors() == set()
 
 
+@pytest.mark.parametrize("client", [Proxy, GetOnly])
 @pytest.mark.parametrize("damage", ["checksum", "shape", "dtype"])
-def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: EmbeddedStore, damage: str) -> None:
+def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: EmbeddedStore, damage: str,
+                                                                   client: type[Proxy]) -> None:
     source, target = _caches(1), _caches(2)
     saver = _worker(store, source)
     _save(saver, [3, 4, 9, 1, 0, 7], HASHES[:3])
-    proxy = Proxy(store)
+    proxy = client(store)
 
     def edit(blocks: list[Buffer]) -> list[Buffer]:
         bad = bytearray(blocks[1])
