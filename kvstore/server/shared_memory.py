@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING, AsyncIterator, TypeVar
 
@@ -21,6 +22,7 @@ from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import block_key
 from kvstore.status import FailedPreconditionError
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire import reply_head
 
 if TYPE_CHECKING:
     from kvstore.shm.node import SharedMemoryNode
@@ -144,7 +146,8 @@ class SharedMemoryMethods:
                 if nbytes > store_config.max_block_bytes:
                     raise ResourceExhaustedError(f"block {position}: {nbytes} bytes is over "
                                                  f"max_block_bytes={store_config.max_block_bytes}")
-            blocks = shm.copy_in(session, request.offsets, request.sizes)
+            blocks = shm.copy_in(session, request.offsets, request.sizes,
+                                 functools.partial(reply_head, chunk_bytes=self._chunk_bytes))  # type: ignore[attr-defined]
             priority = request.priority if request.HasField("priority") else None
             retention_s = request.retention_s if request.HasField("retention_s") else None
             self._check_deadline(context)  # type: ignore[operator]

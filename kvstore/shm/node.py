@@ -28,6 +28,7 @@ from kvstore.errors import InvalidArgumentError
 from kvstore.shm.handoff import HandoffServer
 from kvstore.shm.segment import Segment
 from kvstore.shm.sessions import Lease, Session, SessionTable
+from kvstore.tiers.base import Framing
 
 logger = logging.getLogger(__name__)
 
@@ -218,12 +219,25 @@ class SharedMemoryNode:
     # ------------------------------------------------------------------ Put: out of the put segment
 
     @staticmethod
-    def copy_in(session: Session, offsets: Sequence[int], sizes: Sequence[int]) -> list[bytes]:
-        """The node's copy of each block the client staged in its put segment (``bytes`` of their own).
+    def copy_in(session: Session, offsets: Sequence[int], sizes: Sequence[int],
+                framing: Framing | None = None) -> list[Buffer]:
+        """The node's copy of each block the client staged in its put segment (memory of its own).
 
         What the client writes into its segment afterwards, or while this runs,
         changes nothing here but these copies, which the store validates
         (header, checksum) before it stores any of them.
+
+        With ``framing`` (the memory tier's, ``kvstore.wire.reply_head``), each
+        block is copied once, straight into its stored form: ``head || block``
+        in one ``bytes``, and the copy returned is the view of its block part,
+        which the heap tier keeps as it is (``kvstore.tiers.heap``) instead of
+        copying it again behind its head.
+
+        Args:
+            session: the client's session.
+            offsets: each block's offset in the put segment, bytes.
+            sizes: each block's length, bytes.
+            framing: the head stored before a block of ``n`` bytes (``None``: no head).
 
         Raises:
             InvalidArgumentError: if the offsets and sizes differ in number, or a range is not inside the segment.
@@ -232,12 +246,16 @@ class SharedMemoryNode:
             raise InvalidArgumentError(f"{len(offsets)} offsets but {len(sizes)} sizes")
         view = session.put_segment.view
         limit = session.put_segment.nbytes
-        copies = []
+        copies: list[Buffer] = []
         for i, (offset, nbytes) in enumerate(zip(offsets, sizes)):
             if not 0 < nbytes <= limit - offset or offset < 0:
                 raise InvalidArgumentError(f"block {i}: range [{offset}, {offset + nbytes}) is not inside "
                                            f"the put segment of {limit} bytes")
-            copies.append(bytes(view[offset:offset + nbytes]))
+            head = framing(nbytes) if framing is not None else None
+            if head:
+                copies.append(memoryview(b"".join((head, view[offset:offset + nbytes])))[len(head):])
+            else:
+                copies.append(bytes(view[offset:offset + nbytes]))
         return copies
 
     def counters(self) -> dict[str, int]:
