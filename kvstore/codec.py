@@ -68,6 +68,9 @@ VERSION = 2
 ALIGNMENT = 64
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sHBBBBHQQ")  # 28 bytes
+CHECKSUM_SPAN = (_FIXED.size - 8, _FIXED.size)
+"""Where a header holds the block's checksum, ``[start, end)`` bytes: the rest of two blocks' headers is equal
+exactly when their dtype, layout and shape are."""
 _CHECKSUM_AT = 20  # offset of the checksum field in the header
 _CHECKSUM_BYTES = 8
 _NO_CHECKSUM = bytes(_CHECKSUM_BYTES)

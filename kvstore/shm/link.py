@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import grpc
 
-from kvstore.blockcopy import Copied, byte_view, copy_block_into, copy_into_destinations, encode_into, encoded_nbytes
+from kvstore.blockcopy import Copied, byte_view, copy_batch_into, copy_block_into, copy_into_destinations, encode_into, encoded_nbytes
 from kvstore.codec import Layout, decode_header, torch_dtype, verify_block
 from kvstore.errors import KVStoreError
 from kvstore.shm.allocator import RangeAllocator
@@ -172,8 +172,10 @@ class SharedSession:
         view, raw = self.get_segment.view, self.get_bytes
         try:
             blocks = [view[o:o + n] for o, n in zip(offsets, sizes)]
-            copied = copy_into_destinations(blocks, destinations, verify,
-                                            [raw[o:o + n] for o, n in zip(offsets, sizes)])
+            copied = None if verify else copy_batch_into(blocks, destinations, raw, offsets)
+            if copied is None:
+                copied = copy_into_destinations(blocks, destinations, verify,
+                                                [raw[o:o + n] for o, n in zip(offsets, sizes)])
             self._check_lease(reply.lease_id, deadline)
             return copied
         finally:

@@ -94,6 +94,24 @@ def test_get_into_fills_views_of_a_larger_tensor_and_stops_at_the_first_miss(shm
     assert not cache[:, :, :, 8:].any()  # past the prefix: untouched
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+def test_get_into_the_rows_of_one_tensor_copies_the_prefix_bit_for_bit(shm: KVStoreClient, dtype: str) -> None:
+    ns = namespace(dtype=dtype, block_size=4)
+    hashes = hash_blocks(ns, list(range(6 * 4)))
+    tensors = random_blocks(ns, 6, seed=5)
+    shm.put(ns, hashes[:5], tensors[:5])
+    shm.delete(ns, hashes[3:4])  # the prefix is 3 blocks
+    staging = torch.zeros((6, *tensors[0].shape), dtype=tensors[0].dtype)  # one copy for the whole batch
+    assert shm.get_into(ns, hashes, list(staging.unbind(0))) == 3
+    assert all(same_bits(staging[i], tensors[i]) for i in range(3))
+    assert not staging[3:].any()  # past the prefix: untouched
+    rows = list(staging.unbind(0))
+    rows[1], rows[2] = rows[2], rows[1]  # rows out of order: each block still lands in its own destination
+    assert shm.get_into(ns, hashes, rows) == 3
+    assert same_bits(staging[2], tensors[1]) and same_bits(staging[1], tensors[2])
+    assert shm.shared_memory() == ("attached",)
+
+
 def test_a_block_that_does_not_fit_its_destination_ends_the_copy_with_an_error(shm: KVStoreClient,
                                                                                 grpc_client: KVStoreClient) -> None:
     ns = namespace(block_size=4)
