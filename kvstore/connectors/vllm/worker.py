@@ -15,10 +15,13 @@ blocks vLLM allocated for the load. Loading is not pipelined layer by layer:
 one block holds every layer, so the whole load is one fetch, then the copies
 (``kvstore.connectors.vllm.layout.PagedKV.scatter``); ``wait_for_layer_load`` has nothing to wait for.
 A client with ``get_into`` (every kvstore client) fetches into one staging
-tensor ``[num_blocks, *block_shape]`` (pinned when the cache is on CUDA),
-checksums checked: from the node's shared memory on the same host, that is
-the one copy before the scatter, with no ``bytes`` in between. A corrupt block
-there makes the worker fetch the encoded blocks to find which one it was.
+tensor ``[num_blocks, *block_shape]`` (pinned when the cache is on CUDA):
+from the node's shared memory on the same host, that is the one copy before
+the scatter, with no ``bytes`` in between (one strided copy for the batch).
+Checksums are then checked as the client checks them: what crossed a network
+(gRPC) is, what the node validated at put time and copied into shared memory
+is not, nor the embedded store's own memory (``docs/shared-memory.md``). A
+corrupt block makes the worker fetch the encoded blocks to find which one it was.
 
 Saves (``wait_for_save``, after the forward pass): the blocks of the step's
 :class:`~kvstore.connectors.vllm.jobs.SaveJob` s are copied out of vLLM's cache
@@ -199,7 +202,7 @@ class WorkerSide:
         staging = torch.empty((len(hashes), *self._block_shape), dtype=self._block_dtype,
                               pin_memory=self.paged.device.type == "cuda")
         try:
-            num_blocks = get_into(namespace, hashes, list(staging), verify=True)
+            num_blocks = get_into(namespace, hashes, list(staging))  # checksums checked as the client checks them
         except DestinationMismatchError as exc:
             return _Staged(staging[:exc.num_blocks], f"not of this worker's page format ({exc})")
         except CodecError:  # a corrupt block: fetch the encoded blocks to find which (rare: blocks are checked at put)
