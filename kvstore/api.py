@@ -155,6 +155,20 @@ class BlockClient(Protocol):
         """
         ...
 
+    def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],
+                 destinations: Sequence[torch.Tensor], *, verify: bool | None = None) -> int:
+        """Copy the blocks of the longest cached prefix into ``destinations`` (one tensor per hash, each of the
+        block's dtype and shape, on any device, any view); returns how many.
+
+        The Get a connector calls for its staging buffer or KV cache, whatever
+        the transport: the embedded store copies from its tier's memory, a
+        client of a node on the same host from shared memory, and one on
+        another host from the gRPC messages; each block is copied once.
+        Raises ``DestinationMismatchError`` at a block that does not fit its
+        destination (the blocks before it are copied: its ``num_blocks``).
+        """
+        ...
+
     def put(
         self,
         namespace: Namespace,

@@ -35,6 +35,7 @@ examples:
   kvstore serve --host 0.0.0.0 --memory-capacity 8GiB --disk-path /var/lib/kvstore --disk-capacity 100GiB
   kvstore serve --config kvstore.toml --redis-url redis://cache:6379/0
   kvstore serve --port 0 --metrics-port 0         # free ports; the "serving" log line names them
+  kvstore serve --unix-socket /run/kvstore/kvstore.sock --port -1   # no TCP port: file permissions grant access
   KVSTORE_MEMORY_CAPACITY=4GiB kvstore serve      # any setting from the environment (KVSTORE_*)
 
 Settings are read from defaults, then --config, then KVSTORE_* variables, then
@@ -108,7 +109,12 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
     )
     serve.add_argument("--config", metavar="FILE", help="TOML or YAML file whose tables mirror kvstore.config.Config")
     serve.add_argument("--host", help="bind address (server.host, default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="gRPC port; 0 picks a free one (server.port, default 50051)")
+    serve.add_argument("--port", type=int, help="gRPC port; 0 picks a free one, -1 none (server.port, default 50051)")
+    serve.add_argument("--unix-socket", metavar="PATH",
+                       help="also listen on this Unix socket, e.g. /run/kvstore/kvstore.sock (server.unix_socket); "
+                            "clients connect to unix:///run/kvstore/kvstore.sock")
+    serve.add_argument("--no-shared-memory", dest="shared_memory", action="store_false", default=None,
+                       help="offer no same-host data plane: every client uses gRPC (shared_memory.enabled)")
     serve.add_argument("--metrics-port", type=int,
                        help="Prometheus port; 0 picks a free one, -1 disables (server.metrics_port, default 9400)")
     serve.add_argument("--memory-capacity", metavar="SIZE",
@@ -173,6 +179,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {
         "server.host": args.host,
         "server.port": args.port,
+        "server.unix_socket": args.unix_socket,
+        "shared_memory.enabled": args.shared_memory,
         "server.metrics_port": args.metrics_port,
         "server.log_level": args.log_level,
         "server.log_format": args.log_format,

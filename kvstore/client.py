@@ -71,6 +71,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import numbers
@@ -89,8 +90,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats, merge_tier_status
+from kvstore.blockcopy import Copied, blocks_for_put, check_destinations, copy_into_destinations
 from kvstore.codec import decode_block, encode_blocks
-from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
+from kvstore.errors import DestinationMismatchError, InvalidArgumentError, KVStoreError, UnavailableError
 from kvstore.keys import BlockHash, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
 from kvstore.security import call_metadata
@@ -102,6 +104,7 @@ from kvstore.routing import (
     Partition,
     RendezvousRouter,
 )
+from kvstore.shm.link import BlockLease, SharedMemoryLink, SharedSession, UseGrpc
 from kvstore.status import RETRYABLE_CODES, DeadlineExceededError, error_of
 from kvstore.wire import (
     GET_METHOD,
@@ -636,6 +639,9 @@ class _Rpc(NamedTuple):
             assembler (``add_reply``, ``finish``) for each attempt.
         rescue: ``error -> result`` for a status that is an answer (health's NOT_FOUND), else ``None``.
         wait_for_ready: wait for the channel's connection within the deadline (a probe of a down node).
+        shared: for a call the same-host data plane can carry, ``session -> (rpc, done)`` making this
+            attempt's part on it (``None`` when it cannot take this one: gRPC then); ``done`` (or ``None``)
+            is called once the attempt's outcome is known (a Put's staged range is given back).
     """
 
     kind: int
@@ -644,6 +650,7 @@ class _Rpc(NamedTuple):
     read: Callable[..., Any]
     rescue: Callable[[grpc.RpcError], Any] | None = None
     wait_for_ready: bool = False
+    shared: Callable[[SharedSession], tuple[_Rpc, Callable[[], None] | None] | None] | None = None
 
 
 class _Plan(NamedTuple):
@@ -676,6 +683,11 @@ class _Slot(NamedTuple):
 
 class _Probe(NamedTuple):
     node_id: str  # start a health probe of a down node in the background
+
+
+class _Link(NamedTuple):
+    node: int  # the node's same-host session, attached first if it is time to try; the transport sends back it or None
+    timeout_s: float  # the longest an attach may take (what is left of the call's deadline)
 
 
 _SLOT = _Slot()
@@ -720,6 +732,38 @@ def _put_call(channel: TargetChannel) -> Any:
     return channel.put_call
 
 
+def _get_shared_call(channel: TargetChannel) -> Any:
+    return channel.stub.GetShared
+
+
+def _put_shared_call(channel: TargetChannel) -> Any:
+    return channel.stub.PutShared
+
+
+_UNCLEAR_CODES = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+                            grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+"""Statuses after which a same-host call may still be running on the node (its staged range is not reused)."""
+
+_MAX_SHARED_TRIES = 2
+"""Attempts of one call on the same-host path that the node answered "no such session" before it goes over gRPC."""
+
+
+class _Then:
+    """An assembler of a Get's replies whose result goes through ``then`` (e.g. into the caller's tensors)."""
+
+    __slots__ = ("_assembler", "_then")
+
+    def __init__(self, assembler: BlockAssembler, then: Callable[[list[Buffer]], Any]) -> None:
+        self._assembler = assembler
+        self._then = then
+
+    def add_reply(self, message: bytes) -> None:
+        self._assembler.add_reply(message)
+
+    def finish(self) -> Any:
+        return self._then(self._assembler.finish())
+
+
 def _health_name(reply: health_pb2.HealthCheckResponse) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
@@ -745,13 +789,79 @@ def _get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
                 lambda: _assembler(num_blocks))
 
 
-def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], encoded: Sequence[bytes], chunk_bytes: int,
-             priority: int | None, retention_s: float | None) -> _Rpc:
-    def requests() -> _RequestStream:
-        return _RequestStream(put_requests(namespace, block_hashes, encoded, chunk_bytes,
-                                           priority=priority, retention_s=retention_s))
+def _get_then(namespace: Namespace, block_hashes: Sequence[BlockHash], then: Callable[[list[Buffer]], Any],
+              shared: Callable[[SharedSession, pb.GetSharedResponse, float], Any]) -> _Rpc:
+    """A Get over gRPC whose blocks go through ``then``, or on the same-host path through ``shared``."""
+    num_blocks = len(block_hashes)
+    return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes),
+                lambda: _Then(_assembler(num_blocks), then),
+                shared=_shared_get(cached_namespace_pb(namespace), block_hashes, shared))
 
-    return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored))
+
+def _shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
+                use: Callable[[SharedSession, pb.GetSharedResponse, float], Any]) -> Callable[[SharedSession], Any]:
+    """A GetShared on a session, whose reply (and the time it was asked for) goes through ``use``."""
+
+    def make(session: SharedSession) -> tuple[_Rpc, None]:
+        request = request_with_hashes(pb.GetSharedRequest, namespace, block_hashes)
+        request.session_id = session.session_id
+        started = time.monotonic()
+        return _Rpc(_UNARY, _get_shared_call, request, lambda reply: use(session, reply, started)), None
+
+    return make
+
+
+def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Sequence[Block], chunk_bytes: int,
+             priority: int | None, retention_s: float | None) -> _Rpc:
+    """A Put: over gRPC, its blocks encoded once on the first attempt; on the same-host path, staged straight
+    from the caller's memory (their dtypes and shapes were checked beforehand: encoding cannot fail)."""
+    encoded: list[list[bytes]] = []
+
+    def messages() -> Iterator[bytes]:
+        if not encoded:
+            encoded.append(encode_blocks(blocks, namespace.layout))
+        yield from put_requests(namespace, block_hashes, encoded[0], chunk_bytes, priority=priority,
+                                retention_s=retention_s)
+
+    def requests() -> _RequestStream:
+        return _RequestStream(messages())
+
+    def shared(session: SharedSession) -> tuple[_Rpc, Callable[[], None]] | None:
+        staged = session.stage(blocks, namespace.layout)
+        if staged is None:  # no room in the put segment now: over gRPC
+            return None
+        request = request_with_hashes(pb.PutSharedRequest, cached_namespace_pb(namespace), block_hashes)
+        request.session_id = session.session_id
+        request.offsets.extend(staged.offsets)
+        request.sizes.extend(staged.sizes)
+        if priority is not None:
+            request.priority = priority
+        if retention_s is not None:
+            request.retention_s = retention_s
+        return (_Rpc(_UNARY, _put_shared_call, request, lambda reply: int(reply.num_stored)),
+                lambda: session.unstage(staged))
+
+    return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored), shared=shared)
+
+
+def _merge_copied(partition: Partition | None, results: list[Copied | None]) -> int:
+    """The blocks a Get into caller tensors filled, in prefix order, from each node's :class:`Copied`.
+
+    Raises:
+        DestinationMismatchError: if the prefix ends at a block that was found but did not fit its destination.
+    """
+    if partition is None:
+        copied = results[0]
+        assert copied is not None
+        if copied.error is not None:
+            raise copied.error
+        return copied.num_copied
+    num_copied = partition.merge_prefix([0 if r is None else r.num_copied for r in results])
+    num_found = partition.merge_prefix([0 if r is None else r.num_found for r in results])
+    if num_copied < num_found:
+        error = next(r.error for r in results if r is not None and r.error is not None)
+        raise DestinationMismatchError(f"{error} (block {num_copied} of the call)", num_copied, num_found)
+    return num_copied
 
 
 def _delete_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
@@ -798,6 +908,7 @@ class _Client:
         probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
         down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
         max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
+        shared_memory: bool | None = None,
     ) -> None:
         settings = _Settings.check(
             timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
@@ -825,6 +936,13 @@ class _Client:
         )
         self._channel = self._channels[self.router.index(self.target)]
         self._single = len(self._channels) == 1
+        if shared_memory is None:
+            shared_memory = os.environ.get("KVSTORE_SHARED_MEMORY", "1").strip().lower() not in _FALSE
+        self._links: tuple[SharedMemoryLink | None, ...] = tuple(
+            SharedMemoryLink(t, credentials=credentials, metadata=self.metadata, options=channel_options)
+            if shared_memory else None
+            for t in self.router.node_ids
+        )
         self._lock = threading.Lock()  # membership, across the synchronous client's threads
         self._closed = False
         self._start()
@@ -873,26 +991,115 @@ class _Client:
 
     def _get_plan(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Plan:
         check_block_hashes(namespace, block_hashes)
+
+        def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
+            return _get_rpc(namespace, hashes)._replace(
+                shared=_shared_get(cached_namespace_pb(namespace), hashes, SharedSession.take_bytes))
+
+        return self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks)
+
+    def _per_node(self, block_hashes: Sequence[BlockHash], rpc: Callable[..., _Rpc],
+                  merge: Callable[[Partition], Callable[[list[Any]], Any]], *per_block: Sequence[Any],
+                  single: Callable[[list[Any]], Any] = _first) -> _Plan:
+        """A plan that asks each owner for its blocks: ``rpc(hashes, *per_block items)`` per node, merged."""
         if self._single:
-            return _Plan({0: _get_rpc(namespace, block_hashes)}, _first)
+            return _Plan({0: rpc(block_hashes, *per_block)}, single)
         partition = self.router.split(block_hashes)
-        return _Plan({j: _get_rpc(namespace, partition.sub_list(j, block_hashes))
-                      for j in partition.nodes_with_blocks()}, partition.merge_blocks)
+        return _Plan({j: rpc(partition.sub_list(j, block_hashes), *(partition.sub_list(j, items) for items in per_block))
+                      for j in partition.nodes_with_blocks()}, merge(partition))
 
     def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
-        """Like :meth:`get`, decoded (checksums verified) into CPU tensors that view the received bytes.
+        """Like :meth:`get`, decoded (checksums verified) into CPU tensors.
 
         Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
-        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). The bytes are this
-        call's own received messages, which nothing else holds, so they are not
-        copied (``decode_block(copy=False)``); a write into a tensor changes only them.
+        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). Over gRPC they view
+        this call's own received messages, which nothing else holds, so they are
+        not copied (``decode_block(copy=False)``) and a write into a tensor changes
+        only them; over the same-host data plane each is a tensor of its own,
+        copied once from shared memory.
 
         Raises:
             CodecError: if a received block fails to decode.
         """
-        plan = self._get_plan(namespace, block_hashes)
-        merge = plan.merge
-        return self._run(plan._replace(merge=lambda results: [decode_block(b, copy=False) for b in merge(results)]))
+        check_block_hashes(namespace, block_hashes)
+
+        def decode(blocks: list[Buffer]) -> list[Any]:
+            return [decode_block(b, copy=False) for b in blocks]
+
+        def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
+            return _get_then(namespace, hashes, decode,
+                             lambda session, reply, started: session.take_tensors(reply, True, started))
+
+        return self._run(self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks))
+
+    def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash], destinations: Sequence[torch.Tensor],
+                 *, verify: bool | None = None) -> Any:
+        """Copy the blocks of the longest cached prefix into the caller's tensors; returns how many (an int).
+
+        The Get for a connector's staging buffer, or a pinned host tensor: block
+        ``i`` of the prefix is copied into ``destinations[i]``, and the blocks
+        past the prefix are left as they were. Same host: the node copies the
+        blocks into this client's shared-memory segment, and they are copied
+        once from there into the destinations, with no intermediate ``bytes``.
+        Another host: over gRPC, once from the received messages.
+
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: chained hashes, in prefix order.
+            destinations: one tensor per hash, each of the block's dtype and shape
+                (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``):
+                on any device, and any view (e.g. ``cache[:, :, :, i * bs:(i + 1) * bs]``).
+            verify: check each block's checksum before copying it. ``None``: what
+                crossed a network is checked (gRPC), what the node copied into shared
+                memory from blocks it validated at put time is not (as the embedded
+                store does not check its own memory).
+
+        Returns:
+            Blocks copied: the prefix length (the first miss ends it).
+
+        Raises:
+            InvalidArgumentError: before any call, if there is not one tensor per hash.
+            DestinationMismatchError: if a block's dtype or shape is not its destination's;
+                the blocks before it were copied (its ``num_blocks``).
+            CodecError: on a malformed block, or (when checked) a corrupt one.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        check_block_hashes(namespace, block_hashes)
+        check_destinations(destinations, len(block_hashes))
+        over_grpc = True if verify is None else bool(verify)
+        shared = False if verify is None else bool(verify)
+
+        def rpc(hashes: Sequence[BlockHash], targets: Sequence[Any]) -> _Rpc:
+            return _get_then(namespace, hashes, lambda blocks: copy_into_destinations(blocks, targets, over_grpc),
+                             lambda session, reply, started: session.copy_into(reply, targets, shared, started))
+
+        return self._run(self._per_node(block_hashes, rpc, lambda partition: functools.partial(_merge_copied, partition),
+                                        destinations, single=functools.partial(_merge_copied, None)))
+
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """The encoded blocks of the longest cached prefix in place, until released (a :class:`BlockLease`).
+
+        ``with client.read(ns, hashes) as blocks:`` (``with await ...`` on the
+        asyncio client). Same host: each block is a read-only view of this
+        client's shared-memory segment, held for it under a lease, so nothing
+        overwrites it, whatever happens to the stored block (deleted, cleared,
+        evicted), until the lease is released or runs out (``BlockLease.expires_at``).
+        Another host: the received buffers.
+
+        Raises:
+            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        check_block_hashes(namespace, block_hashes)
+
+        def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
+            return _get_then(namespace, hashes, lambda blocks: BlockLease(blocks, []), SharedSession.lease)
+
+        def merge(partition: Partition) -> Callable[[list[Any]], BlockLease]:
+            return lambda results: BlockLease.merge(
+                partition.merge_blocks([None if r is None else r.blocks for r in results]), results)
+
+        return self._run(self._per_node(block_hashes, rpc, merge))
 
     def put(
         self,
@@ -929,17 +1136,12 @@ class _Client:
         """
         check_block_hashes(namespace, block_hashes)
         priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
-        encoded = encode_blocks(blocks, namespace.layout)
-        chunk = self._chunk_bytes
-        if self._single:
-            return self._run(_Plan({0: _put_rpc(namespace, block_hashes, encoded, chunk, priority, retention_s)},
-                                   _first))
-        partition = self.router.split(block_hashes)
-        return self._run(_Plan({
-            j: _put_rpc(namespace, partition.sub_list(j, block_hashes), partition.sub_list(j, encoded), chunk,
-                        priority, retention_s)
-            for j in partition.nodes_with_blocks()
-        }, _total))
+        blocks = blocks_for_put(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
+
+        def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> _Rpc:
+            return _put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s)
+
+        return self._run(self._per_node(block_hashes, rpc, lambda partition: _total, blocks))
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
         """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
@@ -999,6 +1201,24 @@ class _Client:
         rpc = _Rpc(_UNARY, _health, health_pb2.HealthCheckRequest(service=service), _health_name, _unknown_service)
         return self._run(_Plan(dict.fromkeys(range(len(self._channels)), rpc), _merge_health))
 
+    def shared_memory(self) -> tuple[str, ...]:
+        """Per node, in router order: ``"attached"``, ``"unknown"`` (not tried yet), or why it is off
+        (e.g. ``"the node is on another host"``; ``"off"`` when this client was made with ``shared_memory=False``)."""
+        states = []
+        for link in self._links:
+            if link is None:
+                states.append("off")
+            elif link.current() is not None:
+                states.append("attached")
+            else:
+                states.append(link.reason or "unknown")
+        return tuple(states)
+
+    def _close_links(self) -> None:
+        for link in self._links:
+            if link is not None:
+                link.close()
+
     def nodes(self) -> tuple[NodeStatus, ...]:
         """A snapshot of each node's membership (up or down, failures, next probe), in router order."""
         with self._lock:
@@ -1045,13 +1265,32 @@ class _Client:
             KVStoreError: the typed error of any other failed status.
         """
         attempt = 0
+        shared_tries = 0
         while True:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
+            chosen, done, session = rpc, None, None
+            if rpc.shared is not None and self._links[node] is not None and shared_tries < _MAX_SHARED_TRIES:
+                session = yield _Link(node, remaining_s)
+                made = None if session is None else rpc.shared(session)
+                if made is not None:
+                    chosen, done = made
+            clear = False  # whether the attempt's outcome is known (a staged range may be reused)
             try:
-                return (yield _Attempt(node, rpc, remaining_s))
+                result = yield _Attempt(node, chosen, remaining_s)
+                clear = True
+                return result
+            except UseGrpc:  # the same-host path declined this call (no room now): the rest of it goes over gRPC
+                clear, shared_tries = True, _MAX_SHARED_TRIES
+                continue
             except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                clear = code not in _UNCLEAR_CODES
+                if chosen is not rpc and code == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._links[node].lost(session)  # type: ignore[union-attr]  # the node forgot it: attach again
+                    shared_tries += 1
+                    continue
                 if rpc.rescue is not None:
                     try:
                         return rpc.rescue(exc)
@@ -1068,6 +1307,12 @@ class _Client:
                 logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
                 yield _Pause(max(0.0, pause_s))
                 attempt += 1
+            finally:
+                if done is not None:
+                    if clear:
+                        done()
+                    else:  # the node may still be copying out of the staged range: never reuse it, nor the session
+                        self._links[node].lost(session)  # type: ignore[union-attr]
 
     def _on_node(self, node: int, rpc: _Rpc, deadline: float) -> _Step[Any]:
         """One node's part of a fanned-out call; ``None`` (and the node marked down) if it cannot be reached."""
@@ -1166,6 +1411,8 @@ class KVStoreClient(_Client):
     def _perform(self, op: Any) -> Any:
         if type(op) is _Attempt:
             return self._attempt(op)
+        if type(op) is _Link:
+            return self._links[op.node].ensure(op.timeout_s)  # type: ignore[union-attr]
         if type(op) is _Slot:
             return self._acquire_slot()
         if type(op) is _Pause:
@@ -1262,6 +1509,7 @@ class KVStoreClient(_Client):
         child this leaves the parent's connections alone.
         """
         self._closed = True
+        self._close_links()
         for channel in self._channels:
             channel.close()
         executor, self._executor = self._executor, None
@@ -1312,6 +1560,13 @@ class AsyncKVStoreClient(_Client):
     async def _perform(self, op: Any) -> Any:
         if type(op) is _Attempt:
             return await self._attempt(op)
+        if type(op) is _Link:
+            link = self._links[op.node]
+            assert link is not None
+            session = link.current()
+            if session is not None or link.settled():
+                return session
+            return await asyncio.to_thread(link.ensure, op.timeout_s)  # attaching blocks (a handoff, a Unix socket)
         if type(op) is _Slot:
             return await self._acquire_slot()
         if type(op) is _Pause:
@@ -1371,6 +1626,7 @@ class AsyncKVStoreClient(_Client):
         for task in probes:
             task.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
+        self._close_links()
         for channel in self._channels:
             await channel.aclose()
 

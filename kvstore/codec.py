@@ -68,6 +68,9 @@ VERSION = 2
 ALIGNMENT = 64
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sHBBBBHQQ")  # 28 bytes
+CHECKSUM_SPAN = (_FIXED.size - 8, _FIXED.size)
+"""Where a header holds the block's checksum, ``[start, end)`` bytes: the rest of two blocks' headers is equal
+exactly when their dtype, layout and shape are."""
 _CHECKSUM_AT = 20  # offset of the checksum field in the header
 _CHECKSUM_BYTES = 8
 _NO_CHECKSUM = bytes(_CHECKSUM_BYTES)
@@ -399,28 +402,46 @@ def encode_any(block: object, layout: Layout | str = Layout.KV, *, index: int = 
             (e.g. ``int64``; bfloat16 KV must come as a torch tensor).
         CodecError: if a tensor's dtype or shape does not fit the codec.
     """
+    block = as_block(block, index=index)
+    if isinstance(block, (bytes, bytearray, memoryview)):
+        return block
+    return encode_block(block, layout)
+
+
+def as_block(block: object, *, index: int = 0) -> bytes | bytearray | memoryview | torch.Tensor:
+    """One block as the block API takes it, not encoded: bytes and tensors pass through, a numpy array becomes a
+    tensor over its memory (copied only when it is not contiguous).
+
+    What the same-host data plane stages straight into shared memory, with the
+    one copy encoding would make (:func:`encode_any` is this, then encoding).
+
+    Raises:
+        InvalidArgumentError: as :func:`encode_any`.
+    """
     if isinstance(block, (bytes, bytearray, memoryview)):
         return block
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(block, torch.Tensor):
-        return encode_block(block, layout)
+        return block
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(block, numpy.ndarray):
         if block.dtype.name not in _NUMPY_DTYPES:
             raise InvalidArgumentError(f"block {index}: a numpy array of {block.dtype} has no kvstore dtype; "
                                        f"use one of {', '.join(_NUMPY_DTYPES)}, or a torch.Tensor")
-        return encode_block(_torch().from_numpy(numpy.ascontiguousarray(block)), layout)
+        return _torch().from_numpy(numpy.ascontiguousarray(block))
     raise InvalidArgumentError(f"block {index}: expected a torch.Tensor, a numpy.ndarray or encoded bytes, "
                                f"got {type(block).__module__}.{type(block).__qualname__}".replace("builtins.", ""))
 
 
-def check_one_shape(blocks: Sequence[bytes | bytearray | memoryview]) -> None:
-    """Check that the encoded blocks of one call have one model's shape, as the blocks of one namespace must.
+def check_one_shape(blocks: Sequence[bytes | bytearray | memoryview | torch.Tensor],
+                    layout: Layout | str = Layout.KV) -> None:
+    """Check that the blocks of one call have one model's shape, as the blocks of one namespace must.
 
     A namespace names one model's KV, so its blocks share the layout and every
     dimension but the tokens' (layers, K/V, KV heads, head size); a batch that
     mixes, say, 32-layer and 16-layer blocks was put under the wrong namespace.
-    Only headers are compared (a few bytes each). The dtype and the tokens per
+    Only headers are compared (a few bytes each), or the shapes of tensors not
+    yet encoded (which ``layout`` is theirs). The dtype and the tokens per
     block are checked against the namespace itself by the store, and malformed
     blocks by :func:`verify_block`.
 
@@ -429,24 +450,39 @@ def check_one_shape(blocks: Sequence[bytes | bytearray | memoryview]) -> None:
     """
     if len(blocks) < 2:
         return
-    first = _shape_bytes(blocks[0])
+    layout = Layout(layout)
+    first = _shape_bytes(blocks[0], layout)
     if first is None:
         return
     for index in range(1, len(blocks)):
-        other = _shape_bytes(blocks[index])
+        other = _shape_bytes(blocks[index], layout)
         if other is not None and other != first:
-            a, b = decode_header(blocks[0]), decode_header(blocks[index])
             raise ElementCountError(
-                f"block {index} has shape {list(b.shape)} but block 0 has {list(a.shape)}: the blocks of one "
-                "namespace have one shape (one model's KV); put another model's blocks under its own namespace")
+                f"block {index} has shape {_shape_of(blocks[index])} but block 0 has {_shape_of(blocks[0])}: the "
+                "blocks of one namespace have one shape (one model's KV); put another model's blocks under its "
+                "own namespace")
+
+
+def _shape_of(block: bytes | bytearray | memoryview | torch.Tensor) -> list[int]:
+    if isinstance(block, (bytes, bytearray, memoryview)):
+        return list(decode_header(block).shape)
+    return list(block.shape)
 
 
 _TOKEN_DIM = {1: 3, 2: 2}
 """Layout code -> the dimension that counts tokens (``kv``: 3, ``mla``: 2), which the namespace checks."""
 
 
-def _shape_bytes(block: bytes | bytearray | memoryview) -> bytes | None:
-    """Layout, ndim and the shape but the token dimension of an encoded block's header; ``None`` without a header."""
+def _shape_bytes(block: bytes | bytearray | memoryview | torch.Tensor, layout: Layout) -> bytes | None:
+    """Layout, ndim and the shape but the token dimension of an encoded block's header (or of a tensor of
+    ``layout``, as its header would have them); ``None`` without a header."""
+    if not isinstance(block, (bytes, bytearray, memoryview)):
+        shape = tuple(block.shape)
+        token_dim = _TOKEN_DIM[layout.code]
+        if len(shape) <= token_dim:
+            return None
+        return bytes((layout.code, len(shape))) + struct.pack(f"<{len(shape) - 1}Q", *shape[:token_dim],
+                                                              *shape[token_dim + 1:])
     view = memoryview(block).cast("B")
     if view.nbytes < _FIXED.size or view[:4] != MAGIC:
         return None

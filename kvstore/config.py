@@ -214,7 +214,10 @@ class ServerConfig:
 
     Attributes:
         host: bind address.
-        port: gRPC port; 0 picks a free one.
+        port: gRPC port; 0 picks a free one, -1 listens on no TCP port (``unix_socket`` only).
+        unix_socket: a Unix socket path to listen on as well (e.g. ``/run/kvstore/kvstore.sock``; clients
+            connect to ``unix:///run/kvstore/kvstore.sock``), made ``0660``: whoever may write to it may
+            call the node, so a pod or compose project needs no open port. Empty: none.
         metrics_port: Prometheus HTTP port; 0 picks a free one, -1 disables.
         metrics_host: bind address of the metrics endpoint.
         max_message_bytes: largest gRPC message sent or received, bytes; blocks move in chunks of this size.
@@ -232,6 +235,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051
+    unix_socket: str = ""
     metrics_port: int = 9400
     metrics_host: str = "127.0.0.1"
     max_message_bytes: int = 4 * MiB
@@ -242,7 +246,9 @@ class ServerConfig:
     event_loop: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
+        _require(-1 <= self.port <= 65535, "port", f"must be in [-1, 65535], got {self.port}")
+        _require(self.port >= 0 or bool(self.unix_socket), "port",
+                 "-1 (no TCP port) needs server.unix_socket, or the node listens nowhere")
         _require(-1 <= self.metrics_port <= 65535, "metrics_port", f"must be in [-1, 65535], got {self.metrics_port}")
         _require(64 * KiB <= self.max_message_bytes <= 64 * MiB, "max_message_bytes", "must be in [64KiB, 64MiB]")
         _require(self.grace_s >= 0, "grace_s", "must be >= 0")
@@ -325,6 +331,40 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedMemoryConfig:
+    """The same-host data plane: block bytes through shared memory for clients on the node's host
+    (``docs/shared-memory.md``; ``kvstore.shm``).
+
+    A client on another host, or one that cannot reach the handoff socket, uses
+    gRPC as before; so does every client when this is off.
+
+    Attributes:
+        enabled: offer the same-host path (on Linux; elsewhere it is off with a log line).
+        handoff_socket: the Unix socket where clients receive their sessions' segments; empty:
+            ``<server.unix_socket>.shm`` when that is set (one shared directory carries both),
+            else an abstract socket (no file; reachable from the node's network namespace).
+        segment_bytes: size of each of a session's two segments (one for Gets, one for Puts),
+            bytes; memory is taken only as pages are written, and a Get larger than this uses gRPC.
+        max_sessions: same-host clients at once; more use gRPC.
+        lease_s: seconds a Get's blocks stay in the client's segment unless it releases them first.
+        grant_s: seconds a client has to redeem its session's grant on the handoff socket.
+    """
+
+    enabled: bool = True
+    handoff_socket: str = ""
+    segment_bytes: int = 256 * MiB
+    max_sessions: int = 64
+    lease_s: float = 30.0
+    grant_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _require(self.segment_bytes >= 64 * KiB, "segment_bytes", "must be >= 64KiB")
+        _require(self.max_sessions > 0, "max_sessions", "must be > 0")
+        _require(0 < self.lease_s < math.inf, "lease_s", "must be > 0 and finite")
+        _require(0 < self.grant_s < math.inf, "grant_s", "must be > 0 and finite")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """Everything ``kvstore serve`` and the embedded store read."""
 
@@ -332,12 +372,15 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
 
 
 ENV_PREFIX = "KVSTORE_"
 ENV_ALIASES: dict[str, str] = {
     "KVSTORE_HOST": "server.host",
     "KVSTORE_PORT": "server.port",
+    "KVSTORE_UNIX_SOCKET": "server.unix_socket",
+    "KVSTORE_SHARED_MEMORY": "shared_memory.enabled",
     "KVSTORE_METRICS_PORT": "server.metrics_port",
     "KVSTORE_LOG_LEVEL": "server.log_level",
     "KVSTORE_MEMORY_CAPACITY": "store.memory.capacity_bytes",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Coroutine, Sequence, TypeVar
 
 from kvstore.api import Block, LookupResult, StoreStats
+from kvstore.blockcopy import check_destinations, copy_into_destinations
 from kvstore.codec import decode_block, encode_blocks
 from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
@@ -93,6 +94,38 @@ class EmbeddedStore:
             return [decode_block(b, verify=False, copy=True) for b in blocks]
         finally:
             self._loop.call_soon_threadsafe(read.close)
+
+    def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],
+                 destinations: Sequence[torch.Tensor], *, verify: bool | None = None) -> int:
+        """Copy the blocks of the longest cached prefix into the caller's tensors; returns how many.
+
+        As :meth:`kvstore.client.KVStoreClient.get_into`: each block is copied
+        once, straight from its tier's leased memory into its destination (any
+        device, any view), while the store holds it.
+
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: chained hashes, in prefix order.
+            destinations: one tensor per hash, of the block's dtype and shape
+                (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``).
+            verify: check each block's checksum first (``None``: no, as :meth:`get_tensors`: the tiers
+                validated the blocks on the way in).
+
+        Raises:
+            InvalidArgumentError: if there is not one tensor per hash.
+            DestinationMismatchError: if a block's dtype or shape is not its destination's (those before it
+                are copied).
+        """
+        check_destinations(destinations, len(block_hashes))
+
+        async def copy() -> int:
+            async with self._store.read(namespace, block_hashes) as blocks:
+                copied = copy_into_destinations(blocks, destinations, bool(verify))
+            if copied.error is not None:
+                raise copied.error
+            return copied.num_copied
+
+        return self._call(copy())
 
     def put(
         self,

@@ -57,3 +57,19 @@ class ElementCountError(CodecError):
 
 class ChecksumError(CodecError):
     """The xxh3-64 checksum of the payload does not match the header: the bytes are corrupt."""
+
+
+class DestinationMismatchError(ElementCountError):
+    """A fetched block's dtype or shape is not its destination's, in a Get into caller tensors (``get_into``).
+
+    The blocks before it were copied into their destinations; it and the blocks after it were not.
+
+    Attributes:
+        num_blocks: blocks copied, in prefix order, before the one that did not fit.
+        num_found: blocks of the cached prefix that were fetched.
+    """
+
+    def __init__(self, message: str, num_blocks: int, num_found: int) -> None:
+        super().__init__(message)
+        self.num_blocks = num_blocks
+        self.num_found = num_found

@@ -11,6 +11,7 @@ ResourceExhaustedError         RESOURCE_EXHAUSTED      block over max_block_byte
                                                        tenant quota spent, too many calls in flight
 UnauthenticatedError           UNAUTHENTICATED         no bearer token, or an unknown one
 PermissionDeniedError          PERMISSION_DENIED       the token does not cover the namespace's tenant
+FailedPreconditionError        FAILED_PRECONDITION     a same-host session that ended (attach again)
 UnavailableError               UNAVAILABLE             store closed, server shutting down
 DeadlineExceededError          DEADLINE_EXCEEDED       the call's deadline passed
 anything else                  INTERNAL                a bug; logged with its traceback
@@ -68,11 +69,23 @@ class PermissionDeniedError(RemoteError):
         self.code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class FailedPreconditionError(RemoteError):
+    """The call names state the node no longer has, e.g. a same-host session that ended (FAILED_PRECONDITION).
+
+    The client sets that state up again (it attaches again) rather than retrying the call as it is.
+    """
+
+    def __init__(self, message: str) -> None:
+        KVStoreError.__init__(self, message)
+        self.code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 _ERROR_TO_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     # most specific first: DeadlineExceededError is also an UnavailableError
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
@@ -87,6 +100,7 @@ _STATUS_TO_ERROR: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
 }
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})

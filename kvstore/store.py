@@ -503,7 +503,7 @@ class TieredStore:
                     continue
                 placing = index.placing(key)
                 if placing is None:
-                    fresh[key] = bytes(block)
+                    fresh[key] = _owned(block)
                 elif placing.state is State.PLACING:
                     waits.append(placing)
                 else:
@@ -944,3 +944,13 @@ async def open_async_store(config: StoreConfig | None = None, *, framing: Framin
     store = TieredStore(tiers, config, shared=shared)
     await store.start()
     return store
+
+
+def _owned(block: Buffer) -> bytes | memoryview:
+    """``block`` as memory no caller can change: ``bytes`` as it is, a read-only view of ``bytes`` as it is
+    (a same-host Put's copy behind its framing head, ``kvstore.shm.node.SharedMemoryNode.copy_in``), else a copy."""
+    if type(block) is bytes:
+        return block
+    if isinstance(block, memoryview) and block.readonly and type(block.obj) is bytes and block.c_contiguous:
+        return block
+    return bytes(block)

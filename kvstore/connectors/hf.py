@@ -45,7 +45,7 @@ import torch
 
 from kvstore.api import BlockClient
 from kvstore.codec import dtype_name
-from kvstore.errors import InvalidArgumentError
+from kvstore.errors import DestinationMismatchError, InvalidArgumentError
 from kvstore.keys import BlockHash, HashAlgorithm, Namespace, hash_blocks
 
 try:  # transformers is the optional ``hf`` extra
@@ -347,10 +347,12 @@ class HFConnector:
     ``load_timeout_s`` is logged, counted (:attr:`ConnectorStats.num_load_failures`)
     and replaced by a full prefill; a save that raises is logged and counted.
 
-    Immutability: blocks from ``get_tensors`` may view immutable bytes
-    (``kvstore.codec.decode_block``). The connector concatenates them into
-    fresh memory before building the cache, so a cache changed in place by
-    decoding or ``model.generate`` never writes into fetched or stored blocks.
+    Loads go through ``client.get_into`` (:class:`~kvstore.api.BlockClient`):
+    the blocks are copied once, each into its slice of one new tensor of the
+    model's dtype and device, from shared memory when the node is on this host
+    (``docs/shared-memory.md``), else from the gRPC messages or the embedded
+    store's memory. The cache is built from that fresh memory, so a cache changed
+    in place by decoding or ``model.generate`` never writes into fetched or stored blocks.
     Saves hold references to the per-layer K/V tensors taken right after
     prefill; ``DynamicLayer.update`` replaces (``torch.cat``) rather than writes
     those tensors, so later decoding does not change what is saved.
@@ -473,13 +475,14 @@ class HFConnector:
         started = time.perf_counter()
         cache = self.new_cache()
         num_blocks = self._max_cached_blocks(len(ids))
-        blocks: list[torch.Tensor] = []
+        kv: torch.Tensor | None = None
+        num_loaded = 0
         fell_back = False
         if num_blocks:
             hashes = hash_blocks(self.namespace, ids[: num_blocks * self.block_size])
             try:
-                future = self._load_pool.submit(self._client.get_tensors, self.namespace, hashes)
-                blocks = list(future.result(timeout=self.load_timeout_s))[:num_blocks]
+                future = self._load_pool.submit(self._fetch, hashes)
+                kv, num_loaded = future.result(timeout=self.load_timeout_s)
             except concurrent.futures.TimeoutError:
                 future.cancel()
                 fell_back = True
@@ -487,20 +490,49 @@ class HFConnector:
             except Exception as exc:  # noqa: BLE001 - any store failure means "recompute"
                 fell_back = True
                 logger.warning("kvstore load failed (%s: %s); prefilling all %s tokens", type(exc).__name__, exc, len(ids))
-            blocks = self._valid_prefix(blocks)
-        if blocks:
+        if kv is not None and num_loaded:
             with torch.no_grad():
-                # torch.cat allocates: the cache never aliases fetched (possibly read-only) bytes.
-                kv = torch.cat(blocks, dim=3).to(device=self._device, dtype=self._dtype)
+                if num_loaded < num_blocks:  # the prefix ended early: the cache gets exactly its tokens
+                    kv = kv[:, :, :, : num_loaded * self.block_size].contiguous()
                 for layer in range(self.shape.num_layers):
                     cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
-        num_cached = len(blocks) * self.block_size
+        else:
+            num_loaded = 0
+        num_cached = num_loaded * self.block_size
         with self._lock:
             self._stats.num_requests += 1
             self._stats.num_prompt_tokens += len(ids)
             self._stats.num_cached_tokens += num_cached
             self._stats.num_load_failures += int(fell_back)
         return LoadResult(cache, num_cached, time.perf_counter() - started, fell_back)
+
+    def _fetch(self, hashes: Sequence[BlockHash]) -> tuple[torch.Tensor, int]:
+        """The cached prefix of ``hashes`` copied into one new ``[num_layers, 2, num_kv_heads, tokens, head_dim]``
+        tensor of the model's dtype and device, and how many blocks it holds.
+
+        Through ``get_into``, so each block is copied once, straight into its
+        slice (from shared memory when the node is on this host): the cache
+        never aliases fetched or stored bytes. A block of another shape or dtype
+        ends the prefix and is counted, with those after it, as rejected.
+        A client without ``get_into`` is read through ``get_tensors``.
+        """
+        bs = self.block_size
+        kv = torch.empty((self.shape.num_layers, 2, self.shape.num_kv_heads, len(hashes) * bs, self.shape.head_dim),
+                         dtype=self._dtype, device=self._device)
+        views = [kv[:, :, :, i * bs:(i + 1) * bs] for i in range(len(hashes))]
+        get_into = getattr(self._client, "get_into", None)
+        if get_into is None:
+            blocks = self._valid_prefix(list(self._client.get_tensors(self.namespace, hashes))[: len(hashes)])
+            for view, block in zip(views, blocks):
+                view.copy_(block)
+            return kv, len(blocks)
+        try:
+            return kv, int(get_into(self.namespace, hashes, views))
+        except DestinationMismatchError as exc:
+            logger.warning("dropping fetched block %s onward: %s", exc.num_blocks, exc)
+            with self._lock:
+                self._stats.num_rejected_blocks += exc.num_found - exc.num_blocks
+            return kv, exc.num_blocks
 
     def _valid_prefix(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
         expected = (self.shape.num_layers, 2, self.shape.num_kv_heads, self.block_size, self.shape.head_dim)

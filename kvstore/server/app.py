@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,6 +34,10 @@ from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.wire import channel_options, chunk_bytes_for, reply_head
 from kvstore.store import TieredStore, open_async_store
+from kvstore.unix_sockets import SOCKET_MODE, claim_socket_path, remove_socket_path
+
+if TYPE_CHECKING:
+    from kvstore.shm.node import SharedMemoryNode
 
 logger = logging.getLogger(__name__)
 lifecycle = logging.getLogger(LIFECYCLE_LOGGER)
@@ -61,6 +65,7 @@ class KVStoreServer:
         servicer: the ``kvstore.v1.KVStore`` servicer (after :meth:`start`).
         admission: authenticates calls and limits them per connection
             (``kvstore.server.admission``; after :meth:`start`).
+        shm: the same-host data plane (``kvstore.shm.node``), ``None`` when off or unsupported (after :meth:`start`).
 
     Raises:
         ConfigError: from :meth:`start`, on an unreadable TLS file or a malformed
@@ -83,6 +88,8 @@ class KVStoreServer:
         self.servicer: KVStoreServicer | None = None
         self.admission: Admission | None = None
         self._server: grpc.aio.Server | None = None
+        self.shm: SharedMemoryNode | None = None
+        self._unix_inode: int | None = None
         self.port = 0
         self.metrics_port = -1
         self._stopped: asyncio.Event | None = None
@@ -98,8 +105,16 @@ class KVStoreServer:
 
     @property
     def target(self) -> str:
-        """``host:port`` that clients connect to (after :meth:`start`)."""
+        """``host:port`` that clients connect to (after :meth:`start`); ``unix://<path>`` with no TCP port."""
+        if self.config.server.port < 0:
+            return self.unix_target
         return f"{self.config.server.host}:{self.port}"
+
+    @property
+    def unix_target(self) -> str:
+        """``unix://<path>`` of ``server.unix_socket``, ``""`` when the node listens on none."""
+        path = self.config.server.unix_socket
+        return f"unix://{os.path.abspath(path)}" if path else ""
 
     async def start(self) -> None:
         """Open the store (unless given), bind the port, report SERVING and start the metrics endpoint.
@@ -121,7 +136,8 @@ class KVStoreServer:
                 reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)))
         self.health.tier_states = self._tier_states
         try:
-            self.servicer = KVStoreServicer(self._store, self.config, self.metrics, admission)
+            self.shm = await _start_shared_memory(self.config)
+            self.servicer = KVStoreServicer(self._store, self.config, self.metrics, admission, self.shm)
             server = grpc.aio.server(
                 interceptors=self._interceptors or None,
                 options=[*channel_options(server_cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
@@ -131,24 +147,32 @@ class KVStoreServer:
             reflection.enable_server_reflection(
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
-            address = f"{server_cfg.host}:{server_cfg.port}"
-            try:
-                if credentials is not None:
-                    self.port = server.add_secure_port(address, credentials)
-                else:
-                    self.port = server.add_insecure_port(address)
-            except RuntimeError:  # grpc: "Failed to bind to address ...; set GRPC_VERBOSITY=debug"
-                self.port = 0
-            if self.port == 0:
-                raise ConfigError("server.port", f"cannot listen on {address}: the port is in use (or the "
-                                                 "address is not this host's); pick another with --port "
-                                                 "(KVSTORE_PORT), or --port 0 for a free one")
+            if server_cfg.port >= 0:
+                address = f"{server_cfg.host}:{server_cfg.port}"
+                self.port = _add_port(server, address, credentials)
+                if self.port == 0:
+                    raise ConfigError("server.port", f"cannot listen on {address}: the port is in use (or the "
+                                                     "address is not this host's); pick another with --port "
+                                                     "(KVSTORE_PORT), or --port 0 for a free one")
+            if server_cfg.unix_socket:
+                claim_socket_path(server_cfg.unix_socket)  # a stale file is replaced; a live node's is an error
+                if _add_port(server, self.unix_target, credentials) == 0:
+                    raise ConfigError("server.unix_socket", f"cannot listen on the Unix socket "
+                                                            f"{server_cfg.unix_socket} (is its directory there "
+                                                            "and writable?); pick another with --unix-socket "
+                                                            "(KVSTORE_UNIX_SOCKET)")
             await server.start()
             self._server = server
+            if server_cfg.unix_socket:
+                os.chmod(server_cfg.unix_socket, SOCKET_MODE)
+                self._unix_inode = os.lstat(server_cfg.unix_socket).st_ino
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             if server_cfg.metrics_port >= 0:
                 self.metrics.add_store(StoreCollector.on_loop(asyncio.get_running_loop(), self._store.stats))
+                if self.shm is not None:
+                    self.metrics.add_shared_memory(StoreCollector.on_loop(asyncio.get_running_loop(),  # type: ignore
+                                                                          self.shm.counters))
                 self.metrics_port = _start_metrics(self.metrics, server_cfg.metrics_host, server_cfg.metrics_port)
         except BaseException:
             await self._abandon()
@@ -156,7 +180,9 @@ class KVStoreServer:
             raise
         lifecycle.info(
             "serving",
-            extra={"fields": {"host": server_cfg.host, "port": self.port, "metrics_port": self.metrics_port,
+            extra={"fields": {"host": server_cfg.host, "port": self.port, "unix_socket": server_cfg.unix_socket,
+                              "shared_memory": self.shm.handoff_address if self.shm is not None else "",
+                              "metrics_port": self.metrics_port,
                               "tiers": self._store.tier_names, "tls": credentials is not None,
                               "mtls": bool(security.tls_client_ca_file), "auth": admission.authenticates,
                               "require_sha256": self.servicer.require_sha256,
@@ -172,6 +198,8 @@ class KVStoreServer:
         await self.health.enter_graceful_shutdown()
         if self.servicer is not None:
             self.servicer.begin_shutdown()
+        if self.shm is not None:
+            self.shm.begin_shutdown()  # sessions end: clients detach and use gRPC while the node drains
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Shut down in order: NOT_SERVING, ``server.shutdown_delay_s``, ``server.stop(grace_s)``, close the store.
@@ -203,6 +231,7 @@ class KVStoreServer:
             await self._server.stop(0 if self._hurry.is_set() else grace_s)  # type: ignore[union-attr]
         if self.servicer is not None:
             self.servicer.close()
+        await self._close_listeners()
         await self._close_store()
         self.metrics.stop_http()
         self._stopped.set()
@@ -231,8 +260,17 @@ class KVStoreServer:
             await self._server.stop(0)
         if self.servicer is not None:
             self.servicer.close()
+        await self._close_listeners()
         await self._close_store()
         self.metrics.stop_http()
+
+    async def _close_listeners(self) -> None:
+        """End the same-host sessions and remove the socket files this node made."""
+        if self.shm is not None:
+            await self.shm.close()
+        if self._unix_inode is not None:
+            remove_socket_path(self.config.server.unix_socket, self._unix_inode)
+            self._unix_inode = None
 
     async def _close_store(self) -> None:
         if self._own_store and self._store is not None:
@@ -244,6 +282,40 @@ class KVStoreServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Listen on ``address`` (``host:port`` or ``unix://<path>``); the port bound (0: failed; 1 for a Unix socket)."""
+    try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:  # grpc: "Failed to bind to address ...; set GRPC_VERBOSITY=debug"
+        return 0
+
+
+async def _start_shared_memory(config: Config) -> SharedMemoryNode | None:
+    """The node's same-host data plane, started; ``None`` when ``shared_memory.enabled`` is off or unsupported here.
+
+    Raises:
+        OSError: if the handoff socket cannot be bound (its path is in use).
+    """
+    if not config.shared_memory.enabled:
+        return None
+    from kvstore.shm.node import SharedMemoryNode, default_handoff_address
+    from kvstore.shm.segment import unsupported_reason
+
+    reason = unsupported_reason()
+    if reason is not None:
+        logger.info("no same-host data plane: %s; clients use gRPC", reason)
+        return None
+    unix_socket = os.path.abspath(config.server.unix_socket) if config.server.unix_socket else ""
+    address = config.shared_memory.handoff_socket or default_handoff_address(unix_socket)
+    if not address.startswith("@"):
+        address = os.path.abspath(address)
+    node = SharedMemoryNode(config.shared_memory, address)
+    await node.start()
+    return node
 
 
 def _start_metrics(metrics: ServiceMetrics, host: str, port: int) -> int:

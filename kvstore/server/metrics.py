@@ -17,6 +17,9 @@ Exported series (conventional ``_total``, ``_bytes`` and ``_seconds`` suffixes):
 * ``kvstore_tier_events_total{tier, event}``: the tiers' extra counters (e.g. Redis ``errors``).
 * ``kvstore_lookup_blocks_total{result}``: blocks asked for by lookups, ``hit`` (in the cached prefix)
   or ``miss``; ``hit / (hit + miss)`` is the traffic's prefix hit ratio (the tier hit counters see only Gets).
+* ``kvstore_shm_sessions``, ``kvstore_shm_leases``, ``kvstore_shm_leased_bytes``: gauges of the same-host
+  data plane (sessions open, leases in force and the bytes they hold), and
+  ``kvstore_shm_events_total{event}``: its counts (``sessions_opened``, ``leases_expired``, ``no_room``, ...).
 """
 
 from __future__ import annotations
@@ -135,6 +138,47 @@ class StoreCollector(Collector):
         return gauges, counters, events, lookups
 
 
+class SharedMemoryCollector(Collector):
+    """The same-host data plane's sessions, leases and counts, read at scrape time.
+
+    Args:
+        counters: the counts by name (``kvstore.shm.sessions.SessionTable.counters``); may raise to skip them.
+    """
+
+    GAUGES = {"sessions": "Same-host sessions open.", "leases": "Same-host leases in force.",
+              "leased_bytes": "Bytes of get segments under same-host leases."}
+
+    def __init__(self, counters: Callable[[], dict[str, int]]) -> None:
+        self._counters = counters
+
+    def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        """The families, empty (registering never calls the data plane)."""
+        gauges, events = self._families()
+        return [*gauges.values(), events]
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """One gauge per level, and the counts as ``kvstore_shm_events_total{event}``."""
+        try:
+            counts = self._counters()
+        except Exception as exc:  # a closed loop must not break /metrics
+            logger.warning("same-host data plane counts unavailable for /metrics: %s", exc)
+            return
+        gauges, events = self._families()
+        for name, count in sorted(counts.items()):
+            if name in gauges:
+                gauges[name].add_metric([], count)
+            else:
+                events.add_metric([name], count)
+        yield from gauges.values()
+        yield events
+
+    @classmethod
+    def _families(cls) -> tuple[dict[str, GaugeMetricFamily], CounterMetricFamily]:
+        gauges = {name: GaugeMetricFamily(f"kvstore_shm_{name}", help_text) for name, help_text in cls.GAUGES.items()}
+        return gauges, CounterMetricFamily("kvstore_shm_events", "Counts of the same-host data plane.",
+                                           labels=["event"])
+
+
 class CallStats(Collector):
     """Finished calls by method and status code, and a latency histogram by method, exported at scrape time.
 
@@ -234,6 +278,11 @@ class ServiceMetrics:
     def add_store(self, stats: Callable[[], StoreStats]) -> None:
         """Export the store's stats through ``stats`` (see :meth:`StoreCollector.on_loop`)."""
         self.registry.register(StoreCollector(stats))
+
+    def add_shared_memory(self, counters: Callable[[], dict[str, int]]) -> None:
+        """Export the same-host data plane's counts through ``counters`` (``SharedMemoryNode.counters``, run on
+        its loop: see :meth:`StoreCollector.on_loop`)."""
+        self.registry.register(SharedMemoryCollector(counters))
 
     def start_http(self, host: str, port: int) -> int:
         """Serve ``/metrics`` over HTTP in a daemon thread.

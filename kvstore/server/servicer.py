@@ -22,7 +22,7 @@ import logging
 import time
 import weakref
 from collections import OrderedDict
-from typing import AsyncIterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Sequence, TypeVar
 
 import grpc
 
@@ -36,6 +36,7 @@ from kvstore.server.auth import Principal
 from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
 from kvstore.server.limits import StreamWatch, StreamWatchdog, TenantQuota
 from kvstore.server.metrics import ServiceMetrics
+from kvstore.server.shared_memory import SharedMemoryMethods
 from kvstore.wire import (
     MAX_NAMESPACE_WIRE_BYTES,
     BlockAssembler,
@@ -52,6 +53,9 @@ from kvstore.wire import (
 from kvstore.store import TieredStore
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvstore.shm.node import SharedMemoryNode
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +173,11 @@ class NamespaceCache:
             self.nbytes -= self.entry_bytes(old)
 
 
-class KVStoreServicer(pb_grpc.KVStoreServicer):
+class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
     """Serves one :class:`~kvstore.store.TieredStore` over gRPC (``grpc.aio``).
+
+    The same-host methods (Capabilities, Attach, GetShared, PutShared) are in
+    ``kvstore.server.shared_memory``; their bytes move through ``kvstore.shm``.
 
     Args:
         store: the started store; the servicer never closes it.
@@ -182,6 +189,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         metrics: where to count calls; ``None`` for no metrics.
         admission: the token check and in-flight limit of every call; built
             from ``config`` when ``None``.
+        shm: the node's same-host data plane (``kvstore.shm.node``), ``None`` for none.
 
     Raises:
         ConfigError: when ``admission`` is ``None`` and the tokens of ``config`` are unusable.
@@ -195,8 +203,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     """
 
     def __init__(self, store: TieredStore, config: Config, metrics: ServiceMetrics | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, shm: SharedMemoryNode | None = None) -> None:
         self._store = store
+        self.shm = shm
         self._config = config
         self._metrics = metrics
         self._chunk_bytes = chunk_bytes_for(config.server.max_message_bytes)
@@ -242,6 +251,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                                          pb.ClearResponse.SerializeToString),
             "Stats": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Stats), identity,
                                                          pb.StatsResponse.SerializeToString),
+            "Capabilities": grpc.unary_unary_rpc_method_handler(
+                _sheds_aborts(self.Capabilities), identity, pb.CapabilitiesResponse.SerializeToString),
+            "Attach": grpc.stream_stream_rpc_method_handler(_sheds_aborts(self.Attach), identity, pb.AttachReply.SerializeToString),
+            "GetShared": grpc.unary_unary_rpc_method_handler(
+                _sheds_aborts(self.GetShared), identity, pb.GetSharedResponse.SerializeToString),
+            "PutShared": grpc.unary_unary_rpc_method_handler(
+                _sheds_aborts(self.PutShared), identity, pb.PutResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -503,6 +519,13 @@ class _Call:
         self._ticket: Ticket | None = None
         self._watch: StreamWatch | None = None
         self.principal: Principal | None = None
+
+    def give_back_slot(self) -> None:
+        """Give the call's in-flight slot back now, for the rest of a long-lived call (a same-host session's
+        Attach stream, which ``shared_memory.max_sessions`` bounds instead)."""
+        if self._ticket is not None:
+            self._servicer.admission.release(self._ticket)
+            self._ticket = self._ticket._replace(peer=None)
 
     def watch(self, watchdog: StreamWatchdog) -> None:
         """Put the rest of the call under ``watchdog`` (``limits.max_stream_s``), until the call leaves.

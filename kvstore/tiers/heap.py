@@ -248,6 +248,9 @@ class HeapTier:
         """The stored form of one block: behind its framing head (one copy), or bare (no copy of a ``bytes``)."""
         head = self._framing(len(block)) if self._framing is not None else None
         if head:
+            whole = _framed_whole(block, head)
+            if whole is not None:  # already stored behind its head by the one who copied it (a same-host Put)
+                return _Record(whole, len(head), meta)
             return _Record(b"".join((head, block)), len(head), meta)
         return _Record(block if type(block) is bytes else block.tobytes(), 0, meta)
 
@@ -257,6 +260,32 @@ class HeapTier:
         self._stored_bytes += self.footprint(len(record.message) - record.start)
         if old is not None:
             self._stored_bytes -= self.footprint(len(old.message) - old.start)
+
+
+def _framed_whole(block: bytes | memoryview, head: bytes) -> bytes | None:
+    """The ``bytes`` that ``block`` is the tail of, when it is exactly ``head || block``; else ``None``.
+
+    A same-host Put copies each block out of the client's segment once,
+    straight behind its head (``kvstore.shm.node.SharedMemoryNode.copy_in``),
+    and passes the view of its block part; storing that ``bytes`` is storing
+    ``b"".join((head, block))`` with no second copy. Checked by address, so a
+    view of any other memory is copied as before.
+    """
+    if type(block) is bytes:
+        return None
+    whole = block.obj
+    if type(whole) is not bytes or len(whole) != len(head) + block.nbytes or not block.c_contiguous:
+        return None
+    if not whole.startswith(head) or _address(block) != _address(memoryview(whole)) + len(head):
+        return None
+    return whole
+
+
+def _address(view: memoryview) -> int:
+    """The address of a contiguous buffer's first byte (numpy reads it without a copy)."""
+    import numpy as np
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
 def _as_block(value: Buffer) -> bytes | memoryview:

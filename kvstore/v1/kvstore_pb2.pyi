@@ -172,3 +172,83 @@ class StatsResponse(_message.Message):
     lookup_hit_blocks: int
     lookup_miss_blocks: int
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ...) -> None: ...
+
+class CapabilitiesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SharedMemoryOffer(_message.Message):
+    __slots__ = ("host_id", "handoff_socket")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    handoff_socket: str
+    def __init__(self, host_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ...) -> None: ...
+
+class CapabilitiesResponse(_message.Message):
+    __slots__ = ("shared_memory",)
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    shared_memory: SharedMemoryOffer
+    def __init__(self, shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("release_lease_ids",)
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("session_id", "grant", "get_segment_bytes", "put_segment_bytes", "lease_s", "grant_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    GET_SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUT_SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    GRANT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    grant: bytes
+    get_segment_bytes: int
+    put_segment_bytes: int
+    lease_s: float
+    grant_s: float
+    def __init__(self, session_id: _Optional[int] = ..., grant: _Optional[bytes] = ..., get_segment_bytes: _Optional[int] = ..., put_segment_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., grant_s: _Optional[float] = ...) -> None: ...
+
+class GetSharedRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "session_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    session_id: int
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class GetSharedResponse(_message.Message):
+    __slots__ = ("lease_id", "offsets", "sizes", "no_room")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    NO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    no_room: bool
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., no_room: _Optional[bool] = ...) -> None: ...
+
+class PutSharedRequest(_message.Message):
+    __slots__ = ("namespace", "session_id", "priority", "retention_s", "block_hashes", "offsets", "sizes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    session_id: int
+    priority: int
+    retention_s: float
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., session_id: _Optional[int] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -65,6 +65,26 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Capabilities = channel.unary_unary(
+                '/kvstore.v1.KVStore/Capabilities',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CapabilitiesRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CapabilitiesResponse.FromString,
+                _registered_method=True)
+        self.Attach = channel.stream_stream(
+                '/kvstore.v1.KVStore/Attach',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttachReply.FromString,
+                _registered_method=True)
+        self.GetShared = channel.unary_unary(
+                '/kvstore.v1.KVStore/GetShared',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetSharedRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetSharedResponse.FromString,
+                _registered_method=True)
+        self.PutShared = channel.unary_unary(
+                '/kvstore.v1.KVStore/PutShared',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutSharedRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -113,6 +133,34 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Capabilities(self, request, context):
+        """The node's optional features (an older node answers UNIMPLEMENTED: none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request_iterator, context):
+        """A same-host session: the reply grants its segments, requests release leases; it ends with the client.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShared(self, request, context):
+        """Get into the session's get segment: offsets under a lease instead of the bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutShared(self, request, context):
+        """Put from the session's put segment; nothing is stored unless every block validates.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +193,26 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'Capabilities': grpc.unary_unary_rpc_method_handler(
+                    servicer.Capabilities,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CapabilitiesRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CapabilitiesResponse.SerializeToString,
+            ),
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttachReply.SerializeToString,
+            ),
+            'GetShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShared,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetSharedRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetSharedResponse.SerializeToString,
+            ),
+            'PutShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutShared,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutSharedRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +378,114 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Capabilities(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Capabilities',
+            kvstore_dot_v1_dot_kvstore__pb2.CapabilitiesRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.CapabilitiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstore.v1.KVStore/Attach',
+            kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.AttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/GetShared',
+            kvstore_dot_v1_dot_kvstore__pb2.GetSharedRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.GetSharedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/PutShared',
+            kvstore_dot_v1_dot_kvstore__pb2.PutSharedRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,

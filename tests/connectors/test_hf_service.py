@@ -26,6 +26,7 @@ def test_hits_through_a_server_then_falls_back_when_it_dies():
             conn.flush()
             hit = conn.generate(ids, MAX_NEW_TOKENS)
             assert client.lookup(conn.namespace, conn.block_hashes(ids)).num_blocks == 4
+            assert client.shared_memory() == ("attached",)  # the node is on this host: loads came through it
             node.kill()  # SIGKILL: the next load and save fail
             down = conn.generate(ids, MAX_NEW_TOKENS)
             conn.flush()
@@ -34,3 +35,20 @@ def test_hits_through_a_server_then_falls_back_when_it_dies():
     assert miss.token_ids == hit.token_ids == down.token_ids == expected
     assert down.fell_back and down.num_cached_tokens == 0
     assert stats.num_load_failures == 1 and stats.num_save_failures == 1
+
+
+def test_the_same_tokens_come_over_grpc_and_shared_memory():
+    model = tiny_model("llama")
+    ids = prompt(50)
+    expected = reference(model, ids)
+    with KVNode(memory_capacity="32MiB", metrics=False) as node:
+        results = []
+        for shared_memory in (True, False):
+            with KVStoreClient(node.target, timeout_s=10.0, retries=0, shared_memory=shared_memory) as client, \
+                    HFConnector(model, client, block_size=16, model_id=f"tiny-{shared_memory}") as conn:
+                conn.generate(ids, MAX_NEW_TOKENS)
+                conn.flush()
+                results.append(conn.generate(ids, MAX_NEW_TOKENS))
+                assert client.shared_memory() == (("attached",) if shared_memory else ("off",))
+    assert [r.num_cached_tokens for r in results] == [48, 48]
+    assert [r.token_ids for r in results] == [expected, expected]

@@ -134,27 +134,35 @@ async def test_async_put_accepts_everything_the_server_does(server: ThreadedServ
             assert (await kv.lookup(ns, hashes)).num_blocks == 2
 
 
+class _Unsizable(bytes):
+    """Bytes that pass the client's checks (they are bytes) but whose ``len()`` fails: a stream that breaks late."""
+
+    def __len__(self) -> int:
+        raise RuntimeError("no length")
+
+
 async def test_async_put_turns_a_failing_request_stream_into_an_error_not_a_cancellation(
     server: ThreadedServer,
 ) -> None:
     ns = namespace()
     hashes, _ = kv_blocks(ns, 1)
-    not_bytes: Any = object()  # len() of it fails inside the request stream
+    not_bytes: Any = _Unsizable(b"\0" * 64)  # len() of it fails inside the request stream
     rpc = client_module._put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
-    async with AsyncKVStoreClient(server.target, timeout_s=30.0, retries=0) as kv:
+    async with AsyncKVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False) as kv:  # gRPC's Put
         task = asyncio.ensure_future(kv._run(client_module._Plan({0: rpc}, client_module._first)))
         with pytest.raises(InvalidArgumentError, match="Put request"):
             await task
         assert not task.cancelled()
 
 
-def test_put_turns_a_failing_request_stream_into_an_error(client: KVStoreClient) -> None:
+def test_put_turns_a_failing_request_stream_into_an_error(server: ThreadedServer) -> None:
     ns = namespace()
     hashes, _ = kv_blocks(ns, 1)
-    not_bytes: Any = object()  # len() of it fails inside the request stream
+    not_bytes: Any = _Unsizable(b"\0" * 64)  # len() of it fails inside the request stream
     rpc = client_module._put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
-    with pytest.raises(InvalidArgumentError, match="Put request"):
-        client._run(client_module._Plan({0: rpc}, client_module._first))
+    with KVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False) as client:  # gRPC's Put
+        with pytest.raises(InvalidArgumentError, match="Put request"):
+            client._run(client_module._Plan({0: rpc}, client_module._first))
 
 
 # ---------------------------------------------------------------------- client settings

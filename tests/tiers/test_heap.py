@@ -58,6 +58,23 @@ async def test_a_block_is_stored_as_its_ready_reply_and_leased_without_a_copy():
     await tier.close()
 
 
+async def test_a_block_already_behind_its_head_is_kept_without_a_copy_and_any_other_view_is_copied():
+    tier = HeapTier(MiB, framing=HEADS)
+    block = make_block(0)
+    head = HEADS(len(block))
+    framed = b"".join((head, block))  # as a same-host Put copies a block out of the client's segment
+    tail = memoryview(framed)[len(head):]
+    same_bytes_elsewhere = memoryview(b"".join((head, block, b"x")))[len(head):-1]  # not the tail of its bytes
+    shifted = memoryview(b"".join((b"y" * len(head), block)))[len(head):]  # the tail, behind something else
+    await tier.put([make_key(i) for i in range(3)], [tail, same_bytes_elsewhere, shifted], [meta()] * 3)
+    lease = tier.lease([make_key(i) for i in range(3)])
+    assert lease.framed[0] is framed  # type: ignore[index]
+    assert all(reply == encode_block_chunk(0, len(block), block, True) for reply in lease.framed)  # type: ignore[union-attr]
+    assert lease.framed[1] is not same_bytes_elsewhere.obj and lease.framed[2] is not shifted.obj  # type: ignore[index]
+    lease.release()
+    await tier.close()
+
+
 async def test_a_block_over_one_message_is_stored_bare_and_a_bytes_value_is_kept_as_is():
     tier = HeapTier(MiB, framing=HEADS)
     big = make_sized_block(0, CHUNK + 2)

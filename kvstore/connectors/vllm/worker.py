@@ -14,6 +14,14 @@ Nothing is written into vLLM's cache but checked blocks, and only into the
 blocks vLLM allocated for the load. Loading is not pipelined layer by layer:
 one block holds every layer, so the whole load is one fetch, then the copies
 (``kvstore.connectors.vllm.layout.PagedKV.scatter``); ``wait_for_layer_load`` has nothing to wait for.
+A client with ``get_into`` (every kvstore client) fetches into one staging
+tensor ``[num_blocks, *block_shape]`` (pinned when the cache is on CUDA):
+from the node's shared memory on the same host, that is the one copy before
+the scatter, with no ``bytes`` in between (one strided copy for the batch).
+Checksums are then checked as the client checks them: what crossed a network
+(gRPC) is, what the node validated at put time and copied into shared memory
+is not, nor the embedded store's own memory (``docs/shared-memory.md``). A
+corrupt block makes the worker fetch the encoded blocks to find which one it was.
 
 Saves (``wait_for_save``, after the forward pass): the blocks of the step's
 :class:`~kvstore.connectors.vllm.jobs.SaveJob` s are copied out of vLLM's cache
@@ -32,12 +40,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from kvstore.api import BlockClient, Buffer
-from kvstore.codec import decode_block, verify_block
+from kvstore.codec import decode_block, torch_dtype, verify_block
 from kvstore.connectors.vllm.config import VLLMConnectorConfig
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadJob, RankKey, SaveJob, TenantKey
 from kvstore.connectors.vllm.layout import PagedKV
@@ -45,7 +53,7 @@ from kvstore.connectors.vllm.metrics import KVStoreConnectorStats
 from kvstore.connectors.vllm.namespaces import ModelIdentity, RankInfo, storage_namespace
 from kvstore.connectors.vllm.stores import LookupEndpoint, StoreHealth, embedded_config, open_client
 from kvstore.embedded import EmbeddedStore
-from kvstore.errors import CodecError, KVStoreError
+from kvstore.errors import CodecError, DestinationMismatchError, KVStoreError
 from kvstore.keys import HashAlgorithm, Namespace
 
 logger = logging.getLogger(__name__)
@@ -63,6 +71,14 @@ class _Put:
     hashes: list[bytes]
     blocks: torch.Tensor
     nbytes: int
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A load's blocks copied by ``get_into``: ``[num_good, *block_shape]``, and why the next one is bad (or ``None``)."""
+
+    blocks: torch.Tensor
+    bad: str | None
 
 
 @dataclass(slots=True)
@@ -102,6 +118,7 @@ class WorkerSide:
         self.health = StoreHealth(config.down_backoff_s)
         self.units_per_kv_block = self.block_size // paged.page_format.unit_tokens
         self._block_shape = paged.page_format.block_shape(self.block_size)
+        self._block_dtype = torch_dtype(paged.page_format.dtype)
         self._hash_algorithm = HashAlgorithm(config.hash_algorithm)
         self._namespaces: dict[TenantKey, Namespace] = {}
         self._stats = KVStoreConnectorStats()
@@ -176,32 +193,56 @@ class WorkerSide:
             self._write(job, buffers)
         self._observe("load_seconds", time.monotonic() - started)
 
-    def _fetch(self, job: LoadJob) -> list[Buffer]:
-        return self.client.get(self.namespace(job.tenant), job.hashes[self.rank])
+    def _fetch(self, job: LoadJob) -> list[Buffer] | _Staged:
+        """The job's blocks: copied into a staging tensor when the client has ``get_into``, else encoded buffers."""
+        namespace, hashes = self.namespace(job.tenant), job.hashes[self.rank]
+        get_into = getattr(self.client, "get_into", None)
+        if get_into is None:
+            return self.client.get(namespace, hashes)
+        staging = torch.empty((len(hashes), *self._block_shape), dtype=self._block_dtype,
+                              pin_memory=self.paged.device.type == "cuda")
+        try:
+            num_blocks = get_into(namespace, hashes, list(staging))  # checksums checked as the client checks them
+        except DestinationMismatchError as exc:
+            return _Staged(staging[:exc.num_blocks], f"not of this worker's page format ({exc})")
+        except CodecError:  # a corrupt block: fetch the encoded blocks to find which (rare: blocks are checked at put)
+            return self.client.get(namespace, hashes)
+        return _Staged(staging[:num_blocks], None)
 
-    def _write(self, job: LoadJob, buffers: list[Buffer]) -> None:
-        """Check the fetched blocks in order and write the good prefix; report the rest."""
-        expected = job.hashes[self.rank]
+    def _write(self, job: LoadJob, fetched: list[Buffer] | _Staged) -> None:
+        """Write the good prefix of the fetched blocks into vLLM's cache; report the rest, delete the bad one."""
+        if isinstance(fetched, _Staged):
+            good: Any = fetched.blocks
+            bad = fetched.bad
+        else:
+            good, bad = self._check(fetched[: len(job.hashes[self.rank])])
+        self._write_good(job, good, bad)
+
+    def _check(self, buffers: list[Buffer]) -> tuple[list[torch.Tensor], str | None]:
+        """The fetched blocks decoded up to the first corrupt or mismatched one, and what was wrong with it."""
         fmt = self.paged.page_format
         good: list[torch.Tensor] = []
-        bad: str | None = None
-        for buffer in buffers[: len(expected)]:
+        for buffer in buffers:
             try:
                 header = verify_block(buffer)
             except CodecError as exc:
-                bad = f"corrupt ({exc})"
-                break
+                return good, f"corrupt ({exc})"
             if header.dtype != fmt.dtype or header.layout is not fmt.layout or header.shape != self._block_shape:
-                bad = (f"of {header.dtype}/{header.layout.value} {list(header.shape)}, not "
-                       f"{fmt.dtype}/{fmt.layout.value} {list(self._block_shape)}")
-                break
+                return good, (f"of {header.dtype}/{header.layout.value} {list(header.shape)}, not "
+                              f"{fmt.dtype}/{fmt.layout.value} {list(self._block_shape)}")
             good.append(decode_block(buffer, verify=False))
+        return good, None
+
+    def _write_good(self, job: LoadJob, good: Sequence[torch.Tensor] | torch.Tensor, bad: str | None) -> None:
+        """Scatter the checked blocks (each ``block_shape``) into the job's vLLM blocks; delete the bad one, if any."""
+        expected = job.hashes[self.rank]
+        fmt = self.paged.page_format
         if bad is not None:
             index = len(good)
             logger.warning("kvstore block %d of request %s is %s: recomputing it, and deleting it from the store",
                            job.first_block + index, job.req_id, bad)
             self._tasks.put(_Delete(self.namespace(job.tenant), [expected[index]]))
-        if good:
+        if len(good):
             skip_units = job.skip_tokens // fmt.unit_tokens
             num_units = len(good) * self.units_per_kv_block - skip_units
             units = self.paged.units_of(job.block_ids)[:num_units]

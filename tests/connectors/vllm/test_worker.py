@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from kvstore.api import Buffer
+from kvstore.blockcopy import copy_into_destinations
+from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.connectors.vllm.config import parse_config
@@ -25,6 +27,7 @@ from kvstore.connectors.vllm.namespaces import ModelIdentity
 from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.embedded import EmbeddedStore
 from kvstore.errors import UnavailableError
+from tests.support.server import ThreadedServer, make_config, scrape
 
 NUM_BLOCKS, H, N, D, LAYERS = 16, 2, 32, 32, 2
 FORMAT = PageFormat(backend="CPU_ATTN", family="split_tokens", interior="cpu_attn:isa=vec", num_layers=LAYERS,
@@ -50,6 +53,20 @@ class Proxy:
             self.gate.wait()
         blocks = self.store.get(namespace, hashes)
         return self.edit(blocks) if self.edit else blocks
+
+    def get_into(self, namespace: Any, hashes: Any, destinations: Any, *, verify: bool | None = None) -> int:
+        """The edited blocks copied as a gRPC client's ``get_into`` copies them (``kvstore.blockcopy``): bytes
+        that crossed a network are checked unless the caller says otherwise."""
+        copied = copy_into_destinations(self.get(namespace, hashes), destinations, True if verify is None else verify)
+        if copied.error is not None:
+            raise copied.error
+        return copied.num_copied
+
+
+class GetOnly(Proxy):
+    """A client without ``get_into`` (a third party's ``BlockClient``): the worker checks and decodes encoded blocks."""
+
+    get_into = None  # type: ignore[assignment]  # what the worker's getattr(client, "get_into", None) sees of none
 
     def close(self) -> None:
         """The test closes the store."""
@@ -91,9 +108,10 @@ def _units_equal(a: list[torch.Tensor], a_ids: list[int], b: list[torch.Tensor],
     return all(torch.equal(x[a_ids], y[b_ids]) for x, y in zip(a, b))
 
 
-def test_saved_blocks_load_into_other_blocks_of_another_worker(store: EmbeddedStore) -> None:
+@pytest.mark.parametrize("client", [EmbeddedStore, GetOnly])
+def test_saved_blocks_load_into_other_blocks_of_another_worker(store: EmbeddedStore, client: Any) -> None:
     source, target = _caches(1), _caches(2)
-    saver, loader = _worker(store, source), _worker(store, target)
+    saver, loader = _worker(store, source), _worker(store if client is EmbeddedStore else client(store), target)
     _save(saver, [3, 4, 9, 1, 0, 7, 12, 13])  # 4 kvstore blocks
     before = [t.clone() for t in target]
     assert _load(loader, [5, 6, 10, 11, 2, 8, 14, 15]) == set()
@@ -102,6 +120,21 @@ def test_saved_blocks_load_into_other_blocks_of_another_worker(store: EmbeddedSt
     stats = loader.take_stats()
     assert stats is not None and stats.data["loaded_blocks"] == 4 and stats.data["load_failed_blocks"] == 0
     assert saver.take_stats().data["saved_blocks"] == 4
+
+
+def test_loads_through_a_same_host_node_come_from_shared_memory_and_match_the_saved_blocks() -> None:
+    node = ThreadedServer(make_config())
+    try:
+        with KVStoreClient(node.target, retries=0) as saver_client, KVStoreClient(node.target, retries=0) as client:
+            source, target = _caches(1), _caches(2)
+            saver, loader = _worker(saver_client, source), _worker(client, target)
+            _save(saver, [3, 4, 9, 1, 0, 7, 12, 13])
+            assert _load(loader, [5, 6, 10, 11, 2, 8, 14, 15]) == set()
+            assert _units_equal(source, [3, 4, 9, 1, 0, 7, 12, 13], target, [5, 6, 10, 11, 2, 8, 14, 15])
+            assert client.shared_memory() == ("attached",)
+            assert scrape(node).get('kvstore_requests_total{code="OK",method="GetShared"}', 0.0) == 1
+    finally:
+        node.stop()
 
 
 def test_a_block_partly_in_vllms_local_cache_is_written_only_past_it(store: EmbeddedStore) -> None:
@@ -128,12 +161,14 @@ def test_a_miss_after_the_lookup_reports_the_missing_blocks_and_writes_nothing_f
     assert loader.take_worker_meta() is None and loader.take_load_errors() == set()
 
 
+@pytest.mark.parametrize("client", [Proxy, GetOnly])
 @pytest.mark.parametrize("damage", ["checksum", "shape", "dtype"])
-def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: EmbeddedStore, damage: str) -> None:
+def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: EmbeddedStore, damage: str,
+                                                                   client: type[Proxy]) -> None:
     source, target = _caches(1), _caches(2)
     saver = _worker(store, source)
     _save(saver, [3, 4, 9, 1, 0, 7], HASHES[:3])
-    proxy = Proxy(store)
+    proxy = client(store)
 
     def edit(blocks: list[Buffer]) -> list[Buffer]:
         bad = bytearray(blocks[1])

@@ -1,0 +1,473 @@
+"""The client's side of the same-host data plane: one node's session, attached on first use and again after a restart.
+
+A :class:`SharedMemoryLink` per node decides, once, whether the node is on this
+host and offers the path (``Capabilities``: the node's kernel boot id must be
+this one's, and its handoff socket reachable from here); if so it opens the
+session (``Attach``), redeems its grant on the handoff socket for the two
+segments and maps them: the get segment read-only, the put segment read-write.
+Anything that fails on the way leaves the link off, logged once, and the
+client's calls to that node go over gRPC with no error. The session ends with
+its ``Attach`` stream, so the node ends it, and its leases, when this process
+exits, however it exits.
+
+A :class:`SharedSession` then serves the client's calls: it stages a Put's
+blocks in the put segment (this client chooses the ranges), reads a Get's
+blocks where the node wrote them (ranges the node leased to it), copies them
+into the caller's memory, and releases the lease on the ``Attach`` stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+
+import grpc
+
+from kvstore.blockcopy import Copied, byte_view, copy_batch_into, copy_block_into, copy_into_destinations, encode_into, encoded_nbytes
+from kvstore.codec import Layout, decode_header, torch_dtype, verify_block
+from kvstore.errors import KVStoreError
+from kvstore.shm.allocator import RangeAllocator
+from kvstore.shm.handoff import redeem_grant
+from kvstore.shm.node import BLOCK_ALIGNMENT, host_id
+from kvstore.shm.segment import Segment, unsupported_reason
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.api import Block, Buffer
+
+logger = logging.getLogger(__name__)
+
+ATTACH_TIMEOUT_S = 5.0
+"""Longest the attaching of a session may take (capabilities, the first reply, the handoff), seconds."""
+RETRY_S = (1.0, 60.0)
+"""First and longest pause before a link that failed to attach tries again, seconds (doubling)."""
+LEASE_MARGIN_S = 0.5
+"""A Get's blocks are used only if the copy ended this long before the lease's end, by this client's clock, seconds."""
+
+
+class UseGrpc(Exception):
+    """The same-host path declined one call (the segment had no room, or the lease ran out): send it over gRPC."""
+
+
+class BlockLease:
+    """Blocks read in place, valid until :meth:`release` (``with client.read(...) as blocks:``).
+
+    From the same-host path, each block is a read-only ``memoryview`` of the
+    node's writing in this client's get segment, held under a lease: the node
+    writes nothing else there until the lease is released, or ``lease_s`` passes
+    (then the views may change: copy what must outlive it). From gRPC, the
+    blocks are the received buffers, and releasing does nothing.
+
+    Attributes:
+        blocks: the encoded blocks of the longest cached prefix, in order.
+        expires_at: ``time.monotonic()`` by which to release it (``inf`` for received buffers).
+    """
+
+    __slots__ = ("blocks", "expires_at", "_releases")
+
+    def __init__(self, blocks: list[Buffer], releases: list[Callable[[], None]], expires_at: float = math.inf) -> None:
+        self.blocks = blocks
+        self.expires_at = expires_at
+        self._releases = releases
+
+    @classmethod
+    def merge(cls, blocks: list[Buffer], leases: Sequence[BlockLease | None]) -> BlockLease:
+        """One lease of the merged blocks of several nodes' leases."""
+        held = [lease for lease in leases if lease is not None]
+        return cls(blocks, [r for lease in held for r in lease._releases],
+                   min((lease.expires_at for lease in held), default=math.inf))
+
+    def release(self) -> None:
+        """Give the blocks back; the views must not be used afterwards. Idempotent."""
+        releases, self._releases = self._releases, []
+        for release in releases:
+            release()
+
+    def __enter__(self) -> list[Buffer]:
+        return self.blocks
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+class Staged(NamedTuple):
+    """A Put's blocks staged in the put segment: each one's offset and length, bytes."""
+
+    offset: int
+    offsets: list[int]
+    sizes: list[int]
+
+
+class SharedSession:
+    """An attached session with one node: its segments, its ``Attach`` stream, and this client's put ranges.
+
+    Thread-safe. Made by :class:`SharedMemoryLink`.
+
+    Attributes:
+        session_id: the node's name for it.
+        lease_s: how long a lease lasts, seconds.
+        alive: ``False`` once the session ended (the node stopped, or :meth:`retire`).
+    """
+
+    def __init__(self, session_id: int, lease_s: float, get_segment: Segment, put_segment: Segment,
+                 releases: queue.SimpleQueue[pb.AttachRequest | None], call: Any, channel: grpc.Channel) -> None:
+        self.session_id = session_id
+        self.lease_s = lease_s
+        self.get_segment = get_segment
+        self.put_segment = put_segment
+        self.get_bytes = byte_view(get_segment.view)  # one view each, sliced per block (no per-block warning dance)
+        self.put_bytes = byte_view(put_segment.view)
+        self._releases = releases
+        self._call = call
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._put_ranges = RangeAllocator(put_segment.nbytes)
+        self.alive = True
+
+    # ------------------------------------------------------------------ Get
+
+    def _ranges(self, reply: pb.GetSharedResponse, started: float) -> tuple[list[int], list[int], float]:
+        if reply.no_room:
+            raise UseGrpc("the get segment has no room for this prefix now")
+        return list(reply.offsets), list(reply.sizes), started + self.lease_s - LEASE_MARGIN_S
+
+    def release(self, lease_id: int) -> None:
+        """End a lease (sent on the ``Attach`` stream, not waited for); nothing once the session ended."""
+        if lease_id and self.alive:
+            self._releases.put(pb.AttachRequest(release_lease_ids=[lease_id]))
+
+    def _check_lease(self, lease_id: int, deadline: float) -> None:
+        if time.monotonic() > deadline:  # the node may have written another Get's blocks there: fetch again
+            self.release(lease_id)
+            raise UseGrpc("the lease ran out before its blocks were copied")
+
+    def copy_into(self, reply: pb.GetSharedResponse, destinations: Sequence[torch.Tensor], verify: bool,
+                  started: float) -> Copied:
+        """Copy the reply's blocks from the get segment into ``destinations`` (one copy each), then release.
+
+        Args:
+            reply: the node's ``GetSharedResponse``.
+            destinations: one tensor per block hash of the request.
+            verify: check each block's checksum (the node wrote what it validated at put time; see
+                ``docs/shared-memory.md``).
+            started: ``time.monotonic()`` when the request was sent (the lease began after it).
+
+        Raises:
+            UseGrpc: if the node had no room, or the lease ran out meanwhile.
+            CodecError: on a malformed block, or (with ``verify``) a corrupt one.
+        """
+        offsets, sizes, deadline = self._ranges(reply, started)
+        view, raw = self.get_segment.view, self.get_bytes
+        try:
+            blocks = [view[o:o + n] for o, n in zip(offsets, sizes)]
+            copied = None if verify else copy_batch_into(blocks, destinations, raw, offsets)
+            if copied is None:
+                copied = copy_into_destinations(blocks, destinations, verify,
+                                                [raw[o:o + n] for o, n in zip(offsets, sizes)])
+            self._check_lease(reply.lease_id, deadline)
+            return copied
+        finally:
+            self.release(reply.lease_id)
+
+    def take_bytes(self, reply: pb.GetSharedResponse, started: float) -> list[bytes]:
+        """The reply's blocks as ``bytes`` the caller owns (one copy each), then release."""
+        offsets, sizes, deadline = self._ranges(reply, started)
+        view = self.get_segment.view
+        try:
+            blocks = [bytes(view[o:o + n]) for o, n in zip(offsets, sizes)]
+            self._check_lease(reply.lease_id, deadline)
+            return blocks
+        finally:
+            self.release(reply.lease_id)
+
+    def take_tensors(self, reply: pb.GetSharedResponse, verify: bool, started: float) -> list[torch.Tensor]:
+        """The reply's blocks decoded into new CPU tensors (one copy each, straight from the segment), then release."""
+        import torch
+
+        offsets, sizes, deadline = self._ranges(reply, started)
+        view, raw = self.get_segment.view, self.get_bytes
+        try:
+            tensors = []
+            for o, n in zip(offsets, sizes):
+                block = view[o:o + n]
+                header = verify_block(block) if verify else decode_header(block)
+                tensor = torch.empty(header.shape, dtype=torch_dtype(header.dtype))
+                copy_block_into(block, tensor, verify=False, source=raw[o:o + n])
+                tensors.append(tensor)
+            self._check_lease(reply.lease_id, deadline)
+            return tensors
+        finally:
+            self.release(reply.lease_id)
+
+    def lease(self, reply: pb.GetSharedResponse, started: float) -> BlockLease:
+        """The reply's blocks in place, as read-only views under the node's lease (see :class:`BlockLease`)."""
+        offsets, sizes, deadline = self._ranges(reply, started)
+        view = self.get_segment.view
+        lease_id = reply.lease_id
+        return BlockLease([view[o:o + n] for o, n in zip(offsets, sizes)],
+                          [lambda: self.release(lease_id)] if lease_id else [], deadline)
+
+    # ------------------------------------------------------------------ Put
+
+    def stage(self, blocks: Sequence[Block], layout: Layout | str) -> Staged | None:
+        """Write blocks encoded into a new range of the put segment (one copy of each payload, from any device).
+
+        Returns:
+            Where they are, or ``None`` when the put segment has no room for them now.
+
+        Raises:
+            UnknownDtypeError, ElementCountError: on a tensor the codec cannot encode (checked beforehand by the
+                client, so not in practice).
+        """
+        sizes = [encoded_nbytes(block) for block in blocks]
+        relative, position = [], 0
+        for nbytes in sizes:
+            relative.append(position)
+            position += -(-nbytes // BLOCK_ALIGNMENT) * BLOCK_ALIGNMENT
+        with self._lock:
+            if self._put_ranges.aligned(position) > self._put_ranges.capacity_bytes:
+                return None
+            offset = self._put_ranges.allocate(position)
+        if offset is None:
+            return None
+        offsets = [offset + r for r in relative]
+        try:
+            view, raw = self.put_segment.view, self.put_bytes
+            for block, start, nbytes in zip(blocks, offsets, sizes):
+                encode_into(block, layout, view[start:start + nbytes], raw[start:start + nbytes])
+        except BaseException:
+            self.unstage(Staged(offset, offsets, sizes))
+            raise
+        return Staged(offset, offsets, sizes)
+
+    def unstage(self, staged: Staged) -> None:
+        """Give a put's range back, once the node's reply (or its error status) has arrived."""
+        with self._lock:
+            self._put_ranges.free(staged.offset)
+
+    # ------------------------------------------------------------------ life
+
+    def retire(self) -> None:
+        """Stop using this session (a call on it ended without a clear outcome, or the node forgot it): end its
+        stream, so the node ends it; its mappings go once no view of them is left."""
+        self.alive = False
+        self._releases.put(None)
+        self._call.cancel()
+        self._channel.close()
+        self.get_segment.close()  # a call still copying keeps its views: the mappings go with the last of them
+        self.put_segment.close()
+
+    def ended(self) -> None:
+        """The node ended the stream (it stopped or restarted)."""
+        self.alive = False
+
+
+def _tell_ended(session_box: list[weakref.ref[SharedSession]]) -> None:
+    session = session_box[0]() if session_box else None
+    if session is not None:
+        session.ended()
+
+
+def _requests(releases: queue.SimpleQueue[pb.AttachRequest | None]) -> Iterator[pb.AttachRequest]:
+    while True:
+        item = releases.get()
+        if item is None:
+            return
+        yield item
+
+
+class SharedMemoryLink:
+    """One node's same-host data plane as this client sees it: off, or an attached :class:`SharedSession`.
+
+    Args:
+        target: the node's gRPC target (``host:port`` or ``unix://<path>``).
+        credentials: TLS channel credentials, as the client's; ``None`` for plaintext.
+        metadata: call metadata (the bearer token), as the client's.
+        options: gRPC channel options, as the client's.
+    """
+
+    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), options: Sequence[tuple[str, Any]] = ()) -> None:
+        self.target = target
+        self._credentials = credentials
+        self._metadata = tuple(metadata)
+        self._options = list(options)
+        self._lock = threading.Lock()
+        self._session: SharedSession | None = None
+        self._retry_at = 0.0
+        self._retry_s = RETRY_S[0]
+        self._pid = os.getpid()
+        self.reason = ""
+        self._closed = False
+
+    def current(self) -> SharedSession | None:
+        """The attached session if there is one now (no I/O)."""
+        session = self._session
+        if session is not None and session.alive and self._pid == os.getpid():
+            return session
+        return None
+
+    def settled(self) -> bool:
+        """Whether :meth:`ensure` would answer without I/O (attached, or off until a later retry)."""
+        return self.current() is not None or self._closed or time.monotonic() < self._retry_at
+
+    def ensure(self, timeout_s: float = ATTACH_TIMEOUT_S) -> SharedSession | None:
+        """The attached session, attaching first if it is time to try; ``None``: use gRPC (blocking; thread-safe).
+
+        Args:
+            timeout_s: the longest the attaching may take (at most :data:`ATTACH_TIMEOUT_S`), seconds:
+                what is left of the calling call's deadline.
+        """
+        session = self.current()
+        if session is not None:
+            return session
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's session is the parent's
+                self._pid, self._session, self._retry_at = os.getpid(), None, 0.0
+            session = self.current()
+            if session is not None or self._closed or time.monotonic() < self._retry_at:
+                return session
+            if self._session is not None:  # it ended (the node stopped): close what is left of it here
+                self._session.retire()
+                self._session = None
+            try:
+                self._session = self._attach(min(ATTACH_TIMEOUT_S, timeout_s))
+            except _Off as off:
+                self._off(str(off), permanent=off.permanent)
+                return None
+            except (grpc.RpcError, OSError, KVStoreError, TimeoutError) as exc:
+                self._off(_detail(exc), permanent=False)
+                return None
+            self._retry_s = RETRY_S[0]
+            if self.reason:
+                logger.info("kvstore node %s: same-host data plane attached again", self.target)
+            else:
+                logger.info("kvstore node %s: same-host data plane attached (session %#x)", self.target,
+                            self._session.session_id)
+            self.reason = ""
+            return self._session
+
+    def lost(self, session: SharedSession | None) -> None:
+        """The node no longer knows ``session`` (it restarted) or a call on it ended unclearly: attach afresh."""
+        with self._lock:
+            if session is not None and session is self._session:
+                self._session = None
+                session.retire()
+            self._retry_at = 0.0
+
+    def _off(self, reason: str, *, permanent: bool) -> None:
+        if reason != self.reason:
+            logger.info("kvstore node %s: no same-host data plane (%s); blocks go over gRPC", self.target, reason)
+        self.reason = reason
+        self._retry_at = math.inf if permanent else time.monotonic() + self._retry_s
+        self._retry_s = min(RETRY_S[1], self._retry_s * 2)
+
+    def _attach(self, timeout_s: float) -> SharedSession:
+        reason = unsupported_reason()
+        if reason is not None:
+            raise _Off(reason, permanent=True)
+        if self._credentials is not None:
+            channel = grpc.secure_channel(self.target, self._credentials, options=self._options)
+        else:
+            channel = grpc.insecure_channel(self.target, options=self._options)
+        try:
+            return self._attach_on(channel, timeout_s)
+        except BaseException:
+            channel.close()
+            raise
+
+    def _attach_on(self, channel: grpc.Channel, timeout_s: float) -> SharedSession:
+        stub = pb_grpc.KVStoreStub(channel)
+        deadline = time.monotonic() + timeout_s
+        try:
+            capabilities = stub.Capabilities(pb.CapabilitiesRequest(), timeout=max(0.01, timeout_s),
+                                             metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+                raise _Off("the node predates the same-host data plane", permanent=True) from None
+            raise
+        if not capabilities.HasField("shared_memory"):
+            raise _Off("the node offers none", permanent=True)
+        offer = capabilities.shared_memory
+        if not offer.host_id or offer.host_id != host_id():
+            raise _Off("the node is on another host", permanent=True)
+        releases: queue.SimpleQueue[pb.AttachRequest | None] = queue.SimpleQueue()
+        call = stub.Attach(_requests(releases), metadata=self._metadata)
+        first: list[Any] = []
+        got_first = threading.Event()
+        session_box: list[weakref.ref[SharedSession]] = []  # weak: the session goes when the link lets go of it
+
+        def read_stream() -> None:  # the stream's one reply, then its end: the session's end
+            try:
+                first.append(next(call))
+            except BaseException as exc:  # noqa: BLE001 - handed to the attaching thread
+                first.append(exc)
+            got_first.set()
+            try:
+                for _ in call:
+                    pass
+            except grpc.RpcError as exc:
+                # the call raises itself: its traceback would hold this frame, and the frame the call (a cycle)
+                exc.__traceback__ = None
+            _tell_ended(session_box)
+
+        threading.Thread(target=read_stream, name=f"kvstore-shm-{self.target}", daemon=True).start()
+        try:
+            if not got_first.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError("no reply to Attach")
+            reply = first[0]
+            if isinstance(reply, BaseException):
+                raise reply
+            sizes, fds = redeem_grant(offer.handoff_socket, reply.grant, max(0.1, deadline - time.monotonic()))
+            try:
+                get_segment = Segment.attach(fds[0], sizes[0], writable=False)
+            except BaseException:
+                os.close(fds[1])
+                raise
+            try:
+                put_segment = Segment.attach(fds[1], sizes[1], writable=True)
+            except BaseException:
+                get_segment.close()
+                raise
+        except BaseException:
+            releases.put(None)
+            call.cancel()
+            raise
+        session = SharedSession(reply.session_id, reply.lease_s, get_segment, put_segment, releases, call, channel)
+        session_box.append(weakref.ref(session))
+        if not call.is_active():  # ended before the reader could tell the session
+            session.ended()
+        return session
+
+    def close(self) -> None:
+        """End the session, if any; the link stays off."""
+        with self._lock:
+            self._closed = True
+            session, self._session = self._session, None
+            if session is not None and self._pid == os.getpid():
+                session.retire()
+
+
+class _Off(Exception):
+    def __init__(self, reason: str, *, permanent: bool) -> None:
+        super().__init__(reason)
+        self.permanent = permanent
+
+
+def _detail(exc: BaseException) -> str:
+    """``CODE: details`` of a status, ``Type: message`` of any other error (why a link is off)."""
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,162 @@
+"""Shared-memory segments: sealed ``memfd`` files of a fixed size, created owner-only and mapped by two processes.
+
+A segment is an anonymous file (``memfd_create(2)``), so it has no name in
+``/dev/shm`` or anywhere else: it exists while a process holds its file
+descriptor or a mapping of it, and nothing is left behind when both processes
+are gone, however they end. It reaches the other process only as a file
+descriptor passed over a Unix socket (:mod:`kvstore.shm.handoff`); its mode is
+owner-only (``0600``), so ``/proc/<pid>/fd`` gives no other user a way in either.
+
+Its size is sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``, see
+``memfd_create(2)`` and ``fcntl(2)`` "File Sealing"): a process holding it
+writable can change its bytes but never truncate it, so the other side's
+mapping can never fault (``SIGBUS``) on a page cut off under it. This is the
+use file sealing was added to Linux for (David Herrmann, "memfd: File Sealing",
+LWN 591108): memory shared with a process one does not trust.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+import stat
+import sys
+import weakref
+
+from kvstore.errors import KVStoreError
+
+OWNER_ONLY = 0o600
+"""The mode of every segment: read and write for its owner only."""
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
+"""The seals every segment carries: its size is fixed, and no seal can be added or removed."""
+
+
+class SegmentError(KVStoreError):
+    """A segment cannot be made, or a file descriptor handed over is not a segment this side can use."""
+
+
+def unsupported_reason() -> str | None:
+    """Why this platform has no same-host data plane (``None`` when it has one): it needs Linux's memfd and seals."""
+    if sys.platform != "linux":
+        return f"shared-memory segments need Linux (memfd_create and file seals); this is {sys.platform}"
+    if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
+        return "this Python has no os.memfd_create or socket.send_fds"
+    return None
+
+
+class Segment:
+    """One mapped segment of ``nbytes``.
+
+    Made by :meth:`create` (the node) or :meth:`attach` (a client, from a handed-over file descriptor).
+
+    Attributes:
+        fd: the file descriptor (owned; closed by :meth:`close`).
+        nbytes: size, bytes.
+        writable: whether this side mapped it writable.
+        view: a ``memoryview`` of the whole mapping (read-only unless ``writable``).
+    """
+
+    def __init__(self, fd: int, nbytes: int, *, writable: bool) -> None:
+        self.fd = fd
+        self.nbytes = nbytes
+        self.writable = writable
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+        self.view = memoryview(self._map)
+        self._close_fd = weakref.finalize(self, os.close, fd)  # also when it is dropped unclosed
+
+    @classmethod
+    def create(cls, name: str, nbytes: int, *, writable: bool = True) -> Segment:
+        """A new sealed, owner-only segment of ``nbytes`` (zero-filled; pages are allocated as they are written).
+
+        Args:
+            name: a label for ``/proc/<pid>/fd`` and ``/proc/<pid>/maps`` (``memfd:<name>``); not a path.
+            nbytes: size, bytes (> 0).
+            writable: map it writable on this side (``False`` for a segment only the other side writes).
+
+        Raises:
+            SegmentError: if the platform lacks memfd or seals, or the kernel refuses.
+        """
+        reason = unsupported_reason()
+        if reason is not None:
+            raise SegmentError(reason)
+        if nbytes <= 0:
+            raise SegmentError(f"a segment needs a size > 0, got {nbytes}")
+        try:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise SegmentError(f"memfd_create refused: {exc}") from exc
+        try:
+            os.fchmod(fd, OWNER_ONLY)
+            os.ftruncate(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            return cls(fd, nbytes, writable=writable)
+        except OSError as exc:
+            os.close(fd)
+            raise SegmentError(f"cannot set up a segment of {nbytes} bytes: {exc}") from exc
+
+    @classmethod
+    def attach(cls, fd: int, nbytes: int, *, writable: bool) -> Segment:
+        """Map a segment handed over as ``fd`` (this object owns ``fd`` from now on, also on an error).
+
+        The file must be ``nbytes`` long and carry :data:`SEALS`: a file whose
+        size the other side could still change could fault this side's mapping.
+
+        Raises:
+            SegmentError: if it is not such a file.
+        """
+        try:
+            info = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
+                raise SegmentError(f"the handed-over file is not a segment of {nbytes} bytes "
+                                   f"(mode {info.st_mode:o}, {info.st_size} bytes)")
+            if seals & SEALS != SEALS:
+                raise SegmentError(f"the handed-over segment lacks its seals ({seals:#x}, needs {SEALS:#x})")
+            return cls(fd, nbytes, writable=writable)
+        except OSError as exc:
+            os.close(fd)
+            raise SegmentError(f"cannot map the handed-over segment: {exc}") from exc
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def read_only_fd(self) -> int:
+        """A new file descriptor of this segment open for reading only, to hand to the other side.
+
+        Reopened through ``/proc/self/fd`` with ``O_RDONLY``: its holder can map
+        the segment only read-only and cannot write it in any other way either.
+
+        Raises:
+            SegmentError: if the kernel refuses.
+        """
+        try:
+            return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SegmentError(f"cannot reopen the segment read-only: {exc}") from exc
+
+    def mode(self) -> int:
+        """The file's permission bits (``OWNER_ONLY`` for every segment)."""
+        return stat.S_IMODE(os.fstat(self.fd).st_mode)
+
+    def close(self) -> None:
+        """Close this side's file descriptor; idempotent.
+
+        The mapping stays until the last reference to this segment, or to a
+        view of it, goes (CPython frees it then): a call still copying, or a
+        tensor viewing it, keeps it valid. It is never unmapped under a view:
+        ``torch.frombuffer`` keeps no buffer export, so an explicit unmap would
+        leave such a tensor pointing at nothing.
+        """
+        self._close_fd()
+
+    @property
+    def closed(self) -> bool:
+        """Whether this side's descriptor is closed."""
+        return not self._close_fd.alive
+
+    def __repr__(self) -> str:
+        return f"Segment(fd={self.fd}, {self.nbytes} bytes, {'rw' if self.writable else 'ro'})"

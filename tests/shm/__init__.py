@@ -1,0 +1,1 @@
+"""Tests of the same-host data plane (``kvstore.shm``)."""
