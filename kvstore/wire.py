@@ -28,6 +28,8 @@ import grpc
 import grpc.experimental
 import numpy as np
 
+from google.protobuf.message import Message
+
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import Layout, dtype_name
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
@@ -852,3 +854,20 @@ class BlockAssembler:
         self._parts = []
         self._total = -1
         self._received = 0
+
+
+_M = TypeVar("_M", bound=Message)
+
+
+def parse_request(message_type: type[_M], raw: bytes | _M) -> _M:
+    """Parse a request received as bytes (a message passes through, for direct calls).
+
+    Raises:
+        InvalidArgumentError: if the bytes are not a well-formed ``message_type``.
+    """
+    if isinstance(raw, Message):
+        return raw  # type: ignore[return-value]
+    try:
+        return message_type.FromString(raw)  # type: ignore[attr-defined,no-any-return]
+    except Exception as exc:  # google.protobuf.message.DecodeError, or a non-bytes value
+        raise InvalidArgumentError(f"malformed {message_type.__name__}: {exc}") from None

@@ -48,6 +48,7 @@ from kvstore.wire import (
     iter_block_chunks,
     lookup_to_pb,
     namespace_from_pb,
+    parse_request,
     stats_to_pb,
 )
 from kvstore.store import TieredStore
@@ -59,7 +60,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_M = TypeVar("_M", bound=Message)
 _H = TypeVar("_H")
 
 NAMESPACE_CACHE_BYTES = 1 << 20
@@ -379,7 +379,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
     async def Clear(self, raw: bytes | pb.ClearRequest, context: grpc.aio.ServicerContext) -> pb.ClearResponse:
         """Delete every block of one namespace (the token must cover its tenant)."""
         async with self._call("Clear", context) as call:
-            request = _parse(pb.ClearRequest, raw)
+            request = parse_request(pb.ClearRequest, raw)
             namespace = self._namespace(request.namespace.SerializeToString(), call)
             return pb.ClearResponse(num_deleted=await self._store.clear(namespace))
         raise AssertionError("unreachable")
@@ -387,7 +387,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
     async def Stats(self, raw: bytes | pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         """Per-tier counts, summed over every tenant (any valid token may read them)."""
         async with self._call("Stats", context):
-            _parse(pb.StatsRequest, raw)
+            parse_request(pb.StatsRequest, raw)
             return stats_to_pb(self._store.stats())
         raise AssertionError("unreachable")
 
@@ -416,7 +416,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
                 raise InvalidArgumentError(
                     f"namespace of {len(wire)} bytes is over the limit of {MAX_NAMESPACE_WIRE_BYTES}; each field has "
                     f"its own limit: {NAMESPACE_FIELD_MAX_BYTES}")
-            namespace = namespace_from_pb(_parse(pb.Namespace, wire))
+            namespace = namespace_from_pb(parse_request(pb.Namespace, wire))
         if self._auth:
             if call.principal is None:  # fail closed: an authenticating node never serves an anonymous call
                 raise UnauthenticatedError("authentication is on but this call was not authenticated")
@@ -644,16 +644,3 @@ def _hash_request(message_type: type[Message], raw: bytes | Message) -> HashRequ
         return HashRequest(raw.namespace.SerializeToString(), raw.block_hashes)  # type: ignore[attr-defined]
     return decode_hash_request(message_type, raw)  # type: ignore[arg-type]
 
-
-def _parse(message_type: type[_M], raw: bytes | _M) -> _M:
-    """Parse a request received as bytes (a message passes through, for direct calls).
-
-    Raises:
-        InvalidArgumentError: if the bytes are not a well-formed ``message_type``.
-    """
-    if isinstance(raw, Message):
-        return raw  # type: ignore[return-value]
-    try:
-        return message_type.FromString(raw)  # type: ignore[attr-defined,no-any-return]
-    except Exception as exc:  # google.protobuf.message.DecodeError, or a non-bytes value
-        raise InvalidArgumentError(f"malformed {message_type.__name__}: {exc}") from None

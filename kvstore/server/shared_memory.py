@@ -13,16 +13,15 @@ import asyncio
 import contextlib
 import functools
 import logging
-from typing import TYPE_CHECKING, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
-from google.protobuf.message import Message
 
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import block_key
 from kvstore.status import FailedPreconditionError
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire import reply_head
+from kvstore.wire import parse_request, reply_head
 
 if TYPE_CHECKING:
     from kvstore.shm.node import SharedMemoryNode
@@ -30,7 +29,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_M = TypeVar("_M", bound=Message)
 
 
 class SharedMemoryMethods:
@@ -61,7 +59,7 @@ class SharedMemoryMethods:
     async def Capabilities(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CapabilitiesResponse:
         """What the node offers: a same-host data plane (its host id and handoff socket), or nothing."""
         async with self._call("Capabilities", context):  # type: ignore[operator]
-            _parse(pb.CapabilitiesRequest, raw)
+            parse_request(pb.CapabilitiesRequest, raw)
             reply = pb.CapabilitiesResponse()
             if self.shm is not None and self.accepting:
                 reply.shared_memory.host_id = self.shm.host_id
@@ -101,7 +99,7 @@ class SharedMemoryMethods:
         nothing in the range.
         """
         async with self._call("GetShared", context) as call:  # type: ignore[operator]
-            request = _parse(pb.GetSharedRequest, raw)
+            request = parse_request(pb.GetSharedRequest, raw)
             shm = self._require_shm()
             namespace = self._namespace(request.namespace.SerializeToString(), call)  # type: ignore[operator]
             session = shm.session(request.session_id, call.principal)
@@ -127,7 +125,7 @@ class SharedMemoryMethods:
         the call can spoil only this put's copies, which then fail validation.
         """
         async with self._call("PutShared", context) as call:  # type: ignore[operator]
-            request = _parse(pb.PutSharedRequest, raw)
+            request = parse_request(pb.PutSharedRequest, raw)
             shm = self._require_shm()
             namespace = self._namespace(request.namespace.SerializeToString(), call)  # type: ignore[operator]
             session = shm.session(request.session_id, call.principal)
@@ -163,7 +161,7 @@ async def _serve_session(shm: SharedMemoryNode, session: Session, requests: Asyn
 
     async def releases() -> None:
         async for raw in requests:
-            shm.release(session, _parse(pb.AttachRequest, raw).release_lease_ids)
+            shm.release(session, parse_request(pb.AttachRequest, raw).release_lease_ids)
 
     assert shm.stopping is not None
     reader = asyncio.ensure_future(releases())
@@ -177,16 +175,3 @@ async def _serve_session(shm: SharedMemoryNode, session: Session, requests: Asyn
             with contextlib.suppress(asyncio.CancelledError):
                 await task  # a reader's error (a malformed request) ends the call with its status
 
-
-def _parse(message_type: type[_M], raw: bytes | _M) -> _M:
-    """A request received as bytes, parsed (a message passes through, for direct calls).
-
-    Raises:
-        InvalidArgumentError: if the bytes are not a well-formed ``message_type``.
-    """
-    if isinstance(raw, Message):
-        return raw  # type: ignore[return-value]
-    try:
-        return message_type.FromString(raw)  # type: ignore[attr-defined,no-any-return]
-    except Exception as exc:  # google.protobuf.message.DecodeError, or a non-bytes value
-        raise InvalidArgumentError(f"malformed {message_type.__name__}: {exc}") from None
