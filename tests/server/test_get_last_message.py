@@ -25,7 +25,7 @@ from kvstore.wire import BlockAssembler, chunk_bytes_for, iter_block_chunks, nam
 from kvstore.v1 import kvstore_pb2 as pb
 
 from kvstore.server.servicer import KVStoreServicer
-from tests.support.server import MiB, ThreadedServer, make_config, namespace, scrape
+from tests.support.server import MiB, ThreadedServer, finished_calls, make_config, namespace, scrape
 from tests.support.waiting import wait_until
 
 NUM_STALLED = 8
@@ -38,6 +38,7 @@ def _stalled_gets(server: ThreadedServer, timeout: float | None) -> tuple[grpc.C
     with KVStoreClient(server.target, retries=0, shared_memory=False) as kv:  # gRPC's Get: its last message
         kv.put(ns, hashes, [encode_block(torch.full((1, 1, 1, 3 * MiB), 7, dtype=torch.uint8), "mla")])
         assert len(kv.get(ns, hashes)) == 1  # the check Get: the block is served whole
+    assert finished_calls(server, "Get", 1) == 1  # counted once sent: before the stalled Gets, not among them
     channel = grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 4 * MiB),
                                                             ("grpc.http2.bdp_probe", 0)])
     get = channel.unary_stream("/kvstore.v1.KVStore/Get", request_serializer=pb.GetRequest.SerializeToString,

@@ -20,7 +20,7 @@ from kvstore.wire import chunk_bytes_for, namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-from tests.support.server import MiB, ThreadedServer, encoded, kv_blocks, make_config, namespace, scrape
+from tests.support.server import MiB, ThreadedServer, encoded, finished_calls, kv_blocks, make_config, namespace, scrape
 
 
 def test_put_lookup_get_delete_clear_stats_end_to_end(client: KVStoreClient) -> None:
@@ -270,6 +270,8 @@ def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
         with pytest.raises(Exception):
             kv.lookup(ns, hashes * 22)  # over the node's limits.max_hashes_per_request (64): refused by the node
         stats = kv.stats()
+    for method, count in (("Put", 1), ("Get", 1), ("Lookup", 2), ("Stats", 1)):  # a success is counted once sent
+        finished_calls(fresh_server, method, count)
     after = scrape(fresh_server)
     assert after['kvstore_lookup_blocks_total{result="hit"}'] == 5 == stats.lookup_hit_blocks
     assert after['kvstore_lookup_blocks_total{result="miss"}'] == 3 == stats.lookup_miss_blocks

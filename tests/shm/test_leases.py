@@ -11,7 +11,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, hash_blocks
-from tests.support.server import MiB, ThreadedServer, make_config, namespace, scrape
+from tests.support.server import MiB, ThreadedServer, finished_calls, make_config, namespace, scrape
 from tests.support.waiting import wait_until
 
 
@@ -107,11 +107,10 @@ def test_a_prefix_larger_than_the_segment_goes_over_grpc(small_node: ThreadedSer
     hashes, tensors = blocks_of(ns, 6, fill=4)  # 6 x 256 KiB: more than the 1 MiB segment
     with KVStoreClient(small_node.target, retries=0) as client:
         client.put(ns, hashes[:4], tensors[:4])
-        before = calls(small_node, "Get")
         into = [torch.empty_like(t) for t in tensors[:4]]
         assert client.get_into(ns, hashes[:4], into) == 4
         assert all(torch.equal(a, b) for a, b in zip(into, tensors))
-        assert calls(small_node, "Get") == before + 1 and counts(small_node)["no_room"] >= 1
+        assert finished_calls(small_node, "Get", 1) == 1 and counts(small_node)["no_room"] == 1
         assert client.shared_memory() == ("attached",)  # one call went over gRPC; the session stays
 
 
@@ -120,16 +119,17 @@ def test_a_full_segment_sends_gets_over_grpc_until_leases_come_back(small_node: 
     hashes, tensors = blocks_of(ns, 4, fill=5)  # 4 x 64 KiB
     with KVStoreClient(small_node.target, retries=0) as client:
         client.put(ns, hashes, tensors)
-        leases = [client.read(ns, hashes) for _ in range(4)]  # 4 x 256 KiB: the 1 MiB segment is full
-        before = calls(small_node, "Get")
+        # 3 x 260 KiB (blocks and their headers) leave no room for a fourth prefix in the 1 MiB segment
+        leases = [client.read(ns, hashes) for _ in range(3)]
+        assert finished_calls(small_node, "GetShared", 3) == 3 and counts(small_node)["no_room"] == 0
         assert [bytes(b) for b in client.get(ns, hashes)] == [bytes(b) for b in leases[0].blocks]
-        assert calls(small_node, "Get") == before + 1
+        assert counts(small_node)["no_room"] == 1  # refused over the data plane (a GetShared), then sent over gRPC
+        assert finished_calls(small_node, "Get", 1) == 1 and finished_calls(small_node, "GetShared", 4) == 4
         for lease in leases:
             lease.release()
         wait_until(lambda: counts(small_node)["leases"] == 0, 30, "the releases reached the node")
-        shared = calls(small_node, "GetShared")
         client.get(ns, hashes)
-        assert calls(small_node, "GetShared") == shared + 1 and calls(small_node, "Get") == before + 1
+        assert finished_calls(small_node, "GetShared", 5) == 5 and calls(small_node, "Get") == 1
 
 
 def test_a_put_larger_than_the_put_segment_goes_over_grpc(small_node: ThreadedServer) -> None:
@@ -137,8 +137,8 @@ def test_a_put_larger_than_the_put_segment_goes_over_grpc(small_node: ThreadedSe
     hashes, tensors = blocks_of(ns, 6, fill=6)
     with KVStoreClient(small_node.target, retries=0) as client:
         assert client.put(ns, hashes[:2], tensors[:2]) == 2  # 512 KiB: staged
-        assert calls(small_node, "PutShared") == 1, client.shared_memory()  # why the put went over gRPC
+        assert finished_calls(small_node, "PutShared", 1) == 1, client.shared_memory()  # why it went over gRPC
         assert client.put(ns, hashes[2:], tensors[2:]) == 4  # 1 MiB and headers: over gRPC
-        assert calls(small_node, "Put") == 1
+        assert finished_calls(small_node, "Put", 1) == 1
         with KVStoreClient(small_node.target, retries=0, shared_memory=False) as over_grpc:
             assert [bytes(b) for b in client.get(ns, hashes)] == [bytes(b) for b in over_grpc.get(ns, hashes)]

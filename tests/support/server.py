@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 import urllib.request
 from typing import Any, Coroutine, TypeVar
 
@@ -120,3 +121,21 @@ def scrape(server: ThreadedServer) -> dict[str, float]:
         if match:
             samples[match.group(1)] = float(match.group(2))
     return samples
+
+
+def finished_calls(server: ThreadedServer, method: str, expected: float, code: str = "OK",
+                   timeout_s: float = 30.0) -> float:
+    """``kvstore_requests_total{code, method}`` once it has reached ``expected`` (or after ``timeout_s``), calls.
+
+    A call that succeeds is counted when gRPC is done sending its reply (see
+    ``kvstore.server.servicer._Call._finish``), so a client can hold the reply
+    before the node has counted it: wait for the count, then assert on it
+    (a count past ``expected`` is returned as it is, for the assert to show).
+    """
+    name = f'kvstore_requests_total{{code="{code}",method="{method}"}}'
+    deadline = time.monotonic() + timeout_s
+    count = scrape(server).get(name, 0.0)
+    while count < expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+        count = scrape(server).get(name, 0.0)
+    return count

@@ -27,7 +27,7 @@ from kvstore.connectors.vllm.namespaces import ModelIdentity
 from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.embedded import EmbeddedStore
 from kvstore.errors import UnavailableError
-from tests.support.server import ThreadedServer, make_config, scrape
+from tests.support.server import ThreadedServer, finished_calls, make_config
 
 NUM_BLOCKS, H, N, D, LAYERS = 16, 2, 32, 32, 2
 FORMAT = PageFormat(backend="CPU_ATTN", family="split_tokens", interior="cpu_attn:isa=vec", num_layers=LAYERS,
@@ -132,7 +132,7 @@ def test_loads_through_a_same_host_node_come_from_shared_memory_and_match_the_sa
             assert _load(loader, [5, 6, 10, 11, 2, 8, 14, 15]) == set()
             assert _units_equal(source, [3, 4, 9, 1, 0, 7, 12, 13], target, [5, 6, 10, 11, 2, 8, 14, 15])
             assert client.shared_memory() == ("attached",)
-            assert scrape(node).get('kvstore_requests_total{code="OK",method="GetShared"}', 0.0) == 1
+            assert finished_calls(node, "GetShared", 1) == 1
     finally:
         node.stop()
 
