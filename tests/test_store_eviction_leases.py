@@ -110,7 +110,8 @@ async def test_a_victim_leased_while_it_is_demoted_does_not_fail_the_put(tmp_pat
 
     async with writer_held(disk):
         put = asyncio.ensure_future(store.put(NS, hashes[4:], blocks[4:]))  # evicts A, whose demotion waits
-        await asyncio.sleep(0.05)
+        while disk._writer._work_queue.empty():  # A's demotion has reached the held writer: the put waits on it
+            await asyncio.sleep(0.001)
         read = asyncio.ensure_future(reader())
         await reading.wait()
     try:

@@ -247,12 +247,15 @@ def test_stalled_store_times_out_and_falls_back(store):
         conn.generate(ids, 2)
         conn.flush()
 
+        stalling = threading.Event()
+
         async def stall() -> None:
+            stalling.set()
             time.sleep(1.5)  # blocks the store's event loop: every call waits behind it
 
         staller = threading.Thread(target=store.run, args=(stall(),))
         staller.start()
-        time.sleep(0.1)
+        assert stalling.wait(30)
         result = conn.generate(ids, MAX_NEW_TOKENS, save=False)
         staller.join()
         assert conn.stats().num_load_failures == 1

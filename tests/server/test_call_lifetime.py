@@ -6,7 +6,6 @@ import pytest
 
 import gc
 import threading
-import time
 
 import grpc
 import grpc._cython.cygrpc
@@ -20,6 +19,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 from tests.support.server import MiB, ThreadedServer, kv_blocks, make_config, namespace
+from tests.support.waiting import wait_until
 
 
 def _live(cls: type) -> int:
@@ -45,8 +45,7 @@ def test_a_finished_call_leaves_no_reference_cycle(server: ThreadedServer) -> No
             for _ in range(50):
                 kv.get(ns, hashes)
                 kv.lookup(ns, hashes)
-            time.sleep(0.3)
-            assert _live(_Call) == 0
+            wait_until(lambda: _live(_Call) == 0, 30, "every call's end has run (a done callback, after the reply)")
             assert _live(grpc._cython.cygrpc._ServicerContext) == 0
         finally:
             gc.enable()

@@ -85,11 +85,20 @@ def _wait_for_count(server, method, count):
     return _codes(server, method)
 
 
-def test_a_put_cancelled_mid_stream_is_counted_as_cancelled() -> None:
+def test_a_put_cancelled_mid_stream_is_counted_as_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: the request stream of a cancelled Put simply ends, so the half-received block
     read as a truncated stream and was counted as INVALID_ARGUMENT (the client's fault)."""
-    import threading
+    from kvstore.server import servicer as servicer_module
 
+    received = threading.Semaphore(0)  # one release per Put message the handler has decoded
+    decode_put_request = servicer_module.decode_put_request
+
+    def decode_and_tell(raw):
+        decoded = decode_put_request(raw)
+        received.release()
+        return decoded
+
+    monkeypatch.setattr(servicer_module, "decode_put_request", decode_and_tell)
     server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "64MiB"}))
     try:
         ns = namespace(layout="mla", dtype="uint8", block_size=1)
@@ -109,7 +118,7 @@ def test_a_put_cancelled_mid_stream_is_counted_as_cancelled() -> None:
 
             future = put.future(requests())
             assert sent.wait(10)
-            time.sleep(0.2)          # the chunk reached the server
+            assert received.acquire(timeout=10)  # the handler has the first chunk: the block is half-received
             future.cancel()
             hold.set()
             with pytest.raises(grpc.FutureCancelledError):

@@ -18,6 +18,7 @@ from kvstore.errors import UnavailableError
 from tests.support.kvnode import REPO_ROOT, KVNode, free_port
 
 from tests.support.server import kv_blocks, namespace
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
@@ -182,7 +183,8 @@ def test_a_second_sigterm_cuts_the_grace_short_but_still_closes_the_store(tmp_pa
                                       response_deserializer=identity)(encode_get_request(ns, hashes))
         next(stream)  # a stalled reader: the drain would wait out the whole 60 s grace for it
         os.kill(node.pid, signal.SIGTERM)  # type: ignore[arg-type]
-        time.sleep(1.0)
+        wait_until(lambda: any(r["event"] == "shutting down" for r in node.log_records(since_start=True)), 30,
+                   "the node began its drain")
         start = time.monotonic()
         assert node.stop(timeout_s=30) == 0  # the second SIGTERM: observed -15, the node killed mid-drain
         assert time.monotonic() - start < 30
