@@ -271,7 +271,7 @@ def _markdown(result: dict[str, Any], batch_bytes: int, single_bytes: int) -> st
 
     def verdict(name: str) -> str:
         g = goals[name]
-        return f"**{g['ratio']:.2f}x** (goal >= {g['goal']}x: {'met' if g['met'] else 'MISSED'})"
+        return f"**{g['ratio']:.4g}x** (goal >= {g['goal']}x: {'met' if g['met'] else 'MISSED'})"
 
     lines = [
         "# bench_shm: the same-host data plane against copy_, gRPC, Redis and loopback TCP", "",
