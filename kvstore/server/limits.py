@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 from typing import Callable, Iterator
 
+from kvstore.config import Config
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
 from kvstore.status import DeadlineExceededError
 
 logger = logging.getLogger(__name__)
+
+LEDGER_FILE = "tenants.json"
+"""The :class:`TenantLedger`'s file name, in the disk tier's directory (``store.disk.path``)."""
 
 
 class InflightLimiter:
@@ -89,25 +95,46 @@ class TenantQuota:
     Notes:
         Local bytes are capacity bytes (the memory tier rounds a block up to
         whole pages); blocks demoted to the shared Redis tier no longer count
-        (Redis is bounded by its own ``maxmemory``). After a restart, blocks
-        restored from LMDB count once their tenant writes to their namespace
-        again, because the set of a tenant's namespaces is kept in memory.
+        (Redis is bounded by its own ``maxmemory``). A namespace tag is a hash
+        and names no tenant, so with ``ledger_path`` (the node's disk tier
+        directory holds it, ``tenants.json``) the pairs tenant → tag are kept
+        on disk: blocks restored from LMDB after a restart count against their
+        tenant from the start. Without a ledger (no disk tier) nothing survives
+        a restart to count.
 
     Args:
         quota_bytes: bytes one tenant may hold; must be > 0.
         namespace_bytes: local bytes of one namespace by its tag (``TieredStore.namespace_bytes``).
+        ledger_path: the JSON file of the pairs tenant → namespace tag (see :class:`TenantLedger`),
+            ``None`` to keep them in memory only.
 
     Raises:
         ValueError: if ``quota_bytes <= 0``.
     """
 
-    def __init__(self, quota_bytes: int, namespace_bytes: Callable[[bytes], int]) -> None:
+    def __init__(self, quota_bytes: int, namespace_bytes: Callable[[bytes], int],
+                 ledger_path: str | None = None) -> None:
         if quota_bytes <= 0:
             raise ValueError(f"quota_bytes must be > 0, got {quota_bytes}")
         self.quota_bytes = quota_bytes
         self._namespace_bytes = namespace_bytes
-        self._tags: dict[str, set[bytes]] = {}
+        self._ledger = TenantLedger(ledger_path) if ledger_path else None
+        self._tags: dict[str, set[bytes]] = self._ledger.load() if self._ledger is not None else {}
         self._pending_bytes: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, config: Config, namespace_bytes: Callable[[bytes], int]) -> TenantQuota | None:
+        """The quota of ``limits.tenant_quota_bytes`` (``None`` when 0), its ledger in ``store.disk.path`` if set."""
+        if config.limits.tenant_quota_bytes <= 0:
+            return None
+        disk = config.store.disk.path
+        return cls(config.limits.tenant_quota_bytes, namespace_bytes,
+                   os.path.join(disk, LEDGER_FILE) if disk else None)
+
+    @property
+    def tenants(self) -> list[str]:
+        """Tenants known to hold (or to have held since they were last counted) bytes on this node."""
+        return list(self._tags)
 
     def used_bytes(self, tenant: str) -> int:
         """Bytes ``tenant`` holds in local tiers now plus those of its Puts in progress.
@@ -144,8 +171,12 @@ class TenantQuota:
                 f"tenant {tenant!r} holds {used} bytes; {incoming_bytes} more is over "
                 f"limits.tenant_quota_bytes={self.quota_bytes}"
             )
+        tags = self._tags.setdefault(tenant, set())
+        if namespace.tag not in tags:  # forgotten again while it holds nothing
+            tags.add(namespace.tag)
+            if self._ledger is not None:  # before any block of it is stored, so a crash never loses the pair
+                self._ledger.save(self._tags)
         self._pending_bytes[tenant] = self._pending_bytes.get(tenant, 0) + incoming_bytes
-        self._tags.setdefault(tenant, set()).add(namespace.tag)  # forgotten again while it holds nothing
         try:
             yield
         finally:
@@ -154,6 +185,54 @@ class TenantQuota:
                 self._pending_bytes[tenant] = left
             else:
                 del self._pending_bytes[tenant]
+
+
+class TenantLedger:
+    """The pairs tenant → namespace tag of a :class:`TenantQuota`, in a small JSON file that survives restarts.
+
+    The file is ``{"version": 1, "tenants": {"<tenant>": ["<tag hex>", ...]}}``,
+    rewritten whole (to a temporary file, fsynced, then renamed over the old
+    one) each time a tenant first writes to a namespace: once per namespace and
+    tenant, not per Put. Tags that hold nothing are left out at the next write.
+    JSON only: nothing read from disk is unpickled.
+
+    Args:
+        path: the file; its directory must exist (the disk tier's).
+    """
+
+    VERSION = 1
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, set[bytes]]:
+        """The pairs on disk; an empty map when the file is missing, and (with a warning) when it is unreadable."""
+        try:
+            with open(self.path, "rb") as f:
+                doc = json.loads(f.read(64 << 20))
+            if doc.get("version") != self.VERSION:
+                raise ValueError(f"version {doc.get('version')!r}, expected {self.VERSION}")
+            return {str(tenant): {bytes.fromhex(tag) for tag in tags} for tenant, tags in doc["tenants"].items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            logger.warning("tenant ledger %s is unreadable (%s): blocks restored from disk count against no "
+                           "tenant's quota until their tenant writes to their namespace again", self.path, exc)
+            return {}
+
+    def save(self, tags: dict[str, set[bytes]]) -> None:
+        """Replace the file with ``tags`` atomically; a failure is logged, not raised (the quota still holds in memory)."""
+        doc = {"version": self.VERSION, "tenants": {t: sorted(tag.hex() for tag in s) for t, s in tags.items() if s}}
+        temp = f"{self.path}.tmp"
+        try:
+            with open(temp, "wb") as f:
+                f.write(json.dumps(doc, separators=(",", ":")).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, self.path)
+        except OSError as exc:
+            logger.warning("tenant ledger %s could not be written (%s): after a restart, blocks of new "
+                           "namespaces count against their tenant's quota only once it writes again", self.path, exc)
 
 
 class StreamWatchdog:

@@ -216,8 +216,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
         self.require_sha256 = self._auth if security.require_sha256 is None else security.require_sha256
         self.namespaces = NamespaceCache()  # serialized wire namespace -> validated Namespace, of authorized calls
-        quota_bytes = config.limits.tenant_quota_bytes
-        self.quota = TenantQuota(quota_bytes, store.namespace_bytes) if quota_bytes > 0 else None
+        self.quota = TenantQuota.from_config(config, store.namespace_bytes)
         self.accepting = True
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
