@@ -8,6 +8,7 @@ bytes per block) are checked by the servicer and ``kvstore.wire``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -185,6 +186,133 @@ class TenantQuota:
                 self._pending_bytes[tenant] = left
             else:
                 del self._pending_bytes[tenant]
+
+
+class ReplyBudget:
+    """Bytes of Get replies in flight per client connection and per tenant; a Get past either waits its turn.
+
+    A Get's reply counts, at its full size, from the moment its blocks are read
+    until its call ends (gRPC has sent the last message and the status, or the
+    client went away): the bytes a reader that stops reading makes the node hold
+    in its messages and gRPC's buffers. A new Get is admitted while its
+    connection and its tenant (the namespace's ``cache_salt``) each hold less
+    than their budget, or hold nothing (so one Get larger than a budget still
+    runs, alone); otherwise it waits, before it reads anything (so it pins no
+    block), first come first served, until replies end and free room: flow
+    control, as HTTP/2 windows do for bytes. A waiting Get is bounded by the
+    call's deadline and ``limits.max_stream_s`` (then DEADLINE_EXCEEDED), and
+    holds one in-flight slot (``limits.max_inflight_per_connection``). When a
+    connection ends, gRPC cancels its calls and their bytes are released at once.
+
+    So stalled readers on one connection hold at most ``per_connection_bytes``
+    plus one reply; on all of one tenant's connections, ``per_tenant_bytes``
+    plus one reply per connection. Used from the server's loop only: no locks.
+
+    Args:
+        per_connection_bytes: bytes one connection's replies may hold; > 0.
+        per_tenant_bytes: bytes one tenant's replies may hold, over its connections; > 0.
+
+    Raises:
+        ValueError: if a budget is not > 0.
+    """
+
+    def __init__(self, per_connection_bytes: int, per_tenant_bytes: int) -> None:
+        if per_connection_bytes <= 0 or per_tenant_bytes <= 0:
+            raise ValueError(f"reply budgets must be > 0, got {per_connection_bytes} and {per_tenant_bytes}")
+        self.per_connection_bytes = per_connection_bytes
+        self.per_tenant_bytes = per_tenant_bytes
+        self._held: dict[str, int] = {}  # peer, or "\0" + tenant (no peer starts so) -> bytes held
+        self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}  # key -> Gets waiting for it
+        self.num_waited = 0  # Gets that had to wait, since start
+        self.bytes_per_block = 0  # of the latest reply: what a Get is charged per block before it reads
+
+    @classmethod
+    def from_config(cls, config: Config) -> ReplyBudget:
+        """The budget of ``limits.max_reply_bytes_per_connection`` and ``limits.max_reply_bytes_per_tenant``."""
+        return cls(config.limits.max_reply_bytes_per_connection, config.limits.max_reply_bytes_per_tenant)
+
+    def held_bytes(self, peer: str | None = None, tenant: str | None = None) -> int:
+        """Bytes held now by ``peer``'s replies, or ``tenant``'s; by every reply when both are ``None``."""
+        if peer is not None:
+            return self._held.get(peer, 0)
+        if tenant is not None:
+            return self._held.get("\0" + tenant, 0)
+        return sum(n for key, n in self._held.items() if not key.startswith("\0"))
+
+    def estimate(self, num_blocks: int) -> int:
+        """What a Get of ``num_blocks`` is charged on admission, before its blocks are read: ``num_blocks`` times
+        the bytes per block of the latest reply (so Gets admitted together count before they read), bytes."""
+        return num_blocks * self.bytes_per_block
+
+    def admit(self, peer: str, tenant: str, estimate_bytes: int) -> bool:
+        """Admit a Get of ``peer`` for ``tenant`` now, charging ``estimate_bytes``, if both are under budget and
+        no one waits before it; pair an admitted Get with :meth:`release` of what it was last charged."""
+        key = "\0" + tenant
+        held = self._held
+        if (held.get(peer, 0) < self.per_connection_bytes and held.get(key, 0) < self.per_tenant_bytes
+                and peer not in self._waiters and key not in self._waiters):
+            self.charge(peer, tenant, estimate_bytes)
+            return True
+        return False
+
+    async def wait(self, peer: str, tenant: str, estimate_bytes: int) -> None:
+        """Wait, first come first served, until the Get may read (after :meth:`admit` said no), then charge it.
+
+        Once this returns, the Get counts as admitted: pair it with :meth:`release`
+        of what it was charged. Cancellation (the call's deadline,
+        ``max_stream_s``, the client gone) leaves the queue, charged nothing.
+        """
+        self.num_waited += 1
+        loop = asyncio.get_running_loop()
+        keys = ((peer, self.per_connection_bytes), ("\0" + tenant, self.per_tenant_bytes))
+        try:
+            for key, budget in keys:
+                queue = self._waiters.setdefault(key, collections.deque())
+                future: asyncio.Future[None] = loop.create_future()
+                queue.append(future)
+                if len(queue) == 1 and self._held.get(key, 0) < budget:
+                    future.set_result(None)  # no one before it, and room: through at once
+                try:
+                    await future
+                finally:
+                    if future in queue:
+                        queue.remove(future)
+                    if not queue:
+                        del self._waiters[key]
+        except asyncio.CancelledError:
+            for key, budget in keys:  # it may have been woken and not used its turn: pass the turn on
+                self._wake(key, budget)
+            raise
+        self.charge(peer, tenant, estimate_bytes)
+
+    def charge(self, peer: str, tenant: str, nbytes: int) -> None:
+        """Count ``nbytes`` more (or fewer, when negative) of an admitted Get's reply against ``peer`` and ``tenant``."""
+        held = self._held
+        for key in (peer, "\0" + tenant):
+            left = held.get(key, 0) + nbytes
+            if left > 0:
+                held[key] = left
+            else:
+                held.pop(key, None)
+
+    def settle(self, peer: str, tenant: str, estimate_bytes: int, nbytes: int, num_blocks: int) -> None:
+        """An admitted Get has read its ``num_blocks`` blocks, ``nbytes`` in all: charge that instead of its estimate."""
+        self.charge(peer, tenant, nbytes - estimate_bytes)
+        if num_blocks:
+            self.bytes_per_block = nbytes // num_blocks
+
+    def release(self, peer: str, tenant: str, nbytes: int) -> None:
+        """An admitted Get ended, its reply (``nbytes`` charged, maybe 0) sent or lost: uncount it, let the next in."""
+        self.charge(peer, tenant, -nbytes)
+        self._wake(peer, self.per_connection_bytes)
+        self._wake("\0" + tenant, self.per_tenant_bytes)
+
+    def _wake(self, key: str, budget: int) -> None:
+        queue = self._waiters.get(key)
+        if queue and self._held.get(key, 0) < budget:
+            future = queue[0]
+            if not future.done():
+                future.set_result(None)
 
 
 class TenantLedger:
