@@ -14,7 +14,7 @@ so what matters is that the RSS after a round does not grow with the rounds or t
 measured 238 MB to 2.3 GB for 250 refused 4 MB Lookups before the fix.
 
 With ``--stalled-only`` it measures the reply budget (issue 32: bytes held for unread replies are bounded per
-connection, ``limits.max_reply_bytes_per_connection``): ``--stalled`` stalled Gets on one connection, in rounds,
+connection, ``limits.connection_reply_bytes``): ``--stalled`` stalled Gets on one connection, in rounds,
 against a node whose budget is effectively off (64 GiB) and one with the default (64 MiB), in the same run. Goals:
 the Gets add at most the budget to the node's RSS, and RSS comes back within 5% of its level before once the
 client has gone. Results go to ``benchmarks/results/bench_hostile_stalled.{json,md}``.
@@ -152,8 +152,8 @@ def stalled_only(args: argparse.Namespace) -> None:
     namespace = Namespace(model="stalled")
     hashes, tensors = kv_blocks(namespace, 8, num_layers=8, num_kv_heads=8, head_dim=128)
     reply_mib = round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 2)
-    nodes = [("budget off (64 GiB)", {"KVSTORE_LIMITS__MAX_REPLY_BYTES_PER_CONNECTION": "64GiB",
-                                       "KVSTORE_LIMITS__MAX_REPLY_BYTES_PER_TENANT": "64GiB"}),
+    nodes = [("budget off (64 GiB)", {"KVSTORE_LIMITS__CONNECTION_REPLY_BYTES": "64GiB",
+                                       "KVSTORE_LIMITS__TENANT_REPLY_BYTES": "64GiB"}),
              ("default budget (64 MiB)", {})]
     for name, env in nodes:
         with KVNode(memory_capacity="16MiB", env=env) as node:

@@ -282,10 +282,10 @@ class LimitsConfig:
             message leaves with its status after the leases are released, and is not
             bounded by this: a reader stalled on it holds that message and its call's
             in-flight slot until the call's deadline or connection ends (``docs/security.md``).
-        max_reply_bytes_per_connection: bytes of Get replies one connection may have in flight
+        connection_reply_bytes: bytes of Get replies one connection may have in flight
             (read, not yet sent and acknowledged by gRPC); a Get past it waits, without reading
             or pinning anything, until earlier replies end (``kvstore.server.limits.ReplyBudget``).
-        max_reply_bytes_per_tenant: the same over every connection of one tenant (``cache_salt``).
+        tenant_reply_bytes: the same over every connection of one tenant (``cache_salt``).
     """
 
     max_hashes_per_request: int = 8192
@@ -293,8 +293,8 @@ class LimitsConfig:
     tenant_quota_bytes: int = 0
     max_put_bytes: int = 1 * GiB
     max_stream_s: float = 60.0
-    max_reply_bytes_per_connection: int = 64 * MiB
-    max_reply_bytes_per_tenant: int = 512 * MiB
+    connection_reply_bytes: int = 64 * MiB
+    tenant_reply_bytes: int = 512 * MiB
 
     def __post_init__(self) -> None:
         _require(self.max_hashes_per_request > 0, "max_hashes_per_request", "must be > 0")
@@ -302,8 +302,8 @@ class LimitsConfig:
         _require(self.tenant_quota_bytes >= 0, "tenant_quota_bytes", "must be >= 0 (0 for no quota)")
         _require(self.max_put_bytes > 0, "max_put_bytes", "must be > 0")
         _require(0 < self.max_stream_s < math.inf, "max_stream_s", "must be > 0 and finite")
-        _require(self.max_reply_bytes_per_connection > 0, "max_reply_bytes_per_connection", "must be > 0")
-        _require(self.max_reply_bytes_per_tenant > 0, "max_reply_bytes_per_tenant", "must be > 0")
+        _require(self.connection_reply_bytes > 0, "connection_reply_bytes", "must be > 0")
+        _require(self.tenant_reply_bytes > 0, "tenant_reply_bytes", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -228,8 +228,8 @@ class ReplyBudget:
 
     @classmethod
     def from_config(cls, config: Config) -> ReplyBudget:
-        """The budget of ``limits.max_reply_bytes_per_connection`` and ``limits.max_reply_bytes_per_tenant``."""
-        return cls(config.limits.max_reply_bytes_per_connection, config.limits.max_reply_bytes_per_tenant)
+        """The budget of ``limits.connection_reply_bytes`` and ``limits.tenant_reply_bytes``."""
+        return cls(config.limits.connection_reply_bytes, config.limits.tenant_reply_bytes)
 
     def held_bytes(self, peer: str | None = None, tenant: str | None = None) -> int:
         """Bytes held now by ``peer``'s replies, or ``tenant``'s; by every reply when both are ``None``."""

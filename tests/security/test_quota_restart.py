@@ -49,7 +49,7 @@ def test_a_tenant_over_its_quota_after_a_restart_is_refused_its_next_put(tmp_pat
         restarted.stop()
 
 
-def test_a_quota_without_a_disk_tier_has_no_ledger_and_no_restored_blocks_are_lost(tmp_path: Path) -> None:
+def test_a_quota_without_a_disk_tier_keeps_no_ledger() -> None:
     config = auth_config(**{"limits.tenant_quota_bytes": MiB})
     quota = TenantQuota.from_config(config, lambda tag: 0)
     assert quota is not None and quota._ledger is None

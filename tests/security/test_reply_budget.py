@@ -84,7 +84,7 @@ def test_budgets_must_be_positive() -> None:
 
 
 def test_stalled_readers_keep_the_node_within_its_budget_while_another_connection_is_served() -> None:
-    server = ThreadedServer(make_config(**{"limits.max_reply_bytes_per_connection": 4 * MiB,
+    server = ThreadedServer(make_config(**{"limits.connection_reply_bytes": 4 * MiB,
                                            "limits.max_hashes_per_request": 64}))
     budget = server.server.servicer.replies
     stalled_ns, good_ns = Namespace("stalled-model"), Namespace("good-model")
@@ -133,7 +133,7 @@ def test_stalled_readers_keep_the_node_within_its_budget_while_another_connectio
 
 
 def test_many_concurrent_gets_on_one_connection_all_complete_under_a_small_budget() -> None:
-    server = ThreadedServer(make_config(**{"limits.max_reply_bytes_per_connection": 1 * MiB}))
+    server = ThreadedServer(make_config(**{"limits.connection_reply_bytes": 1 * MiB}))
     ns = Namespace("busy-model")
     hashes, tensors = kv_blocks(ns, 4, num_layers=8, num_kv_heads=8, head_dim=128)
     try:

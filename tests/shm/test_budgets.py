@@ -12,7 +12,6 @@ import torch
 
 from kvstore.keys import hash_blocks
 from kvstore.security import bearer_metadata
-from kvstore.shm.segment import Segment
 from kvstore.shm.sessions import SessionTable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
