@@ -85,6 +85,7 @@ class Tally:
     refused_with_room: int = 0
     refused_disk_full: int = 0
     ops: collections.Counter[str] = field(default_factory=collections.Counter)
+    messages: dict[str, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
 
     def op(self, name: str, seconds: float) -> None:
         with self.lock:
@@ -97,6 +98,8 @@ class Tally:
         code = status_of(exc)[0].name if isinstance(exc, Exception) else type(exc).__name__
         with self.lock:
             self.errors[f"{name} {code}"] += 1
+            if len(self.messages[f"{name} {code}"]) < 3:  # a few of each, to tell the causes apart
+                self.messages[f"{name} {code}"].append(str(exc)[:300])
         return code
 
 
@@ -393,6 +396,7 @@ def report(args: argparse.Namespace, tally: Tally, samples: list[dict[str, Any]]
               "checked_bytes": tally.checked_bytes, "refused_with_room": tally.refused_with_room,
               "refused_disk_full": tally.refused_disk_full, "errors": dict(tally.errors),
               "hostile": dict(tally.hostile), "ops": dict(tally.ops), "latency": latency, "faults": faults,
+              "error_messages": dict(tally.messages),
               "node0_flatness": flat, "samples": samples}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
