@@ -335,7 +335,7 @@ class Mover:
         """Give back references; returns the records whose last reference this was, by tier, for the caller to delete."""
         index = self._index
         gone: dict[int, list[BlockKey]] = {}
-        for entry in entries:
+        for entry in reversed(entries):  # tail first: blocks held head first return with the head the most recent
             if index.release(entry):
                 gone.setdefault(entry.level, []).append(entry.key)
         return gone
@@ -350,7 +350,7 @@ class Mover:
         below = level + 1 < len(self._tiers)
         demote: list[Entry] = []
         if below or (self._write_back and level == len(self._tiers) - 1):
-            demote = [e for e in sources if policy.priority_of(e.key) >= self._floor]  # type: ignore[attr-defined]
+            demote = [e for e in sources if policy.priority_of(e.key) >= self._floor]
         keep = {id(e) for e in demote}
         generations = self.shared_generations([e.key for e in demote]) if not below else None  # as claimed
         await self._retire([e for e in sources if id(e) not in keep])
@@ -365,7 +365,7 @@ class Mover:
         the store) those below the floor go only into free room."""
         index = self._index
         policy = index.policies[level]
-        metas = {e.key: (policy.priority_of(e.key), policy.expiry_of(e.key)) for e in sources}  # type: ignore[attr-defined]
+        metas = {e.key: (policy.priority_of(e.key), policy.expiry_of(e.key)) for e in sources}
         try:
             values = await self._tiers[level].get([e.key for e in sources])
         except UnavailableError as exc:
@@ -476,7 +476,7 @@ class Mover:
         In eviction order, read or not; blocks below the floor go only into the room left free there.
         """
         index = self._index
-        index.policies[level].expire(self._clock())  # type: ignore[attr-defined]  # ended retentions count as default
+        index.policies[level].expire(self._clock())  # ended retentions count as default
         keys = [key for key in index.resident_keys(level) if not index.leaving(level, key)]
         sources = [index.hold(level, key) for key in keys]
         self._counts[level].evictions += len(sources)  # each leaves the tier: demoted (and counted so), or dropped
@@ -602,7 +602,7 @@ class Mover:
             held: list[Entry] = []
         else:
             policy = index.policies[source]
-            metas = [(policy.priority_of(k), policy.expiry_of(k)) for k in keys]  # type: ignore[attr-defined]
+            metas = [(policy.priority_of(k), policy.expiry_of(k)) for k in keys]
             held = [index.hold(source, key) for key in keys]
         placing = [index.place(key, *meta) for key, meta in zip(keys, metas)]
         block_metas = [BlockMeta(*meta, now - i * CHAIN_STEP_S) for i, meta in enumerate(metas)]

@@ -1,14 +1,24 @@
 """Eviction policies: pure ordering state that answers "which blocks, for N bytes?".
 
-A policy never touches a tier. The store asks it for victims, pins them while
-it demotes or drops them, then removes them (see ``kvstore.store``). The same
-code drives the offline simulator (``kvstore.sim``).
+A policy never touches a tier. The index asks it for victims, holds them while
+the mover demotes or drops them, then removes them (see ``kvstore.index``). The
+same code drives the offline simulator (``kvstore.sim``).
 
 Semantics follow TensorRT-LLM's KV-cache retention config
 (``tensorrt_llm.llmapi.KvCacheRetentionConfig``): a priority in ``[0, 100]``
 (default 35) and an optional retention duration after which the priority
 reverts to the default. Victims are taken lowest priority first and least
-recently used first within a priority. Leased (pinned) blocks are never victims.
+recently used first within a priority.
+
+Held blocks are never victims. The policy keeps no reference count: the index
+counts a block's references (``Index.hold``), holds the key here on the first
+and releases it on the last. A held key leaves the eviction order when taking
+victims reaches it at the front, so that it is passed over once per hold, never
+scanned again (as a referenced block leaves vLLM's free queue,
+``vllm/v1/core/block_pool.py``). A touch puts it back at the most recent end,
+where a touch puts any key; released untouched, it goes back to the front it
+was taken from. So the order is the one the policy would keep if held keys
+stayed in place and were skipped.
 
 Tail before head: callers record the blocks of a prefix chain from its tail
 to its head (``reversed(keys)``), as vLLM frees blocks in reverse order
@@ -23,7 +33,7 @@ from bisect import bisect_left
 from collections import OrderedDict, deque
 from itertools import accumulate, islice, repeat
 from operator import or_
-from typing import Hashable, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import Hashable, Iterator, Protocol, Sequence, TypeVar
 
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
@@ -56,17 +66,32 @@ class EvictionPolicy(Protocol[K]):
     def remove(self, key: K) -> int:
         """Forget ``key``; return its bytes (0 if unknown)."""
 
-    def pin(self, key: K) -> None:
-        """Take a lease on ``key``: it is not a victim until every lease is released."""
+    def hold(self, key: K) -> None:
+        """Hold ``key`` (its first reference): it is no victim until released. Raises ``KeyError``."""
 
-    def unpin(self, key: K) -> None:
-        """Release one lease on ``key``."""
+    def release(self, key: K) -> None:
+        """End the hold of ``key`` (its last reference); a key not held is ignored."""
 
     def victims(self, nbytes: int, now: float = 0.0) -> list[K]:
-        """Return unpinned keys, in eviction order, whose bytes add up to at least ``nbytes``.
+        """Return keys from the front of the eviction order whose bytes add up to at least ``nbytes``.
 
-        Returns fewer bytes than asked for only when everything else is pinned.
+        Returns fewer bytes than asked for only when everything else is held.
         """
+
+    def contains_many(self, keys: Sequence[K]) -> list[bool]:
+        """``[key in self for key in keys]``, in C loops where it can (a lookup of 1,024 hashes)."""
+
+    def size_of(self, key: K) -> int:
+        """Bytes of a tracked ``key``. Raises ``KeyError`` if it is not tracked."""
+
+    def priority_of(self, key: K) -> int:
+        """Current priority of a tracked ``key``. Raises ``KeyError`` if it is not tracked."""
+
+    def expiry_of(self, key: K) -> float:
+        """When the retention of ``key`` ends (0.0 when it has none)."""
+
+    def expire(self, now: float) -> int:
+        """Revert every retention ended by ``now`` to the default priority; returns how many."""
 
     def touch_many(self, keys: Sequence[K]) -> None:
         """:meth:`touch` each of ``keys`` (a chain segment, head first) tail first, so the head ends most recent."""
@@ -82,74 +107,34 @@ class EvictionPolicy(Protocol[K]):
 
     def __len__(self) -> int: ...
 
+    def __iter__(self) -> Iterator[K]: ...
+
     @property
     def nbytes(self) -> int:
         """Bytes of every tracked key."""
 
 
-class Leases:
-    """Lease counts shared by every policy: a pinned key is never a victim.
-
-    A subclass keeps the counts in a ``_pins`` dict (its own slot) and defines ``__contains__``.
-    """
-
-    __slots__ = ()
-    _pins: dict[Hashable, int]
-
-    def is_pinned(self, key: Hashable) -> bool:
-        """Whether ``key`` holds at least one lease."""
-        return key in self._pins
-
-    def pin(self, key: Hashable) -> None:
-        """Take one lease on ``key``. Raises ``KeyError`` if unknown."""
-        if key not in self:
-            raise KeyError(key)
-        self._pins[key] = self._pins.get(key, 0) + 1
-
-    def pin_many(self, keys: Sequence[Hashable]) -> None:
-        """:meth:`pin` each of ``keys``. Raises ``KeyError`` if one is unknown (then none is pinned)."""
-        if False in self.contains_many(keys):  # type: ignore[attr-defined]
-            raise KeyError(next(key for key in keys if key not in self))
-        pins = self._pins
-        for key in keys:
-            pins[key] = pins.get(key, 0) + 1
-
-    def unpin_many(self, keys: Sequence[Hashable]) -> None:
-        """:meth:`unpin` each of ``keys``."""
-        for key in keys:
-            self.unpin(key)
-
-    def unpin(self, key: Hashable) -> None:
-        """Release one lease on ``key``; unknown or unpinned keys are ignored."""
-        count = self._pins.get(key)
-        if count is None:
-            return
-        if count <= 1:
-            del self._pins[key]
-        else:
-            self._pins[key] = count - 1
-
-
-class PriorityLRUPolicy(Leases):
+class PriorityLRUPolicy:
     """LRU within each priority level, lowest level first: TensorRT-LLM's retention semantics.
 
     Memory: one ``OrderedDict`` node per key in its level, holding its size (size
     ints are interned, blocks mostly share a few sizes), plus small maps for keys
-    off the default priority, pinned keys and retained keys only: about 110
+    off the default priority, held keys and retained keys only: about 110
     bytes per key beside the key itself (``benchmarks/bench_index.py``).
 
     Args:
         default_priority: the priority a block reverts to when its retention expires.
     """
 
-    __slots__ = ("_levels", "_priority", "_pins", "_expiry", "_heap", "_heap_seq", "_nbytes", "_count", "_interned",
-                 "default_priority")
+    __slots__ = ("_levels", "_priority", "_held", "_out", "_expiry", "_heap", "_heap_seq", "_nbytes", "_count",
+                 "_interned", "default_priority")
 
     def __init__(self, default_priority: int = DEFAULT_PRIORITY) -> None:
         self.default_priority = check_priority(default_priority)
         self._levels: list[OrderedDict[K, int]] = [OrderedDict() for _ in range(MAX_PRIORITY + 1)]
         self._priority: dict[K, int] = {}  # only keys whose priority is not the default
-        self._pins: dict[K, int] = {}
+        self._held: set[K] = set()
+        self._out: dict[K, tuple[int, bool]] = {}  # held keys taken out of the order: (nbytes, was protected)
         self._expiry: dict[K, float] = {}
         self._heap: list[tuple[float, int, K]] = []  # (expires_at, insertion number, key): ties in insertion order
         self._heap_seq = 0
@@ -164,7 +149,7 @@ class PriorityLRUPolicy(Leases):
         return self._priority.get(key, self.default_priority)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._levels[self._priority.get(key, self.default_priority)]
+        return key in self._levels[self._priority.get(key, self.default_priority)] or key in self._out
 
     def __len__(self) -> int:
         return self._count
@@ -174,18 +159,73 @@ class PriorityLRUPolicy(Leases):
         found = list(map(self._levels[self.default_priority].__contains__, keys))  # a C loop
         others = self._priority
         if others and False in found:  # some keys hold a non-default priority
-            return list(map(or_, found, map(others.__contains__, keys)))
+            found = list(map(or_, found, map(others.__contains__, keys)))
+        if self._out and False in found:
+            found = list(map(or_, found, map(self._out.__contains__, keys)))
         return found
 
     def __iter__(self) -> Iterator[K]:
-        """Every tracked key, in eviction order (pins aside): lowest priority first, least recent first."""
+        """Every tracked key, in eviction order: lowest priority first, least recent first, then the held keys."""
         for key, _ in self._ordered():
             yield key
 
     def _ordered(self) -> Iterator[tuple[K, int]]:
-        """``(key, nbytes)`` of every tracked key in eviction order."""
+        """``(key, nbytes)`` of every tracked key in eviction order, then the held keys (as they would return)."""
         for run in self._runs():
             yield from run.items()
+        for key, (nbytes, _) in list(self._out.items()):
+            yield key, nbytes
+
+    def is_held(self, key: K) -> bool:
+        """Whether ``key`` is held (no victim)."""
+        return key in self._held
+
+    def hold(self, key: K) -> None:
+        """Hold ``key``: it is no victim until :meth:`release`, and stays tracked (its bytes, priority, retention).
+
+        Raises:
+            KeyError: if ``key`` is not tracked, or already held (the index holds a key once).
+        """
+        if key in self._held or key not in self:
+            raise KeyError(key)
+        self._held.add(key)
+
+    def hold_many(self, keys: Sequence[K]) -> None:
+        """:meth:`hold` each of ``keys``. Raises ``KeyError`` as :meth:`hold` (the keys before it are held)."""
+        for key in keys:
+            self.hold(key)
+
+    def release(self, key: K) -> None:
+        """End the hold of ``key``; a key not held is ignored. One taken out of the order goes back to its front."""
+        if key not in self._held:
+            return
+        self._held.discard(key)
+        out = self._out.pop(key, None)
+        if out is not None:
+            self._put_front(key, *out)
+
+    def release_many(self, keys: Sequence[K]) -> None:
+        """:meth:`release` each of ``keys``, in order."""
+        for key in keys:
+            self.release(key)
+
+    def _take(self, key: K) -> tuple[int, bool]:
+        """Remove ``key`` from its run; its bytes and whether it was in a protected segment. Raises ``KeyError``."""
+        return self._levels[self._level_of(key)].pop(key), False
+
+    def _put_front(self, key: K, nbytes: int, protected: bool) -> None:
+        """Put a key :meth:`_take` took back at the least recent end of its run."""
+        level = self._levels[self._level_of(key)]
+        level[key] = nbytes
+        level.move_to_end(key, last=False)
+
+    def _put_touched(self, key: K, nbytes: int, protected: bool) -> None:
+        """Put a key :meth:`_take` took back where a touch puts it: the most recent end of its run."""
+        self._levels[self._level_of(key)][key] = nbytes
+
+    def _any_out(self, keys: Sequence[K]) -> bool:
+        out = self._out
+        return bool(out) and True in map(out.__contains__, keys)
 
     def _runs(self) -> list[OrderedDict[K, int]]:
         """The non-empty levels (``key -> nbytes``, least recent first), in eviction order (for :meth:`victims`)."""
@@ -200,12 +240,13 @@ class PriorityLRUPolicy(Leases):
 
     def size_of(self, key: K) -> int:
         """Bytes of ``key``. Raises ``KeyError`` if it is not tracked."""
-        return self._levels[self._level_of(key)][key]
+        size = self._levels[self._level_of(key)].get(key)
+        return size if size is not None else self._out[key][0]
 
     def priority_of(self, key: K) -> int:
         """Current priority of ``key``. Raises ``KeyError`` if it is not tracked."""
         level = self._level_of(key)
-        if key not in self._levels[level]:
+        if key not in self._levels[level] and key not in self._out:
             raise KeyError(key)
         return level
 
@@ -243,6 +284,10 @@ class PriorityLRUPolicy(Leases):
 
     def touch(self, key: K) -> None:
         """Move ``key`` to the most recent end of its level. Raises ``KeyError`` if unknown."""
+        out = self._out.pop(key, None)
+        if out is not None:
+            self._put_touched(key, *out)
+            return
         self._levels[self._level_of(key)].move_to_end(key)
 
     def touch_many(self, keys: Sequence[K]) -> None:
@@ -251,7 +296,7 @@ class PriorityLRUPolicy(Leases):
         Raises:
             KeyError: if a key is not tracked (the keys before it, tail first, are touched).
         """
-        if not self._priority:  # every key at the default level: one C loop
+        if not self._priority and not self._any_out(keys):  # every key at the default level: one C loop
             deque(map(self._levels[self.default_priority].move_to_end, reversed(keys)), 0)
             return
         for key in reversed(keys):
@@ -283,7 +328,9 @@ class PriorityLRUPolicy(Leases):
 
     def remove_many(self, keys: Sequence[K]) -> int:
         """:meth:`remove` each of ``keys``; return the bytes freed."""
-        if self._priority:
+        if self._held:
+            self._held.difference_update(keys)
+        if self._priority or self._any_out(keys):
             return sum(map(self.remove, keys))
         sizes = list(map(self._levels[self.default_priority].pop, keys, repeat(None)))  # a C loop
         return self._forget_sizes(sizes)
@@ -297,15 +344,16 @@ class PriorityLRUPolicy(Leases):
         return freed
 
     def remove(self, key: K) -> int:
-        """Forget ``key``; return its bytes, or 0 if it was not tracked.
+        """Forget ``key``, held or not; return its bytes, or 0 if it was not tracked.
 
-        Its leases stay: they belong to the readers that took them, and each is
-        released by its own :meth:`unpin`. A key stored again while an old
-        reader still holds it is thus not a victim until that reader is done
-        (dropping the leases here let the old reader's ``unpin`` release a new
-        reader's lease instead).
+        A held key is forgotten with its hold: a key stored again while an old
+        reader still reads the old copy is a new block, not held (the index
+        gives the old reader's references an entry of their own).
         """
-        nbytes = self._levels[self._priority.pop(key, self.default_priority)].pop(key, None)
+        self._held.discard(key)
+        out = self._out.pop(key, None)
+        level = self._priority.pop(key, self.default_priority)
+        nbytes = out[0] if out is not None else self._levels[level].pop(key, None)
         if nbytes is None:
             return 0
         self._expiry.pop(key, None)  # its heap item goes stale and is skipped
@@ -328,14 +376,17 @@ class PriorityLRUPolicy(Leases):
             if self._expiry.get(key) != expires_at:
                 continue  # removed or re-inserted since
             del self._expiry[key]
-            default[key] = self._levels[self._priority.pop(key)].pop(key)
+            level = self._priority.pop(key)
+            if key in self._out:  # it returns at the default level
+                continue
+            default[key] = self._levels[level].pop(key)
             reverted.append(key)
         for key in reversed(reverted):
             default.move_to_end(key, last=False)
         return len(reverted)
 
     def victims(self, nbytes: int, now: float = 0.0) -> list[K]:
-        """Keys to evict, in order, to free at least ``nbytes``; pinned keys are skipped.
+        """Keys to evict, in order, to free at least ``nbytes``: the front of the order; held keys met there leave it.
 
         Args:
             nbytes: bytes to free; nothing is returned for ``nbytes <= 0``.
@@ -344,21 +395,21 @@ class PriorityLRUPolicy(Leases):
 
         Returns:
             Lowest priority first, least recently used first within a priority.
-            Fewer bytes than asked for only when the rest is pinned.
+            Fewer bytes than asked for only when the rest is held.
         """
         if nbytes <= 0:
             return []
         self.expire(now)
         chosen: list[K] = []
         freed = 0
-        pins = self._pins
+        held = self._held
         for run in self._runs():
             if not run:
                 continue
             # the common case in C loops: as many least recent keys as the first one's size says are needed,
-            # none of them pinned
+            # none of them held
             guess = list(islice(run, -(-(nbytes - freed) // max(1, next(iter(run.values()))))))
-            if not (pins and True in map(pins.__contains__, guess)):
+            if not (held and True in map(held.__contains__, guess)):
                 totals = list(accumulate(map(run.__getitem__, guess), initial=freed))
                 if totals[-1] >= nbytes:
                     cut = bisect_left(totals, nbytes, 1)
@@ -366,21 +417,28 @@ class PriorityLRUPolicy(Leases):
                     return chosen
                 chosen += guess
                 freed = totals[-1]
-                rest: Iterable[tuple[K, int]] = islice(run.items(), len(guess), None)
+                rest: Iterator[tuple[K, int]] = islice(run.items(), len(guess), None)
             else:
-                rest = run.items()
+                rest = iter(run.items())
+            met: list[K] = []
             for key, size in rest:
-                if key in pins:
+                if key in held:
+                    met.append(key)
                     continue
                 chosen.append(key)
                 freed += size
                 if freed >= nbytes:
-                    return chosen
+                    break
+            for key in met:  # out of the order until touched or released: no later call meets them again
+                self._out[key] = self._take(key)
+            if freed >= nbytes:
+                return chosen
         return chosen
 
 
 class LRUPolicy(PriorityLRUPolicy):
-    """Plain LRU: every block at one priority. The baseline of the simulator."""
+    """Plain LRU: every block at one priority, whatever the caller asked for (a baseline for tests and
+    comparisons; the simulator's ``lru`` is :class:`PriorityLRUPolicy`, as the node's)."""
 
     __slots__ = ()
 
@@ -477,17 +535,17 @@ class _Shadow:
 
     It sees every access the tier's policy sees (touches and inserts, keys and
     sizes) and keeps its own contents, evicting its own victims when over
-    capacity (skipping keys the tier holds pinned); it holds no data. It
+    capacity (skipping keys the tier holds); it holds no data. It
     answers one question: would that policy have hit this access?
     """
 
-    __slots__ = ("segments", "nbytes", "capacity_bytes", "_pins")
+    __slots__ = ("segments", "nbytes", "capacity_bytes", "_held")
 
-    def __init__(self, segments: _Segments, nbytes: int, capacity_bytes: int, pins: dict[Hashable, int]) -> None:
+    def __init__(self, segments: _Segments, nbytes: int, capacity_bytes: int, held: dict[Hashable, list]) -> None:
         self.segments = segments
         self.nbytes = nbytes
         self.capacity_bytes = capacity_bytes
-        self._pins = pins
+        self._held = held
 
     def access(self, key: Hashable, nbytes: int) -> bool:
         """Record an access of ``key``; whether the shadow held it."""
@@ -508,7 +566,7 @@ class _Shadow:
         if self.nbytes > self.capacity_bytes:
             victim, size = probation.popitem(last=False)  # the common case: one unpinned victim
             self.nbytes -= size
-            if victim in self._pins:
+            if victim in self._held:
                 probation[victim] = size
                 probation.move_to_end(victim, last=False)
                 self.nbytes += size
@@ -519,7 +577,7 @@ class _Shadow:
 
     def trim(self) -> None:
         """Evict the shadow's own victims until it fits its capacity."""
-        probation, pins = self.segments.probation, self._pins
+        probation, pins = self.segments.probation, self._held
         while self.nbytes > self.capacity_bytes and probation:
             key = next(iter(probation))
             if key in pins:
@@ -527,7 +585,7 @@ class _Shadow:
             self.nbytes -= probation.pop(key)
         if self.nbytes <= self.capacity_bytes:
             return
-        excess = self.nbytes - self.capacity_bytes  # pinned keys in the way: the general walk
+        excess = self.nbytes - self.capacity_bytes  # held keys in the way: the general walk
         chosen = []
         for key, size in self.segments.items():
             if key in pins:
@@ -574,7 +632,8 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
         self._levels[self.default_priority] = self._segments.probation  # type: ignore[assignment]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._levels[self._priority.get(key, self.default_priority)] or key in self._segments.protected
+        return (key in self._levels[self._priority.get(key, self.default_priority)] or key in self._segments.protected
+                or key in self._out)
 
     def contains_many(self, keys: Sequence[K]) -> list[bool]:
         """Whether each key is tracked; the batch form of ``in`` for hot paths."""
@@ -585,8 +644,37 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
         else:
             found = list(map(segments.probation.__contains__, keys))
         if self._priority and False in found:
-            return list(map(or_, found, map(self._priority.__contains__, keys)))
+            found = list(map(or_, found, map(self._priority.__contains__, keys)))
+        if self._out and False in found:
+            found = list(map(or_, found, map(self._out.__contains__, keys)))
         return found
+
+    def _take(self, key: K) -> tuple[int, bool]:
+        segments = self._segments
+        size = segments.protected.pop(key, None) if key not in self._priority else None
+        if size is None:
+            return super()._take(key)
+        segments.protected_bytes -= size
+        return size, True
+
+    def _put_front(self, key: K, nbytes: int, protected: bool) -> None:
+        segments = self._segments
+        if key in self._priority or not protected or segments.target is None:
+            super()._put_front(key, nbytes, protected)
+            return
+        segments.protected[key] = nbytes
+        segments.protected.move_to_end(key, last=False)
+        segments.protected_bytes += nbytes
+        segments.set_target(segments.target)  # any overflow back to probation
+
+    def _put_touched(self, key: K, nbytes: int, protected: bool) -> None:
+        segments = self._segments
+        if key in self._priority or segments.target is None:
+            super()._put_touched(key, nbytes, protected)
+            return
+        segments.protected[key] = nbytes  # a touch protects a block of the default level
+        segments.protected_bytes += nbytes
+        segments.set_target(segments.target)
 
     def _runs(self) -> list[OrderedDict[K, int]]:
         segments = self._segments
@@ -603,7 +691,9 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
 
     def remove_many(self, keys: Sequence[K]) -> int:
         """:meth:`remove` each of ``keys``; return the bytes freed."""
-        if self._priority:
+        if self._held:
+            self._held.difference_update(keys)
+        if self._priority or self._any_out(keys):
             return sum(map(self.remove, keys))
         segments = self._segments
         sizes = list(map(segments.probation.pop, keys, repeat(None)))  # a C loop
@@ -627,8 +717,12 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
         return super().priority_of(key)
 
     def touch(self, key: K) -> None:
-        """Record a use of ``key``: within the default level a probation block becomes protected. Raises
-        ``KeyError`` if unknown."""
+        """Record a use of ``key``: within the default level a probation block becomes protected (a held one taken out of
+        the order comes back there). Raises ``KeyError`` if unknown."""
+        out = self._out.pop(key, None)
+        if out is not None:
+            self._put_touched(key, *out)
+            return
         priority = self._priority.get(key)
         if priority is None:
             self._segments.touch(key)
@@ -638,14 +732,15 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
     def touch_many(self, keys: Sequence[K]) -> None:
         """:meth:`touch` each of ``keys`` (head first) tail first. Raises ``KeyError`` if one is not tracked."""
         segments = self._segments
-        if segments.target is None and not self._priority:  # plain LRU over one level: one C loop
+        if segments.target is None and not self._priority and not self._any_out(keys):  # plain LRU: one C loop
             deque(map(segments.probation.move_to_end, reversed(keys)), 0)
             return
         for key in reversed(keys):
             self.touch(key)
 
     def remove(self, key: K) -> int:
-        """Forget ``key``; return its bytes, or 0 if it was not tracked (its leases stay, as in the base class)."""
+        """Forget ``key``, held or not; return its bytes, or 0 if it was not tracked."""
+        self._held.discard(key)
         size = self._segments.protected.pop(key, None)
         if size is None:
             return super().remove(key)
@@ -692,7 +787,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
     def __init__(self, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0) -> None:
         super().__init__(default_priority, capacity_bytes, None)
         self._lru_mode = True
-        self._shadow = _Shadow(_Segments(int(capacity_bytes * PROTECTED_FRACTION)), 0, capacity_bytes, self._pins)
+        self._shadow = _Shadow(_Segments(int(capacity_bytes * PROTECTED_FRACTION)), 0, capacity_bytes, self._held)
         self._tier_score = 0.0
         self._shadow_score = 0.0
         self._accessed = 0
@@ -732,7 +827,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
         old.protected_bytes = segments.protected_bytes
         self._lru_mode = not self._lru_mode
         segments.set_target(None if self._lru_mode else int(self.capacity_bytes * PROTECTED_FRACTION))
-        self._shadow = _Shadow(old, self._nbytes, self.capacity_bytes, self._pins)
+        self._shadow = _Shadow(old, self._nbytes, self.capacity_bytes, self._held)
         self._shadow.trim()
         self._tier_score, self._shadow_score = self._shadow_score, self._tier_score
         self.switches += 1
@@ -744,8 +839,11 @@ class AdaptivePolicy(SegmentedLRUPolicy):
 
     def touch(self, key: K) -> None:
         """Record a use (a hit) of ``key``. Raises ``KeyError`` if unknown."""
-        priority = self._priority.get(key)
-        if priority is None:
+        out = self._out.pop(key, None)
+        if out is not None:  # a held key taken out of the order: back where a touch puts it
+            self._put_touched(key, *out)
+            nbytes = out[0]
+        elif (priority := self._priority.get(key)) is None:
             nbytes = self._segments.touch(key)
         else:
             level = self._levels[priority]
@@ -759,7 +857,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
         Raises:
             KeyError: if a key is not tracked (the keys before it, tail first, are touched).
         """
-        if self._priority or self.capacity_bytes <= 0:
+        if self._priority or self.capacity_bytes <= 0 or self._any_out(keys):
             for key in reversed(keys):
                 self.touch(key)
             return
@@ -785,7 +883,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
         The same steps as :meth:`touch` or :meth:`insert` with :meth:`_access` per key, inlined: this is the
         simulator's hot loop (``benchmarks/bench_sim_speed.py``).
         """
-        segments, capacity, pins = self._segments, self.capacity_bytes, self._pins
+        segments, capacity, pins = self._segments, self.capacity_bytes, self._held
         probation = segments.probation
         tier_lru = segments.target is None
         shadow = self._shadow
