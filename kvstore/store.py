@@ -38,7 +38,8 @@ from kvstore.continuations import Continuations
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvstore.index import Entry, Index, NoRoomError, State
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
-from kvstore.mover import Mover, TierCounts
+from kvstore.counts import TierCounts
+from kvstore.mover import Mover
 from kvstore.policy import check_priority, make_policy
 from kvstore.tiers.base import (
     CHAIN_STEP_S,
@@ -477,7 +478,10 @@ class TieredStore:
         for position, block in enumerate(blocks):
             self._validate_block(namespace, position, block)
             if not self._fits_somewhere(len(block)):
-                raise ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
+                exc = ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
+                if self._tiers:
+                    self._mover.refused(0, "too_large", len(blocks), exc)
+                raise exc
         check_one_shape(blocks)
         index = self.index
         first_new = next((key for key in keys if index.level_of(key) is None), None)
@@ -602,6 +606,9 @@ class TieredStore:
                     return list(range(len(entries)))
             await self._mover.place(level, entries, values, metas, room=room)
             return []
+        except ResourceExhaustedError as exc:
+            self._mover.refused(level, "no_room", len(entries), exc)
+            raise
         finally:
             self._mover.release(held)
 
@@ -712,6 +719,10 @@ class TieredStore:
                 extra["lost_records"] = counts.lost_records
             if counts.copies_dropped:
                 extra["copies_dropped"] = counts.copies_dropped
+            for reason, num_blocks in counts.dropped_demotions.items():
+                extra[f"dropped_demotions_{reason}"] = num_blocks
+            for reason, num_blocks in counts.refused_puts.items():
+                extra[f"refused_puts_{reason}"] = num_blocks
             result.append(TierStats(
                 name=tier.name,
                 blocks=len(self.index.policies[level]) if local else -1,
