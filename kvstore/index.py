@@ -261,6 +261,13 @@ class Index:
             entry.level, entry.nbytes = level, nbytes
             self._placing_bytes[level] += nbytes
 
+    def uncharge(self, entries: Sequence[Entry]) -> None:
+        """Undo :meth:`charge` of placing ``entries`` none of which was written: they may be charged to another tier."""
+        for entry in entries:
+            if entry.level >= 0 and self._placing.get(entry.key) is entry:
+                self._placing_bytes[entry.level] -= entry.nbytes
+            entry.level, entry.nbytes = -1, 0
+
     def publish(self, entry: Entry) -> bool:
         """Make a placement resident, if it is still the current one; whether it was (else the write is stale).
 

@@ -218,7 +218,8 @@ class Mover:
                 f"(store.{tier.name}.capacity_bytes), or put fewer or smaller blocks per call")
 
     async def place(self, level: int, entries: list[Entry], values: Sequence[bytes], metas: Sequence[BlockMeta],
-                    sources: Sequence[Entry] | None = None, *, room: int | None = None) -> list[BlockKey]:
+                    sources: Sequence[Entry] | None = None, *, room: int | None = None,
+                    declined: list[int] | None = None) -> list[BlockKey]:
         """Write placing ``entries`` into tier ``level`` and publish those still current; returns the keys published.
 
         In batches that fit the tier at once, tail first, so a head written last
@@ -227,7 +228,11 @@ class Mover:
         With ``sources`` (a move: one held resident entry per block) each source
         leaves its tier as its copy is published, so tiers stay exclusive.
         ``room`` bounds a batch's bytes (the tier's capacity by default; less
-        where a put holds its cached prefix in the tier).
+        where a put holds its cached prefix in the tier). With ``declined``, a
+        batch the tier cannot make room for (once the evictions in flight end)
+        is not an error: the positions of it and of the blocks not yet written
+        are added to ``declined``, still placing and charged to no tier, for
+        the caller to place in the next tier.
 
         Raises:
             ResourceExhaustedError: if the tier cannot make room; entries not yet written are abandoned.
@@ -249,17 +254,25 @@ class Mover:
                 end = start
                 if not any(entries[i].state is State.PLACING for i in range(first, last)):
                     continue
-                # prepare: room reserved and victims claimed, once the evictions in flight end if need be
-                victims = await self.reserve(level, sum(sizes[i] for i in range(first, last)
-                                                        if entries[i].state is State.PLACING))
-                batch = [i for i in range(first, last) if entries[i].state is State.PLACING]  # not deleted meanwhile
-                if not batch:  # all deleted while it waited: the victims it claimed go all the same
-                    await self.make_room(level, victims)
-                    continue
-                placing = [entries[i] for i in batch]
-                index.charge(placing, level, [sizes[i] for i in batch])
-                stored = await self._write(level, placing, [values[i] for i in batch], [metas[i] for i in batch],
-                                           victims)
+                placing = []
+                try:
+                    # prepare: room reserved and victims claimed, once the evictions in flight end if need be
+                    victims = await self.reserve(level, sum(sizes[i] for i in range(first, last)
+                                                            if entries[i].state is State.PLACING))
+                    batch = [i for i in range(first, last) if entries[i].state is State.PLACING]  # not deleted
+                    if not batch:  # all deleted while it waited: the victims it claimed go all the same
+                        await self.make_room(level, victims)
+                        continue
+                    placing = [entries[i] for i in batch]
+                    index.charge(placing, level, [sizes[i] for i in batch])
+                    stored = await self._write(level, placing, [values[i] for i in batch],
+                                               [metas[i] for i in batch], victims)
+                except ResourceExhaustedError:
+                    if declined is None:
+                        raise
+                    index.uncharge(placing)  # nothing of the batch was written: it and the rest go elsewhere
+                    declined += [i for i in range(last) if entries[i].state is State.PLACING]
+                    return published
                 for entry, ok in zip(placing, stored):
                     if not ok:  # the tier could not write it (a damaged disk page): not published
                         index.abandon(entry)

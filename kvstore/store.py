@@ -592,8 +592,13 @@ class TieredStore:
     async def _place_in(self, level: int, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
                         protect: Sequence[BlockKey] = ()) -> list[int]:
         """Write blocks into tier ``level`` with the protected blocks resident there held, so no victim; the room
-        is the tier's capacity less theirs. Returns the positions of the blocks that room cannot take: all of
-        them (one of them is larger than the room), or none."""
+        is the tier's capacity less theirs. Returns the positions of the blocks that room cannot take, for the
+        next tier: all of them (one of them is larger than the room), those not yet written when the tier could
+        not make room (the rest leased; only where a tier is below), or none.
+
+        Raises:
+            ResourceExhaustedError: if the last local tier cannot make room (counted and logged).
+        """
         index = self.index
         held = [index.hold(level, key) for key in dict.fromkeys(protect) if index.level_of(key) == level]
         try:
@@ -604,8 +609,9 @@ class TieredStore:
                                                         if not index.leaving(level, entry.key))
                 if max(tier.footprint(len(v)) for v in values) > room:
                     return list(range(len(entries)))
-            await self._mover.place(level, entries, values, metas, room=room)
-            return []
+            declined: list[int] | None = [] if level + 1 < len(self._tiers) else None  # the next tier may take them
+            await self._mover.place(level, entries, values, metas, room=room, declined=declined)
+            return declined or []
         except ResourceExhaustedError as exc:
             self._mover.refused(level, "no_room", len(entries), exc)
             raise

@@ -17,12 +17,12 @@ import torch
 
 from kvstore.codec import encode_block
 from kvstore.errors import ResourceExhaustedError
-from kvstore.keys import hash_blocks
+from kvstore.keys import block_keys, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.tiers.heap import HeapTier
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.wire import reply_head
-from tests.support.store import NS
+from tests.support.store import NS, disk_footprint, make_blocks, memory_tier
 
 MiB = 1 << 20
 HEAD_DIMS = (128, 2048, 16384, 49152)
@@ -76,3 +76,20 @@ async def test_a_refused_put_is_counted_with_its_reason(tmp_path: Path) -> None:
         with pytest.raises(ResourceExhaustedError, match="larger than every tier"):
             await store.put(NS, hashes, [_block(HEAD_DIMS[2], 0)])  # 2 MiB into a 1 MiB tier
         assert store.stats().tiers[0].counters["refused_puts_too_large"] == 1
+
+
+async def test_a_put_the_memory_tier_cannot_take_goes_to_the_disk_tier(tmp_path: Path) -> None:
+    """Every block in memory is being read: a new block is placed in the tier below, not refused."""
+    memory = memory_tier(3)
+    disk = LMDBTier(tmp_path / "disk", 16 * disk_footprint())
+    async with TieredStore([memory, disk]) as store:
+        hashes, blocks = make_blocks(3)
+        await store.put(NS, hashes, blocks)
+        newcomer, new_block = make_blocks(1, seed=5)
+        async with store.read(NS, hashes) as got:
+            assert len(got) == 3  # all three held by this read
+            assert await store.put(NS, newcomer, new_block) == 1
+            assert store.index.locate(block_keys(NS, newcomer)) == b"\x01"  # in the disk tier
+        assert await store.get(NS, newcomer) == new_block
+        assert await store.get(NS, hashes) == blocks
+        assert not any(name.startswith("refused_puts") for name in store.stats().tiers[0].counters)
