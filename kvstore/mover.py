@@ -456,10 +456,10 @@ class Mover:
 
     def shared_generations(self, keys: Sequence[BlockKey]) -> dict[bytes, int]:
         """The shared tier's generation of each namespace among ``keys`` now: what a copy prepared now writes under."""
-        generation = getattr(self._shared, "generation", None)  # a plain tier standing in for Redis has none
-        if generation is None:
+        shared = self._shared
+        if shared is None:
             return {}
-        return {key[:NAMESPACE_TAG_BYTES]: generation(key[:NAMESPACE_TAG_BYTES]) for key in keys}
+        return {key[:NAMESPACE_TAG_BYTES]: shared.generation(key[:NAMESPACE_TAG_BYTES]) for key in keys}
 
     async def write_shared(self, keys: list[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta],
                            generations: dict[bytes, int]) -> list[bool]:
@@ -671,6 +671,5 @@ class Mover:
         await self.write_shared(job.keys, job.values, job.metas, {tag: job.shared_generation})
 
     async def _sweep(self, job: _Sweep) -> None:
-        sweep = getattr(self._shared, "sweep_namespace", None)
-        if sweep is not None:
-            await sweep(job.tag, job.generation)
+        if self._shared is not None:
+            await self._shared.sweep_namespace(job.tag, job.generation)

@@ -689,9 +689,8 @@ class TieredStore:
 
     async def _clear(self, deleting: list[Awaitable[None]], tag: bytes) -> None:
         await self._delete_everywhere(deleting, None)
-        clear_namespace = getattr(self._shared, "clear_namespace", None)
-        if clear_namespace is not None:
-            generation = await clear_namespace(tag)
+        if self._shared is not None:
+            generation = await self._shared.clear_namespace(tag)
             self._mover.sweep(tag, generation)
 
     def _delete_records(self, records: dict[int, list[BlockKey]]) -> list[Awaitable[None]]:

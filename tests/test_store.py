@@ -18,7 +18,9 @@ from kvstore.keys import block_key, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
-from tests.support.store import BLOCK_SIZE, NS, PAGE, disk_footprint, held_keys, heap_tier, make_blocks, memory_tier
+from tests.support.store import (
+    BLOCK_SIZE, NS, PAGE, SharedMemoryTier, disk_footprint, held_keys, heap_tier, make_blocks, memory_tier,
+)
 
 @pytest.fixture
 async def two_tier(tmp_path):
@@ -696,7 +698,7 @@ async def test_locate_gives_the_tier_index_of_each_prefix_block(two_tier: Tiered
 
 
 async def test_locate_gives_the_shared_tier_the_last_index() -> None:
-    memory, shared = memory_tier(2), MemoryTier(1 << 20, page_bytes=PAGE, name="shared")
+    memory, shared = memory_tier(2), SharedMemoryTier(1 << 20, page_bytes=PAGE, name="shared")
     async with TieredStore([memory], shared=shared) as store:  # write-through: every put also reaches it
         assert store.tier_names == ("memory", "shared")
         hashes, blocks = make_blocks(4)

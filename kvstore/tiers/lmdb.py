@@ -271,7 +271,7 @@ def _remove_environment_files(path: str) -> None:
 class LMDBTier:
     """Encoded blocks in an LMDB environment on local disk.
 
-    Implements :class:`kvstore.tiers.base.DroppingTier`. It never evicts: it keeps its
+    Implements :class:`kvstore.tiers.base.Tier`. It never evicts: it keeps its
     own count of :meth:`footprint` bytes held and refuses a batch that would
     take it over ``capacity_bytes``, and it turns a full LMDB map into
     :class:`TierFullError`; either way nothing of the batch is stored. A put of
