@@ -33,7 +33,8 @@ from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.wire import channel_options, chunk_bytes_for, reply_head
-from kvstore.store import TieredStore, open_async_store
+from kvstore.factory import open_async_store
+from kvstore.store import TieredStore
 from kvstore.unix_sockets import SOCKET_MODE, claim_socket_path, remove_socket_path
 
 if TYPE_CHECKING:
