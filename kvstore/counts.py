@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 @dataclass(slots=True)
@@ -43,3 +44,19 @@ class TierCounts:
 def count(counts: dict[str, int], reason: str, num_blocks: int) -> None:
     """Add ``num_blocks`` to ``counts[reason]``."""
     counts[reason] = counts.get(reason, 0) + num_blocks
+
+
+def count_get(counts: Sequence[TierCounts], hit_tiers: list[int], num_asked: int) -> None:
+    """Count one get: ``hit_tiers`` are the tiers (indexes into ``TieredStore.tier_names``) of the blocks it served.
+
+    A block served from tier ``t`` is a hit there and a miss in every tier
+    above; the first block it did not find (if it asked for more) is a miss
+    in every tier. These are the definitions of ``docs/service.md``.
+    """
+    for t in hit_tiers:
+        counts[t].hits += 1
+        for above in range(t):
+            counts[above].misses += 1
+    if len(hit_tiers) < num_asked:
+        for c in counts:
+            c.misses += 1
