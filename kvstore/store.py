@@ -26,7 +26,6 @@ which owns the index, so nothing needs a lock.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import Awaitable, Callable, Sequence
@@ -37,13 +36,13 @@ from kvstore.config import StoreConfig
 from kvstore.continuations import Continuations
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvstore.index import Entry, Index, State
-from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
+from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
 from kvstore.counts import TierCounts
 from kvstore.mover import Mover
+from kvstore.placement import Placement
 from kvstore.reads import BlockRead, ReadPath
 from kvstore.policy import check_priority, make_policy
 from kvstore.tiers.base import (
-    CHAIN_STEP_S,
     BlockMeta,
     Buffer,
     LeasingTier,
@@ -101,6 +100,7 @@ class TieredStore:
                             demote_min_priority=self.config.demote_min_priority,
                             write_back=shared is not None and not self._write_through,
                             default_priority=self.config.default_priority, clock=clock)
+        self._placement = Placement(self.index, self._tiers, shared, self._mover, self._write_through)
         self._reads = ReadPath(self.index, self._tiers, shared, self._mover, self._counts, self.config, self._fits,
                                self._check_open, lambda: self._closed)
         self._continuations: Continuations[BlockKey] = Continuations()  # lookups' prefixes, by a put's start
@@ -288,8 +288,8 @@ class TieredStore:
 
         A put that continues the cached prefix a :meth:`lookup` found (its first
         new block is the one after that prefix) protects the prefix while it
-        makes room and touches it again after (:meth:`_place`); if a Get is
-        still promoting that prefix, the put first waits for the promotion
+        makes room and touches it again after (``kvstore.placement``); if a Get
+        is still promoting that prefix, the put first waits for the promotion
         (``kvstore.sim.model`` replays the same order, ``docs/simulate.md``).
 
         Args:
@@ -355,7 +355,8 @@ class TieredStore:
                 entries = [index.place(key, meta.priority, meta.expires_at) for key in fresh]
                 generations = (index.namespace_generation(namespace.tag),
                                self._mover.shared_generations(keys[:1]).get(namespace.tag, 0))
-                await asyncio.shield(self._mover.run(self._place(entries, list(fresh.values()), meta, generations,
+                await asyncio.shield(self._mover.run(self._placement.place(entries, list(fresh.values()), meta,
+                                                                           generations,
                                                                  protect)))
                 num_new += len(fresh)
             for entry in waits:
@@ -365,121 +366,10 @@ class TieredStore:
             pending = retired
         return num_new
 
-    async def _place(self, entries: list[Entry], values: list[bytes], meta: BlockMeta,
-                     generations: tuple[int, int], protect: Sequence[BlockKey] = ()) -> None:
-        """A put's I/O and complete step: each block into the first local tier it fits, in batches that fit the
-        tier at once, tail first, so a head written last evicts the tail; blocks that fit no local tier go to the
-        shared tier in ``write_back`` mode. In ``write_through`` mode every block is then offered to the shared tier.
-
-        ``protect``: the cached prefix this put continues (``kvstore.continuations``, recorded by the lookup). It
-        is held while room is made, so the new blocks cannot push out their own head, and touched again, tail
-        first, once they are in, so the whole chain ends ordered tail (least recent) to head, as a request's
-        blocks are freed tail first in vLLM. ``kvstore.sim.model`` replays exactly this order.
-
-        The write-through belongs to the placement, not to the caller: a put failed part-way has still published
-        blocks, and the last local tier drops its victims, counting on the shared tier's copy. It is offered
-        first, before any I/O, for the blocks no delete has retired yet: a delete from then on drops the queued
-        copy or waits for the one on the wire before it unlinks (:meth:`delete`), so no copy lands after it.
-        """
-        metas = _chain_metas(meta, len(entries))
-        if self._write_through:
-            live = [i for i, entry in enumerate(entries) if entry.state is State.PLACING]  # not deleted meanwhile
-            if live:
-                self._mover.write_through([entries[i].key for i in live], [values[i] for i in live],
-                                          [meta] * len(live), *generations)
-        try:
-            by_level: dict[int | None, list[int]] = {}
-            for i, value in enumerate(values):
-                by_level.setdefault(self._first_fit(len(value)), []).append(i)
-            for level, positions in by_level.items():
-                await self._place_down(level, [entries[i] for i in positions], [values[i] for i in positions],
-                                       [metas[i] for i in positions], protect, generations[1])
-            index = self.index
-            for key in reversed(protect):  # tail first: the chain's head ends the most recent
-                level = index.level_of(key)
-                if level is not None:
-                    index.policies[level].touch(key)
-        except BaseException as exc:
-            for entry in entries:
-                if not entry.ended:
-                    self.index.abandon(entry, exc if isinstance(exc, Exception) else None)
-            raise
-
-    async def _place_down(self, level: int | None, entries: list[Entry], values: list[bytes],
-                          metas: list[BlockMeta], protect: Sequence[BlockKey], shared_generation: int) -> None:
-        """Blocks into local tier ``level``; those the protected prefix leaves no room for there go on to the next
-        tier they fit, and past the last one to the shared tier in ``write_back`` mode, or nowhere (not stored;
-        no error). ``level`` ``None``: no local tier is left for them."""
-        if level is None:
-            if self._shared is not None and not self._write_through:
-                await self._spill(entries, values, metas, shared_generation)
-            else:
-                for entry in entries:
-                    self.index.abandon(entry)
-            return
-        declined = await self._place_in(level, entries, values, metas, protect)
-        if not declined:
-            return
-        below: dict[int | None, list[int]] = {}
-        for i in declined:
-            below.setdefault(self._first_fit(len(values[i]), level + 1), []).append(i)
-        for target, positions in below.items():
-            await self._place_down(target, [entries[i] for i in positions], [values[i] for i in positions],
-                                   [metas[i] for i in positions], protect, shared_generation)
-
-    async def _place_in(self, level: int, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
-                        protect: Sequence[BlockKey] = ()) -> list[int]:
-        """Write blocks into tier ``level`` with the protected blocks resident there held, so no victim; the room
-        is the tier's capacity less theirs. Returns the positions of the blocks that room cannot take, for the
-        next tier: all of them (one of them is larger than the room), those not yet written when the tier could
-        not make room (the rest leased; only where a tier is below), or none.
-
-        Raises:
-            ResourceExhaustedError: if the last local tier cannot make room (counted and logged).
-        """
-        index = self.index
-        held = [index.hold(level, key) for key in dict.fromkeys(protect) if index.level_of(key) == level]
-        try:
-            room = None
-            if held:
-                tier = self._tiers[level]
-                room = (tier.capacity_bytes or 0) - sum(entry.nbytes for entry in held
-                                                        if not index.leaving(level, entry.key))
-                if max(tier.footprint(len(v)) for v in values) > room:
-                    return list(range(len(entries)))
-            declined: list[int] | None = [] if level + 1 < len(self._tiers) else None  # the next tier may take them
-            await self._mover.place(level, entries, values, metas, room=room, declined=declined)
-            return declined or []
-        except ResourceExhaustedError as exc:
-            self._mover.refused(level, "no_room", len(entries), exc)
-            raise
-        finally:
-            self._mover.release(held)
-
-    async def _spill(self, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
-                     generation: int) -> None:
-        """Blocks that fit no local tier, in ``write_back`` mode: straight into the shared tier."""
-        live = [i for i, entry in enumerate(entries) if entry.state is State.PLACING]  # not deleted meanwhile
-        if live:
-            tag = entries[0].key[:NAMESPACE_TAG_BYTES]
-            await self._mover.write_shared([entries[i].key for i in live], [values[i] for i in live],
-                                           [metas[i] for i in live], {tag: generation})
-        for entry in entries:
-            self.index.abandon(entry)
-
-    def _first_fit(self, nbytes: int, start: int = 0) -> int | None:
-        """The first local tier from ``start`` a block of ``nbytes`` fits, ``None`` for none (it goes to the shared
-        tier)."""
-        for level in range(start, len(self._tiers)):
-            tier = self._tiers[level]
-            if tier.footprint(nbytes) <= (tier.capacity_bytes or 0):
-                return level
-        return None
-
     def _fits_somewhere(self, nbytes: int) -> bool:
         if self._shared is not None and not self._write_through:
             return True
-        return self._first_fit(nbytes) is not None
+        return self._placement.first_fit(nbytes) is not None
 
     # ------------------------------------------------------------------ delete and clear
 
@@ -640,16 +530,6 @@ def _held_bytes(lender: LeasingTier | None) -> Callable[[], int] | None:
     if lender is None:
         return None
     return lambda: lender.held_bytes
-
-
-def _chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
-    """``meta`` for each of ``num_blocks`` blocks in prefix order, the head most recent.
-
-    A restart rebuilds the eviction order by sorting on ``last_access``
-    (:meth:`TieredStore.start`); a step of :data:`~kvstore.tiers.base.CHAIN_STEP_S`
-    per block keeps the rule that a chain's tail goes before its head.
-    """
-    return [dataclasses.replace(meta, last_access=meta.last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
 
 
 def _namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
