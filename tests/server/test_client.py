@@ -56,7 +56,7 @@ def test_unavailable_is_retried_and_invalid_argument_is_not(fresh_server: Thread
 
 @pytest.mark.slow
 def test_inflight_calls_are_bounded(server: ThreadedServer) -> None:
-    from kvstore import client as client_module
+    from kvstore.client import calls as client_module
     from kvstore.codec import encode_block
     from kvstore.v1 import kvstore_pb2 as pb
     from kvstore.wire import put_requests

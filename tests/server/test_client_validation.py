@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore import client as client_module
+from kvstore.client import calls as client_module
 from kvstore.cli import main
 from kvstore.client import MAX_TIMEOUT_S, AsyncKVStoreClient, KVStoreClient
 from kvstore.errors import InvalidArgumentError
