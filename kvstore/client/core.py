@@ -28,7 +28,7 @@ from kvstore.routing import (
 )
 from kvstore.shm.link import BlockLease, SharedMemoryLink, SharedSession, UseGrpc
 from kvstore.status import DeadlineExceededError, error_of
-from kvstore.validation import _check_put, _count, _seconds
+from kvstore.validation import check_count, check_put, check_seconds
 from kvstore.wire import cached_namespace_pb, chunk_bytes_for, stats_from_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.calls import (
@@ -105,16 +105,16 @@ class _Settings(NamedTuple):
                 ``down_backoff_s``), or a count that is not an integer (``max_inflight`` >= 1,
                 ``retries`` >= 0).
         """
-        down_backoff_s = _seconds("down_backoff_s", down_backoff_s)
+        down_backoff_s = check_seconds("down_backoff_s", down_backoff_s)
         return cls(
-            timeout_s=_seconds("timeout_s", timeout_s, open_minimum=True, maximum_s=MAX_TIMEOUT_S),
-            max_inflight=_count("max_inflight", max_inflight, 1),
-            retries=_count("retries", retries, 0),
-            backoff_s=_seconds("backoff_s", backoff_s),
-            max_backoff_s=_seconds("max_backoff_s", max_backoff_s),
-            probe_timeout_s=_seconds("probe_timeout_s", probe_timeout_s, open_minimum=True, maximum_s=MAX_TIMEOUT_S),
+            timeout_s=check_seconds("timeout_s", timeout_s, open_minimum=True, maximum_s=MAX_TIMEOUT_S),
+            max_inflight=check_count("max_inflight", max_inflight, 1),
+            retries=check_count("retries", retries, 0),
+            backoff_s=check_seconds("backoff_s", backoff_s),
+            max_backoff_s=check_seconds("max_backoff_s", max_backoff_s),
+            probe_timeout_s=check_seconds("probe_timeout_s", probe_timeout_s, open_minimum=True, maximum_s=MAX_TIMEOUT_S),
             down_backoff_s=down_backoff_s,
-            max_down_backoff_s=_seconds("max_down_backoff_s", max_down_backoff_s, minimum_s=down_backoff_s),
+            max_down_backoff_s=check_seconds("max_down_backoff_s", max_down_backoff_s, minimum_s=down_backoff_s),
         )
 
 
@@ -375,8 +375,7 @@ class _Client:
             ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
-        check_block_hashes(namespace, block_hashes)
-        priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
+        priority, retention_s = check_put(namespace, block_hashes, blocks, priority, retention_s)
         blocks = blocks_for_put(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
 
         def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> _Rpc:
