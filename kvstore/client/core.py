@@ -160,9 +160,6 @@ class _Client:
         self.target = self.targets[0]
         self.timeout_s = settings.timeout_s
         self.max_inflight = settings.max_inflight
-        self.retries = settings.retries
-        self.backoff_s = settings.backoff_s
-        self.max_backoff_s = settings.max_backoff_s
         self.retry = Retry(settings.retries, Backoff(settings.backoff_s, settings.max_backoff_s))
         self.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
         self.metadata = call_metadata(metadata)

@@ -100,8 +100,8 @@ class Retry:
     backoff: Backoff = Backoff()
     codes: frozenset[grpc.StatusCode] = RETRYABLE_CODES
 
-    def pause_s(self, attempt: int, code: grpc.StatusCode, idempotent: bool = True) -> float | None:
+    def pause_s(self, attempt: int, code: grpc.StatusCode) -> float | None:
         """Seconds to wait before retrying after failed attempt ``attempt`` (0-based); ``None``: do not retry."""
-        if idempotent and code in self.codes and attempt < self.retries:
+        if code in self.codes and attempt < self.retries:
             return self.backoff.pause_s(attempt)
         return None
