@@ -47,13 +47,30 @@ traffic; a client that makes no calls probes nothing.
 With a single target the client behaves as before: a failed call raises (after
 its retries). Credentials, metadata and channel options apply to every target.
 
-Fork safety: gRPC channels must not cross ``fork``. Each client remembers the
-process id that opened its channel; in a forked child the first call opens a
-fresh channel (with its own subchannel pool, so no connection of the parent is
-reused) and leaves the parent's untouched. gRPC's core fork handling must be
-on, which it is unless ``GRPC_ENABLE_FORK_SUPPORT`` is set false; then a child
-gets :class:`UnavailableError` at once instead of a hang. The worker threads of
-a synchronous client of several nodes are likewise started afresh in a child.
+Fork safety. A :class:`KVStoreClient` made before ``fork`` (``os.fork`` or
+``multiprocessing``'s ``fork`` context) can be used in the child, under this
+contract:
+
+* in the child, the first call opens a fresh channel per node (with its own
+  subchannel pool, so no connection of the parent is reused), fresh in-flight
+  slots, lock and worker threads, and a fresh same-host session; the parent's
+  channels, session and threads are left untouched, and the parent's client
+  keeps working;
+* gRPC's fork handlers must run: gRPC core's fork support must be on (it is
+  unless ``GRPC_ENABLE_FORK_SUPPORT`` is set false; then a child's first call
+  raises :class:`~kvstore.errors.UnavailableError` at once instead of hanging),
+  and at the moment of ``fork`` no other thread of the process may be inside
+  gRPC. gRPC skips its handlers otherwise ("Other threads are currently calling
+  into gRPC, skipping fork() handlers") and the child may abort on a gRPC lock
+  held by a thread it does not have. This client holds up its side: fork while
+  none of its calls is in flight (its calls run in the calling thread, and the
+  worker threads of a client of several nodes are idle between calls); a
+  gRPC server or another gRPC client busy in the same process breaks the
+  contract, whatever this client does;
+* the contract is tested for :class:`KVStoreClient`
+  (``tests/server/test_client_fork.py``); an :class:`AsyncKVStoreClient`'s
+  channels also reopen in a child, but an event loop must not cross ``fork``,
+  so in a child make a new loop and, simplest, a new client.
 
 Example::
 
