@@ -187,17 +187,16 @@ def test_calls_in_flight_when_the_client_closes_raise_unavailable(server: Thread
         started = threading.Event()
 
         def fetch(kv: KVStoreClient = kv, started: threading.Event = started) -> None:
-            started.set()
             try:
                 while True:
                     kv.get(ns, hashes)
+                    started.set()  # connected, one Get done: the next is on its way as close() comes
             except KVStoreError as exc:
                 errors.append(exc)
 
         thread = threading.Thread(target=fetch)
         thread.start()
-        assert started.wait(10)
-        time.sleep(0.2)
+        assert started.wait(30)
         kv.close()
         thread.join(30)
         assert not thread.is_alive()
@@ -210,15 +209,16 @@ def test_inflight_slots_bound_the_calls_across_threads_and_time_out_when_full() 
     slots = InflightSlots(2)
     active = peak = 0
     lock = threading.Lock()
+    both_in = threading.Barrier(2, timeout=10)  # the two holders of a slot meet: overlap by events, not by time
 
     def work() -> None:
         nonlocal active, peak
-        for _ in range(50):
+        for _ in range(50):  # 6 threads x 50: an even number of holds, so every holder finds its partner
             assert slots.acquire(5.0)
             with lock:
                 active += 1
                 peak = max(peak, active)
-            time.sleep(0.0005)
+            both_in.wait()
             with lock:
                 active -= 1
             slots.release()
