@@ -31,17 +31,18 @@ import time
 from typing import Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.codec import BlockHeader, Layout, check_one_shape, decode_header, verify_block
+from kvstore.codec import check_one_shape, decode_header
 from kvstore.config import StoreConfig
 from kvstore.continuations import Continuations
-from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kvstore.errors import CodecError, ResourceExhaustedError, UnavailableError
 from kvstore.index import Entry, Index, State
 from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
 from kvstore.counts import TierCounts
 from kvstore.mover import Mover
 from kvstore.placement import Placement
 from kvstore.reads import BlockRead, ReadPath
-from kvstore.policy import check_priority, make_policy
+from kvstore.policy import make_policy
+from kvstore.validation import check_block, check_counts, check_priority, check_retention_s, namespace_mismatch
 from kvstore.tiers.base import (
     BlockMeta,
     Buffer,
@@ -310,11 +311,10 @@ class TieredStore:
         """
         self._check_open()
         keys = block_keys(namespace, block_hashes)
-        if len(blocks) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} hashes but {len(blocks)} blocks")
+        check_counts(len(keys), len(blocks))
         meta = self._meta(priority, retention_s)
         for position, block in enumerate(blocks):
-            self._validate_block(namespace, position, block)
+            check_block(namespace, position, block, self.config.max_block_bytes)
             if not self._fits_somewhere(len(block)):
                 exc = ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
                 if self._tiers:
@@ -483,30 +483,11 @@ class TieredStore:
             raise UnavailableError("the store is closed")
 
     def _meta(self, priority: int | None, retention_s: float | None) -> BlockMeta:
-        priority = self.config.default_priority if priority is None else priority
-        try:
-            check_priority(priority)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        if retention_s is not None and not retention_s >= 0:
-            raise InvalidArgumentError(f"retention_s must be >= 0, got {retention_s}")
+        checked = check_priority(priority)  # kvstore.validation: the clients' checks too
+        priority = self.config.default_priority if checked is None else checked
+        retention_s = check_retention_s(retention_s)
         now = self._clock()
         return BlockMeta(priority, now + retention_s if retention_s else 0.0, now)
-
-    def _validate_block(self, namespace: Namespace, position: int, block: bytes) -> None:
-        if not isinstance(block, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentError(f"block {position}: expected encoded bytes, got {type(block).__name__}")
-        if len(block) > self.config.max_block_bytes:
-            raise ResourceExhaustedError(
-                f"block {position}: {len(block)} bytes is over max_block_bytes={self.config.max_block_bytes}"
-            )
-        try:
-            header = verify_block(block)
-        except CodecError as exc:
-            raise type(exc)(f"block {position}: {exc}") from None
-        mismatch = _namespace_mismatch(namespace, header)
-        if mismatch:
-            raise InvalidArgumentError(f"block {position}: {mismatch}")
 
     def _fits(self, namespace: Namespace, key: BlockKey, block: Buffer, tier_name: str) -> bool:
         """Whether a block read from a tier that outlives this process (disk, Redis) has the namespace's dtype,
@@ -517,7 +498,7 @@ class TieredStore:
         block a put would have refused here is a miss (logged), never served.
         """
         try:
-            mismatch = _namespace_mismatch(namespace, decode_header(block))
+            mismatch = namespace_mismatch(namespace, decode_header(block))
         except CodecError as exc:
             mismatch = str(exc)
         if mismatch:
@@ -532,15 +513,6 @@ def _held_bytes(lender: LeasingTier | None) -> Callable[[], int] | None:
     return lambda: lender.held_bytes
 
 
-def _namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
-    """How a block's header contradicts its namespace (dtype, layout, tokens per block); ``""`` if it does not."""
-    if header.dtype != namespace.dtype or header.layout.value != namespace.layout:
-        return (f"{header.dtype}/{header.layout.value} does not match the namespace's "
-                f"{namespace.dtype}/{namespace.layout}")
-    tokens = header.shape[3] if header.layout is Layout.KV else header.shape[2]
-    if tokens != namespace.block_size:
-        return f"holds {tokens} tokens, the namespace's block size is {namespace.block_size}"
-    return ""
 
 
 def _owned(block: Buffer) -> bytes | memoryview:

@@ -251,11 +251,6 @@ class KVStoreServer:
         if self._server is not None:
             await self._server.stop(0)  # grpc.aio: a shorter grace overrides the running stop's
 
-    async def wait_stopped(self) -> None:
-        """Return once :meth:`stop` has finished."""
-        assert self._stopped is not None, "start() first"
-        await self._stopped.wait()
-
     async def _abandon(self) -> None:
         if self._server is not None:
             await self._server.stop(0)
