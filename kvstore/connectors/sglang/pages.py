@@ -3,19 +3,23 @@
 A page of SGLang's host pool (``sglang.srt.mem_cache.pool_host``) is stored as
 one kvstore block, in the host pool's own byte order, so that a read copies the
 stored bytes straight into the pool (``get_into`` a view of the page) and a write
-encodes straight from it: one copy each way. The block's shape is the page's
-shape in the pool (``P`` tokens per page, ``L`` layers, ``H`` KV heads of
-``D`` dims, ``K`` the MLA latent width), per SGLang 0.5.23's ``init_kv_buffer``:
+encodes straight from it: one copy each way. The page's bytes, in SGLang
+0.5.23's ``init_kv_buffer`` order (``P`` tokens per page, ``L`` layers, ``H`` KV
+heads of ``D`` dims, ``K`` the MLA latent width), and the block shape they are
+viewed as (kvstore's layouts keep the block's tokens at dim 3 for ``kv``,
+``[L, 2, H, B, D]``, and dim 2 for ``mla``, ``[L, 1, B, K]``, which the store checks):
 
-=====================  ==========================  ===============================
-``--hicache-mem-layout``  MHA page (``kv`` layout)   MLA page (``mla`` layout)
-=====================  ==========================  ===============================
-``layer_first``        ``[2, L, P, H, D]`` (strided)  ``[L, P, 1, K]`` (strided)
-``page_first``         ``[2, P, L, H, D]`` (K and V   ``[P, L, 1, K]`` (contiguous)
-                       each contiguous)
-``page_first_direct``  ``[2, L, P, H, D]`` (K and V   ``[L, P, 1, K]`` (contiguous)
-                       each contiguous)
-=====================  ==========================  ===============================
+=====================  ========================================  ==================================
+``--hicache-mem-layout``  MHA page bytes -> ``kv`` block             MLA page bytes -> ``mla`` block
+=====================  ========================================  ==================================
+``layer_first``        ``[2, L, P, H, D]`` -> ``[2, L, 1, P, H*D]``  ``[L, P, 1, K]`` -> ``[L, 1, P, K]``
+``page_first``         ``[2, P, L, H, D]`` -> ``[1, 2, 1, P, L*H*D]``  ``[P, L, 1, K]`` -> ``[1, 1, P, L*K]``
+``page_first_direct``  ``[2, L, P, H, D]`` -> ``[2, L, 1, P, H*D]``  ``[L, P, 1, K]`` -> ``[L, 1, P, K]``
+=====================  ========================================  ==================================
+
+With ``page_first`` an MHA page is two contiguous runs (K, then V at the pool's
+V offset) and an MLA page one; ``page_first_direct`` likewise; ``layer_first``
+pages are strided (one run per layer and K/V).
 
 ``layer_first`` and ``page_first_direct`` pages have the same bytes, so engines
 with those two layouts share pages; ``page_first`` pages differ and live in a
@@ -25,7 +29,7 @@ namespace of their own. Any other pool or layout (``page_head``,
 namespace named after its layout.
 
 Namespaces (``kvstore.keys.Namespace``): the model tag is
-``"<model>|sglang|<mha|mla>|order=<byte order>|page=<shape>|pp=<rank>/<size>|cp=<rank>/<size>|dcp=..|fmt=<tag>"``,
+``"<model>|sglang|<mha|mla>|order=<byte order>=<dims>|block=<shape>|pp=<rank>/<size>|cp=<rank>/<size>|dcp=..|fmt=<tag>"``,
 the dtype is the pool's, ``block_size`` its page size, the ranks are the
 writer's tensor-parallel rank and size (``tp_size=1`` for MLA, whose latent is
 the same on every rank, as SGLang's file and Mooncake backends share MLA pages),
@@ -57,7 +61,7 @@ class PageFormat:
         layout: ``kv`` (MHA: K and V) or ``mla`` (one latent per token).
         dtype: codec dtype name of the pool, e.g. ``bfloat16``.
         shape: the block's shape (module docstring), 5 dims for ``kv``, 4 for ``mla``.
-        order: the byte order's name in the namespace, e.g. ``2.P.L.H.D``, or ``flat:<layout>``.
+        order: the page's byte order and dims in the namespace, e.g. ``2.P.L.H.D=16x8x4x128``, or ``flat:<layout>``.
         page_size: tokens per page.
         native: pages are views of the pool (one copy); else the pool's flat data pages.
     """
@@ -105,21 +109,28 @@ def page_format(pool: Any, is_mla: bool) -> PageFormat:
         heads, head_dim = dims[-2], dims[-1]
         layers = dims[1] if layout == "layer_first" else dims[2]
         if layout == "page_first":
-            return PageFormat("kv", dtype, (2, page_size, layers, heads, head_dim), "2.P.L.H.D", page_size, True)
-        return PageFormat("kv", dtype, (2, layers, page_size, heads, head_dim), "2.L.P.H.D", page_size, True)
+            return PageFormat("kv", dtype, (1, 2, 1, page_size, layers * heads * head_dim), f"2.P.L.H.D={page_size}x{layers}x{heads}x{head_dim}",
+                              page_size, True)
+        return PageFormat("kv", dtype, (2, layers, 1, page_size, heads * head_dim),
+                          f"2.L.P.H.D={layers}x{page_size}x{heads}x{head_dim}", page_size, True)
     if native and is_mla and len(dims) == (5 if layout == "page_first_direct" else 4):
         latent = dims[-1]
         layers = dims[0] if layout == "layer_first" else dims[1]
         if layout == "page_first":
-            return PageFormat("mla", dtype, (page_size, layers, 1, latent), "P.L.1.K", page_size, True)
-        return PageFormat("mla", dtype, (layers, page_size, 1, latent), "L.P.1.K", page_size, True)
+            return PageFormat("mla", dtype, (1, 1, page_size, layers * latent),
+                              f"P.L.1.K={page_size}x{layers}x1x{latent}", page_size, True)
+        return PageFormat("mla", dtype, (layers, 1, page_size, latent),
+                          f"L.P.1.K={layers}x{page_size}x1x{latent}", page_size, True)
     numel = int(pool.get_dummy_flat_data_page().numel())
-    shape = (1, 1, 1, numel) if is_mla else (1, 1, 1, 1, numel)
+    if numel % page_size:
+        raise ValueError(f"a {layout} page of {type(pool).__name__} has {numel} elements, "
+                         f"not a multiple of its {page_size} tokens")
+    shape = (1, 1, page_size, numel // page_size) if is_mla else (1, 1, 1, page_size, numel // page_size)
     return PageFormat("mla" if is_mla else "kv", dtype, shape, f"flat:{layout}", page_size, False)
 
 
 def page_view(pool: Any, fmt: PageFormat, index: int) -> Any:
-    """The page of ``pool`` starting at token slot ``index``, as a view of ``fmt.shape`` (native formats only).
+    """The page of ``pool`` starting at token slot ``index``, viewed as ``fmt.shape`` (native formats only; no copy).
 
     Args:
         pool: the host pool.
@@ -129,15 +140,18 @@ def page_view(pool: Any, fmt: PageFormat, index: int) -> Any:
     size, buffer, layout = fmt.page_size, pool.kv_buffer, pool.layout
     if fmt.layout == "kv":
         if layout == "layer_first":
-            return buffer[:, :, index:index + size]
-        if layout == "page_first":
-            return buffer[:, index:index + size]
-        return buffer[:, index // size]
-    if layout == "layer_first":
-        return buffer[:, index:index + size]
-    if layout == "page_first":
-        return buffer[index:index + size]
-    return buffer[index // size]
+            page = buffer[:, :, index:index + size]
+        elif layout == "page_first":
+            page = buffer[:, index:index + size]
+        else:
+            page = buffer[:, index // size]
+    elif layout == "layer_first":
+        page = buffer[:, index:index + size]
+    elif layout == "page_first":
+        page = buffer[index:index + size]
+    else:
+        page = buffer[index // size]
+    return page.view(fmt.shape)
 
 
 def storage_namespace(fmt: PageFormat, storage_config: Any, *, model_id: str | None = None,
@@ -159,7 +173,7 @@ def storage_namespace(fmt: PageFormat, storage_config: Any, *, model_id: str | N
     if not model:
         raise ValueError("SGLang gave no model_name; set model_id in the extra config")
     shape = "x".join(str(d) for d in fmt.shape)
-    tag = (f"{model}|sglang|{'mla' if fmt.layout == 'mla' else 'mha'}|order={fmt.order}|page={shape}"
+    tag = (f"{model}|sglang|{'mla' if fmt.layout == 'mla' else 'mha'}|order={fmt.order}|block={shape}"
            f"|pp={storage_config.pp_rank}/{storage_config.pp_size}"
            f"|cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}")
     dcp_size = int(getattr(storage_config, "dcp_size", 1) or 1)
