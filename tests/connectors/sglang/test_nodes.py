@@ -1,4 +1,4 @@
-"""The SGLang HiCache backend against real kvstore nodes: tokens and tenants, several nodes, a node killed or hung."""
+"""The SGLang HiCache backend against real kvstore nodes: tokens and tenants, TLS, several nodes, a node killed or hung."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 from kvstore.connectors.sglang import KVStoreHiCacheStorage
 from tests.connectors.sglang.harness import fill_random, host_indices, mha_pool, page_keys, pages_of, storage_config
 from tests.support.kvnode import KVNode
-from tests.support.security import TOKEN_A, TOKEN_B, auth_config
-from tests.support.server import ThreadedServer
+from tests.support.redis import make_tls_files
+from tests.support.security import AUTH_TOKENS, TOKEN_A, TOKEN_B, auth_config
+from tests.support.server import ThreadedServer, make_config
 
 PAGE = 4
 
@@ -110,3 +111,27 @@ def test_a_killed_or_hung_single_node_gives_misses_and_no_exception():
         assert dead.stats().errors == 1
         assert dead.batch_set_v1(keys, host_indices(0, 4, PAGE)) == [False] * 4  # in its backoff: not stored
         assert dead.stats().skipped_calls == 1
+
+
+def test_pages_cross_a_mutual_tls_node_with_a_token_and_a_wrong_ca_is_a_miss(tmp_path):
+    files, other = make_tls_files(tmp_path / "ca"), make_tls_files(tmp_path / "other-ca")
+    server = ThreadedServer(make_config(**{"security.tls_cert_file": files.server_cert,
+                                           "security.tls_key_file": files.server_key,
+                                           "security.tls_client_ca_file": files.ca_cert,
+                                           "security.auth_tokens": AUTH_TOKENS}))
+    try:
+        keys = page_keys(2, PAGE)
+        pool = mha_pool("page_first")
+        fill_random(pool, seed=14)
+        extra = {"target": server.target, "tls_ca_file": files.ca_cert, "tls_cert_file": files.client_cert,
+                 "tls_key_file": files.client_key, "token_file": token_file(tmp_path, "a", TOKEN_A),
+                 "tenant": "tenant-a", "timeout_s": 2.0}
+        assert connected(pool, extra).batch_set_v1(keys, host_indices(0, 2, PAGE)) == [True, True]
+        reader_pool = mha_pool("page_first")
+        assert connected(reader_pool, extra).batch_get_v1(keys, host_indices(4, 2, PAGE)) == [True, True]
+        assert all(torch.equal(a, b) for a, b in zip(pages_of(reader_pool, host_indices(4, 2, PAGE), 2),
+                                                     pages_of(pool, host_indices(0, 2, PAGE), 2)))
+        wrong = connected(mha_pool("page_first"), {**extra, "tls_ca_file": other.ca_cert})
+        assert wrong.batch_exists(keys) == 0 and wrong.stats().errors == 1
+    finally:
+        server.stop()
