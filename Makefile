@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup setup-vllm system-deps demo vllm-demo test test-fast test-vllm bench bench-smoke clean
+.PHONY: setup setup-vllm setup-sglang system-deps demo vllm-demo test test-fast test-vllm bench bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,6 +37,24 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 setup-vllm: $(VLLM_VENV)/.installed
 
+# SGLang's HiCache backend (kvstore.connectors.sglang) is tested from a venv of its own. sglang 0.5.23 pins CUDA
+# torch 2.14.1 and CUDA-only kernels, so it goes in --no-deps beside the CPU torch, with what importing its HiCache
+# storage module needs (measured by importing it, docs/sglang.md). No torchvision: PyPI's builds need CUDA torch.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY   := $(SGLANG_VENV)/bin/python
+SGLANG_DEPS := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm ipython \
+  aiohttp dill pyyaml triton==3.7.1 transformers==5.19.0 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1
+$(SGLANG_VENV)/.installed: pyproject.toml
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -m pip install -q $(TORCH_SPEC)
+	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_PY) -m pip install -q $(SGLANG_DEPS) torch==2.13.0
+	$(SGLANG_PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup-sglang: $(SGLANG_VENV)/.installed
+
 # Debian's packages the tests run: redis-server (fixtures), openssl (test CAs) and kubectl (`kubectl kustomize`,
 # from kubernetes-client; any kubectl on PATH will do). Compose files are checked against the Compose
 # Specification's JSON schema, and the Dockerfile by hadolint, both from .[dev]: no Docker is installed.
@@ -56,6 +74,7 @@ vllm-demo: setup-vllm
 test: setup system-deps setup-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
+	$(MAKE) setup-sglang && $(SGLANG_PY) -m pytest tests/connectors/sglang $(PYTEST_ARGS)
 
 # The loop while changing code: every test not marked `slow` (no subprocesses, no multi-node, no models), in under a
 # minute on an idle 2-core machine; the model-based store test runs fewer examples. `make test` runs everything.
@@ -66,10 +85,11 @@ test-fast: setup system-deps
 test-vllm: setup-vllm system-deps
 	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
 
-# bench_vllm_* need vLLM, so they run from .venv-vllm.
-bench: setup setup-vllm system-deps
+# bench_vllm_* need vLLM, so they run from .venv-vllm; bench_sglang from .venv-sglang.
+bench: setup setup-vllm setup-sglang system-deps
 	for script in benchmarks/bench_*.py; do \
-	  case $$script in *bench_vllm_*) $(VLLM_PY) $$script || exit 1;; *) $(PY) $$script || exit 1;; esac; done
+	  case $$script in *bench_vllm_*) $(VLLM_PY) $$script || exit 1;; *bench_sglang*) $(SGLANG_PY) $$script || exit 1;; \
+	  *) $(PY) $$script || exit 1;; esac; done
 
 # CI's short run of the benchmarks: they must run end to end; the recorded results come from `make bench`.
 bench-smoke: setup system-deps
@@ -79,4 +99,4 @@ bench-smoke: setup system-deps
 	$(PY) benchmarks/bench_service.py --run-bytes 33554432 --min-rounds 5 --lookups 50 --out /tmp/kvstore-bench/bench_service
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache kvstore-demo-out
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache kvstore-demo-out
