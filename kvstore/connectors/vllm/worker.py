@@ -12,16 +12,23 @@ vLLM recomputes it, and is never counted as loaded. A block that failed its
 checks is also deleted from the store, so a recomputed one can replace it.
 Nothing is written into vLLM's cache but checked blocks, and only into the
 blocks vLLM allocated for the load. Loading is not pipelined layer by layer:
-one block holds every layer, so the whole load is one fetch, then the copies
-(``kvstore.connectors.vllm.layout.PagedKV.scatter``); ``wait_for_layer_load`` has nothing to wait for.
-A client with ``get_into`` (every kvstore client) fetches into one staging
-tensor ``[num_blocks, *block_shape]`` (pinned when the cache is on CUDA):
-from the node's shared memory on the same host, that is the one copy before
-the scatter, with no ``bytes`` in between (one strided copy for the batch).
-Checksums are then checked as the client checks them: what crossed a network
-(gRPC) is, what the node validated at put time and copied into shared memory
-is not, nor the embedded store's own memory (``docs/shared-memory.md``). A
-corrupt block makes the worker fetch the encoded blocks to find which one it was.
+one block holds every layer, so the whole load is one fetch, then the copies;
+``wait_for_layer_load`` has nothing to wait for.
+
+The hit path on a CPU cache, with a client that can ``read`` (every kvstore
+client, and the embedded store): the prefix is leased where it is, in the
+node's shared-memory segment (same host) or the embedded store's own memory;
+its headers are checked as a batch and its payloads viewed as numpy arrays, with
+no copy (``kvstore.connectors.vllm.loading``); and ``PagedKV.scatter_arrays``
+copies them straight into the paged cache, one strided copy per layer: the
+scatter is this side's one copy. The lease is released after the scatter; one
+that ran out meanwhile (the node may have reused its range) fails the whole
+load, so it is recomputed, never served half-written. Checksums are checked as
+the client checks them: what crossed a network (gRPC) is, what the node
+validated at put time and serves from its memory is not (``docs/shared-memory.md``).
+On a CUDA cache the blocks go through ``get_into`` into one pinned staging
+tensor ``[num_blocks, *block_shape]`` and from there to the device. A corrupt
+block in a staged fetch makes the worker fetch the encoded blocks to find which one it was.
 
 Saves (``wait_for_save``, after the forward pass): the blocks of the step's
 :class:`~kvstore.connectors.vllm.jobs.SaveJob` s are copied out of vLLM's cache
@@ -42,13 +49,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvstore.api import BlockClient, Buffer
+from kvstore.blocklease import BlockLease
 from kvstore.codec import decode_block, torch_dtype, verify_block
 from kvstore.connectors.vllm.config import VLLMConnectorConfig
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadJob, RankKey, SaveJob, TenantKey
 from kvstore.connectors.vllm.layout import PagedKV
+from kvstore.connectors.vllm.loading import LeasedBlocks, view_leased
 from kvstore.connectors.vllm.metrics import KVStoreConnectorStats
 from kvstore.connectors.vllm.namespaces import ModelIdentity, RankInfo, storage_namespace
 from kvstore.connectors.vllm.stores import LookupEndpoint, StoreHealth, embedded_config, open_client
@@ -79,6 +89,20 @@ class _Staged:
 
     blocks: torch.Tensor
     bad: str | None
+
+
+@dataclass(slots=True)
+class _Leased:
+    """A load's blocks in place under the client's lease (``read``), checked and viewed as arrays."""
+
+    lease: BlockLease
+    blocks: LeasedBlocks
+
+
+def _release_late(future: concurrent.futures.Future[Any]) -> None:
+    """Give back the lease of a fetch that ended after its load was given up."""
+    if not future.cancelled() and future.exception() is None and isinstance(future.result(), _Leased):
+        future.result().lease.release()
 
 
 @dataclass(slots=True)
@@ -178,6 +202,7 @@ class WorkerSide:
             try:
                 buffers = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
+                future.add_done_callback(_release_late)  # a lease that comes after the deadline goes back
                 self.health.failed("load", None)
                 self._fail(job, 0, num_blocks)
                 continue
@@ -193,9 +218,22 @@ class WorkerSide:
             self._write(job, buffers)
         self._observe("load_seconds", time.monotonic() - started)
 
-    def _fetch(self, job: LoadJob) -> list[Buffer] | _Staged:
-        """The job's blocks: copied into a staging tensor when the client has ``get_into``, else encoded buffers."""
+    def _fetch(self, job: LoadJob) -> list[Buffer] | _Staged | _Leased:
+        """The job's blocks: leased in place when the client can ``read`` and the cache is on the CPU, else copied
+        into a staging tensor when it has ``get_into``, else encoded buffers."""
         namespace, hashes = self.namespace(job.tenant), job.hashes[self.rank]
+        read = getattr(self.client, "read", None) if self.paged.device.type == "cpu" else None
+        if read is not None:
+            lease = read(namespace, hashes)
+            try:
+                return _Leased(lease, view_leased(lease, self.paged.page_format, self._block_shape))
+            except BaseException:
+                lease.release()
+                raise
+        return self._fetch_copied(job, namespace, hashes)
+
+    def _fetch_copied(self, job: LoadJob, namespace: Namespace, hashes: list[bytes]) -> list[Buffer] | _Staged:
+        """The job's blocks copied into a staging tensor when the client has ``get_into``, else encoded buffers."""
         get_into = getattr(self.client, "get_into", None)
         if get_into is None:
             return self.client.get(namespace, hashes)
@@ -209,8 +247,15 @@ class WorkerSide:
             return self.client.get(namespace, hashes)
         return _Staged(staging[:num_blocks], None)
 
-    def _write(self, job: LoadJob, fetched: list[Buffer] | _Staged) -> None:
+    def _write(self, job: LoadJob, fetched: list[Buffer] | _Staged | _Leased) -> None:
         """Write the good prefix of the fetched blocks into vLLM's cache; report the rest, delete the bad one."""
+        if isinstance(fetched, _Leased):
+            try:
+                viewed = fetched.blocks
+                self._write_good(job, viewed.arrays, viewed.bad, fetched.lease.valid)
+            finally:
+                fetched.lease.release()
+            return
         if isinstance(fetched, _Staged):
             good: Any = fetched.blocks
             bad = fetched.bad
@@ -233,8 +278,14 @@ class WorkerSide:
             good.append(decode_block(buffer, verify=False))
         return good, None
 
-    def _write_good(self, job: LoadJob, good: Sequence[torch.Tensor] | torch.Tensor, bad: str | None) -> None:
-        """Scatter the checked blocks (each ``block_shape``) into the job's vLLM blocks; delete the bad one, if any."""
+    def _write_good(self, job: LoadJob, good: Sequence[torch.Tensor] | torch.Tensor | np.ndarray | list[np.ndarray],
+                    bad: str | None, still_valid: Callable[[], bool] | None = None) -> None:
+        """Scatter the checked blocks (each ``block_shape``) into the job's vLLM blocks; delete the bad one, if any.
+
+        ``good`` is tensors, or numpy arrays over leased memory (``kvstore.connectors.vllm.loading``); with
+        ``still_valid``, a lease that ran out during the scatter (its memory may hold another Get's bytes)
+        fails the whole load, so it is recomputed, never served half-written.
+        """
         expected = job.hashes[self.rank]
         fmt = self.paged.page_format
         if bad is not None:
@@ -248,9 +299,17 @@ class WorkerSide:
             units = self.paged.units_of(job.block_ids)[:num_units]
             first_units = [skip_units] + [0] * (len(good) - 1)
             try:
-                self.paged.scatter(units, good, self.units_per_kv_block, first_units)
+                if isinstance(good, np.ndarray) or (isinstance(good, list) and isinstance(good[0], np.ndarray)):
+                    self.paged.scatter_arrays(units, good, self.units_per_kv_block, first_units)
+                else:
+                    self.paged.scatter(units, good, self.units_per_kv_block, first_units)
             except Exception:  # noqa: BLE001 - never leave a half-written load counted as loaded
                 logger.exception("writing kvstore blocks of request %s into vLLM's cache failed", job.req_id)
+                self._fail(job, 0, len(expected))
+                return
+            if still_valid is not None and not still_valid():
+                logger.warning("the lease on kvstore blocks of request %s ran out while they were copied: "
+                               "recomputing them", job.req_id)
                 self._fail(job, 0, len(expected))
                 return
             self._count(loaded_blocks=len(good), loaded_tokens=len(good) * self.block_size)

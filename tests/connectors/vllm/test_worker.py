@@ -17,6 +17,7 @@ import torch
 
 from kvstore.api import Buffer
 from kvstore.blockcopy import copy_into_destinations
+from kvstore.blocklease import BlockLease
 from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
@@ -63,10 +64,23 @@ class Proxy:
         return copied.num_copied
 
 
+    def read(self, namespace: Any, hashes: Any) -> BlockLease:
+        """The edited blocks as a gRPC client's ``read`` gives them: received buffers, not ``checked``."""
+        return BlockLease(self.get(namespace, hashes), [])
+
+
 class GetOnly(Proxy):
-    """A client without ``get_into`` (a third party's ``BlockClient``): the worker checks and decodes encoded blocks."""
+    """A client without ``read`` or ``get_into`` (a third party's ``BlockClient``): the worker checks and decodes
+    encoded blocks."""
 
     get_into = None  # type: ignore[assignment]  # what the worker's getattr(client, "get_into", None) sees of none
+    read = None  # type: ignore[assignment]
+
+
+class GetIntoOnly(Proxy):
+    """A client with ``get_into`` but no ``read``: the worker fetches into a staging tensor."""
+
+    read = None  # type: ignore[assignment]
 
     def close(self) -> None:
         """The test closes the store."""
@@ -161,7 +175,7 @@ def test_a_miss_after_the_lookup_reports_the_missing_blocks_and_writes_nothing_f
     assert loader.take_worker_meta() is None and loader.take_load_errors() == set()
 
 
-@pytest.mark.parametrize("client", [Proxy, GetOnly])
+@pytest.mark.parametrize("client", [Proxy, GetIntoOnly, GetOnly])
 @pytest.mark.parametrize("damage", ["checksum", "shape", "dtype"])
 def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: EmbeddedStore, damage: str,
                                                                    client: type[Proxy]) -> None:
