@@ -16,6 +16,8 @@ this host (its same-host data plane) and through an embedded store:
                CPU backend's ``[num_blocks, H, 2N, D]`` pages, through the connector's canonical view);
 * ``hit path``: the whole of it as the connector runs it: the lookup, then ``WorkerSide.start_load`` of the
                load job (read, check, scatter, release), timed as one;
+* ``save: gather``: what ``wait_for_save`` does on the step for the same 48 blocks (``PagedKV.gather``, out
+               of the paged cache into host memory); the put runs on the worker's background thread;
 * before the change, for the record in the same run: ``get_into`` into a staging tensor (the copy the
                worker made before the scatter, which it still makes for a CUDA cache, into pinned memory).
 
@@ -146,6 +148,8 @@ def main() -> None:
             "check + views, embedded": check(embedded),
             "scatter from the store's memory into the paged cache": None,  # type: ignore[dict-item]
             "HIT PATH, embedded (lookup + start_load)": hit("embedded", embedded),
+            "save: gather out of the paged cache (wait_for_save's copy on the step)":
+                lambda: workers["serve"].paged.gather(units, 1),
             "before: get_into a staging tensor, kvstore serve": lambda: client.get_into(namespace, hashes,
                                                                                        list(staging)),
             "memcpy (Tensor.copy_)": lambda: flat_dst.copy_(flat_src),

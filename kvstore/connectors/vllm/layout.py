@@ -30,8 +30,7 @@ layer for a batch of blocks (one assignment per layer, by unit index), else one 
 unit and layer, straight from the fetched or leased bytes. Numpy copies in the
 calling thread, with the GIL released and no OpenMP: no copy waits at a barrier for
 a core that another process holds (torch's parallel copy would), and a load on a
-worker thread runs beside the engine's step. Gathers go unit by unit, below torch's
-parallel grain, for the same reason.
+worker thread runs beside the engine's step. Gathers (saves) are numpy copies too.
 """
 
 from __future__ import annotations
@@ -223,13 +222,21 @@ class PagedKV:
         shape = (num_blocks, *fmt.block_shape(units_per_kv_block * fmt.unit_tokens))
         out = torch.empty(shape, dtype=self._copy_dtype, device=self.device)
         if self.device.type == "cpu":
-            # One small copy per unit and layer: a single pass over the bytes, each copy below torch's
-            # parallel grain, so no copy waits at an OpenMP barrier for cores other processes hold.
-            for block in range(num_blocks):
-                for k in range(units_per_kv_block):
-                    unit = unit_ids[block * units_per_kv_block + k]
-                    for layer, view in enumerate(self.views):
-                        self._tokens(out[block, layer], k).copy_(view[unit])
+            # numpy copies: one pass over the bytes with the GIL released and no OpenMP barrier to wait at
+            # for cores other processes hold; one strided copy per layer for a run of whole blocks
+            layers = self._layer_arrays()
+            target = out.view(torch_dtype_of(item_type(self._copy_dtype.itemsize))).numpy()
+            first = unit_ids[0] if unit_ids else 0
+            if units_per_kv_block == 1 and all(unit_ids[i] == first + i for i in range(num_blocks)):
+                for layer, source in enumerate(layers):
+                    target[:, layer] = source[first:first + num_blocks]
+            else:
+                tokens = fmt.unit_tokens
+                for block in range(num_blocks):
+                    for k in range(units_per_kv_block):
+                        unit = unit_ids[block * units_per_kv_block + k]
+                        for layer, source in enumerate(layers):
+                            target[block, layer][..., k * tokens:(k + 1) * tokens, :] = source[unit]
         else:
             index = torch.as_tensor(unit_ids, dtype=torch.long, device=self.device)
             for layer, view in enumerate(self.views):  # one gather per layer (kernel launches, not units)

@@ -18,6 +18,7 @@ from kvstore.connectors.vllm.layout import KVFamily, PagedKV, PageFormat, canoni
 from kvstore.connectors.vllm.loading import view_leased
 from kvstore.embedded import EmbeddedStore
 from kvstore.keys import Namespace
+from tests.connectors.vllm.test_layout import NUM_UNITS, _format, _random_cache
 from tests.connectors.vllm.test_worker import FORMAT, RANK, _caches, _worker
 from tests.support.server import ThreadedServer, make_config
 from tests.support.waiting import wait_until
@@ -144,3 +145,27 @@ def test_a_lease_that_ran_out_during_the_scatter_is_recomputed_whole() -> None:
         assert loader.take_stats().data["load_failed_blocks"] == 2
         # the read went back: a store's read counts its hits when it is closed (``BlockRead.close``)
         assert store.stats().tiers[0].hits == 2
+
+
+@pytest.mark.parametrize("family", [KVFamily.SPLIT_TOKENS, KVFamily.SPLIT_CHANNELS, KVFamily.LATENT])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("ids", [([1, 2, 3], [4, 5, 6]), ([6, 0, 3], [2, 7, 1])], ids=["runs", "scattered"])
+def test_whole_vllm_blocks_gather_and_scatter_by_numpy_in_every_family(family: KVFamily, dtype: torch.dtype,
+                                                                       ids: tuple[list[int], list[int]]) -> None:
+    """kvstore blocks of one vLLM block each (one strided numpy copy per layer for a run of units)."""
+    head_size = 3 * D if family is KVFamily.LATENT else D
+    heads = 1 if family is KVFamily.LATENT else H
+    content = head_size if family is KVFamily.LATENT else 2 * D
+    source, target = ([_random_cache(NUM_UNITS, heads, N, content, dtype=torch.float32).to(dtype) for _ in range(2)]
+                      for _ in range(2))
+    before = [t.clone() for t in target]
+    fmt = _format(family, dtype=str(dtype).removeprefix("torch."), heads=heads, head_size=head_size)
+    src, dst = (PagedKV(fmt, [canonical_view(t, family, heads, head_size, N) for t in layers], 1)
+                for layers in (source, target))
+    blocks = src.gather(ids[0], 1)
+    dst.scatter(ids[1], blocks, 1)
+    for layer in range(2):
+        for s, d in zip(*ids):
+            assert torch.equal(source[layer][s].view(torch.uint8), target[layer][d].view(torch.uint8))
+        untouched = [u for u in range(NUM_UNITS) if u not in ids[1]]
+        assert torch.equal(target[layer][untouched].view(torch.uint8), before[layer][untouched].view(torch.uint8))
