@@ -29,6 +29,7 @@ from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.embedded import EmbeddedStore
 from kvstore.errors import UnavailableError
 from tests.support.server import ThreadedServer, finished_calls, make_config
+from tests.support.waiting import wait_until
 
 NUM_BLOCKS, H, N, D, LAYERS = 16, 2, 32, 32, 2
 FORMAT = PageFormat(backend="CPU_ATTN", family="split_tokens", interior="cpu_attn:isa=vec", num_layers=LAYERS,
@@ -147,6 +148,9 @@ def test_loads_through_a_same_host_node_come_from_shared_memory_and_match_the_sa
             assert _units_equal(source, [3, 4, 9, 1, 0, 7, 12, 13], target, [5, 6, 10, 11, 2, 8, 14, 15])
             assert client.shared_memory() == ("attached",)
             assert finished_calls(node, "GetShared", 1) == 1
+            # the load read the blocks in place under a lease, and gave it back after the scatter
+            wait_until(lambda: node.server.shm.counters()["leases"] == 0, 30, "the load's lease went back")  # type: ignore[union-attr]
+            assert node.server.shm.counters()["leases_expired"] == 0  # type: ignore[union-attr]
     finally:
         node.stop()
 
