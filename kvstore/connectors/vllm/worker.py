@@ -1,7 +1,7 @@
 """A worker's half of the connector: loads blocks into vLLM's paged KV before the forward pass, saves them after.
 
-Loads (``start_load_kv``, before the step's forward pass; the scheduler makes
-loads synchronous, so vLLM calls it first): the step's
+Loads (``start_load_kv``, before the step's forward pass; synchronous unless
+``load_async``, so vLLM calls it first and the step waits): the step's
 :class:`~kvstore.connectors.vllm.jobs.LoadJob` s are fetched concurrently, each
 within the connector's ``timeout_s`` of the step's start. Every fetched block
 is checked before it is used: its checksum (``kvstore.codec.verify_block``), its
@@ -10,6 +10,11 @@ written up to the first one that is missing, late, corrupt or mismatched; every
 vLLM block from there on is reported by ``get_block_ids_with_load_errors``, so
 vLLM recomputes it, and is never counted as loaded. A block that failed its
 checks is also deleted from the store, so a recomputed one can replace it.
+With ``load_async`` each load runs on a fetch thread instead (fetch, checks and
+scatter), vLLM keeps stepping the other requests, and ``get_finished`` reports
+the load once it has ended (:meth:`WorkerSide.take_finished_recving`): its
+failed blocks are reported before or with it, and a load past ``timeout_s``
+that has not begun writing is given up, reported failed, and never written.
 Nothing is written into vLLM's cache but checked blocks, and only into the
 blocks vLLM allocated for the load. Loading is not pipelined layer by layer:
 one block holds every layer, so the whole load is one fetch, then the copies;
@@ -46,7 +51,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -106,6 +111,19 @@ def _release_late(future: concurrent.futures.Future[Any]) -> None:
 
 
 @dataclass(slots=True)
+class _AsyncLoad:
+    """One asynchronous load: its job, times (``time.monotonic()``, seconds) and state, guarded by ``lock``."""
+
+    job: LoadJob
+    started: float
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    writing: bool = False
+    abandoned: bool = False
+    done: bool = False
+
+
+@dataclass(slots=True)
 class _Delete:
     namespace: Namespace
     hashes: list[bytes]
@@ -149,6 +167,9 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self._failed_block_ids: set[int] = set()
         self._failed_loads: dict[str, int] = {}
+        self._fail_lock = threading.Lock()  # loads fail on the step and, when asynchronous, on fetch threads
+        self._async_loads: list[_AsyncLoad] = []
+        self._async_lock = threading.Lock()
         self._finished_sending: set[str] = set()
         self._fetcher = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_FETCHES, thread_name_prefix="kvstore-load")
         self._pending_bytes = 0
@@ -185,6 +206,10 @@ class WorkerSide:
         """Fetch, check and write every load job of the step (see the module docstring); never raises."""
         if not meta.loads:
             return
+        if self.config.load_async:
+            for job in meta.loads:
+                self._start_async(job)
+            return
         started = time.monotonic()
         if not self.health.up():
             for job in meta.loads:
@@ -217,6 +242,80 @@ class WorkerSide:
             self.health.succeeded()
             self._write(job, buffers)
         self._observe("load_seconds", time.monotonic() - started)
+
+    # ------------------------------------------------------------------ asynchronous loads
+
+    def _start_async(self, job: LoadJob) -> None:
+        """Start one load on a fetch thread and return (``load_async``); :meth:`take_finished_recving` reports it."""
+        now = time.monotonic()
+        load = _AsyncLoad(job, now, now + self.config.timeout_s)
+        num_blocks = len(job.hashes.get(self.rank, ()))
+        if not self.health.up() or not num_blocks:  # nothing to fetch: every block is recomputed
+            self._fail(job, 0, num_blocks)
+            load.done = True
+        else:
+            self._fetcher.submit(self._load_async, load)
+        with self._async_lock:
+            self._async_loads.append(load)
+
+    def _load_async(self, load: _AsyncLoad) -> None:
+        """A fetch thread's load: fetch, then write unless the load was given up meanwhile (never raises)."""
+        job = load.job
+        num_blocks = len(job.hashes[self.rank])
+        fetched: list[Buffer] | _Staged | _Leased | None = None
+        try:
+            fetched = self._fetch(job)
+        except (KVStoreError, OSError) as exc:
+            self.health.failed("load", exc)
+        except Exception:  # noqa: BLE001 - a bug in a fetch must not take the engine down
+            logger.exception("kvstore load of request %s failed", job.req_id)
+        with load.lock:
+            if load.abandoned:  # reported as failed at its deadline: vLLM may have reused its blocks
+                if isinstance(fetched, _Leased):
+                    fetched.lease.release()
+                return
+            if fetched is None:
+                self._fail(job, 0, num_blocks)
+                load.done = True
+                return
+            load.writing = True  # from here the deadline waits for the write: it is a memory copy
+        try:
+            self.health.succeeded()
+            self._write(job, fetched)
+        except Exception:  # noqa: BLE001 - never leave a half-written load counted as loaded
+            logger.exception("writing kvstore blocks of request %s into vLLM's cache failed", job.req_id)
+            self._fail(job, 0, num_blocks)
+        finally:
+            self._observe("load_seconds", time.monotonic() - load.started)
+            with load.lock:
+                load.done = True
+
+    def take_finished_recving(self) -> set[str]:
+        """Requests whose asynchronous load ended since the last call (vLLM's ``finished_recving``).
+
+        A load past its deadline that has not begun writing is given up here:
+        its blocks are reported as failed (``get_block_ids_with_load_errors``,
+        which vLLM reads after this in the same step) and nothing is ever
+        written for it; one that is writing is waited for, a memory copy.
+        """
+        now = time.monotonic()
+        with self._async_lock:
+            loads, self._async_loads = self._async_loads, []
+        finished, pending = set(), []
+        for load in loads:
+            with load.lock:
+                if not load.done and not load.writing and now > load.deadline:
+                    load.abandoned = True
+                    self.health.failed("load", None)
+                    self._fail(load.job, 0, len(load.job.hashes.get(self.rank, ())))
+                    load.done = True
+                if load.done:
+                    finished.add(load.job.req_id)
+                else:
+                    pending.append(load)
+        with self._async_lock:
+            self._async_loads[:0] = pending
+        return finished
 
     def _fetch(self, job: LoadJob) -> list[Buffer] | _Staged | _Leased:
         """The job's blocks: leased in place when the client can ``read`` and the cache is on the CPU, else copied
@@ -321,21 +420,24 @@ class WorkerSide:
         ratio = self.block_size // self.vllm_block_size
         skipped = job.skip_tokens // self.vllm_block_size
         start = max(0, first_bad * ratio - skipped)
-        self._failed_block_ids.update(job.block_ids[start:])
-        self._failed_loads[job.req_id] = min(job.first_block + first_bad,
-                                             self._failed_loads.get(job.req_id, job.first_block + first_bad))
+        with self._fail_lock:
+            self._failed_block_ids.update(job.block_ids[start:])
+            self._failed_loads[job.req_id] = min(job.first_block + first_bad,
+                                                 self._failed_loads.get(job.req_id, job.first_block + first_bad))
         self._count(load_failed_blocks=max(0, num_blocks - first_bad))
 
     def take_load_errors(self) -> set[int]:
         """vLLM blocks that failed to load since the last call (vLLM recomputes them)."""
-        failed, self._failed_block_ids = self._failed_block_ids, set()
+        with self._fail_lock:
+            failed, self._failed_block_ids = self._failed_block_ids, set()
         return failed
 
     def take_worker_meta(self) -> KVStoreWorkerMetadata | None:
         """The failed loads since the last call, for the scheduler (``None`` when there were none)."""
-        if not self._failed_loads:
-            return None
-        failed, self._failed_loads = self._failed_loads, {}
+        with self._fail_lock:
+            if not self._failed_loads:
+                return None
+            failed, self._failed_loads = self._failed_loads, {}
         return KVStoreWorkerMetadata(failed_loads=failed)
 
     # ------------------------------------------------------------------ saves

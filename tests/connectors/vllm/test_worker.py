@@ -258,3 +258,65 @@ def test_a_job_with_nothing_to_fetch_reports_every_block(store: EmbeddedStore) -
     job = LoadJob("l", TenantKey(), 0, {}, 0, [3, 4, 5])
     worker.start_load(KVStoreConnectorMetadata(loads=[job]))
     assert worker.take_load_errors() == {3, 4, 5}
+
+
+class Gated(Proxy):
+    """The store's own in-place ``read``, which waits for ``gate`` first (a slow node)."""
+
+    def read(self, namespace: Any, hashes: Any) -> BlockLease:
+        assert self.gate is not None
+        self.gate.wait()
+        return self.store.read(namespace, hashes)
+
+
+def _load_async(worker: WorkerSide, block_ids: list[int], hashes: list[bytes] = HASHES) -> None:
+    worker.start_load(KVStoreConnectorMetadata(loads=[LoadJob("l", TenantKey(), 0, {RANK: hashes}, 0, block_ids)]))
+
+
+def test_an_asynchronous_load_returns_at_once_and_is_reported_when_written(store: EmbeddedStore) -> None:
+    source, target = _caches(1), _caches(2)
+    _save(_worker(store, source), [3, 4, 9, 1, 0, 7, 12, 13])
+    proxy = Gated(store)
+    proxy.gate = threading.Event()
+    loader = _worker(proxy, target, load_async=True)
+    _load_async(loader, [5, 6, 10, 11, 2, 8, 14, 15])  # returns while the store holds the fetch back
+    assert loader.take_finished_recving() == set()
+    proxy.gate.set()
+    finished: set[str] = set()
+    wait_until(lambda: finished.update(loader.take_finished_recving()) or "l" in finished, 30, "the load ended")
+    assert loader.take_load_errors() == set()
+    assert _units_equal(source, [3, 4, 9, 1, 0, 7, 12, 13], target, [5, 6, 10, 11, 2, 8, 14, 15])
+    assert loader.take_stats().data["loaded_blocks"] == 4
+    assert store.stats().tiers[0].hits == 4  # the lease went back once written
+
+
+def test_an_asynchronous_load_past_its_deadline_is_reported_failed_and_never_written(store: EmbeddedStore) -> None:
+    _save(_worker(store, _caches(1)), [3, 4, 9, 1], HASHES[:2])
+    proxy = Gated(store)
+    proxy.gate = threading.Event()
+    target = _caches(2)
+    before = [t.clone() for t in target]
+    loader = _worker(proxy, target, load_async=True, timeout_s=0.2, down_backoff_s=3600)
+    _load_async(loader, [5, 6, 10, 11], HASHES[:2])
+    wait_until(lambda: loader.take_finished_recving() == {"l"}, 30, "the load was given up at its deadline")
+    assert loader.take_load_errors() == {5, 6, 10, 11}  # read by vLLM in the same step as the finished receive
+    proxy.gate.set()  # the fetch ends now: its lease goes back, and nothing is written
+    wait_until(lambda: store.stats().tiers[0].hits == 2, 30, "the late fetch gave its lease back")
+    assert _units_equal(before, [5, 6, 10, 11], target, [5, 6, 10, 11])
+    assert loader.take_finished_recving() == set() and loader.take_stats().data["loaded_blocks"] == 0
+
+
+def test_a_failed_asynchronous_load_reports_its_blocks_with_or_before_its_end(store: EmbeddedStore) -> None:
+    _save(_worker(store, _caches(1)), [3, 4], HASHES[:1])  # one of the two blocks is in the store
+    loader = _worker(store, _caches(2), load_async=True)
+    _load_async(loader, [5, 6, 10, 11], HASHES[:2])
+    errors: set[int] = set()
+
+    def ended() -> bool:
+        done = loader.take_finished_recving()  # vLLM's order: get_finished, then the load errors
+        errors.update(loader.take_load_errors())
+        return "l" in done
+
+    wait_until(ended, 30, "the load ended")
+    assert errors == {10, 11}
+    assert loader.take_worker_meta().failed_loads == {"l": 1}
