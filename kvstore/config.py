@@ -282,6 +282,10 @@ class LimitsConfig:
             message leaves with its status after the leases are released, and is not
             bounded by this: a reader stalled on it holds that message and its call's
             in-flight slot until the call's deadline or connection ends (``docs/security.md``).
+        connection_reply_bytes: bytes of Get replies one connection may have in flight
+            (read, not yet sent and acknowledged by gRPC); a Get past it waits, without reading
+            or pinning anything, until earlier replies end (``kvstore.server.limits.ReplyBudget``).
+        tenant_reply_bytes: the same over every connection of one tenant (``cache_salt``).
     """
 
     max_hashes_per_request: int = 8192
@@ -289,6 +293,8 @@ class LimitsConfig:
     tenant_quota_bytes: int = 0
     max_put_bytes: int = 1 * GiB
     max_stream_s: float = 60.0
+    connection_reply_bytes: int = 64 * MiB
+    tenant_reply_bytes: int = 512 * MiB
 
     def __post_init__(self) -> None:
         _require(self.max_hashes_per_request > 0, "max_hashes_per_request", "must be > 0")
@@ -296,6 +302,8 @@ class LimitsConfig:
         _require(self.tenant_quota_bytes >= 0, "tenant_quota_bytes", "must be >= 0 (0 for no quota)")
         _require(self.max_put_bytes > 0, "max_put_bytes", "must be > 0")
         _require(0 < self.max_stream_s < math.inf, "max_stream_s", "must be > 0 and finite")
+        _require(self.connection_reply_bytes > 0, "connection_reply_bytes", "must be > 0")
+        _require(self.tenant_reply_bytes > 0, "tenant_reply_bytes", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +354,17 @@ class SharedMemoryConfig:
         segment_bytes: size of each of a session's two segments (one for Gets, one for Puts),
             bytes; memory is taken only as pages are written, and a Get larger than this uses gRPC.
         max_sessions: same-host clients at once; more use gRPC.
+        max_sessions_per_tenant: sessions one token (tenant) may have open at once, so that one
+            cannot take them all; more are refused with RESOURCE_EXHAUSTED and use gRPC.
+        tenant_leased_bytes: bytes of get segments one token's leases may hold at once; a Get past
+            it goes over gRPC. 0: no bound of its own.
+        max_leased_bytes: bytes of get segments every lease together may hold (the node's budget
+            for same-host replies, beside the memory tier's capacity); 0: no bound.
+        release_after_s: seconds after a lease ends before the node gives its pages back to the
+            kernel (a busy client reuses warm pages meanwhile).
+        seal_get_segments: seal get segments with ``F_SEAL_FUTURE_WRITE``, so that no process, of
+            the node's uid or root, can write them; their pages then stay until the session ends
+            (``docs/shared-memory.md``).
         lease_s: seconds a Get's blocks stay in the client's segment unless it releases them first.
         grant_s: seconds a client has to redeem its session's grant on the handoff socket.
     """
@@ -353,13 +372,22 @@ class SharedMemoryConfig:
     enabled: bool = True
     handoff_socket: str = ""
     segment_bytes: int = 256 * MiB
-    max_sessions: int = 64
+    max_sessions: int = 256
+    max_sessions_per_tenant: int = 64
+    tenant_leased_bytes: int = 1 * GiB
+    max_leased_bytes: int = 4 * GiB
+    release_after_s: float = 1.0
+    seal_get_segments: bool = False
     lease_s: float = 30.0
     grant_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(self.segment_bytes >= 64 * KiB, "segment_bytes", "must be >= 64KiB")
         _require(self.max_sessions > 0, "max_sessions", "must be > 0")
+        _require(self.max_sessions_per_tenant > 0, "max_sessions_per_tenant", "must be > 0")
+        _require(self.tenant_leased_bytes >= 0, "tenant_leased_bytes", "must be >= 0 (0 for no bound)")
+        _require(self.max_leased_bytes >= 0, "max_leased_bytes", "must be >= 0 (0 for no bound)")
+        _require(0 <= self.release_after_s < math.inf, "release_after_s", "must be >= 0 and finite")
         _require(0 < self.lease_s < math.inf, "lease_s", "must be > 0 and finite")
         _require(0 < self.grant_s < math.inf, "grant_s", "must be > 0 and finite")
 

@@ -8,15 +8,22 @@ bytes per block) are checked by the servicer and ``kvstore.wire``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import json
 import logging
+import os
 from typing import Callable, Iterator
 
+from kvstore.config import Config
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
 from kvstore.status import DeadlineExceededError
 
 logger = logging.getLogger(__name__)
+
+LEDGER_FILE = "tenants.json"
+"""The :class:`TenantLedger`'s file name, in the disk tier's directory (``store.disk.path``)."""
 
 
 class InflightLimiter:
@@ -89,25 +96,46 @@ class TenantQuota:
     Notes:
         Local bytes are capacity bytes (the memory tier rounds a block up to
         whole pages); blocks demoted to the shared Redis tier no longer count
-        (Redis is bounded by its own ``maxmemory``). After a restart, blocks
-        restored from LMDB count once their tenant writes to their namespace
-        again, because the set of a tenant's namespaces is kept in memory.
+        (Redis is bounded by its own ``maxmemory``). A namespace tag is a hash
+        and names no tenant, so with ``ledger_path`` (the node's disk tier
+        directory holds it, ``tenants.json``) the pairs tenant → tag are kept
+        on disk: blocks restored from LMDB after a restart count against their
+        tenant from the start. Without a ledger (no disk tier) nothing survives
+        a restart to count.
 
     Args:
         quota_bytes: bytes one tenant may hold; must be > 0.
         namespace_bytes: local bytes of one namespace by its tag (``TieredStore.namespace_bytes``).
+        ledger_path: the JSON file of the pairs tenant → namespace tag (see :class:`TenantLedger`),
+            ``None`` to keep them in memory only.
 
     Raises:
         ValueError: if ``quota_bytes <= 0``.
     """
 
-    def __init__(self, quota_bytes: int, namespace_bytes: Callable[[bytes], int]) -> None:
+    def __init__(self, quota_bytes: int, namespace_bytes: Callable[[bytes], int],
+                 ledger_path: str | None = None) -> None:
         if quota_bytes <= 0:
             raise ValueError(f"quota_bytes must be > 0, got {quota_bytes}")
         self.quota_bytes = quota_bytes
         self._namespace_bytes = namespace_bytes
-        self._tags: dict[str, set[bytes]] = {}
+        self._ledger = TenantLedger(ledger_path) if ledger_path else None
+        self._tags: dict[str, set[bytes]] = self._ledger.load() if self._ledger is not None else {}
         self._pending_bytes: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, config: Config, namespace_bytes: Callable[[bytes], int]) -> TenantQuota | None:
+        """The quota of ``limits.tenant_quota_bytes`` (``None`` when 0), its ledger in ``store.disk.path`` if set."""
+        if config.limits.tenant_quota_bytes <= 0:
+            return None
+        disk = config.store.disk.path
+        return cls(config.limits.tenant_quota_bytes, namespace_bytes,
+                   os.path.join(disk, LEDGER_FILE) if disk else None)
+
+    @property
+    def tenants(self) -> list[str]:
+        """Tenants known to hold (or to have held since they were last counted) bytes on this node."""
+        return list(self._tags)
 
     def used_bytes(self, tenant: str) -> int:
         """Bytes ``tenant`` holds in local tiers now plus those of its Puts in progress.
@@ -144,8 +172,12 @@ class TenantQuota:
                 f"tenant {tenant!r} holds {used} bytes; {incoming_bytes} more is over "
                 f"limits.tenant_quota_bytes={self.quota_bytes}"
             )
+        tags = self._tags.setdefault(tenant, set())
+        if namespace.tag not in tags:  # forgotten again while it holds nothing
+            tags.add(namespace.tag)
+            if self._ledger is not None:  # before any block of it is stored, so a crash never loses the pair
+                self._ledger.save(self._tags)
         self._pending_bytes[tenant] = self._pending_bytes.get(tenant, 0) + incoming_bytes
-        self._tags.setdefault(tenant, set()).add(namespace.tag)  # forgotten again while it holds nothing
         try:
             yield
         finally:
@@ -154,6 +186,181 @@ class TenantQuota:
                 self._pending_bytes[tenant] = left
             else:
                 del self._pending_bytes[tenant]
+
+
+class ReplyBudget:
+    """Bytes of Get replies in flight per client connection and per tenant; a Get past either waits its turn.
+
+    A Get's reply counts, at its full size, from the moment its blocks are read
+    until its call ends (gRPC has sent the last message and the status, or the
+    client went away): the bytes a reader that stops reading makes the node hold
+    in its messages and gRPC's buffers. A new Get is admitted while its
+    connection and its tenant (the namespace's ``cache_salt``) each hold less
+    than their budget, or hold nothing (so one Get larger than a budget still
+    runs, alone); otherwise it waits, before it reads anything (so it pins no
+    block), first come first served, until replies end and free room: flow
+    control, as HTTP/2 windows do for bytes. A waiting Get is bounded by the
+    call's deadline and ``limits.max_stream_s`` (then DEADLINE_EXCEEDED), and
+    holds one in-flight slot (``limits.max_inflight_per_connection``). When a
+    connection ends, gRPC cancels its calls and their bytes are released at once.
+
+    So stalled readers on one connection hold at most ``per_connection_bytes``
+    plus one reply; on all of one tenant's connections, ``per_tenant_bytes``
+    plus one reply per connection. Used from the server's loop only: no locks.
+
+    Args:
+        per_connection_bytes: bytes one connection's replies may hold; > 0.
+        per_tenant_bytes: bytes one tenant's replies may hold, over its connections; > 0.
+
+    Raises:
+        ValueError: if a budget is not > 0.
+    """
+
+    def __init__(self, per_connection_bytes: int, per_tenant_bytes: int) -> None:
+        if per_connection_bytes <= 0 or per_tenant_bytes <= 0:
+            raise ValueError(f"reply budgets must be > 0, got {per_connection_bytes} and {per_tenant_bytes}")
+        self.per_connection_bytes = per_connection_bytes
+        self.per_tenant_bytes = per_tenant_bytes
+        self._held: dict[str, int] = {}  # peer, or "\0" + tenant (no peer starts so) -> bytes held
+        self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}  # key -> Gets waiting for it
+        self.num_waited = 0  # Gets that had to wait, since start
+        self.bytes_per_block = 0  # of the latest reply: what a Get is charged per block before it reads
+
+    @classmethod
+    def from_config(cls, config: Config) -> ReplyBudget:
+        """The budget of ``limits.connection_reply_bytes`` and ``limits.tenant_reply_bytes``."""
+        return cls(config.limits.connection_reply_bytes, config.limits.tenant_reply_bytes)
+
+    def held_bytes(self, peer: str | None = None, tenant: str | None = None) -> int:
+        """Bytes held now by ``peer``'s replies, or ``tenant``'s; by every reply when both are ``None``."""
+        if peer is not None:
+            return self._held.get(peer, 0)
+        if tenant is not None:
+            return self._held.get("\0" + tenant, 0)
+        return sum(n for key, n in self._held.items() if not key.startswith("\0"))
+
+    def estimate(self, num_blocks: int) -> int:
+        """What a Get of ``num_blocks`` is charged on admission, before its blocks are read: ``num_blocks`` times
+        the bytes per block of the latest reply (so Gets admitted together count before they read), bytes."""
+        return num_blocks * self.bytes_per_block
+
+    def admit(self, peer: str, tenant: str, estimate_bytes: int) -> bool:
+        """Admit a Get of ``peer`` for ``tenant`` now, charging ``estimate_bytes``, if both are under budget and
+        no one waits before it; pair an admitted Get with :meth:`release` of what it was last charged."""
+        key = "\0" + tenant
+        held = self._held
+        if (held.get(peer, 0) < self.per_connection_bytes and held.get(key, 0) < self.per_tenant_bytes
+                and peer not in self._waiters and key not in self._waiters):
+            self.charge(peer, tenant, estimate_bytes)
+            return True
+        return False
+
+    async def wait(self, peer: str, tenant: str, estimate_bytes: int) -> None:
+        """Wait, first come first served, until the Get may read (after :meth:`admit` said no), then charge it.
+
+        Once this returns, the Get counts as admitted: pair it with :meth:`release`
+        of what it was charged. Cancellation (the call's deadline,
+        ``max_stream_s``, the client gone) leaves the queue, charged nothing.
+        """
+        self.num_waited += 1
+        loop = asyncio.get_running_loop()
+        keys = ((peer, self.per_connection_bytes), ("\0" + tenant, self.per_tenant_bytes))
+        try:
+            for key, budget in keys:
+                queue = self._waiters.setdefault(key, collections.deque())
+                future: asyncio.Future[None] = loop.create_future()
+                queue.append(future)
+                if len(queue) == 1 and self._held.get(key, 0) < budget:
+                    future.set_result(None)  # no one before it, and room: through at once
+                try:
+                    await future
+                finally:
+                    if future in queue:
+                        queue.remove(future)
+                    if not queue:
+                        del self._waiters[key]
+        except asyncio.CancelledError:
+            for key, budget in keys:  # it may have been woken and not used its turn: pass the turn on
+                self._wake(key, budget)
+            raise
+        self.charge(peer, tenant, estimate_bytes)
+
+    def charge(self, peer: str, tenant: str, nbytes: int) -> None:
+        """Count ``nbytes`` more (or fewer, when negative) of an admitted Get's reply against ``peer`` and ``tenant``."""
+        held = self._held
+        for key in (peer, "\0" + tenant):
+            left = held.get(key, 0) + nbytes
+            if left > 0:
+                held[key] = left
+            else:
+                held.pop(key, None)
+
+    def settle(self, peer: str, tenant: str, estimate_bytes: int, nbytes: int, num_blocks: int) -> None:
+        """An admitted Get has read its ``num_blocks`` blocks, ``nbytes`` in all: charge that instead of its estimate."""
+        self.charge(peer, tenant, nbytes - estimate_bytes)
+        if num_blocks:
+            self.bytes_per_block = nbytes // num_blocks
+
+    def release(self, peer: str, tenant: str, nbytes: int) -> None:
+        """An admitted Get ended, its reply (``nbytes`` charged, maybe 0) sent or lost: uncount it, let the next in."""
+        self.charge(peer, tenant, -nbytes)
+        self._wake(peer, self.per_connection_bytes)
+        self._wake("\0" + tenant, self.per_tenant_bytes)
+
+    def _wake(self, key: str, budget: int) -> None:
+        queue = self._waiters.get(key)
+        if queue and self._held.get(key, 0) < budget:
+            future = queue[0]
+            if not future.done():
+                future.set_result(None)
+
+
+class TenantLedger:
+    """The pairs tenant → namespace tag of a :class:`TenantQuota`, in a small JSON file that survives restarts.
+
+    The file is ``{"version": 1, "tenants": {"<tenant>": ["<tag hex>", ...]}}``,
+    rewritten whole (to a temporary file, fsynced, then renamed over the old
+    one) each time a tenant first writes to a namespace: once per namespace and
+    tenant, not per Put. Tags that hold nothing are left out at the next write.
+    JSON only: nothing read from disk is unpickled.
+
+    Args:
+        path: the file; its directory must exist (the disk tier's).
+    """
+
+    VERSION = 1
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, set[bytes]]:
+        """The pairs on disk; an empty map when the file is missing, and (with a warning) when it is unreadable."""
+        try:
+            with open(self.path, "rb") as f:
+                doc = json.loads(f.read(64 << 20))
+            if doc.get("version") != self.VERSION:
+                raise ValueError(f"version {doc.get('version')!r}, expected {self.VERSION}")
+            return {str(tenant): {bytes.fromhex(tag) for tag in tags} for tenant, tags in doc["tenants"].items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            logger.warning("tenant ledger %s is unreadable (%s): blocks restored from disk count against no "
+                           "tenant's quota until their tenant writes to their namespace again", self.path, exc)
+            return {}
+
+    def save(self, tags: dict[str, set[bytes]]) -> None:
+        """Replace the file with ``tags`` atomically; a failure is logged, not raised (the quota still holds in memory)."""
+        doc = {"version": self.VERSION, "tenants": {t: sorted(tag.hex() for tag in s) for t, s in tags.items() if s}}
+        temp = f"{self.path}.tmp"
+        try:
+            with open(temp, "wb") as f:
+                f.write(json.dumps(doc, separators=(",", ":")).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, self.path)
+        except OSError as exc:
+            logger.warning("tenant ledger %s could not be written (%s): after a restart, blocks of new "
+                           "namespaces count against their tenant's quota only once it writes again", self.path, exc)
 
 
 class StreamWatchdog:

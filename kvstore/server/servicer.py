@@ -34,7 +34,7 @@ from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, bl
 from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
 from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
-from kvstore.server.limits import StreamWatch, StreamWatchdog, TenantQuota
+from kvstore.server.limits import ReplyBudget, StreamWatch, StreamWatchdog, TenantQuota
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.shared_memory import SharedMemoryMethods
 from kvstore.wire import (
@@ -56,6 +56,9 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from typing import Awaitable
+
+    from kvstore.api import Buffer
     from kvstore.shm.node import SharedMemoryNode
 
 logger = logging.getLogger(__name__)
@@ -216,8 +219,8 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
         self.require_sha256 = self._auth if security.require_sha256 is None else security.require_sha256
         self.namespaces = NamespaceCache()  # serialized wire namespace -> validated Namespace, of authorized calls
-        quota_bytes = config.limits.tenant_quota_bytes
-        self.quota = TenantQuota(quota_bytes, store.namespace_bytes) if quota_bytes > 0 else None
+        self.quota = TenantQuota.from_config(config, store.namespace_bytes)
+        self.replies = ReplyBudget.from_config(config)
         self.accepting = True
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -304,11 +307,16 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         async with self._call("Get", context) as call:
             namespace_wire, hashes = (decode_hash_request(pb.GetRequest, raw) if type(raw) is bytes
                                       else _hash_request(pb.GetRequest, raw))
-            read = self._store.read(self._namespace(namespace_wire, call), self._hashes(hashes))
+            namespace, hashes = self._namespace(namespace_wire, call), self._hashes(hashes)
             call.watch(self._watchdog)
+            turn = call.reply_turn(self.replies, namespace.cache_salt, len(hashes))  # flow control: None, or wait
+            if turn is not None:
+                await turn
+            read = self._store.read(namespace, hashes)
             blocks = read.open_now()
             if blocks is None:
                 blocks = await read.open()
+            call.charge_reply(blocks)
             try:
                 messages = read.framed  # blocks the heap tier holds framed as this reply: sent as stored
                 if messages is None or None in messages:
@@ -510,7 +518,7 @@ class _Call:
         principal: the caller (``None`` without authentication), once admitted.
     """
 
-    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "_watch", "principal")
+    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "_watch", "principal", "_reply")
 
     def __init__(self, servicer: KVStoreServicer, method: str, context: grpc.aio.ServicerContext) -> None:
         self._servicer = servicer
@@ -519,6 +527,34 @@ class _Call:
         self._ticket: Ticket | None = None
         self._watch: StreamWatch | None = None
         self.principal: Principal | None = None
+        self._reply: list | None = None  # [budget, peer, tenant, bytes charged] of a Get under a ReplyBudget
+
+    def reply_turn(self, budget: ReplyBudget, tenant: str, num_blocks: int) -> Awaitable[None] | None:
+        """Take a Get's turn under ``budget`` (``kvstore.server.limits.ReplyBudget``): ``None`` when admitted
+        now, else the wait to await; what it is charged is released when the call ends."""
+        peer = self._ticket.peer if self._ticket is not None and self._ticket.peer else self._context.peer()
+        estimate = budget.estimate(num_blocks)
+        if budget.admit(peer, tenant, estimate):
+            self._reply = [budget, peer, tenant, estimate]
+            return None
+        return self._wait_reply(budget, peer, tenant, estimate)
+
+    async def _wait_reply(self, budget: ReplyBudget, peer: str, tenant: str, estimate: int) -> None:
+        await budget.wait(peer, tenant, estimate)
+        self._reply = [budget, peer, tenant, estimate]
+
+    def charge_reply(self, blocks: Sequence[Buffer]) -> None:
+        """Charge the reply's real size (its blocks') instead of the estimate of :meth:`reply_turn`."""
+        reply = self._reply
+        if reply is not None:
+            nbytes = sum(memoryview(block).nbytes for block in blocks)
+            reply[0].settle(reply[1], reply[2], reply[3], nbytes, len(blocks))
+            reply[3] = nbytes
+
+    def _end_reply(self) -> None:
+        reply, self._reply = self._reply, None
+        if reply is not None:
+            reply[0].release(reply[1], reply[2], reply[3])
 
     def give_back_slot(self) -> None:
         """Give the call's in-flight slot back now, for the rest of a long-lived call (a same-host session's
@@ -568,6 +604,7 @@ class _Call:
             return False
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
+        self._end_reply()
         metrics = servicer._metrics
         if ended:
             # the client went away or its deadline passed: grpc.aio cancels the handler, or a write on the
@@ -604,6 +641,7 @@ class _Call:
         context = self._context
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
+        self._end_reply()
         code = "OK"
         if task in _REPLY_LOST.tasks or _call_ended(context):  # the reply was lost: the client ended the call
             remaining = context.time_remaining()

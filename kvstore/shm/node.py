@@ -27,7 +27,7 @@ from kvstore.config import SharedMemoryConfig
 from kvstore.errors import InvalidArgumentError
 from kvstore.shm.handoff import HandoffServer
 from kvstore.shm.segment import Segment
-from kvstore.shm.sessions import Lease, Session, SessionTable
+from kvstore.shm.sessions import Lease, Session, SessionTable, session_budgets
 from kvstore.tiers.base import Framing
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ class SharedMemoryNode:
         loop = asyncio.get_running_loop()
         config = self.config
         self.sessions = SessionTable(segment_bytes=config.segment_bytes, max_sessions=config.max_sessions,
-                                     lease_s=config.lease_s, grant_s=config.grant_s, clock=loop.time)
+                                     lease_s=config.lease_s, grant_s=config.grant_s, clock=loop.time,
+                                     **session_budgets(config), call_at=loop.call_at)
         self.stopping = asyncio.Event()
         self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-shm-copy")
         self._handoff = HandoffServer(self.handoff_address, self._redeem)
@@ -154,6 +155,7 @@ class SharedMemoryNode:
             self._copier.shutdown(wait=True)
             self._copier = None
         if self.sessions is not None:
+            self.sessions.cancel_reclaim()
             self.sessions.close_all()
 
     # ------------------------------------------------------------------ Get: into the get segment

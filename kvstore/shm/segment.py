@@ -6,6 +6,14 @@ descriptor or a mapping of it, and nothing is left behind when both processes
 are gone, however they end. It reaches the other process only as a file
 descriptor passed over a Unix socket (:mod:`kvstore.shm.handoff`); its mode is
 owner-only (``0600``), so ``/proc/<pid>/fd`` gives no other user a way in either.
+A segment only the node writes (a session's get segment) is made read-only to
+everyone else: mode ``0400`` once the node holds it open and mapped, and, where
+asked (``seal_writes``), ``F_SEAL_FUTURE_WRITE`` (Linux 5.1+), which no process
+can lift, root included. The seal also forbids giving pages back to the kernel
+(``MADV_REMOVE`` and hole punching fail with ``EPERM``), so a sealed segment keeps
+the pages it was written into until it is closed, where an unsealed one gives
+them back range by range (:meth:`Segment.release`); ``docs/shared-memory.md``
+weighs the two.
 
 Its size is sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``, see
 ``memfd_create(2)`` and ``fcntl(2)`` "File Sealing"): a process holding it
@@ -33,6 +41,13 @@ OWNER_ONLY = 0o600
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
 """The seals every segment carries: its size is fixed, and no seal can be added or removed."""
 
+READ_ONLY = 0o400
+"""The mode of a segment only its owner's mapping writes (a get segment), once that mapping is made."""
+
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+"""``fcntl(2)``: no new writable mapping and no ``write(2)``, by anyone; mappings made before keep writing
+(Linux 5.1; ``include/uapi/linux/fcntl.h``, the value where Python's ``fcntl`` lacks the name)."""
+
 
 class SegmentError(KVStoreError):
     """A segment cannot be made, or a file descriptor handed over is not a segment this side can use."""
@@ -57,6 +72,7 @@ class Segment:
         nbytes: size, bytes.
         writable: whether this side mapped it writable.
         view: a ``memoryview`` of the whole mapping (read-only unless ``writable``).
+        sealed_writes: whether it carries :data:`F_SEAL_FUTURE_WRITE` (made so by :meth:`create`).
     """
 
     def __init__(self, fd: int, nbytes: int, *, writable: bool) -> None:
@@ -67,15 +83,22 @@ class Segment:
         self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
         self.view = memoryview(self._map)
         self._close_fd = weakref.finalize(self, os.close, fd)  # also when it is dropped unclosed
+        self.sealed_writes = False
 
     @classmethod
-    def create(cls, name: str, nbytes: int, *, writable: bool = True) -> Segment:
+    def create(cls, name: str, nbytes: int, *, writable: bool = True, read_only_to_others: bool = False,
+               seal_writes: bool = False) -> Segment:
         """A new sealed, owner-only segment of ``nbytes`` (zero-filled; pages are allocated as they are written).
 
         Args:
             name: a label for ``/proc/<pid>/fd`` and ``/proc/<pid>/maps`` (``memfd:<name>``); not a path.
             nbytes: size, bytes (> 0).
             writable: map it writable on this side (``False`` for a segment only the other side writes).
+            read_only_to_others: only this side's mapping writes it: mode :data:`READ_ONLY` once it is mapped,
+                so no process of this uid but root can open it for writing without changing its mode first.
+            seal_writes: with ``read_only_to_others``, also seal it with :data:`F_SEAL_FUTURE_WRITE`, so that
+                no process at all (root included) can write it but through this side's mapping; its pages
+                can then not be given back before it is closed (:meth:`release` does nothing).
 
         Raises:
             SegmentError: if the platform lacks memfd or seals, or the kernel refuses.
@@ -92,11 +115,24 @@ class Segment:
         try:
             os.fchmod(fd, OWNER_ONLY)
             os.ftruncate(fd, nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            return cls(fd, nbytes, writable=writable)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS & ~fcntl.F_SEAL_SEAL)
         except OSError as exc:
             os.close(fd)
             raise SegmentError(f"cannot set up a segment of {nbytes} bytes: {exc}") from exc
+        try:
+            segment = cls(fd, nbytes, writable=writable)
+        except OSError as exc:  # the segment owns fd now: its finalizer closes it
+            raise SegmentError(f"cannot map a segment of {nbytes} bytes: {exc}") from exc
+        sealed = read_only_to_others and seal_writes and writable
+        try:  # the mapping exists: a future-write seal leaves it writable, and F_SEAL_SEAL closes the list
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | (F_SEAL_FUTURE_WRITE if sealed else 0))
+            if read_only_to_others:
+                os.fchmod(fd, READ_ONLY)
+        except OSError as exc:
+            segment.close()
+            raise SegmentError(f"cannot seal a segment of {nbytes} bytes: {exc}") from exc
+        segment.sealed_writes = sealed
+        return segment
 
     @classmethod
     def attach(cls, fd: int, nbytes: int, *, writable: bool) -> Segment:
@@ -138,8 +174,36 @@ class Segment:
         except OSError as exc:
             raise SegmentError(f"cannot reopen the segment read-only: {exc}") from exc
 
+    def release(self, offset: int, nbytes: int) -> bool:
+        """Give the pages of ``[offset, offset + nbytes)`` back to the kernel (``madvise(MADV_REMOVE)``).
+
+        The range reads as zeros afterwards, in every mapping, and takes memory
+        again only as it is written. Only whole pages are given back: pass
+        page-aligned ranges (:class:`kvstore.shm.allocator.RangeAllocator` hands out such).
+
+        Returns:
+            Whether the pages were given back: ``False`` for a segment sealed against writes, one this
+            side maps read-only, a closed one, or a kernel that refuses.
+        """
+        if self.sealed_writes or not self.writable or self.closed or nbytes <= 0:
+            return False
+        try:
+            self._map.madvise(mmap.MADV_REMOVE, offset, nbytes)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def resident_bytes(self) -> int:
+        """Bytes of memory the segment's pages take now (``st_blocks`` × 512), whoever mapped them; 0 once closed."""
+        if self.closed:
+            return 0
+        try:
+            return os.fstat(self.fd).st_blocks * 512
+        except OSError:
+            return 0
+
     def mode(self) -> int:
-        """The file's permission bits (``OWNER_ONLY`` for every segment)."""
+        """The file's permission bits (:data:`OWNER_ONLY`, or :data:`READ_ONLY` for one read-only to others)."""
         return stat.S_IMODE(os.fstat(self.fd).st_mode)
 
     def close(self) -> None:

@@ -14,8 +14,18 @@ written by one side only:
   chooses the ranges), and the node, which maps it read-only, copies each
   block out and validates its copy before anything is stored.
 
+Memory is bounded three ways. Sessions per tenant (the principal that opened
+them) are capped below the node's cap, so one tenant cannot take every session.
+Leased bytes count against a per-tenant and a node-wide budget: a Get that would
+take either over gets no lease, and the client reads it over gRPC. And pages of
+a get segment that no lease holds any more are given back to the kernel
+(:meth:`kvstore.shm.segment.Segment.release`) ``release_after_s`` after their
+lease ended (released, expired, or its session closed), so a client reading one
+batch after another reuses warm pages, while a tenant that fills its segments
+and goes idle leaves nothing resident (:meth:`SessionTable.reclaim`).
+
 Everything here runs on the node's event loop and takes its clock from outside,
-so the expiry of leases is tested as logic, with no waiting.
+so the expiry of leases and the reclaiming of pages are tested as logic, with no waiting.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import heapq
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 from kvstore.errors import ResourceExhaustedError
 from kvstore.shm.allocator import RangeAllocator
@@ -51,12 +61,14 @@ class Lease:
         offset: start of the range in the get segment, bytes.
         nbytes: length of the range, bytes.
         expires_at: when it ends unless released first (the table's clock, seconds).
+        nbytes_held: the range's size as allocated (``nbytes`` rounded up to a page), bytes.
     """
 
     lease_id: int
     offset: int
     nbytes: int
     expires_at: float
+    nbytes_held: int = 0  # nbytes rounded up to the allocator's alignment: what it counts against budgets
 
 
 @dataclass(slots=True)
@@ -73,6 +85,8 @@ class Session:
         leases: the leases in force, by id.
         grant: the token that redeems the segments once on the handoff socket (``None`` once redeemed or expired).
         grant_expires_at: when the grant lapses (the table's clock, seconds).
+        dirty_bytes: offset below which freed ranges of the get segment may still hold pages (see
+            :meth:`SessionTable.reclaim`).
     """
 
     session_id: int
@@ -84,6 +98,7 @@ class Session:
     grant: bytes | None = None
     grant_expires_at: float = 0.0
     closed: bool = False
+    dirty_bytes: int = 0  # the get segment's pages below this offset may be resident though no lease holds them
 
 
 @dataclass(slots=True)
@@ -99,6 +114,10 @@ class SessionCounts:
     leases_expired: int = 0
     leases_ended_with_session: int = 0
     no_room: int = 0
+    tenant_budget_no_room: int = 0
+    node_budget_no_room: int = 0
+    sessions_refused_per_tenant: int = 0
+    released_bytes: int = 0
 
 
 class SessionTable:
@@ -110,7 +129,15 @@ class SessionTable:
         lease_s: seconds a lease lasts unless released first.
         grant_s: seconds a grant may be redeemed in.
         clock: the loop's clock, seconds (``loop.time``).
-        make_segment: ``(name, nbytes, writable) -> Segment`` (``Segment.create``; tests may count them).
+        make_segment: ``(name, nbytes, writable) -> Segment`` (by default ``Segment.create``, the get segment
+            read-only to others and, with ``seal_get_segments``, sealed against writes; tests may count them).
+        max_sessions_per_tenant: sessions one principal (tenant) may have open at once; ``None``: ``max_sessions``.
+        tenant_leased_bytes: bytes of get segments one principal's leases may hold at once; ``None``: no bound.
+        max_leased_bytes: bytes of get segments every lease together may hold; ``None``: no bound.
+        release_after_s: seconds after a lease ends before the pages it held are given back (:meth:`reclaim`).
+        seal_get_segments: seal get segments with ``F_SEAL_FUTURE_WRITE`` (their pages then stay until
+            the session closes; ``docs/shared-memory.md``).
+        call_at: ``loop.call_at``, to run :meth:`reclaim` when it is due; ``None``: the caller runs it.
 
     Raises:
         ValueError: on a size, count or duration out of range.
@@ -118,20 +145,35 @@ class SessionTable:
 
     def __init__(self, *, segment_bytes: int, max_sessions: int, lease_s: float, grant_s: float,
                  clock: Callable[[], float],
-                 make_segment: Callable[[str, int, bool], Segment] | None = None) -> None:
+                 make_segment: Callable[[str, int, bool], Segment] | None = None,
+                 max_sessions_per_tenant: int | None = None, tenant_leased_bytes: int | None = None,
+                 max_leased_bytes: int | None = None, release_after_s: float = 1.0,
+                 seal_get_segments: bool = False, call_at: Callable[..., Any] | None = None) -> None:
         if segment_bytes <= 0 or max_sessions <= 0 or not lease_s > 0 or not grant_s > 0:
             raise ValueError("segment_bytes, max_sessions, lease_s and grant_s must be > 0")
+        if not release_after_s >= 0 or (max_sessions_per_tenant or 1) <= 0:
+            raise ValueError("release_after_s must be >= 0 and max_sessions_per_tenant > 0")
         self.segment_bytes = segment_bytes
         self.max_sessions = max_sessions
+        self.max_sessions_per_tenant = max_sessions_per_tenant or max_sessions
+        self.tenant_leased_bytes = tenant_leased_bytes
+        self.max_leased_bytes = max_leased_bytes
+        self.release_after_s = release_after_s
         self.lease_s = lease_s
         self.grant_s = grant_s
         self._clock = clock
+        self._call_at = call_at
         self._make_segment = make_segment or (lambda name, nbytes, writable: Segment.create(
-            name, nbytes, writable=writable))
+            name, nbytes, writable=writable, read_only_to_others=writable, seal_writes=seal_get_segments))
         self._sessions: dict[int, Session] = {}
         self._grants: dict[bytes, Session] = {}
         self._expiry: list[tuple[float, int, int]] = []  # (expires_at, lease_id, session_id), lazily pruned
         self._next_lease = 1
+        self._per_tenant: dict[Hashable | None, int] = {}  # principal -> sessions open
+        self._tenant_leased: dict[Hashable | None, int] = {}  # principal -> bytes its leases hold
+        self._leased_bytes = 0
+        self._dirty: dict[int, float] = {}  # session id -> when its first lease ended since its last reclaim
+        self._reclaim_timer: Any = None
         self.counts = SessionCounts()
 
     # ------------------------------------------------------------------ sessions
@@ -147,6 +189,14 @@ class SessionTable:
             self.counts.sessions_refused += 1
             raise ResourceExhaustedError(f"{len(self._sessions)} same-host sessions are open "
                                          f"(shared_memory.max_sessions); use the gRPC data path")
+        num_own = self._per_tenant.get(principal, 0)
+        if num_own >= self.max_sessions_per_tenant:
+            self.counts.sessions_refused += 1
+            self.counts.sessions_refused_per_tenant += 1
+            raise ResourceExhaustedError(
+                f"{_tenant_name(principal)} has {num_own} same-host sessions open, the limit is "
+                f"shared_memory.max_sessions_per_tenant={self.max_sessions_per_tenant}; close one, "
+                f"or use the gRPC data path")
         session_id = secrets.randbits(63) or 1
         while session_id in self._sessions:
             session_id = secrets.randbits(63) or 1
@@ -161,6 +211,7 @@ class SessionTable:
                           grant=grant, grant_expires_at=self._clock() + self.grant_s)
         self._sessions[session_id] = session
         self._grants[grant] = session
+        self._per_tenant[principal] = num_own + 1
         self.counts.sessions_opened += 1
         return session
 
@@ -195,13 +246,19 @@ class SessionTable:
         if session.closed:
             return
         session.closed = True
-        self._sessions.pop(session.session_id, None)
+        if self._sessions.pop(session.session_id, None) is not None:
+            num_own = self._per_tenant.pop(session.principal, 1) - 1
+            if num_own:
+                self._per_tenant[session.principal] = num_own
         if session.grant is not None:
             self._grants.pop(session.grant, None)
             session.grant = None
         self.counts.leases_ended_with_session += len(session.leases)
+        for lease in session.leases.values():
+            self._uncharge(session, lease.nbytes_held)
         session.leases.clear()
-        session.get_segment.close()
+        self._dirty.pop(session.session_id, None)
+        session.get_segment.close()  # its pages go once the client unmaps it too
         session.put_segment.close()
 
     def close_all(self) -> None:
@@ -220,13 +277,26 @@ class SessionTable:
     def lease(self, session: Session, nbytes: int) -> Lease | None:
         """A lease on a new range of ``nbytes`` of the session's get segment; ``None`` when it has no room now
         (its other leases hold it), or ever (``nbytes`` is more than the segment holds): the client uses gRPC."""
+        held = session.allocator.aligned(nbytes)
+        tenant = session.principal
+        if self.tenant_leased_bytes is not None and self._tenant_leased.get(tenant, 0) + held > self.tenant_leased_bytes:
+            self.counts.no_room += 1
+            self.counts.tenant_budget_no_room += 1
+            return None
+        if self.max_leased_bytes is not None and self._leased_bytes + held > self.max_leased_bytes:
+            self.counts.no_room += 1
+            self.counts.node_budget_no_room += 1
+            return None
         offset = session.allocator.allocate(nbytes)
         if offset is None:
             self.counts.no_room += 1
             return None
-        lease = Lease(self._next_lease, offset, nbytes, self._clock() + self.lease_s)
+        lease = Lease(self._next_lease, offset, nbytes, self._clock() + self.lease_s, held)
         self._next_lease += 1
         session.leases[lease.lease_id] = lease
+        self._tenant_leased[tenant] = self._tenant_leased.get(tenant, 0) + held
+        self._leased_bytes += held
+        session.dirty_bytes = max(session.dirty_bytes, offset + held)
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id, session.session_id))
         self.counts.leases_granted += 1
         return lease
@@ -237,10 +307,74 @@ class SessionTable:
         for lease_id in lease_ids:
             lease = session.leases.pop(lease_id, None)
             if lease is not None:
-                session.allocator.free(lease.offset)
+                self._end(session, lease)
                 num_released += 1
         self.counts.leases_released += num_released
         return num_released
+
+    def _end(self, session: Session, lease: Lease) -> None:
+        """Free a lease's range, uncount its bytes, and have its pages given back in ``release_after_s``."""
+        self._uncharge(session, session.allocator.free(lease.offset))
+        if session.session_id not in self._dirty:
+            self._dirty[session.session_id] = self._clock()
+            self._schedule_reclaim()
+
+    def _uncharge(self, session: Session, held: int) -> None:
+        left = self._tenant_leased.get(session.principal, 0) - held
+        if left > 0:
+            self._tenant_leased[session.principal] = left
+        else:
+            self._tenant_leased.pop(session.principal, None)
+        self._leased_bytes -= held
+
+    def _schedule_reclaim(self) -> None:
+        if self._call_at is None or self._reclaim_timer is not None or not self._dirty:
+            return
+        due = min(self._dirty.values()) + self.release_after_s
+        self._reclaim_timer = self._call_at(due, self._run_reclaim)
+
+    def _run_reclaim(self) -> None:
+        self._reclaim_timer = None
+        self.reclaim()
+        self._schedule_reclaim()
+
+    def reclaim(self) -> int:
+        """Give back the pages of every free range of a get segment whose lease ended ``release_after_s`` ago.
+
+        Per session, every free range below its :attr:`Session.dirty_bytes` is
+        given back at once (one ``madvise`` each; ranges already given back cost
+        nothing), and ``dirty_bytes`` falls to the end of its highest live
+        lease. A sealed segment gives nothing back (its pages go with the session).
+
+        Returns:
+            Bytes of ranges given back (their pages, where written, no longer take memory).
+        """
+        now = self._clock()
+        released = 0
+        for session_id, since in list(self._dirty.items()):
+            if since + self.release_after_s > now:
+                continue
+            del self._dirty[session_id]
+            session = self._sessions.get(session_id)
+            if session is None:
+                continue
+            segment, limit = session.get_segment, session.dirty_bytes
+            for offset, size in session.allocator.free_ranges():
+                if offset >= limit:
+                    break
+                size = min(size, limit - offset)
+                if segment.release(offset, size):
+                    released += size
+            session.dirty_bytes = max((lease.offset + lease.nbytes_held for lease in session.leases.values()),
+                                      default=0)
+        self.counts.released_bytes += released
+        return released
+
+    def cancel_reclaim(self) -> None:
+        """Stop the reclaim timer (the node is stopping)."""
+        if self._reclaim_timer is not None:
+            self._reclaim_timer.cancel()
+            self._reclaim_timer = None
 
     def expire(self) -> int:
         """End every lease whose time is up (by the clock); returns how many ended."""
@@ -251,7 +385,7 @@ class SessionTable:
             session = self._sessions.get(session_id)
             lease = session.leases.pop(lease_id, None) if session is not None else None
             if lease is not None:
-                session.allocator.free(lease.offset)  # type: ignore[union-attr]
+                self._end(session, lease)  # type: ignore[arg-type]
                 num_expired += 1
         if num_expired:
             logger.debug("%d same-host leases expired", num_expired)
@@ -269,8 +403,20 @@ class SessionTable:
         return None
 
     def leased_bytes(self) -> int:
-        """Bytes of get segments under leases, over every session."""
-        return sum(session.allocator.used_bytes for session in self._sessions.values())
+        """Bytes of get segments under leases, over every session (each range as allocated)."""
+        return self._leased_bytes
+
+    def leased_bytes_of(self, principal: Hashable | None) -> int:
+        """Bytes of get segments under the leases of ``principal``'s sessions."""
+        return self._tenant_leased.get(principal, 0)
+
+    def resident_bytes(self) -> int:
+        """Bytes of memory the get segments' pages take now (``st_blocks``; what the node wrote and has not given back)."""
+        return sum(session.get_segment.resident_bytes() for session in self._sessions.values())
+
+    def sessions_of(self, principal: Hashable | None) -> int:
+        """Sessions ``principal`` has open."""
+        return self._per_tenant.get(principal, 0)
 
     def num_leases(self) -> int:
         """Leases in force, over every session."""
@@ -279,4 +425,18 @@ class SessionTable:
     def counters(self) -> dict[str, int]:
         """The counts, the sessions open and the leases in force, by name (``shm_`` prefixed in stats)."""
         return {**dataclasses.asdict(self.counts), "sessions": len(self._sessions), "leases": self.num_leases(),
-                "leased_bytes": self.leased_bytes()}
+                "leased_bytes": self.leased_bytes(), "resident_bytes": self.resident_bytes()}
+
+
+def session_budgets(config: Any) -> dict[str, Any]:
+    """The :class:`SessionTable` arguments of a ``SharedMemoryConfig``'s budgets (0 there is ``None``, no bound)."""
+    return {"max_sessions_per_tenant": config.max_sessions_per_tenant,
+            "tenant_leased_bytes": config.tenant_leased_bytes or None,
+            "max_leased_bytes": config.max_leased_bytes or None,
+            "release_after_s": config.release_after_s, "seal_get_segments": config.seal_get_segments}
+
+
+def _tenant_name(principal: Hashable | None) -> str:
+    """How an error names a session's owner: its token's name, or the anonymous client of a node without tokens."""
+    name = getattr(principal, "name", None)
+    return f"token {name!r}" if name is not None else "the anonymous tenant (authentication is off)"
