@@ -204,7 +204,7 @@ def encoded_nbytes(block: Block) -> int:
     return header_nbytes(block.dim()) + block.numel() * block.element_size()
 
 
-def encode_into(block: Block, layout: Layout | str, target: memoryview, target_bytes: torch.Tensor) -> int:
+def encode_into(block: Block, layout: Layout | str, target: memoryview, target_bytes: torch.Tensor | None) -> int:
     """Write one block encoded into ``target`` (at its start): encoded bytes are copied as they are; a tensor's
     payload is copied straight in (from any device), then its header is computed over that copy and written
     before it. Returns the encoded length, bytes.
@@ -214,7 +214,7 @@ def encode_into(block: Block, layout: Layout | str, target: memoryview, target_b
             head_dim]`` for ``kv``).
         layout: the namespace's layout.
         target: a writable range of at least :func:`encoded_nbytes` bytes.
-        target_bytes: a ``uint8`` tensor over the same range.
+        target_bytes: a ``uint8`` tensor over the same range (``None`` only for encoded bytes).
 
     Raises:
         UnknownDtypeError: if a tensor's dtype has no codec code.
@@ -224,6 +224,7 @@ def encode_into(block: Block, layout: Layout | str, target: memoryview, target_b
         view = memoryview(block).cast("B")
         target[:view.nbytes] = view
         return view.nbytes
+    assert target_bytes is not None, "a tensor is encoded through a tensor over its target"
     name = dtype_name(block.dtype)
     head = header_nbytes(block.dim())
     nbytes = head + block.numel() * block.element_size()

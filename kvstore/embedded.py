@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Coroutine, Sequence, TypeVar
 
 from kvstore.api import Block, LookupResult, StoreStats
 from kvstore.blockcopy import check_destinations, copy_into_destinations
+from kvstore.blocklease import BlockLease
 from kvstore.codec import decode_block, encode_blocks
 from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
@@ -127,6 +128,28 @@ class EmbeddedStore:
             return copied.num_copied
 
         return self._call(copy())
+
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> BlockLease:
+        """The encoded blocks of the longest cached prefix in place, held until released (a :class:`BlockLease`).
+
+        As :meth:`kvstore.client.KVStoreClient.read`: each block is a read-only
+        view of its tier's memory (or a copy, from a tier that lends nothing),
+        held by the store, so eviction, delete and clear leave it as it is,
+        until :meth:`BlockLease.release` (which must come, or the blocks stay
+        held). ``checked``: the tiers validated the blocks on the way in.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        read = self._store.read(namespace, block_hashes)
+        blocks = self._call(read.open())
+
+        def release() -> None:
+            if not self._closed:
+                self._loop.call_soon_threadsafe(read.close)
+
+        return BlockLease(list(blocks), [release], checked=True)
 
     def put(
         self,

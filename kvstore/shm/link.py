@@ -18,6 +18,7 @@ into the caller's memory, and releases the lease on the ``Attach`` stream.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import grpc
 
+from kvstore.blocklease import BlockLease
 from kvstore.blockcopy import Copied, byte_view, copy_batch_into, copy_block_into, copy_into_destinations, encode_into, encoded_nbytes
 from kvstore.codec import Layout, decode_header, torch_dtype, verify_block
 from kvstore.errors import KVStoreError
@@ -58,50 +60,6 @@ class UseGrpc(Exception):
     """The same-host path declined one call (the segment had no room, or the lease ran out): send it over gRPC."""
 
 
-class BlockLease:
-    """Blocks read in place, valid until :meth:`release` (``with client.read(...) as blocks:``).
-
-    From the same-host path, each block is a read-only ``memoryview`` of the
-    node's writing in this client's get segment, held under a lease: the node
-    writes nothing else there until the lease is released, or ``lease_s`` passes
-    (then the views may change: copy what must outlive it). From gRPC, the
-    blocks are the received buffers, and releasing does nothing.
-
-    Attributes:
-        blocks: the encoded blocks of the longest cached prefix, in order.
-        expires_at: ``time.monotonic()`` by which to release it (``inf`` for received buffers).
-    """
-
-    __slots__ = ("blocks", "expires_at", "_releases")
-
-    def __init__(self, blocks: list[Buffer], releases: list[Callable[[], None]], expires_at: float = math.inf) -> None:
-        self.blocks = blocks
-        self.expires_at = expires_at
-        self._releases = releases
-
-    @classmethod
-    def merge(cls, blocks: list[Buffer], leases: Sequence[BlockLease | None]) -> BlockLease:
-        """One lease of the merged blocks of several nodes' leases."""
-        held = [lease for lease in leases if lease is not None]
-        return cls(blocks, [r for lease in held for r in lease._releases],
-                   min((lease.expires_at for lease in held), default=math.inf))
-
-    def release(self) -> None:
-        """Give the blocks back; the views must not be used afterwards. Idempotent."""
-        releases, self._releases = self._releases, []
-        for release in releases:
-            release()
-
-    def __enter__(self) -> list[Buffer]:
-        return self.blocks
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-
 class Staged(NamedTuple):
     """A Put's blocks staged in the put segment: each one's offset and length, bytes."""
 
@@ -127,14 +85,23 @@ class SharedSession:
         self.lease_s = lease_s
         self.get_segment = get_segment
         self.put_segment = put_segment
-        self.get_bytes = byte_view(get_segment.view)  # one view each, sliced per block (no per-block warning dance)
-        self.put_bytes = byte_view(put_segment.view)
         self._releases = releases
         self._call = call
         self._channel = channel
         self._lock = threading.Lock()
         self._put_ranges = RangeAllocator(put_segment.nbytes)
         self.alive = True
+
+    @functools.cached_property
+    def get_bytes(self) -> torch.Tensor:
+        """A ``uint8`` tensor over the whole get segment, sliced per block; made on first use (a client that
+        moves only bytes never imports torch: its first call costs what its second does)."""
+        return byte_view(self.get_segment.view)
+
+    @functools.cached_property
+    def put_bytes(self) -> torch.Tensor:
+        """A ``uint8`` tensor over the whole put segment; made on first use, as :attr:`get_bytes`."""
+        return byte_view(self.put_segment.view)
 
     # ------------------------------------------------------------------ Get
 
@@ -217,7 +184,8 @@ class SharedSession:
         view = self.get_segment.view
         lease_id = reply.lease_id
         return BlockLease([view[o:o + n] for o, n in zip(offsets, sizes)],
-                          [lambda: self.release(lease_id)] if lease_id else [], deadline)
+                          [lambda: self.release(lease_id)] if lease_id else [], deadline,
+                          checked=True, offsets=offsets)
 
     # ------------------------------------------------------------------ Put
 
@@ -244,9 +212,10 @@ class SharedSession:
             return None
         offsets = [offset + r for r in relative]
         try:
-            view, raw = self.put_segment.view, self.put_bytes
+            view = self.put_segment.view
+            raw = None if all(isinstance(b, (bytes, bytearray, memoryview)) for b in blocks) else self.put_bytes
             for block, start, nbytes in zip(blocks, offsets, sizes):
-                encode_into(block, layout, view[start:start + nbytes], raw[start:start + nbytes])
+                encode_into(block, layout, view[start:start + nbytes], None if raw is None else raw[start:start + nbytes])
         except BaseException:
             self.unstage(Staged(offset, offsets, sizes))
             raise

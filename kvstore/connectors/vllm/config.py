@@ -49,6 +49,11 @@ class VLLMConnectorConfig:
         load_failure_policy: ``recompute`` (default): a block that fails to load
             is recomputed by vLLM, as a cache miss would be. ``fail``: keep vLLM's
             ``kv_load_failure_policy`` as configured, which fails the request.
+        load_async: load off the engine's step (vLLM's asynchronous loads): the
+            scheduler returns ``load_async=True``, vLLM parks the request in
+            ``WAITING_FOR_REMOTE_KVS`` and keeps running the others, a worker
+            thread fetches and scatters, and ``get_finished`` reports the finished
+            receives (``docs/vllm.md``). Off: the step that needs a load waits for it.
         down_backoff_s: after a store call fails, seconds during which the
             connector does not call the store at all (misses, no saves), so an
             unreachable node does not cost every request a timeout. It doubles
@@ -76,6 +81,7 @@ class VLLMConnectorConfig:
     retention_s: float | None = None
     save_decode_blocks: bool = True
     load_failure_policy: str = "recompute"
+    load_async: bool = False
     down_backoff_s: float = 5.0
     max_pending_save_bytes: int = 1 * GiB
     tls_ca_file: str | None = None

@@ -139,7 +139,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Requests whose end-of-request save is copied out (vLLM frees their blocks); loads are synchronous."""
         if self.worker_side is None:
             return None, None
-        return self.worker_side.take_finished_sending() or None, None
+        side = self.worker_side
+        return side.take_finished_sending() or None, side.take_finished_recving() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks that failed to load this step; vLLM recomputes them."""

@@ -25,9 +25,12 @@ consecutive units of every layer, stacked as ``[num_layers, 2, H, T, D]`` (codec
 layout ``kv``) or ``[num_layers, 1, T, C]`` (``mla``). On CUDA, gathering blocks is
 one ``index_select`` per layer, loading them one ``index_copy_`` per layer, into
 exactly the units vLLM allocated, so nothing outside them is ever written. On a
-CPU the copies go unit by unit instead (one small copy per unit and layer, from
-and to the fetched bytes directly): one pass over the bytes, and no copy waits
-at an OpenMP barrier for a core that another process holds.
+CPU, loads are numpy copies (:meth:`PagedKV.scatter_arrays`): one strided copy per
+layer for a batch of blocks (one assignment per layer, by unit index), else one per
+unit and layer, straight from the fetched or leased bytes. Numpy copies in the
+calling thread, with the GIL released and no OpenMP: no copy waits at a barrier for
+a core that another process holds (torch's parallel copy would), and a load on a
+worker thread runs beside the engine's step. Gathers (saves) are numpy copies too.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
 from kvstore.codec import Layout, dtype_name, torch_dtype
+from kvstore.connectors.vllm.loading import item_type
 from kvstore.errors import InvalidArgumentError
 
 
@@ -194,6 +199,7 @@ class PagedKV:
         self.device = self.views[0].device
         self._copy_dtype = self.views[0].dtype  # uint8 for float8 caches
         self._block_dtype = torch_dtype(page_format.dtype)
+        self._arrays: list[np.ndarray] | None = None
 
     def units_of(self, block_ids: Sequence[int]) -> list[int]:
         """The kernel-block ids of vLLM blocks, in token order (``units_per_block`` per block)."""
@@ -216,13 +222,21 @@ class PagedKV:
         shape = (num_blocks, *fmt.block_shape(units_per_kv_block * fmt.unit_tokens))
         out = torch.empty(shape, dtype=self._copy_dtype, device=self.device)
         if self.device.type == "cpu":
-            # One small copy per unit and layer: a single pass over the bytes, each copy below torch's
-            # parallel grain, so no copy waits at an OpenMP barrier for cores other processes hold.
-            for block in range(num_blocks):
-                for k in range(units_per_kv_block):
-                    unit = unit_ids[block * units_per_kv_block + k]
-                    for layer, view in enumerate(self.views):
-                        self._tokens(out[block, layer], k).copy_(view[unit])
+            # numpy copies: one pass over the bytes with the GIL released and no OpenMP barrier to wait at
+            # for cores other processes hold; one strided copy per layer for a run of whole blocks
+            layers = self._layer_arrays()
+            target = out.view(torch_dtype_of(item_type(self._copy_dtype.itemsize))).numpy()
+            first = unit_ids[0] if unit_ids else 0
+            if units_per_kv_block == 1 and all(unit_ids[i] == first + i for i in range(num_blocks)):
+                for layer, source in enumerate(layers):
+                    target[:, layer] = source[first:first + num_blocks]
+            else:
+                tokens = fmt.unit_tokens
+                for block in range(num_blocks):
+                    for k in range(units_per_kv_block):
+                        unit = unit_ids[block * units_per_kv_block + k]
+                        for layer, source in enumerate(layers):
+                            target[block, layer][..., k * tokens:(k + 1) * tokens, :] = source[unit]
         else:
             index = torch.as_tensor(unit_ids, dtype=torch.long, device=self.device)
             for layer, view in enumerate(self.views):  # one gather per layer (kernel launches, not units)
@@ -255,10 +269,12 @@ class PagedKV:
         if len(unit_ids) != len(written):
             raise InvalidArgumentError(f"{len(unit_ids)} destination units for {len(written)} units written")
         if self.device.type == "cpu":
-            sources = [block if block.dtype == self._copy_dtype else block.view(self._copy_dtype) for block in blocks]
-            for unit, (b, k) in zip(unit_ids, written):
-                for layer, view in enumerate(self.views):
-                    view[unit].copy_(self._tokens(sources[b][layer], k))
+            item = item_type(self._copy_dtype.itemsize)
+            if isinstance(blocks, torch.Tensor):
+                arrays: Any = blocks.view(self._copy_dtype).view(torch_dtype_of(item)).numpy()
+            else:
+                arrays = [block.view(self._copy_dtype).view(torch_dtype_of(item)).numpy() for block in blocks]
+            self.scatter_arrays(unit_ids, arrays, units_per_kv_block, first_units)
             return
         stacked = blocks if isinstance(blocks, torch.Tensor) else torch.stack(list(blocks))
         source = stacked.to(self.device, non_blocking=False)
@@ -270,6 +286,51 @@ class PagedKV:
         for layer, view in enumerate(self.views):  # one copy per layer (kernel launches, not units)
             units = self._to_units(source[:, layer], num_blocks, units_per_kv_block)
             view.index_copy_(0, index, units.index_select(0, select))
+
+    def scatter_arrays(self, unit_ids: Sequence[int], arrays: np.ndarray | Sequence[np.ndarray],
+                       units_per_kv_block: int, first_units: Sequence[int] | None = None) -> None:
+        """:meth:`scatter` from numpy arrays, on a CPU: one strided copy per layer where the batch allows it.
+
+        Args:
+            unit_ids: as :meth:`scatter`.
+            arrays: the kvstore blocks, ``[num_blocks, *block_shape]`` (one array, any strides: a view of a
+                leased segment) or one ``block_shape`` array per block, of the integer type of the cache
+                dtype's item size (``kvstore.connectors.vllm.loading.item_type``): bits are moved, not values.
+            units_per_kv_block: as :meth:`scatter`.
+            first_units: as :meth:`scatter`.
+
+        Raises:
+            InvalidArgumentError: if ``unit_ids`` does not hold one id per unit written, or the caches are
+                not on the CPU.
+        """
+        if self.device.type != "cpu":
+            raise InvalidArgumentError(f"scatter_arrays writes CPU caches; these are on {self.device}")
+        num_blocks = len(arrays)
+        firsts = list(first_units) if first_units is not None else [0] * num_blocks
+        written = [(b, k) for b in range(num_blocks) for k in range(firsts[b], units_per_kv_block)]
+        if len(unit_ids) != len(written):
+            raise InvalidArgumentError(f"{len(unit_ids)} destination units for {len(written)} units written")
+        layers = self._layer_arrays()
+        if units_per_kv_block == 1 and isinstance(arrays, np.ndarray) and num_blocks:
+            first = unit_ids[0]
+            runs = all(unit_ids[i] == first + i for i in range(num_blocks))
+            where: Any = slice(first, first + num_blocks) if runs else np.asarray(unit_ids, dtype=np.intp)
+            for layer, target in enumerate(layers):  # one strided copy per layer, the GIL released
+                target[where] = arrays[:, layer]
+            return
+        tokens = self.page_format.unit_tokens
+        for unit, (b, k) in zip(unit_ids, written):
+            block = arrays[b]
+            for layer, target in enumerate(layers):
+                target[unit] = block[layer][..., k * tokens:(k + 1) * tokens, :]
+
+    def _layer_arrays(self) -> list[np.ndarray]:
+        """Each layer's canonical view as a numpy array over the cache's memory (the integer type of its item
+        size), made once."""
+        if self._arrays is None:
+            as_type = torch_dtype_of(item_type(self._copy_dtype.itemsize))
+            self._arrays = [view.view(as_type).numpy() for view in self.views]
+        return self._arrays
 
     def _tokens(self, block_layer: torch.Tensor, k: int) -> torch.Tensor:
         """Unit ``k`` of one layer of one block: ``[2, H, N, D]`` or ``[1, N, C]``, a view."""
@@ -296,6 +357,14 @@ class PagedKV:
                                     fmt.head_size) \
             .permute(0, 3, 1, 2, 4, 5).reshape(num_blocks * units_per_kv_block, 2, fmt.num_kv_heads,
                                                fmt.unit_tokens, fmt.head_size)
+
+
+_TORCH_OF_NUMPY = {np.uint8: torch.uint8, np.int16: torch.int16, np.int32: torch.int32, np.int64: torch.int64}
+
+
+def torch_dtype_of(item: type[np.generic]) -> torch.dtype:
+    """The torch dtype of a numpy integer type (to view a tensor as that type before ``.numpy()``)."""
+    return _TORCH_OF_NUMPY[item]
 
 
 def canonical_view(kv_cache: torch.Tensor, family: KVFamily, num_kv_heads: int, head_size: int,

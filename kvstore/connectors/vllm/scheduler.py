@@ -181,7 +181,8 @@ class SchedulerSide:
         return getattr(request, "prompt_embeds", None) is None and getattr(request, "prompt_token_ids", None) is not None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` (vLLM's local hit) that kvstore holds, whole blocks; loads are synchronous.
+        """Tokens beyond ``num_computed_tokens`` (vLLM's local hit) that kvstore holds, whole blocks, and whether the
+        load is asynchronous (``load_async``).
 
         Never the request's last token. One Lookup per worker namespace; a
         failure or timeout is a miss.
@@ -221,7 +222,7 @@ class SchedulerSide:
         self.stats.add("hit_blocks", hit.num_blocks)
         self.stats.add("hit_tokens", hit.num_blocks * self.block_size)
         state.lookup = (num_computed_tokens, num_tokens, hit.tiers)
-        return num_tokens, False
+        return num_tokens, self.config.load_async
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """The external tokens of the request's last lookup by vLLM's ``CacheHitSource`` value (``host``, ``disk``, ...)."""

@@ -1,7 +1,7 @@
 """A worker's half of the connector: loads blocks into vLLM's paged KV before the forward pass, saves them after.
 
-Loads (``start_load_kv``, before the step's forward pass; the scheduler makes
-loads synchronous, so vLLM calls it first): the step's
+Loads (``start_load_kv``, before the step's forward pass; synchronous unless
+``load_async``, so vLLM calls it first and the step waits): the step's
 :class:`~kvstore.connectors.vllm.jobs.LoadJob` s are fetched concurrently, each
 within the connector's ``timeout_s`` of the step's start. Every fetched block
 is checked before it is used: its checksum (``kvstore.codec.verify_block``), its
@@ -10,18 +10,30 @@ written up to the first one that is missing, late, corrupt or mismatched; every
 vLLM block from there on is reported by ``get_block_ids_with_load_errors``, so
 vLLM recomputes it, and is never counted as loaded. A block that failed its
 checks is also deleted from the store, so a recomputed one can replace it.
+With ``load_async`` each load runs on a fetch thread instead (fetch, checks and
+scatter), vLLM keeps stepping the other requests, and ``get_finished`` reports
+the load once it has ended (:meth:`WorkerSide.take_finished_recving`): its
+failed blocks are reported before or with it, and a load past ``timeout_s``
+that has not begun writing is given up, reported failed, and never written.
 Nothing is written into vLLM's cache but checked blocks, and only into the
 blocks vLLM allocated for the load. Loading is not pipelined layer by layer:
-one block holds every layer, so the whole load is one fetch, then the copies
-(``kvstore.connectors.vllm.layout.PagedKV.scatter``); ``wait_for_layer_load`` has nothing to wait for.
-A client with ``get_into`` (every kvstore client) fetches into one staging
-tensor ``[num_blocks, *block_shape]`` (pinned when the cache is on CUDA):
-from the node's shared memory on the same host, that is the one copy before
-the scatter, with no ``bytes`` in between (one strided copy for the batch).
-Checksums are then checked as the client checks them: what crossed a network
-(gRPC) is, what the node validated at put time and copied into shared memory
-is not, nor the embedded store's own memory (``docs/shared-memory.md``). A
-corrupt block makes the worker fetch the encoded blocks to find which one it was.
+one block holds every layer, so the whole load is one fetch, then the copies;
+``wait_for_layer_load`` has nothing to wait for.
+
+The hit path on a CPU cache, with a client that can ``read`` (every kvstore
+client, and the embedded store): the prefix is leased where it is, in the
+node's shared-memory segment (same host) or the embedded store's own memory;
+its headers are checked as a batch and its payloads viewed as numpy arrays, with
+no copy (``kvstore.connectors.vllm.loading``); and ``PagedKV.scatter_arrays``
+copies them straight into the paged cache, one strided copy per layer: the
+scatter is this side's one copy. The lease is released after the scatter; one
+that ran out meanwhile (the node may have reused its range) fails the whole
+load, so it is recomputed, never served half-written. Checksums are checked as
+the client checks them: what crossed a network (gRPC) is, what the node
+validated at put time and serves from its memory is not (``docs/shared-memory.md``).
+On a CUDA cache the blocks go through ``get_into`` into one pinned staging
+tensor ``[num_blocks, *block_shape]`` and from there to the device. A corrupt
+block in a staged fetch makes the worker fetch the encoded blocks to find which one it was.
 
 Saves (``wait_for_save``, after the forward pass): the blocks of the step's
 :class:`~kvstore.connectors.vllm.jobs.SaveJob` s are copied out of vLLM's cache
@@ -39,16 +51,19 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvstore.api import BlockClient, Buffer
+from kvstore.blocklease import BlockLease
 from kvstore.codec import decode_block, torch_dtype, verify_block
 from kvstore.connectors.vllm.config import VLLMConnectorConfig
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadJob, RankKey, SaveJob, TenantKey
 from kvstore.connectors.vllm.layout import PagedKV
+from kvstore.connectors.vllm.loading import LeasedBlocks, view_leased
 from kvstore.connectors.vllm.metrics import KVStoreConnectorStats
 from kvstore.connectors.vllm.namespaces import ModelIdentity, RankInfo, storage_namespace
 from kvstore.connectors.vllm.stores import LookupEndpoint, StoreHealth, embedded_config, open_client
@@ -79,6 +94,33 @@ class _Staged:
 
     blocks: torch.Tensor
     bad: str | None
+
+
+@dataclass(slots=True)
+class _Leased:
+    """A load's blocks in place under the client's lease (``read``), checked and viewed as arrays."""
+
+    lease: BlockLease
+    blocks: LeasedBlocks
+
+
+def _release_late(future: concurrent.futures.Future[Any]) -> None:
+    """Give back the lease of a fetch that ended after its load was given up."""
+    if not future.cancelled() and future.exception() is None and isinstance(future.result(), _Leased):
+        future.result().lease.release()
+
+
+@dataclass(slots=True)
+class _AsyncLoad:
+    """One asynchronous load: its job, times (``time.monotonic()``, seconds) and state, guarded by ``lock``."""
+
+    job: LoadJob
+    started: float
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    writing: bool = False
+    abandoned: bool = False
+    done: bool = False
 
 
 @dataclass(slots=True)
@@ -125,6 +167,9 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self._failed_block_ids: set[int] = set()
         self._failed_loads: dict[str, int] = {}
+        self._fail_lock = threading.Lock()  # loads fail on the step and, when asynchronous, on fetch threads
+        self._async_loads: list[_AsyncLoad] = []
+        self._async_lock = threading.Lock()
         self._finished_sending: set[str] = set()
         self._fetcher = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_FETCHES, thread_name_prefix="kvstore-load")
         self._pending_bytes = 0
@@ -161,6 +206,10 @@ class WorkerSide:
         """Fetch, check and write every load job of the step (see the module docstring); never raises."""
         if not meta.loads:
             return
+        if self.config.load_async:
+            for job in meta.loads:
+                self._start_async(job)
+            return
         started = time.monotonic()
         if not self.health.up():
             for job in meta.loads:
@@ -178,6 +227,7 @@ class WorkerSide:
             try:
                 buffers = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
+                future.add_done_callback(_release_late)  # a lease that comes after the deadline goes back
                 self.health.failed("load", None)
                 self._fail(job, 0, num_blocks)
                 continue
@@ -193,9 +243,96 @@ class WorkerSide:
             self._write(job, buffers)
         self._observe("load_seconds", time.monotonic() - started)
 
-    def _fetch(self, job: LoadJob) -> list[Buffer] | _Staged:
-        """The job's blocks: copied into a staging tensor when the client has ``get_into``, else encoded buffers."""
+    # ------------------------------------------------------------------ asynchronous loads
+
+    def _start_async(self, job: LoadJob) -> None:
+        """Start one load on a fetch thread and return (``load_async``); :meth:`take_finished_recving` reports it."""
+        now = time.monotonic()
+        load = _AsyncLoad(job, now, now + self.config.timeout_s)
+        num_blocks = len(job.hashes.get(self.rank, ()))
+        if not self.health.up() or not num_blocks:  # nothing to fetch: every block is recomputed
+            self._fail(job, 0, num_blocks)
+            load.done = True
+        else:
+            self._fetcher.submit(self._load_async, load)
+        with self._async_lock:
+            self._async_loads.append(load)
+
+    def _load_async(self, load: _AsyncLoad) -> None:
+        """A fetch thread's load: fetch, then write unless the load was given up meanwhile (never raises)."""
+        job = load.job
+        num_blocks = len(job.hashes[self.rank])
+        fetched: list[Buffer] | _Staged | _Leased | None = None
+        try:
+            fetched = self._fetch(job)
+        except (KVStoreError, OSError) as exc:
+            self.health.failed("load", exc)
+        except Exception:  # noqa: BLE001 - a bug in a fetch must not take the engine down
+            logger.exception("kvstore load of request %s failed", job.req_id)
+        with load.lock:
+            if load.abandoned:  # reported as failed at its deadline: vLLM may have reused its blocks
+                if isinstance(fetched, _Leased):
+                    fetched.lease.release()
+                return
+            if fetched is None:
+                self._fail(job, 0, num_blocks)
+                load.done = True
+                return
+            load.writing = True  # from here the deadline waits for the write: it is a memory copy
+        try:
+            self.health.succeeded()
+            self._write(job, fetched)
+        except Exception:  # noqa: BLE001 - never leave a half-written load counted as loaded
+            logger.exception("writing kvstore blocks of request %s into vLLM's cache failed", job.req_id)
+            self._fail(job, 0, num_blocks)
+        finally:
+            self._observe("load_seconds", time.monotonic() - load.started)
+            with load.lock:
+                load.done = True
+
+    def take_finished_recving(self) -> set[str]:
+        """Requests whose asynchronous load ended since the last call (vLLM's ``finished_recving``).
+
+        A load past its deadline that has not begun writing is given up here:
+        its blocks are reported as failed (``get_block_ids_with_load_errors``,
+        which vLLM reads after this in the same step) and nothing is ever
+        written for it; one that is writing is waited for, a memory copy.
+        """
+        now = time.monotonic()
+        with self._async_lock:
+            loads, self._async_loads = self._async_loads, []
+        finished, pending = set(), []
+        for load in loads:
+            with load.lock:
+                if not load.done and not load.writing and now > load.deadline:
+                    load.abandoned = True
+                    self.health.failed("load", None)
+                    self._fail(load.job, 0, len(load.job.hashes.get(self.rank, ())))
+                    load.done = True
+                if load.done:
+                    finished.add(load.job.req_id)
+                else:
+                    pending.append(load)
+        with self._async_lock:
+            self._async_loads[:0] = pending
+        return finished
+
+    def _fetch(self, job: LoadJob) -> list[Buffer] | _Staged | _Leased:
+        """The job's blocks: leased in place when the client can ``read`` and the cache is on the CPU, else copied
+        into a staging tensor when it has ``get_into``, else encoded buffers."""
         namespace, hashes = self.namespace(job.tenant), job.hashes[self.rank]
+        read = getattr(self.client, "read", None) if self.paged.device.type == "cpu" else None
+        if read is not None:
+            lease = read(namespace, hashes)
+            try:
+                return _Leased(lease, view_leased(lease, self.paged.page_format, self._block_shape))
+            except BaseException:
+                lease.release()
+                raise
+        return self._fetch_copied(job, namespace, hashes)
+
+    def _fetch_copied(self, job: LoadJob, namespace: Namespace, hashes: list[bytes]) -> list[Buffer] | _Staged:
+        """The job's blocks copied into a staging tensor when the client has ``get_into``, else encoded buffers."""
         get_into = getattr(self.client, "get_into", None)
         if get_into is None:
             return self.client.get(namespace, hashes)
@@ -209,8 +346,15 @@ class WorkerSide:
             return self.client.get(namespace, hashes)
         return _Staged(staging[:num_blocks], None)
 
-    def _write(self, job: LoadJob, fetched: list[Buffer] | _Staged) -> None:
+    def _write(self, job: LoadJob, fetched: list[Buffer] | _Staged | _Leased) -> None:
         """Write the good prefix of the fetched blocks into vLLM's cache; report the rest, delete the bad one."""
+        if isinstance(fetched, _Leased):
+            try:
+                viewed = fetched.blocks
+                self._write_good(job, viewed.arrays, viewed.bad, fetched.lease.valid)
+            finally:
+                fetched.lease.release()
+            return
         if isinstance(fetched, _Staged):
             good: Any = fetched.blocks
             bad = fetched.bad
@@ -233,8 +377,14 @@ class WorkerSide:
             good.append(decode_block(buffer, verify=False))
         return good, None
 
-    def _write_good(self, job: LoadJob, good: Sequence[torch.Tensor] | torch.Tensor, bad: str | None) -> None:
-        """Scatter the checked blocks (each ``block_shape``) into the job's vLLM blocks; delete the bad one, if any."""
+    def _write_good(self, job: LoadJob, good: Sequence[torch.Tensor] | torch.Tensor | np.ndarray | list[np.ndarray],
+                    bad: str | None, still_valid: Callable[[], bool] | None = None) -> None:
+        """Scatter the checked blocks (each ``block_shape``) into the job's vLLM blocks; delete the bad one, if any.
+
+        ``good`` is tensors, or numpy arrays over leased memory (``kvstore.connectors.vllm.loading``); with
+        ``still_valid``, a lease that ran out during the scatter (its memory may hold another Get's bytes)
+        fails the whole load, so it is recomputed, never served half-written.
+        """
         expected = job.hashes[self.rank]
         fmt = self.paged.page_format
         if bad is not None:
@@ -248,9 +398,17 @@ class WorkerSide:
             units = self.paged.units_of(job.block_ids)[:num_units]
             first_units = [skip_units] + [0] * (len(good) - 1)
             try:
-                self.paged.scatter(units, good, self.units_per_kv_block, first_units)
+                if isinstance(good, np.ndarray) or (isinstance(good, list) and isinstance(good[0], np.ndarray)):
+                    self.paged.scatter_arrays(units, good, self.units_per_kv_block, first_units)
+                else:
+                    self.paged.scatter(units, good, self.units_per_kv_block, first_units)
             except Exception:  # noqa: BLE001 - never leave a half-written load counted as loaded
                 logger.exception("writing kvstore blocks of request %s into vLLM's cache failed", job.req_id)
+                self._fail(job, 0, len(expected))
+                return
+            if still_valid is not None and not still_valid():
+                logger.warning("the lease on kvstore blocks of request %s ran out while they were copied: "
+                               "recomputing them", job.req_id)
                 self._fail(job, 0, len(expected))
                 return
             self._count(loaded_blocks=len(good), loaded_tokens=len(good) * self.block_size)
@@ -262,21 +420,24 @@ class WorkerSide:
         ratio = self.block_size // self.vllm_block_size
         skipped = job.skip_tokens // self.vllm_block_size
         start = max(0, first_bad * ratio - skipped)
-        self._failed_block_ids.update(job.block_ids[start:])
-        self._failed_loads[job.req_id] = min(job.first_block + first_bad,
-                                             self._failed_loads.get(job.req_id, job.first_block + first_bad))
+        with self._fail_lock:
+            self._failed_block_ids.update(job.block_ids[start:])
+            self._failed_loads[job.req_id] = min(job.first_block + first_bad,
+                                                 self._failed_loads.get(job.req_id, job.first_block + first_bad))
         self._count(load_failed_blocks=max(0, num_blocks - first_bad))
 
     def take_load_errors(self) -> set[int]:
         """vLLM blocks that failed to load since the last call (vLLM recomputes them)."""
-        failed, self._failed_block_ids = self._failed_block_ids, set()
+        with self._fail_lock:
+            failed, self._failed_block_ids = self._failed_block_ids, set()
         return failed
 
     def take_worker_meta(self) -> KVStoreWorkerMetadata | None:
         """The failed loads since the last call, for the scheduler (``None`` when there were none)."""
-        if not self._failed_loads:
-            return None
-        failed, self._failed_loads = self._failed_loads, {}
+        with self._fail_lock:
+            if not self._failed_loads:
+                return None
+            failed, self._failed_loads = self._failed_loads, {}
         return KVStoreWorkerMetadata(failed_loads=failed)
 
     # ------------------------------------------------------------------ saves

@@ -17,6 +17,7 @@ import torch
 
 from kvstore.api import Buffer
 from kvstore.blockcopy import copy_into_destinations
+from kvstore.blocklease import BlockLease
 from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
@@ -28,6 +29,7 @@ from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.embedded import EmbeddedStore
 from kvstore.errors import UnavailableError
 from tests.support.server import ThreadedServer, finished_calls, make_config
+from tests.support.waiting import wait_until
 
 NUM_BLOCKS, H, N, D, LAYERS = 16, 2, 32, 32, 2
 FORMAT = PageFormat(backend="CPU_ATTN", family="split_tokens", interior="cpu_attn:isa=vec", num_layers=LAYERS,
@@ -63,10 +65,23 @@ class Proxy:
         return copied.num_copied
 
 
+    def read(self, namespace: Any, hashes: Any) -> BlockLease:
+        """The edited blocks as a gRPC client's ``read`` gives them: received buffers, not ``checked``."""
+        return BlockLease(self.get(namespace, hashes), [])
+
+
 class GetOnly(Proxy):
-    """A client without ``get_into`` (a third party's ``BlockClient``): the worker checks and decodes encoded blocks."""
+    """A client without ``read`` or ``get_into`` (a third party's ``BlockClient``): the worker checks and decodes
+    encoded blocks."""
 
     get_into = None  # type: ignore[assignment]  # what the worker's getattr(client, "get_into", None) sees of none
+    read = None  # type: ignore[assignment]
+
+
+class GetIntoOnly(Proxy):
+    """A client with ``get_into`` but no ``read``: the worker fetches into a staging tensor."""
+
+    read = None  # type: ignore[assignment]
 
     def close(self) -> None:
         """The test closes the store."""
@@ -133,6 +148,9 @@ def test_loads_through_a_same_host_node_come_from_shared_memory_and_match_the_sa
             assert _units_equal(source, [3, 4, 9, 1, 0, 7, 12, 13], target, [5, 6, 10, 11, 2, 8, 14, 15])
             assert client.shared_memory() == ("attached",)
             assert finished_calls(node, "GetShared", 1) == 1
+            # the load read the blocks in place under a lease, and gave it back after the scatter
+            wait_until(lambda: node.server.shm.counters()["leases"] == 0, 30, "the load's lease went back")  # type: ignore[union-attr]
+            assert node.server.shm.counters()["leases_expired"] == 0  # type: ignore[union-attr]
     finally:
         node.stop()
 
@@ -161,7 +179,7 @@ def test_a_miss_after_the_lookup_reports_the_missing_blocks_and_writes_nothing_f
     assert loader.take_worker_meta() is None and loader.take_load_errors() == set()
 
 
-@pytest.mark.parametrize("client", [Proxy, GetOnly])
+@pytest.mark.parametrize("client", [Proxy, GetIntoOnly, GetOnly])
 @pytest.mark.parametrize("damage", ["checksum", "shape", "dtype"])
 def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: EmbeddedStore, damage: str,
                                                                    client: type[Proxy]) -> None:
@@ -240,3 +258,65 @@ def test_a_job_with_nothing_to_fetch_reports_every_block(store: EmbeddedStore) -
     job = LoadJob("l", TenantKey(), 0, {}, 0, [3, 4, 5])
     worker.start_load(KVStoreConnectorMetadata(loads=[job]))
     assert worker.take_load_errors() == {3, 4, 5}
+
+
+class Gated(Proxy):
+    """The store's own in-place ``read``, which waits for ``gate`` first (a slow node)."""
+
+    def read(self, namespace: Any, hashes: Any) -> BlockLease:
+        assert self.gate is not None
+        self.gate.wait()
+        return self.store.read(namespace, hashes)
+
+
+def _load_async(worker: WorkerSide, block_ids: list[int], hashes: list[bytes] = HASHES) -> None:
+    worker.start_load(KVStoreConnectorMetadata(loads=[LoadJob("l", TenantKey(), 0, {RANK: hashes}, 0, block_ids)]))
+
+
+def test_an_asynchronous_load_returns_at_once_and_is_reported_when_written(store: EmbeddedStore) -> None:
+    source, target = _caches(1), _caches(2)
+    _save(_worker(store, source), [3, 4, 9, 1, 0, 7, 12, 13])
+    proxy = Gated(store)
+    proxy.gate = threading.Event()
+    loader = _worker(proxy, target, load_async=True)
+    _load_async(loader, [5, 6, 10, 11, 2, 8, 14, 15])  # returns while the store holds the fetch back
+    assert loader.take_finished_recving() == set()
+    proxy.gate.set()
+    finished: set[str] = set()
+    wait_until(lambda: finished.update(loader.take_finished_recving()) or "l" in finished, 30, "the load ended")
+    assert loader.take_load_errors() == set()
+    assert _units_equal(source, [3, 4, 9, 1, 0, 7, 12, 13], target, [5, 6, 10, 11, 2, 8, 14, 15])
+    assert loader.take_stats().data["loaded_blocks"] == 4
+    assert store.stats().tiers[0].hits == 4  # the lease went back once written
+
+
+def test_an_asynchronous_load_past_its_deadline_is_reported_failed_and_never_written(store: EmbeddedStore) -> None:
+    _save(_worker(store, _caches(1)), [3, 4, 9, 1], HASHES[:2])
+    proxy = Gated(store)
+    proxy.gate = threading.Event()
+    target = _caches(2)
+    before = [t.clone() for t in target]
+    loader = _worker(proxy, target, load_async=True, timeout_s=0.2, down_backoff_s=3600)
+    _load_async(loader, [5, 6, 10, 11], HASHES[:2])
+    wait_until(lambda: loader.take_finished_recving() == {"l"}, 30, "the load was given up at its deadline")
+    assert loader.take_load_errors() == {5, 6, 10, 11}  # read by vLLM in the same step as the finished receive
+    proxy.gate.set()  # the fetch ends now: its lease goes back, and nothing is written
+    wait_until(lambda: store.stats().tiers[0].hits == 2, 30, "the late fetch gave its lease back")
+    assert _units_equal(before, [5, 6, 10, 11], target, [5, 6, 10, 11])
+    assert loader.take_finished_recving() == set() and loader.take_stats().data["loaded_blocks"] == 0
+
+
+def test_a_failed_asynchronous_load_reports_its_blocks_with_or_before_its_end(store: EmbeddedStore) -> None:
+    _save(_worker(store, _caches(1)), [3, 4], HASHES[:1])  # one of the two blocks is in the store
+    loader = _worker(store, _caches(2), load_async=True)
+    _load_async(loader, [5, 6, 10, 11], HASHES[:2])
+    errors: set[int] = set()
+
+    def ended() -> bool:
+        done = loader.take_finished_recving()  # vLLM's order: get_finished, then the load errors
+        errors.update(loader.take_load_errors())
+        return "l" in done
+
+    wait_until(ended, 30, "the load ended")
+    assert errors == {10, 11}
+    assert loader.take_worker_meta().failed_loads == {"l": 1}
