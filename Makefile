@@ -53,9 +53,18 @@ demo: setup
 vllm-demo: setup-vllm
 	$(VLLM_PY) -m kvstore.demo.vllm_demo
 
+# `make test` runs its halves one after another, each from its own venv: every half runs and reports even when
+# an earlier one failed, and the target fails at the end if any did. A half is one `$(call test_half,NAME,PYTHON,PATHS)`
+# line; a new one (another engine's venv) is one more such line, and its venv's target a prerequisite of `test`.
+test_half = echo "make test: the $(1) half: $(2) -m pytest $(3) $(PYTEST_ARGS)"; \
+	$(2) -m pytest $(3) $(PYTEST_ARGS) || failed="$$failed $(1)";
+
 test: setup system-deps setup-vllm
-	$(PY) -m pytest $(PYTEST_ARGS)
-	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
+	@failed=""; \
+	$(call test_half,main,$(PY),) \
+	$(call test_half,vllm,$(VLLM_PY),tests/connectors/vllm) \
+	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed" >&2; exit 1; fi; \
+	echo "make test: every half passed"
 
 # The loop while changing code: every test not marked `slow` (no subprocesses, no multi-node, no models), in under a
 # minute on an idle 2-core machine; the model-based store test runs fewer examples. `make test` runs everything.
