@@ -8,9 +8,10 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
-# The torch to install first. 2.13.0 comes as a CPU build from this project's machines' local wheels; elsewhere
-# use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
-TORCH_SPEC ?= torch==2.13.0
+# The torch to install first: the CPU build, from PyTorch's CPU index (PyPI's is the CUDA build, 5 GB with NVIDIA's
+# libraries); pip also finds it in a local wheel folder (find-links) when that index cannot be reached. On a GPU
+# machine: TORCH_SPEC=torch==2.13.0. The same steps as docs/install.md (tests/test_install.py checks it).
+TORCH_SPEC ?= torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 .PHONY: setup setup-vllm system-deps demo vllm-demo test test-fast test-vllm bench bench-smoke clean
 
