@@ -441,7 +441,8 @@ def load_config(
     Raises:
         ConfigError: naming the field, for an unknown field, a value of the wrong
             type, an out-of-range value, a malformed Redis URL (:func:`redis_url_problem`),
-            a disk capacity without a disk path, or an unreadable file.
+            a disk capacity with no disk path set anywhere (an empty path turns the tier
+            off), or an unreadable file.
     """
     tree: dict[str, Any] = {}
     if path is not None:
@@ -457,7 +458,7 @@ def load_config(
             _set_path(tree, dotted, value)
     config = build(Config, tree, "")
     disk = tree.get("store", {}).get("disk", {})
-    if "capacity_bytes" in disk and not config.store.disk.path:  # an LMDB tier needs its directory
+    if "capacity_bytes" in disk and "path" not in disk:  # a path set to "" turns the tier off on purpose
         raise ConfigError("store.disk.capacity_bytes", "is set but store.disk.path is not, so there would be no "
                           "disk tier; add --disk-path DIR (store.disk.path, KVSTORE_DISK_PATH), or drop the capacity")
     return config

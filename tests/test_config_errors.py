@@ -68,3 +68,9 @@ def test_a_disk_capacity_with_a_path_from_another_source_is_fine(tmp_path: Path)
     config = load_config(env={"KVSTORE_DISK_PATH": str(tmp_path)}, overrides={"store.disk.capacity_bytes": "1GiB"})
     assert config.store.disk.path == str(tmp_path) and config.store.disk.capacity_bytes == 1 << 30
     assert load_config(env={}).store.disk.path == ""  # no capacity named, no disk tier: no error
+
+
+def test_an_empty_disk_path_turns_a_files_disk_tier_off_without_an_error(tmp_path: Path) -> None:
+    config_file = tmp_path / "kvstore.yaml"  # as the Kubernetes sidecar does: the file's tier, off by a variable
+    config_file.write_text(f"store:\n  disk:\n    path: {tmp_path / 'lmdb'}\n    capacity_bytes: 1GiB\n")
+    assert load_config(config_file, env={"KVSTORE_DISK_PATH": ""}).store.disk.path == ""
