@@ -8,9 +8,10 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
-# The torch to install first. 2.13.0 comes as a CPU build from this project's machines' local wheels; elsewhere
-# use e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA build.
-TORCH_SPEC ?= torch==2.13.0
+# The torch to install first: the CPU build, from PyTorch's CPU index (PyPI's is the CUDA build, 5 GB with NVIDIA's
+# libraries); pip also finds it in a local wheel folder (find-links) when that index cannot be reached. On a GPU
+# machine: TORCH_SPEC=torch==2.13.0. The same steps as docs/install.md (tests/test_install.py checks it).
+TORCH_SPEC ?= torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 .PHONY: setup setup-vllm setup-sglang system-deps demo vllm-demo test test-fast test-vllm bench bench-smoke clean
 
@@ -71,10 +72,19 @@ demo: setup
 vllm-demo: setup-vllm
 	$(VLLM_PY) -m kvstore.demo.vllm_demo
 
-test: setup system-deps setup-vllm
-	$(PY) -m pytest $(PYTEST_ARGS)
-	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
-	$(MAKE) setup-sglang && $(SGLANG_PY) -m pytest tests/connectors/sglang $(PYTEST_ARGS)
+# `make test` runs its halves one after another, each from its own venv: every half runs and reports even when
+# an earlier one failed, and the target fails at the end if any did. A half is one `$(call test_half,NAME,PYTHON,PATHS)`
+# line; a new one (another engine's venv) is one more such line, and its venv's target a prerequisite of `test`.
+test_half = echo "make test: the $(1) half: $(2) -m pytest $(3) $(PYTEST_ARGS)"; \
+	$(2) -m pytest $(3) $(PYTEST_ARGS) || failed="$$failed $(1)";
+
+test: setup system-deps setup-vllm setup-sglang
+	@failed=""; \
+	$(call test_half,main,$(PY),) \
+	$(call test_half,vllm,$(VLLM_PY),tests/connectors/vllm) \
+	$(call test_half,sglang,$(SGLANG_PY),tests/connectors/sglang) \
+	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed" >&2; exit 1; fi; \
+	echo "make test: every half passed"
 
 # The loop while changing code: every test not marked `slow` (no subprocesses, no multi-node, no models), in under a
 # minute on an idle 2-core machine; the model-based store test runs fewer examples. `make test` runs everything.

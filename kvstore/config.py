@@ -168,6 +168,39 @@ class RedisTierConfig:
         _require(":" not in self.prefix, "prefix", "must not contain ':'")
         _require(self.breaker_reset_s >= 0, "breaker_reset_s", "must be >= 0")
         _require(self.max_value_bytes > 0, "max_value_bytes", "must be > 0")
+        problem = redis_url_problem(self.url) if self.url else None
+        _require(problem is None, "url", problem or "")
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What is wrong with a ``store.redis.url``, with the fix; ``None`` for a URL redis-py reads as meant.
+
+    redis-py's own parser takes ``redis:/127.0.0.1:6379`` (one slash) as no host and
+    connects to localhost, and reads ``localhost:6379`` as a scheme: both are refused
+    here, with the whole value quoted and the URL the user most likely meant.
+    """
+    from urllib.parse import urlsplit
+
+    fix = "set --redis-url (store.redis.url, KVSTORE_REDIS_URL) to"
+    parts = urlsplit(url)
+    if "://" not in url and parts.scheme not in ("redis", "rediss", "unix"):
+        return (f"{url!r} is not a Redis URL: it must start with redis://, rediss:// (TLS) or unix://; "
+                f"{fix} e.g. 'redis://{url.strip('/')}/0'")
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        return (f"{url!r} has the scheme {parts.scheme!r}: it must start with redis://, rediss:// (TLS) or unix://; "
+                f"{fix} e.g. 'redis://{url.split('://', 1)[1].strip('/')}'")
+    if parts.scheme == "unix":
+        return None if parts.path else f"{url!r} names no socket: {fix} e.g. 'unix:///run/redis/redis.sock'"
+    if not url.startswith(f"{parts.scheme}://"):
+        rest = url.split(":", 1)[1].lstrip("/")
+        return f"{url!r} has no host (a URL has two slashes after the scheme): {fix} e.g. '{parts.scheme}://{rest}'"
+    if not parts.hostname:
+        return f"{url!r} names no host: {fix} e.g. '{parts.scheme}://127.0.0.1:6379/0'"
+    try:
+        parts.port
+    except ValueError:
+        return f"{url!r} has a port that is not a number: {fix} e.g. '{parts.scheme}://{parts.hostname}:6379/0'"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,7 +468,9 @@ def load_config(
 
     Raises:
         ConfigError: naming the field, for an unknown field, a value of the wrong
-            type, an out-of-range value or an unreadable file.
+            type, an out-of-range value, a malformed Redis URL (:func:`redis_url_problem`),
+            a disk capacity with no disk path set anywhere (an empty path turns the tier
+            off), or an unreadable file.
     """
     tree: dict[str, Any] = {}
     if path is not None:
@@ -449,7 +484,12 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_path(tree, dotted, value)
-    return build(Config, tree, "")
+    config = build(Config, tree, "")
+    disk = tree.get("store", {}).get("disk", {})
+    if "capacity_bytes" in disk and "path" not in disk:  # a path set to "" turns the tier off on purpose
+        raise ConfigError("store.disk.capacity_bytes", "is set but store.disk.path is not, so there would be no "
+                          "disk tier; add --disk-path DIR (store.disk.path, KVSTORE_DISK_PATH), or drop the capacity")
+    return config
 
 
 def _read_file(path: Path) -> dict[str, Any]:

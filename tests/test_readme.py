@@ -54,6 +54,11 @@ def _readme() -> str:
     return README.read_text()
 
 
+def python_blocks() -> list[str]:
+    """The README's Python blocks, in order (the first is the embedded quick start)."""
+    return _blocks(_readme(), "python")
+
+
 def _command_lines(language: str = "bash") -> list[str]:
     lines = []
     for block in _blocks(_readme(), language):
@@ -138,8 +143,9 @@ def _heading_ids(page: Path) -> set[str]:
 
 def test_the_install_line_names_the_distribution() -> None:
     name = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
-    installs = [line for line in _command_lines() if line.startswith("pip install")]
-    assert installs and all(name in line for line in installs)
+    installs = [line for line in _command_lines() if line.startswith("pip install") and " torch==" not in line]
+    assert installs and all(name in line or "pip install -e '.[" in line for line in installs)  # or a checkout's
+    assert f"`pip install '{name}[hf]'`" in _readme()  # once published
     assert f"pip install 'kvstore" not in _readme()
 
 

@@ -1,10 +1,12 @@
-"""The built wheel: named ``llm-kvstore``, installed in a fresh virtual environment, and every subcommand run from it.
+"""The release check: the sdist and the wheel, built by ``build``, installed in a fresh venv, and run from it.
 
-The wheel is built from what the Dockerfile copies (``pyproject.toml``,
-``README.md``, ``LICENSE``, ``kvstore/``) and installed with its ``hf`` extra
-into a new venv that sees nothing of this checkout: no ``PYTHONPATH``, the
-working directory a temporary folder. Then each subcommand runs its basic
-use: ``serve`` a node, ``health`` and ``stats`` of it, ``loadtest`` and
+``python -m build`` (from ``.[dev]``) builds the sdist from what the Dockerfile
+copies (``pyproject.toml``, ``README.md``, ``LICENSE``, ``kvstore/``), then the
+wheel from the sdist, as a release does (docs/install.md, "Building a release").
+The wheel is installed with its ``hf`` extra into a new venv that sees nothing
+of this checkout: no ``PYTHONPATH``, the working directory a temporary folder.
+Then the README's embedded quick start runs from it, and each subcommand its
+basic use: ``serve`` a node, ``health`` and ``stats`` of it, ``loadtest`` and
 ``simulate`` on the trace bundled in the wheel, and ``demo`` embedded and
 against the node.
 
@@ -24,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import venv
 import zipfile
 from pathlib import Path
@@ -40,8 +43,8 @@ SOURCES = ("pyproject.toml", "README.md", "LICENSE", "kvstore")
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel, built without build isolation from a copy of what the Dockerfile copies."""
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``python -m build``'s output folder: the sdist and the wheel built from it (no build isolation: offline)."""
     source = tmp_path_factory.mktemp("source")
     for name in SOURCES:
         if (REPO_ROOT / name).is_dir():
@@ -50,9 +53,15 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         else:
             shutil.copy(REPO_ROOT / name, source / name)
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(out), str(source)], check=True, timeout=600)
-    (built,) = out.glob("*.whl")
+    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)],
+                   check=True, timeout=600, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(dist: Path) -> Path:
+    """The wheel that ``build`` made from the sdist."""
+    (built,) = dist.glob("*.whl")
     return built
 
 
@@ -118,6 +127,27 @@ def test_the_wheel_is_llm_kvstore_with_its_data_and_licences(wheel: Path) -> Non
             "kvstore/data/tinyshakespeare.txt", "kvstore/data/README.md", "kvstore/py.typed"} <= names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+
+
+def test_the_sdist_holds_the_sources_and_no_tests(dist: Path) -> None:
+    (sdist,) = dist.glob("*.tar.gz")
+    assert sdist.name == "llm_kvstore-0.1.0.tar.gz"
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"pyproject.toml", "README.md", "LICENSE", "PKG-INFO", "kvstore/__init__.py", "kvstore/cli.py",
+            "kvstore/data/traces/mooncake_conversation_trace.jsonl", "kvstore/py.typed"} <= names
+    assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+
+
+def test_the_readmes_embedded_quick_start_runs_from_the_wheel(fresh_venv: Path, outside: Path) -> None:
+    from tests.test_readme import python_blocks
+
+    code = python_blocks()[0]
+    assert "open_store" in code
+    result = subprocess.run([str(fresh_venv / "python"), "-c", code], capture_output=True, text=True, cwd=outside,
+                            env=_env(), timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LookupResult(num_blocks=6, tiers=('memory'" in result.stdout
 
 
 def test_the_package_comes_from_the_venv_not_the_checkout(fresh_venv: Path, outside: Path) -> None:

