@@ -92,6 +92,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.api import Block, Buffer, LookupResult, StoreStats, TierStats, merge_tier_status
 from kvstore.blockcopy import Copied, blocks_for_put, check_destinations, copy_into_destinations
 from kvstore.codec import decode_block, encode_blocks
+from kvstore.encoding import encode_for_put
 from kvstore.errors import DestinationMismatchError, InvalidArgumentError, KVStoreError, UnavailableError
 from kvstore.keys import BlockHash, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
@@ -1137,6 +1138,7 @@ class _Client:
         check_block_hashes(namespace, block_hashes)
         priority, retention_s = _check_put(namespace, block_hashes, blocks, priority, retention_s)
         blocks = blocks_for_put(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
+        blocks = encode_for_put(blocks, namespace)  # a lossy namespace's tensors, encoded here (kvstore.encoding)
 
         def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> _Rpc:
             return _put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s)

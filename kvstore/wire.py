@@ -91,6 +91,7 @@ def namespace_to_pb(namespace: Namespace) -> pb.Namespace:
         adapter=namespace.adapter,
         cache_salt=namespace.cache_salt,
         hash_algorithm=HashAlgorithm(namespace.hash_algorithm).value,
+        kv_encoding=namespace.kv_encoding,
     )
 
 
@@ -135,6 +136,7 @@ def namespace_from_pb(message: pb.Namespace) -> Namespace:
         adapter=message.adapter,
         cache_salt=message.cache_salt,
         hash_algorithm=algorithm,
+        kv_encoding=message.kv_encoding,
     )
 
 
