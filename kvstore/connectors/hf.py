@@ -118,6 +118,7 @@ def model_namespace(
     cache_salt: str = "",
     hash_algorithm: HashAlgorithm | str = HashAlgorithm.XXH3_128,
     adapter: str | tuple[str, str] | None = None,
+    kv_encoding: str = "",
 ) -> Namespace:
     """The namespace of a model's KV blocks: any difference in weights or KV shape changes it.
 
@@ -143,6 +144,8 @@ def model_namespace(
             (stored as ``name@version``; give the version, or a content hash, whenever the same name can
             hold other weights). ``""`` for the base model. ``None`` (the default) reads the model: a model
             with PEFT adapters loaded (``model.peft_config``) must be given one explicitly.
+        kv_encoding: lossy KV encoding of the stored blocks (``int8``, ``fp8_e4m3``, ``int4``, ``int2``;
+            ``docs/encodings.md``), ``""`` for exact blocks.
 
     Raises:
         InvalidArgumentError: if no model id is known, block_size is not positive, the adapter is
@@ -168,6 +171,7 @@ def model_namespace(
         adapter=adapter_id(model, adapter),
         cache_salt=cache_salt,
         hash_algorithm=HashAlgorithm(hash_algorithm),
+        kv_encoding=kv_encoding,
     )
 
 
@@ -371,6 +375,8 @@ class HFConnector:
         load_timeout_s: seconds a load may take before falling back to a full prefill.
         priority: priority of saved blocks (0..100), ``None`` for the store's default.
         retention_s: seconds saved blocks keep ``priority``, ``None`` for no limit.
+        kv_encoding: lossy KV encoding of the saved blocks (see :func:`model_namespace`); loads hand
+            back the model's dtype.
 
     Raises:
         InvalidArgumentError: on a model without a cache keyword or model id,
@@ -391,6 +397,7 @@ class HFConnector:
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         priority: int | None = None,
         retention_s: float | None = None,
+        kv_encoding: str = "",
     ) -> None:
         if load_timeout_s <= 0:
             raise InvalidArgumentError(f"load_timeout_s must be > 0, got {load_timeout_s}")
@@ -401,7 +408,7 @@ class HFConnector:
         self.shape = model_shape(model.config)
         self.namespace = model_namespace(
             model, block_size=block_size, model_id=model_id, revision=revision,
-            cache_salt=cache_salt, hash_algorithm=hash_algorithm, adapter=adapter,
+            cache_salt=cache_salt, hash_algorithm=hash_algorithm, adapter=adapter, kv_encoding=kv_encoding,
         )
         self.load_timeout_s = load_timeout_s
         self._priority = priority
