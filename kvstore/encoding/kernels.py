@@ -116,30 +116,31 @@ def _codes(x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, code_max
 
 def _pack(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """Pack ``uint8`` codes ``[..., n]`` into ``out`` ``[..., n * bits / 8]``, element ``i`` of each byte in bits
-    ``[i * bits, (i + 1) * bits)``."""
+    ``[i * bits, (i + 1) * bits)``: ``out = c_0 + 2^bits c_1 + ...`` (the codes are below ``2^bits``, so no carry)."""
     per_byte = 8 // bits
     grouped = codes.view(*codes.shape[:-1], -1, per_byte)
-    torch.bitwise_left_shift(grouped[..., per_byte - 1], bits * (per_byte - 1), out=out)
-    for i in range(per_byte - 2, -1, -1):
-        out.bitwise_or_(grouped[..., i] << (bits * i) if i else grouped[..., 0])
+    torch.add(grouped[..., 0], grouped[..., 1], alpha=1 << bits, out=out)
+    for i in range(2, per_byte):
+        out.add_(grouped[..., i], alpha=1 << (bits * i))
 
 
-def _unpack_into(packed: torch.Tensor, bits: int, minimum: torch.Tensor, scale: torch.Tensor,
-                 out: torch.Tensor) -> None:
-    """``out[..., j] = code_j * scale + min`` for the codes packed in ``packed`` ``[..., m]``.
-
-    ``out`` is ``[..., m, per_byte]`` (a view of the block's output); ``minimum`` and ``scale`` are float32,
-    broadcastable to ``[..., m]`` for every ``j`` (per element of the last dim: shaped ``[..., m, per_byte]``
-    and indexed here).
-    """
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ``uint8`` codes of ``packed`` ``[..., m]``, as ``[..., m, 8 / bits]`` (the inverse of :func:`_pack`)."""
     per_byte = 8 // bits
     mask = (1 << bits) - 1
-    per_element = minimum.dim() == out.dim() and minimum.shape[-1] == per_byte
-    for j in range(per_byte):
-        code = (packed >> (bits * j)) & mask if j else packed & mask
-        low = minimum[..., j] if per_element else minimum
-        step = scale[..., j] if per_element else scale
-        torch.addcmul(low, code, step, out=out[..., j])
+    codes = torch.empty(*packed.shape, per_byte, dtype=torch.uint8, device=packed.device)
+    torch.bitwise_and(packed, mask, out=codes[..., 0])
+    for j in range(1, per_byte - 1):
+        torch.bitwise_right_shift(packed, bits * j, out=codes[..., j]).bitwise_and_(mask)
+    torch.bitwise_right_shift(packed, bits * (per_byte - 1), out=codes[..., per_byte - 1])
+    return codes
+
+
+def _affine_into(codes: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = codes * scale + min`` (broadcast), in ``out``'s dtype: the codes convert exactly (below 256), and
+    the scale and minimum are the stored float16 values in ``out``'s dtype."""
+    out.copy_(codes)
+    out.mul_(scale.to(out.dtype)).add_(minimum.to(out.dtype))
 
 
 def quantize_grouped(block: torch.Tensor, layout: str, encoding: Encoding, group: int, scales: torch.Tensor,
@@ -194,28 +195,26 @@ def dequantize_grouped(layout: str, encoding: Encoding, group: int, scales: torc
     """
     bits = encoding.bits
     per_byte = 8 // bits
-    wide = scales.float()  # a few KiB: min + code * scale in float32 whatever out's dtype
     if layout == "kv":
         num_layers, _, num_heads, num_tokens, head_dim = out.shape
         per = num_layers * num_heads * head_dim
         rest = num_layers * num_heads * num_tokens * (head_dim // group)
-        k_scale = wide[:per].view(num_layers, num_heads, 1, head_dim // per_byte, per_byte)
-        k_min = wide[per:2 * per].view(num_layers, num_heads, 1, head_dim // per_byte, per_byte)
-        v_scale = wide[2 * per:2 * per + rest].view(num_layers, num_heads, num_tokens, head_dim // group, 1)
-        v_min = wide[2 * per + rest:2 * per + 2 * rest].view(num_layers, num_heads, num_tokens, head_dim // group, 1)
-        packed = data.view(num_layers, 2, num_heads, num_tokens, head_dim // per_byte)
-        target = out.view(num_layers, 2, num_heads, num_tokens, head_dim // per_byte, per_byte)
-        _unpack_into(packed[:, 0], bits, k_min, k_scale, target[:, 0])
-        values = packed[:, 1].reshape(num_layers, num_heads, num_tokens, head_dim // group, group // per_byte)
-        v_target = out[:, 1].view(num_layers, num_heads, num_tokens, head_dim // group, group // per_byte, per_byte)
-        _unpack_into(values, bits, v_min, v_scale, v_target)
+        k_scale = scales[:per].view(num_layers, num_heads, 1, head_dim)
+        k_min = scales[per:2 * per].view(num_layers, num_heads, 1, head_dim)
+        v_scale = scales[2 * per:2 * per + rest].view(num_layers, num_heads, num_tokens, head_dim // group, 1)
+        v_min = scales[2 * per + rest:2 * per + 2 * rest].view(num_layers, num_heads, num_tokens,
+                                                              head_dim // group, 1)
+        codes = _unpack(data.view(num_layers, 2, num_heads, num_tokens, head_dim // per_byte), bits)
+        codes = codes.view(num_layers, 2, num_heads, num_tokens, head_dim)
+        _affine_into(codes[:, 0], k_min, k_scale, out[:, 0])
+        v_out = out[:, 1].view(num_layers, num_heads, num_tokens, head_dim // group, group)
+        _affine_into(codes[:, 1].view(v_out.shape), v_min, v_scale, v_out)
         return
     num_layers, _, num_tokens, latent = out.shape
     count = num_layers * latent
-    scale = wide[:count].view(num_layers, 1, latent // per_byte, per_byte)
-    minimum = wide[count:2 * count].view(num_layers, 1, latent // per_byte, per_byte)
-    _unpack_into(data.view(num_layers, num_tokens, latent // per_byte), bits, minimum, scale,
-                 out[:, 0].view(num_layers, num_tokens, latent // per_byte, per_byte))
+    codes = _unpack(data.view(num_layers, num_tokens, latent // per_byte), bits).view(num_layers, num_tokens, latent)
+    _affine_into(codes, scales[count:2 * count].view(num_layers, 1, latent),
+                 scales[:count].view(num_layers, 1, latent), out[:, 0])
 
 
 def encode_payload(block: torch.Tensor, layout: str, encoding: Encoding, group: int, plan: PayloadPlan,
