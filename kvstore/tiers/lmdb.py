@@ -72,6 +72,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVa
 import lmdb
 
 from kvstore.codec import verify_block
+from kvstore.tiers.compression import Codec, Compressor, block_nbytes, unpack
 from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, ConfigError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
@@ -249,7 +250,7 @@ def _block_of(key: bytes, record: bytes | memoryview) -> bytes:
     nbytes = view.nbytes - len(key)
     if nbytes <= 0 or view[nbytes:] != key:
         raise CodecError("the record does not end with its own key (a damaged page points it elsewhere)")
-    block = bytes(view[:nbytes])
+    block = unpack(bytes(view[:nbytes]))  # a compressed frame's block (kvstore.tiers.compression)
     verify_block(block)
     return block
 
@@ -315,7 +316,9 @@ class LMDBTier:
         name: str = "disk",
         map_size_bytes: int | None = None,
         num_reader_threads: int = 4,
+        compressor: Compressor | None = None,
     ) -> None:
+        self._compressor = compressor or Compressor()  # blocks stored compressed (kvstore.tiers.compression)
         if capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
@@ -372,7 +375,8 @@ class LMDBTier:
         if not cfg.path:
             raise InvalidArgumentError("store.disk.path is empty: the disk tier is disabled")
         map_size = max(MIN_MAP_BYTES, cfg.capacity_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
-        return cls(cfg.path, usable_bytes(map_size), sync=cfg.sync, name=name, map_size_bytes=map_size)
+        return cls(cfg.path, usable_bytes(map_size), sync=cfg.sync, name=name, map_size_bytes=map_size,
+                   compressor=Compressor(Codec(cfg.compression)))
 
     # -- opening ------------------------------------------------------------------
 
@@ -468,8 +472,9 @@ class LMDBTier:
                 except CodecError:
                     continue
                 parsed = _unpack_meta(metas.pop(record.key, None))
-                if parsed is None or parsed[1] != len(block):  # the meta is gone: the block is still good
-                    parsed = BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), len(block)
+                stored = len(record.value) - len(record.key)  # the block, or its compressed frame
+                if parsed is None or parsed[1] != stored:  # the meta is gone: the block is still good
+                    parsed = BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), stored
                 batch.append((record.key, record.value, _pack_meta(*parsed)))
                 if len(batch) >= 256:
                     kept += self._write_salvaged(env, blocks_db, meta_db, batch)
@@ -839,7 +844,7 @@ class LMDBTier:
                 parsed = _unpack_meta(raw)
                 record = txn.get(key, db=self._blocks)
                 if parsed is not None and record is not None and len(record) == parsed[1] + len(key):
-                    entries.append(ResidentEntry(key, parsed[1], parsed[0]))
+                    entries.append(ResidentEntry(key, block_nbytes(record, parsed[1]), parsed[0]))
                 elif record is not None and _ends_with(record, key):
                     repairs.append((key, len(record) - len(key)))
                 else:
@@ -948,6 +953,7 @@ class LMDBTier:
 
         def put_one(txn: lmdb.Transaction, i: int) -> int:
             key, value, meta = batch[i]
+            value = self._compressor.pack(value)
             nbytes = memoryview(value).nbytes
             held = self._held_nbytes(txn, key)
             delta = self.footprint(nbytes) - (0 if held is None else self.footprint(held))

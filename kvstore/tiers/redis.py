@@ -62,6 +62,7 @@ from redis.backoff import NoBackoff
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvstore.codec import verify_block
+from kvstore.tiers.compression import Codec, Compressor, pack_all, unpack_or_keep
 from kvstore.config import RedisTierConfig
 from kvstore.errors import CodecError, ConfigError, UnavailableError, UnsupportedVersionError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
@@ -228,6 +229,7 @@ class RedisTier:
         self.name = name
         self.cfg = cfg
         self.mode = cfg.mode
+        self._compressor = Compressor(Codec(cfg.compression))  # blocks stored compressed (kvstore.tiers.compression)
         self._scheme = self._check_url(cfg)
         self._password = self._read_password(cfg)
         self._prefix = cfg.prefix
@@ -472,6 +474,7 @@ class RedisTier:
             sizes = [len(v) for v in fetched if v is not None]
             if sizes:
                 self._value_bytes_hint = max(self._value_bytes_hint, max(sizes))
+            fetched = [None if v is None else unpack_or_keep(v) for v in fetched]  # frames: their blocks
             values[start:start + len(chunk)] = fetched
             if sum(sizes) >= VERIFY_OFFLOAD_BYTES:  # checksum in a thread while the next chunk arrives
                 verdicts.append((start, asyncio.ensure_future(asyncio.to_thread(_verify_all, fetched))))
@@ -521,6 +524,7 @@ class RedisTier:
         stored = [False] * len(keys)
         if not keys:
             return stored
+        values = await pack_all(self._compressor, values)  # compressed where that saves (kvstore.tiers.compression)
         groups = _by_namespace(keys)
         written_under = {tag: (generations or {}).get(tag, self.generation(tag)) for tag in groups}  # before any await
         if not self._admit():
