@@ -186,3 +186,26 @@ def encoded_nbytes_of(encoding: Encoding | None, layout: str, shape: tuple[int, 
         return header_bytes + math.prod(shape) * itemsize
     group = value_group(shape[-1]) if encoding.grouped and layout == "kv" else 0
     return header_bytes + payload_plan(encoding, layout, shape, group).payload_nbytes
+
+
+REFERENCE_HEAD_DIM = 128
+"""The head size :func:`encoded_fraction` assumes for int4/int2's value groups (Llama, Qwen, Mistral)."""
+
+
+def encoded_fraction(encoding: Encoding | None, block_tokens: int, itemsize: int = 2,
+                     head_dim: int = REFERENCE_HEAD_DIM) -> float:
+    """Stored bytes of a ``kv`` block's payload under ``encoding``, as a fraction of the exact payload.
+
+    What a capacity plan needs without a model at hand (``kvstore simulate --kv-encoding``): bits per
+    element of the codes plus the scales' share (fp8/int8: one float32 per row of a head's tokens, about
+    nothing; int4/int2: keys' float16 minimum and scale per channel over ``block_tokens`` tokens, values'
+    per token and group of ``head_dim`` channels), against ``8 * itemsize`` bits.
+    """
+    if encoding is None:
+        return 1.0
+    if not encoding.grouped:
+        return (8 + 32 / (block_tokens * head_dim)) / (8 * itemsize)
+    group = value_group(head_dim)
+    keys = encoding.bits + 32 / block_tokens
+    values = encoding.bits + 32 / group
+    return (keys + values) / 2 / (8 * itemsize)
