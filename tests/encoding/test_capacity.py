@@ -51,3 +51,13 @@ def test_an_encoding_needs_the_exact_block_size() -> None:
         encoded_block_bytes(None, "int8", 512)
     with pytest.raises(InvalidArgumentError, match="unknown KV encoding"):
         encoded_block_bytes(1 << 20, "int3", 512)
+
+
+def test_loadtest_sizes_its_blocks_as_the_encoding_stores_them() -> None:
+    from kvstore.loadtest.cli import encoded_payload_bytes
+
+    assert encoded_payload_bytes(64512, "", 512) == 64512
+    assert encoded_payload_bytes(64512, "int8", 512) == 31744  # half, in multiples of 2 * 512
+    assert encoded_payload_bytes(64512, "int4", 512) == 16384
+    with pytest.raises(InvalidArgumentError, match="unknown KV encoding"):
+        encoded_payload_bytes(64512, "int3", 512)
