@@ -35,7 +35,10 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 TEXT = Path(__file__).resolve().parents[1] / "kvstore" / "data" / "tinyshakespeare.txt"
 BLOCK_SIZE = 16
-PREFIX_TOKENS = 256
+PREFIX_TOKENS = 128
+TRAIN_SEQ_TOKENS = 256
+"""Training sequences are this long, so that every evaluated position (prefix, continuation, generation:
+at most 192) is one the model was trained at (RoPE does not extrapolate)."""
 CONTINUATION_TOKENS = 64
 CONFIG = dict(vocab_size=256, hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
               num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False)
@@ -52,7 +55,7 @@ def trained_model(cache_dir: Path, train_s: float, seed: int = 0):  # type: igno
     """The trained model, loaded from ``cache_dir`` when a run with the same config and budget saved it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tag = hashlib.sha256(json.dumps([CONFIG, train_s, seed], sort_keys=True).encode()).hexdigest()[:12]
+    tag = hashlib.sha256(json.dumps([CONFIG, train_s, seed, TRAIN_SEQ_TOKENS], sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir / f"llama-shakespeare-{tag}"
     if (path / "config.json").exists():
         return LlamaForCausalLM.from_pretrained(path, use_safetensors=True).eval(), json.loads(
@@ -62,7 +65,7 @@ def trained_model(cache_dir: Path, train_s: float, seed: int = 0):  # type: igno
     train, held_out = _data()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     generator = torch.Generator().manual_seed(seed)
-    seq, batch = 128, 16
+    seq, batch = TRAIN_SEQ_TOKENS, 8
     started, steps, loss = time.monotonic(), 0, float("nan")
     model.train()
     while time.monotonic() - started < train_s:
@@ -81,7 +84,7 @@ def trained_model(cache_dir: Path, train_s: float, seed: int = 0):  # type: igno
         if steps % 100 == 0:
             print(f"step {steps}: loss {loss:.3f} ({time.monotonic() - started:.0f} s)", flush=True)
     model.eval()
-    info = {"steps": steps, "train_s": train_s, "final_train_loss": loss}
+    info = {"steps": steps, "train_s": train_s, "final_train_loss": loss, "train_seq_tokens": seq}
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     (path / "training.json").write_text(json.dumps(info))
@@ -213,7 +216,7 @@ def main() -> None:
              f"`{command}` (load {load:.2f}). Model: Llama {CONFIG['num_hidden_layers']} layers, "
              f"{CONFIG['num_key_value_heads']} KV heads of {CONFIG['hidden_size'] // CONFIG['num_attention_heads']} "
              f"channels, byte vocabulary, trained {info['steps']} steps ({info['train_s']:g} s, final train loss "
-             f"{info['final_train_loss']:.3f}) on 90 % of tinyshakespeare; evaluated in bfloat16 on {len(prompts)} "
+             f"{info['final_train_loss']:.3f}) on 90 % of tinyshakespeare (sequences of {info.get('train_seq_tokens', 128)} tokens); evaluated in bfloat16 on {len(prompts)} "
              f"held-out prompts: {PREFIX_TOKENS}-token prefix from the store ({BLOCK_SIZE}-token blocks), "
              f"{CONTINUATION_TOKENS}-token continuation.", "",
              "| encoding | K rel. L2 | V rel. L2 | attention out rel. | perplexity | vs raw | greedy identical | "
