@@ -210,7 +210,7 @@ def main() -> None:
     rows = evaluate(model, prompts)
     raw = rows[0]["perplexity"]
     load = os.getloadavg()[0]
-    command = f"flock /tmp/heavy.lock nice -n 10 python benchmarks/bench_encoding_quality.py --train-s {args.train_s:g} --prompts {args.prompts}"
+    command = f"python benchmarks/bench_encoding_quality.py --train-s {args.train_s:g} --prompts {args.prompts}"
     goals = {"fp8_e4m3": (0.01, 0.98), "int8": (0.01, 0.98), "int4": (0.05, None), "int2": (None, None)}
     lines = ["# Lossy KV encodings: quality on a trained model", "",
              f"`{command}` (load {load:.2f}). Model: Llama {CONFIG['num_hidden_layers']} layers, "
