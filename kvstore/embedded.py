@@ -15,7 +15,8 @@ from kvstore.encoding import encode_for_put
 from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
-from kvstore.store import TieredStore, open_async_store
+from kvstore.factory import open_async_store
+from kvstore.store import TieredStore
 
 if TYPE_CHECKING:
     import torch
