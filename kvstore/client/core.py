@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 import grpc
 from grpc_health.v1 import health_pb2
 
-from kvstore.encoding import encode_for_put
 from kvstore.api import Block, Buffer, StoreStats
 from kvstore.blockcopy import blocks_for_put, check_destinations, copy_into_destinations
 from kvstore.codec import decode_block
+from kvstore.encoding import encode_for_put
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockHash, Namespace, check_block_hashes
 from kvstore.security import call_metadata
