@@ -107,6 +107,9 @@ def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
         raise DestinationMismatchError(
             f"block {position} is {header.dtype} {list(header.shape)}, its destination "
             f"{str(destination.dtype).removeprefix('torch.')} {list(destination.shape)}", position, num_found)
+    if header.encoding:  # a lossy block: decoded on the destination's device (kvstore.encoding)
+        from kvstore.encoding import decode_block_into
+        return decode_block_into(block, header, destination, source)
     if header.payload_nbytes == 0:
         return
     if source is None:
@@ -155,7 +158,7 @@ def copy_batch_into(blocks: Sequence[memoryview], destinations: Sequence[torch.T
     if any(offsets[i + 1] - offsets[i] != step or blocks[i + 1].nbytes != size for i in range(num_blocks - 1)):
         return None
     header = decode_header(blocks[0])
-    if header.payload_nbytes == 0:
+    if header.payload_nbytes == 0 or header.encoding:  # lossy blocks are decoded one by one
         return None
     start, end = CHECKSUM_SPAN
     lead, rest = blocks[0][:start], blocks[0][end:header.header_nbytes]

@@ -8,19 +8,28 @@ Wire and disk format of one block (all integers little-endian)::
     6       1     dtype code (see DTYPES)
     7       1     layout code (see Layout)
     8       1     ndim
-    9       1     flags (0)
+    9       1     flags (0, or 1: the payload is lossily encoded)
     10      2     header_nbytes: offset of the payload, a multiple of 64
     12      8     payload_nbytes
     20      8     checksum: xxh3-64 of the whole block with these 8 bytes as zeros
     28      8*n   shape, one uint64 per dimension
+    28+8n   4     only with flag 1: encoding code (u8), 0 (u8), value group (u16)
     ...           zero padding up to header_nbytes
-    header_nbytes payload: the tensor's bytes in C order
+    header_nbytes payload: the tensor's bytes in C order (flag 1: the encoding's sections)
 
 The checksum covers every byte of the block: the header (its own field read
 as zeros, so that it can be computed before it is written) and the payload,
 in that order, as one xxh3-64 stream with seed 0. A reader that checks it knows
 that the dtype, layout, shape, flags and padding are the ones the writer set,
-not only the payload. Flags and padding must be zero.
+not only the payload. Padding and unknown flags must be zero.
+
+Flag 1 marks a block of a lossy KV encoding (``kvstore.encoding``): the dtype
+and shape are the tensor's before encoding (what a reader gets back), and the
+payload is that encoding's scales and data (``kvstore/encoding/spec.py``), its
+size set by the encoding, the shape and the group. The checksum covers the
+encoding's code, its group and its scales like any other byte. A reader refuses
+a code it does not know (:class:`~kvstore.errors.UnknownEncodingError`), and an
+exact block is byte for byte what it was before encodings existed.
 
 Version 1 checksummed the payload alone, so a flipped dtype byte (float16 read
 as bfloat16) went unseen. It is no longer read: a version-1 block is a
@@ -61,6 +70,7 @@ from kvstore.errors import (
     UnknownDtypeError,
     UnsupportedVersionError,
 )
+from kvstore.encoding.spec import Encoding, encoding_of, encoding_of_code, payload_plan
 
 MAGIC = b"KVB\x01"
 VERSION = 2
@@ -74,6 +84,9 @@ exactly when their dtype, layout and shape are."""
 _CHECKSUM_AT = 20  # offset of the checksum field in the header
 _CHECKSUM_BYTES = 8
 _NO_CHECKSUM = bytes(_CHECKSUM_BYTES)
+FLAG_ENCODED = 0x01
+"""Header flag: the payload is a lossy encoding's (see the module docstring)."""
+_ENCODING = struct.Struct("<BBH")  # code, reserved (0), value group
 
 DTYPES: dict[str, tuple[int, int]] = {
     "float32": (1, 4),
@@ -157,6 +170,8 @@ class BlockHeader:
         header_nbytes: offset of the payload in the buffer, bytes.
         payload_nbytes: payload length, bytes.
         checksum: xxh3-64 of the whole block, its own field as zeros (see the module docstring).
+        encoding: the lossy KV encoding's name (``kvstore.encoding.Encoding``), ``""`` for an exact block.
+        group: the encoding's value group (channels; 0 where it has none).
     """
 
     dtype: str
@@ -165,16 +180,23 @@ class BlockHeader:
     header_nbytes: int
     payload_nbytes: int
     checksum: int
+    encoding: str = ""
+    group: int = 0
 
     @property
     def nbytes(self) -> int:
         """Total encoded length: header plus payload, bytes."""
         return self.header_nbytes + self.payload_nbytes
 
+    @property
+    def logical_nbytes(self) -> int:
+        """Bytes of the tensor the block holds, as the engine holds it (``prod(shape) * itemsize``)."""
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
 
-def header_nbytes(ndim: int) -> int:
-    """Bytes of a header for a tensor of ``ndim`` dimensions (a multiple of 64)."""
-    raw = _FIXED.size + 8 * ndim
+
+def header_nbytes(ndim: int, *, encoded: bool = False) -> int:
+    """Bytes of a header for a tensor of ``ndim`` dimensions (a multiple of 64); ``encoded``: of a lossy block."""
+    raw = _FIXED.size + 8 * ndim + (_ENCODING.size if encoded else 0)
     return -(-raw // ALIGNMENT) * ALIGNMENT
 
 
@@ -187,12 +209,20 @@ def _check_shape(layout: Layout, shape: tuple[int, ...]) -> None:
         raise ElementCountError(f"layout 'mla' needs dim 1 == 1 (one latent), got shape {list(shape)}")
 
 
-def encode_header(dtype: str, layout: Layout | str, shape: tuple[int, ...], payload: bytes | memoryview) -> bytes:
-    """Build the header for ``payload`` (raw tensor bytes in C order).
+def encode_header(dtype: str, layout: Layout | str, shape: tuple[int, ...], payload: bytes | memoryview, *,
+                  encoding: Encoding | str | None = None, group: int = 0) -> bytes:
+    """Build the header for ``payload`` (raw tensor bytes in C order, or a lossy encoding's sections).
+
+    Args:
+        dtype, layout, shape: the tensor's (before any encoding).
+        payload: the payload bytes.
+        encoding: the lossy encoding of ``payload``; ``None`` or ``""`` for raw bytes (flags 0).
+        group: the encoding's value group (``kvstore.encoding.spec.payload_plan``).
 
     Raises:
         UnknownDtypeError: on an unknown dtype.
-        ElementCountError: if ``len(payload) != prod(shape) * itemsize`` or the
+        UnknownEncodingError: on an unknown encoding.
+        ElementCountError: if ``len(payload) != prod(shape) * itemsize`` (or the encoding's size) or the
             shape does not fit the layout.
     """
     name = dtype_name(dtype)
@@ -201,14 +231,21 @@ def encode_header(dtype: str, layout: Layout | str, shape: tuple[int, ...], payl
     _check_shape(layout, shape)
     payload = memoryview(payload).cast("B")
     itemsize = DTYPES[name][1]
-    if math.prod(shape) * itemsize != payload.nbytes:
+    lossy = encoding_of(encoding.value if isinstance(encoding, Encoding) else encoding)
+    expected = math.prod(shape) * itemsize if lossy is None else payload_plan(lossy, layout.value, shape,
+                                                                              group).payload_nbytes
+    if expected != payload.nbytes:
         raise ElementCountError(
             f"payload of {payload.nbytes} bytes does not hold shape {list(shape)} of {name}"
+            + ("" if lossy is None else f" encoded as {lossy.value}")
         )
-    size = header_nbytes(len(shape))
+    size = header_nbytes(len(shape), encoded=lossy is not None)
     header = bytearray(size)
-    _FIXED.pack_into(header, 0, MAGIC, VERSION, DTYPES[name][0], layout.code, len(shape), 0, size, payload.nbytes, 0)
+    _FIXED.pack_into(header, 0, MAGIC, VERSION, DTYPES[name][0], layout.code, len(shape),
+                     0 if lossy is None else FLAG_ENCODED, size, payload.nbytes, 0)
     struct.pack_into(f"<{len(shape)}Q", header, _FIXED.size, *shape)
+    if lossy is not None:
+        _ENCODING.pack_into(header, _FIXED.size + 8 * len(shape), lossy.code, 0, group)
     struct.pack_into("<Q", header, _CHECKSUM_AT, block_checksum(header, payload))
     return bytes(header)
 
@@ -283,8 +320,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         BadMagicError: on a wrong magic; :class:`~kvstore.errors.UnsupportedVersionError`
             on a version other than :data:`VERSION` (naming it).
         UnknownDtypeError: on an unknown dtype code.
-        ElementCountError: if the payload size, shape and layout disagree, bytes
-            trail the payload, or the flags or padding are not zero.
+        UnknownEncodingError: on a lossy block of an encoding code this build does not know.
+        ElementCountError: if the payload size, shape, layout and encoding disagree, bytes
+            trail the payload, or unknown flags or the padding are not zero.
     """
     view = memoryview(buf).cast("B")
     if view.nbytes < _FIXED.size:
@@ -297,24 +335,35 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     if version != VERSION:
         raise UnsupportedVersionError(f"kvstore block format version {version} is not read by this build, which reads version "
                             f"{VERSION} (its checksum covers the header too); encode the block with this kvstore")
-    if _flags:
-        raise ElementCountError(f"bad header: flags {_flags:#04x}, must be 0")
+    if _flags & ~FLAG_ENCODED:
+        raise ElementCountError(f"bad header: flags {_flags:#04x}, only {FLAG_ENCODED:#04x} is known")
+    encoded = bool(_flags & FLAG_ENCODED)
     if dtype_code not in _CODE_TO_NAME:
         raise UnknownDtypeError(f"unknown dtype code {dtype_code}")
     if layout_code not in _CODE_TO_LAYOUT:
         raise ElementCountError(f"unknown layout code {layout_code}")
-    if not 0 < ndim <= MAX_NDIM or hdr_nbytes != header_nbytes(ndim):
+    if not 0 < ndim <= MAX_NDIM or hdr_nbytes != header_nbytes(ndim, encoded=encoded):
         raise ElementCountError(f"bad header: ndim {ndim}, header of {hdr_nbytes} bytes")
     if view.nbytes < hdr_nbytes:
         raise TruncatedBlockError(f"block of {view.nbytes} bytes is shorter than its {hdr_nbytes}-byte header")
     shape = struct.unpack_from(f"<{ndim}Q", view, _FIXED.size)
-    if any(view[_FIXED.size + 8 * ndim: hdr_nbytes]):
+    padding = _FIXED.size + 8 * ndim
+    encoding, group, reserved = None, 0, 0
+    if encoded:
+        code, reserved, group = _ENCODING.unpack_from(view, padding)
+        encoding = encoding_of_code(code)
+        padding += _ENCODING.size
+    if reserved or any(view[padding: hdr_nbytes]):
         raise ElementCountError("bad header: its padding is not zero")
     name = _CODE_TO_NAME[dtype_code]
     layout = _CODE_TO_LAYOUT[layout_code]
     _check_shape(layout, shape)
-    if math.prod(shape) * DTYPES[name][1] != payload_nbytes:
-        raise ElementCountError(f"header shape {list(shape)} of {name} does not match payload of {payload_nbytes} bytes")
+    expected = (math.prod(shape) * DTYPES[name][1] if encoding is None
+                else payload_plan(encoding, layout.value, shape, group).payload_nbytes)
+    if expected != payload_nbytes:
+        raise ElementCountError(f"header shape {list(shape)} of {name}"
+                                + ("" if encoding is None else f" encoded as {encoding.value}")
+                                + f" does not match payload of {payload_nbytes} bytes")
     if view.nbytes < hdr_nbytes + payload_nbytes:
         raise TruncatedBlockError(
             f"block is truncated: {view.nbytes} bytes, header says {hdr_nbytes + payload_nbytes}"
@@ -323,7 +372,8 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         raise ElementCountError(
             f"{view.nbytes - hdr_nbytes - payload_nbytes} bytes trail the payload the header describes"
         )
-    return BlockHeader(name, layout, shape, hdr_nbytes, payload_nbytes, checksum)
+    return BlockHeader(name, layout, shape, hdr_nbytes, payload_nbytes, checksum,
+                       "" if encoding is None else encoding.value, group)
 
 
 def verify_block(buf: bytes | bytearray | memoryview) -> BlockHeader:
@@ -363,13 +413,19 @@ def decode_block(buf: bytes | bytearray | memoryview, *, verify: bool = True, co
 
     Returns:
         A tensor of the header's dtype and shape, e.g. ``[num_layers, 2,
-        num_kv_heads, block_size, head_dim]`` for the ``kv`` layout.
+        num_kv_heads, block_size, head_dim]`` for the ``kv`` layout. A lossy
+        block (flag 1) is decoded into a new tensor of its dtype and shape
+        (``kvstore.encoding.decode_payload``), whatever ``copy`` says.
 
     Raises:
         CodecError: a subclass naming the cause (see :func:`verify_block`).
     """
     torch = _torch()
     header = verify_block(buf) if verify else decode_header(buf)
+    if header.encoding:
+        from kvstore.encoding import decode_payload
+
+        return decode_payload(buf, header)
     dtype = torch_dtype(header.dtype)
     if header.payload_nbytes == 0:
         return torch.empty(header.shape, dtype=dtype)

@@ -99,6 +99,9 @@ class MemoryTierConfig:
                  f"'heap' holds blocks in host memory; it cannot be used with device {self.device!r}")
 
 
+COMPRESSION_CODECS = ("none", "blosc2", "zstd", "lz4")
+"""Lossless codecs of the LMDB and Redis tiers (``kvstore.tiers.compression.Codec``)."""
+
 @dataclass(frozen=True, slots=True)
 class DiskTierConfig:
     """The disk tier: an LMDB environment.
@@ -108,14 +111,18 @@ class DiskTierConfig:
         capacity_bytes: the most bytes ``data.mdb`` takes (LMDB's map size); blocks fill
             ``kvstore.tiers.lmdb.usable_bytes`` of it, three quarters of a large one (``docs/disk.md``).
         sync: fsync every write transaction (durable, slower).
+        compression: store blocks compressed, losslessly: ``none``, ``blosc2``, ``zstd`` or ``lz4``
+            (``kvstore.tiers.compression``; ``docs/encodings.md`` has the measured trade).
     """
 
     path: str = ""
     capacity_bytes: int = 8 * GiB
     sync: bool = False
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         _require(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
+        _require(self.compression in COMPRESSION_CODECS, "compression", f"must be one of {list(COMPRESSION_CODECS)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +147,8 @@ class RedisTierConfig:
         ssl_ca_certs: CA bundle for ``rediss://``.
         ssl_certfile: client certificate for mutual TLS.
         ssl_keyfile: client key for mutual TLS.
+        compression: store blocks compressed, losslessly (as :class:`DiskTierConfig`): ``none``, ``blosc2``,
+            ``zstd`` or ``lz4``; every node sharing the Redis reads either.
     """
 
     url: str = ""
@@ -158,8 +167,10 @@ class RedisTierConfig:
     ssl_ca_certs: str = ""
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
+    compression: str = "none"
 
     def __post_init__(self) -> None:
+        _require(self.compression in COMPRESSION_CODECS, "compression", f"must be one of {list(COMPRESSION_CODECS)}")
         _require(self.mode in ("write_back", "write_through"), "mode",
                  f"must be 'write_back' or 'write_through', got {self.mode!r}")
         _require(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")

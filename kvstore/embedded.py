@@ -12,6 +12,7 @@ from kvstore.api import Block, LookupResult, StoreStats
 from kvstore.blockcopy import check_destinations, copy_into_destinations
 from kvstore.blocklease import BlockLease
 from kvstore.codec import decode_block, encode_blocks
+from kvstore.encoding import encode_for_put
 from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
@@ -161,7 +162,7 @@ class EmbeddedStore:
         retention_s: float | None = None,
     ) -> int:
         """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`)."""
-        encoded = encode_blocks(blocks, namespace.layout)
+        encoded = encode_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.encoding
         return self._call(self._store.put(namespace, block_hashes, encoded, priority=priority, retention_s=retention_s))
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:

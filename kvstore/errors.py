@@ -51,6 +51,10 @@ class UnknownDtypeError(CodecError):
     """The header names a dtype code, or the caller a dtype, that kvstore does not know."""
 
 
+class UnknownEncodingError(CodecError):
+    """A block header, or a namespace's ``kv_encoding``, names a lossy KV encoding this build does not know."""
+
+
 class ElementCountError(CodecError):
     """The payload size does not equal ``prod(shape) * itemsize``, or the shape does not fit the layout."""
 

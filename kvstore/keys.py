@@ -34,6 +34,7 @@ import numpy as np
 import xxhash
 
 from kvstore.codec import DTYPES, Layout, dtype_name
+from kvstore.encoding.spec import encoding_of
 from kvstore.errors import InvalidArgumentError, UnknownDtypeError
 
 BlockHash = NewType("BlockHash", bytes)
@@ -52,6 +53,7 @@ NAMESPACE_FIELD_MAX_BYTES: dict[str, int] = {
     "adapter": 256,
     "cache_salt": 256,
     "hash_algorithm": 16,
+    "kv_encoding": 16,
 }
 """The longest each text field of a :class:`Namespace` may be, in UTF-8 bytes (``docs/security.md``).
 
@@ -61,6 +63,7 @@ request's namespace can make a node hold (the node caches namespaces it has
 seen). Past a limit, the namespace is refused with :class:`InvalidArgumentError`.
 """
 _NAMESPACE_MAGIC = b"kvstore/namespace/v1\x00"
+_ENCODABLE_DTYPES = ("float16", "bfloat16", "float32")
 _MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -97,11 +100,17 @@ class Namespace:
         cache_salt: per-tenant salt; tenants with different salts never share
             blocks and cannot probe each other's prefixes through timing.
         hash_algorithm: ``H`` of the chain.
+        kv_encoding: the lossy KV encoding of the blocks (``fp8_e4m3``, ``int8``, ``int4``, ``int2``;
+            ``kvstore.encoding``), or ``""`` for exact blocks. It enters the root only when set, so an exact
+            namespace's keys are what they were before encodings existed, and exact and lossy blocks never
+            share a key (``docs/encodings.md``).
 
     Raises:
         InvalidArgumentError: on an empty model, a text field over its limit in
             :data:`NAMESPACE_FIELD_MAX_BYTES`, a non-positive block size, an
-            out-of-range rank, or a layout that is not ``kv`` or ``mla``.
+            out-of-range rank, or a layout that is not ``kv`` or ``mla``; a ``kv_encoding`` with a dtype
+            other than float16, bfloat16 or float32 (:class:`~kvstore.errors.UnknownEncodingError`, a
+            ``CodecError``, on an unknown encoding).
         UnknownDtypeError: (an ``InvalidArgumentError``) on a dtype that is not a
             codec dtype name, naming the valid ones (``torch.float16`` and a
             ``torch.dtype`` are taken as ``float16``).
@@ -117,6 +126,7 @@ class Namespace:
     adapter: str = ""
     cache_salt: str = ""
     hash_algorithm: HashAlgorithm = HashAlgorithm.XXH3_128
+    kv_encoding: str = ""
     root: BlockHash = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +148,11 @@ class Namespace:
         object.__setattr__(self, "dtype", namespace_dtype(self.dtype))
         object.__setattr__(self, "layout", namespace_layout(self.layout))
         object.__setattr__(self, "hash_algorithm", HashAlgorithm(self.hash_algorithm))
+        encoding = encoding_of(self.kv_encoding)
+        object.__setattr__(self, "kv_encoding", "" if encoding is None else encoding.value)
+        if encoding is not None and self.dtype not in _ENCODABLE_DTYPES:
+            raise InvalidArgumentError(f"namespace.kv_encoding {encoding.value!r} encodes float16, bfloat16 or "
+                                       f"float32 KV, not {self.dtype}")
         object.__setattr__(self, "root", BlockHash(self.hash_algorithm.digest(self.encode())))
 
     def encode(self) -> bytes:
@@ -145,7 +160,9 @@ class Namespace:
 
         Strings are UTF-8 behind a little-endian uint32 length; integers are
         little-endian uint32. The encoding is stable across processes and
-        languages; changing it changes every hash (bump the magic).
+        languages; changing it changes every hash (bump the magic). The
+        ``kv_encoding`` is appended only when set, so that exact namespaces
+        encode (and hash) as before it existed.
         """
         parts = [_NAMESPACE_MAGIC]
         for text in (self.model, self.revision, self.dtype, self.layout):
@@ -153,6 +170,8 @@ class Namespace:
         parts.append(struct.pack("<III", self.block_size, self.tp_size, self.tp_rank))
         for text in (self.adapter, self.cache_salt, self.hash_algorithm.value):
             _put_str(parts, text)
+        if self.kv_encoding:
+            _put_str(parts, self.kv_encoding)
         return b"".join(parts)
 
     @property

@@ -162,6 +162,8 @@ def namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
     if header.dtype != namespace.dtype or header.layout.value != namespace.layout:
         return (f"{header.dtype}/{header.layout.value} does not match the namespace's "
                 f"{namespace.dtype}/{namespace.layout}")
+    if header.encoding != namespace.kv_encoding:  # exact and lossy blocks never mix (docs/encodings.md)
+        return f"KV encoding {header.encoding or 'none'!r} is not the namespace's {namespace.kv_encoding or 'none'!r}"
     tokens = header.shape[3] if header.layout is Layout.KV else header.shape[2]
     if tokens != namespace.block_size:
         return f"holds {tokens} tokens, the namespace's block size is {namespace.block_size}"

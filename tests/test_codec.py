@@ -27,6 +27,7 @@ from kvstore.errors import (
     ElementCountError,
     TruncatedBlockError,
     UnknownDtypeError,
+    UnknownEncodingError,
 )
 
 
@@ -160,11 +161,15 @@ def test_version_1_blocks_are_refused_naming_the_version() -> None:
 
 def test_non_zero_flags_or_padding_are_refused_by_the_header_check_alone() -> None:
     buf = encode_block(kv_block())
-    for offset in (9, decode_header(buf).header_nbytes - 1):  # flags, last padding byte
+    for offset, value in ((9, 2), (9, 0x80), (decode_header(buf).header_nbytes - 1, 1)):  # unknown flags, padding
         damaged = bytearray(buf)
-        damaged[offset] = 1
+        damaged[offset] = value
         with pytest.raises(ElementCountError):
             decode_header(damaged)
+    damaged = bytearray(buf)
+    damaged[9] = 1  # the lossy flag on an exact block: its encoding code (padding, 0) is no encoding
+    with pytest.raises(UnknownEncodingError, match="code 0"):
+        decode_header(damaged)
 
 
 @pytest.mark.parametrize("kind", ["bytes", "readonly_view"])

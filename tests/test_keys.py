@@ -180,7 +180,7 @@ def test_every_namespace_field_changes_every_hash() -> None:
     variants = {
         "model": "meta-llama/Llama-3.1-70B", "revision": "v2", "dtype": "bfloat16", "layout": "mla",
         "tp_size": 2, "tp_rank": 1, "adapter": "lora-a", "cache_salt": "tenant-b",
-        "hash_algorithm": HashAlgorithm.SHA256,
+        "hash_algorithm": HashAlgorithm.SHA256, "kv_encoding": "int8",
     }
     fields = {f.name for f in dataclasses.fields(Namespace) if f.init}
     assert fields - {"block_size"} == set(variants), "a new namespace field needs a test here"

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2
 from kvstore.api import Block, Buffer, StoreStats
 from kvstore.blockcopy import blocks_for_put, check_destinations, copy_into_destinations
 from kvstore.codec import decode_block
+from kvstore.encoding import encode_for_put
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockHash, Namespace, check_block_hashes
 from kvstore.security import call_metadata
@@ -374,6 +375,7 @@ class _Client:
         """
         priority, retention_s = check_put(namespace, block_hashes, blocks, priority, retention_s)
         blocks = blocks_for_put(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
+        blocks = encode_for_put(blocks, namespace)  # a lossy namespace's tensors, encoded here (kvstore.encoding)
 
         def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> _Rpc:
             return _put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s)

@@ -110,6 +110,8 @@ class HFConnector:
         load_timeout_s: seconds a load may take before falling back to a full prefill.
         priority: priority of saved blocks (0..100), ``None`` for the store's default.
         retention_s: seconds saved blocks keep ``priority``, ``None`` for no limit.
+        kv_encoding: lossy KV encoding of the saved blocks (see :func:`model_namespace`); loads hand
+            back the model's dtype.
 
     Raises:
         InvalidArgumentError: on a model without a cache keyword or model id,
@@ -130,6 +132,7 @@ class HFConnector:
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         priority: int | None = None,
         retention_s: float | None = None,
+        kv_encoding: str = "",
     ) -> None:
         if load_timeout_s <= 0:
             raise InvalidArgumentError(f"load_timeout_s must be > 0, got {load_timeout_s}")
@@ -140,7 +143,7 @@ class HFConnector:
         self.shape = model_shape(model.config)
         self.namespace = model_namespace(
             model, block_size=block_size, model_id=model_id, revision=revision,
-            cache_salt=cache_salt, hash_algorithm=hash_algorithm, adapter=adapter,
+            cache_salt=cache_salt, hash_algorithm=hash_algorithm, adapter=adapter, kv_encoding=kv_encoding,
         )
         self.load_timeout_s = load_timeout_s
         self._priority = priority

@@ -79,6 +79,7 @@ def model_namespace(
     cache_salt: str = "",
     hash_algorithm: HashAlgorithm | str = HashAlgorithm.XXH3_128,
     adapter: str | tuple[str, str] | None = None,
+    kv_encoding: str = "",
 ) -> Namespace:
     """The namespace of a model's KV blocks: any difference in weights or KV shape changes it.
 
@@ -104,6 +105,8 @@ def model_namespace(
             (stored as ``name@version``; give the version, or a content hash, whenever the same name can
             hold other weights). ``""`` for the base model. ``None`` (the default) reads the model: a model
             with PEFT adapters loaded (``model.peft_config``) must be given one explicitly.
+        kv_encoding: lossy KV encoding of the stored blocks (``int8``, ``fp8_e4m3``, ``int4``, ``int2``;
+            ``docs/encodings.md``), ``""`` for exact blocks.
 
     Raises:
         InvalidArgumentError: if no model id is known, block_size is not positive, the adapter is
@@ -129,6 +132,7 @@ def model_namespace(
         adapter=adapter_id(model, adapter),
         cache_salt=cache_salt,
         hash_algorithm=HashAlgorithm(hash_algorithm),
+        kv_encoding=kv_encoding,
     )
 
 

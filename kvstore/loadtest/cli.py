@@ -16,6 +16,7 @@ from kvstore.client import AsyncKVStoreClient
 from kvstore.config import parse_size
 from kvstore.connection import Connection, add_connection_arguments, target_argument
 from kvstore.data import bundled_trace
+from kvstore.encoding.spec import encoded_fraction, encoding_of
 from kvstore.errors import ConfigError, InvalidArgumentError, KVStoreError
 from kvstore.loadtest.blocks import DEFAULT_MODEL, DEFAULT_PAYLOAD_BYTES
 from kvstore.loadtest.runner import (
@@ -112,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-bytes", default=None, metavar="SIZE",
                         help=("payload bytes of one block, a multiple of 2 * block tokens (default: 63KiB, so that "
                               "with the 128-byte header a block fills one 64 KiB page of a page-pool memory tier)"))
+    parser.add_argument("--kv-encoding", default="", metavar="NAME",
+                        help="size blocks as a lossy KV encoding (int8, fp8_e4m3, int4, int2) would store them: "
+                             "--block-bytes is the exact bf16 payload (docs/encodings.md)")
     parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, metavar="N",
                         help=f"tokens per trace block (default: {MOONCAKE_BLOCK_TOKENS}, Mooncake's)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"namespace model name (default: {DEFAULT_MODEL})")
@@ -185,6 +189,20 @@ def _sim_disk_capacity(text: str | None, compare: bool) -> int:
     return int(text)
 
 
+def encoded_payload_bytes(payload_bytes: int, kv_encoding: str, block_tokens: int) -> int:
+    """The payload bytes a block of ``payload_bytes`` (exact bf16) takes under ``kv_encoding`` (``""``: as it is),
+    rounded down to the multiple of ``2 * block_tokens`` the load test's blocks need.
+
+    Raises:
+        InvalidArgumentError: on an unknown encoding.
+    """
+    encoding = encoding_of(kv_encoding)
+    if encoding is None:
+        return payload_bytes
+    step = 2 * max(block_tokens, 1)
+    return max(step, int(payload_bytes * encoded_fraction(encoding, block_tokens)) // step * step)
+
+
 def config_from_args(args: argparse.Namespace, connection: Connection | None = None) -> LoadTestConfig:
     """The :class:`LoadTestConfig` of parsed ``loadtest`` arguments.
 
@@ -202,6 +220,7 @@ def config_from_args(args: argparse.Namespace, connection: Connection | None = N
         payload_bytes = parse_size(args.block_bytes) if args.block_bytes is not None else DEFAULT_PAYLOAD_BYTES
     except ValueError as exc:
         raise InvalidArgumentError(f"--block-bytes: {exc}") from None
+    payload_bytes = encoded_payload_bytes(payload_bytes, getattr(args, "kv_encoding", ""), args.block_tokens)
     if args.requests is not None and args.requests < 0:
         raise InvalidArgumentError(f"--requests must be >= 0, got {args.requests}")
     return LoadTestConfig(

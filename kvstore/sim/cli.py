@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from kvstore.codec import header_nbytes
 from kvstore.config import parse_size
+from kvstore.encoding.spec import encoded_fraction, encoding_of
 from kvstore.errors import InvalidArgumentError
 from kvstore.data import bundled_trace
 from kvstore.sim.replay import POLICIES, SimResult, resolve, simulate
@@ -201,8 +204,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=None,
                         help=f"tokens per block: checks Mooncake traces' hash_ids and weighs the token hit ratio "
                              f"(default: {MOONCAKE_BLOCK_TOKENS}, or a session file's block_size)")
+    parser.add_argument("--kv-encoding", default="", metavar="NAME",
+                        help="lossy KV encoding of the blocks (int8, fp8_e4m3, int4, int2): --block-bytes is the "
+                             "exact bf16 block, and each block takes the bytes the encoding implies (docs/encodings.md)")
     parser.add_argument("--plot", default=None, metavar="PATH.png", help="write hit ratio vs capacity as a PNG")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result as JSON")
+
+
+def encoded_block_bytes(exact_block_bytes: int | None, kv_encoding: str, block_tokens: int) -> int | None:
+    """The bytes a block of ``exact_block_bytes`` (bf16, header included) takes under ``kv_encoding``.
+
+    Raises:
+        InvalidArgumentError: on an unknown encoding, or an encoding without ``--block-bytes``.
+    """
+    encoding = encoding_of(kv_encoding)
+    if encoding is None:
+        return exact_block_bytes
+    if exact_block_bytes is None:
+        raise InvalidArgumentError("--kv-encoding needs --block-bytes (the exact bf16 block's size)")
+    header = header_nbytes(5, encoded=True)
+    return header + math.ceil(max(exact_block_bytes - header, 0) * encoded_fraction(encoding, block_tokens))
 
 
 def _block_tokens_of(path: str, format: str, given: int | None) -> int:
@@ -236,8 +257,10 @@ def run(args: argparse.Namespace) -> int:
             if not Path(output).resolve().parent.is_dir():
                 raise InvalidArgumentError(f"cannot write {output}: no directory {Path(output).resolve().parent}")
         rows: list[tuple[str, SimResult]] = []
+        exact_block_bytes = block_bytes
         for trace in traces:
             block_tokens = _block_tokens_of(trace, args.format, args.block_tokens)
+            block_bytes = encoded_block_bytes(exact_block_bytes, getattr(args, "kv_encoding", ""), block_tokens)
             requests = read_trace(trace, args.format, block_tokens)
             if not requests:
                 raise InvalidArgumentError(f"the trace {trace} has no requests (an empty file?); nothing to replay")
@@ -266,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     if args.json:
         payload = {"traces": traces, "block_tokens": args.block_tokens, "block_bytes": block_bytes,
+                   "kv_encoding": getattr(args, "kv_encoding", ""),
                    "results": [{"trace": t, **r.to_dict()} for t, r in rows]}
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     if args.plot:

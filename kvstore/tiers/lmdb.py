@@ -57,6 +57,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVa
 
 import lmdb
 
+from kvstore.tiers.compression import Codec, Compressor
 from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
@@ -140,7 +141,9 @@ class LMDBTier:
         name: str = "disk",
         map_size_bytes: int | None = None,
         num_reader_threads: int = 4,
+        compressor: Compressor | None = None,
     ) -> None:
+        self._compressor = compressor or Compressor()  # blocks stored compressed (kvstore.tiers.compression)
         if capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
@@ -197,7 +200,8 @@ class LMDBTier:
         if not cfg.path:
             raise InvalidArgumentError("store.disk.path is empty: the disk tier is disabled")
         map_size = max(MIN_MAP_BYTES, cfg.capacity_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
-        return cls(cfg.path, usable_bytes(map_size), sync=cfg.sync, name=name, map_size_bytes=map_size)
+        return cls(cfg.path, usable_bytes(map_size), sync=cfg.sync, name=name, map_size_bytes=map_size,
+                   compressor=Compressor(Codec(cfg.compression)))
 
     # -- opening ------------------------------------------------------------------
 
@@ -635,6 +639,7 @@ class LMDBTier:
 
         def put_one(txn: lmdb.Transaction, i: int) -> int:
             key, value, meta = batch[i]
+            value = self._compressor.pack(value)
             nbytes = memoryview(value).nbytes
             held = self._held_nbytes(txn, key)
             delta = self.footprint(nbytes) - (0 if held is None else self.footprint(held))

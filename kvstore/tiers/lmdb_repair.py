@@ -117,8 +117,9 @@ def _salvage_into(data_file: str, directory: str, map_size_bytes: int) -> tuple[
             except CodecError:
                 continue
             parsed = _unpack_meta(metas.pop(record.key, None))
-            if parsed is None or parsed[1] != len(block):  # the meta is gone: the block is still good
-                parsed = BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), len(block)
+            stored = len(record.value) - len(record.key)  # the block, or its compressed frame
+            if parsed is None or parsed[1] != stored:  # the meta is gone: the block is still good
+                parsed = BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), stored
             batch.append((record.key, record.value, _pack_meta(*parsed)))
             if len(batch) >= 256:
                 kept += _write_salvaged(env, blocks_db, meta_db, batch)

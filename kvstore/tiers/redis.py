@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Mapping, Sequence, TypeVar
 import redis.exceptions as rexc
 from redis.utils import HIREDIS_AVAILABLE
 
+from kvstore.tiers.compression import Codec, Compressor, pack_all, unpack_or_keep
 from kvstore.config import RedisTierConfig
 from kvstore.errors import UnavailableError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
@@ -96,6 +97,7 @@ class RedisTier:
         self.name = name
         self.cfg = cfg
         self.mode = cfg.mode
+        self._compressor = Compressor(Codec(cfg.compression))  # blocks stored compressed (kvstore.tiers.compression)
         self._scheme = check_url(cfg)
         self._password = read_password(cfg)
         self._prefix = cfg.prefix
@@ -292,6 +294,7 @@ class RedisTier:
             sizes = [len(v) for v in fetched if v is not None]
             if sizes:
                 self._value_bytes_hint = max(self._value_bytes_hint, max(sizes))
+            fetched = [None if v is None else unpack_or_keep(v) for v in fetched]  # frames: their blocks
             values[start:start + len(chunk)] = fetched
             if sum(sizes) >= VERIFY_OFFLOAD_BYTES:  # checksum in a thread while the next chunk arrives
                 verdicts.append((start, asyncio.ensure_future(asyncio.to_thread(_verify_all, fetched))))
@@ -341,6 +344,7 @@ class RedisTier:
         stored = [False] * len(keys)
         if not keys:
             return stored
+        values = await pack_all(self._compressor, values)  # compressed where that saves (kvstore.tiers.compression)
         groups = _by_namespace(keys)
         written_under = {tag: (generations or {}).get(tag, self.generation(tag)) for tag in groups}  # before any await
         if not self._admit():

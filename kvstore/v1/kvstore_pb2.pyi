@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Namespace(_message.Message):
-    __slots__ = ("model", "revision", "dtype", "layout", "block_size", "tp_size", "tp_rank", "adapter", "cache_salt", "hash_algorithm")
+    __slots__ = ("model", "revision", "dtype", "layout", "block_size", "tp_size", "tp_rank", "adapter", "cache_salt", "hash_algorithm", "kv_encoding")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class Namespace(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    KV_ENCODING_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     dtype: str
@@ -28,7 +29,8 @@ class Namespace(_message.Message):
     adapter: str
     cache_salt: str
     hash_algorithm: str
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., hash_algorithm: _Optional[str] = ...) -> None: ...
+    kv_encoding: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., hash_algorithm: _Optional[str] = ..., kv_encoding: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "block_hashes")

@@ -33,6 +33,7 @@ def namespace_to_pb(namespace: Namespace) -> pb.Namespace:
         adapter=namespace.adapter,
         cache_salt=namespace.cache_salt,
         hash_algorithm=HashAlgorithm(namespace.hash_algorithm).value,
+        kv_encoding=namespace.kv_encoding,
     )
 
 
@@ -77,6 +78,7 @@ def namespace_from_pb(message: pb.Namespace) -> Namespace:
         adapter=message.adapter,
         cache_salt=message.cache_salt,
         hash_algorithm=algorithm,
+        kv_encoding=message.kv_encoding,
     )
 
 

@@ -51,17 +51,27 @@ DISK_CAPACITY = "64MiB"
 # ---------------------------------------------------------------------------- blocks
 
 
-def chain_blocks(seed: int, chain: int, length: int) -> tuple[list[bytes], list[bytes]]:
+def chain_blocks(seed: int, chain: int, length: int, kv_encoding: str = "") -> tuple[list[bytes], list[bytes]]:
     """The hashes and encoded blocks of prefix ``chain`` of a trial: ``[2, 2, H, 16, 64]`` float16, H in 1..8.
 
     H is drawn once per chain (the blocks of one put share a shape), so blocks
-    are 8 to 64 KiB: some share leaf pages and all have overflow pages.
+    are 8 to 64 KiB: some share leaf pages and all have overflow pages. With
+    ``kv_encoding``, the blocks are Gaussian float16 tensors under that lossy
+    encoding (``kvstore.encoding``), so damage can reach their scales and codes.
     """
     rng = np.random.default_rng([seed, chain])
     tokens = rng.integers(0, 50_000, size=length * NAMESPACE.block_size)
     shape = (2, 2, int(rng.choice([1, 2, 4, 8])), NAMESPACE.block_size, 64)
     blocks = []
     for _ in range(length):
+        if kv_encoding:
+            import torch
+
+            from kvstore.encoding import encode_lossy
+
+            tensor = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(torch.float16)
+            blocks.append(bytes(encode_lossy(tensor, Layout.KV, kv_encoding)))
+            continue
         payload = rng.integers(0, 256, size=int(np.prod(shape)) * 2, dtype=np.uint8).tobytes()
         blocks.append(encode_header("float16", Layout.KV, shape, payload) + payload)
     return [bytes(h) for h in hash_blocks(NAMESPACE, tokens)], blocks

@@ -73,20 +73,22 @@ def _damage(value: bytes, rng: random.Random, mode: str, budget: int) -> tuple[b
     return bytes(data), len(offsets)
 
 
-def run_trial(redis_url: str, seed: int, mode: str, *, num_chains: int = 16, length: int = 4) -> RedisCounts:
-    """One trial against the Redis at ``redis_url`` (flushed first); see the module docstring."""
+def run_trial(redis_url: str, seed: int, mode: str, *, num_chains: int = 16, length: int = 4, kv_encoding: str = "",
+              compression: str = "none") -> RedisCounts:
+    """One trial against the Redis at ``redis_url`` (flushed first); see the module docstring. ``kv_encoding``:
+    lossy blocks in a namespace of that encoding; ``compression``: the tier stores them compressed."""
     import redis
 
     counts = RedisCounts(trials=1)
     rng = random.Random(seed)
-    namespace = Namespace(model=f"tests/redis-fuzz-{seed}", dtype="float16", block_size=16)
+    namespace = Namespace(model=f"tests/redis-fuzz-{seed}", dtype="float16", block_size=16, kv_encoding=kv_encoding)
     raw = redis.Redis.from_url(redis_url)
     raw.flushall()
     # timeouts far above a busy machine's round trip, and no breaker: a slow reply must not pass for a lost block
     redis_config = RedisTierConfig(url=redis_url, mode="write_back", connect_timeout_s=30.0, socket_timeout_s=30.0,
-                                   breaker_failures=0)
+                                   breaker_failures=0, compression=compression)
     config = StoreConfig(memory=MemoryTierConfig(enabled=False), redis=redis_config)
-    chains = [chain_blocks(seed, chain, length) for chain in range(num_chains)]
+    chains = [chain_blocks(seed, chain, length, kv_encoding) for chain in range(num_chains)]
     names = RedisTier(config.redis)  # only to name the keys; it never connects
     with open_store(config) as store:
         for hashes, blocks in chains:

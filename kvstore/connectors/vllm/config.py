@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvstore.config import GiB, build
+from kvstore.encoding.spec import Encoding
 from kvstore.errors import ConfigError
 from kvstore.keys import HashAlgorithm
 
@@ -66,6 +67,9 @@ class VLLMConnectorConfig:
         token_file: a file holding the bearer token to send (``docs/security.md``).
         token_env: environment variable holding the bearer token, read when no
             ``token_file`` is given and the variable is set.
+        kv_encoding: lossy KV encoding of the stored blocks: ``int8``, ``fp8_e4m3``, ``int4`` or
+            ``int2`` (``docs/encodings.md``); ``""`` (default) stores vLLM's KV exactly. Needs a
+            float16, bfloat16 or float32 KV cache; engines share blocks only with the same encoding.
 
     Raises:
         ConfigError: naming the key, on a value out of range or settings that contradict each other.
@@ -89,6 +93,7 @@ class VLLMConnectorConfig:
     tls_key_file: str | None = None
     token_file: str | None = None
     token_env: str = "KVSTORE_TOKEN"
+    kv_encoding: str = ""
 
     def __post_init__(self) -> None:
         _require(all(t.strip() for t in self.target.split(",")) or not self.target, "target",
@@ -111,6 +116,8 @@ class VLLMConnectorConfig:
                  "a client certificate and its key (tls_key_file) must be given together")
         _require(not (self.target == "" and (self.tls_ca_file or self.tls_cert_file or self.token_file)), "target",
                  "TLS and token settings apply to kvstore nodes; name them in 'target'")
+        _require(self.kv_encoding in ("", *(e.value for e in Encoding)), "kv_encoding",
+                 f"must be one of {[e.value for e in Encoding]} or '' (exact), got {self.kv_encoding!r}")
 
     @property
     def targets(self) -> tuple[str, ...]:

@@ -103,11 +103,12 @@ class RankInfo:
 
 
 def storage_namespace(identity: ModelIdentity, rank: RankInfo, *, block_size: int, hash_algorithm: HashAlgorithm,
-                      cache_salt: str = "", adapter: str = "") -> Namespace:
+                      cache_salt: str = "", adapter: str = "", kv_encoding: str = "") -> Namespace:
     """The namespace one rank's blocks of one tenant and adapter are stored under (module docstring).
 
     Raises:
-        InvalidArgumentError: on a block size or rank the namespace refuses.
+        InvalidArgumentError: on a block size or rank the namespace refuses, or a ``kv_encoding`` of a KV
+            cache dtype it cannot encode (e.g. an fp8 cache).
     """
     fmt = rank.page_format
     tag = (f"{identity.model_id}|vllm|cfg={identity.config_digest}|act={identity.act_dtype}"
@@ -116,7 +117,7 @@ def storage_namespace(identity: ModelIdentity, rank: RankInfo, *, block_size: in
     return Namespace(
         model=tag, revision=identity.revision, dtype=fmt.dtype, layout=fmt.layout.value, block_size=block_size,
         tp_size=1 if replicated else identity.tp_size, tp_rank=0 if replicated else rank.tp_rank,
-        adapter=adapter, cache_salt=cache_salt, hash_algorithm=hash_algorithm,
+        adapter=adapter, cache_salt=cache_salt, hash_algorithm=hash_algorithm, kv_encoding=kv_encoding,
     )
 
 

@@ -163,7 +163,8 @@ class SchedulerSide:
             tenant = TenantKey(cache_salt=getattr(request, "cache_salt", None) or "", adapter=request_adapter(request))
             namespaces = [storage_namespace(self.identity, rank, block_size=self.block_size,
                                             hash_algorithm=self._hash_algorithm, cache_salt=tenant.cache_salt,
-                                            adapter=tenant.adapter) for rank in self.ranks]
+                                            adapter=tenant.adapter, kv_encoding=self.config.kv_encoding)
+                          for rank in self.ranks]
             load, save = request_options(request)
             state = _RequestState(request, RequestKeys(namespaces, request_spans(request)), tenant,
                                   load=load and self.load, save=save and self.save)

@@ -187,7 +187,7 @@ class WorkerSide:
         if namespace is None:
             namespace = storage_namespace(self.identity, self.info, block_size=self.block_size,
                                           hash_algorithm=self._hash_algorithm, cache_salt=tenant.cache_salt,
-                                          adapter=tenant.adapter)
+                                          adapter=tenant.adapter, kv_encoding=self.config.kv_encoding)
             self._namespaces[tenant] = namespace
         return namespace
 

@@ -1,0 +1,164 @@
+"""Lossy KV blocks: tensors encoded into the block format (flag 1) on their device, and decoded back.
+
+What the clients call: a put in a namespace with a ``kv_encoding`` encodes its
+tensors here (:func:`encode_for_put`), and every Get path that hands back
+tensors (``get_tensors``, ``get_into``, the connectors) decodes here
+(:func:`decode_payload`, :func:`decode_block_into`), so the wire and every tier
+carry the smaller payload and the caller gets its dtype and shape back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Sequence
+
+from kvstore.codec import BlockHeader, Layout, _check_shape, dtype_name, encode_header, header_nbytes
+from kvstore.encoding.spec import Encoding, PayloadPlan, check_encodable, encoding_of, payload_plan
+from kvstore.errors import InvalidArgumentError, UnknownDtypeError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.keys import Namespace
+
+ENCODABLE_DTYPES = ("float16", "bfloat16", "float32")
+"""The dtypes a lossy encoding takes (a block of another dtype, e.g. an fp8 cache, is refused)."""
+
+
+def plan_of(header: BlockHeader) -> PayloadPlan:
+    """The payload sections of a lossy block's header."""
+    return payload_plan(Encoding(header.encoding), header.layout.value, header.shape, header.group)
+
+
+def encode_lossy(block: torch.Tensor, layout: Layout | str, encoding: Encoding | str) -> bytearray:
+    """Encode one block tensor under a lossy encoding: header (flag 1) then payload, on the tensor's device.
+
+    The payload is computed where the tensor is (a GPU tensor is quantized on
+    the GPU, and only the smaller payload crosses to the host), into the
+    returned buffer directly when the tensor is on the CPU.
+
+    Args:
+        block: ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
+            ``[num_layers, 1, block_size, latent_dim]`` (``mla``), float16, bfloat16 or float32, any device.
+        layout: the namespace's layout.
+        encoding: the encoding (an :class:`Encoding` or its name).
+
+    Returns:
+        The encoded block (``bytearray``, as the block API takes it).
+
+    Raises:
+        UnknownDtypeError: on a dtype other than float16, bfloat16 or float32.
+        UnknownEncodingError: on an unknown encoding name.
+        ElementCountError: if the shape does not fit the layout.
+        InvalidArgumentError: if the shape does not fit the encoding (e.g. an odd head size under int4), or a
+            value does not fit its parameters.
+    """
+    import torch
+
+    from kvstore.encoding.kernels import encode_payload
+
+    layout = Layout(layout)
+    lossy = encoding if isinstance(encoding, Encoding) else encoding_of(encoding)
+    if lossy is None:
+        raise InvalidArgumentError("encode_lossy needs an encoding; exact blocks are kvstore.codec.encode_block's")
+    name = dtype_name(block.dtype)
+    if name not in ENCODABLE_DTYPES:
+        raise UnknownDtypeError(f"{lossy.value} encodes {', '.join(ENCODABLE_DTYPES)} blocks, got {name}")
+    shape = tuple(int(d) for d in block.shape)
+    _check_shape(layout, shape)
+    group = check_encodable(lossy, layout.value, shape)
+    plan = payload_plan(lossy, layout.value, shape, group)
+    head = header_nbytes(len(shape), encoded=True)
+    out = bytearray(head + plan.payload_nbytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        host = torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
+    source = block.detach()
+    if not source.is_contiguous():
+        source = source.contiguous()
+    if source.device.type == "cpu":
+        encode_payload(source, layout.value, lossy, group, plan, host[head:])
+    else:
+        payload = torch.empty(plan.payload_nbytes, dtype=torch.uint8, device=source.device)
+        encode_payload(source, layout.value, lossy, group, plan, payload)
+        host[head:].copy_(payload)
+    out[:head] = encode_header(name, layout, shape, memoryview(out)[head:], encoding=lossy, group=group)
+    return out
+
+
+def decode_payload(buf: bytes | bytearray | memoryview, header: BlockHeader) -> torch.Tensor:
+    """A lossy block (its header parsed, and checked if it should be) decoded into a new CPU tensor.
+
+    Returns:
+        A tensor of ``header.dtype`` and ``header.shape``.
+    """
+    import torch
+
+    from kvstore.codec import torch_dtype
+
+    out = torch.empty(header.shape, dtype=torch_dtype(header.dtype))
+    decode_block_into(buf, header, out)
+    return out
+
+
+def decode_block_into(buf: bytes | bytearray | memoryview, header: BlockHeader, destination: torch.Tensor,
+                      source: torch.Tensor | None = None) -> None:
+    """Decode a lossy block into ``destination`` (its dtype and shape; any device, any strides).
+
+    The payload crosses to the destination's device once, as it is stored (the
+    smaller bytes), and is decoded there; a non-contiguous destination (a
+    slice of a cache) gets the decoded block with one more copy.
+
+    Args:
+        buf: the encoded block.
+        header: its parsed header (``header.encoding`` set).
+        destination: ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or the ``mla`` shape.
+        source: a ``uint8`` tensor over exactly ``buf``'s bytes, if the caller has one.
+    """
+    import torch
+
+    from kvstore.encoding.kernels import decode_payload_into
+
+    if source is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer is only read
+            source = torch.frombuffer(buf, dtype=torch.uint8)
+    payload = source[header.header_nbytes:header.nbytes]
+    if payload.device != destination.device:
+        payload = payload.to(destination.device, non_blocking=False)
+    plan = plan_of(header)
+    lossy = Encoding(header.encoding)
+    if destination.is_contiguous():
+        decode_payload_into(payload, header.layout.value, lossy, header.group, plan, destination)
+        return
+    staged = torch.empty(header.shape, dtype=destination.dtype, device=destination.device)
+    decode_payload_into(payload, header.layout.value, lossy, header.group, plan, staged)
+    destination.copy_(staged)
+
+
+def read_scales(buf: bytes | bytearray | memoryview, header: BlockHeader) -> torch.Tensor:
+    """A lossy block's scales section as stored: float32 ``[rows]`` (fp8, int8) or float16 (int4, int2, in
+    ``spec``'s order). What a test or a tool uses to compute the encoding's error bound."""
+    import torch
+
+    plan = plan_of(header)
+    raw = bytes(memoryview(buf).cast("B")[header.header_nbytes:header.header_nbytes + plan.scales_nbytes])
+    dtype = torch.float16 if Encoding(header.encoding).grouped else torch.float32
+    return torch.frombuffer(bytearray(raw), dtype=dtype)
+
+
+def encode_for_put(blocks: Sequence[object], namespace: Namespace) -> list[object]:
+    """The blocks of a put, each tensor encoded under the namespace's ``kv_encoding``; without one, ``blocks``.
+
+    Encoded bytes pass through (the node checks that their encoding is the
+    namespace's). The exact path (no encoding) returns ``blocks`` itself.
+
+    Raises:
+        As :func:`encode_lossy`.
+    """
+    encoding = encoding_of(getattr(namespace, "kv_encoding", ""))
+    if encoding is None:
+        return blocks  # type: ignore[return-value]
+    import torch
+
+    return [encode_lossy(b, namespace.layout, encoding) if isinstance(b, torch.Tensor) else b for b in blocks]
