@@ -29,7 +29,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import BlockHeader, Layout, check_one_shape, decode_header, verify_block
@@ -52,6 +52,9 @@ from kvstore.tiers.base import (
     tier_status,
 )
 
+if TYPE_CHECKING:
+    from kvstore.events.log import StoreObserver
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,6 +67,7 @@ class TieredStore:
         shared: an optional shared tier below the local ones (Redis), with
             ``config.redis.mode`` deciding write-back or write-through.
         clock: wall clock in seconds, for retention; ``time.time`` by default.
+        events: told of every block that enters or leaves a local tier (``kvstore.events.EventLog``); none by default.
 
     Raises:
         ValueError: if no tier is given or a local tier is unbounded.
@@ -76,6 +80,7 @@ class TieredStore:
         *,
         shared: SharedTier | None = None,
         clock: Callable[[], float] = time.time,
+        events: StoreObserver | None = None,
     ) -> None:
         if not tiers and shared is None:
             raise ValueError("a store needs at least one tier")
@@ -95,6 +100,9 @@ class TieredStore:
         self.index = Index(policies,
                            [tier.capacity_bytes or 0 for tier in self._tiers], clock,
                            [_held_bytes(lender) for lender in self._lenders])
+        if events is not None:
+            events.bind(tuple(t.name for t in self._tiers))
+            self.index.observer = events
         self._counts = [TierCounts() for _ in self._tier_names]
         self._mover = Mover(self.index, self._tiers, shared, self._counts,
                             demote_min_priority=self.config.demote_min_priority,
@@ -363,7 +371,7 @@ class TieredStore:
                 self._counts[entry.level].mismatched += 1
             else:
                 continue
-            if self.index.forget(entry.level, entry.key):
+            if self.index.forget(entry.level, entry.key, reason="lost"):
                 self._mover.discard(entry.level, [entry.key])
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]
@@ -900,7 +908,8 @@ def _namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
     return ""
 
 
-async def open_async_store(config: StoreConfig | None = None, *, framing: Framing | None = None) -> TieredStore:
+async def open_async_store(config: StoreConfig | None = None, *, framing: Framing | None = None,
+                           events: StoreObserver | None = None) -> TieredStore:
     """Build the tiers named by ``config`` and open a started :class:`TieredStore`.
 
     The memory tier comes first when enabled, then the LMDB tier when
@@ -912,6 +921,7 @@ async def open_async_store(config: StoreConfig | None = None, *, framing: Framin
             reply's head, ``kvstore.wire.reply_head``); with it, a ``cpu`` memory
             tier of ``storage: auto`` is the heap tier, which stores every block
             behind its framing, so the server sends it with no copy of its own.
+        events: the store's observer (``kvstore.events.EventLog``), told of blocks restored at start too.
 
     Raises:
         ConfigError: if no tier is enabled.
@@ -941,7 +951,7 @@ async def open_async_store(config: StoreConfig | None = None, *, framing: Framin
         shared = RedisTier.from_config(config.redis)
     if not tiers and shared is None:
         raise ConfigError("store", "no tier is enabled: enable memory, or set disk.path or redis.url")
-    store = TieredStore(tiers, config, shared=shared)
+    store = TieredStore(tiers, config, shared=shared, events=events)
     await store.start()
     return store
 
