@@ -46,7 +46,8 @@ class PublisherSettings:
         replay_endpoint: the ROUTER socket's address; ``""`` binds the next port
             (``ipc``: the path plus ``.replay``), ``"off"`` serves no replays.
         topic: the first frame of every batch (subscribers filter on its prefix).
-        hwm: ZMQ high-water mark of each socket, messages per peer.
+        hwm: ZMQ high-water mark of the PUB socket, batches per subscriber (the replay socket's
+            is ``buffer_steps`` + 2: one whole replay; replies share the buffer's bytes).
         buffer_steps: batches kept for replay.
         interval_s: seconds between batches when events keep coming (a batch is cut at least this often).
         max_batch_events: block changes in one batch at most.
@@ -144,7 +145,7 @@ class EventPublisher:
             self.replay_endpoint: str | None = None
             if address is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.SNDHWM, settings.hwm)
+                self._replay.setsockopt(zmq.SNDHWM, settings.buffer_steps + 2)  # a whole replay and its end
                 self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self.replay_endpoint = _bind(self._replay, address, "events.replay_endpoint")
