@@ -41,6 +41,7 @@ class EventSubscriber:
             publisher still buffers); ``None`` starts with the live stream.
         decode: bytes -> batch; kvstore's :class:`KVEventBatch` by default (pass vLLM's decoder to read an engine).
         rcvhwm: the SUB socket's high-water mark, messages (small: a slow reader drops, and replays).
+        replay_timeout_s: seconds :meth:`receive` waits for each message of a replay.
         context: the ZMQ context; the shared one when ``None``.
 
     Attributes:
@@ -50,7 +51,7 @@ class EventSubscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "kvstore",
                  from_seq: int | None = 0, decode: Callable[[bytes], object] | None = None, rcvhwm: int = 100_000,
-                 context: zmq.Context | None = None) -> None:
+                 replay_timeout_s: float = 5.0, context: zmq.Context | None = None) -> None:
         self._ctx = context or zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -61,6 +62,7 @@ class EventSubscriber:
         self._decode = decode or decoder().decode
         self._expected: int | None = None
         self._from_seq = from_seq
+        self._replay_timeout_s = replay_timeout_s
         self.num_missed = 0
         self.num_replayed = 0
 
@@ -83,11 +85,11 @@ class EventSubscriber:
 
         Raises:
             EventStreamError: if a batch does not decode, or the replay socket answered with an error.
-            TimeoutError: if the replay socket did not answer within ``timeout_s``.
+            TimeoutError: if the replay socket did not answer within ``replay_timeout_s``.
         """
         out: list[tuple[int, object]] = []
         if self._expected is None and self._from_seq is not None and self._replay_endpoint is not None:
-            out += self.replay(self._from_seq, timeout_s)
+            out += self.replay(self._from_seq, self._replay_timeout_s)
             self._expected = out[-1][0] + 1 if out else self._from_seq
             self._from_seq = None
         wait_ms = max(0, int(timeout_s * 1000))
@@ -97,7 +99,7 @@ class EventSubscriber:
             if self._expected is not None and seq < self._expected:
                 continue  # already had it from a replay
             if self._expected is not None and seq > self._expected:
-                filled = [(s, b) for s, b in self.replay(self._expected, timeout_s) if s < seq] \
+                filled = [(s, b) for s, b in self.replay(self._expected, self._replay_timeout_s) if s < seq] \
                     if self._replay_endpoint is not None else []
                 self.num_missed += seq - self._expected - len(filled)
                 out += filled
