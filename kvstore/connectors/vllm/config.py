@@ -61,6 +61,13 @@ class VLLMConnectorConfig:
         token_file: a file holding the bearer token to send (``docs/security.md``).
         token_env: environment variable holding the bearer token, read when no
             ``token_file`` is given and the variable is set.
+        events_target: the node's event stream (its ``events.endpoint``, e.g.
+            ``tcp://kv-0:5557``). With vLLM's ``--kv-events-config`` on, the
+            connector then announces a saved block once the node stored it, and
+            its removal when the node evicts, deletes or clears it
+            (``docs/events.md``); without it, at save time, and never removed.
+        events_replay: the node's replay endpoint; empty: derived as the node
+            derives it (the next tcp port), ``off``: none.
 
     Raises:
         ConfigError: naming the key, on a value out of range or settings that contradict each other.
@@ -83,6 +90,8 @@ class VLLMConnectorConfig:
     tls_key_file: str | None = None
     token_file: str | None = None
     token_env: str = "KVSTORE_TOKEN"
+    events_target: str = ""
+    events_replay: str = ""
 
     def __post_init__(self) -> None:
         _require(all(t.strip() for t in self.target.split(",")) or not self.target, "target",
