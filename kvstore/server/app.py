@@ -136,9 +136,17 @@ class KVStoreServer:
         self._stopped, self._hurry = asyncio.Event(), asyncio.Event()
         if self._store is None:
             self.events = open_node_events(self.config.events, authenticates=admission.authenticates)
-            self._store = await open_async_store(self.config.store, framing=functools.partial(
-                reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)),
-                events=self.events.log if self.events is not None else None)
+            try:
+                self._store = await open_async_store(self.config.store, framing=functools.partial(
+                    reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)),
+                    events=self.events.log if self.events is not None else None)
+            except BaseException:
+                if self.events is not None:
+                    self.events.close()
+                raise
+        elif self.config.events.endpoint:
+            logger.warning("events.endpoint is ignored: the node serves a store it did not open (its events go to "
+                           "whatever observer that store was given)")
         self.health.tier_states = self._tier_states
         try:
             self.shm = await _start_shared_memory(self.config)
