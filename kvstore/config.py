@@ -393,7 +393,7 @@ class EventsConfig:
     def __post_init__(self) -> None:
         _require(not self.endpoint or self.endpoint.startswith(("tcp://", "ipc://", "inproc://")), "endpoint",
                  f"must be a ZMQ tcp://, ipc:// or inproc:// address, got {self.endpoint!r}")
-        _require(self.hwm >= 0, "hwm", f"must be >= 0, got {self.hwm}")
+        _require(self.hwm > 0, "hwm", f"must be > 0 (ZMQ reads 0 as no bound), got {self.hwm}")
         _require(self.buffer_steps > 0, "buffer_steps", f"must be > 0, got {self.buffer_steps}")
         _require(self.max_queue_events > 0, "max_queue_events", f"must be > 0, got {self.max_queue_events}")
 
