@@ -243,3 +243,13 @@ def test_vllms_own_decoder_reads_the_nodes_batches(node: ThreadedServer) -> None
                         "lora_name"} <= set(e) and e["token_ids"] == []
             if e["type"] == "BlockRemoved":
                 assert {"block_hashes", "medium"} <= set(e)
+
+
+def test_the_events_settings_are_checked_and_one_variable_turns_them_on() -> None:
+    from kvstore.config import load_config
+
+    assert load_config(env={"KVSTORE_EVENTS_ENDPOINT": "ipc:///tmp/x"}).events.endpoint == "ipc:///tmp/x"
+    for overrides, field in (({"events.endpoint": "http://127.0.0.1:5557"}, "events.endpoint"),
+                             ({"events.hwm": 0}, "events.hwm"), ({"events.buffer_steps": 0}, "events.buffer_steps")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(env={}, overrides=overrides)
