@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from kvstore.events.schema import (
     CLEARED_NAMESPACE,
@@ -78,12 +78,18 @@ class EventLog:
         self._overflowed = False
         self._take_lock = threading.Lock()
         self._tier_names: tuple[str, ...] = ()
+        self._waker: Callable[[], None] | None = None
         self.num_dropped = 0
         self.num_overflows = 0
 
     def bind(self, tier_names: Sequence[str]) -> None:
         """Name the local tiers, fastest first (the store calls this once); the events' ``medium``."""
         self._tier_names = tuple(tier_names)
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """Call ``waker()`` (on the store's loop, must not block) when an event arrives in an empty log, so the
+        publisher sleeps while there is nothing to send instead of polling."""
+        self._waker = waker
 
     # ------------------------------------------------------------------ the store's side (its loop)
 
@@ -112,6 +118,8 @@ class EventLog:
                 self.num_overflows += 1
             self.num_dropped += 1
             return
+        if not queue and self._waker is not None:
+            self._waker()
         queue.append(item)
 
     # ------------------------------------------------------------------ the publisher's side (any one thread)

@@ -49,7 +49,7 @@ class PublisherSettings:
         hwm: ZMQ high-water mark of the PUB socket, batches per subscriber (the replay socket's
             is ``buffer_steps`` + 2: one whole replay; replies share the buffer's bytes).
         buffer_steps: batches kept for replay.
-        interval_s: seconds between batches when events keep coming (a batch is cut at least this often).
+        interval_s: seconds a publisher woken by a first event waits for more before it cuts a batch.
         max_batch_events: block changes in one batch at most.
     """
 
@@ -152,6 +152,15 @@ class EventPublisher:
         except BaseException:
             self._close_sockets()
             raise
+        # the log wakes the thread through an inproc pair (sent from the store's loop only), so an idle
+        # publisher sleeps instead of polling, and takes no GIL time from the store
+        self._wake_recv = self._ctx.socket(zmq.PAIR)
+        address = f"inproc://kvstore-events-wake-{id(self)}"
+        self._wake_recv.bind(address)
+        self._wake_send = self._ctx.socket(zmq.PAIR)
+        self._wake_send.setsockopt(zmq.SNDHWM, 4)
+        self._wake_send.connect(address)
+        log.set_waker(self._wake)
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
         self._thread.start()
 
@@ -178,8 +187,15 @@ class EventPublisher:
             return
         self._close_sockets()
 
+    def _wake(self) -> None:
+        try:
+            self._wake_send.send(b"", flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # a wake-up is pending already (Again), or closing
+            pass
+
     def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
+        self._log.set_waker(None)
+        for sock in (self._pub, self._replay, getattr(self, "_wake_send", None), getattr(self, "_wake_recv", None)):
             if sock is not None:
                 sock.close(linger=0)
 
@@ -187,21 +203,25 @@ class EventPublisher:
 
     def _run(self) -> None:
         pack = encoder()
-        interval_ms = max(1, int(self.settings.interval_s * 1000))
+        idle_ms = 200  # how often an idle publisher checks whether it is closing
         poller = zmq.Poller()
+        poller.register(self._wake_recv, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         while True:
             stopping = self._stop.is_set()
-            sent = self._publish(pack)
-            if stopping and not len(self._log):
+            while self._publish(pack):  # everything the log holds, in batches
+                pass
+            if stopping:
                 return
             try:
-                ready = dict(poller.poll(0 if sent or stopping else interval_ms)) if self._replay is not None else {}
+                ready = dict(poller.poll(idle_ms))
+                if ready.get(self._wake_recv):
+                    while self._wake_recv.poll(0):
+                        self._wake_recv.recv()
+                    self._stop.wait(self.settings.interval_s)  # let the batch fill: fewer, larger batches
                 if self._replay is not None and ready.get(self._replay):
                     self._serve_replay()
-                elif self._replay is None and not sent and not stopping:
-                    self._stop.wait(self.settings.interval_s)
             except zmq.ZMQError as exc:  # a closed context at interpreter exit: nothing more to do
                 logger.warning("events publisher stopped: %s", exc)
                 return
