@@ -32,6 +32,7 @@ _EXPORTS = {
     "Namespace": "kvstore.keys", "hash_blocks": "kvstore.keys",
     "DEFAULT_PRIORITY": "kvstore.policy",
     "KVStoreClient": "kvstore.client", "AsyncKVStoreClient": "kvstore.client",
+    "InProcessServer": "kvstore.server.in_process", "serve_in_process": "kvstore.server.in_process",
 }
 
 __all__ = sorted(_EXPORTS)

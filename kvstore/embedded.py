@@ -14,7 +14,8 @@ from kvstore.codec import decode_block, encode_blocks
 from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
-from kvstore.store import TieredStore, open_async_store
+from kvstore.factory import open_async_store
+from kvstore.store import TieredStore
 
 if TYPE_CHECKING:
     import torch

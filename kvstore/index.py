@@ -63,7 +63,6 @@ class Entry:
         key: the block key.
         level: its local tier (0 is the fastest); -1 for a placement not yet charged to one.
         nbytes: capacity bytes it takes there (the tier's ``footprint``).
-        generation: a number no other entry had; a newer entry of the same key has a larger one.
         readers: references held (readers, and the mover while it copies the block).
         state: see :class:`State`.
         priority: retention priority of a ``PLACING`` entry, ``[0, 100]``.
@@ -75,15 +74,14 @@ class Entry:
             block's record goes at once (the tier keeps what a reader leased valid).
     """
 
-    __slots__ = ("key", "level", "nbytes", "generation", "readers", "state", "priority", "expires_at", "done",
+    __slots__ = ("key", "level", "nbytes", "readers", "state", "priority", "expires_at", "done",
                  "ended", "owns_record")
 
-    def __init__(self, key: BlockKey, level: int, nbytes: int, generation: int, state: State,
+    def __init__(self, key: BlockKey, level: int, nbytes: int, state: State,
                  priority: int = 0, expires_at: float = 0.0) -> None:
         self.key = key
         self.level = level
         self.nbytes = nbytes
-        self.generation = generation
         self.readers = 0
         self.state = state
         self.priority = priority
@@ -101,7 +99,7 @@ class Entry:
         return await self.done
 
     def __repr__(self) -> str:
-        return f"Entry({self.key.hex()[:12]}..., level={self.level}, gen={self.generation}, {self.state.value}, " \
+        return f"Entry({self.key.hex()[:12]}..., level={self.level}, {self.state.value}, " \
                f"readers={self.readers})"
 
 
@@ -122,7 +120,6 @@ class Index:
         self.capacities = list(capacities)
         self._clock = clock
         self._tier_held = list(held_bytes) or [None] * len(self.policies)
-        self._generation = 0
         self._held: list[dict[BlockKey, Entry]] = [{} for _ in self.policies]  # resident entries with references
         self._placing: dict[BlockKey, Entry] = {}  # at most one placement of a key at a time
         self._placing_bytes = [0] * len(self.policies)
@@ -151,12 +148,12 @@ class Index:
         policies = self.policies
         if not policies or not keys:
             return b""
-        top = _contains_many(policies[0], keys)
+        top = policies[0].contains_many(keys)
         if False not in top:
             return bytes(len(keys))
         start = top.index(False)
         rest = keys[start:]
-        found = [top[start:], *(_contains_many(policy, rest) for policy in policies[1:])]
+        found = [top[start:], *(policy.contains_many(rest) for policy in policies[1:])]
         levels = bytearray(start)
         for hits in zip(*found):
             if True not in hits:
@@ -171,7 +168,7 @@ class Index:
         for level, policy in enumerate(self.policies):
             if not pending:
                 break
-            found = _contains_many(policy, [keys[i] for i in pending])
+            found = policy.contains_many([keys[i] for i in pending])
             for i, hit in zip(pending, found):
                 if hit:
                     levels[i] = level
@@ -229,7 +226,7 @@ class Index:
             return []
         policy = self.policies[level]
         victims = policy.victims(excess, self._clock())
-        freed = sum(policy.size_of(key) for key in victims)  # type: ignore[attr-defined]
+        freed = sum(map(policy.size_of, victims))
         if freed < excess:
             raise NoRoomError(f"no room in tier {level}: {nbytes} bytes needed and the rest is in use")
         leaving = self._leaving[level]
@@ -238,10 +235,6 @@ class Index:
             leaving.add(key)
         self._leaving_bytes[level] += freed
         return victims
-
-    def over_capacity(self, level: int) -> int:
-        """Bytes by which tier ``level`` is over its capacity once the evictions under way end (0 if none)."""
-        return max(0, self.used_bytes(level) - self._leaving_bytes[level] - self.capacities[level])
 
     def leaving(self, level: int, key: BlockKey) -> bool:
         """Whether a resident block is claimed as a victim, its eviction under way."""
@@ -261,8 +254,7 @@ class Index:
         It counts against a tier's room once :meth:`charge` names the tier.
         """
         assert key not in self._placing, key
-        self._generation += 1
-        entry = Entry(key, -1, 0, self._generation, State.PLACING, priority, expires_at)
+        entry = Entry(key, -1, 0, State.PLACING, priority, expires_at)
         self._placing[key] = entry
         return entry
 
@@ -272,6 +264,13 @@ class Index:
             assert entry.level < 0 and entry.state is State.PLACING, entry
             entry.level, entry.nbytes = level, nbytes
             self._placing_bytes[level] += nbytes
+
+    def uncharge(self, entries: Sequence[Entry]) -> None:
+        """Undo :meth:`charge` of placing ``entries`` none of which was written: they may be charged to another tier."""
+        for entry in entries:
+            if entry.level >= 0 and self._placing.get(entry.key) is entry:
+                self._placing_bytes[entry.level] -= entry.nbytes
+            entry.level, entry.nbytes = -1, 0
 
     def publish(self, entry: Entry) -> bool:
         """Make a placement resident, if it is still the current one; whether it was (else the write is stale).
@@ -313,15 +312,19 @@ class Index:
     # ------------------------------------------------------------------ references
 
     def hold(self, level: int, key: BlockKey) -> Entry:
-        """Take a reference on the resident block ``key`` of tier ``level``; it is no victim until released."""
+        """Take a reference on the resident block ``key`` of tier ``level``; it is no victim until released.
+
+        The references are counted here, and only here (``Entry.readers``): the
+        first takes the block out of its policy's eviction order
+        (``EvictionPolicy.hold``), and the last puts it back (:meth:`release`).
+        """
         held = self._held[level]
         entry = held.get(key)
         if entry is None:
             policy = self.policies[level]
-            self._generation += 1
-            entry = Entry(key, level, policy.size_of(key), self._generation, State.RESIDENT)  # type: ignore[attr-defined]
+            entry = Entry(key, level, policy.size_of(key), State.RESIDENT)
             held[key] = entry
-            policy.pin(key)
+            policy.hold(key)
         entry.readers += 1
         return entry
 
@@ -338,7 +341,7 @@ class Index:
         if entry.state is State.RESIDENT:
             if self._held[entry.level].get(entry.key) is entry:
                 del self._held[entry.level][entry.key]
-                self.policies[entry.level].unpin(entry.key)
+                self.policies[entry.level].release(entry.key)
             return False
         if not entry.owns_record:
             return False
@@ -372,11 +375,9 @@ class Index:
         if key not in policy:
             return False
         entry = self._held[level].pop(key, None)
-        nbytes = policy.size_of(key) if entry is None else entry.nbytes  # type: ignore[attr-defined]
+        nbytes = policy.size_of(key) if entry is None else entry.nbytes
         self._unclaim(level, key, nbytes)
-        if entry is not None:
-            policy.unpin(key)
-        policy.remove(key)
+        policy.remove(key)  # held or not: a hold ends with the block
         self._add_tag_bytes(key, -nbytes)
         if self.observer is not None:
             self.observer.removed(level, key, reason)  # a ``kvstore.events.schema`` REMOVED_* reason
@@ -438,10 +439,3 @@ class Index:
         else:
             self._tag_bytes.pop(tag, None)
 
-
-def _contains_many(policy: EvictionPolicy, keys: Sequence[BlockKey]) -> list[bool]:
-    """``[key in policy for key in keys]``, through the policy's batch form when it has one."""
-    batch = getattr(policy, "contains_many", None)
-    if batch is not None:
-        return batch(keys)  # type: ignore[no-any-return]
-    return [key in policy for key in keys]

@@ -70,11 +70,6 @@ class HashAlgorithm(str, enum.Enum):
     XXH3_128 = "xxh3_128"
     SHA256 = "sha256"
 
-    @property
-    def digest_bytes(self) -> int:
-        """Length in bytes of one block hash under this algorithm."""
-        return 16 if self is HashAlgorithm.XXH3_128 else 32
-
     def digest(self, data: bytes | memoryview) -> bytes:
         """Return ``H(data)``."""
         if self is HashAlgorithm.XXH3_128:

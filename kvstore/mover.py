@@ -32,41 +32,14 @@ from typing import Awaitable, Callable, Sequence
 from kvstore.errors import ResourceExhaustedError, UnavailableError
 from kvstore.index import Entry, Index, NoRoomError, State
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
+from kvstore.counts import TierCounts, count
+from kvstore.ratelog import WARNING_INTERVAL_S, RateLimitedLog
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, SharedTier, Tier, TierFullError
 
 logger = logging.getLogger(__name__)
 
 MAX_QUEUED_BYTES = 256 << 20
 """Bytes of block values the background queue may hold; offers beyond it are dropped (and counted)."""
-
-
-@dataclass(slots=True)
-class TierCounts:
-    """Event counts of one tier, each defined once (``docs/service.md``, "Metrics"), the same way for every tier.
-
-    Attributes:
-        hits: blocks a get served from this tier.
-        misses: blocks a get looked for in this tier and did not find there: served
-            from a tier below it, or found in no tier (the first block past the prefix).
-        evictions: blocks that left this tier to make room, or as the store closed (a volatile
-            tier is flushed into a persistent one): demoted or dropped.
-        demotions: blocks written into this tier by an eviction from the tier above.
-        promotions: blocks copied from this tier into the top tier after a hit.
-        lost_records: blocks the index placed in this tier that a read did not
-            find there (gone, corrupt or unreadable): forgotten at once.
-        mismatched: blocks read from a persistent tier that did not fit their
-            namespace (dtype, layout, block size): deleted, and counted as corrupt.
-        copies_dropped: copies into this tier given up because the background queue was full.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    demotions: int = 0
-    promotions: int = 0
-    lost_records: int = 0
-    mismatched: int = 0
-    copies_dropped: int = 0
 
 
 @dataclass(slots=True)
@@ -148,6 +121,8 @@ class Mover:
         self._tasks: set[asyncio.Future[object]] = set()  # operations and record deletes in flight
         self._shared_writes: dict[BlockKey, asyncio.Future[None]] = {}  # keys on their way into the shared tier
         self._promoting: dict[BlockKey, asyncio.Future[None]] = {}  # keys of queued or running promotions
+        self._evicting: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]  # evictions in flight, by tier
+        self._warnings = RateLimitedLog(logger, WARNING_INTERVAL_S)
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -207,14 +182,44 @@ class Mover:
         """
         while victims:
             await self._evict(level, victims)
+            victims = await self.reserve(level, 0)
+
+    async def reserve(self, level: int, nbytes: int) -> list[BlockKey]:
+        """:meth:`Index.reserve`, waiting while what is left to evict is claimed by evictions in flight.
+
+        Their victims leave the tier when their moves end: the room a put may
+        count on, so a put that fits once they end waits for them rather than
+        fail (issue 32: concurrent puts were refused while demotions ran).
+
+        Raises:
+            ResourceExhaustedError: if the rest is held by reads, with no eviction in flight to wait for.
+        """
+        while True:
             try:
-                victims = self._index.reserve(level, 0)
-            except NoRoomError as exc:
-                raise ResourceExhaustedError(f"no room in tier {self._tiers[level].name}: the rest of its "
-                                             f"{self._tiers[level].capacity_bytes} bytes is leased") from exc
+                return self._index.reserve(level, nbytes)
+            except NoRoomError:
+                if not await self._evictions_ended(level):
+                    raise ResourceExhaustedError(self._no_room(level, nbytes, "the rest is leased by reads in flight")
+                                                 ) from None
+
+    async def _evictions_ended(self, level: int) -> bool:
+        """Wait until the evictions from tier ``level`` in flight now have ended; whether there were any."""
+        evicting = self._evicting[level]
+        if not evicting:
+            return False
+        await asyncio.wait(set(evicting))
+        return True
+
+    def _no_room(self, level: int, nbytes: int, why: str) -> str:
+        """The message of a put refused for room in tier ``level``: which limit, and what to change."""
+        tier = self._tiers[level]
+        return (f"no room in tier {tier.name}: {nbytes} bytes needed of its capacity of {tier.capacity_bytes} bytes "
+                f"({self._index.used_bytes(level)} in use), {why}; raise the tier's capacity "
+                f"(store.{tier.name}.capacity_bytes), or put fewer or smaller blocks per call")
 
     async def place(self, level: int, entries: list[Entry], values: Sequence[bytes], metas: Sequence[BlockMeta],
-                    sources: Sequence[Entry] | None = None, *, room: int | None = None) -> list[BlockKey]:
+                    sources: Sequence[Entry] | None = None, *, room: int | None = None,
+                    declined: list[int] | None = None) -> list[BlockKey]:
         """Write placing ``entries`` into tier ``level`` and publish those still current; returns the keys published.
 
         In batches that fit the tier at once, tail first, so a head written last
@@ -223,7 +228,11 @@ class Mover:
         With ``sources`` (a move: one held resident entry per block) each source
         leaves its tier as its copy is published, so tiers stay exclusive.
         ``room`` bounds a batch's bytes (the tier's capacity by default; less
-        where a put holds its cached prefix in the tier).
+        where a put holds its cached prefix in the tier). With ``declined``, a
+        batch the tier cannot make room for (once the evictions in flight end)
+        is not an error: the positions of it and of the blocks not yet written
+        are added to ``declined``, still placing and charged to no tier, for
+        the caller to place in the next tier.
 
         Raises:
             ResourceExhaustedError: if the tier cannot make room; entries not yet written are abandoned.
@@ -241,19 +250,29 @@ class Mover:
                 while start > 0 and need + sizes[start - 1] <= room:
                     start -= 1
                     need += sizes[start]
-                batch = [i for i in range(start, end) if entries[i].state is State.PLACING]  # not deleted meanwhile
+                first, last = start, end
                 end = start
-                if not batch:
+                if not any(entries[i].state is State.PLACING for i in range(first, last)):
                     continue
-                try:  # prepare
-                    victims = index.reserve(level, sum(sizes[i] for i in batch))
-                except NoRoomError:
-                    raise ResourceExhaustedError(f"no room in tier {tier.name}: {need} bytes needed and the rest of "
-                                                 f"its {capacity} bytes is leased") from None
-                placing = [entries[i] for i in batch]
-                index.charge(placing, level, [sizes[i] for i in batch])
-                stored = await self._write(level, placing, [values[i] for i in batch], [metas[i] for i in batch],
-                                           victims)
+                placing = []
+                try:
+                    # prepare: room reserved and victims claimed, once the evictions in flight end if need be
+                    victims = await self.reserve(level, sum(sizes[i] for i in range(first, last)
+                                                            if entries[i].state is State.PLACING))
+                    batch = [i for i in range(first, last) if entries[i].state is State.PLACING]  # not deleted
+                    if not batch:  # all deleted while it waited: the victims it claimed go all the same
+                        await self.make_room(level, victims)
+                        continue
+                    placing = [entries[i] for i in batch]
+                    index.charge(placing, level, [sizes[i] for i in batch])
+                    stored = await self._write(level, placing, [values[i] for i in batch],
+                                               [metas[i] for i in batch], victims)
+                except ResourceExhaustedError:
+                    if declined is None:
+                        raise
+                    index.uncharge(placing)  # nothing of the batch was written: it and the rest go elsewhere
+                    declined += [i for i in range(last) if entries[i].state is State.PLACING]
+                    return published
                 for entry, ok in zip(placing, stored):
                     if not ok:  # the tier could not write it (a damaged disk page): not published
                         index.abandon(entry)
@@ -278,18 +297,22 @@ class Mover:
         tier = self._tiers[level]
         await self.make_room(level, victims)
         keys = [entry.key for entry in entries]
-        try:
-            return await tier.put(keys, values, metas)
-        except TierFullError:  # room the index could not see (a full LMDB map): evict as much again, once
-            try:
-                more = self._index.reserve(level, sum(entry.nbytes for entry in entries))
-            except NoRoomError as exc:
-                raise ResourceExhaustedError(f"tier {tier.name} is full") from exc
-            await self.make_room(level, more)
+        while True:
             try:
                 return await tier.put(keys, values, metas)
-            except TierFullError as exc:
-                raise ResourceExhaustedError(f"tier {tier.name} is full: {exc}") from exc
+            except TierFullError:
+                # the room the index promised frees as the evictions in flight end (their victims' pages are
+                # the tier's until their moves end): wait for them, then write again
+                if not await self._evictions_ended(level):
+                    break
+        # room the index could not see (a full LMDB map): evict as much again, once
+        nbytes = sum(entry.nbytes for entry in entries)
+        more = await self.reserve(level, nbytes)
+        await self.make_room(level, more)
+        try:
+            return await tier.put(keys, values, metas)
+        except TierFullError as exc:
+            raise ResourceExhaustedError(self._no_room(level, nbytes, f"the tier is full ({exc})")) from exc
 
     def discard(self, level: int, keys: list[BlockKey]) -> None:
         """Delete records the index no longer accounts for (stale writes, retired blocks): now, finished in the
@@ -335,7 +358,7 @@ class Mover:
         """Give back references; returns the records whose last reference this was, by tier, for the caller to delete."""
         index = self._index
         gone: dict[int, list[BlockKey]] = {}
-        for entry in entries:
+        for entry in reversed(entries):  # tail first: blocks held head first return with the head the most recent
             if index.release(entry):
                 gone.setdefault(entry.level, []).append(entry.key)
         return gone
@@ -343,6 +366,15 @@ class Mover:
     async def _evict(self, level: int, victims: list[BlockKey]) -> None:
         """Move claimed victims out of tier ``level``: demote those at or above the floor where there is a tier
         below (or a write-back shared tier), drop the rest."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._evicting[level].add(done)
+        try:
+            await self._move_victims(level, victims)
+        finally:
+            self._evicting[level].discard(done)
+            done.set_result(None)
+
+    async def _move_victims(self, level: int, victims: list[BlockKey]) -> None:
         index = self._index
         policy = index.policies[level]
         entries = [index.held(level, key) for key in victims]
@@ -350,7 +382,7 @@ class Mover:
         below = level + 1 < len(self._tiers)
         demote: list[Entry] = []
         if below or (self._write_back and level == len(self._tiers) - 1):
-            demote = [e for e in sources if policy.priority_of(e.key) >= self._floor]  # type: ignore[attr-defined]
+            demote = [e for e in sources if policy.priority_of(e.key) >= self._floor]
         keep = {id(e) for e in demote}
         generations = self.shared_generations([e.key for e in demote]) if not below else None  # as claimed
         await self._retire([e for e in sources if id(e) not in keep])
@@ -365,11 +397,11 @@ class Mover:
         the store) those below the floor go only into free room."""
         index = self._index
         policy = index.policies[level]
-        metas = {e.key: (policy.priority_of(e.key), policy.expiry_of(e.key)) for e in sources}  # type: ignore[attr-defined]
+        metas = {e.key: (policy.priority_of(e.key), policy.expiry_of(e.key)) for e in sources}
         try:
             values = await self._tiers[level].get([e.key for e in sources])
         except UnavailableError as exc:
-            logger.warning("demotion from %s dropped %d blocks: %s", self._tiers[level].name, len(sources), exc)
+            self._dropped(level, "unavailable", len(sources), exc)
             values = [None] * len(sources)
         found = [(e, v) for e, v in zip(sources, values) if v is not None and e.state is State.RESIDENT]
         now = self._clock()
@@ -395,9 +427,22 @@ class Mover:
             published = await self.place(target, placing, [v for _, v in found],
                                          [BlockMeta(*metas[e.key], now) for e, _ in found], [e for e, _ in found])
         except (ResourceExhaustedError, UnavailableError) as exc:  # the victims are dropped; the put goes on
-            logger.warning("demotion from %s dropped %d blocks: %s", self._tiers[level].name, len(found), exc)
+            self._dropped(level, "no_room" if isinstance(exc, ResourceExhaustedError) else "unavailable",
+                          len(found), exc)
             return
         self._counts[target].demotions += len(published)
+
+    def _dropped(self, level: int, reason: str, num_blocks: int, exc: Exception) -> None:
+        """Count (``TierCounts.dropped_demotions``) and log, rate-limited, victims of ``level`` dropped, not demoted."""
+        count(self._counts[level].dropped_demotions, reason, num_blocks)
+        self._warnings.warning(f"dropped:{level}:{reason}", "demotion from %s dropped %d blocks (%s): %s",
+                               self._tiers[level].name, num_blocks, reason, exc)
+
+    def refused(self, level: int, reason: str, num_blocks: int, exc: Exception) -> None:
+        """Count (``TierCounts.refused_puts``) and log, rate-limited, blocks of a put tier ``level`` refused."""
+        count(self._counts[level].refused_puts, reason, num_blocks)
+        self._warnings.warning(f"refused:{level}:{reason}", "put of %d blocks refused by tier %s (%s): %s",
+                               num_blocks, self._tiers[level].name, reason, exc)
 
     async def _demote_to_shared(self, found: list[tuple[Entry, bytes]], metas: dict[BlockKey, tuple[int, float]],
                                 now: float, generations: dict[bytes, int]) -> None:
@@ -411,10 +456,10 @@ class Mover:
 
     def shared_generations(self, keys: Sequence[BlockKey]) -> dict[bytes, int]:
         """The shared tier's generation of each namespace among ``keys`` now: what a copy prepared now writes under."""
-        generation = getattr(self._shared, "generation", None)  # a plain tier standing in for Redis has none
-        if generation is None:
+        shared = self._shared
+        if shared is None:
             return {}
-        return {key[:NAMESPACE_TAG_BYTES]: generation(key[:NAMESPACE_TAG_BYTES]) for key in keys}
+        return {key[:NAMESPACE_TAG_BYTES]: shared.generation(key[:NAMESPACE_TAG_BYTES]) for key in keys}
 
     async def write_shared(self, keys: list[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta],
                            generations: dict[bytes, int]) -> list[bool]:
@@ -476,7 +521,7 @@ class Mover:
         In eviction order, read or not; blocks below the floor go only into the room left free there.
         """
         index = self._index
-        index.policies[level].expire(self._clock())  # type: ignore[attr-defined]  # ended retentions count as default
+        index.policies[level].expire(self._clock())  # ended retentions count as default
         keys = [key for key in index.resident_keys(level) if not index.leaving(level, key)]
         sources = [index.hold(level, key) for key in keys]
         self._counts[level].evictions += len(sources)  # each leaves the tier: demoted (and counted so), or dropped
@@ -602,7 +647,7 @@ class Mover:
             held: list[Entry] = []
         else:
             policy = index.policies[source]
-            metas = [(policy.priority_of(k), policy.expiry_of(k)) for k in keys]  # type: ignore[attr-defined]
+            metas = [(policy.priority_of(k), policy.expiry_of(k)) for k in keys]
             held = [index.hold(source, key) for key in keys]
         placing = [index.place(key, *meta) for key, meta in zip(keys, metas)]
         block_metas = [BlockMeta(*meta, now - i * CHAIN_STEP_S) for i, meta in enumerate(metas)]
@@ -626,6 +671,5 @@ class Mover:
         await self.write_shared(job.keys, job.values, job.metas, {tag: job.shared_generation})
 
     async def _sweep(self, job: _Sweep) -> None:
-        sweep = getattr(self._shared, "sweep_namespace", None)
-        if sweep is not None:
-            await sweep(job.tag, job.generation)
+        if self._shared is not None:
+            await self._shared.sweep_namespace(job.tag, job.generation)

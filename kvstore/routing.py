@@ -1,7 +1,7 @@
 """Which kvstore node owns a block (rendezvous hashing) and which nodes are up (membership with backoff).
 
 Pure logic, no I/O: :class:`KVStoreClient` and :class:`AsyncKVStoreClient`
-(``kvstore/client.py``) use it to spread blocks over several nodes.
+(``kvstore/client/``) use it to spread blocks over several nodes.
 
 Rendezvous, or highest-random-weight, hashing (D. G. Thaler and C. V.
 Ravishankar, "Using Name-Based Mappings to Increase Hit Rates", IEEE/ACM

@@ -26,25 +26,26 @@ which owns the index, so nothing needs a lock.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.codec import BlockHeader, Layout, check_one_shape, decode_header, verify_block
+from kvstore.codec import check_one_shape, decode_header
 from kvstore.config import StoreConfig
 from kvstore.continuations import Continuations
-from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
-from kvstore.index import Entry, Index, NoRoomError, State
-from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
-from kvstore.mover import Mover, TierCounts
-from kvstore.policy import check_priority, make_policy
+from kvstore.errors import CodecError, ResourceExhaustedError, UnavailableError
+from kvstore.index import Entry, Index, State
+from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
+from kvstore.counts import TierCounts
+from kvstore.mover import Mover
+from kvstore.placement import Placement
+from kvstore.reads import BlockRead, ReadPath
+from kvstore.policy import make_policy
+from kvstore.validation import check_block, check_counts, check_priority, check_retention_s, namespace_mismatch
 from kvstore.tiers.base import (
-    CHAIN_STEP_S,
     BlockMeta,
     Buffer,
-    Framing,
     LeasingTier,
     SharedTier,
     Tier,
@@ -108,6 +109,9 @@ class TieredStore:
                             demote_min_priority=self.config.demote_min_priority,
                             write_back=shared is not None and not self._write_through,
                             default_priority=self.config.default_priority, clock=clock)
+        self._placement = Placement(self.index, self._tiers, shared, self._mover, self._write_through)
+        self._reads = ReadPath(self.index, self._tiers, shared, self._mover, self._counts, self.config, self._fits,
+                               self._check_open, lambda: self._closed)
         self._continuations: Continuations[BlockKey] = Continuations()  # lookups' prefixes, by a put's start
         self._lookup_hit_blocks = 0
         self._lookup_miss_blocks = 0
@@ -270,171 +274,7 @@ class TieredStore:
             InvalidArgumentError: (on entering) on a hash of the wrong length.
             UnavailableError: (on entering) if the store is closed.
         """
-        return BlockRead(self, namespace, block_hashes, lend)
-
-    def _open_now(self, read: BlockRead) -> list[Buffer] | None:
-        """A read's prepare, I/O and complete with no await: the top tier lends the whole cached prefix.
-
-        ``None`` (nothing taken) when that is not the case. The recency comes
-        first, so a block being read is no early victim, held or not; the hit
-        counts wait for :meth:`BlockRead.close`, which the service's Get runs
-        once its reply is on the way (``benchmarks/bench_service.py``).
-        """
-        self._check_open()
-        lender = self._lenders[0] if self._lenders else None
-        if not read.lend or lender is None:
-            return None
-        keys = block_keys(read.namespace, read.block_hashes)
-        top = self.index.policies[0]
-        if False in top.contains_many(keys):  # lent only if the rest is in no tier at all
-            levels = self.index.locate(keys)
-            if (self._shared is not None and len(levels) < len(keys)) or levels.strip(b"\0"):
-                return None
-            keys = keys[:len(levels)]
-            read.top_misses = True
-        else:
-            read.top_misses = False
-        lease = lender.lease(keys)
-        if lease is None or None in lease.values:
-            if lease is not None:
-                lease.release()
-            read.top_misses = None
-            return None
-        if not lender.lends_references:  # views of pages the tier reuses: hold them
-            read.held = [self.index.hold(0, key) for key in keys]
-            read.releases = [lease.release]
-        for key in reversed(keys):  # tail first: the head ends most recent
-            top.touch(key)
-        read.num_lent = len(keys)
-        read.framed = lease.framed
-        return lease.values  # type: ignore[return-value]  # no None: checked above
-
-    async def _open(self, read: BlockRead) -> list[Buffer]:
-        """A read's prepare; its I/O and complete step run in a task of their own (:meth:`_read_prefix`)."""
-        values = self._open_now(read)
-        if values is not None:
-            return values
-        keys = block_keys(read.namespace, read.block_hashes)
-        index = self.index
-        sources: list[int | None] = list(index.locate(keys))  # the local prefix, then (with a shared tier) every
-        local: Sequence[int] = range(len(sources))  # later block: past a block in Redis the next may be local again
-        wanted: list[int] = []
-        if self._shared is not None and len(sources) < len(keys):
-            sources += index.levels_of(keys[len(sources):])
-            local = [i for i, level in enumerate(sources) if level is not None]
-            wanted = [i for i, level in enumerate(sources) if level is None]
-        read.held = [index.hold(sources[i], keys[i]) for i in local]  # type: ignore[arg-type]
-        generation = index.namespace_generation(read.namespace.tag)
-        task = asyncio.ensure_future(self._read_prefix(read, keys, sources, list(local), wanted, generation))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:  # the I/O goes on, so that its complete step runs; then the read closes
-            self._mover.adopt(task)
-            read.abandon(task)
-            raise
-
-    async def _read_prefix(self, read: BlockRead, keys: list[BlockKey], sources: list[int | None],
-                           local: list[int], wanted: list[int], generation: int) -> list[Buffer]:
-        """A read's I/O (the shared tier first, then each local tier's part in one batch) and complete step."""
-        found: list[Buffer | None] = [None] * len(sources)
-        if wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
-            shared = self._shared
-            for i, value in zip(wanted, await shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
-                if value is None or not self._fits(read.namespace, keys[i], value, shared.name):  # type: ignore[union-attr]
-                    local = [j for j in local if j < i]
-                    break
-                found[i] = value
-        held = {id(entry): entry for entry in read.held}
-        by_level: dict[int, list[int]] = {}
-        for i in local:
-            by_level.setdefault(sources[i], []).append(i)  # type: ignore[arg-type]
-        batches = [self._read_tier(level, [keys[i] for i in positions], read) for level, positions in by_level.items()]
-        results = [await batches[0]] if len(batches) == 1 else await asyncio.gather(*batches)
-        for positions, values in zip(by_level.values(), results):
-            for i, value in zip(positions, values):
-                found[i] = value
-        # complete: a located block its tier could not serve (gone, unreadable), or a block of a persistent tier
-        # that does not fit the namespace, is a miss, forgotten at once and its record deleted
-        entries = {entry.key: entry for entry in held.values()}
-        for i in local:
-            entry = entries[keys[i]]
-            if entry.state is not State.RESIDENT:
-                continue  # deleted or moved out meanwhile: what the read got (or not) is not the index's business
-            value = found[i]
-            if value is None:
-                self._counts[entry.level].lost_records += 1
-                logger.warning("tier %s: block %s is indexed but could not be read; forgotten",
-                               self._tiers[entry.level].name, keys[i].hex())
-            elif self._tiers[entry.level].persistent and not self._fits(read.namespace, keys[i], value,
-                                                                        self._tiers[entry.level].name):
-                found[i] = None
-                self._counts[entry.level].mismatched += 1
-            else:
-                continue
-            if self.index.forget(entry.level, entry.key, reason="lost"):
-                self._mover.discard(entry.level, [entry.key])
-        hit = found.index(None) if None in found else len(found)
-        values: list[Buffer] = found[:hit]  # type: ignore[assignment]
-        self._count_get([len(self._tiers) if s is None else s for s in sources[:hit]], len(keys))
-        policies = self.index.policies
-        for key, level in reversed(list(zip(keys[:hit], sources[:hit]))):  # tail first: the head ends most recent
-            if level is not None and key in policies[level]:
-                policies[level].touch(key)
-        if self.config.promote_on_hit and self._tiers:
-            read.promotions = self._promotions(keys, sources[:hit], values, generation)
-        return values
-
-    async def _read_tier(self, level: int, keys: list[BlockKey], read: BlockRead) -> list[Buffer | None]:
-        """One tier's values of ``keys``: lent views where ``read`` may take them and the tier lends, else copies."""
-        lender = self._lenders[level]
-        if read.lend and lender is not None:
-            lease = lender.lease(keys)
-            if lease is not None:
-                read.releases.append(lease.release)
-                return lease.values
-        return await self._tiers[level].get(keys)
-
-    def _count_get(self, hit_tiers: list[int], num_asked: int) -> None:
-        """Count one get: ``hit_tiers`` are the tiers (indexes into :attr:`tier_names`) of the blocks it served.
-
-        A block served from tier ``t`` is a hit there and a miss in every tier
-        above; the first block it did not find (if it asked for more) is a miss
-        in every tier. These are the definitions of ``docs/service.md``.
-        """
-        counts = self._counts
-        for t in hit_tiers:
-            counts[t].hits += 1
-            for above in range(t):
-                counts[above].misses += 1
-        if len(hit_tiers) < num_asked:
-            for c in counts:
-                c.misses += 1
-
-    def _promotions(self, keys: list[BlockKey], sources: Sequence[int | None], values: list[Buffer],
-                    generation: int) -> list[tuple[int | None, list[BlockKey], list[bytes], int]]:
-        """The lower-tier hits to offer for promotion, by source tier (``None``: shared), views copied to bytes."""
-        moves: dict[int | None, list[int]] = {}
-        for position, level in enumerate(sources[:len(values)]):
-            if level != 0:
-                moves.setdefault(level, []).append(position)
-        return [(level, [keys[p] for p in positions],
-                 [v if type(v) is bytes else bytes(v) for v in (values[p] for p in positions)], generation)
-                for level, positions in moves.items()]
-
-    def _close_read(self, read: BlockRead) -> None:
-        """A read's last step: count a lent read, give back its leases and references, offer its promotions."""
-        if read.top_misses is not None:
-            self._counts[0].hits += read.num_lent
-            if read.top_misses:  # the first miss was looked for in every tier
-                for counts in self._counts:
-                    counts.misses += 1
-            read.top_misses = None
-        for release in read.releases:
-            release()
-        self._mover.release(read.held)
-        if not self._closed:  # once released, so that the promotion's room is made by evicting others
-            for source, keys, values, generation in read.promotions:
-                self._mover.promote(source, keys, values, generation)
+        return BlockRead(self._reads, namespace, block_hashes, lend)
 
     # ------------------------------------------------------------------ put
 
@@ -457,8 +297,8 @@ class TieredStore:
 
         A put that continues the cached prefix a :meth:`lookup` found (its first
         new block is the one after that prefix) protects the prefix while it
-        makes room and touches it again after (:meth:`_place`); if a Get is
-        still promoting that prefix, the put first waits for the promotion
+        makes room and touches it again after (``kvstore.placement``); if a Get
+        is still promoting that prefix, the put first waits for the promotion
         (``kvstore.sim.model`` replays the same order, ``docs/simulate.md``).
 
         Args:
@@ -479,13 +319,15 @@ class TieredStore:
         """
         self._check_open()
         keys = block_keys(namespace, block_hashes)
-        if len(blocks) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} hashes but {len(blocks)} blocks")
+        check_counts(len(keys), len(blocks))
         meta = self._meta(priority, retention_s)
         for position, block in enumerate(blocks):
-            self._validate_block(namespace, position, block)
+            check_block(namespace, position, block, self.config.max_block_bytes)
             if not self._fits_somewhere(len(block)):
-                raise ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
+                exc = ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
+                if self._tiers:
+                    self._mover.refused(0, "too_large", len(blocks), exc)
+                raise exc
         check_one_shape(blocks)
         index = self.index
         first_new = next((key for key in keys if index.level_of(key) is None), None)
@@ -521,7 +363,8 @@ class TieredStore:
                 entries = [index.place(key, meta.priority, meta.expires_at) for key in fresh]
                 generations = (index.namespace_generation(namespace.tag),
                                self._mover.shared_generations(keys[:1]).get(namespace.tag, 0))
-                await asyncio.shield(self._mover.run(self._place(entries, list(fresh.values()), meta, generations,
+                await asyncio.shield(self._mover.run(self._placement.place(entries, list(fresh.values()), meta,
+                                                                           generations,
                                                                  protect)))
                 num_new += len(fresh)
             for entry in waits:
@@ -531,112 +374,10 @@ class TieredStore:
             pending = retired
         return num_new
 
-    async def _place(self, entries: list[Entry], values: list[bytes], meta: BlockMeta,
-                     generations: tuple[int, int], protect: Sequence[BlockKey] = ()) -> None:
-        """A put's I/O and complete step: each block into the first local tier it fits, in batches that fit the
-        tier at once, tail first, so a head written last evicts the tail; blocks that fit no local tier go to the
-        shared tier in ``write_back`` mode. In ``write_through`` mode every block is then offered to the shared tier.
-
-        ``protect``: the cached prefix this put continues (``kvstore.continuations``, recorded by the lookup). It
-        is held while room is made, so the new blocks cannot push out their own head, and touched again, tail
-        first, once they are in, so the whole chain ends ordered tail (least recent) to head, as a request's
-        blocks are freed tail first in vLLM. ``kvstore.sim.model`` replays exactly this order.
-
-        The write-through belongs to the placement, not to the caller: a put failed part-way has still published
-        blocks, and the last local tier drops its victims, counting on the shared tier's copy. It is offered
-        first, before any I/O, for the blocks no delete has retired yet: a delete from then on drops the queued
-        copy or waits for the one on the wire before it unlinks (:meth:`delete`), so no copy lands after it.
-        """
-        metas = _chain_metas(meta, len(entries))
-        if self._write_through:
-            live = [i for i, entry in enumerate(entries) if entry.state is State.PLACING]  # not deleted meanwhile
-            if live:
-                self._mover.write_through([entries[i].key for i in live], [values[i] for i in live],
-                                          [meta] * len(live), *generations)
-        try:
-            by_level: dict[int | None, list[int]] = {}
-            for i, value in enumerate(values):
-                by_level.setdefault(self._first_fit(len(value)), []).append(i)
-            for level, positions in by_level.items():
-                await self._place_down(level, [entries[i] for i in positions], [values[i] for i in positions],
-                                       [metas[i] for i in positions], protect, generations[1])
-            index = self.index
-            for key in reversed(protect):  # tail first: the chain's head ends the most recent
-                level = index.level_of(key)
-                if level is not None:
-                    index.policies[level].touch(key)
-        except BaseException as exc:
-            for entry in entries:
-                if not entry.ended:
-                    self.index.abandon(entry, exc if isinstance(exc, Exception) else None)
-            raise
-
-    async def _place_down(self, level: int | None, entries: list[Entry], values: list[bytes],
-                          metas: list[BlockMeta], protect: Sequence[BlockKey], shared_generation: int) -> None:
-        """Blocks into local tier ``level``; those the protected prefix leaves no room for there go on to the next
-        tier they fit, and past the last one to the shared tier in ``write_back`` mode, or nowhere (not stored;
-        no error). ``level`` ``None``: no local tier is left for them."""
-        if level is None:
-            if self._shared is not None and not self._write_through:
-                await self._spill(entries, values, metas, shared_generation)
-            else:
-                for entry in entries:
-                    self.index.abandon(entry)
-            return
-        declined = await self._place_in(level, entries, values, metas, protect)
-        if not declined:
-            return
-        below: dict[int | None, list[int]] = {}
-        for i in declined:
-            below.setdefault(self._first_fit(len(values[i]), level + 1), []).append(i)
-        for target, positions in below.items():
-            await self._place_down(target, [entries[i] for i in positions], [values[i] for i in positions],
-                                   [metas[i] for i in positions], protect, shared_generation)
-
-    async def _place_in(self, level: int, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
-                        protect: Sequence[BlockKey] = ()) -> list[int]:
-        """Write blocks into tier ``level`` with the protected blocks resident there held, so no victim; the room
-        is the tier's capacity less theirs. Returns the positions of the blocks that room cannot take: all of
-        them (one of them is larger than the room), or none."""
-        index = self.index
-        held = [index.hold(level, key) for key in dict.fromkeys(protect) if index.level_of(key) == level]
-        try:
-            room = None
-            if held:
-                tier = self._tiers[level]
-                room = (tier.capacity_bytes or 0) - sum(entry.nbytes for entry in held
-                                                        if not index.leaving(level, entry.key))
-                if max(tier.footprint(len(v)) for v in values) > room:
-                    return list(range(len(entries)))
-            await self._mover.place(level, entries, values, metas, room=room)
-            return []
-        finally:
-            self._mover.release(held)
-
-    async def _spill(self, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
-                     generation: int) -> None:
-        """Blocks that fit no local tier, in ``write_back`` mode: straight into the shared tier."""
-        live = [i for i, entry in enumerate(entries) if entry.state is State.PLACING]  # not deleted meanwhile
-        if live:
-            tag = entries[0].key[:NAMESPACE_TAG_BYTES]
-            await self._mover.write_shared([entries[i].key for i in live], [values[i] for i in live],
-                                           [metas[i] for i in live], {tag: generation})
-        for entry in entries:
-            self.index.abandon(entry)
-
-    def _first_fit(self, nbytes: int, start: int = 0) -> int | None:
-        """The first local tier from ``start`` a block of ``nbytes`` fits, ``None`` for none (it goes to the shared
-        tier)."""
-        for level in range(start, len(self._tiers)):
-            tier = self._tiers[level]
-            if tier.footprint(nbytes) <= (tier.capacity_bytes or 0):
-                return level
-        return None
-
     def _fits_somewhere(self, nbytes: int) -> bool:
         if self._shared is not None and not self._write_through:
             return True
-        return self._first_fit(nbytes) is not None
+        return self._placement.first_fit(nbytes) is not None
 
     # ------------------------------------------------------------------ delete and clear
 
@@ -684,9 +425,8 @@ class TieredStore:
 
     async def _clear(self, deleting: list[Awaitable[None]], tag: bytes) -> None:
         await self._delete_everywhere(deleting, None)
-        clear_namespace = getattr(self._shared, "clear_namespace", None)
-        if clear_namespace is not None:
-            generation = await clear_namespace(tag)
+        if self._shared is not None:
+            generation = await self._shared.clear_namespace(tag)
             self._mover.sweep(tag, generation)
 
     def _delete_records(self, records: dict[int, list[BlockKey]]) -> list[Awaitable[None]]:
@@ -720,6 +460,10 @@ class TieredStore:
                 extra["lost_records"] = counts.lost_records
             if counts.copies_dropped:
                 extra["copies_dropped"] = counts.copies_dropped
+            for reason, num_blocks in counts.dropped_demotions.items():
+                extra[f"dropped_demotions_{reason}"] = num_blocks
+            for reason, num_blocks in counts.refused_puts.items():
+                extra[f"refused_puts_{reason}"] = num_blocks
             result.append(TierStats(
                 name=tier.name,
                 blocks=len(self.index.policies[level]) if local else -1,
@@ -747,30 +491,11 @@ class TieredStore:
             raise UnavailableError("the store is closed")
 
     def _meta(self, priority: int | None, retention_s: float | None) -> BlockMeta:
-        priority = self.config.default_priority if priority is None else priority
-        try:
-            check_priority(priority)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        if retention_s is not None and not retention_s >= 0:
-            raise InvalidArgumentError(f"retention_s must be >= 0, got {retention_s}")
+        checked = check_priority(priority)  # kvstore.validation: the clients' checks too
+        priority = self.config.default_priority if checked is None else checked
+        retention_s = check_retention_s(retention_s)
         now = self._clock()
         return BlockMeta(priority, now + retention_s if retention_s else 0.0, now)
-
-    def _validate_block(self, namespace: Namespace, position: int, block: bytes) -> None:
-        if not isinstance(block, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentError(f"block {position}: expected encoded bytes, got {type(block).__name__}")
-        if len(block) > self.config.max_block_bytes:
-            raise ResourceExhaustedError(
-                f"block {position}: {len(block)} bytes is over max_block_bytes={self.config.max_block_bytes}"
-            )
-        try:
-            header = verify_block(block)
-        except CodecError as exc:
-            raise type(exc)(f"block {position}: {exc}") from None
-        mismatch = _namespace_mismatch(namespace, header)
-        if mismatch:
-            raise InvalidArgumentError(f"block {position}: {mismatch}")
 
     def _fits(self, namespace: Namespace, key: BlockKey, block: Buffer, tier_name: str) -> bool:
         """Whether a block read from a tier that outlives this process (disk, Redis) has the namespace's dtype,
@@ -781,103 +506,12 @@ class TieredStore:
         block a put would have refused here is a miss (logged), never served.
         """
         try:
-            mismatch = _namespace_mismatch(namespace, decode_header(block))
+            mismatch = namespace_mismatch(namespace, decode_header(block))
         except CodecError as exc:
             mismatch = str(exc)
         if mismatch:
             logger.warning("tier %s: block %s does not fit its namespace (%s); a miss", tier_name, key.hex(), mismatch)
         return not mismatch
-
-
-class BlockRead:
-    """One read of :meth:`TieredStore.read`: ``async with store.read(namespace, hashes) as blocks``.
-
-    Entering holds the longest cached prefix and returns its blocks; leaving,
-    also by an error or a cancelled call, gives everything back. A plain class
-    rather than ``contextlib.asynccontextmanager``: it runs on every Get, and a
-    generator-based manager costs several microseconds more.
-
-    Attributes:
-        namespace: namespace of the blocks.
-        block_hashes: the hashes asked for, in prefix order.
-        lend: whether a tier that lends may return views (``False``: copies).
-        held: the index entries this read holds references on, once entered.
-        releases: the tier leases to give back, once entered.
-        promotions: lower-tier hits to offer the mover on leaving.
-        framed: once entered, per block, its stored framed value (the server's
-            value encoding, e.g. a ready Get reply) where the top tier holds one
-            (:attr:`~kvstore.tiers.base.TierLease.framed`), valid as long as the
-            blocks are; ``None`` when none was lent.
-        num_lent: the blocks of a read the top tier lent whole.
-        top_misses: for such a read, until it is closed, whether it asked for
-            more blocks than were cached (its counts are made then); else ``None``.
-    """
-
-    __slots__ = ("_store", "namespace", "block_hashes", "lend", "held", "releases", "promotions", "framed",
-                 "num_lent", "top_misses", "_closed")
-
-    def __init__(self, store: TieredStore, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
-        self._store = store
-        self.namespace = namespace
-        self.block_hashes = block_hashes
-        self.lend = lend
-        self.held: list[Entry] = []
-        self.releases: list[Callable[[], None]] = []
-        self.promotions: list[tuple[int | None, list[BlockKey], list[bytes], int]] = []
-        self.framed: list[bytes | None] | None = None
-        self.num_lent = 0
-        self.top_misses: bool | None = None
-        self._closed = False
-
-    async def open(self) -> list[Buffer]:
-        """Hold and lease the prefix and return its blocks (``async with`` calls it); pair it with :meth:`close`.
-
-        Raises:
-            InvalidArgumentError: on a hash of the wrong length.
-            UnavailableError: if the store is closed.
-        """
-        try:
-            return await self._store._open(self)
-        except asyncio.CancelledError:
-            raise  # the read's I/O goes on, and closes the read when it ends (abandon)
-        except BaseException:
-            self.close()
-            raise
-
-    def open_now(self) -> list[Buffer] | None:
-        """:meth:`open` without waiting, in the common case: the top tier lends the whole cached prefix.
-
-        ``None`` when that is not the case; then call :meth:`open`. The
-        service's Get takes this path first: a coroutine less on every call.
-
-        Raises:
-            InvalidArgumentError: on a hash of the wrong length.
-            UnavailableError: if the store is closed.
-        """
-        return self._store._open_now(self)
-
-    def abandon(self, task: asyncio.Future[object]) -> None:
-        """The caller was cancelled while the read's I/O ran: close the read once that I/O has ended."""
-        if task.done():
-            self.close()
-        else:
-            task.add_done_callback(lambda _: self.close())
-
-    def close(self) -> None:
-        """Give back what :meth:`open` took, count the read, and offer its promotions; a second call does nothing.
-
-        A plain call, so that a caller may run it a moment later (the service's
-        Get, with ``loop.call_soon``, once its reply is on the way).
-        """
-        if not self._closed:
-            self._closed = True
-            self._store._close_read(self)
-
-    async def __aenter__(self) -> list[Buffer]:
-        return await self.open()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _held_bytes(lender: LeasingTier | None) -> Callable[[], int] | None:
@@ -887,73 +521,6 @@ def _held_bytes(lender: LeasingTier | None) -> Callable[[], int] | None:
     return lambda: lender.held_bytes
 
 
-def _chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
-    """``meta`` for each of ``num_blocks`` blocks in prefix order, the head most recent.
-
-    A restart rebuilds the eviction order by sorting on ``last_access``
-    (:meth:`TieredStore.start`); a step of :data:`~kvstore.tiers.base.CHAIN_STEP_S`
-    per block keeps the rule that a chain's tail goes before its head.
-    """
-    return [dataclasses.replace(meta, last_access=meta.last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
-
-
-def _namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
-    """How a block's header contradicts its namespace (dtype, layout, tokens per block); ``""`` if it does not."""
-    if header.dtype != namespace.dtype or header.layout.value != namespace.layout:
-        return (f"{header.dtype}/{header.layout.value} does not match the namespace's "
-                f"{namespace.dtype}/{namespace.layout}")
-    tokens = header.shape[3] if header.layout is Layout.KV else header.shape[2]
-    if tokens != namespace.block_size:
-        return f"holds {tokens} tokens, the namespace's block size is {namespace.block_size}"
-    return ""
-
-
-async def open_async_store(config: StoreConfig | None = None, *, framing: Framing | None = None,
-                           events: StoreObserver | None = None) -> TieredStore:
-    """Build the tiers named by ``config`` and open a started :class:`TieredStore`.
-
-    The memory tier comes first when enabled, then the LMDB tier when
-    ``disk.path`` is set, then Redis as the shared tier when ``redis.url`` is set.
-
-    Args:
-        config: the store's configuration; the defaults when ``None``.
-        framing: the server's value encoding (``kvstore serve`` passes its Get
-            reply's head, ``kvstore.wire.reply_head``); with it, a ``cpu`` memory
-            tier of ``storage: auto`` is the heap tier, which stores every block
-            behind its framing, so the server sends it with no copy of its own.
-        events: the store's observer (``kvstore.events.EventLog``), told of blocks restored at start too.
-
-    Raises:
-        ConfigError: if no tier is enabled.
-    """
-    from kvstore.errors import ConfigError
-
-    config = config or StoreConfig()
-    tiers: list[Tier] = []
-    memory = config.memory
-    if memory.enabled and memory.capacity_bytes > 0:
-        if memory.storage == "heap" or (memory.storage == "auto" and framing is not None and memory.device == "cpu"):
-            from kvstore.tiers.heap import HeapTier
-
-            tiers.append(HeapTier.from_config(memory, framing=framing))
-        else:
-            from kvstore.tiers.memory import MemoryTier
-
-            tiers.append(MemoryTier.from_config(memory))
-    if config.disk.path:
-        from kvstore.tiers.lmdb import LMDBTier
-
-        tiers.append(LMDBTier.from_config(config.disk))
-    shared = None
-    if config.redis.url:
-        from kvstore.tiers.redis import RedisTier
-
-        shared = RedisTier.from_config(config.redis)
-    if not tiers and shared is None:
-        raise ConfigError("store", "no tier is enabled: enable memory, or set disk.path or redis.url")
-    store = TieredStore(tiers, config, shared=shared, events=events)
-    await store.start()
-    return store
 
 
 def _owned(block: Buffer) -> bytes | memoryview:

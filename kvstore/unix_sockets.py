@@ -21,21 +21,6 @@ def sockaddr(address: str) -> str | bytes:
     return address
 
 
-def unix_target_path(target: str) -> str | None:
-    """The socket path of a gRPC ``unix:`` target, ``None`` for any other target.
-
-    gRPC's naming (``doc/naming.md``): ``unix:path`` (relative or absolute) and
-    ``unix:///absolute/path``; ``unix-abstract:name`` is an abstract socket (``@name``).
-    """
-    if target.startswith("unix://"):
-        return target[len("unix://"):]
-    if target.startswith("unix:"):
-        return target[len("unix:"):]
-    if target.startswith("unix-abstract:"):
-        return ABSTRACT_PREFIX + target[len("unix-abstract:"):]
-    return None
-
-
 def claim_socket_path(path: str) -> None:
     """Make ``path`` free for a new listening socket, removing a stale socket file a dead process left there.
 

@@ -25,17 +25,36 @@ def test_lowest_priority_goes_first() -> None:
     assert policy.victims(30) == ["scratch", "normal", "important"]
 
 
-def test_pinned_blocks_are_never_victims() -> None:
+def test_held_blocks_are_never_victims() -> None:
     policy = PriorityLRUPolicy()
     for key in "abc":
         policy.insert(key, 10)
-    policy.pin("a")
-    policy.pin("a")
+    policy.hold("a")
     assert policy.victims(100) == ["b", "c"]
-    policy.unpin("a")
-    assert "a" not in policy.victims(100)
-    policy.unpin("a")
+    assert policy.victims(100) == ["b", "c"]  # "a" left the order when first met: not met again
+    assert "a" in policy and policy.contains_many(["a", "z"]) == [True, False]
+    assert policy.nbytes == 30 and len(policy) == 3 and policy.size_of("a") == 10
+    with pytest.raises(KeyError):
+        policy.hold("a")  # the index holds a key once; it counts the references
+    policy.release("a")
+    assert policy.victims(100) == ["a", "b", "c"]  # back at the front it was taken from
+    policy.release("a")  # not held: nothing
     assert policy.victims(100) == ["a", "b", "c"]
+
+
+def test_a_held_block_touched_and_removed() -> None:
+    policy = PriorityLRUPolicy()
+    for key in "abcd":
+        policy.insert(key, 10)
+    policy.hold("a")
+    policy.hold("b")
+    assert policy.victims(10) == ["c"]  # both taken out of the order
+    policy.touch_many(["a", "d"])  # a touch puts a held key where it puts any key; the others move as ever
+    assert list(policy) == ["c", "d", "a", "b"]  # "b" is out of the order: listed last
+    assert policy.remove_many(["b"]) == 10 and "b" not in policy and policy.nbytes == 30
+    policy.release("b")  # forgotten with its hold: it does not come back
+    policy.release("a")  # still where the touch put it
+    assert list(policy) == ["c", "d", "a"] and policy.victims(100) == ["c", "d", "a"]
 
 
 def test_tail_before_head_when_recorded_tail_first() -> None:
@@ -80,10 +99,10 @@ def test_remove_and_reinsert_ignores_stale_expiry() -> None:
     assert policy.nbytes == 10
 
 
-def test_victims_returns_less_only_when_pinned() -> None:
+def test_victims_returns_less_only_when_held() -> None:
     policy = PriorityLRUPolicy()
     policy.insert("a", 10)
-    policy.pin("a")
+    policy.hold("a")
     assert policy.victims(5) == []
     assert policy.victims(0) == []
 
@@ -98,7 +117,7 @@ def test_invalid_input() -> None:
     with pytest.raises(ValueError):
         policy.insert("a", 1)
     with pytest.raises(KeyError):
-        policy.pin("missing")
+        policy.hold("missing")
     with pytest.raises(KeyError):
         policy.touch("missing")
 
@@ -122,17 +141,15 @@ def test_many_operations_keep_bytes_consistent() -> None:
     assert len(victims) == len(policy)
 
 
-def test_a_lease_outlives_a_remove_and_releases_only_itself() -> None:
+def test_a_retention_ending_while_held_reverts_as_ever() -> None:
     policy = PriorityLRUPolicy()
-    policy.insert("a", 10)
-    policy.pin("a")  # an old reader
-    assert policy.remove("a") == 10
-    policy.insert("a", 10)  # stored again while the old reader still reads
-    policy.pin("a")  # a new reader
-    policy.unpin("a")  # the old reader ends: the new reader's lease must hold
-    assert policy.is_pinned("a") and policy.victims(10) == []
-    policy.unpin("a")
-    assert not policy.is_pinned("a") and policy.victims(10) == ["a"]
+    policy.insert("kept", 10, priority=80, expires_at=5.0)
+    policy.insert("normal", 10)
+    policy.hold("kept")
+    assert policy.victims(20, now=6.0) == ["normal"]
+    assert policy.priority_of("kept") == DEFAULT_PRIORITY and policy.is_held("kept")
+    policy.release("kept")
+    assert policy.victims(20, now=6.0) == ["kept", "normal"]  # reverted as the least recent, as if never held
 
 
 # ---------------------------------------------------------------- the segmented and adaptive policies
@@ -153,7 +170,7 @@ from kvstore.policy import (  # noqa: E402
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
-def test_every_policy_honors_priorities_and_pins(name: str) -> None:
+def test_every_policy_honors_priorities_and_holds(name: str) -> None:
     """Client priorities and retention sit on top of every ordering, as TensorRT-LLM's retention API."""
     policy = make_policy(name, capacity_bytes=100)
     policy.insert("important", 10, priority=90)
@@ -164,7 +181,7 @@ def test_every_policy_honors_priorities_and_pins(name: str) -> None:
     assert policy.victims(40) == ["scratch", "normal", "kept", "important"]
     assert policy.victims(40, now=6.0) == ["scratch", "kept", "normal", "important"]  # retention ended
     assert policy.priority_of("kept") == DEFAULT_PRIORITY
-    policy.pin("scratch")
+    policy.hold("scratch")
     assert "scratch" not in policy.victims(40)
     assert policy.nbytes == 40 and len(policy) == 4
 
@@ -277,3 +294,36 @@ def test_retention_ties_are_the_same_in_every_process() -> None:
         outputs.add(out)
     assert len(outputs) == 1
     assert json.loads(outputs.pop())[0][:3] == ["block-0", "block-1", "block-2"]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_touch_while_held_orders_as_a_touch(name: str) -> None:
+    """A read holds its blocks and touches them; once released they stand where plain touches put them."""
+    held, plain = make_policy(name, capacity_bytes=40), make_policy(name, capacity_bytes=40)
+    for policy in (held, plain):
+        for key in "abcdef":
+            policy.insert(key, 5)
+        policy.touch("a")
+    held.hold_many(["b", "c"])
+    assert "b" not in held.victims(30) and "c" not in held.victims(30)
+    held.touch_many(["b", "c"])
+    held.release_many(["c", "b"])  # tail first, as the index releases a batch
+    plain.touch_many(["b", "c"])
+    assert held.victims(30) == plain.victims(30)
+    assert list(held) == list(plain) and held.nbytes == plain.nbytes
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_removed_key_stored_again_is_not_held(name: str) -> None:
+    policy = make_policy(name, capacity_bytes=40)
+    for key in "abcd":
+        policy.insert(key, 5)
+    policy.touch("a")  # protected, where the policy has a protected segment
+    for key in "ab":
+        policy.hold(key)
+    assert policy.remove("a") == 5 and policy.remove_many(["b"]) == 5
+    assert not policy.is_held("a") and not policy.is_held("b")
+    policy.insert("a", 5)
+    policy.hold("a")  # a new block: held anew
+    policy.release("a")
+    assert "a" in policy.victims(20)

@@ -14,11 +14,13 @@ from kvstore.codec import encode_block
 from kvstore.config import DiskTierConfig, MemoryTierConfig, StoreConfig
 from kvstore.embedded import open_store
 from kvstore.errors import ChecksumError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
-from kvstore.keys import block_key, hash_blocks
+from kvstore.keys import block_key, block_keys, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
-from tests.support.store import BLOCK_SIZE, NS, PAGE, disk_footprint, held_keys, heap_tier, make_blocks, memory_tier
+from tests.support.store import (
+    BLOCK_SIZE, NS, PAGE, SharedMemoryTier, disk_footprint, held_keys, heap_tier, make_blocks, memory_tier,
+)
 
 @pytest.fixture
 async def two_tier(tmp_path):
@@ -130,11 +132,18 @@ async def test_cancelled_get_releases_its_leases(tmp_path) -> None:
         hashes, blocks = make_blocks(2)
         await store.put(NS, hashes, blocks)
         reader = asyncio.create_task(store.get(NS, hashes))
-        await asyncio.sleep(0)
+        for _ in range(100):  # until the get has taken its references (its prepare step), then awaits the disk
+            if held_keys(store)[0]:
+                break
+            await asyncio.sleep(0)
+        keys = set(block_keys(NS, hashes))
+        assert held_keys(store) == [keys]  # the get held both blocks: no victims while it reads
+        assert {store.index.held(0, key).readers for key in keys} == {1}  # type: ignore[union-attr]
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
         await store.drain()  # the read's disk I/O, once started, ends first: then its references go
+        assert held_keys(store) == [set()] and store.index.num_entries() == 0
         newcomer, newblock = make_blocks(2, seed=5)
         assert await store.put(NS, newcomer, newblock) == 2
 
@@ -696,7 +705,7 @@ async def test_locate_gives_the_tier_index_of_each_prefix_block(two_tier: Tiered
 
 
 async def test_locate_gives_the_shared_tier_the_last_index() -> None:
-    memory, shared = memory_tier(2), MemoryTier(1 << 20, page_bytes=PAGE, name="shared")
+    memory, shared = memory_tier(2), SharedMemoryTier(1 << 20, page_bytes=PAGE, name="shared")
     async with TieredStore([memory], shared=shared) as store:  # write-through: every put also reaches it
         assert store.tier_names == ("memory", "shared")
         hashes, blocks = make_blocks(4)

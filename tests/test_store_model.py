@@ -7,7 +7,8 @@ After every step, once the store has drained:
 * every block a put reported stored is still reported, or it was dropped by an eviction, and counted: no more blocks
   are missing than the stats count blocks dropped;
 * every local tier holds exactly the blocks the index has resident in it, and no entry is left in use;
-* every block served has the bytes that were put under its key.
+* every block served has the bytes that were put under its key, and a get returns exactly the stored prefix: it
+  ends only at a block no tier holds (gone since its put, and counted by the invariant above).
 
 Cancellations are made at a chosen loop turn of the operation (hypothesis picks it): cancelled before its first
 step, an operation does nothing; after it, it runs to its end, as a delete or a put must.
@@ -127,6 +128,12 @@ class StoreModel(RuleBasedStateMachine):
             key = block_key(NS, h)
             assert key not in self.deleted, "a get served a block a completed delete removed"
             assert bytes(block) == CONTENT[key]
+        # exactly the stored prefix: a get ends at a block no tier holds, never at one a put stored that is still
+        # there (a block gone since its put was evicted, and the invariant checks that every such loss is counted)
+        end = i + len(got)
+        if end < j and block_key(NS, HASHES[end]) in self.stored:
+            assert self.run(self.store.lookup(NS, [HASHES[end]])).num_blocks == 0, (
+                f"a get of blocks {i}..{j} returned {len(got)}, but block {end}, stored, is still in the store")
 
     @rule(run=runs)
     def lookup(self, run: tuple[int, int]) -> None:

@@ -35,7 +35,8 @@ from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.wire import channel_options, chunk_bytes_for, reply_head
-from kvstore.store import TieredStore, open_async_store
+from kvstore.factory import open_async_store
+from kvstore.store import TieredStore
 from kvstore.unix_sockets import SOCKET_MODE, claim_socket_path, remove_socket_path
 
 if TYPE_CHECKING:
@@ -265,11 +266,6 @@ class KVStoreServer:
         self._hurry.set()  # type: ignore[union-attr]
         if self._server is not None:
             await self._server.stop(0)  # grpc.aio: a shorter grace overrides the running stop's
-
-    async def wait_stopped(self) -> None:
-        """Return once :meth:`stop` has finished."""
-        assert self._stopped is not None, "start() first"
-        await self._stopped.wait()
 
     async def _abandon(self) -> None:
         if self._server is not None:

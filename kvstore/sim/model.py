@@ -25,9 +25,10 @@ and evicts in this order. ``docs/simulate.md`` explains why.
    chain ends ordered tail (least recent) to head, as a request's blocks are
    freed tail first in vLLM.
 4. **Placing** blocks in a tier: the protected blocks resident in the tier are
-   pinned; ``room`` is the capacity less the pinned blocks. The blocks go in
-   batches of at most ``room``, tail first; for each batch the policy names
-   victims for the batch (``victims``, pinned blocks skipped), the victims are
+   held (out of the eviction order, back as the most recent, tail first, after);
+   ``room`` is the capacity less the held blocks. The blocks go in batches of at
+   most ``room``, tail first; for each batch the policy names victims for the
+   batch (``victims``, the front of its order), the victims are
    evicted, and the batch is inserted tail first. Blocks no room is left for
    go to the next tier, or nowhere from the last.
 5. **Evicting** from the memory tier demotes the victims to the disk tier, when
@@ -139,13 +140,13 @@ class NodeModel:
         for i in range(len(prefix) - 1, -1, -1):
             policies[levels[i]].touch(prefix[i])
         disk = policies[1]
-        moving = [key for key, level in zip(prefix, levels) if level == 1 and key in disk]
+        moving = list(dict.fromkeys(key for key, level in zip(prefix, levels) if level == 1 and key in disk))
         metas = {key: (disk.priority_of(key), disk.expiry_of(key)) for key in moving}
-        disk.pin_many(moving)  # held in the disk tier while they move, as the store's mover holds them
+        disk.hold_many(moving)  # held in the disk tier while they move, as the store's mover holds them
         try:
             self._place_in(0, moving, now, metas=metas, source=1)
-        finally:
-            disk.unpin_many([key for key in moving if key in disk])
+        finally:  # those not moved return, tail first, as the index releases a batch
+            disk.release_many([key for key in reversed(moving) if key in disk])
 
     def _put(self, keys: Sequence[int], now: float, priority: int | None, expires_at: float) -> None:
         policies = self.policies
@@ -188,8 +189,9 @@ class NodeModel:
         """Step 4 for tier ``level``; returns the keys no room was left for, in order (all of them or none)."""
         policy = self.policies[level]
         capacity = self.capacities[level]
+        protect = list(dict.fromkeys(protect))  # held once each, as the index holds a key
         pinned = [key for key, hit in zip(protect, policy.contains_many(protect)) if hit] if protect else []
-        policy.pin_many(pinned)
+        policy.hold_many(pinned)
         try:
             room = capacity - len(pinned)
             if room <= 0:
@@ -221,26 +223,20 @@ class NodeModel:
                 end = start
             return []
         finally:
-            policy.unpin_many(pinned)
+            policy.release_many(pinned[::-1])
 
     def _leave(self, level: int, keys: list[int]) -> None:
         """Keys promoted out of tier ``level``, their hold there given back (tiers are exclusive)."""
         policy = self.policies[level]
         present = [key for key in keys if key in policy]
-        policy.unpin_many(present)
         policy.remove_many(present)
 
     def _evict(self, level: int, victims: list[int], now: float) -> None:
         policy = self.policies[level]
         if level + 1 < len(self.policies):
             kept = {key: (policy.priority_of(key), policy.expiry_of(key)) for key in victims}
-            for key in victims:
-                policy.pin(key)  # claimed while they move out, as the store does
-            try:
-                self._place_in(level + 1, victims, now, metas=kept, source=level)
-            finally:
-                for key in victims:
-                    policy.unpin(key)
+            policy.hold_many(victims)  # claimed while they move out, as the index does; removed with them
+            self._place_in(level + 1, victims, now, metas=kept, source=level)
             self.demoted_blocks += len(victims)
         else:
             self.evicted_blocks += len(victims)

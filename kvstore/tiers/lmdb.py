@@ -1,16 +1,6 @@
 """The disk tier: encoded blocks in an LMDB environment that survives restarts with their priority and recency.
 
-Layout of the environment (a directory holding ``data.mdb`` and ``lock.mdb``),
-disk format :data:`DISK_FORMAT`:
-
-* sub-database ``blocks``: key -> the encoded block (``kvstore.codec`` format),
-  then the key itself. The trailing key binds the record to its key: a damaged
-  page number that points a leaf at another block's pages yields a value that
-  does not end with the key asked for, never another block;
-* sub-database ``meta``: key -> ``<BddQ`` little-endian struct of 25 bytes:
-  priority (u8), expires_at (f64, ``time.time()`` seconds, 0 for none),
-  last_access (f64, seconds), nbytes (u64, length of the block);
-* sub-database ``info``: ``format`` -> the disk format, ``b"2"``.
+The environment's layout and records (disk format :data:`DISK_FORMAT`): :mod:`kvstore.tiers.lmdb_records`.
 
 Every LMDB call runs off the event loop: writes in one dedicated writer thread
 (one write transaction per put or delete batch, so writers never wait on
@@ -28,10 +18,9 @@ maps, so the tier protects itself in three places:
   fails (a flipped byte in a tree page, a truncated file, a zeroed meta page)
   is moved aside into ``quarantine/`` with an ERROR log line naming it and the
   reason, and the blocks that can still be read and verified are copied into a
-  fresh file (:func:`~kvstore.tiers.lmdb_file.salvage_records`: from the newest
-  snapshot whose meta page is valid); the tier then
-  opens that, so the node always starts. A file of disk format 1 (blocks of
-  codec version 1, no key binding) is dropped, logged as a warning;
+  fresh file (:mod:`kvstore.tiers.lmdb_repair`, from the newest snapshot whose
+  meta page is valid); the tier opens that, so the node always starts. A file
+  of disk format 1 (codec version 1 blocks, no key binding) is dropped, logged;
 * on every read, a record must end with its key and its block must pass
   :func:`kvstore.codec.verify_block` (the checksum covers header and payload);
   one that fails is a miss, is deleted and is counted as ``corrupt_records``;
@@ -58,72 +47,44 @@ while the filesystem still has room for the new file to reach its bound.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import fcntl
 import logging
 import mmap
 import os
 import shutil
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import lmdb
 
-from kvstore.codec import verify_block
 from kvstore.config import DiskTierConfig
-from kvstore.errors import CodecError, ConfigError, InvalidArgumentError, UnavailableError
+from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.policy import DEFAULT_PRIORITY, MAX_PRIORITY
+from kvstore.policy import DEFAULT_PRIORITY
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order
-from kvstore.tiers.lmdb_file import check_data_file, salvage_records
+from kvstore.tiers.lmdb_records import (  # the public names are re-exported: kvstore.tiers.lmdb is their old home
+    _PAGE_HEADER_BYTES,
+    _RECORD_ERRORS,
+    DISK_FILL_FRACTION,
+    DISK_FORMAT,
+    MAX_KEY_BYTES,
+    MIN_FREE_BYTES,
+    MIN_MAP_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    _block_of,
+    _lock_directory,
+    _pack_meta,
+    _unpack_meta,
+    default_map_size_bytes,
+    prepare_directory,
+    scan_records,
+    usable_bytes,
+)
+from kvstore.tiers.lmdb_repair import check_and_repair, drop_other_format, repair
 
 logger = logging.getLogger(__name__)
 
-MiB = 1024 * 1024
-
-_META = struct.Struct("<BddQ")
-"""priority u8, expires_at f64, last_access f64, nbytes u64: the ``meta`` record of one block (25 bytes)."""
-
-DISK_FORMAT = b"2"
-"""The layout of the environment (see the module docstring); format 1 stored bare codec-version-1 blocks."""
-
-MAX_KEY_BYTES = 40
-"""The longest tier key (an 8-byte namespace tag and a 32-byte SHA-256 block hash): each record ends with its key."""
-
-RECORD_OVERHEAD_BYTES = 256
-"""Bytes :meth:`LMDBTier.footprint` adds per block for its two leaf nodes and their share of branch pages."""
-
-DISK_FILL_FRACTION = 0.75
-"""Of a large map size (``disk.capacity_bytes``), the share blocks may fill; LMDB's own pages need the rest
-(``benchmarks/bench_disk_capacity.py`` measures how much they take)."""
-
-MIN_SLACK_BYTES = 32 * MiB
-"""Map bytes left to LMDB however small the map, up to half of it: pages freed by the last two write
-transactions are reused only after them, so a small map needs room for a few large batches beyond its blocks."""
-
-FLOOR_SLACK_BYTES = 256 * 1024
-"""Map bytes always left to LMDB, even in a tiny map: its meta pages, a copy of each tree's path, the free list."""
-
-MIN_MAP_BYTES = FLOOR_SLACK_BYTES
-"""The smallest map (and ``disk.capacity_bytes``) the tier uses; it holds no block."""
-
-QUARANTINE_DIR = "quarantine"
-"""Where a damaged data file is kept for an operator to look at: the latest only, and only while the filesystem
-keeps room for the new file to grow to its map size."""
-_REBUILD_DIR = ".rebuild"
-
-_PAGE_HEADER_BYTES = 16  # LMDB's PAGEHDRSZ: the first overflow page of a value starts with a page header
-
 _T = TypeVar("_T")
-
-_RECORD_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.InvalidError,
-                  lmdb.IncompatibleError, lmdb.BadTxnError)
-"""LMDB errors that mean a page of the file is not what LMDB wrote: the records they stop are lost, the tier is not."""
-
-MIN_FREE_BYTES = 1 << 20
-"""Free bytes the disk tier's filesystem must have when it opens (for LMDB's lock and meta pages)."""
 
 
 def _consume_outcome(future: asyncio.Future[Any]) -> None:
@@ -132,146 +93,10 @@ def _consume_outcome(future: asyncio.Future[Any]) -> None:
         logger.error("LMDB write failed after its caller was cancelled: %s", future.exception())
 
 
-def usable_bytes(map_size_bytes: int) -> int:
-    """The bytes of block footprints a disk tier whose map (and file) is ``map_size_bytes`` may hold.
-
-    All but ``max(256 KiB, map / 4, min(map / 2, 32 MiB))`` (:data:`FLOOR_SLACK_BYTES`,
-    :data:`DISK_FILL_FRACTION`, :data:`MIN_SLACK_BYTES`): three quarters of a map of
-    128 MiB or more, half of one from 512 KiB to 64 MiB, 32 MiB less in between.
-    """
-    slack = max(FLOOR_SLACK_BYTES, map_size_bytes // 4, min(map_size_bytes // 2, MIN_SLACK_BYTES))
-    return max(0, map_size_bytes - slack)
-
-
-def default_map_size_bytes(capacity_bytes: int) -> int:
-    """The LMDB map size (the bound of ``data.mdb``) for ``capacity_bytes`` of footprints, rounded up to a page.
-
-    The inverse of :func:`usable_bytes`, so that a tier built from ``disk.capacity_bytes``
-    (:meth:`LMDBTier.from_config`) and one built from the footprints it holds agree.
-    """
-    if capacity_bytes <= FLOOR_SLACK_BYTES:
-        map_size = capacity_bytes + FLOOR_SLACK_BYTES
-    elif capacity_bytes <= MIN_SLACK_BYTES:
-        map_size = 2 * capacity_bytes
-    elif capacity_bytes <= 3 * MIN_SLACK_BYTES:
-        map_size = capacity_bytes + MIN_SLACK_BYTES
-    else:
-        map_size = -(-capacity_bytes * 4 // 3)
-    return max(MIN_MAP_BYTES, -(-map_size // mmap.PAGESIZE) * mmap.PAGESIZE)
-
-
-LOCK_FILE = "kvstore.lock"
-
-
-def prepare_directory(path: str, capacity_bytes: int) -> None:
-    """Create the disk tier's directory, and check that it is one this process can write and that it can hold the tier.
-
-    A capacity over what the filesystem can give (its free space plus what the
-    tier's files already take) is accepted with a WARNING, not refused: free
-    space changes, and the tier turns a full disk into eviction; but until then
-    the node competes with everything else on that filesystem.
-
-    Args:
-        path: ``store.disk.path``.
-        capacity_bytes: ``store.disk.capacity_bytes``.
-
-    Raises:
-        ConfigError: naming ``store.disk.path`` and the path, if it exists and is not a directory, cannot
-            be created, or is not writable.
-    """
-    flag = "--disk-path (store.disk.path, KVSTORE_DISK_PATH)"
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError("store.disk.path", f"{path} exists and is not a directory; point {flag} at a directory "
-                                             "for the LMDB files (it is created if missing)")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError("store.disk.path", f"cannot create the directory {path}: {exc.strerror or exc}; "
-                                             f"point {flag} at a directory this user can write") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError("store.disk.path", f"{path} is not writable by this user (uid {os.getuid()}); "
-                                             f"point {flag} at a directory it can write, or change its owner")
-    own_bytes = sum(os.path.getsize(os.path.join(path, name)) for name in ("data.mdb",)
-                    if os.path.isfile(os.path.join(path, name)))
-    available_bytes = shutil.disk_usage(path).free + own_bytes
-    if capacity_bytes > available_bytes:
-        logger.warning(
-            "disk tier at %s: store.disk.capacity_bytes is %.1f GiB but its filesystem has %.1f GiB for it: the tier "
-            "may fill the filesystem before it reaches its capacity and starts to evict; lower --disk-capacity "
-            "(store.disk.capacity_bytes, KVSTORE_DISK_CAPACITY) below that",
-            path, capacity_bytes / 2**30, available_bytes / 2**30,
-            extra={"fields": {"path": path, "capacity_bytes": capacity_bytes, "available_bytes": available_bytes}},
-        )
-
-
-def _lock_directory(path: str) -> int:
-    """Take an exclusive ``flock`` on ``path/kvstore.lock``; returns its descriptor.
-
-    Each tier keeps its own byte count and eviction index, so two processes (or
-    two tiers) on one directory would overrun its capacity; the lock refuses the
-    second one. The kernel drops the lock when the holder exits, even by a crash.
-
-    Raises:
-        UnavailableError: if another tier holds the directory.
-    """
-    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise UnavailableError(
-            f"the disk tier at {path} is in use by another kvstore process; give each node its own disk path"
-        ) from None
-    return fd
-
-
-def _pack_meta(meta: BlockMeta, nbytes: int) -> bytes:
-    return _META.pack(meta.priority, meta.expires_at, meta.last_access, nbytes)
-
-
-def _unpack_meta(raw: bytes | memoryview | None) -> tuple[BlockMeta, int] | None:
-    """The meta and nbytes of a ``meta`` record, or ``None`` for a missing or malformed one."""
-    if raw is None or len(raw) != _META.size:
-        return None
-    priority, expires_at, last_access, nbytes = _META.unpack(raw)
-    if priority > MAX_PRIORITY:
-        return None
-    return BlockMeta(priority, expires_at, last_access), nbytes
-
-
-def _block_of(key: bytes, record: bytes | memoryview) -> bytes:
-    """The block a ``blocks`` record holds, copied out and checked: the record ends with ``key``, the block verifies.
-
-    Raises:
-        CodecError: naming what is wrong with it.
-    """
-    view = memoryview(record)
-    nbytes = view.nbytes - len(key)
-    if nbytes <= 0 or view[nbytes:] != key:
-        raise CodecError("the record does not end with its own key (a damaged page points it elsewhere)")
-    block = bytes(view[:nbytes])
-    verify_block(block)
-    return block
-
-
-def _ends_with(record: bytes | memoryview, key: bytes) -> bool:
-    """Whether a ``blocks`` record is long enough to hold a block and ends with ``key`` (reads only its tail)."""
-    view = memoryview(record)
-    return view.nbytes > len(key) and view[view.nbytes - len(key):] == key
-
-
-def _remove_environment_files(path: str) -> None:
-    for name in ("data.mdb", "lock.mdb"):
-        try:
-            os.unlink(os.path.join(path, name))
-        except FileNotFoundError:
-            pass
-
-
 class LMDBTier:
     """Encoded blocks in an LMDB environment on local disk.
 
-    Implements :class:`kvstore.tiers.base.DroppingTier`. It never evicts: it keeps its
+    Implements :class:`kvstore.tiers.base.Tier`. It never evicts: it keeps its
     own count of :meth:`footprint` bytes held and refuses a batch that would
     take it over ``capacity_bytes``, and it turns a full LMDB map into
     :class:`TierFullError`; either way nothing of the batch is stored. A put of
@@ -380,12 +205,6 @@ class LMDBTier:
     def _data_file(self) -> str:
         return os.path.join(self.path, "data.mdb")
 
-    def _file_bytes(self) -> int:
-        try:
-            return os.path.getsize(self._data_file)
-        except OSError:
-            return 0
-
     def _open_environment(self) -> None:
         """Open the environment and its trees, drop one of another disk format, and count the bytes held."""
         self._env = lmdb.open(
@@ -400,124 +219,18 @@ class LMDBTier:
         self._used_bytes = self._scan_used_bytes()
 
     def _prepare_file(self) -> None:
-        """Check ``data.mdb`` before LMDB maps it; move a damaged one aside and open what can be salvaged instead.
-
-        No other process has the directory (the lock is held), so the file does not change meanwhile.
-        """
-        shutil.rmtree(os.path.join(self.path, _REBUILD_DIR), ignore_errors=True)  # left by a crash mid-repair
-        if self._file_bytes() == 0:
-            return  # none yet (LMDB creates it), or an empty one LMDB treats as new
-        started = time.monotonic()
-        problems = check_data_file(self._data_file)
-        if not problems:
-            logger.info("disk tier %s: %s passed its check in %.2f s", self.name, self._data_file,
-                        time.monotonic() - started)
-            return
-        self._repair(problems)
+        """Check ``data.mdb`` before LMDB maps it; repair a damaged one (:func:`~kvstore.tiers.lmdb_repair.check_and_repair`)."""
+        check_and_repair(self.path, self.map_size_bytes, self.name)
 
     def _repair(self, problems: list[str]) -> None:
-        """Quarantine a damaged ``data.mdb`` and put a file of every block salvaged from it in its place."""
-        rebuild = os.path.join(self.path, _REBUILD_DIR)
-        os.makedirs(rebuild)
-        try:
-            kept, lost = self._salvage_into(rebuild)
-        except (lmdb.Error, OSError) as exc:  # e.g. no room for the new file: start empty
-            logger.error("disk tier %s: salvaging %s failed (%s); starting empty", self.name, self._data_file, exc)
-            kept, lost = 0, -1
-        quarantine = os.path.join(self.path, QUARANTINE_DIR)
-        os.makedirs(quarantine, exist_ok=True)
-        for old in os.listdir(quarantine):  # one damaged file is kept at most: the latest
-            os.unlink(os.path.join(quarantine, old))
-            logger.warning("disk tier %s: deleted the older quarantined file %s", self.name, old)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        moved = os.path.join(quarantine, f"data-{stamp}.mdb")
-        os.replace(self._data_file, moved)
-        _remove_environment_files(self.path)
-        if kept:
-            os.replace(os.path.join(rebuild, "data.mdb"), self._data_file)
-        shutil.rmtree(rebuild, ignore_errors=True)
-        where = f"moved to {moved}"
-        if shutil.disk_usage(self.path).free < self.map_size_bytes - self._file_bytes():  # the new file may need
-            # that room to grow to its bound: keep no copy
-            os.unlink(moved)
-            where = f"deleted, not quarantined: {self.path} has no room beside the new file for it ({moved})"
-        logger.error(
-            "disk tier %s: %s failed its check (%s%s); %s; %s blocks salvaged into a new file%s",
-            self.name, self._data_file, problems[0], f", and {len(problems) - 1} more problems" if problems[1:] else "",
-            where, kept, f", {lost} records could not be read or verified" if lost >= 0 else "",
-        )
-
-    def _salvage_into(self, directory: str) -> tuple[int, int]:
-        """Copy every block of the damaged file that still verifies, with its meta, into a new environment.
-
-        Returns:
-            Blocks copied, and records that were found but dropped (unverifiable, or of disk format 1).
-        """
-        metas = {record.key: record.value for record in salvage_records(self._data_file, {b"meta"})}  # 25 bytes each
-        kept = found = 0
-        env = lmdb.open(directory, map_size=self.map_size_bytes, max_dbs=3, sync=True, metasync=True)
-        try:
-            blocks_db, meta_db, info_db = (env.open_db(name) for name in (b"blocks", b"meta", b"info"))
-            with env.begin(write=True) as txn:
-                txn.put(b"format", DISK_FORMAT, db=info_db)
-            batch: list[tuple[bytes, bytes, bytes]] = []
-            for record in salvage_records(self._data_file, {b"blocks"}):  # one block at a time
-                found += 1
-                try:
-                    block = _block_of(record.key, record.value)
-                except CodecError:
-                    continue
-                parsed = _unpack_meta(metas.pop(record.key, None))
-                if parsed is None or parsed[1] != len(block):  # the meta is gone: the block is still good
-                    parsed = BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), len(block)
-                batch.append((record.key, record.value, _pack_meta(*parsed)))
-                if len(batch) >= 256:
-                    kept += self._write_salvaged(env, blocks_db, meta_db, batch)
-                    batch = []
-            kept += self._write_salvaged(env, blocks_db, meta_db, batch)
-        finally:
-            env.close()
-        return kept, found + len(metas) - kept
-
-    @staticmethod
-    def _write_salvaged(env: lmdb.Environment, blocks_db: Any, meta_db: Any,
-                        batch: list[tuple[bytes, bytes, bytes]]) -> int:
-        if not batch:
-            return 0
-        try:
-            with env.begin(write=True) as txn:
-                for key, record, meta in batch:
-                    txn.put(key, record, db=blocks_db)
-                    txn.put(key, meta, db=meta_db)
-        except lmdb.MapFullError:
-            return 0  # more than the map holds (the capacity was lowered): the rest is dropped
-        return len(batch)
+        """Quarantine a damaged ``data.mdb`` and salvage it (:func:`~kvstore.tiers.lmdb_repair.repair`)."""
+        repair(self.path, self.map_size_bytes, self.name, problems)
 
     def _check_format(self) -> None:
-        """Drop an environment of another disk format (logged), and mark a new one with :data:`DISK_FORMAT`."""
-        with self._env.begin(write=True) as txn:
-            found = txn.get(b"format", db=self._info)
-            num_records = txn.stat(self._blocks)["entries"] + txn.stat(self._meta)["entries"]
-            if found is None and not num_records:
-                txn.put(b"format", DISK_FORMAT, db=self._info)
-                return
-        if found == DISK_FORMAT:
-            return
-        self._env.close()
-        if found is None:  # format 1: blocks of codec version 1, which this build does not read
-            logger.warning("disk tier %s at %s holds %s records of disk format 1 (codec version 1 blocks, whose "
-                           "checksum did not cover the header); dropped, the tier starts empty",
-                           self.name, self.path, num_records)
-            _remove_environment_files(self.path)
-        else:  # a newer kvstore's: kept aside, not deleted, for that version to use again
-            quarantine = os.path.join(self.path, QUARANTINE_DIR)
-            os.makedirs(quarantine, exist_ok=True)
-            moved = os.path.join(quarantine, f"data-format-{found.decode(errors='replace')}.mdb")
-            os.replace(self._data_file, moved)
-            _remove_environment_files(self.path)
-            logger.error("disk tier %s at %s is of disk format %r, which this build does not read; moved to %s, "
-                         "the tier starts empty", self.name, self.path, found, moved)
-        self._open_environment()  # a new file: marked with this format there, and never dropped again
+        """Drop an environment of another disk format (:func:`~kvstore.tiers.lmdb_repair.drop_other_format`), and
+        mark a new one with :data:`DISK_FORMAT`."""
+        if drop_other_format(self._env, self._blocks, self._meta, self._info, self.path, self.name):
+            self._open_environment()  # a new file: marked with this format there, and never dropped again
 
     # -- accounting ---------------------------------------------------------------
 
@@ -670,7 +383,7 @@ class LMDBTier:
             UnavailableError: if the tier is closed or LMDB fails.
         """
         self._check_open()
-        entries, junk, repairs = await self._run(self._readers, self._scan_txn)
+        entries, junk, repairs = await self._run(self._readers, scan_records, self._env, self._blocks, self._meta)
         if junk or repairs:
             await self._write(self._repair_txn, junk, repairs)
             entries += [ResidentEntry(key, nbytes, BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0)) for key, nbytes in repairs]
@@ -826,32 +539,6 @@ class LMDBTier:
             logger.warning("disk tier %s: corrupt block %s: %s", self.name, key.hex(), exc)
             corrupt.append(key)
             return None
-
-    def _scan_txn(self) -> tuple[list[ResidentEntry], list[BlockKey], list[tuple[BlockKey, int]]]:
-        """Every block that pairs up with its meta; the junk keys; the blocks whose meta must be rewritten, with
-        the length of each (see :meth:`resident`)."""
-        entries: list[ResidentEntry] = []
-        junk: list[BlockKey] = []
-        repairs: list[tuple[BlockKey, int]] = []
-        with self._env.begin(buffers=True) as txn:
-            for key, raw in txn.cursor(db=self._meta):
-                key = BlockKey(bytes(key))
-                parsed = _unpack_meta(raw)
-                record = txn.get(key, db=self._blocks)
-                if parsed is not None and record is not None and len(record) == parsed[1] + len(key):
-                    entries.append(ResidentEntry(key, parsed[1], parsed[0]))
-                elif record is not None and _ends_with(record, key):
-                    repairs.append((key, len(record) - len(key)))
-                else:
-                    junk.append(key)
-            for key, record in txn.cursor(db=self._blocks):
-                if txn.get(key, db=self._meta) is None:
-                    key = BlockKey(bytes(key))
-                    if _ends_with(record, key):
-                        repairs.append((key, len(record) - len(key)))
-                    else:
-                        junk.append(key)
-        return entries, junk, repairs
 
     def _repair_txn(self, junk: list[BlockKey], repairs: list[tuple[BlockKey, int]],
                     touched: Mapping[BlockKey, float]) -> None:

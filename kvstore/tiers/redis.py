@@ -1,49 +1,19 @@
 """The shared Redis (or Redis Cluster) tier: one key per block, batched, bounded, never failing its caller.
 
-Keys and values. A :data:`~kvstore.keys.BlockKey` (``namespace tag (8 bytes) ||
-block hash``) is stored under ``<prefix>:<tag hex>:<generation>:<block hash hex>``,
-e.g. ``kvstore:1f2e3d4c5b6a7988:0:00112233445566778899aabbccddeeff``, so one
-namespace can be found with ``SCAN MATCH <prefix>:<tag hex>:*``. The value is the
-block's codec bytes (:mod:`kvstore.codec`), header and checksum included; a get
-verifies the checksum, which covers every byte, and a corrupt value is a miss,
-is deleted and is counted; the store then checks the header against the
-request's namespace. A block of another codec version (a node of another
-release sharing the Redis) is a miss that is left in place.
+Keys, generations, batches: :mod:`kvstore.tiers.redis_values`. Commands: :mod:`kvstore.tiers.redis_connection`.
 
-Generations. Each namespace has a generation, kept in Redis under
-``<prefix>:<tag hex>:generation`` (missing: 0) and part of every key of the
-namespace. A clear increments it (``INCR``), on whichever node it runs: every
-call reads the generation beside its own command, so from then on no node reads
-or writes the old keys, which are unlinked later (:meth:`RedisTier.sweep_namespace`,
-``SCAN`` + ``UNLINK``) or age out. A call that finds the namespace moved on
-(cleared by another node) is made again under the new generation.
+Failures. Redis is a cache here, so nothing it does reaches the caller as an error: a server that is down,
+restarting, slow, full ("OOM command not allowed") or a black hole makes a get miss, a contains answer ``False``,
+a put return ``False`` and a delete do nothing. Every call is bounded twice: by redis-py's connect and socket
+timeouts, and by an ``asyncio.wait_for`` around each round trip, so a server that accepts TCP and never answers
+cannot hang a call. Consecutive failures open a :class:`~kvstore.tiers.breaker.CircuitBreaker`; while it is open
+calls return at once, and after ``breaker_reset_s`` one trial call probes the server. redis-py reconnects on the
+next command (the pool replaces dead connections on checkout), and a cluster client is rebuilt after a failure so
+that a stale slot map cannot outlive a restart.
 
-Batches. A get is one ``MGET`` per chunk of about :data:`CHUNK_BYTES` (in a
-cluster, ``mget_nonatomic``: one ``MGET`` per slot, pipelined per node); puts,
-existence checks and deletes are non-transactional pipelines. Large batches are
-cut into chunks because redis-py bounds the whole send of a pipeline, and the
-whole read of one reply, by ``socket_timeout_s``: a chunk must cross the network
-within it. Checksums are verified on the event loop (xxh3 runs at about
-20 GB/s: 0.4 ms for a full chunk); a chunk of at least
-:data:`VERIFY_OFFLOAD_BYTES` (a single very large value) is verified in a worker
-thread while the next chunk is fetched.
-
-Failures. Redis is a cache here, so nothing it does reaches the caller as an
-error: a server that is down, restarting, slow, full ("OOM command not
-allowed") or a black hole makes a get miss, a contains answer ``False``, a put
-return ``False`` and a delete do nothing. Every call is bounded twice: by
-redis-py's connect and socket timeouts, and by an ``asyncio.wait_for`` around
-each round trip, so a server that accepts TCP and never answers cannot hang a
-call. Consecutive failures open a :class:`~kvstore.tiers.breaker.CircuitBreaker`;
-while it is open calls return at once, and after ``breaker_reset_s`` one trial
-call probes the server. redis-py reconnects on the next command (the pool
-replaces dead connections on checkout), and a cluster client is rebuilt after a
-failure so that a stale slot map cannot outlive a restart.
-
-Capacity. Redis manages its own memory (``maxmemory`` with ``allkeys-lru``), so
-the tier is unbounded to the store (``capacity_bytes = None``), is not indexed
-by it, and :meth:`RedisTier.resident` lists nothing: the store asks Redis
-instead. See ``docs/redis.md`` for the server settings.
+Capacity. Redis manages its own memory (``maxmemory`` with ``allkeys-lru``), so the tier is unbounded to the store
+(``capacity_bytes = None``), is not indexed by it, and :meth:`RedisTier.resident` lists nothing: the store asks
+Redis instead. See ``docs/redis.md`` for the server settings.
 """
 
 from __future__ import annotations
@@ -52,148 +22,46 @@ import asyncio
 import logging
 import time
 from typing import Any, Awaitable, Mapping, Sequence, TypeVar
-from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
 import redis.exceptions as rexc
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.utils import HIREDIS_AVAILABLE
 
-from kvstore.codec import verify_block
 from kvstore.config import RedisTierConfig
-from kvstore.errors import CodecError, ConfigError, UnavailableError, UnsupportedVersionError
+from kvstore.errors import UnavailableError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.tiers.base import BlockMeta, ResidentEntry
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
+from kvstore.tiers.redis_connection import (
+    _UNREACHABLE,
+    _both,
+    _RoundTripFailed,
+    check_url,
+    config_get_max_bulk_len,
+    make_client,
+    mget,
+    pipelined,
+    read_password,
+    redacted_url,
+    scan,
+    set_many,
+)
+from kvstore.tiers.redis_values import (  # CHUNK_BYTES and the other sizes are re-exported: their old home
+    _CORRUPT,
+    _FOREIGN,
+    CHUNK_BYTES,
+    DEFAULT_PROTO_MAX_BULK_LEN,
+    DEFAULT_VALUE_BYTES_HINT,
+    SCAN_COUNT,
+    VERIFY_OFFLOAD_BYTES,
+    _by_namespace,
+    _chunks_by_bytes,
+    _generation_of,
+    _verify_all,
+)
 
 logger = logging.getLogger(__name__)
 
-KiB = 1024
-MiB = 1024 * KiB
-
-CHUNK_BYTES = 8 * MiB
-"""Bytes of values one round trip carries at most (one value larger than this goes alone).
-
-With ``socket_timeout_s`` of 0.5 s this needs at least 16 MiB/s between the
-store and Redis; raise ``socket_timeout_s`` for slower links or larger blocks.
-"""
-
-VERIFY_OFFLOAD_BYTES = 16 * MiB
-"""Chunks of at least this many bytes are checksummed in a worker thread, not on the event loop.
-
-Above a chunk's size, so only single very large values go to a thread: on a
-busy host the hand-off cost more than the 0.4 ms an 8 MiB checksum takes.
-"""
-
-DEFAULT_VALUE_BYTES_HINT = 64 * KiB
-"""Assumed value size for cutting the first gets into chunks, before any value size was seen."""
-
-SCAN_COUNT = 1000
-"""``COUNT`` hint of each ``SCAN`` step of :meth:`RedisTier.clear_namespace`, and keys per ``UNLINK`` batch."""
-
-DEFAULT_PROTO_MAX_BULK_LEN = 512 * MiB
-"""Redis' default ``proto-max-bulk-len``, used when ``CONFIG GET`` is not allowed."""
-
 _T = TypeVar("_T")
-
-_UNREACHABLE = (
-    rexc.ConnectionError,  # includes AuthenticationError, BusyLoadingError, MaxConnectionsError
-    rexc.TimeoutError,
-    rexc.ClusterError,  # includes ClusterDownError, MasterDownError
-    rexc.RedisClusterException,  # includes SlotNotCoveredError
-    asyncio.TimeoutError,
-    OSError,
-)
-"""Errors that mean the server could not be reached or answered nothing useful: they count against the breaker."""
-
-
-class _RoundTripFailed(Exception):
-    """Internal: one round trip failed; it never leaves the tier.
-
-    Attributes:
-        unreachable: whether it counts against the breaker (a connection error or
-            timeout), as opposed to an error reply from a server that is up.
-    """
-
-    def __init__(self, message: str, *, unreachable: bool) -> None:
-        super().__init__(message)
-        self.unreachable = unreachable
-
-
-_GOOD, _CORRUPT, _FOREIGN = 0, 1, 2
-"""Verdicts of :func:`_verify_all` on one value."""
-
-
-def _verify_all(values: Sequence[bytes | None]) -> list[int]:
-    """Each value's verdict (:func:`kvstore.codec.verify_block`): good (a ``None`` miss too), corrupt, or foreign.
-
-    A foreign value is a kvstore block of another format version, written by a
-    node of another release sharing this Redis: a miss, but not deleted, since
-    that node may still read it (``docs/redis.md``).
-    """
-    verdicts = []
-    for value in values:
-        if value is None:
-            verdicts.append(_GOOD)
-            continue
-        try:
-            verify_block(value)
-        except UnsupportedVersionError:
-            verdicts.append(_FOREIGN)
-        except CodecError:
-            verdicts.append(_CORRUPT)
-        else:
-            verdicts.append(_GOOD)
-    return verdicts
-
-
-_A = TypeVar("_A")
-_B = TypeVar("_B")
-
-
-async def _both(first: Awaitable[_A], second: Awaitable[_B]) -> tuple[_A, _B]:
-    """Await two commands sent at once (on two connections, or nodes); raises the first one's error, if any,
-    after both have ended."""
-    a, b = await asyncio.gather(first, second, return_exceptions=True)
-    for outcome in (a, b):
-        if isinstance(outcome, BaseException):
-            raise outcome
-    return a, b  # type: ignore[return-value]
-
-
-def _by_namespace(keys: Sequence[BlockKey]) -> dict[bytes, list[int]]:
-    """The positions of ``keys`` by namespace tag, in order (a store's call has one namespace)."""
-    groups: dict[bytes, list[int]] = {}
-    for i, key in enumerate(keys):
-        groups.setdefault(key[:NAMESPACE_TAG_BYTES], []).append(i)
-    return groups
-
-
-def _generation_of(name: bytes | str) -> int:
-    """The generation field of a block's Redis key (``<prefix>:<tag>:<generation>:<hash>``); a key of another form
-    (the generation key itself, an older release's ``<prefix>:<tag>:<hash>``) reads as the newest, -1 for old keys."""
-    parts = (name.decode() if isinstance(name, bytes) else name).split(":")
-    if len(parts) == 4 and parts[2].isdigit():
-        return int(parts[2])
-    if len(parts) == 3 and parts[2] != "generation":
-        return -1  # an older release's key, with no generation: always old
-    return 1 << 62
-
-
-def _chunks_by_bytes(sizes: Sequence[int], limit_bytes: int) -> list[range]:
-    """Cut ``range(len(sizes))`` into consecutive runs of at most ``limit_bytes`` (at least one item each)."""
-    chunks: list[range] = []
-    start, total = 0, 0
-    for i, nbytes in enumerate(sizes):
-        if i > start and total + nbytes > limit_bytes:
-            chunks.append(range(start, i))
-            start, total = i, 0
-        total += nbytes
-    if start < len(sizes):
-        chunks.append(range(start, len(sizes)))
-    return chunks
 
 
 class RedisTier:
@@ -228,8 +96,8 @@ class RedisTier:
         self.name = name
         self.cfg = cfg
         self.mode = cfg.mode
-        self._scheme = self._check_url(cfg)
-        self._password = self._read_password(cfg)
+        self._scheme = check_url(cfg)
+        self._password = read_password(cfg)
         self._prefix = cfg.prefix
         self._px_ms = max(1, round(cfg.ttl_s * 1000)) if cfg.ttl_s > 0 else None
         self._op_bound_s = 2 * (cfg.connect_timeout_s + 2 * cfg.socket_timeout_s)
@@ -263,61 +131,11 @@ class RedisTier:
         """Build the tier from its config section (``store.redis``); see :class:`RedisTier`."""
         return cls(cfg, name=name)
 
-    # -- set-up ---------------------------------------------------------------------
-
-    @staticmethod
-    def _check_url(cfg: RedisTierConfig) -> str:
-        if not cfg.url:
-            raise ConfigError("url", "is empty: the Redis tier is disabled")
-        scheme = urlsplit(cfg.url).scheme
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError("url", f"must start with redis://, rediss:// or unix://, got {scheme!r}")
-        if cfg.cluster and scheme == "unix":
-            raise ConfigError("cluster", "a Redis Cluster is reached over TCP, not unix://")
-        if scheme != "rediss" and (cfg.ssl_ca_certs or cfg.ssl_certfile or cfg.ssl_keyfile):
-            raise ConfigError("url", "ssl_ca_certs, ssl_certfile and ssl_keyfile need a rediss:// URL")
-        return scheme
-
-    @staticmethod
-    def _read_password(cfg: RedisTierConfig) -> str:
-        if cfg.password and cfg.password_file:
-            raise ConfigError("password_file", "set password or password_file, not both")
-        if not cfg.password_file:
-            return cfg.password
-        try:
-            with open(cfg.password_file, encoding="utf-8") as handle:
-                return handle.read().rstrip("\r\n")
-        except OSError as exc:
-            raise ConfigError("password_file", f"cannot read {cfg.password_file}: {exc}") from exc
-
     def _redacted_url(self) -> str:
-        parts = urlsplit(self.cfg.url)
-        if parts.password is None:
-            return self.cfg.url
-        return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")).geturl()
+        return redacted_url(self.cfg.url)
 
     def _make_client(self) -> Any:
-        cfg = self.cfg
-        kwargs: dict[str, Any] = {
-            "socket_connect_timeout": cfg.connect_timeout_s,
-            "socket_timeout": cfg.socket_timeout_s,
-            # One immediate retry on a dropped connection (e.g. a pooled socket
-            # that a restarted server closed); timeouts are not retried.
-            "retry": Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
-            "health_check_interval": 0,
-            "client_name": "kvstore",
-        }
-        if cfg.username:
-            kwargs["username"] = cfg.username
-        if self._password:
-            kwargs["password"] = self._password
-        if self._scheme == "rediss":
-            for field in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-                if getattr(cfg, field):
-                    kwargs[field] = getattr(cfg, field)
-        if cfg.cluster:
-            return RedisCluster.from_url(cfg.url, **kwargs)
-        return aioredis.Redis.from_url(cfg.url, **kwargs)
+        return make_client(self.cfg, self._scheme, self._password)
 
     # -- key encoding ---------------------------------------------------------------
 
@@ -394,7 +212,8 @@ class RedisTier:
                     generation = self.generation(tag)
                     names = [self.redis_key(keys[i], generation) for i in positions]
                     replies, seen = await self._round_trip(
-                        _both(self._pipelined("exists", names), self._read_generation(tag)), self._op_bound_s)
+                        _both(pipelined(self._client, "exists", names), self._read_generation(tag)),
+                        self._op_bound_s)
                     if not self._stale(tag, generation, seen):
                         break
                 self._count_reply_errors(replies)
@@ -463,9 +282,10 @@ class RedisTier:
             try:
                 if start == 0:
                     fetched, seen = await self._round_trip(
-                        _both(self._mget(chunk), self._read_generation(tag)), self._op_bound_s)
+                        _both(mget(self._client, self.cfg.cluster, chunk), self._read_generation(tag)),
+                        self._op_bound_s)
                 else:
-                    fetched = await self._round_trip(self._mget(chunk), self._op_bound_s)
+                    fetched = await self._round_trip(mget(self._client, self.cfg.cluster, chunk), self._op_bound_s)
             except _RoundTripFailed as exc:
                 failure = exc
                 break
@@ -564,7 +384,8 @@ class RedisTier:
         seen: int | None = None
         for n, chunk in enumerate(chunks):
             batch = [items[j] for j in chunk]
-            work = self._set_many([self.redis_key(keys[i], generation) for i in batch], [values[i] for i in batch])
+            work = set_many(self._client, [self.redis_key(keys[i], generation) for i in batch],
+                            [values[i] for i in batch], self._px_ms)
             try:
                 if n == len(chunks) - 1:
                     replies, seen = await self._round_trip(_both(work, self._read_generation(tag)), self._op_bound_s)
@@ -713,7 +534,8 @@ class RedisTier:
             for node in targets:
                 cursor = 0
                 while True:
-                    cursor, names = await self._round_trip(self._scan(node, cursor, pattern), self._op_bound_s)
+                    cursor, names = await self._round_trip(scan(self._client, node, cursor, pattern, SCAN_COUNT),
+                                                           self._op_bound_s)
                     old = [name for name in names if _generation_of(name) < generation]
                     if old:
                         num_removed += sum(r for r in await self._unlink(old) if isinstance(r, int))
@@ -835,39 +657,15 @@ class RedisTier:
         self._counts["errors"] += 1
         raise _RoundTripFailed(f"{type(exc).__name__}: {exc}", unreachable=unreachable) from exc
 
-    async def _mget(self, names: list[str]) -> list[bytes | None]:
-        if self.cfg.cluster:
-            return await self._client.mget_nonatomic(names)
-        return await self._client.mget(names)
-
-    async def _set_many(self, names: list[str], values: list[bytes]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
-        for name, value in zip(names, values):
-            pipe.set(name, value, px=self._px_ms)
-        return await pipe.execute(raise_on_error=False)
-
-    async def _pipelined(self, command: str, names: Sequence[str | bytes]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
-        for name in names:
-            pipe.execute_command(command.upper(), name)
-        return await pipe.execute(raise_on_error=False)
-
     async def _unlink(self, names: Sequence[str | bytes]) -> list[Any]:
         """Pipelined ``UNLINK`` of ``names``; error replies are counted, a failed round trip raises.
 
         Raises:
             _RoundTripFailed: if the round trip failed.
         """
-        replies = await self._round_trip(self._pipelined("unlink", names), self._op_bound_s)
+        replies = await self._round_trip(pipelined(self._client, "unlink", names), self._op_bound_s)
         self._count_reply_errors(replies)
         return replies
-
-    async def _scan(self, node: Any, cursor: int, pattern: str) -> tuple[int, list[bytes]]:
-        if node is None:
-            next_cursor, names = await self._client.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
-            return int(next_cursor), list(names)
-        cursors, names = await self._client.scan(cursor=cursor, match=pattern, count=SCAN_COUNT, target_nodes=node)
-        return int(cursors[node.name]), list(names)
 
     def _count_reply_errors(self, replies: Sequence[Any]) -> None:
         for reply in replies:
@@ -895,22 +693,6 @@ class RedisTier:
         return min(self.cfg.max_value_bytes, self._server_max_value_bytes)
 
     async def _read_proto_max_bulk_len(self) -> int:
-        reply = await self._round_trip(self._config_get_max_bulk_len(), self._op_bound_s)
-        value = None
-        if isinstance(reply, dict):
-            value = reply.get("proto-max-bulk-len", reply.get(b"proto-max-bulk-len"))
-        try:
-            return int(value)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            return DEFAULT_PROTO_MAX_BULK_LEN
-
-    async def _config_get_max_bulk_len(self) -> Any:
-        kwargs = {"target_nodes": RedisCluster.RANDOM} if self.cfg.cluster else {}
-        try:
-            return await self._client.config_get("proto-max-bulk-len", **kwargs)
-        except rexc.ResponseError as exc:
-            if isinstance(exc, rexc.ClusterError):
-                raise
-            # CONFIG is disabled, renamed or not allowed to this ACL user: not an error.
-            logger.info("redis tier %s: cannot read proto-max-bulk-len (%s); assuming 512 MiB", self.name, exc)
-            return None
+        value = await self._round_trip(config_get_max_bulk_len(self._client, self.cfg.cluster, self.name),
+                                       self._op_bound_s)
+        return DEFAULT_PROTO_MAX_BULK_LEN if value is None else value

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore import client as client_module
+from kvstore.client import calls as client_module
 from kvstore.cli import main
 from kvstore.client import MAX_TIMEOUT_S, AsyncKVStoreClient, KVStoreClient
 from kvstore.errors import InvalidArgumentError
@@ -202,7 +202,11 @@ def test_a_long_deadline_is_a_deadline(server: ThreadedServer) -> None:
 
 @pytest.mark.parametrize("client_class", [KVStoreClient, AsyncKVStoreClient])
 def test_clients_accept_zero_backoffs(client_class: type) -> None:
-    client_class("127.0.0.1:1", backoff_s=0, max_backoff_s=0.0, down_backoff_s=0, max_down_backoff_s=0)
+    client = client_class("127.0.0.1:1", backoff_s=0, max_backoff_s=0.0, down_backoff_s=0, max_down_backoff_s=0)
+    # kept as given, as floats: no pause before a retry, and a down node is probed again at once
+    assert (client.retry.backoff.base_s, client.retry.backoff.cap_s) == (0.0, 0.0)
+    assert (client.membership.base_backoff_s, client.membership.max_backoff_s) == (0.0, 0.0)
+    assert client.retry.backoff.pause_s(5) == 0.0
 
 
 @pytest.mark.parametrize("client_class", [KVStoreClient, AsyncKVStoreClient])

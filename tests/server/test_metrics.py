@@ -46,3 +46,24 @@ def test_a_filtered_scrape_finds_the_request_and_store_series() -> None:
     text = generate_latest(metrics.registry.restricted_registry(names)).decode()
     samples = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples == set(names)
+
+
+async def test_refused_puts_are_exported_by_reason() -> None:
+    """The store counts a refused put with its reason (issue 32); the node exports the count per tier."""
+    import pytest
+    import torch
+
+    from kvstore.codec import encode_block
+    from kvstore.errors import ResourceExhaustedError
+    from kvstore.store import TieredStore
+    from tests.support.store import NS, make_blocks, memory_tier
+
+    async with TieredStore([memory_tier(1)]) as store:  # two 4 KiB pages
+        hashes, _ = make_blocks(1)
+        block = encode_block(torch.zeros(2, 2, 2, NS.block_size, 512, dtype=torch.float16))  # 32 KiB
+        with pytest.raises(ResourceExhaustedError, match="larger than every tier"):
+            await store.put(NS, hashes, [block])
+        metrics = ServiceMetrics()
+        metrics.add_store(store.stats)
+        samples = _samples(metrics)
+    assert samples[("kvstore_tier_events_total", (("event", "refused_puts_too_large"), ("tier", "memory")))] == 1

@@ -24,7 +24,6 @@ import torch
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.config import StoreConfig
-from kvstore.errors import ResourceExhaustedError
 from kvstore.status import PermissionDeniedError
 from kvstore.keys import block_keys
 from kvstore.wire import chunk_bytes_for, decode_block_chunk, namespace_to_pb, put_requests
@@ -231,11 +230,12 @@ def test_eviction_pressure_during_a_stream_spares_the_streamed_blocks(tmp_path: 
             assert kv.put(ns, pressure, [mla_block(BLOCK, 0x50 + i) for i in range(3)]) == 3
             assert kv.lookup(ns, idle).num_blocks == 2 and "disk" in kv.lookup(ns, idle).tiers
             assert kv.lookup(ns, streamed).tiers == ("memory",) * NUM_STREAMED
-            # more than the unleased rest of the tier: refused, and nothing of it stored
+            # more than the unleased rest of the tier: what memory cannot take goes to the disk tier, not refused
+            # (issue 32: refuse a put only when no tier can take it), and the leased blocks stay where they are
             too_big = hashes_of(300, 5)
-            with pytest.raises(ResourceExhaustedError):
-                kv.put(ns, too_big, [mla_block(BLOCK, 0x60 + i) for i in range(5)])
-            assert kv.lookup(ns, too_big).num_blocks == 0
+            assert kv.put(ns, too_big, [mla_block(BLOCK, 0x60 + i) for i in range(5)]) == 5
+            assert kv.lookup(ns, too_big).num_blocks == 5 and "disk" in kv.lookup(ns, too_big).tiers
+            assert kv.lookup(ns, streamed).tiers == ("memory",) * NUM_STREAMED
             assert reassemble([first, *stream]) == blocks
             assert wait_until(lambda: leases_released(server))
             assert kv.get(ns, streamed) == blocks

@@ -12,7 +12,7 @@ from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.codec import DTYPES, Layout, encode_block
 from kvstore.errors import DestinationMismatchError, InvalidArgumentError
 from kvstore.keys import Namespace, hash_blocks
-from tests.support.server import ThreadedServer, make_config, namespace
+from tests.support.server import ThreadedServer, finished_calls, make_config, namespace
 from tests.support.shm import open_segments
 from tests.support.waiting import wait_until
 
@@ -143,6 +143,7 @@ def test_the_async_client_takes_the_same_path(server: ThreadedServer) -> None:
     ns = namespace(dtype="bfloat16", layout="mla", block_size=8)
     hashes = hash_blocks(ns, list(range(4 * 8)))
     tensors = random_blocks(ns, 4, seed=11)
+    before = {method: finished_calls(server, method, 0) for method in ("PutShared", "GetShared", "Put", "Get")}
 
     async def run() -> None:
         async with AsyncKVStoreClient(server.target, retries=0) as client:
@@ -156,6 +157,11 @@ def test_the_async_client_takes_the_same_path(server: ThreadedServer) -> None:
             assert client.shared_memory() == ("attached",)
 
     asyncio.run(run())
+    # the bytes went through shared memory: one PutShared, three GetShared (get_into, get_tensors, read), counted once
+    # the node has sent each reply (finished_calls waits for that), and no Put or Get over gRPC
+    expected = {"PutShared": 1, "GetShared": 3, "Put": 0, "Get": 0}
+    calls = {method: finished_calls(server, method, before[method] + n) - before[method] for method, n in expected.items()}
+    assert calls == expected, calls
 
 
 def test_several_nodes_each_serve_their_own_blocks_into_the_destinations() -> None:

@@ -210,3 +210,32 @@ class GatedTier:
             return await real(*args, **kwargs)
 
         setattr(tier, method, gated)
+
+
+class SharedMemoryTier(MemoryTier):
+    """A page-pool memory tier standing in for a shared tier (Redis): :class:`kvstore.tiers.base.SharedTier`'s
+    namespace generations, kept in this process. A clear deletes the namespace's blocks at once, so a sweep
+    finds nothing left; copies prepared under an older generation land as any put does (one node, no race)."""
+
+    def __init__(self, capacity_bytes: int, **kwargs: object) -> None:
+        super().__init__(capacity_bytes, **kwargs)  # type: ignore[arg-type]
+        self._generations: dict[bytes, int] = {}
+
+    def generation(self, tag: bytes) -> int:
+        """The namespace's generation: how many clears it had."""
+        return self._generations.get(tag, 0)
+
+    async def put(self, keys: Sequence[bytes], values: Sequence[bytes], metas: Sequence[object], *,  # type: ignore[override]
+                  generations: object = None) -> list[bool]:
+        """:meth:`MemoryTier.put`; the generations are not part of the keys here."""
+        return await super().put(keys, values, metas)  # type: ignore[arg-type]
+
+    async def clear_namespace(self, tag: bytes) -> int:
+        """The namespace's next generation, its blocks deleted."""
+        self._generations[tag] = self.generation(tag) + 1
+        await self.delete([entry.key for entry in await self.resident() if entry.key.startswith(tag)])
+        return self._generations[tag]
+
+    async def sweep_namespace(self, tag: bytes, generation: int) -> int:
+        """Nothing is left to sweep: a clear deleted the namespace's blocks."""
+        return 0

@@ -9,7 +9,7 @@ import pytest
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.errors import ConfigError, InvalidArgumentError, UnavailableError
 from kvstore.wire import decode_block_chunk, encode_block_chunk, reply_head
-from kvstore.store import open_async_store
+from kvstore.factory import open_async_store
 from kvstore.tiers.base import LeasingTier, TierFullError
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
 from kvstore.tiers.memory import MemoryTier

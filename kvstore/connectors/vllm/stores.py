@@ -5,8 +5,8 @@ With ``target`` set, the scheduler and every worker each open a
 opens an embedded store (``kvstore.open_store``) in its own process, so that
 loads and saves are in-process copies; the scheduler, which runs in vLLM's
 engine-core process, reaches each worker's store for its lookups through a
-:class:`LookupEndpoint`: the same store served by ``KVStoreServer`` on a free
-loopback port, whose address the worker sends in its handshake.
+:class:`LookupEndpoint`: the same store served by :func:`kvstore.serve_in_process` on a
+free loopback port, whose address the worker sends in its handshake.
 
 :class:`StoreHealth` keeps a process from calling a store that just failed:
 after a failure it answers "down" for a backoff that doubles per consecutive
@@ -15,18 +15,16 @@ failure, so an unreachable node costs one timeout per backoff, not one per reque
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from typing import Callable
 
 from kvstore.client import KVStoreClient
-from kvstore.config import Config, SecurityConfig, load_config
+from kvstore.config import Config, load_config
 from kvstore.connectors.vllm.config import VLLMConnectorConfig
 from kvstore.embedded import EmbeddedStore
-from kvstore.security import bearer_metadata, channel_credentials, new_token, token_sha256
-from kvstore.server.auth import ALL_TENANTS
+from kvstore.security import bearer_metadata, channel_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -87,24 +85,15 @@ class LookupEndpoint:
     """
 
     def __init__(self, store: EmbeddedStore, config: Config) -> None:
-        from kvstore.server.app import KVStoreServer
+        from kvstore.server.in_process import serve_in_process
 
-        self.token = new_token()
-        server_config = dataclasses.replace(config.server, host="127.0.0.1", port=0, metrics_port=-1)
-        security = SecurityConfig(auth_tokens=f"sha256:{token_sha256(self.token)}={ALL_TENANTS}",
-                                  require_sha256=False)
-        whole = Config(store=config.store, server=server_config, limits=config.limits, security=security)
-        self._store = store
-        self._server = KVStoreServer(whole, store=store.store)
-        store.run(self._server.start())
-        self.target = self._server.target
+        self._served = serve_in_process(store, config)
+        self.token = self._served.token
+        self.target = self._served.target
 
     def close(self) -> None:
-        """Stop serving (the store stays open)."""
-        try:
-            self._store.run(self._server.stop(0.0), timeout_s=10.0)
-        except Exception:  # noqa: BLE001 - closing at shutdown: log, never raise
-            logger.warning("the kvstore lookup endpoint did not stop cleanly", exc_info=True)
+        """Stop serving (the store stays open); never raises."""
+        self._served.close()
 
 
 class StoreHealth:

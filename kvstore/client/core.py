@@ -1,0 +1,586 @@
+"""The logic of both clients, written once with no I/O: settings, the API, retries, fan-out and membership."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from kvstore.api import Block, Buffer, StoreStats
+from kvstore.blockcopy import blocks_for_put, check_destinations, copy_into_destinations
+from kvstore.codec import decode_block
+from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.keys import BlockHash, Namespace, check_block_hashes
+from kvstore.security import call_metadata
+from kvstore.routing import (
+    DEFAULT_DOWN_BACKOFF_S,
+    DEFAULT_MAX_DOWN_BACKOFF_S,
+    Membership,
+    NodeStatus,
+    Partition,
+    RendezvousRouter,
+)
+from kvstore.shm.link import BlockLease, SharedMemoryLink, SharedSession, UseGrpc
+from kvstore.status import DeadlineExceededError, error_of
+from kvstore.validation import check_count, check_put, check_seconds
+from kvstore.wire import cached_namespace_pb, chunk_bytes_for, stats_from_pb
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.client.calls import (
+    _MAX_SHARED_TRIES,
+    _SLOT,
+    _UNARY,
+    _UNCLEAR_CODES,
+    _Attempt,
+    _Link,
+    _Pause,
+    _Plan,
+    _Probe,
+    _Rpc,
+    _Step,
+    _Together,
+    _delete_rpc,
+    _first,
+    _get_rpc,
+    _get_then,
+    _health,
+    _health_name,
+    _lookup_rpc,
+    _merge_copied,
+    _put_rpc,
+    _shared_get,
+    _stub,
+    _total,
+    _unknown_service,
+)
+from kvstore.client.channel import DEFAULT_MAX_MESSAGE_BYTES, FALSE_WORDS, TargetChannel, resolve_targets
+from kvstore.client.retry import DEFAULT_BACKOFF_S, DEFAULT_MAX_BACKOFF_S, DEFAULT_RETRIES, Backoff, Retry
+from kvstore.client.stats import _merge_health, merge_store_stats
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_MAX_INFLIGHT = 64
+DEFAULT_PROBE_TIMEOUT_S = 1.0
+"""Deadline of one health probe of a down node, seconds."""
+MAX_TIMEOUT_S = 1e9
+"""Longest deadline of a call, seconds (about 31 years): gRPC fails a call at once whose deadline,
+in nanoseconds since the epoch, overflows 64 bits (from about 7.4e9 s from now)."""
+
+
+def _raise_typed(exc: grpc.RpcError) -> None:
+    raise error_of(exc.code(), exc.details()) from None  # type: ignore[attr-defined]
+
+
+
+class _Settings(NamedTuple):
+    """The checked settings shared by both clients (durations in seconds)."""
+
+    timeout_s: float
+    max_inflight: int
+    retries: int
+    backoff_s: float
+    max_backoff_s: float
+    probe_timeout_s: float
+    down_backoff_s: float
+    max_down_backoff_s: float
+
+    @classmethod
+    def check(cls, *, timeout_s: float, max_inflight: int, retries: int, backoff_s: float, max_backoff_s: float,
+              probe_timeout_s: float, down_backoff_s: float, max_down_backoff_s: float) -> _Settings:
+        """The settings of a client's constructor, checked.
+
+        Raises:
+            InvalidArgumentError: naming the first bad one: a deadline (``timeout_s``,
+                ``probe_timeout_s``) that is not a number in ``(0, MAX_TIMEOUT_S]``, a backoff
+                that is not a finite number >= 0 (``max_down_backoff_s`` also not below
+                ``down_backoff_s``), or a count that is not an integer (``max_inflight`` >= 1,
+                ``retries`` >= 0).
+        """
+        down_backoff_s = check_seconds("down_backoff_s", down_backoff_s)
+        return cls(
+            timeout_s=check_seconds("timeout_s", timeout_s, open_minimum=True, maximum_s=MAX_TIMEOUT_S),
+            max_inflight=check_count("max_inflight", max_inflight, 1),
+            retries=check_count("retries", retries, 0),
+            backoff_s=check_seconds("backoff_s", backoff_s),
+            max_backoff_s=check_seconds("max_backoff_s", max_backoff_s),
+            probe_timeout_s=check_seconds("probe_timeout_s", probe_timeout_s, open_minimum=True, maximum_s=MAX_TIMEOUT_S),
+            down_backoff_s=down_backoff_s,
+            max_down_backoff_s=check_seconds("max_down_backoff_s", max_down_backoff_s, minimum_s=down_backoff_s),
+        )
+
+
+class _Client:
+    """What :class:`KVStoreClient` and :class:`AsyncKVStoreClient` share: every setting, every call's request and
+    merge, the retries, the fan-out over nodes and their membership, written once.
+
+    The logic is a generator per call that yields the I/O it needs (an attempt on
+    a node, a pause, parts run at once, a slot, a probe) and is sent back the
+    outcome; each client's transport (:meth:`_run`) performs the I/O, the
+    synchronous one in the calling thread and worker threads, the asyncio one
+    on its loop. The public methods return the transport's result: a value
+    from :class:`KVStoreClient`, an awaitable from :class:`AsyncKVStoreClient`.
+    """
+
+    _aio = False
+
+    def __init__(
+        self,
+        target: str | Sequence[str] | None = None,
+        *,
+        targets: Sequence[str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        retries: int = DEFAULT_RETRIES,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        channel_options: Sequence[tuple[str, Any]] = (),
+        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
+        max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
+        shared_memory: bool | None = None,
+    ) -> None:
+        settings = _Settings.check(
+            timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s, probe_timeout_s=probe_timeout_s, down_backoff_s=down_backoff_s,
+            max_down_backoff_s=max_down_backoff_s,
+        )
+        self.targets = resolve_targets(target, targets)
+        self.target = self.targets[0]
+        self.timeout_s = settings.timeout_s
+        self.max_inflight = settings.max_inflight
+        self.retry = Retry(settings.retries, Backoff(settings.backoff_s, settings.max_backoff_s))
+        self.probe_timeout_s = min(settings.probe_timeout_s, settings.timeout_s)
+        self.metadata = call_metadata(metadata)
+        self._chunk_bytes = chunk_bytes_for(max_message_bytes)
+        self.router = RendezvousRouter(self.targets)
+        self.membership = Membership(self.router.node_ids, base_backoff_s=settings.down_backoff_s,
+                                     max_backoff_s=settings.max_down_backoff_s)
+        self._channels = tuple(
+            TargetChannel(t, aio=self._aio, max_message_bytes=max_message_bytes, credentials=credentials,
+                          options=channel_options)
+            for t in self.router.node_ids
+        )
+        self._channel = self._channels[self.router.index(self.target)]
+        self._single = len(self._channels) == 1
+        if shared_memory is None:
+            shared_memory = os.environ.get("KVSTORE_SHARED_MEMORY", "1").strip().lower() not in FALSE_WORDS
+        self._links: tuple[SharedMemoryLink | None, ...] = tuple(
+            SharedMemoryLink(t, credentials=credentials, metadata=self.metadata, options=channel_options)
+            if shared_memory else None
+            for t in self.router.node_ids
+        )
+        self._lock = threading.Lock()  # membership, across the synchronous client's threads
+        self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        """Set up the transport (each client's own)."""
+
+    def _run(self, plan: _Plan) -> Any:
+        """Perform ``plan`` (see the class docstring); each client's transport."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the API
+
+    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """The longest cached prefix of ``block_hashes`` and the tier of each of its blocks (a :class:`LookupResult`).
+
+        With several nodes, each owner is asked for its own hashes in parallel and
+        the answers are merged (see the module docstring); a down node's blocks are misses.
+
+        Raises:
+            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        check_block_hashes(namespace, block_hashes)
+        ns = cached_namespace_pb(namespace)
+        if self._single:
+            return self._run(_Plan({0: _lookup_rpc(ns, block_hashes)}, _first))
+        partition = self.router.split(block_hashes)
+        return self._run(_Plan({j: _lookup_rpc(ns, partition.sub_list(j, block_hashes))
+                                for j in partition.nodes_with_blocks()}, partition.merge_lookup))
+
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """Encoded blocks of the longest cached prefix, in order; stops at the first miss (a list of :data:`Buffer`).
+
+        A block that arrived in one message (up to ``max_message_bytes`` less
+        4 KiB) is a read-only ``memoryview`` of it, with no copy; a larger one
+        is ``bytes`` joined from its chunks (:data:`kvstore.api.Buffer`).
+        With several nodes, the owners are asked in parallel and their blocks
+        merged in order up to the first miss (a down node's blocks are misses).
+
+        Raises:
+            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        return self._run(self._get_plan(namespace, block_hashes))
+
+    def _get_plan(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Plan:
+        check_block_hashes(namespace, block_hashes)
+
+        def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
+            return _get_rpc(namespace, hashes)._replace(
+                shared=_shared_get(cached_namespace_pb(namespace), hashes, SharedSession.take_bytes))
+
+        return self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks)
+
+    def _per_node(self, block_hashes: Sequence[BlockHash], rpc: Callable[..., _Rpc],
+                  merge: Callable[[Partition], Callable[[list[Any]], Any]], *per_block: Sequence[Any],
+                  single: Callable[[list[Any]], Any] = _first) -> _Plan:
+        """A plan that asks each owner for its blocks: ``rpc(hashes, *per_block items)`` per node, merged."""
+        if self._single:
+            return _Plan({0: rpc(block_hashes, *per_block)}, single)
+        partition = self.router.split(block_hashes)
+        return _Plan({j: rpc(partition.sub_list(j, block_hashes), *(partition.sub_list(j, items) for items in per_block))
+                      for j in partition.nodes_with_blocks()}, merge(partition))
+
+    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """Like :meth:`get`, decoded (checksums verified) into CPU tensors.
+
+        Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
+        ``[num_layers, 1, block_size, latent_dim]`` (``mla``). Over gRPC they view
+        this call's own received messages, which nothing else holds, so they are
+        not copied (``decode_block(copy=False)``) and a write into a tensor changes
+        only them; over the same-host data plane each is a tensor of its own,
+        copied once from shared memory.
+
+        Raises:
+            CodecError: if a received block fails to decode.
+        """
+        check_block_hashes(namespace, block_hashes)
+
+        def decode(blocks: list[Buffer]) -> list[Any]:
+            return [decode_block(b, copy=False) for b in blocks]
+
+        def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
+            return _get_then(namespace, hashes, decode,
+                             lambda session, reply, started: session.take_tensors(reply, True, started))
+
+        return self._run(self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks))
+
+    def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash], destinations: Sequence[torch.Tensor],
+                 *, verify: bool | None = None) -> Any:
+        """Copy the blocks of the longest cached prefix into the caller's tensors; returns how many (an int).
+
+        The Get for a connector's staging buffer, or a pinned host tensor: block
+        ``i`` of the prefix is copied into ``destinations[i]``, and the blocks
+        past the prefix are left as they were. Same host: the node copies the
+        blocks into this client's shared-memory segment, and they are copied
+        once from there into the destinations, with no intermediate ``bytes``.
+        Another host: over gRPC, once from the received messages.
+
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: chained hashes, in prefix order.
+            destinations: one tensor per hash, each of the block's dtype and shape
+                (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``):
+                on any device, and any view (e.g. ``cache[:, :, :, i * bs:(i + 1) * bs]``).
+            verify: check each block's checksum before copying it. ``None``: what
+                crossed a network is checked (gRPC), what the node copied into shared
+                memory from blocks it validated at put time is not (as the embedded
+                store does not check its own memory).
+
+        Returns:
+            Blocks copied: the prefix length (the first miss ends it).
+
+        Raises:
+            InvalidArgumentError: before any call, if there is not one tensor per hash.
+            DestinationMismatchError: if a block's dtype or shape is not its destination's;
+                the blocks before it were copied (its ``num_blocks``).
+            CodecError: on a malformed block, or (when checked) a corrupt one.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        check_block_hashes(namespace, block_hashes)
+        check_destinations(destinations, len(block_hashes))
+        over_grpc = True if verify is None else bool(verify)
+        shared = False if verify is None else bool(verify)
+
+        def rpc(hashes: Sequence[BlockHash], targets: Sequence[Any]) -> _Rpc:
+            return _get_then(namespace, hashes, lambda blocks: copy_into_destinations(blocks, targets, over_grpc),
+                             lambda session, reply, started: session.copy_into(reply, targets, shared, started))
+
+        return self._run(self._per_node(block_hashes, rpc, lambda partition: functools.partial(_merge_copied, partition),
+                                        destinations, single=functools.partial(_merge_copied, None)))
+
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """The encoded blocks of the longest cached prefix in place, until released (a :class:`BlockLease`).
+
+        ``with client.read(ns, hashes) as blocks:`` (``with await ...`` on the
+        asyncio client). Same host: each block is a read-only view of this
+        client's shared-memory segment, held for it under a lease, so nothing
+        overwrites it, whatever happens to the stored block (deleted, cleared,
+        evicted), until the lease is released or runs out (``BlockLease.expires_at``).
+        Another host: the received buffers.
+
+        Raises:
+            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        check_block_hashes(namespace, block_hashes)
+
+        def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
+            return _get_then(namespace, hashes, lambda blocks: BlockLease(blocks, []), SharedSession.lease)
+
+        def merge(partition: Partition) -> Callable[[list[Any]], BlockLease]:
+            return lambda results: BlockLease.merge(
+                partition.merge_blocks([None if r is None else r.blocks for r in results]), results)
+
+        return self._run(self._per_node(block_hashes, rpc, merge))
+
+    def put(
+        self,
+        namespace: Namespace,
+        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[Block],
+        *,
+        priority: int | None = None,
+        retention_s: float | None = None,
+    ) -> Any:
+        """Store blocks (encoded bytes or tensors), each on its owner; returns how many were newly stored (an int).
+
+        The blocks stream to a node in chunks; it stores them only once the
+        whole stream has arrived and validated, so a failed put stores nothing
+        there. With several nodes, each owner gets its blocks in parallel and
+        blocks of a down node are skipped (not counted, no error).
+
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: one chained hash per block.
+            blocks: encoded blocks, or tensors of the namespace's layout
+                (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``).
+            priority: retention priority, an integer in ``[0, 100]``; the node's default when ``None``.
+            retention_s: seconds (>= 0, ``inf`` for ever) the priority holds before it reverts to the default.
+
+        Raises:
+            InvalidArgumentError: at the call, on a namespace that is not a :class:`Namespace`,
+                as many hashes as blocks not given, a hash that is not bytes-like or not
+                ``namespace.hash_bytes`` long, a priority that is not an integer in ``[0, 100]``,
+                or a ``retention_s`` that is not a number >= 0; from the node, on a malformed block.
+            CodecError: on a tensor that does not fit the codec.
+            ResourceExhaustedError: on a block over the node's ``max_block_bytes``, or no room.
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        priority, retention_s = check_put(namespace, block_hashes, blocks, priority, retention_s)
+        blocks = blocks_for_put(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
+
+        def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> _Rpc:
+            return _put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s)
+
+        return self._run(self._per_node(block_hashes, rpc, lambda partition: _total, blocks))
+
+    def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+        """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
+        check_block_hashes(namespace, block_hashes)
+        ns = cached_namespace_pb(namespace)
+        if self._single:
+            return self._run(_Plan({0: _delete_rpc(ns, block_hashes)}, _first))
+        partition = self.router.split(block_hashes)
+        return self._run(_Plan({j: _delete_rpc(ns, partition.sub_list(j, block_hashes))
+                                for j in partition.nodes_with_blocks()}, _total))
+
+    def clear(self, namespace: Namespace) -> Any:
+        """Delete every block of ``namespace`` on every node; returns how many local blocks went.
+
+        A node that is down keeps its local blocks (no error); clear again once
+        it is back. The shared tier's are gone for every node at once (``docs/redis.md``).
+        """
+        rpc = _Rpc(_UNARY, _stub("Clear"), pb.ClearRequest(namespace=cached_namespace_pb(namespace)),
+                   lambda reply: int(reply.num_deleted))
+        return self._run(_Plan(dict.fromkeys(range(len(self._channels)), rpc), _total))
+
+    def stats(self) -> Any:
+        """Per-tier stats: the node's, or with several nodes the tier-by-tier sum (:func:`merge_store_stats`)
+        over the nodes that answered (empty when none did)."""
+        return self._run(self._stats_plan(lambda by_node: merge_store_stats(list(by_node.values()))))
+
+    def node_stats(self) -> Any:
+        """Per-tier stats of each node that answered, by target.
+
+        Raises:
+            UnavailableError: with one target, if the node cannot be reached within the deadline.
+        """
+        return self._run(self._stats_plan(lambda by_node: by_node))
+
+    def _stats_plan(self, finish: Callable[[dict[str, StoreStats]], Any]) -> _Plan:
+        rpc = _Rpc(_UNARY, _stub("Stats"), pb.StatsRequest(), stats_from_pb)
+        node_ids = self.router.node_ids
+        return _Plan(dict.fromkeys(range(len(self._channels)), rpc),
+                     lambda results: finish({node_ids[j]: r for j, r in enumerate(results) if r is not None}))
+
+    def health(self, service: str = "") -> Any:
+        """The ``grpc.health.v1`` status: ``SERVING``, ``NOT_SERVING``, ``SERVICE_UNKNOWN`` or ``UNKNOWN``.
+
+        A node that does not know ``service`` (it answers NOT_FOUND) is
+        ``SERVICE_UNKNOWN``. With several nodes: ``SERVING`` if any up node
+        serves (the client can serve calls), else the first answer in router order.
+
+        Args:
+            service: ``""`` for the whole server, or ``kvstore.v1.KVStore``.
+
+        Raises:
+            UnavailableError: if no node can be reached within the deadline
+                (:class:`DeadlineExceededError` when the deadline passed).
+            KVStoreError: with one target, the typed error of any other failed status
+                (e.g. UNAUTHENTICATED).
+        """
+        rpc = _Rpc(_UNARY, _health, health_pb2.HealthCheckRequest(service=service), _health_name, _unknown_service)
+        return self._run(_Plan(dict.fromkeys(range(len(self._channels)), rpc), _merge_health))
+
+    def shared_memory(self) -> tuple[str, ...]:
+        """Per node, in router order: ``"attached"``, ``"unknown"`` (not tried yet), or why it is off
+        (e.g. ``"the node is on another host"``; ``"off"`` when this client was made with ``shared_memory=False``)."""
+        states = []
+        for link in self._links:
+            if link is None:
+                states.append("off")
+            elif link.current() is not None:
+                states.append("attached")
+            else:
+                states.append(link.reason or "unknown")
+        return tuple(states)
+
+    def _close_links(self) -> None:
+        for link in self._links:
+            if link is not None:
+                link.close()
+
+    def nodes(self) -> tuple[NodeStatus, ...]:
+        """A snapshot of each node's membership (up or down, failures, next probe), in router order."""
+        with self._lock:
+            return self.membership.status()
+
+    def __repr__(self) -> str:
+        targets = repr(self.target) if self._single else repr(list(self.targets))
+        return f"{type(self).__name__}({targets})"
+
+    # ------------------------------------------------------------------ the logic of a call (no I/O)
+
+    def _call(self, plan: _Plan) -> _Step[Any]:
+        """A whole call under one deadline and one in-flight slot: with one target its errors raise; with several,
+        the nodes' parts run at once and a node that cannot be reached is marked down and is a miss."""
+        deadline = time.monotonic() + self.timeout_s
+        if self._closed:
+            raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
+        results: list[Any] = [None] * len(self._channels)
+        release = yield _SLOT
+        try:
+            if self._single:
+                for node, rpc in plan.rpcs.items():
+                    results[node] = yield from self._attempts(node, rpc, deadline)
+                return plan.merge(results)
+            with self._lock:
+                due = self.membership.due_probes()
+                live = [node for node in plan.rpcs if self.membership.is_up(self.router.node_ids[node])]
+            for node_id in due:
+                yield _Probe(node_id)
+            outcomes = yield _Together([self._on_node(node, plan.rpcs[node], deadline) for node in live], deadline)
+            for node, outcome in zip(live, outcomes):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results[node] = outcome
+            return plan.merge(results)
+        finally:
+            release()
+
+    def _attempts(self, node: int, rpc: _Rpc, deadline: float) -> _Step[Any]:
+        """One node's part, attempted until it succeeds, under the deadline and :attr:`retry`.
+
+        Raises:
+            DeadlineExceededError: if the deadline passes.
+            KVStoreError: the typed error of any other failed status.
+        """
+        attempt = 0
+        shared_tries = 0
+        while True:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
+            chosen, done, session = rpc, None, None
+            if rpc.shared is not None and self._links[node] is not None and shared_tries < _MAX_SHARED_TRIES:
+                session = yield _Link(node, remaining_s)
+                made = None if session is None else rpc.shared(session)
+                if made is not None:
+                    chosen, done = made
+            clear = False  # whether the attempt's outcome is known (a staged range may be reused)
+            try:
+                result = yield _Attempt(node, chosen, remaining_s)
+                clear = True
+                return result
+            except UseGrpc:  # the same-host path declined this call (no room now): the rest of it goes over gRPC
+                clear, shared_tries = True, _MAX_SHARED_TRIES
+                continue
+            except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                clear = code not in _UNCLEAR_CODES
+                if chosen is not rpc and code == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._links[node].lost(session)  # type: ignore[union-attr]  # the node forgot it: attach again
+                    shared_tries += 1
+                    continue
+                if rpc.rescue is not None:
+                    try:
+                        return rpc.rescue(exc)
+                    except grpc.RpcError:
+                        pass
+                if self._closed:  # close() ended the call: gRPC says CANCELLED, "Channel closed!"
+                    raise UnavailableError(f"the client of {', '.join(self.targets)} was closed during the call") \
+                        from None
+                code = exc.code()  # type: ignore[attr-defined]
+                pause_s = self.retry.pause_s(attempt, code)
+                if pause_s is None:
+                    _raise_typed(exc)
+                pause_s = min(pause_s, deadline - time.monotonic())  # type: ignore[type-var]
+                logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
+                yield _Pause(max(0.0, pause_s))
+                attempt += 1
+            finally:
+                if done is not None:
+                    if clear:
+                        done()
+                    else:  # the node may still be copying out of the staged range: never reuse it, nor the session
+                        self._links[node].lost(session)  # type: ignore[union-attr]
+
+    def _on_node(self, node: int, rpc: _Rpc, deadline: float) -> _Step[Any]:
+        """One node's part of a fanned-out call; ``None`` (and the node marked down) if it cannot be reached."""
+        node_id = self.router.node_ids[node]
+        if time.monotonic() >= deadline:  # queued behind busy workers until the deadline: not the node's fault
+            return None
+        try:
+            result = yield from self._attempts(node, rpc, deadline)
+        except UnavailableError as exc:  # also DeadlineExceededError
+            with self._lock:
+                was_up = self.membership.is_up(node_id)
+                wait_s = self.membership.record_failure(node_id)
+            if was_up:
+                logger.warning("kvstore node %s is down (%s); its blocks are misses for %.1f s", node_id, exc, wait_s)
+            return None
+        with self._lock:
+            rejoined = self.membership.record_success(node_id)
+        if rejoined:
+            logger.info("kvstore node %s is up again", node_id)
+        return result
+
+    def _probe(self, node_id: str) -> _Step[None]:
+        """Health-check a down node (waiting for its connection up to ``probe_timeout_s``) and report the result."""
+        rpc = _Rpc(_UNARY, _health, health_pb2.HealthCheckRequest(), lambda reply: reply.status, wait_for_ready=True)
+        try:
+            status = yield _Attempt(self.router.index(node_id), rpc, self.probe_timeout_s)
+            ok = status == health_pb2.HealthCheckResponse.SERVING
+        except Exception as exc:  # noqa: BLE001 - a background probe reports every failure as "still down"
+            logger.debug("probe of kvstore node %s failed: %s", node_id, exc)
+            ok = False
+        with self._lock:
+            self.membership.probe_done(node_id, ok)
+        if ok:
+            logger.info("kvstore node %s answers SERVING again; it rejoins", node_id)

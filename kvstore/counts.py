@@ -1,0 +1,62 @@
+"""Event counts of the store's tiers: one owner, counted by the store and its mover, exported by the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(slots=True)
+class TierCounts:
+    """Event counts of one tier, each defined once (``docs/service.md``, "Metrics"), the same way for every tier.
+
+    Attributes:
+        hits: blocks a get served from this tier.
+        misses: blocks a get looked for in this tier and did not find there: served
+            from a tier below it, or found in no tier (the first block past the prefix).
+        evictions: blocks that left this tier to make room, or as the store closed (a volatile
+            tier is flushed into a persistent one): demoted or dropped.
+        demotions: blocks written into this tier by an eviction from the tier above.
+        promotions: blocks copied from this tier into the top tier after a hit.
+        lost_records: blocks the index placed in this tier that a read did not
+            find there (gone, corrupt or unreadable): forgotten at once.
+        mismatched: blocks read from a persistent tier that did not fit their
+            namespace (dtype, layout, block size): deleted, and counted as corrupt.
+        copies_dropped: copies into this tier given up because the background queue was full.
+        dropped_demotions: victims of this tier that were to be demoted and were dropped instead, by reason
+            (``no_room``: the tier below could not take them; ``unavailable``: a tier failed).
+        refused_puts: blocks of puts this tier refused, by reason (``no_room``: it could not make room once
+            the evictions in flight ended; ``too_large``: larger than every tier).
+    """
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    lost_records: int = 0
+    mismatched: int = 0
+    copies_dropped: int = 0
+    dropped_demotions: dict[str, int] = field(default_factory=dict)
+    refused_puts: dict[str, int] = field(default_factory=dict)
+
+
+def count(counts: dict[str, int], reason: str, num_blocks: int) -> None:
+    """Add ``num_blocks`` to ``counts[reason]``."""
+    counts[reason] = counts.get(reason, 0) + num_blocks
+
+
+def count_get(counts: Sequence[TierCounts], hit_tiers: list[int], num_asked: int) -> None:
+    """Count one get: ``hit_tiers`` are the tiers (indexes into ``TieredStore.tier_names``) of the blocks it served.
+
+    A block served from tier ``t`` is a hit there and a miss in every tier
+    above; the first block it did not find (if it asked for more) is a miss
+    in every tier. These are the definitions of ``docs/service.md``.
+    """
+    for t in hit_tiers:
+        counts[t].hits += 1
+        for above in range(t):
+            counts[above].misses += 1
+    if len(hit_tiers) < num_asked:
+        for c in counts:
+            c.misses += 1

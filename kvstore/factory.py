@@ -1,0 +1,60 @@
+"""The store's factory: the tiers a ``StoreConfig`` names, built and opened as one started ``TieredStore``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvstore.config import StoreConfig
+from kvstore.store import TieredStore
+from kvstore.tiers.base import Framing, Tier
+
+if TYPE_CHECKING:
+    from kvstore.events.log import StoreObserver
+
+
+async def open_async_store(config: StoreConfig | None = None, *, framing: Framing | None = None,
+                           events: StoreObserver | None = None) -> TieredStore:
+    """Build the tiers named by ``config`` and open a started :class:`TieredStore`.
+
+    The memory tier comes first when enabled, then the LMDB tier when
+    ``disk.path`` is set, then Redis as the shared tier when ``redis.url`` is set.
+
+    Args:
+        config: the store's configuration; the defaults when ``None``.
+        framing: the server's value encoding (``kvstore serve`` passes its Get
+            reply's head, ``kvstore.wire.reply_head``); with it, a ``cpu`` memory
+            tier of ``storage: auto`` is the heap tier, which stores every block
+            behind its framing, so the server sends it with no copy of its own.
+        events: the store's observer (``kvstore.events.EventLog``), told of blocks restored at start too.
+
+    Raises:
+        ConfigError: if no tier is enabled.
+    """
+    from kvstore.errors import ConfigError
+
+    config = config or StoreConfig()
+    tiers: list[Tier] = []
+    memory = config.memory
+    if memory.enabled and memory.capacity_bytes > 0:
+        if memory.storage == "heap" or (memory.storage == "auto" and framing is not None and memory.device == "cpu"):
+            from kvstore.tiers.heap import HeapTier
+
+            tiers.append(HeapTier.from_config(memory, framing=framing))
+        else:
+            from kvstore.tiers.memory import MemoryTier
+
+            tiers.append(MemoryTier.from_config(memory))
+    if config.disk.path:
+        from kvstore.tiers.lmdb import LMDBTier
+
+        tiers.append(LMDBTier.from_config(config.disk))
+    shared = None
+    if config.redis.url:
+        from kvstore.tiers.redis import RedisTier
+
+        shared = RedisTier.from_config(config.redis)
+    if not tiers and shared is None:
+        raise ConfigError("store", "no tier is enabled: enable memory, or set disk.path or redis.url")
+    store = TieredStore(tiers, config, shared=shared, events=events)
+    await store.start()
+    return store

@@ -1,0 +1,344 @@
+"""LRU within each priority level, lowest level first: the policy the node runs above a tier it demotes into."""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections import OrderedDict, deque
+from itertools import accumulate, islice, repeat
+from operator import or_
+from typing import Iterator, Sequence
+
+from kvstore.policy.base import DEFAULT_PRIORITY, MAX_PRIORITY, K, check_priority
+
+class PriorityLRUPolicy:
+    """LRU within each priority level, lowest level first: TensorRT-LLM's retention semantics.
+
+    Memory: one ``OrderedDict`` node per key in its level, holding its size (size
+    ints are interned, blocks mostly share a few sizes), plus small maps for keys
+    off the default priority, held keys and retained keys only: about 110
+    bytes per key beside the key itself (``benchmarks/bench_index.py``).
+
+    Args:
+        default_priority: the priority a block reverts to when its retention expires.
+    """
+
+    __slots__ = ("_levels", "_priority", "_held", "_out", "_expiry", "_heap", "_heap_seq", "_nbytes", "_count",
+                 "_interned", "default_priority")
+
+    def __init__(self, default_priority: int = DEFAULT_PRIORITY) -> None:
+        self.default_priority = check_priority(default_priority)
+        self._levels: list[OrderedDict[K, int]] = [OrderedDict() for _ in range(MAX_PRIORITY + 1)]
+        self._priority: dict[K, int] = {}  # only keys whose priority is not the default
+        self._held: set[K] = set()
+        self._out: dict[K, tuple[int, bool]] = {}  # held keys taken out of the order: (nbytes, was protected)
+        self._expiry: dict[K, float] = {}
+        self._heap: list[tuple[float, int, K]] = []  # (expires_at, insertion number, key): ties in insertion order
+        self._heap_seq = 0
+        self._nbytes = 0
+        self._count = 0
+        self._interned: dict[int, int] = {}
+
+    def _intern(self, nbytes: int) -> int:
+        return self._interned.setdefault(nbytes, nbytes) if len(self._interned) < 65536 else nbytes
+
+    def _level_of(self, key: K) -> int:
+        return self._priority.get(key, self.default_priority)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._levels[self._priority.get(key, self.default_priority)] or key in self._out
+
+    def __len__(self) -> int:
+        return self._count
+
+    def contains_many(self, keys: Sequence[K]) -> list[bool]:
+        """Whether each key is tracked; the batch form of ``in`` for hot paths (lookup of 1,024 hashes)."""
+        found = list(map(self._levels[self.default_priority].__contains__, keys))  # a C loop
+        others = self._priority
+        if others and False in found:  # some keys hold a non-default priority
+            found = list(map(or_, found, map(others.__contains__, keys)))
+        if self._out and False in found:
+            found = list(map(or_, found, map(self._out.__contains__, keys)))
+        return found
+
+    def __iter__(self) -> Iterator[K]:
+        """Every tracked key, in eviction order: lowest priority first, least recent first, then the held keys."""
+        for key, _ in self._ordered():
+            yield key
+
+    def _ordered(self) -> Iterator[tuple[K, int]]:
+        """``(key, nbytes)`` of every tracked key in eviction order, then the held keys (as they would return)."""
+        for run in self._runs():
+            yield from run.items()
+        for key, (nbytes, _) in list(self._out.items()):
+            yield key, nbytes
+
+    def is_held(self, key: K) -> bool:
+        """Whether ``key`` is held (no victim)."""
+        return key in self._held
+
+    def hold(self, key: K) -> None:
+        """Hold ``key``: it is no victim until :meth:`release`, and stays tracked (its bytes, priority, retention).
+
+        Raises:
+            KeyError: if ``key`` is not tracked, or already held (the index holds a key once).
+        """
+        if key in self._held or key not in self:
+            raise KeyError(key)
+        self._held.add(key)
+
+    def hold_many(self, keys: Sequence[K]) -> None:
+        """:meth:`hold` each of ``keys``. Raises ``KeyError`` as :meth:`hold` (the keys before it are held)."""
+        for key in keys:
+            self.hold(key)
+
+    def release(self, key: K) -> None:
+        """End the hold of ``key``; a key not held is ignored. One taken out of the order goes back to its front."""
+        if key not in self._held:
+            return
+        self._held.discard(key)
+        out = self._out.pop(key, None)
+        if out is not None:
+            self._put_front(key, *out)
+
+    def release_many(self, keys: Sequence[K]) -> None:
+        """:meth:`release` each of ``keys``, in order."""
+        for key in keys:
+            self.release(key)
+
+    def _take(self, key: K) -> tuple[int, bool]:
+        """Remove ``key`` from its run; its bytes and whether it was in a protected segment. Raises ``KeyError``."""
+        return self._levels[self._level_of(key)].pop(key), False
+
+    def _put_front(self, key: K, nbytes: int, protected: bool) -> None:
+        """Put a key :meth:`_take` took back at the least recent end of its run."""
+        level = self._levels[self._level_of(key)]
+        level[key] = nbytes
+        level.move_to_end(key, last=False)
+
+    def _put_touched(self, key: K, nbytes: int, protected: bool) -> None:
+        """Put a key :meth:`_take` took back where a touch puts it: the most recent end of its run."""
+        self._levels[self._level_of(key)][key] = nbytes
+
+    def _any_out(self, keys: Sequence[K]) -> bool:
+        out = self._out
+        return bool(out) and True in map(out.__contains__, keys)
+
+    def _runs(self) -> list[OrderedDict[K, int]]:
+        """The non-empty levels (``key -> nbytes``, least recent first), in eviction order (for :meth:`victims`)."""
+        if not self._priority:  # every key at the default level
+            return [self._levels[self.default_priority]]
+        return [level for level in self._levels if level]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tracked key."""
+        return self._nbytes
+
+    def size_of(self, key: K) -> int:
+        """Bytes of ``key``. Raises ``KeyError`` if it is not tracked."""
+        size = self._levels[self._level_of(key)].get(key)
+        return size if size is not None else self._out[key][0]
+
+    def priority_of(self, key: K) -> int:
+        """Current priority of ``key``. Raises ``KeyError`` if it is not tracked."""
+        level = self._level_of(key)
+        if key not in self._levels[level] and key not in self._out:
+            raise KeyError(key)
+        return level
+
+    def expiry_of(self, key: K) -> float:
+        """When the retention of ``key`` ends (0.0 when it has none)."""
+        return self._expiry.get(key, 0.0)
+
+    def insert(self, key: K, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0) -> None:
+        """Track ``key`` as the most recently used block of its priority.
+
+        Args:
+            key: the block key.
+            nbytes: capacity the block occupies, bytes.
+            priority: retention priority in ``[0, 100]``.
+            expires_at: time (the caller's clock, seconds) when the priority reverts
+                to the default; 0.0 for no retention limit.
+
+        Raises:
+            ValueError: on an out-of-range priority, negative size, or a key already tracked.
+        """
+        check_priority(priority)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if key in self:
+            raise ValueError(f"key {key!r} is already tracked")
+        if priority != self.default_priority:
+            self._priority[key] = priority
+            if expires_at:
+                self._expiry[key] = expires_at
+                self._heap_seq += 1
+                heapq.heappush(self._heap, (expires_at, self._heap_seq, key))
+        self._levels[priority][key] = self._intern(nbytes)
+        self._nbytes += nbytes
+        self._count += 1
+
+    def touch(self, key: K) -> None:
+        """Move ``key`` to the most recent end of its level. Raises ``KeyError`` if unknown."""
+        out = self._out.pop(key, None)
+        if out is not None:
+            self._put_touched(key, *out)
+            return
+        self._levels[self._level_of(key)].move_to_end(key)
+
+    def touch_many(self, keys: Sequence[K]) -> None:
+        """:meth:`touch` each of ``keys`` (a chain segment, head first) tail first, so the head ends most recent.
+
+        Raises:
+            KeyError: if a key is not tracked (the keys before it, tail first, are touched).
+        """
+        if not self._priority and not self._any_out(keys):  # every key at the default level: one C loop
+            deque(map(self._levels[self.default_priority].move_to_end, reversed(keys)), 0)
+            return
+        for key in reversed(keys):
+            self.touch(key)
+
+    def insert_many(self, keys: Sequence[K], nbytes: int, priority: int = DEFAULT_PRIORITY,
+                    expires_at: float = 0.0) -> None:
+        """:meth:`insert` each of ``keys`` (head first, ``nbytes`` each) tail first, so the head ends most recent.
+
+        Raises:
+            ValueError: as :meth:`insert`; nothing is inserted then.
+        """
+        self._check_batch(keys, nbytes, priority)
+        if priority != self.default_priority:
+            for key in reversed(keys):
+                self.insert(key, nbytes, priority, expires_at)
+            return
+        self._levels[priority].update(zip(reversed(keys), repeat(self._intern(nbytes))))
+        self._nbytes += nbytes * len(keys)
+        self._count += len(keys)
+
+    def _check_batch(self, keys: Sequence[K], nbytes: int, priority: int) -> None:
+        """What :meth:`insert` checks, for a batch. Raises ``ValueError``."""
+        check_priority(priority)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if True in self.contains_many(keys) or len(set(keys)) < len(keys):
+            raise ValueError("a key is already tracked, or given twice")
+
+    def remove_many(self, keys: Sequence[K]) -> int:
+        """:meth:`remove` each of ``keys``; return the bytes freed."""
+        if self._held:
+            self._held.difference_update(keys)
+        if self._priority or self._any_out(keys):
+            return sum(map(self.remove, keys))
+        sizes = list(map(self._levels[self.default_priority].pop, keys, repeat(None)))  # a C loop
+        return self._forget_sizes(sizes)
+
+    def _forget_sizes(self, sizes: list[int | None]) -> int:
+        """Account for default-level entries just popped: ``None`` where a key was not tracked."""
+        found = [size for size in sizes if size is not None]
+        freed = sum(found)
+        self._nbytes -= freed
+        self._count -= len(found)
+        return freed
+
+    def remove(self, key: K) -> int:
+        """Forget ``key``, held or not; return its bytes, or 0 if it was not tracked.
+
+        A held key is forgotten with its hold: a key stored again while an old
+        reader still reads the old copy is a new block, not held (the index
+        gives the old reader's references an entry of their own).
+        """
+        self._held.discard(key)
+        out = self._out.pop(key, None)
+        level = self._priority.pop(key, self.default_priority)
+        nbytes = out[0] if out is not None else self._levels[level].pop(key, None)
+        if nbytes is None:
+            return 0
+        self._expiry.pop(key, None)  # its heap item goes stale and is skipped
+        self._nbytes -= nbytes
+        self._count -= 1
+        return nbytes
+
+    def expire(self, now: float) -> int:
+        """Revert every retention that ended at or before ``now`` to the default priority.
+
+        Reverted blocks join the default level as its least recent, the earliest
+        expiry first in line: their retention already kept them longer than
+        plain LRU would have, so they are the next victims there (O(1) each,
+        where keeping their exact rank would cost O(n)). Returns how many were reverted.
+        """
+        reverted: list[K] = []
+        default = self._levels[self.default_priority]
+        while self._heap and self._heap[0][0] <= now:
+            expires_at, _, key = heapq.heappop(self._heap)
+            if self._expiry.get(key) != expires_at:
+                continue  # removed or re-inserted since
+            del self._expiry[key]
+            level = self._priority.pop(key)
+            if key in self._out:  # it returns at the default level
+                continue
+            default[key] = self._levels[level].pop(key)
+            reverted.append(key)
+        for key in reversed(reverted):
+            default.move_to_end(key, last=False)
+        return len(reverted)
+
+    def victims(self, nbytes: int, now: float = 0.0) -> list[K]:
+        """Keys to evict, in order, to free at least ``nbytes``: the front of the order; held keys met there leave it.
+
+        Args:
+            nbytes: bytes to free; nothing is returned for ``nbytes <= 0``.
+            now: current time on the clock of ``expires_at``; retentions that
+                ended by then revert first.
+
+        Returns:
+            Lowest priority first, least recently used first within a priority.
+            Fewer bytes than asked for only when the rest is held.
+        """
+        if nbytes <= 0:
+            return []
+        self.expire(now)
+        chosen: list[K] = []
+        freed = 0
+        held = self._held
+        for run in self._runs():
+            if not run:
+                continue
+            # the common case in C loops: as many least recent keys as the first one's size says are needed,
+            # none of them held
+            guess = list(islice(run, -(-(nbytes - freed) // max(1, next(iter(run.values()))))))
+            if not (held and True in map(held.__contains__, guess)):
+                totals = list(accumulate(map(run.__getitem__, guess), initial=freed))
+                if totals[-1] >= nbytes:
+                    cut = bisect_left(totals, nbytes, 1)
+                    chosen += guess[:cut]
+                    return chosen
+                chosen += guess
+                freed = totals[-1]
+                rest: Iterator[tuple[K, int]] = islice(run.items(), len(guess), None)
+            else:
+                rest = iter(run.items())
+            met: list[K] = []
+            for key, size in rest:
+                if key in held:
+                    met.append(key)
+                    continue
+                chosen.append(key)
+                freed += size
+                if freed >= nbytes:
+                    break
+            for key in met:  # out of the order until touched or released: no later call meets them again
+                self._out[key] = self._take(key)
+            if freed >= nbytes:
+                return chosen
+        return chosen
+
+
+class LRUPolicy(PriorityLRUPolicy):
+    """Plain LRU: every block at one priority, whatever the caller asked for (a baseline for tests and
+    comparisons; the simulator's ``lru`` is :class:`PriorityLRUPolicy`, as the node's)."""
+
+    __slots__ = ()
+
+    def insert(self, key: K, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0) -> None:
+        """Track ``key`` as the most recently used block; priority and retention are ignored."""
+        super().insert(key, nbytes, self.default_priority, 0.0)

@@ -1,0 +1,286 @@
+"""The read path: a read's prepare (references and leases), its I/O and its complete step, and ``BlockRead``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Sequence
+
+from kvstore.config import StoreConfig
+from kvstore.counts import TierCounts, count_get
+from kvstore.index import Entry, Index, State
+from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
+from kvstore.mover import Mover
+from kvstore.tiers.base import Buffer, LeasingTier, SharedTier, Tier
+
+logger = logging.getLogger(__name__)
+
+
+class ReadPath:
+    """Every read of one store: what the store's ``get`` and ``read`` run, over its index, tiers and mover.
+
+    Args:
+        index: the store's index.
+        tiers: its local tiers, fastest first.
+        shared: its shared tier, or ``None``.
+        mover: its mover (promotions, and deleting records a read found lost).
+        counts: its tier counts (the shared tier's last).
+        config: its config (``promote_on_hit``).
+        fits: whether a block read from a persistent tier fits its namespace (``TieredStore._fits``).
+        check_open: raises ``UnavailableError`` once the store is closed.
+        is_closed: whether the store is closed (a read closed after it offers no promotions).
+    """
+
+    def __init__(self, index: Index, tiers: Sequence[Tier], shared: SharedTier | None, mover: Mover,
+                 counts: Sequence[TierCounts], config: StoreConfig,
+                 fits: Callable[[Namespace, BlockKey, Buffer, str], bool], check_open: Callable[[], None],
+                 is_closed: Callable[[], bool]) -> None:
+        self._index = index
+        self._tiers = list(tiers)
+        self._shared = shared
+        self._lenders = [tier if isinstance(tier, LeasingTier) else None for tier in self._tiers]
+        self._mover = mover
+        self._counts = counts
+        self._promote_on_hit = config.promote_on_hit
+        self._fits = fits
+        self._check_open = check_open
+        self._is_closed = is_closed
+
+    def open_now(self, read: BlockRead) -> list[Buffer] | None:
+        """A read's prepare, I/O and complete with no await: the top tier lends the whole cached prefix.
+
+        ``None`` (nothing taken) when that is not the case. The recency comes
+        first, so a block being read is no early victim, held or not; the hit
+        counts wait for :meth:`BlockRead.close`, which the service's Get runs
+        once its reply is on the way (``benchmarks/bench_service.py``).
+        """
+        self._check_open()
+        lender = self._lenders[0] if self._lenders else None
+        if not read.lend or lender is None:
+            return None
+        keys = block_keys(read.namespace, read.block_hashes)
+        top = self._index.policies[0]
+        if False in top.contains_many(keys):  # lent only if the rest is in no tier at all
+            levels = self._index.locate(keys)
+            if (self._shared is not None and len(levels) < len(keys)) or levels.strip(b"\0"):
+                return None
+            keys = keys[:len(levels)]
+            read.top_misses = True
+        else:
+            read.top_misses = False
+        lease = lender.lease(keys)
+        if lease is None or None in lease.values:
+            if lease is not None:
+                lease.release()
+            read.top_misses = None
+            return None
+        if not lender.lends_references:  # views of pages the tier reuses: hold them
+            read.held = [self._index.hold(0, key) for key in keys]
+            read.releases = [lease.release]
+        for key in reversed(keys):  # tail first: the head ends most recent
+            top.touch(key)
+        read.num_lent = len(keys)
+        read.framed = lease.framed
+        return lease.values  # type: ignore[return-value]  # no None: checked above
+
+    async def open(self, read: BlockRead) -> list[Buffer]:
+        """A read's prepare; its I/O and complete step run in a task of their own (:meth:`_read_prefix`)."""
+        values = self.open_now(read)
+        if values is not None:
+            return values
+        keys = block_keys(read.namespace, read.block_hashes)
+        index = self._index
+        sources: list[int | None] = list(index.locate(keys))  # the local prefix, then (with a shared tier) every
+        local: Sequence[int] = range(len(sources))  # later block: past a block in Redis the next may be local again
+        wanted: list[int] = []
+        if self._shared is not None and len(sources) < len(keys):
+            sources += index.levels_of(keys[len(sources):])
+            local = [i for i, level in enumerate(sources) if level is not None]
+            wanted = [i for i, level in enumerate(sources) if level is None]
+        read.held = [index.hold(sources[i], keys[i]) for i in local]  # type: ignore[arg-type]
+        generation = index.namespace_generation(read.namespace.tag)
+        task = asyncio.ensure_future(self._read_prefix(read, keys, sources, list(local), wanted, generation))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:  # the I/O goes on, so that its complete step runs; then the read closes
+            self._mover.adopt(task)
+            read.abandon(task)
+            raise
+
+    async def _read_prefix(self, read: BlockRead, keys: list[BlockKey], sources: list[int | None],
+                           local: list[int], wanted: list[int], generation: int) -> list[Buffer]:
+        """A read's I/O (the shared tier first, then each local tier's part in one batch) and complete step."""
+        found: list[Buffer | None] = [None] * len(sources)
+        if wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
+            shared = self._shared
+            for i, value in zip(wanted, await shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
+                if value is None or not self._fits(read.namespace, keys[i], value, shared.name):  # type: ignore[union-attr]
+                    local = [j for j in local if j < i]
+                    break
+                found[i] = value
+        held = {id(entry): entry for entry in read.held}
+        by_level: dict[int, list[int]] = {}
+        for i in local:
+            by_level.setdefault(sources[i], []).append(i)  # type: ignore[arg-type]
+        batches = [self._read_tier(level, [keys[i] for i in positions], read) for level, positions in by_level.items()]
+        results = [await batches[0]] if len(batches) == 1 else await asyncio.gather(*batches)
+        for positions, values in zip(by_level.values(), results):
+            for i, value in zip(positions, values):
+                found[i] = value
+        # complete: a located block its tier could not serve (gone, unreadable), or a block of a persistent tier
+        # that does not fit the namespace, is a miss, forgotten at once and its record deleted
+        entries = {entry.key: entry for entry in held.values()}
+        for i in local:
+            entry = entries[keys[i]]
+            if entry.state is not State.RESIDENT:
+                continue  # deleted or moved out meanwhile: what the read got (or not) is not the index's business
+            value = found[i]
+            if value is None:
+                self._counts[entry.level].lost_records += 1
+                logger.warning("tier %s: block %s is indexed but could not be read; forgotten",
+                               self._tiers[entry.level].name, keys[i].hex())
+            elif self._tiers[entry.level].persistent and not self._fits(read.namespace, keys[i], value,
+                                                                        self._tiers[entry.level].name):
+                found[i] = None
+                self._counts[entry.level].mismatched += 1
+            else:
+                continue
+            if self._index.forget(entry.level, entry.key, reason="lost"):
+                self._mover.discard(entry.level, [entry.key])
+        hit = found.index(None) if None in found else len(found)
+        values: list[Buffer] = found[:hit]  # type: ignore[assignment]
+        count_get(self._counts, [len(self._tiers) if s is None else s for s in sources[:hit]], len(keys))
+        policies = self._index.policies
+        for key, level in reversed(list(zip(keys[:hit], sources[:hit]))):  # tail first: the head ends most recent
+            if level is not None and key in policies[level]:
+                policies[level].touch(key)
+        if self._promote_on_hit and self._tiers:
+            read.promotions = self._promotions(keys, sources[:hit], values, generation)
+        return values
+
+    async def _read_tier(self, level: int, keys: list[BlockKey], read: BlockRead) -> list[Buffer | None]:
+        """One tier's values of ``keys``: lent views where ``read`` may take them and the tier lends, else copies."""
+        lender = self._lenders[level]
+        if read.lend and lender is not None:
+            lease = lender.lease(keys)
+            if lease is not None:
+                read.releases.append(lease.release)
+                return lease.values
+        return await self._tiers[level].get(keys)
+
+    def _promotions(self, keys: list[BlockKey], sources: Sequence[int | None], values: list[Buffer],
+                    generation: int) -> list[tuple[int | None, list[BlockKey], list[bytes], int]]:
+        """The lower-tier hits to offer for promotion, by source tier (``None``: shared), views copied to bytes."""
+        moves: dict[int | None, list[int]] = {}
+        for position, level in enumerate(sources[:len(values)]):
+            if level != 0:
+                moves.setdefault(level, []).append(position)
+        return [(level, [keys[p] for p in positions],
+                 [v if type(v) is bytes else bytes(v) for v in (values[p] for p in positions)], generation)
+                for level, positions in moves.items()]
+
+    def close(self, read: BlockRead) -> None:
+        """A read's last step: count a lent read, give back its leases and references, offer its promotions."""
+        if read.top_misses is not None:
+            self._counts[0].hits += read.num_lent
+            if read.top_misses:  # the first miss was looked for in every tier
+                for counts in self._counts:
+                    counts.misses += 1
+            read.top_misses = None
+        for release in read.releases:
+            release()
+        self._mover.release(read.held)
+        if not self._is_closed():  # once released, so that the promotion's room is made by evicting others
+            for source, keys, values, generation in read.promotions:
+                self._mover.promote(source, keys, values, generation)
+
+
+class BlockRead:
+    """One read of :meth:`kvstore.store.TieredStore.read`: ``async with store.read(namespace, hashes) as blocks``.
+
+    Entering holds the longest cached prefix and returns its blocks; leaving,
+    also by an error or a cancelled call, gives everything back. A plain class
+    rather than ``contextlib.asynccontextmanager``: it runs on every Get, and a
+    generator-based manager costs several microseconds more.
+
+    Attributes:
+        namespace: namespace of the blocks.
+        block_hashes: the hashes asked for, in prefix order.
+        lend: whether a tier that lends may return views (``False``: copies).
+        held: the index entries this read holds references on, once entered.
+        releases: the tier leases to give back, once entered.
+        promotions: lower-tier hits to offer the mover on leaving.
+        framed: once entered, per block, its stored framed value (the server's
+            value encoding, e.g. a ready Get reply) where the top tier holds one
+            (:attr:`~kvstore.tiers.base.TierLease.framed`), valid as long as the
+            blocks are; ``None`` when none was lent.
+        num_lent: the blocks of a read the top tier lent whole.
+        top_misses: for such a read, until it is closed, whether it asked for
+            more blocks than were cached (its counts are made then); else ``None``.
+    """
+
+    __slots__ = ("_reads", "namespace", "block_hashes", "lend", "held", "releases", "promotions", "framed",
+                 "num_lent", "top_misses", "_closed")
+
+    def __init__(self, reads: ReadPath, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
+        self._reads = reads
+        self.namespace = namespace
+        self.block_hashes = block_hashes
+        self.lend = lend
+        self.held: list[Entry] = []
+        self.releases: list[Callable[[], None]] = []
+        self.promotions: list[tuple[int | None, list[BlockKey], list[bytes], int]] = []
+        self.framed: list[bytes | None] | None = None
+        self.num_lent = 0
+        self.top_misses: bool | None = None
+        self._closed = False
+
+    async def open(self) -> list[Buffer]:
+        """Hold and lease the prefix and return its blocks (``async with`` calls it); pair it with :meth:`close`.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        try:
+            return await self._reads.open(self)
+        except asyncio.CancelledError:
+            raise  # the read's I/O goes on, and closes the read when it ends (abandon)
+        except BaseException:
+            self.close()
+            raise
+
+    def open_now(self) -> list[Buffer] | None:
+        """:meth:`open` without waiting, in the common case: the top tier lends the whole cached prefix.
+
+        ``None`` when that is not the case; then call :meth:`open`. The
+        service's Get takes this path first: a coroutine less on every call.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        return self._reads.open_now(self)
+
+    def abandon(self, task: asyncio.Future[object]) -> None:
+        """The caller was cancelled while the read's I/O ran: close the read once that I/O has ended."""
+        if task.done():
+            self.close()
+        else:
+            task.add_done_callback(lambda _: self.close())
+
+    def close(self) -> None:
+        """Give back what :meth:`open` took, count the read, and offer its promotions; a second call does nothing.
+
+        A plain call, so that a caller may run it a moment later (the service's
+        Get, with ``loop.call_soon``, once its reply is on the way).
+        """
+        if not self._closed:
+            self._closed = True
+            self._reads.close(self)
+
+    async def __aenter__(self) -> list[Buffer]:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

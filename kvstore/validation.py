@@ -1,0 +1,205 @@
+"""Argument checks shared by the store and the clients: a put's hashes, blocks, priority and retention; durations."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Sequence
+
+from kvstore.api import Block
+from kvstore.codec import BlockHeader, Layout, verify_block
+from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError
+from kvstore.keys import BlockHash, Namespace, check_block_hashes
+from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
+
+_PLAIN_HASH_TYPES = frozenset((bytes, bytearray))
+"""Hash types whose ``len`` is their byte length (a ``memoryview``'s need not be)."""
+
+
+def check_put(
+    namespace: Namespace,
+    block_hashes: Sequence[BlockHash],
+    blocks: Sequence[Block],
+    priority: int | None,
+    retention_s: float | None,
+) -> tuple[int | None, float | None]:
+    """Check the arguments of a client's put before any call starts, as the node's store would.
+
+    A bad argument must raise here: the Put messages are built lazily on
+    gRPC's side of the call, where an error is lost (sync: UNKNOWN; asyncio: a
+    cancellation). The blocks themselves are checked by
+    :func:`kvstore.blockcopy.blocks_for_put` (tensors) and the node (bytes).
+
+    Args:
+        namespace: namespace of the blocks.
+        block_hashes: one hash per block, each bytes-like of ``namespace.hash_bytes`` bytes.
+        blocks: the blocks, as many as hashes.
+        priority: as :func:`check_priority`.
+        retention_s: as :func:`check_retention_s`.
+
+    Returns:
+        ``(priority, retention_s)`` as ``int`` and ``float`` (``None`` stays ``None``).
+
+    Raises:
+        InvalidArgumentError: on a namespace that is not a :class:`Namespace`, hashes that are not a
+            sequence, a count mismatch, a hash that is not bytes-like or of the wrong length, or a bad
+            priority or retention_s.
+    """
+    check_block_hashes(namespace, block_hashes)
+    check_hash_widths(namespace, block_hashes)
+    check_counts(len(block_hashes), len(blocks))
+    return check_priority(priority), check_retention_s(retention_s)
+
+
+def check_hash_widths(namespace: Namespace, block_hashes: Sequence[BlockHash]) -> None:
+    """Check that every hash is exactly ``namespace.hash_bytes`` long (not only that their total is right).
+
+    :func:`kvstore.keys.check_block_hashes` checks the joined length in one C
+    call; hashes of different lengths can add up to the right total, which this
+    refuses. Plain ``bytes`` hashes are checked by C loops (1,024 in ~0.1 ms).
+
+    Raises:
+        InvalidArgumentError: naming the first hash that is not bytes-like or not of the namespace's width.
+    """
+    width = namespace.hash_bytes
+    if set(map(type, block_hashes)) <= _PLAIN_HASH_TYPES and set(map(len, block_hashes)) <= {width}:
+        return
+    for index, block_hash in enumerate(block_hashes):
+        try:
+            nbytes = memoryview(block_hash).nbytes
+        except TypeError:
+            raise InvalidArgumentError(
+                f"block hash {index}: expected bytes, bytearray or memoryview, got {type(block_hash).__name__}"
+            ) from None
+        if nbytes != width:
+            raise InvalidArgumentError(f"block hash {index}: must be {width} bytes for "
+                                       f"{namespace.hash_algorithm.value}, got {nbytes}")
+
+
+def check_counts(num_hashes: int, num_blocks: int) -> None:
+    """Check that a put has one block per hash.
+
+    Raises:
+        InvalidArgumentError: otherwise.
+    """
+    if num_hashes != num_blocks:
+        raise InvalidArgumentError(f"{num_hashes} hashes but {num_blocks} blocks")
+
+
+def check_priority(priority: int | None) -> int | None:
+    """``priority`` as an ``int`` if it is an integer in ``[0, 100]`` (numpy integers too, not ``bool``).
+
+    The range is TensorRT-LLM's retention priorities (:data:`kvstore.policy.MIN_PRIORITY`,
+    :data:`~kvstore.policy.MAX_PRIORITY`). ``None`` (the store's default) stays ``None``.
+
+    Raises:
+        InvalidArgumentError: otherwise.
+    """
+    if priority is None:
+        return None
+    try:
+        value = None if isinstance(priority, bool) else operator.index(priority)
+    except TypeError:
+        value = None
+    if value is None or not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise InvalidArgumentError(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+    return value
+
+
+def check_retention_s(retention_s: float | None) -> float | None:
+    """``retention_s`` as a ``float`` if it is a real number of seconds ``>= 0`` (``inf`` too: for good; not NaN).
+
+    ``None`` (no retention) stays ``None``.
+
+    Raises:
+        InvalidArgumentError: otherwise (also on a string).
+    """
+    if retention_s is None:
+        return None
+    try:
+        seconds = float(retention_s) if not isinstance(retention_s, (str, bytes, bytearray)) else math.nan
+    except (TypeError, ValueError, OverflowError):
+        seconds = math.nan
+    if not seconds >= 0:  # also NaN; inf is kept for good
+        raise InvalidArgumentError(f"retention_s must be a number of seconds >= 0, got {retention_s!r}")
+    return seconds
+
+
+def check_block(namespace: Namespace, position: int, block: object, max_block_bytes: int) -> BlockHeader:
+    """Check one encoded block of a put: bytes-like, within ``max_block_bytes``, intact, and of the namespace.
+
+    Args:
+        namespace: the put's namespace.
+        position: the block's index in the put, for the message.
+        block: the encoded block (:mod:`kvstore.codec`).
+        max_block_bytes: the largest block accepted, bytes (``store.max_block_bytes``).
+
+    Returns:
+        Its decoded header.
+
+    Raises:
+        InvalidArgumentError: on a block that is not bytes-like, or whose header contradicts the namespace.
+        ResourceExhaustedError: on a block over ``max_block_bytes``.
+        CodecError: on a malformed or corrupt block, naming the position and the cause.
+    """
+    if not isinstance(block, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"block {position}: expected encoded bytes, got {type(block).__name__}")
+    if len(block) > max_block_bytes:
+        raise ResourceExhaustedError(f"block {position}: {len(block)} bytes is over max_block_bytes={max_block_bytes}")
+    try:
+        header = verify_block(block)
+    except CodecError as exc:
+        raise type(exc)(f"block {position}: {exc}") from None
+    mismatch = namespace_mismatch(namespace, header)
+    if mismatch:
+        raise InvalidArgumentError(f"block {position}: {mismatch}")
+    return header
+
+
+def namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
+    """How a block's header contradicts its namespace (dtype, layout, tokens per block); ``""`` if it does not."""
+    if header.dtype != namespace.dtype or header.layout.value != namespace.layout:
+        return (f"{header.dtype}/{header.layout.value} does not match the namespace's "
+                f"{namespace.dtype}/{namespace.layout}")
+    tokens = header.shape[3] if header.layout is Layout.KV else header.shape[2]
+    if tokens != namespace.block_size:
+        return f"holds {tokens} tokens, the namespace's block size is {namespace.block_size}"
+    return ""
+
+
+def check_seconds(name: str, value: float, *, minimum_s: float = 0.0, open_minimum: bool = False,
+                  maximum_s: float = math.inf) -> float:
+    """``value`` as a float if it is a finite number of seconds in ``[minimum_s, maximum_s]``.
+
+    Args:
+        name: the argument's name, for the error message.
+        value: the argument.
+        minimum_s: least value, seconds.
+        open_minimum: ``minimum_s`` itself is out of range (``> minimum_s``).
+        maximum_s: greatest value, seconds.
+
+    Raises:
+        InvalidArgumentError: otherwise (also on a ``bool`` or a string), naming the argument.
+    """
+    try:
+        seconds = math.nan if isinstance(value, (bool, str, bytes)) else float(value)
+    except (TypeError, ValueError, OverflowError):
+        seconds = math.nan
+    above = seconds > minimum_s if open_minimum else seconds >= minimum_s
+    if not (math.isfinite(seconds) and above and seconds <= maximum_s):
+        bound = f"{'>' if open_minimum else '>='} {minimum_s:g}" + (
+            f" and <= {maximum_s:g}" if math.isfinite(maximum_s) else "")
+        raise InvalidArgumentError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return seconds
+
+
+def check_count(name: str, value: int, minimum: int) -> int:
+    """``value`` as an ``int`` if it is an integer (not ``bool``) ``>= minimum``.
+
+    Raises:
+        InvalidArgumentError: otherwise, naming the argument ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)

@@ -1,0 +1,112 @@
+"""The synchronous client in a forked child: it opens its own channel there and leaves the parent's alone.
+
+These tests have a module of their own so that the process that forks hosts no
+in-process gRPC server (``tests.support.server.ThreadedServer``, which the other
+client tests share for a whole module): gRPC's fork handlers run only when no
+other thread of the process is inside gRPC at the fork (``fork_posix.cc``:
+"Other threads are currently calling into gRPC, skipping fork() handlers"), and
+a server's polling threads often are, which left the child with a gRPC mutex
+held by a thread it does not have (an abort). The node is a separate process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from typing import Callable, Iterator
+
+import pytest
+
+from kvstore.client import KVStoreClient
+from tests.support.kvnode import KVNode
+from tests.support.server import kv_blocks, namespace
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[KVNode]:
+    """A separate server process, so that forking this test process forks no server."""
+    with KVNode(memory_capacity="32MiB", metrics=False) as kv_node:
+        yield kv_node
+
+
+def _in_child(work: Callable[[], bytes], *, use_multiprocessing: bool) -> bytes:
+    """Run ``work`` in a forked child and return what it reported; fail (not hang) if the child hangs."""
+    read_fd, write_fd = os.pipe()
+
+    def child() -> None:
+        os.close(read_fd)
+        try:
+            result = work()
+        except BaseException as exc:  # reported to the parent
+            result = f"error {type(exc).__name__}: {exc}".encode()
+        os.write(write_fd, result)
+        os.close(write_fd)
+
+    if use_multiprocessing:
+        process = multiprocessing.get_context("fork").Process(target=child)
+        process.start()
+        os.close(write_fd)
+        process.join(60)
+        hung = process.is_alive()
+        if hung:
+            process.kill()
+            process.join()
+    else:
+        pid = os.fork()
+        if pid == 0:  # the child
+            try:
+                child()
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        deadline = time.monotonic() + 60
+        while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hung = time.monotonic() >= deadline
+        if hung:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    with os.fdopen(read_fd, "rb") as reader:
+        report = reader.read()
+    assert not hung, "the forked child hung"
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_multiprocessing", [False, True], ids=["os.fork", "multiprocessing-fork"])
+def test_sync_client_works_in_a_forked_child(node: KVNode, use_multiprocessing: bool) -> None:
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 3)
+    other_hashes, other_tensors = kv_blocks(ns, 2, first_token=50_000)
+    assert not [t.name for t in threading.enumerate() if t.name == "test-kvstore-server"], \
+        "an in-process gRPC server is running in the process that forks"
+    with KVStoreClient(node.target, retries=2) as kv:
+        kv.put(ns, hashes, tensors)
+        kv.put(ns, other_hashes, other_tensors)
+        assert kv.lookup(ns, hashes).num_blocks == 3  # the parent's channel is open before the fork
+
+        def work() -> bytes:
+            got = kv.get_tensors(ns, other_hashes)  # the inherited client, in the child
+            equal = all(a.equal(b) for a, b in zip(got, other_tensors)) and len(got) == 2
+            return b"ok" if equal and kv.lookup(ns, hashes).num_blocks == 3 else b"wrong"
+
+        assert _in_child(work, use_multiprocessing=use_multiprocessing) == b"ok"
+        got = kv.get_tensors(ns, hashes)  # the parent's channel still works, with its own replies
+        assert len(got) == 3 and all(a.equal(b) for a, b in zip(got, tensors))
+
+
+@pytest.mark.slow
+def test_forked_child_fails_clearly_when_grpc_fork_support_is_off(node: KVNode) -> None:
+    with KVStoreClient(node.target) as kv:
+        kv.health()
+
+        def work() -> bytes:
+            os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+            kv.health()
+            return b"no error"
+
+        report = _in_child(work, use_multiprocessing=False)
+        assert report.startswith(b"error UnavailableError") and b"GRPC_ENABLE_FORK_SUPPORT" in report
+        assert kv.health() == "SERVING"
