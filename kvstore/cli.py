@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from kvstore.client import KVStoreClient
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "kvstore.sim.cli", "kvstore.sim.trace_cli", "kvstore.loadtest.cli", "kvstore.demo.cli",
+    "kvstore.sim.cli", "kvstore.sim.trace_cli", "kvstore.loadtest.cli", "kvstore.demo.cli", "kvstore.events.cli",
 )
 """Modules that add subcommands through ``register(subparsers)``."""
 
@@ -117,6 +117,9 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
                        help="offer no same-host data plane: every client uses gRPC (shared_memory.enabled)")
     serve.add_argument("--metrics-port", type=int,
                        help="Prometheus port; 0 picks a free one, -1 disables (server.metrics_port, default 9400)")
+    serve.add_argument("--events-endpoint", metavar="ZMQ",
+                       help="publish KV events for routers on this ZMQ address, e.g. tcp://127.0.0.1:5557 "
+                            "(events.endpoint; off by default; docs/events.md)")
     serve.add_argument("--memory-capacity", metavar="SIZE",
                        help="memory tier size, e.g. 8GiB; 0 disables it (store.memory.capacity_bytes)")
     serve.add_argument("--disk-path", metavar="DIR", help="LMDB directory; enables the disk tier (store.disk.path)")
@@ -182,6 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
         "server.unix_socket": args.unix_socket,
         "shared_memory.enabled": args.shared_memory,
         "server.metrics_port": args.metrics_port,
+        "events.endpoint": args.events_endpoint,
         "server.log_level": args.log_level,
         "server.log_format": args.log_format,
         "store.memory.capacity_bytes": args.memory_capacity,

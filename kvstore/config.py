@@ -437,6 +437,40 @@ class SharedMemoryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """The node's KV event stream for routers (``docs/events.md``; ``kvstore.events``); off unless ``endpoint`` is set.
+
+    Attributes:
+        endpoint: ZMQ address the node binds its PUB socket to, e.g. ``tcp://127.0.0.1:5557`` or
+            ``ipc:///run/kvstore/events``; empty: no events. A node with auth on refuses a
+            non-local one unless ``allow_remote`` is set.
+        replay_endpoint: the replay ROUTER's address; empty: the next tcp port (ipc: the path plus
+            ``.replay``); ``off``: no replays.
+        topic: the first frame of every batch.
+        hwm: ZMQ high-water mark per subscriber, batches; past it a slow subscriber misses batches (and replays).
+        buffer_steps: batches kept for replay.
+        max_queue_events: block changes queued for the publisher before the node drops them (counted,
+            and announced to subscribers as a clear).
+        allow_remote: publish on a non-local endpoint even with auth on (events are not authenticated).
+    """
+
+    endpoint: str = ""
+    replay_endpoint: str = ""
+    topic: str = "kvstore"
+    hwm: int = 100_000
+    buffer_steps: int = 10_000
+    max_queue_events: int = 1_000_000
+    allow_remote: bool = False
+
+    def __post_init__(self) -> None:
+        _require(not self.endpoint or self.endpoint.startswith(("tcp://", "ipc://", "inproc://")), "endpoint",
+                 f"must be a ZMQ tcp://, ipc:// or inproc:// address, got {self.endpoint!r}")
+        _require(self.hwm > 0, "hwm", f"must be > 0 (ZMQ reads 0 as no bound), got {self.hwm}")
+        _require(self.buffer_steps > 0, "buffer_steps", f"must be > 0, got {self.buffer_steps}")
+        _require(self.max_queue_events > 0, "max_queue_events", f"must be > 0, got {self.max_queue_events}")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """Everything ``kvstore serve`` and the embedded store read."""
 
@@ -445,6 +479,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
 
 ENV_PREFIX = "KVSTORE_"
@@ -460,6 +495,7 @@ ENV_ALIASES: dict[str, str] = {
     "KVSTORE_DISK_CAPACITY": "store.disk.capacity_bytes",
     "KVSTORE_REDIS_URL": "store.redis.url",
     "KVSTORE_POLICY": "store.policy",
+    "KVSTORE_EVENTS_ENDPOINT": "events.endpoint",
 }
 """Short environment names of the common settings, and the dotted field each sets."""
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvstore.config import StoreConfig
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Framing, Tier
 
+if TYPE_CHECKING:
+    from kvstore.events.log import StoreObserver
 
-async def open_async_store(config: StoreConfig | None = None, *, framing: Framing | None = None) -> TieredStore:
+
+async def open_async_store(config: StoreConfig | None = None, *, framing: Framing | None = None,
+                           events: StoreObserver | None = None) -> TieredStore:
     """Build the tiers named by ``config`` and open a started :class:`TieredStore`.
 
     The memory tier comes first when enabled, then the LMDB tier when
@@ -19,6 +25,7 @@ async def open_async_store(config: StoreConfig | None = None, *, framing: Framin
             reply's head, ``kvstore.wire.reply_head``); with it, a ``cpu`` memory
             tier of ``storage: auto`` is the heap tier, which stores every block
             behind its framing, so the server sends it with no copy of its own.
+        events: the store's observer (``kvstore.events.EventLog``), told of blocks restored at start too.
 
     Raises:
         ConfigError: if no tier is enabled.
@@ -48,6 +55,6 @@ async def open_async_store(config: StoreConfig | None = None, *, framing: Framin
         shared = RedisTier.from_config(config.redis)
     if not tiers and shared is None:
         raise ConfigError("store", "no tier is enabled: enable memory, or set disk.path or redis.url")
-    store = TieredStore(tiers, config, shared=shared)
+    store = TieredStore(tiers, config, shared=shared, events=events)
     await store.start()
     return store

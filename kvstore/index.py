@@ -32,10 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.policy import EvictionPolicy
+
+if TYPE_CHECKING:
+    from kvstore.events.log import StoreObserver
 
 
 class State(enum.Enum):
@@ -125,6 +128,7 @@ class Index:
         self._retired_bytes = [0] * len(self.policies)
         self._tag_bytes: dict[bytes, int] = {}
         self._namespace_generations: dict[bytes, int] = {}
+        self.observer: StoreObserver | None = None  # told of every change of residency (``kvstore.events``)
 
     # ------------------------------------------------------------------ reading
 
@@ -282,6 +286,8 @@ class Index:
         self.policies[level].insert(key, entry.nbytes, entry.priority, entry.expires_at)
         self._add_tag_bytes(key, entry.nbytes)
         entry.state = State.RESIDENT
+        if self.observer is not None:
+            self.observer.stored(level, key)
         return True
 
     def abandon(self, entry: Entry, error: Exception | None = None) -> None:
@@ -356,7 +362,7 @@ class Index:
 
     # ------------------------------------------------------------------ removing
 
-    def forget(self, level: int, key: BlockKey, *, keep_record: bool = False) -> bool:
+    def forget(self, level: int, key: BlockKey, *, keep_record: bool = False, reason: str = "evicted") -> bool:
         """Remove the resident block ``key`` from tier ``level``; whether the caller deletes its record now.
 
         A block with references is retired. With ``keep_record`` (a block moved
@@ -373,6 +379,8 @@ class Index:
         self._unclaim(level, key, nbytes)
         policy.remove(key)  # held or not: a hold ends with the block
         self._add_tag_bytes(key, -nbytes)
+        if self.observer is not None:
+            self.observer.removed(level, key, reason)  # a ``kvstore.events.schema`` REMOVED_* reason
         if entry is None:
             return True
         entry.state = State.RETIRED
@@ -381,13 +389,13 @@ class Index:
             self._retired_bytes[level] += entry.nbytes
         return not keep_record
 
-    def retire(self, entry: Entry) -> None:
+    def retire(self, entry: Entry, reason: str = "evicted") -> None:
         """Remove a held resident entry that the mover has moved out (or dropped); its record goes with the last
         reference (:meth:`release`), so readers still reading it in this tier finish."""
         if entry.state is State.RESIDENT and self._held[entry.level].get(entry.key) is entry:
-            self.forget(entry.level, entry.key, keep_record=True)
+            self.forget(entry.level, entry.key, keep_record=True, reason=reason)
 
-    def delete(self, keys: Iterable[BlockKey]) -> tuple[dict[int, list[BlockKey]], int]:
+    def delete(self, keys: Iterable[BlockKey], reason: str = "deleted") -> tuple[dict[int, list[BlockKey]], int]:
         """Remove ``keys`` from every tier and every placement under way.
 
         The entries go at once, so a copy or put of them in flight loses at its
@@ -410,7 +418,7 @@ class Index:
             level = self.level_of(key)
             if level is not None:
                 found += 1
-                if self.forget(level, key):
+                if self.forget(level, key, reason=reason):
                     records.setdefault(level, []).append(key)
         return records, found
 
@@ -419,7 +427,9 @@ class Index:
         self._namespace_generations[tag] = self.namespace_generation(tag) + 1
         keys = [key for policy in self.policies for key in policy if key.startswith(tag)]
         keys += [key for key in self._placing if key.startswith(tag)]
-        return self.delete(keys)
+        if self.observer is not None:
+            self.observer.cleared(tag)
+        return self.delete(keys, reason="cleared")
 
     def _add_tag_bytes(self, key: BlockKey, nbytes: int) -> None:
         tag = key[:NAMESPACE_TAG_BYTES]

@@ -489,7 +489,7 @@ class Mover:
         placement with it (``Index.delete``), and stays as it is."""
         for source, target in zip(sources, targets):
             if source.state is State.RESIDENT and target.state is State.PLACING:
-                self._index.retire(source)
+                self._index.retire(source, reason="moved")
 
     async def _retire(self, entries: Sequence[Entry]) -> None:
         """Take the mover's claimed sources out of their tier, give back its references, and delete the records

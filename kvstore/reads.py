@@ -145,7 +145,7 @@ class ReadPath:
                 self._counts[entry.level].mismatched += 1
             else:
                 continue
-            if self._index.forget(entry.level, entry.key):
+            if self._index.forget(entry.level, entry.key, reason="lost"):
                 self._mover.discard(entry.level, [entry.key])
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]

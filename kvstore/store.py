@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import check_one_shape, decode_header
@@ -53,6 +53,9 @@ from kvstore.tiers.base import (
     tier_status,
 )
 
+if TYPE_CHECKING:
+    from kvstore.events.log import StoreObserver
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,6 +68,7 @@ class TieredStore:
         shared: an optional shared tier below the local ones (Redis), with
             ``config.redis.mode`` deciding write-back or write-through.
         clock: wall clock in seconds, for retention; ``time.time`` by default.
+        events: told of every block that enters or leaves a local tier (``kvstore.events.EventLog``); none by default.
 
     Raises:
         ValueError: if no tier is given or a local tier is unbounded.
@@ -77,6 +81,7 @@ class TieredStore:
         *,
         shared: SharedTier | None = None,
         clock: Callable[[], float] = time.time,
+        events: StoreObserver | None = None,
     ) -> None:
         if not tiers and shared is None:
             raise ValueError("a store needs at least one tier")
@@ -96,6 +101,9 @@ class TieredStore:
         self.index = Index(policies,
                            [tier.capacity_bytes or 0 for tier in self._tiers], clock,
                            [_held_bytes(lender) for lender in self._lenders])
+        if events is not None:
+            events.bind(tuple(t.name for t in self._tiers))
+            self.index.observer = events
         self._counts = [TierCounts() for _ in self._tier_names]
         self._mover = Mover(self.index, self._tiers, shared, self._counts,
                             demote_min_priority=self.config.demote_min_priority,

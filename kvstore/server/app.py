@@ -27,6 +27,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.events import NodeEvents, open_node_events
+from kvstore.events.metrics import EventsCollector
 from kvstore.server.admission import Admission
 from kvstore.server.health import NodeHealth
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
@@ -91,6 +93,7 @@ class KVStoreServer:
         self._server: grpc.aio.Server | None = None
         self.shm: SharedMemoryNode | None = None
         self._unix_inode: int | None = None
+        self.events: NodeEvents | None = None  # the KV event stream (``events.endpoint``), after :meth:`start`
         self.port = 0
         self.metrics_port = -1
         self._stopped: asyncio.Event | None = None
@@ -133,8 +136,18 @@ class KVStoreServer:
         self.admission = admission
         self._stopped, self._hurry = asyncio.Event(), asyncio.Event()
         if self._store is None:
-            self._store = await open_async_store(self.config.store, framing=functools.partial(
-                reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)))
+            self.events = open_node_events(self.config.events, authenticates=admission.authenticates)
+            try:
+                self._store = await open_async_store(self.config.store, framing=functools.partial(
+                    reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)),
+                    events=self.events.log if self.events is not None else None)
+            except BaseException:
+                if self.events is not None:
+                    self.events.close()
+                raise
+        elif self.config.events.endpoint:
+            logger.warning("events.endpoint is ignored: the node serves a store it did not open (its events go to "
+                           "whatever observer that store was given)")
         self.health.tier_states = self._tier_states
         try:
             self.shm = await _start_shared_memory(self.config)
@@ -174,6 +187,8 @@ class KVStoreServer:
                 if self.shm is not None:
                     self.metrics.add_shared_memory(StoreCollector.on_loop(asyncio.get_running_loop(),  # type: ignore
                                                                           self.shm.counters))
+                if self.events is not None:
+                    self.metrics.registry.register(EventsCollector(self.events.publisher.counters))
                 self.metrics_port = _start_metrics(self.metrics, server_cfg.metrics_host, server_cfg.metrics_port)
         except BaseException:
             await self._abandon()
@@ -184,6 +199,7 @@ class KVStoreServer:
             extra={"fields": {"host": server_cfg.host, "port": self.port, "unix_socket": server_cfg.unix_socket,
                               "shared_memory": self.shm.handoff_address if self.shm is not None else "",
                               "metrics_port": self.metrics_port,
+                              "events": self.events.publisher.endpoint if self.events is not None else "",
                               "tiers": self._store.tier_names, "tls": credentials is not None,
                               "mtls": bool(security.tls_client_ca_file), "auth": admission.authenticates,
                               "require_sha256": self.servicer.require_sha256,
@@ -271,6 +287,8 @@ class KVStoreServer:
     async def _close_store(self) -> None:
         if self._own_store and self._store is not None:
             await self._store.close()
+        if self.events is not None:  # after the store: its last moves are published
+            self.events.close()
 
     async def __aenter__(self) -> KVStoreServer:
         await self.start()

@@ -70,6 +70,13 @@ class VLLMConnectorConfig:
         kv_encoding: lossy KV encoding of the stored blocks: ``int8``, ``fp8_e4m3``, ``int4`` or
             ``int2`` (``docs/encodings.md``); ``""`` (default) stores vLLM's KV exactly. Needs a
             float16, bfloat16 or float32 KV cache; engines share blocks only with the same encoding.
+        events_target: the node's event stream (its ``events.endpoint``, e.g.
+            ``tcp://kv-0:5557``). With vLLM's ``--kv-events-config`` on, the
+            connector then announces a saved block once the node stored it, and
+            its removal when the node evicts, deletes or clears it
+            (``docs/events.md``); without it, at save time, and never removed.
+        events_replay: the node's replay endpoint; empty: derived as the node
+            derives it (the next tcp port), ``off``: none.
 
     Raises:
         ConfigError: naming the key, on a value out of range or settings that contradict each other.
@@ -94,6 +101,8 @@ class VLLMConnectorConfig:
     token_file: str | None = None
     token_env: str = "KVSTORE_TOKEN"
     kv_encoding: str = ""
+    events_target: str = ""
+    events_replay: str = ""
 
     def __post_init__(self) -> None:
         _require(all(t.strip() for t in self.target.split(",")) or not self.target, "target",

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.connectors.vllm.config import parse_config
+from kvstore.connectors.vllm.events import open_connector_events
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.connectors.vllm.layout import PageFormat, check_kv_cache_config, paged_kv
 from kvstore.connectors.vllm.metrics import KVStoreConnectorStats, KVStorePromMetrics
@@ -25,6 +26,7 @@ from kvstore.connectors.vllm.worker import WorkerSide, open_worker_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -86,6 +88,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 transfer.kv_load_failure_policy = "recompute"
             self.scheduler_side = SchedulerSide(self.settings, self._identity, self._vllm_block_size,
                                                 load=transfer.is_kv_consumer, save=transfer.is_kv_producer)
+            self.scheduler_side.events = open_connector_events(vllm_config, self.settings, self._vllm_block_size,
+                                                               self.scheduler_side.block_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -205,6 +209,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self.scheduler_side is not None and isinstance(meta, KVStoreWorkerMetadata):
             self.scheduler_side.load_failed(meta.failed_loads)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """vLLM events of the blocks saved to kvstore, and of those the node let go (``events.py``); vLLM publishes them."""
+        events = self.scheduler_side.events if self.scheduler_side is not None else None
+        return events.take() if events is not None else []
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Plan the save of the request's generated-token blocks; ``True`` while vLLM must keep them."""

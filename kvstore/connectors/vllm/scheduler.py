@@ -39,6 +39,7 @@ from typing import Any
 from kvstore.api import BlockClient, LookupResult
 from kvstore.client import KVStoreClient
 from kvstore.connectors.vllm.config import VLLMConnectorConfig
+from kvstore.connectors.vllm.events import ConnectorEvents
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, LoadJob, RankKey, SaveJob, TenantKey
 from kvstore.connectors.vllm.metrics import KVStoreConnectorStats
 from kvstore.connectors.vllm.namespaces import (
@@ -124,6 +125,7 @@ class SchedulerSide:
         self._finish_saves: list[SaveJob] = []
         self._hash_algorithm = HashAlgorithm(config.hash_algorithm)
         self._warned_no_ranks = False
+        self.events: ConnectorEvents | None = None  # vLLM KV events of the saved blocks (``events.py``)
 
     # ------------------------------------------------------------------ set-up
 
@@ -148,6 +150,8 @@ class SchedulerSide:
 
     def close(self) -> None:
         """Close the lookup clients."""
+        if self.events is not None:
+            self.events.close()
         for client in {id(c): c for c in self._clients.values()}.values():
             try:
                 client.close()
@@ -321,6 +325,8 @@ class SchedulerSide:
             return None
         hashes = state.keys.hashes(state.request.all_token_ids, end_block)
         state.saved_blocks = end_block
+        if self.events is not None:
+            self.events.saved(state.request, state.keys.namespaces[0].tag, first, hashes[0][first:end_block])
         return SaveJob(
             req_id=state.request.request_id, tenant=state.tenant,
             hashes={(r.pp_rank, r.tp_rank): [bytes(h) for h in chain[first:end_block]]

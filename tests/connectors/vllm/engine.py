@@ -115,7 +115,12 @@ def main(address: str, authkey_hex: str) -> None:
 
         kv = settings.get("kv_transfer")
         transfer = KVTransferConfig(**kv) if kv else None
-        llm = LLM(**settings["llm"], kv_transfer_config=transfer)
+        extra_configs: dict[str, Any] = {}
+        if settings.get("kv_events"):
+            from vllm.config import KVEventsConfig
+
+            extra_configs["kv_events_config"] = KVEventsConfig(**settings["kv_events"])
+        llm = LLM(**settings["llm"], kv_transfer_config=transfer, **extra_configs)
     except BaseException:  # noqa: BLE001 - the test reads the start-up error
         conn.send({"error": traceback.format_exc()})
         return

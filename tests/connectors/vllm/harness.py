@@ -128,12 +128,15 @@ class Engine:
         engine_core_process: run vLLM's engine core (the scheduler) in a process of its own, as
             ``vllm serve`` does; by default it runs in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
             which starts faster. The worker runs in its own process either way.
+        kv_events: vLLM's ``KVEventsConfig`` fields (``--kv-events-config``), e.g. ``{"enable_kv_cache_events":
+            True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}``; ``None``: events off.
         llm_args: more ``LLM`` arguments (``max_num_batched_tokens``, ``kv_cache_dtype``, ``enable_lora``, ...).
     """
 
     def __init__(self, model: Path, *, kv_role: str | None = "kv_both", extra: dict[str, Any] | None = None,
                  prefix_caching: bool = False, workdir: Path | None = None, engine_core_process: bool = False,
-                 connector: dict[str, Any] | None = None, **llm_args: Any) -> None:
+                 connector: dict[str, Any] | None = None, kv_events: dict[str, Any] | None = None,
+                 **llm_args: Any) -> None:
         self.settings: dict[str, Any] = {
             "llm": {"model": str(model), "skip_tokenizer_init": True, "enforce_eager": True, "block_size": BLOCK_SIZE,
                     "max_model_len": 2048, "enable_prefix_caching": prefix_caching,
@@ -141,6 +144,7 @@ class Engine:
             "kv_transfer": {**(connector or CONNECTOR), "kv_role": kv_role,
                             "kv_connector_extra_config": dict(extra or {})}
             if kv_role else None,
+            "kv_events": kv_events,
         }
         self.engine_core_process = engine_core_process
         self.workdir = Path(tempfile.mkdtemp(prefix="vllm-engine-")) if workdir is None else workdir

@@ -1,0 +1,65 @@
+"""KV events: the node tells routers which blocks it holds, in vLLM's event format (``docs/events.md``).
+
+* :mod:`kvstore.events.schema`: the events (vLLM's three, with kvstore's fields).
+* :mod:`kvstore.events.log`: the bounded log the store's index appends to.
+* :mod:`kvstore.events.publisher`: the ZMQ publisher and replay socket (vLLM's framing).
+* :mod:`kvstore.events.subscriber`: a subscriber and a view of a node's tiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstore.events.log import EventLog, StoreObserver
+from kvstore.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+if TYPE_CHECKING:
+    from kvstore.config import EventsConfig
+    from kvstore.events.publisher import EventPublisher
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventLog", "KVEventBatch", "NodeEvents",
+           "StoreObserver", "open_node_events"]
+
+
+@dataclass
+class NodeEvents:
+    """A node's event log and its publisher (:func:`open_node_events`).
+
+    Attributes:
+        log: pass it to the store (``open_async_store(events=...)``) before the store starts.
+        publisher: sends the log's batches.
+    """
+
+    log: EventLog
+    publisher: EventPublisher
+
+    def close(self) -> None:
+        """Send what is left (close the store first), then close the sockets."""
+        self.publisher.close()
+
+
+def open_node_events(config: EventsConfig, *, authenticates: bool) -> NodeEvents | None:
+    """The node's events as ``config`` says; ``None`` when ``events.endpoint`` is empty (the default).
+
+    Args:
+        config: the ``[events]`` settings.
+        authenticates: whether the node has auth on (then only a local endpoint, unless ``allow_remote``).
+
+    Raises:
+        ConfigError: naming the setting, for a refused or unbindable endpoint.
+    """
+    if not config.endpoint:
+        return None
+    from kvstore.events.publisher import EventPublisher, PublisherSettings, check_endpoint, replay_address
+
+    check_endpoint(config.endpoint, authenticates=authenticates, allow_remote=config.allow_remote)
+    replay = replay_address(config.endpoint, config.replay_endpoint)
+    if replay is not None:
+        check_endpoint(replay, authenticates=authenticates, allow_remote=config.allow_remote,
+                       name="events.replay_endpoint")
+    log = EventLog(config.max_queue_events)
+    publisher = EventPublisher(log, PublisherSettings(
+        endpoint=config.endpoint, replay_endpoint=config.replay_endpoint, topic=config.topic, hwm=config.hwm,
+        buffer_steps=config.buffer_steps))
+    return NodeEvents(log, publisher)

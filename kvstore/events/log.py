@@ -1,0 +1,177 @@
+"""The event log: a bounded queue the store's index appends to and the publisher takes batches from.
+
+The store never calls out (``docs/events.md``; STYLE: "events and metrics are
+pulled"): its index tells an :class:`EventLog` what changed, one cheap append
+per block on the store's loop, and the publisher's thread takes what is there
+(:meth:`EventLog.take`), turns it into :mod:`kvstore.events.schema` events and
+sends them. When the publisher falls behind and the log is full, the log drops
+(and counts) everything until the publisher has taken what it holds, then puts
+an ``AllBlocksCleared(reason="overflow")`` in the stream: a subscriber forgets
+what it knew rather than keep a view with holes in it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable, Protocol, Sequence
+
+from kvstore.events.schema import (
+    CLEARED_NAMESPACE,
+    CLEARED_OVERFLOW,
+    CLEARED_START,
+    REMOVED_MOVED,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+)
+from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
+
+DEFAULT_MAX_EVENTS = 1_000_000
+"""Block events the log holds before it drops (``events.max_queue_events``): about 100 MB at worst."""
+
+_STORED, _REMOVED, _CLEARED = 0, 1, 2
+
+
+class StoreObserver(Protocol):
+    """What the store's index tells about changes to the local tiers (``kvstore.index.Index.observer``).
+
+    Every call runs on the store's loop, synchronously, inside the step that
+    made the change; none may block or raise.
+    """
+
+    def bind(self, tier_names: Sequence[str]) -> None:
+        """The names of the local tiers, fastest first (the store calls this once, as it is built)."""
+
+    def stored(self, level: int, key: BlockKey) -> None:
+        """Block ``key`` became resident in local tier ``level`` (a put, a move's arrival, a restart)."""
+
+    def removed(self, level: int, key: BlockKey, reason: str) -> None:
+        """Block ``key`` left local tier ``level``; ``reason`` is a ``REMOVED_*`` constant of the schema."""
+
+    def cleared(self, tag: bytes) -> None:
+        """The namespace of ``tag`` is being cleared (its blocks' ``removed`` calls follow)."""
+
+
+class EventLog:
+    """A :class:`StoreObserver` that queues what it is told, bounded, for a publisher on another thread.
+
+    The first event is ``AllBlocksCleared(reason="start")``: a node that
+    restarts is announced as a clear, and the blocks it restores from disk
+    follow as ``BlockStored``.
+
+    Args:
+        max_events: block events held before the log drops them (counted in :attr:`num_dropped`).
+
+    Attributes:
+        num_dropped: block events dropped because the log was full (read from any thread).
+        num_overflows: times the log overflowed (each announced as one clear).
+    """
+
+    def __init__(self, max_events: int = DEFAULT_MAX_EVENTS) -> None:
+        if max_events <= 0:
+            raise ValueError(f"max_events must be > 0, got {max_events}")
+        self._max_events = max_events
+        self._queue: deque[tuple[int, int, bytes, object]] = deque()
+        self._queue.append((_CLEARED, -1, b"", CLEARED_START))
+        self._moving: dict[BlockKey, int] = {}  # keys removed by a move, by the tier they left, until they arrive
+        self._overflowed = False
+        self._take_lock = threading.Lock()
+        self._tier_names: tuple[str, ...] = ()
+        self._waker: Callable[[], None] | None = None
+        self.num_dropped = 0
+        self.num_overflows = 0
+
+    def bind(self, tier_names: Sequence[str]) -> None:
+        """Name the local tiers, fastest first (the store calls this once); the events' ``medium``."""
+        self._tier_names = tuple(tier_names)
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """Call ``waker()`` (on the store's loop, must not block) when an event arrives in an empty log, so the
+        publisher sleeps while there is nothing to send instead of polling."""
+        self._waker = waker
+
+    # ------------------------------------------------------------------ the store's side (its loop)
+
+    def stored(self, level: int, key: BlockKey) -> None:
+        """See :meth:`StoreObserver.stored`."""
+        source = self._moving.pop(key, -1) if self._moving else -1
+        self._append((_STORED, level, key, source))
+
+    def removed(self, level: int, key: BlockKey, reason: str) -> None:
+        """See :meth:`StoreObserver.removed`."""
+        if reason == REMOVED_MOVED:
+            if len(self._moving) > 65536:  # a move whose arrival never came (it cannot, but stay bounded)
+                self._moving.clear()
+            self._moving[key] = level
+        self._append((_REMOVED, level, key, reason))
+
+    def cleared(self, tag: bytes) -> None:
+        """See :meth:`StoreObserver.cleared`."""
+        self._append((_CLEARED, -1, bytes(tag), CLEARED_NAMESPACE))
+
+    def _append(self, item: tuple[int, int, bytes, object]) -> None:
+        queue = self._queue
+        if self._overflowed or len(queue) >= self._max_events:
+            if not self._overflowed:
+                self._overflowed = True
+                self.num_overflows += 1
+            self.num_dropped += 1
+            return
+        if not queue and self._waker is not None:
+            self._waker()
+        queue.append(item)
+
+    # ------------------------------------------------------------------ the publisher's side (any one thread)
+
+    def __len__(self) -> int:
+        """Block events waiting to be taken."""
+        return len(self._queue)
+
+    def take(self, max_items: int = 8192) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """Up to ``max_items`` queued changes, oldest first, as schema events (runs of like blocks in one event).
+
+        Safe to call from a thread other than the store's, one caller at a
+        time. After an overflow, once the queue is empty, the last event is
+        ``AllBlocksCleared(reason="overflow")`` and the log takes events again.
+        """
+        with self._take_lock:
+            queue = self._queue
+            raw = []
+            popleft = queue.popleft
+            for _ in range(min(max_items, len(queue))):
+                raw.append(popleft())
+            events = self._events(raw)
+            if self._overflowed and not queue:
+                self._overflowed = False  # drops before this point are covered by the clear below
+                events.append(AllBlocksCleared(reason=CLEARED_OVERFLOW))
+            return events
+
+    def _events(self, raw: list[tuple[int, int, bytes, object]]) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """Schema events of queued changes: consecutive ones of one kind, tier, namespace and reason merge."""
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        names = self._tier_names
+        last: tuple[int, int, bytes, object] | None = None
+        hashes: list[bytes] = []
+        for kind, level, key, extra in raw:
+            if kind == _CLEARED:
+                events.append(AllBlocksCleared(namespace=key, reason=extra))  # type: ignore[arg-type]
+                last = None
+                continue
+            tag = key[:NAMESPACE_TAG_BYTES]
+            group = (kind, level, tag, extra)
+            if group == last:
+                hashes.append(key[NAMESPACE_TAG_BYTES:])
+                continue
+            last = group
+            hashes = [key[NAMESPACE_TAG_BYTES:]]
+            medium = names[level] if 0 <= level < len(names) else str(level)
+            if kind == _STORED:
+                source = extra if isinstance(extra, int) else -1
+                events.append(BlockStored(
+                    block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                    medium=medium, lora_name=None, namespace=tag,
+                    from_medium=(names[source] if source < len(names) else str(source)) if source >= 0 else None))
+            else:
+                events.append(BlockRemoved(block_hashes=hashes, medium=medium, namespace=tag, reason=str(extra)))
+        return events

@@ -1,0 +1,111 @@
+"""The connector's events without an engine: a real vLLM ``Request`` (vLLM's block hasher) and a real store's
+event log, turned into vLLM's events as the scheduler's ``take_events`` returns them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm import SamplingParams
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
+from vllm.v1.request import Request
+
+from kvstore.connectors.vllm.events import MEDIUM_PREFIX, ConnectorEvents
+from kvstore.events.log import EventLog
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.store import TieredStore
+from kvstore.tiers.lmdb import LMDBTier
+from tests.support.store import disk_footprint, make_blocks, memory_tier
+
+VLLM_BLOCK = 4
+NS = Namespace(model="test-model", dtype="float16", block_size=2 * VLLM_BLOCK)  # a kvstore block: 2 vLLM blocks
+_, BLOCKS = make_blocks(4, seed=1, ns=NS)
+
+
+def request(num_tokens: int, seed: int = 0) -> Request:
+    init_none_hash(sha256_cbor)
+    tokens = [(seed * 7919 + i * 31) % 30000 for i in range(num_tokens)]
+    return Request(f"r{seed}", tokens, SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(VLLM_BLOCK, sha256_cbor))
+
+
+def external(req: Request) -> list[object]:
+    """The request's block hashes as vLLM's events carry them (ints unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."""
+    return [maybe_convert_block_hash(h) for h in req.block_hashes]
+
+
+def node_events(log: EventLog) -> list[object]:
+    return log.take(1 << 20)
+
+
+async def test_saved_blocks_are_announced_when_the_node_stores_them_and_removed_when_it_lets_them_go(
+        tmp_path: Path) -> None:
+    req = request(4 * NS.block_size + 1)
+    kv_hashes = hash_blocks(NS, req.all_token_ids[:4 * NS.block_size])
+    events = ConnectorEvents(VLLM_BLOCK, NS.block_size)
+    events._follows = True  # as with events_target, without the thread: the test feeds the node's events
+    log = EventLog()
+    store = TieredStore([memory_tier(3), LMDBTier(tmp_path / "disk", 5 * disk_footprint())], events=log)
+    await store.start()
+    try:
+        events.apply(node_events(log))  # the node's start: a clear, before this engine saved anything
+        events.saved(req, NS.tag, 0, kv_hashes)
+        assert events.take() == []  # nothing until the node has them
+        await store.put(NS, kv_hashes, BLOCKS)  # 4 blocks into 3: one moves down to disk
+        await store.drain()
+        events.apply(node_events(log))
+        stored = events.take()
+        assert all(isinstance(e, BlockStored) for e in stored)
+        assert [h for e in stored for h in e.block_hashes] == external(req)[:8]  # vLLM's, in prefix order
+        assert [e.parent_block_hash for e in stored] == [None, *external(req)[1:7:2]]
+        assert [e.token_ids for e in stored] == [req.all_token_ids[i * 8:(i + 1) * 8] for i in range(4)]
+        tiers = [store.tier_names[store.index.level_of(NS.tag + h)] for h in kv_hashes]  # type: ignore[index]
+        assert "disk" in tiers and "memory" in tiers
+        assert [e.medium for e in stored] == [f"{MEDIUM_PREFIX}:{t}" for t in tiers]  # where the node holds each
+        assert all(e.block_size == VLLM_BLOCK and e.locality == "REMOTE" for e in stored)
+
+        await store.delete(NS, kv_hashes[3:])
+        events.apply(node_events(log))
+        (removed,) = events.take()
+        assert isinstance(removed, BlockRemoved) and removed.block_hashes == external(req)[6:8]
+
+        await store.clear(NS)
+        events.apply(node_events(log))
+        gone = events.take()
+        assert sorted(h for e in gone for h in e.block_hashes) == sorted(external(req)[:6])
+        assert all(isinstance(e, BlockRemoved) for e in gone)
+        events.apply(node_events(log))
+        assert events.take() == []
+    finally:
+        await store.close()
+
+
+def test_without_the_nodes_stream_blocks_are_announced_at_save_time() -> None:
+    req = request(2 * NS.block_size + 3, seed=2)
+    events = ConnectorEvents(VLLM_BLOCK, NS.block_size)
+    events.saved(req, NS.tag, 0, hash_blocks(NS, req.all_token_ids[:2 * NS.block_size]))
+    stored = events.take()
+    assert [h for e in stored for h in e.block_hashes] == external(req)[:4]
+    assert {e.medium for e in stored} == {MEDIUM_PREFIX}
+
+
+def test_a_restart_of_the_node_and_the_oldest_past_the_bound_are_announced_removed() -> None:
+    from kvstore.events.schema import AllBlocksCleared
+    from kvstore.events.schema import BlockStored as NodeStored
+
+    events = ConnectorEvents(VLLM_BLOCK, NS.block_size, max_tracked_blocks=2)
+    events._follows = True
+    reqs = [request(NS.block_size + 1, seed=10 + i) for i in range(3)]
+    hashes = [hash_blocks(NS, r.all_token_ids[:NS.block_size])[0] for r in reqs]
+    for r, h in zip(reqs[:2], hashes):
+        events.saved(r, NS.tag, 0, [h])
+    events.apply([NodeStored(block_hashes=hashes[:2], parent_block_hash=None, token_ids=[], block_size=0,
+                             lora_id=None, medium="memory", lora_name=None, namespace=NS.tag)])
+    assert len(events.take()) == 2
+    events.saved(reqs[2], NS.tag, 0, [hashes[2]])  # a third: the oldest is forgotten, and announced removed
+    (removed,) = events.take()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == external(reqs[0])[:2]
+    events.apply([AllBlocksCleared(reason="start")])
+    (removed,) = events.take()  # the third was never stored: nothing to remove
+    assert removed.block_hashes == external(reqs[1])[:2]
