@@ -63,24 +63,11 @@ from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import DEFAULT_PRIORITY
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order
-from kvstore.tiers.lmdb_records import (  # the public names are re-exported: kvstore.tiers.lmdb is their old home
-    _PAGE_HEADER_BYTES,
-    _RECORD_ERRORS,
-    DISK_FILL_FRACTION,
-    DISK_FORMAT,
-    MAX_KEY_BYTES,
-    MIN_FREE_BYTES,
-    MIN_MAP_BYTES,
-    RECORD_OVERHEAD_BYTES,
-    _block_of,
-    _lock_directory,
-    _pack_meta,
-    _unpack_meta,
-    default_map_size_bytes,
-    prepare_directory,
-    scan_records,
-    usable_bytes,
-)
+# the public names are re-exported: kvstore.tiers.lmdb is their old home
+from kvstore.tiers.lmdb_records import (_PAGE_HEADER_BYTES, _RECORD_ERRORS, DISK_FILL_FRACTION, DISK_FORMAT, MAX_KEY_BYTES,
+                                        MIN_FREE_BYTES, MIN_MAP_BYTES, RECORD_OVERHEAD_BYTES, _block_of, _lock_directory,
+                                        _pack_meta, _unpack_meta, default_map_size_bytes, prepare_directory, scan_records,
+                                        usable_bytes)
 from kvstore.tiers.lmdb_repair import check_and_repair, drop_other_format, repair
 
 logger = logging.getLogger(__name__)

@@ -32,33 +32,12 @@ from kvstore.errors import UnavailableError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.tiers.base import BlockMeta, ResidentEntry
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
-from kvstore.tiers.redis_connection import (
-    _UNREACHABLE,
-    _both,
-    _RoundTripFailed,
-    check_url,
-    config_get_max_bulk_len,
-    make_client,
-    mget,
-    pipelined,
-    read_password,
-    redacted_url,
-    scan,
-    set_many,
-)
-from kvstore.tiers.redis_values import (  # CHUNK_BYTES and the other sizes are re-exported: their old home
-    _CORRUPT,
-    _FOREIGN,
-    CHUNK_BYTES,
-    DEFAULT_PROTO_MAX_BULK_LEN,
-    DEFAULT_VALUE_BYTES_HINT,
-    SCAN_COUNT,
-    VERIFY_OFFLOAD_BYTES,
-    _by_namespace,
-    _chunks_by_bytes,
-    _generation_of,
-    _verify_all,
-)
+from kvstore.tiers.redis_connection import (_UNREACHABLE, _both, _RoundTripFailed, check_url, config_get_max_bulk_len,
+                                            make_client, mget, pipelined, read_password, redacted_url, scan, set_many)
+# CHUNK_BYTES and the other sizes are re-exported from their old home
+from kvstore.tiers.redis_values import (_CORRUPT, _FOREIGN, CHUNK_BYTES, DEFAULT_PROTO_MAX_BULK_LEN, DEFAULT_VALUE_BYTES_HINT,
+                                        SCAN_COUNT, VERIFY_OFFLOAD_BYTES, _by_namespace, _chunks_by_bytes, _generation_of,
+                                        _verify_all)
 
 logger = logging.getLogger(__name__)
 
