@@ -16,7 +16,7 @@ from tests.support.server import ThreadedServer, make_config
 
 from tests.support.security import TOKEN_A, auth_config, raw_channel, sha_namespace
 
-TEXT_FIELDS = ["model", "revision", "dtype", "layout", "adapter", "cache_salt", "hash_algorithm"]
+TEXT_FIELDS = ["model", "revision", "dtype", "layout", "adapter", "cache_salt", "hash_algorithm", "kv_encoding"]
 
 
 def test_every_text_field_of_a_namespace_has_a_limit() -> None:
