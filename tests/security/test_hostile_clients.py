@@ -132,6 +132,8 @@ def test_stalled_readers_hold_no_more_than_their_streams_and_let_go(open_node: K
     attacks = Attacks(open_node.target, open_node.pid)
     before = rss_bytes(open_node.pid)
     for figures in rounds(lambda: attacks.stalled_readers(namespace, hashes, 64, hold_s=0.5)):
-        assert figures.codes == {"OK": 64}
+        # the connection's reply budget (limits.connection_reply_bytes, 64 MiB) admits 8 of these 8 MiB Gets at a
+        # time; the others wait their turn and may run out their deadline, but none is refused for another reason
+        assert set(figures.codes) <= {"OK", "DEADLINE_EXCEEDED"} and figures.codes["OK"] >= 8, figures.codes
         assert figures.rss_peak - before < 512 * MiB  # 64 stalled Gets of 8 MiB each, at most
     good.stop()

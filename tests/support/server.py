@@ -12,7 +12,7 @@ import re
 import threading
 import time
 import urllib.request
-from typing import Any, Coroutine, TypeVar
+from typing import Any, ClassVar, Coroutine, TypeVar
 
 import torch
 
@@ -47,10 +47,17 @@ class ThreadedServer:
 
     Args:
         config: the server configuration.
+
+    Attributes:
+        live: every server not stopped yet, in any test module; a test that must run in a process with no
+            in-process server (a fork) stops what earlier tests left running.
     """
+
+    live: ClassVar[set[ThreadedServer]] = set()
 
     def __init__(self, config: Config) -> None:
         self.loop = asyncio.new_event_loop()
+        ThreadedServer.live.add(self)
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-kvstore-server", daemon=True)
         self._thread.start()
         self.server = KVStoreServer(config)
@@ -71,6 +78,7 @@ class ThreadedServer:
         if self.stopped:
             return
         self.stopped = True
+        ThreadedServer.live.discard(self)
         try:
             self.call(self.server.stop())
         finally:
