@@ -19,6 +19,7 @@ A client of a node that runs with TLS and token authentication (see
 from __future__ import annotations
 
 import argparse
+import os
 import hashlib
 import secrets
 from pathlib import Path
@@ -166,3 +167,28 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def read_bearer_token(setting: str, token_file: str | None, token_env: str,
+                      environ: Mapping[str, str] | None = None) -> str | None:
+    """A connector's bearer token: ``token_file``'s content, else the variable ``token_env``'s value, else ``None``.
+
+    Args:
+        setting: the settings' name in errors (e.g. ``kv_connector_extra_config``).
+        token_file: a file holding the token, or ``None``.
+        token_env: the environment variable read when no file is given.
+        environ: the environment (``os.environ`` when ``None``).
+
+    Raises:
+        ConfigError: if ``token_file`` cannot be read or is empty.
+    """
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{setting}.token_file", f"cannot read {token_file}: {exc}") from None
+        if not token:
+            raise ConfigError(f"{setting}.token_file", f"{token_file} is empty")
+        return token
+    value = (os.environ if environ is None else environ).get(token_env, "").strip()
+    return value or None

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Mapping
 
 from kvstore.config import GiB, build
 from kvstore.encoding.spec import Encoding
 from kvstore.errors import ConfigError
+from kvstore.security import read_bearer_token
 from kvstore.keys import HashAlgorithm
 
 EXTRA_CONFIG = "kv_connector_extra_config"
@@ -144,16 +143,7 @@ class VLLMConnectorConfig:
         Raises:
             ConfigError: if ``token_file`` cannot be read or is empty.
         """
-        if self.token_file:
-            try:
-                token = Path(self.token_file).read_text().strip()
-            except OSError as exc:
-                raise ConfigError(f"{EXTRA_CONFIG}.token_file", f"cannot read {self.token_file}: {exc}") from None
-            if not token:
-                raise ConfigError(f"{EXTRA_CONFIG}.token_file", f"{self.token_file} is empty")
-            return token
-        value = (os.environ if environ is None else environ).get(self.token_env, "").strip()
-        return value or None
+        return read_bearer_token(EXTRA_CONFIG, self.token_file, self.token_env, environ)
 
 
 def _require(condition: bool, name: str, message: str) -> None:
