@@ -56,13 +56,18 @@ class ThreadedServer:
     live: ClassVar[set[ThreadedServer]] = set()
 
     def __init__(self, config: Config) -> None:
+        self.stopped = False
         self.loop = asyncio.new_event_loop()
-        ThreadedServer.live.add(self)
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-kvstore-server", daemon=True)
         self._thread.start()
         self.server = KVStoreServer(config)
-        self.call(self.server.start())
-        self.stopped = False
+        try:
+            self.call(self.server.start())
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            raise
+        ThreadedServer.live.add(self)
 
     @property
     def target(self) -> str:
