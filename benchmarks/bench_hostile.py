@@ -7,7 +7,7 @@ client keeps reading its prefix and checking every byte:
 * Lookups whose namespaces carry distinct 4 MB model strings (refused: INVALID_ARGUMENT);
 * Lookups in many distinct valid namespaces of ~900 bytes (the servicer caches namespaces, bounded in bytes);
 * without a token (UNAUTHENTICATED), and with a token in other tenants' namespaces (PERMISSION_DENIED);
-* Gets of a cached prefix of 8 blocks of 1 MiB whose callers stop reading.
+* Gets of a cached prefix of 8 blocks of 512 KiB (8 layers, 8 KV heads, head_dim 128, 16 tokens, fp16) whose callers stop reading.
 
 Each attack runs in rounds; a node keeps some freed heap for reuse by design (``kvstore.server.app.tune_malloc``),
 so what matters is that the RSS after a round does not grow with the rounds or the number of calls. Issue 18
