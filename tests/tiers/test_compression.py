@@ -148,3 +148,27 @@ class TestCompressedRedis:
         assert tier.counters()["corrupt_records"] == 1
         with redis_server.client() as client:
             assert client.exists(tier.redis_key(bad)) == 0
+
+
+@pytest.mark.skipif(redis_binaries() is None, reason="redis-server not installed")
+async def test_a_compressing_redis_holds_more_blocks_in_the_same_maxmemory() -> None:
+    """Redis counts what it stores against ``maxmemory``: frames, so more blocks fit where they compress."""
+    generator = torch.Generator().manual_seed(3)
+    blocks = [encode_block((torch.randint(-4, 4, (8, 2, 4, 16, 128), generator=generator) / 4).to(torch.float16))
+              for _ in range(12)]  # 512 KiB each, few distinct values (as quantized KV): they compress well
+    keys = [make_key(i) for i in range(12)]
+    held = {}
+    for codec in ("none", "zstd"):
+        with RedisProcess(maxmemory_bytes=4 * MiB, maxmemory_policy="noeviction") as server:
+            tier = RedisTier(RedisTierConfig(url=server.url, compression=codec, connect_timeout_s=2.0,
+                                             socket_timeout_s=2.0))
+            try:
+                stored = []
+                for key, block in zip(keys, blocks):  # one at a time: the server checks memory before each write
+                    stored += await tier.put([key], [block], [meta()])
+                written = [k for k, ok in zip(keys, stored) if ok]
+                assert await tier.get(written) == [b for b, ok in zip(blocks, stored) if ok]
+                held[codec] = len(written)
+            finally:
+                await tier.close()
+    assert held["none"] < 8 and held["zstd"] == 12, held  # 6 MiB of blocks: only the frames fit in 4 MiB
