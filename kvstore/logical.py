@@ -26,6 +26,15 @@ from kvstore.errors import CodecError
 from kvstore.keys import NAMESPACE_TAG_BYTES
 
 
+def block_logical_nbytes(block: bytes | memoryview) -> int:
+    """The logical bytes of one encoded block (``prod(shape) * itemsize`` from its header, whatever its encoding);
+    its length where the header does not parse (a value the caller refuses elsewhere)."""
+    try:
+        return decode_header(block).logical_nbytes
+    except CodecError:
+        return memoryview(block).nbytes
+
+
 class LogicalBytes:
     """Blocks per (tier, namespace tag), and each namespace's logical bytes per block.
 

@@ -169,7 +169,11 @@ async def test_a_compressing_redis_holds_more_blocks_in_the_same_maxmemory() -> 
                 written = [k for k, ok in zip(keys, stored) if ok]
                 assert await tier.get(written) == [b for b, ok in zip(blocks, stored) if ok]
                 held[codec] = len(written)
-                assert tier.counters()["errors"] == 0, tier.counters()
+                counts = tier.counters()
+                assert counts["errors"] == 0, counts
+                assert counts["written_logical_bytes"] == len(written) * 8 * 2 * 4 * 16 * 128 * 2  # the tensors'
+                with server.client() as client:
+                    assert counts["written_stored_bytes"] == sum(len(client.get(tier.redis_key(k))) for k in written)
             finally:
                 await tier.close()
     assert held["none"] < 8 and held["zstd"] == 12, held  # 6 MiB of blocks: only the frames fit in 4 MiB
