@@ -47,7 +47,11 @@ class TierStats:
     Attributes:
         name: tier name (``memory``, ``disk``, ``redis``).
         blocks: blocks resident (``-1`` when the tier cannot tell, e.g. shared Redis).
-        bytes: capacity bytes those blocks occupy.
+        bytes: capacity bytes those blocks occupy: what the tier stores (a lossy block's codes and scales, a
+            compressed frame's length), rounded as the tier allocates.
+        logical_bytes: bytes of the tensors those blocks hold as the engine holds them (decoded and
+            uncompressed: ``prod(shape) * itemsize`` from each block's header); 0 for a shared tier (Redis),
+            which the node does not index. ``logical_bytes / bytes`` is :attr:`logical_ratio`.
         capacity_bytes: capacity, bytes; 0 when the tier manages its own (Redis).
         hits: blocks a get served from this tier.
         misses: blocks a get looked for in this tier and did not find there: served from a tier below,
@@ -66,6 +70,7 @@ class TierStats:
     blocks: int = 0
     bytes: int = 0
     capacity_bytes: int = 0
+    logical_bytes: int = 0
     hits: int = 0
     misses: int = 0
     evictions: int = 0
@@ -75,6 +80,12 @@ class TierStats:
     counters: dict[str, int] = field(default_factory=dict)
     state: str = ""
     last_error: str = ""
+
+    @property
+    def logical_ratio(self) -> float:
+        """Logical bytes per stored byte (``logical_bytes / bytes``): 2.0 for int8 blocks of bfloat16, more with
+        compression; 0.0 when the tier holds nothing or cannot tell."""
+        return self.logical_bytes / self.bytes if self.bytes > 0 and self.logical_bytes > 0 else 0.0
 
 
 def merge_tier_status(merged: dict[str, object], tier: TierStats) -> dict[str, str]:

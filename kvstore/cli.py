@@ -135,7 +135,8 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
 
     stats = subparsers.add_parser(
         "stats", help="print a node's per-tier stats as JSON",
-        description=textwrap.fill("Print a node's per-tier stats (blocks, bytes, hits, misses, evictions, ...) as "
+        description=textwrap.fill("Print a node's per-tier stats (blocks, bytes stored, logical_bytes decoded and uncompressed, and "
+                                  "their logical_ratio; hits, misses, evictions, ...) as "
                                   "JSON.") + "\n\n" + textwrap.fill(
             "A tier's hits and misses count Gets, tier by tier: a block served from disk is a memory miss and a "
             "disk hit, and the first block a Get did not find is a miss of every tier. lookup_hit_blocks and "
@@ -229,7 +230,10 @@ def _stats(args: argparse.Namespace) -> int:
         except KVStoreError as exc:
             print(f"kvstore stats: {args.target}: {exc}", file=sys.stderr)
             return 1
-    print(json.dumps(dataclasses.asdict(stats), indent=2))
+    report = dataclasses.asdict(stats)
+    for tier, fields in zip(stats.tiers, report["tiers"]):
+        fields["logical_ratio"] = round(tier.logical_ratio, 4)  # logical bytes per stored byte
+    print(json.dumps(report, indent=2))
     return 0
 
 

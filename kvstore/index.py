@@ -35,6 +35,7 @@ import enum
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
+from kvstore.logical import LogicalBytes
 from kvstore.policy import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ class Index:
         self._tag_bytes: dict[bytes, int] = {}
         self._namespace_generations: dict[bytes, int] = {}
         self.observer: StoreObserver | None = None  # told of every change of residency (``kvstore.events``)
+        self.logical = LogicalBytes(len(self.policies))  # blocks per tier and namespace, for logical bytes (stats)
 
     # ------------------------------------------------------------------ reading
 
@@ -285,6 +287,7 @@ class Index:
         assert level >= 0 and self.level_of(key) is None, (entry, self.level_of(key))  # a move retires its source first
         self.policies[level].insert(key, entry.nbytes, entry.priority, entry.expires_at)
         self._add_tag_bytes(key, entry.nbytes)
+        self.logical.added(level, key)
         entry.state = State.RESIDENT
         if self.observer is not None:
             self.observer.stored(level, key)
@@ -379,6 +382,7 @@ class Index:
         self._unclaim(level, key, nbytes)
         policy.remove(key)  # held or not: a hold ends with the block
         self._add_tag_bytes(key, -nbytes)
+        self.logical.removed(level, key)
         if self.observer is not None:
             self.observer.removed(level, key, reason)  # a ``kvstore.events.schema`` REMOVED_* reason
         if entry is None:

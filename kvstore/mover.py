@@ -232,19 +232,25 @@ class Mover:
         batch the tier cannot make room for (once the evictions in flight end)
         is not an error: the positions of it and of the blocks not yet written
         are added to ``declined``, still placing and charged to no tier, for
-        the caller to place in the next tier.
+        the caller to place in the next tier. A tier that compresses
+        (``pack_values``) compresses the batch first, and its room counts the
+        stored lengths, so it holds as many more blocks as they are smaller.
 
         Raises:
             ResourceExhaustedError: if the tier cannot make room; entries not yet written are abandoned.
             UnavailableError: if the tier fails.
         """
         tier, index = self._tiers[level], self._index
-        sizes = [tier.footprint(len(v)) for v in values]
-        capacity = tier.capacity_bytes or 0
-        room = capacity if room is None else room
+        index.logical.learn([entry.key for entry in entries], values)
         published: list[BlockKey] = []
-        end = len(entries)
         try:
+            pack = getattr(tier, "pack_values", None)  # a compressing tier: its room is what it stores
+            if pack is not None:
+                values = await pack(values)
+            sizes = [tier.footprint(len(v)) for v in values]
+            capacity = tier.capacity_bytes or 0
+            room = capacity if room is None else room
+            end = len(entries)
             while end > 0:
                 start, need = end, 0
                 while start > 0 and need + sizes[start - 1] <= room:

@@ -142,8 +142,20 @@ class TieredStore:
             if entries:
                 policy = index.policies[level]
                 logger.info("tier %s: restored %d blocks (%d bytes)", tier.name, len(policy), policy.nbytes)
+        await self._learn_logical_sizes()
         await check_at_start(self._shared)  # a shared tier that is down at start is named in a warning now
         self._mover.start()
+
+    async def _learn_logical_sizes(self) -> None:
+        """Read one restored block of each namespace, for its logical bytes per block (``kvstore.logical``)."""
+        for level, key in self.index.logical.unknown():
+            try:
+                [block] = await self._tiers[level].get([key])
+            except Exception as exc:  # noqa: BLE001 - stats only: the blocks count their stored bytes meanwhile
+                logger.warning("tier %s: could not read a block for its logical size: %s", self._tiers[level].name, exc)
+                continue
+            if block is not None:
+                self.index.logical.learn([key], [block])
 
     async def close(self) -> None:
         """Stop taking calls, finish the work in flight, demote volatile tiers, and close every tier.
@@ -468,6 +480,7 @@ class TieredStore:
                 name=tier.name,
                 blocks=len(self.index.policies[level]) if local else -1,
                 bytes=self.index.policies[level].nbytes if local else 0,
+                logical_bytes=self.index.logical.logical_bytes(level, self.index.policies[level].nbytes) if local else 0,
                 capacity_bytes=tier.capacity_bytes or 0,
                 hits=counts.hits,
                 misses=counts.misses,

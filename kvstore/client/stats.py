@@ -37,7 +37,7 @@ def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
                       sum(stats.lookup_miss_blocks for stats in node_stats))
 
 
-_TIER_FIELDS = ("blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions",
+_TIER_FIELDS = ("blocks", "bytes", "capacity_bytes", "logical_bytes", "hits", "misses", "evictions", "demotions", "promotions",
                 "corrupt_records")
 
 

@@ -38,6 +38,22 @@ def rows_of(block: torch.Tensor, layout: str) -> torch.Tensor:
     return block.view(math.prod(block.shape[:leading]), -1)
 
 
+_MAGNITUDE_BITS = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+                   torch.float32: (torch.int32, 0x7FFFFFFF)}
+"""Per float dtype: the int of its width and the mask that clears its sign bit."""
+
+
+def abs_max_rows(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` of each row of ``x`` ``[rows, n]`` (float16, bfloat16 or float32, contiguous), as float32 ``[rows]``.
+
+    Computed on the bits: with the sign bit cleared, an IEEE float's magnitude orders as its bits do as an
+    integer, so one integer mask and an integer max replace ``abs()`` and a float reduction (on CPU about 10x
+    faster for bfloat16). A NaN has larger bits than any number, so a row with one gets a NaN, as ``abs().amax``.
+    """
+    wide, mask = _MAGNITUDE_BITS[x.dtype]
+    return torch.bitwise_and(x.view(wide), mask).amax(dim=1).view(x.dtype).float()
+
+
 def quantize_rows(x: torch.Tensor, encoding: Encoding, scales: torch.Tensor, data: torch.Tensor) -> None:
     """fp8_e4m3 or int8, one scale per row: ``code = x / scale`` with ``scale = max|row| / code_max``.
 
@@ -48,10 +64,12 @@ def quantize_rows(x: torch.Tensor, encoding: Encoding, scales: torch.Tensor, dat
         data: ``[rows, n]`` ``uint8`` on ``x``'s device, written (the codes' bytes).
     """
     code_max = FP8_MAX if encoding is Encoding.FP8_E4M3 else INT8_MAX
-    amax = x.abs().amax(dim=1).float()
+    amax = abs_max_rows(x)
     torch.div(amax, code_max, out=scales)
     inverse = torch.where(amax > 0, code_max / amax, torch.zeros_like(amax)).unsqueeze(1)
-    scaled = torch.mul(x, inverse)  # float32 [rows, n]: the one temporary
+    # float32 [rows, n]: the one temporary. Converted first, then scaled in place: a float32 multiply of a
+    # 16-bit tensor by a float32 one is a mixed-dtype kernel, about 8x slower on CPU than the two passes.
+    scaled = x.float().mul_(inverse) if x.dtype != torch.float32 else torch.mul(x, inverse)
     if encoding is Encoding.FP8_E4M3:
         scaled.clamp_(-FP8_MAX, FP8_MAX)
         data.view(torch.float8_e4m3fn).copy_(scaled)

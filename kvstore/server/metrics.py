@@ -10,7 +10,9 @@ Exported series (conventional ``_total``, ``_bytes`` and ``_seconds`` suffixes):
 
 * ``kvstore_requests_total{method, code}``: finished calls by gRPC method and status code.
 * ``kvstore_request_duration_seconds{method}``: call latency histogram.
-* ``kvstore_tier_blocks{tier}``, ``kvstore_tier_bytes{tier}``, ``kvstore_tier_capacity_bytes{tier}``: gauges.
+* ``kvstore_tier_blocks{tier}``, ``kvstore_tier_bytes{tier}`` (stored), ``kvstore_tier_capacity_bytes{tier}``,
+  ``kvstore_tier_logical_bytes{tier}`` (decoded, uncompressed) and ``kvstore_tier_logical_ratio{tier}``
+  (logical per stored byte): gauges.
 * ``kvstore_tier_hits_total``, ``kvstore_tier_misses_total``, ``kvstore_tier_evictions_total``,
   ``kvstore_tier_demotions_total``, ``kvstore_tier_promotions_total``,
   ``kvstore_tier_corrupt_records_total`` ``{tier}``: counters.
@@ -119,6 +121,12 @@ class StoreCollector(Collector):
                                        labels=["tier"]),
             "capacity_bytes": GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity of the tier, bytes.",
                                                 labels=["tier"]),
+            "logical_bytes": GaugeMetricFamily(
+                "kvstore_tier_logical_bytes", "Bytes of the tensors the tier's blocks hold, decoded and uncompressed "
+                "(what the engine holds; 0 for shared Redis).", labels=["tier"]),
+            "logical_ratio": GaugeMetricFamily(
+                "kvstore_tier_logical_ratio", "Logical bytes per stored byte of the tier (kvstore_tier_logical_bytes "
+                "/ kvstore_tier_bytes; 0 when it holds nothing or cannot tell).", labels=["tier"]),
         }
         counters = {
             name: CounterMetricFamily(f"kvstore_tier_{name}", help_text, labels=["tier"])

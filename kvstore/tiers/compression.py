@@ -136,10 +136,16 @@ class Compressor:
         return self.codec is not Codec.NONE
 
     def pack(self, block: bytes | memoryview) -> bytes | memoryview:
-        """The value to store for ``block``: a frame when compression is on and saves enough, else ``block``."""
+        """The value to store for ``block``: a frame when compression is on and saves enough, else ``block``.
+
+        A frame (a value this method returned already, e.g. packed ahead by :func:`pack_all` so that the
+        store's accounting counts its length) is returned as it is.
+        """
         if not self.enabled:
             return block
         view = memoryview(block).cast("B")
+        if view[:4] == FRAME_MAGIC:
+            return block
         width = shuffle_width(view)
         if self.codec is Codec.BLOSC2:
             import blosc2
@@ -244,15 +250,3 @@ async def pack_all(compressor: Compressor, values: Sequence[bytes]) -> Sequence[
     if sum(len(v) for v in values) < OFFLOAD_BYTES:
         return [compressor.pack(v) for v in values]  # type: ignore[misc]
     return await asyncio.to_thread(lambda: [compressor.pack(v) for v in values])  # type: ignore[misc]
-
-
-def block_nbytes(record: bytes | memoryview, stored_nbytes: int) -> int:
-    """The length of the block a stored record holds: a frame's (from its header), else ``stored_nbytes``.
-
-    What a tier lists after a restart (``Tier.resident``): the block's own length, as the store counts it,
-    while the tier's capacity counts what it stores.
-    """
-    view = memoryview(record)
-    if view.nbytes >= _FRAME.size and view[:4] == FRAME_MAGIC:
-        return int(_FRAME.unpack_from(view, 0)[4])
-    return stored_nbytes

@@ -57,7 +57,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVa
 
 import lmdb
 
-from kvstore.tiers.compression import Codec, Compressor
+from kvstore.tiers.compression import Codec, Compressor, pack_all
 from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
@@ -253,6 +253,11 @@ class LMDBTier:
         """
         return {"corrupt_records": self._corrupt_records, "unreadable_records": self._unreadable_records,
                 "repaired_records": self._repaired_records}
+
+    async def pack_values(self, values: Sequence[bytes]) -> Sequence[bytes]:
+        """The values as :meth:`put` stores them: compressed frames where the tier compresses and that saves
+        (``kvstore.tiers.compression``), else ``values``; what the store counts against the capacity."""
+        return await pack_all(self._compressor, values)
 
     # -- the Tier protocol --------------------------------------------------------------
 

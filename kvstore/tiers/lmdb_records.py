@@ -25,7 +25,7 @@ from typing import Any
 
 import lmdb
 
-from kvstore.tiers.compression import block_nbytes, unpack
+from kvstore.tiers.compression import unpack
 from kvstore.codec import verify_block
 from kvstore.errors import CodecError, ConfigError, UnavailableError
 from kvstore.policy import MAX_PRIORITY
@@ -226,7 +226,7 @@ def scan_records(env: lmdb.Environment, blocks_db: Any, meta_db: Any
             parsed = _unpack_meta(raw)
             record = txn.get(key, db=blocks_db)
             if parsed is not None and record is not None and len(record) == parsed[1] + len(key):
-                entries.append(ResidentEntry(key, block_nbytes(record, parsed[1]), parsed[0]))
+                entries.append(ResidentEntry(key, parsed[1], parsed[0]))  # the stored length: a frame's own
             elif record is not None and _ends_with(record, key):
                 repairs.append((key, len(record) - len(key)))
             else:

@@ -30,6 +30,7 @@ from kvstore.tiers.compression import Codec, Compressor, pack_all, unpack_or_kee
 from kvstore.config import RedisTierConfig
 from kvstore.errors import UnavailableError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
+from kvstore.logical import block_logical_nbytes
 from kvstore.tiers.base import BlockMeta, ResidentEntry
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
 from kvstore.tiers.redis_connection import (_UNREACHABLE, _both, _RoundTripFailed, check_url, config_get_max_bulk_len,
@@ -95,7 +96,7 @@ class RedisTier:
         self.last_error = ""
         """The last failure and when it happened (UTC), e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``."""
         self._counts = dict.fromkeys(
-            ("written", "skipped_writes", "oversized", "oom_rejected", "errors",
+            ("written", "written_logical_bytes", "written_stored_bytes", "skipped_writes", "oversized", "oom_rejected", "errors",
              "timeouts", "breaker_open", "corrupt_records", "foreign_records", "stale_generation"),
             0,
         )
@@ -157,7 +158,9 @@ class RedisTier:
 
         Hits and misses are the store's (``TierStats``), counted as for every
         tier. Keys: ``written`` and
-        ``skipped_writes`` (keys put or not put, for any reason), ``oversized``
+        ``skipped_writes`` (keys put or not put, for any reason), ``written_logical_bytes`` and
+        ``written_stored_bytes`` (of the keys written: their tensors' bytes, decoded and uncompressed, and the
+        bytes Redis stores for them; the node does not index Redis, so these count writes, not what is resident), ``oversized``
         (keys refused before sending: over ``max_value_bytes`` or the server's
         ``proto-max-bulk-len``), ``oom_rejected`` (keys refused by a full
         server), ``errors`` (round trips that failed: unreachable, timed out or
@@ -323,6 +326,7 @@ class RedisTier:
         stored = [False] * len(keys)
         if not keys:
             return stored
+        logical = [block_logical_nbytes(value) for value in values]  # for the counters, before compression
         values = await pack_all(self._compressor, values)  # compressed where that saves (kvstore.tiers.compression)
         groups = _by_namespace(keys)
         written_under = {tag: (generations or {}).get(tag, self.generation(tag)) for tag in groups}  # before any await
@@ -356,6 +360,8 @@ class RedisTier:
         self._on_outcome(failure)
         num_written = sum(stored)
         self._counts["written"] += num_written
+        self._counts["written_logical_bytes"] += sum(n for n, ok in zip(logical, stored) if ok)
+        self._counts["written_stored_bytes"] += sum(len(v) for v, ok in zip(values, stored) if ok)
         self._counts["skipped_writes"] += len(keys) - num_written
         return stored
 

@@ -129,7 +129,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions", "corrupt_records", "counters", "state", "last_error")
+    __slots__ = ("name", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions", "corrupt_records", "counters", "state", "last_error", "logical_bytes")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class TierStats(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     blocks: int
     bytes: int
@@ -163,7 +164,8 @@ class TierStats(_message.Message):
     counters: _containers.ScalarMap[str, int]
     state: str
     last_error: str
-    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
+    logical_bytes: int
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., logical_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "lookup_hit_blocks", "lookup_miss_blocks")

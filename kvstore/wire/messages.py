@@ -118,8 +118,9 @@ def stats_to_pb(stats: StoreStats) -> pb.StatsResponse:
     return pb.StatsResponse(
         tiers=[
             pb.TierStats(
-                name=t.name, blocks=t.blocks, bytes=t.bytes, capacity_bytes=t.capacity_bytes, hits=t.hits,
-                misses=t.misses, evictions=t.evictions, demotions=t.demotions, promotions=t.promotions,
+                name=t.name, blocks=t.blocks, bytes=t.bytes, capacity_bytes=t.capacity_bytes,
+                logical_bytes=t.logical_bytes, hits=t.hits, misses=t.misses, evictions=t.evictions,
+                demotions=t.demotions, promotions=t.promotions,
                 corrupt_records=t.corrupt_records, counters=t.counters, state=t.state, last_error=t.last_error,
             )
             for t in stats.tiers
@@ -134,8 +135,9 @@ def stats_from_pb(message: pb.StatsResponse) -> StoreStats:
     return StoreStats(
         tuple(
             TierStats(
-                name=t.name, blocks=t.blocks, bytes=t.bytes, capacity_bytes=t.capacity_bytes, hits=t.hits,
-                misses=t.misses, evictions=t.evictions, demotions=t.demotions, promotions=t.promotions,
+                name=t.name, blocks=t.blocks, bytes=t.bytes, capacity_bytes=t.capacity_bytes,
+                logical_bytes=t.logical_bytes, hits=t.hits, misses=t.misses, evictions=t.evictions,
+                demotions=t.demotions, promotions=t.promotions,
                 corrupt_records=t.corrupt_records, counters=dict(t.counters), state=t.state, last_error=t.last_error,
             )
             for t in message.tiers

@@ -109,3 +109,16 @@ def test_what_cannot_be_encoded_is_refused() -> None:
         encode_lossy(torch.zeros(1, 2, 1, 16, 63), "kv", "int4")
     with pytest.raises(InvalidArgumentError, match="float16's range"):
         encode_lossy(torch.full(SHAPES["kv"], 1e6), "kv", "int4")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_rows_largest_magnitude_read_on_the_bits_is_abs_amax(dtype: torch.dtype) -> None:
+    from kvstore.encoding.kernels import abs_max_rows
+
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 256, generator=generator) * torch.logspace(-6, 3, 6).unsqueeze(1)).to(dtype)
+    x[0, 0], x[1] = -float(torch.finfo(dtype).max), -0.0  # the most negative value; a row of negative zeros
+    x[2, 5], x[3, :] = float("-inf"), torch.finfo(dtype).tiny / 4  # an infinity; subnormals
+    expected = x.abs().amax(dim=1).float()
+    assert torch.equal(abs_max_rows(x), expected)
+    assert abs_max_rows(x)[1] == 0 and torch.isinf(abs_max_rows(x)[2])

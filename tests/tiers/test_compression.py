@@ -81,7 +81,11 @@ async def test_lmdb_returns_the_same_bytes_across_restarts_whatever_the_setting(
     assert await tier.get(keys) == blocks
     entries = {entry.key: entry.nbytes for entry in await tier.resident()}
     assert set(entries) == set(keys)
-    assert [entries[k] for k in keys] == [len(b) for b in blocks]  # the blocks' lengths, as the store counts
+    # what each record stores, as the store counts it against the capacity: the frames, then the blocks put with
+    # compression off
+    frames = [Compressor(Codec.ZSTD).pack(b) for b in blocks[:2]]
+    assert [entries[k] for k in keys] == [len(frames[0]), len(frames[1]), len(blocks[2]), len(blocks[3])]
+    assert all(map(is_frame, frames))
     assert 0 < compressed_bytes < sum(map(len, blocks[:2]))  # what the file holds: the frames
     await tier.close()
 
@@ -144,3 +148,32 @@ class TestCompressedRedis:
         assert tier.counters()["corrupt_records"] == 1
         with redis_server.client() as client:
             assert client.exists(tier.redis_key(bad)) == 0
+
+
+@pytest.mark.skipif(redis_binaries() is None, reason="redis-server not installed")
+async def test_a_compressing_redis_holds_more_blocks_in_the_same_maxmemory() -> None:
+    """Redis counts what it stores against ``maxmemory``: frames, so more blocks fit where they compress."""
+    generator = torch.Generator().manual_seed(3)
+    blocks = [encode_block((torch.randint(-4, 4, (8, 2, 4, 16, 128), generator=generator) / 4).to(torch.float16))
+              for _ in range(12)]  # 512 KiB each, few distinct values (as quantized KV): they compress well
+    keys = [make_key(i) for i in range(12)]
+    held = {}
+    for codec in ("none", "zstd"):
+        with RedisProcess(maxmemory_bytes=4 * MiB, maxmemory_policy="noeviction") as server:
+            tier = RedisTier(RedisTierConfig(url=server.url, compression=codec, connect_timeout_s=10.0,
+                                             socket_timeout_s=10.0))  # a loaded machine: no timeout for a miss
+            try:
+                stored = []
+                for key, block in zip(keys, blocks):  # one at a time: the server checks memory before each write
+                    stored += await tier.put([key], [block], [meta()])
+                written = [k for k, ok in zip(keys, stored) if ok]
+                assert await tier.get(written) == [b for b, ok in zip(blocks, stored) if ok]
+                held[codec] = len(written)
+                counts = tier.counters()
+                assert counts["errors"] == 0, counts
+                assert counts["written_logical_bytes"] == len(written) * 8 * 2 * 4 * 16 * 128 * 2  # the tensors'
+                with server.client() as client:
+                    assert counts["written_stored_bytes"] == sum(len(client.get(tier.redis_key(k))) for k in written)
+            finally:
+                await tier.close()
+    assert held["none"] < 8 and held["zstd"] == 12, held  # 6 MiB of blocks: only the frames fit in 4 MiB
