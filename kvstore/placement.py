@@ -224,7 +224,7 @@ def _chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
     """``meta`` for each of ``num_blocks`` blocks in prefix order, the head most recent.
 
     A restart rebuilds the eviction order by sorting on ``last_access``
-    (``TieredStore.start``); a step of :data:`~kvstore.tiers.base.CHAIN_STEP_S`
+    (``kvstore.lifecycle.restore``); a step of :data:`~kvstore.tiers.base.CHAIN_STEP_S`
     per block keeps the rule that a chain's tail goes before its head.
     """
     return [dataclasses.replace(meta, last_access=meta.last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]

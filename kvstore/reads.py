@@ -26,7 +26,7 @@ class ReadPath:
         mover: its mover (promotions, and deleting records a read found lost).
         counts: its tier counts (the shared tier's last).
         config: its config (``promote_on_hit``).
-        fits: whether a block read from a persistent tier fits its namespace (``TieredStore._fits``).
+        fits: whether a block read from a persistent tier fits its namespace (``validation.fits_namespace``).
         check_open: raises ``UnavailableError`` once the store is closed.
         is_closed: whether the store is closed (a read closed after it offers no promotions).
     """

@@ -6,21 +6,24 @@ are exclusive, so capacity is not spent twice). An optional shared tier (Redis)
 sits below them: it is not indexed, because other nodes write to it too, so
 lookups and gets ask it for what the local tiers miss.
 
-Every operation is prepare -> I/O -> complete:
+Every operation is prepare -> I/O -> complete, and the index owns the two
+synchronous steps (``Index.prepare_put`` / ``complete_put``, ``prepare_read`` /
+``complete_read``):
 
 * **prepare** (synchronous) validates, reserves room and claims victims, makes
   placing entries and takes references on the blocks it reads;
 * **I/O** (awaited) moves bytes, and never touches the index; once prepared, it
   runs to its end even if its caller is cancelled, so a batch is never half-indexed;
 * **complete** (synchronous) publishes what is still current (a delete or clear
-  removes entries at once, so a copy still in flight loses here) and gives back
-  the references.
+  retires entries at once, so a copy still in flight loses here, ``Index.is_current``)
+  and gives back the references.
 
-A put writes into the first tier its blocks fit, after the mover has moved that
-tier's victims out; a get reads its prefix under references and offers its
-lower-tier hits to the mover for promotion; write-through copies into the shared
-tier go through the mover's queue as well. All of this runs on one asyncio loop,
-which owns the index, so nothing needs a lock.
+This module is the facade; each job is a module of its own: puts in
+``kvstore.placement`` (admission, the steps, and each block into the first tier
+it fits), reads in ``kvstore.reads``, deletes and clears in ``kvstore.removal``,
+start and close in ``kvstore.lifecycle``, every copy between tiers in
+``kvstore.mover``, counts in ``kvstore.counts``. All of it runs on one asyncio
+loop, which owns the index, so nothing needs a lock.
 """
 
 from __future__ import annotations
