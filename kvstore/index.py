@@ -321,18 +321,26 @@ class Index:
         generation = self.namespace_generation(keys[0][:NAMESPACE_TAG_BYTES]) if keys else 0
         return PutStep(positions, entries, waits, again, generation)
 
-    def complete_put(self, entries: Sequence[Entry], written: Sequence[bool]) -> tuple[list[BlockKey], list[BlockKey]]:
+    def complete_put(self, entries: Sequence[Entry], written: Sequence[bool],
+                     sources: Sequence[Entry] | None = None) -> tuple[list[BlockKey], list[BlockKey]]:
         """The complete step of a placement (a put's, or a copy's): publish each entry still current, tail first.
 
         Args:
             entries: placing entries, in prefix order.
             written: per entry, whether its tier stored it (a tier may refuse one, a damaged page).
+            sources: for a move, the held resident entry each copy was made from: each source whose
+                copy is current leaves its tier first (:meth:`retire`; tiers are exclusive). A source
+                deleted meanwhile took its copy's placement with it (:meth:`delete`), and stays as it is.
 
         Returns:
             The keys published, in prefix order, and the keys whose records the
             caller must delete from the entries' tier: deleted or cleared while
             written, or refused by it (unless a newer entry of the key owns the record).
         """
+        if sources is not None:
+            for source, target, ok in zip(sources, entries, written):
+                if ok and self.is_current(source) and self.is_current(target):
+                    self.retire(source, reason="moved")
         published: list[BlockKey] = []
         stale: list[BlockKey] = []
         for entry, ok in zip(reversed(entries), reversed(written)):  # tail first: a chain's head ends the most recent

@@ -275,9 +275,7 @@ class Mover:
                     index.uncharge(placing)  # nothing of the batch was written: it and the rest go elsewhere
                     declined += [i for i in range(last) if index.is_current(entries[i])]
                     return published
-                if sources is not None:  # complete (a block the tier could not write, a damaged page, is not)
-                    self._move_out([sources[i] for i in batch], placing, stored)
-                published += self.settle(placing, stored)
+                published += self.settle(placing, stored, None if sources is None else [sources[i] for i in batch])
         except BaseException:
             for entry in entries:
                 if not entry.ended:
@@ -328,13 +326,14 @@ class Mover:
             return _nothing()
         return _quietly(pending, tier, len(keys))
 
-    def settle(self, entries: Sequence[Entry], written: Sequence[bool]) -> list[BlockKey]:
-        """A placement's complete step (:meth:`Index.complete_put`); the stale records it names are discarded.
+    def settle(self, entries: Sequence[Entry], written: Sequence[bool],
+               sources: Sequence[Entry] | None = None) -> list[BlockKey]:
+        """A placement's or move's complete step (:meth:`Index.complete_put`); the stale records it names go.
 
         Returns:
             The keys published, in prefix order.
         """
-        published, stale = self._index.complete_put(entries, written)
+        published, stale = self._index.complete_put(entries, written, sources)
         if stale:
             self.discard(entries[0].level, stale)
         return published
@@ -470,15 +469,6 @@ class Mover:
         """The copies into the shared tier on their way now that carry any of ``keys`` (a delete waits for them)."""
         writes = self._shared_writes
         return list({id(writes[k]): writes[k] for k in keys if k in writes}.values())
-
-    def _move_out(self, sources: Sequence[Entry], targets: Sequence[Entry], written: Sequence[bool]) -> None:
-        """The first half of a move's complete step: each source whose copy is still current leaves its tier (tiers
-        are exclusive), so that :meth:`settle` can publish the copy. A source deleted meanwhile took its copy's
-        placement with it (``Index.delete``), and stays as it is."""
-        index = self._index
-        for source, target, ok in zip(sources, targets, written):
-            if ok and index.is_current(source) and index.is_current(target):
-                self._index.retire(source, reason="moved")
 
     async def _retire(self, entries: Sequence[Entry]) -> None:
         """Take the mover's claimed sources out of their tier, give back its references, and delete the records

@@ -14,8 +14,8 @@ Cancellations are made at a chosen loop turn of the operation (hypothesis picks 
 step, an operation does nothing; after it, it runs to its end, as a delete or a put must.
 
 ``IndexStepsModel`` drives the index's steps themselves (``Index.prepare_put`` / ``complete_put`` and
-``prepare_read`` / ``complete_read``), synchronously: hypothesis draws which prepared step completes next, and
-deletes, clears and evictions between them, and every complete step is checked against a dict model: a stale
+``prepare_read`` / ``complete_read``, and a move's ``complete_put`` with its sources), synchronously: hypothesis
+draws which prepared step completes next, and deletes, clears and evictions between them, and every complete step is checked against a dict model: a stale
 placement publishes nothing, and a read returns exactly the prefix resident when it was prepared, up to its first
 lost block, with the still-current lost blocks forgotten.
 """
@@ -267,7 +267,9 @@ class IndexStepsModel(RuleBasedStateMachine):
         self.resident: dict[bytes, int] = {}  # key -> tier, the model
         self.puts: list[tuple[PutStep, list[bytes], int | None]] = []  # prepared; the tier once charged
         self.reads: list[tuple[ReadStep, list[bytes], list[bytes | None]]] = []  # with the model's prefix at prepare
+        self.moves: list[tuple[Entry, Entry, int]] = []  # a held source, its copy's placement, the copy's tier
         self.current: dict[int, bool] = {}  # id(entry) -> whether no delete, clear or eviction removed it since
+        self.moved: set[int] = set()  # ids of sources moved out: their last reference deletes their record
         self.evicted = 0
 
     @initialize(split=st.integers(0, NUM_BLOCKS))
@@ -285,9 +287,48 @@ class IndexStepsModel(RuleBasedStateMachine):
             for entry in step.held:
                 if entry.key in keys:
                     self.current[id(entry)] = False
+        for source, target, _ in self.moves:
+            for entry in (source, target):
+                if entry.key in keys:
+                    self.current[id(entry)] = False
+
+    def _release(self, entry: Entry) -> None:
+        if self.index.release(entry):
+            assert id(entry) in self.moved, "a last reference deleted a record only a move leaves to it"
 
     def _placing(self) -> dict[bytes, Entry]:
-        return {e.key: e for step, _, _ in self.puts for e in step.entries if self.index.placing(e.key) is e}
+        placing = {e.key: e for step, _, _ in self.puts for e in step.entries if self.index.placing(e.key) is e}
+        placing.update((t.key, t) for _, t, _ in self.moves if self.index.placing(t.key) is t)
+        return placing
+
+    @rule(key=st.sampled_from(KEYS))
+    def prepare_move(self, key: bytes) -> None:
+        """The mover's prepare of a copy into the other tier: the source held, the copy placed and charged."""
+        level = self.resident.get(key)
+        if level is None or key in self._placing() or self.index.leaving(level, key):
+            return
+        source = self.index.hold(level, key)
+        target = self.index.place(key, 50, 0.0)
+        self.index.charge([target], 1 - level, [FOOTPRINT])
+        self.current.setdefault(id(source), True)
+        self.current[id(target)] = True
+        self.moves.append((source, target, 1 - level))
+
+    @rule(data=st.data(), ok=st.booleans())
+    def complete_move(self, data: st.DataObject, ok: bool) -> None:
+        """A move's complete step: the source leaves its tier as its copy is published, if both are current."""
+        if not self.moves:
+            return
+        source, target, level = self.moves.pop(data.draw(st.integers(0, len(self.moves) - 1)))
+        moves = ok and self.current[id(source)] and self.current[id(target)]
+        published, _ = self.index.complete_put([target], [ok], [source])
+        assert published == ([target.key] if ok and self.current[id(target)] else [])
+        if moves:
+            self.moved.add(id(source))
+            self.current[id(source)] = False
+        if published:
+            self.resident[target.key] = level
+        self._release(source)
 
     @rule(run=runs, level=st.sampled_from([0, 1, None]))
     def prepare_put(self, run: tuple[int, int], level: int | None) -> None:
@@ -388,14 +429,15 @@ class IndexStepsModel(RuleBasedStateMachine):
         assert sorted(k for ks in records.values() for k in ks) == sorted(e.key for e in gone)
         for entry in gone:
             del self.resident[entry.key]
-        self._retire([e.key for e in gone])
+        for entry in gone:  # a lost block's entry retires; a copy of it being placed elsewhere goes on
+            self.current[id(entry)] = False
         # the get rule: exactly the prefix resident at prepare, up to its first lost block
         expected = 0
         while expected < len(served) and served[expected] is not None and served[expected] not in lost_keys:
             expected += 1
         assert hit == expected
         for entry in step.held:
-            assert not self.index.release(entry), "a read's last reference owns no record: a delete's went at once"
+            self._release(entry)
 
     @rule(run=runs)
     def delete(self, run: tuple[int, int]) -> None:
@@ -433,7 +475,7 @@ class IndexStepsModel(RuleBasedStateMachine):
         assert {k: index.level_of(k) for k in KEYS if index.level_of(k) is not None} == self.resident
         for level in (0, 1):
             assert index.policies[level].nbytes == FOOTPRINT * sum(v == level for v in self.resident.values())
-        if not self.puts and not self.reads:
+        if not self.puts and not self.reads and not self.moves:
             assert index.num_entries() == 0, "an entry outlived every step that used it"
             assert all(index.used_bytes(level) == index.policies[level].nbytes for level in (0, 1))
 
