@@ -270,6 +270,7 @@ class IndexStepsModel(RuleBasedStateMachine):
         self.moves: list[tuple[Entry, Entry, int]] = []  # a held source, its copy's placement, the copy's tier
         self.current: dict[int, bool] = {}  # id(entry) -> whether no delete, clear or eviction removed it since
         self.moved: set[int] = set()  # ids of sources moved out: their last reference deletes their record
+        self.entries: list[Entry] = []  # every entry seen, kept alive, so that no id above is reused
         self.evicted = 0
 
     @initialize(split=st.integers(0, NUM_BLOCKS))
@@ -310,8 +311,9 @@ class IndexStepsModel(RuleBasedStateMachine):
         source = self.index.hold(level, key)
         target = self.index.place(key, 50, 0.0)
         self.index.charge([target], 1 - level, [FOOTPRINT])
-        self.current.setdefault(id(source), True)
+        self.current.setdefault(id(source), True)  # a read may hold the same entry already
         self.current[id(target)] = True
+        self.entries += (source, target)
         self.moves.append((source, target, 1 - level))
 
     @rule(data=st.data(), ok=st.booleans())
@@ -343,6 +345,7 @@ class IndexStepsModel(RuleBasedStateMachine):
         assert step.again == [i for i, k in enumerate(keys) if k in placing and not self.current[id(placing[k])]]
         for entry in step.entries:
             self.current[id(entry)] = True
+        self.entries += step.entries
         self.puts.append((step, keys, None))
         if level is not None:
             self._charge(len(self.puts) - 1, level)
@@ -409,7 +412,8 @@ class IndexStepsModel(RuleBasedStateMachine):
         assert step.levels == levels
         assert [e.key for e in step.held] == [k for k, level in zip(keys, levels) if level is not None]
         for entry in step.held:
-            self.current[id(entry)] = True
+            self.current.setdefault(id(entry), True)  # a move may hold the same entry already
+        self.entries += step.held
         # what the read will serve, by the model: the resident prefix, and past it the shared tier's blocks
         # (none here: the model has no shared tier), so the local blocks after a shared miss are read for nothing
         self.reads.append((step, keys, [k if level is not None else None for k, level in zip(keys, levels)]))
