@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+from kvstore.api import StoreStats, TierStats
+from kvstore.tiers.base import Tier, tier_status
+
+if TYPE_CHECKING:
+    from kvstore.index import Index
 
 
 @dataclass(slots=True)
@@ -60,3 +66,38 @@ def count_get(counts: Sequence[TierCounts], hit_tiers: list[int], num_asked: int
     if len(hit_tiers) < num_asked:
         for c in counts:
             c.misses += 1
+
+
+def store_stats(index: Index, tiers: Sequence[Tier], counts: Sequence[TierCounts], lookup_hit_blocks: int,
+                lookup_miss_blocks: int) -> StoreStats:
+    """A store's :class:`StoreStats`: per tier (the local ones, fastest first, then the shared one), its blocks and
+    bytes (local tiers: the index's; the shared tier: ``-1`` and 0, it is not indexed), capacity, these counts and
+    the tier's own counters; and the blocks lookups hit and missed."""
+    result = []
+    for level, (tier, tier_counts) in enumerate(zip(tiers, counts)):
+        extra = dict(tier.counters())
+        local = level < len(index.policies)
+        if local:
+            extra["lost_records"] = tier_counts.lost_records
+        if tier_counts.copies_dropped:
+            extra["copies_dropped"] = tier_counts.copies_dropped
+        for reason, num_blocks in tier_counts.dropped_demotions.items():
+            extra[f"dropped_demotions_{reason}"] = num_blocks
+        for reason, num_blocks in tier_counts.refused_puts.items():
+            extra[f"refused_puts_{reason}"] = num_blocks
+        result.append(TierStats(
+            name=tier.name,
+            blocks=len(index.policies[level]) if local else -1,
+            bytes=index.policies[level].nbytes if local else 0,
+            logical_bytes=index.logical.logical_bytes(level, index.policies[level].nbytes) if local else 0,
+            capacity_bytes=tier.capacity_bytes or 0,
+            hits=tier_counts.hits,
+            misses=tier_counts.misses,
+            evictions=tier_counts.evictions,
+            demotions=tier_counts.demotions,
+            promotions=tier_counts.promotions,
+            corrupt_records=extra.pop("corrupt_records", 0) + tier_counts.mismatched,
+            counters=extra,
+            **tier_status(tier),
+        ))
+    return StoreStats(tuple(result), lookup_hit_blocks, lookup_miss_blocks)

@@ -14,11 +14,17 @@ What it knows, per local tier (``level`` 0 is the fastest):
 And per namespace: the bytes its resident blocks take (tenant quotas) and a
 **generation** that every clear of the namespace bumps.
 
-Every operation of the store is prepare -> I/O -> complete. Prepare and complete
-call the index (synchronously, so they need no locks); the I/O between them,
-awaited, never does. A delete, clear or eviction removes an entry at once, so
-an operation whose entry went while its I/O ran finds that out at its complete
-step (:meth:`Index.publish` answers ``False``) and discards what it wrote.
+Every operation of the store is prepare -> I/O -> complete, and the index owns
+the two synchronous steps: :meth:`Index.prepare_put` / :meth:`Index.complete_put`
+and :meth:`Index.prepare_read` / :meth:`Index.complete_read` (the mover's copies
+use :meth:`Index.place`, :meth:`Index.hold` and :meth:`Index.complete_put` the
+same way). The I/O between them, awaited, never changes the index. A delete,
+clear, eviction or move retires the entries it removes at once (their
+``state``): an entry is its block's generation, a newer put making a new one.
+So an operation whose entry went while its I/O ran finds that out at its
+complete step, by the one check :meth:`Index.is_current`, and discards its
+work; a copy that holds no entry (read from the shared tier, or queued for it)
+checks its namespace's generation instead (:meth:`Index.cleared_since`).
 
 Why a resident block no operation uses has no :class:`Entry`: an object per
 block costs about 100 bytes of RAM (object, slots and a dict slot), a third
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
@@ -102,6 +109,46 @@ class Entry:
     def __repr__(self) -> str:
         return f"Entry({self.key.hex()[:12]}..., level={self.level}, {self.state.value}, " \
                f"readers={self.readers})"
+
+
+@dataclass(slots=True)
+class PutStep:
+    """What :meth:`Index.prepare_put` prepared for a put's keys.
+
+    Attributes:
+        positions: the positions (in the keys given) of the blocks to write now.
+        entries: their ``PLACING`` entries, one per position.
+        waits: placements of other puts in flight, to wait for before returning.
+        again: positions of keys whose placement in flight a delete retired: this put is the newer, and
+            places them again once that placement has ended (its stale record is discarded first).
+        generation: the namespace's generation now (``Index.namespace_generation``), the first key's.
+    """
+
+    positions: list[int]
+    entries: list[Entry]
+    waits: list[Entry]
+    again: list[int]
+    generation: int
+
+
+@dataclass(slots=True)
+class ReadStep:
+    """What :meth:`Index.prepare_read` prepared for a read: the located blocks, held.
+
+    Attributes:
+        levels: per block read, its local tier, or ``None`` for one to ask the shared tier for: the local
+            prefix, then (with a shared tier) every later block.
+        local: positions of the blocks held in a local tier (``held``, in the same order).
+        wanted: positions of the blocks to ask the shared tier for.
+        held: a reference on each local block.
+        generation: the namespace's generation when the read was prepared.
+    """
+
+    levels: list[int | None]
+    local: list[int]
+    wanted: list[int]
+    held: list[Entry]
+    generation: int
 
 
 class Index:
@@ -209,6 +256,141 @@ class Index:
         """Entries alive in the index: placements, and resident blocks with references (tests, drain)."""
         return len(self._placing) + sum(map(len, self._held))
 
+    def is_current(self, entry: Entry) -> bool:
+        """Whether an entry an operation prepared is still the index's: the one staleness check of every complete step.
+
+        A delete, clear, eviction or move retires the entries it removes at
+        once (``State.RETIRED``); a complete step that finds its entry retired
+        discards its work (a placement its record, a read its repair of a lost record).
+        """
+        return entry.state is not State.RETIRED
+
+    def cleared_since(self, tag: bytes, generation: int) -> bool:
+        """Whether the namespace ``tag`` was cleared since its generation was ``generation``: the check of a copy
+        that holds no entry (blocks read from the shared tier, a queued write-through)."""
+        return self._namespace_generations.get(tag, 0) != generation
+
+    def touch(self, keys: Sequence[BlockKey], levels: Sequence[int | None] | None = None) -> None:
+        """Count resident ``keys`` as accessed, tail first, so that the chain's head ends the most recent.
+
+        ``levels``: each key's tier where the caller knows it (``None`` for one in no local tier).
+        """
+        policies = self.policies
+        if levels is None:
+            for key in reversed(keys):
+                level = self.level_of(key)
+                if level is not None:
+                    policies[level].touch(key)
+            return
+        for key, level in zip(reversed(keys), reversed(levels)):
+            if level is not None and key in policies[level]:
+                policies[level].touch(key)
+
+    # ------------------------------------------------------------------ the steps of puts and reads
+
+    def prepare_put(self, keys: Sequence[BlockKey], priority: int, expires_at: float, *,
+                    touch: bool = True) -> PutStep:
+        """A put's prepare step: a ``PLACING`` entry for each key in no tier and no placement, nothing for the others.
+
+        Args:
+            keys: the put's keys, each once.
+            priority: retention priority of the new blocks, ``[0, 100]``.
+            expires_at: when it reverts to the default (0.0: never), the store's clock.
+            touch: count the keys already resident as accessed (a put again is a use), tail first.
+
+        Returns:
+            A :class:`PutStep`. Its entries count against a tier's room once the
+            mover charges them (:meth:`charge`); each ends with :meth:`complete_put`
+            or :meth:`abandon`.
+        """
+        if touch:
+            self.touch(keys)
+        positions: list[int] = []
+        entries: list[Entry] = []
+        waits: list[Entry] = []
+        again: list[int] = []
+        for i, key in enumerate(keys):
+            if self.level_of(key) is not None:
+                continue
+            placing = self._placing.get(key)
+            if placing is None:
+                positions.append(i)
+                entries.append(self.place(key, priority, expires_at))
+                continue
+            waits.append(placing)
+            if not self.is_current(placing):
+                again.append(i)
+        generation = self.namespace_generation(keys[0][:NAMESPACE_TAG_BYTES]) if keys else 0
+        return PutStep(positions, entries, waits, again, generation)
+
+    def complete_put(self, entries: Sequence[Entry], written: Sequence[bool],
+                     sources: Sequence[Entry] | None = None) -> tuple[list[BlockKey], list[BlockKey]]:
+        """The complete step of a placement (a put's, or a copy's): publish each entry still current, tail first.
+
+        Args:
+            entries: placing entries, in prefix order.
+            written: per entry, whether its tier stored it (a tier may refuse one, a damaged page).
+            sources: for a move, the held resident entry each copy was made from: each source whose
+                copy is current leaves its tier first (:meth:`retire`; tiers are exclusive). A source
+                deleted meanwhile took its copy's placement with it (:meth:`delete`), and stays as it is.
+
+        Returns:
+            The keys published, in prefix order, and the keys whose records the
+            caller must delete from the entries' tier: deleted or cleared while
+            written, or refused by it (unless a newer entry of the key owns the record).
+        """
+        if sources is not None:
+            for source, target, ok in zip(sources, entries, written):
+                if ok and self.is_current(source) and self.is_current(target):
+                    self.retire(source, reason="moved")
+        published: list[BlockKey] = []
+        stale: list[BlockKey] = []
+        for entry, ok in zip(reversed(entries), reversed(written)):  # tail first: a chain's head ends the most recent
+            if ok and self.publish(entry):
+                published.append(entry.key)
+            else:
+                self.abandon(entry)
+                if self.record_unneeded(entry):  # a record refused may be half-written: it goes too
+                    stale.append(entry.key)
+        published.reverse()
+        return published, stale
+
+    def prepare_read(self, keys: Sequence[BlockKey], shared: bool) -> ReadStep:
+        """A read's prepare step: locate the cached prefix of ``keys`` and hold every local block of it.
+
+        Args:
+            keys: the read's keys, in prefix order.
+            shared: whether a shared tier is below: then every block past the
+                local prefix is located too (past a block in the shared tier the
+                next may be local again), and those in no local tier are asked of it.
+        """
+        levels: list[int | None] = list(self.locate(keys))
+        local: Sequence[int] = range(len(levels))
+        wanted: list[int] = []
+        if shared and len(levels) < len(keys):
+            levels += self.levels_of(keys[len(levels):])
+            local = [i for i, level in enumerate(levels) if level is not None]
+            wanted = [i for i, level in enumerate(levels) if level is None]
+        held = [self.hold(levels[i], keys[i]) for i in local]  # type: ignore[arg-type]  # local: not None
+        generation = self.namespace_generation(keys[0][:NAMESPACE_TAG_BYTES]) if keys else 0
+        return ReadStep(levels, list(local), wanted, held, generation)
+
+    def complete_read(self, step: ReadStep, keys: Sequence[BlockKey], hit: int,
+                      lost: Sequence[Entry]) -> dict[int, list[BlockKey]]:
+        """A read's complete step: forget the ``lost`` blocks (held ones their tier could not serve, or served unfit),
+        those still current, and count the ``hit`` blocks of the prefix served as accessed, tail first.
+
+        Returns:
+            The records of the lost blocks to delete, by tier. The references
+            stay held: the read gives them back as it closes (:meth:`release`).
+        """
+        records: dict[int, list[BlockKey]] = {}
+        for entry in lost:
+            if self.is_current(entry) and self.forget(entry.level, entry.key, reason="lost"):
+                records.setdefault(entry.level, []).append(entry.key)
+        self.touch(keys[:hit], step.levels[:hit])
+        return records
+
     # ------------------------------------------------------------------ room
 
     def reserve(self, level: int, nbytes: int) -> list[BlockKey]:
@@ -281,7 +463,7 @@ class Index:
         needs its record discarded: :meth:`record_unneeded` says whether.
         """
         self._end_placing(entry)
-        if entry.state is not State.PLACING:
+        if not self.is_current(entry):
             return False
         level, key = entry.level, entry.key
         assert level >= 0 and self.level_of(key) is None, (entry, self.level_of(key))  # a move retires its source first

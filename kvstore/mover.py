@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
 from kvstore.errors import ResourceExhaustedError, UnavailableError
-from kvstore.index import Entry, Index, NoRoomError, State
+from kvstore.index import Entry, Index, NoRoomError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.counts import TierCounts, count
 from kvstore.ratelog import WARNING_INTERVAL_S, RateLimitedLog
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, SharedTier, Tier, TierFullError
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, CompressingTier, SharedTier, Tier, TierFullError
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ class _Sweep:
     tag: bytes
     generation: int
     nbytes: int = field(default=0)
+    keys: tuple[BlockKey, ...] = ()  # a sweep carries no blocks (every job has keys and values)
+    values: tuple[bytes, ...] = ()
 
 
 _Job = _Promotion | _WriteThrough | _Sweep
@@ -244,9 +246,8 @@ class Mover:
         index.logical.learn([entry.key for entry in entries], values)
         published: list[BlockKey] = []
         try:
-            pack = getattr(tier, "pack_values", None)  # a compressing tier: its room is what it stores
-            if pack is not None:
-                values = await pack(values)
+            if isinstance(tier, CompressingTier):  # its room is what it stores
+                values = await tier.pack_values(values)
             sizes = [tier.footprint(len(v)) for v in values]
             capacity = tier.capacity_bytes or 0
             room = capacity if room is None else room
@@ -258,14 +259,14 @@ class Mover:
                     need += sizes[start]
                 first, last = start, end
                 end = start
-                if not any(entries[i].state is State.PLACING for i in range(first, last)):
+                if not any(index.is_current(entries[i]) for i in range(first, last)):
                     continue
                 placing = []
                 try:
                     # prepare: room reserved and victims claimed, once the evictions in flight end if need be
                     victims = await self.reserve(level, sum(sizes[i] for i in range(first, last)
-                                                            if entries[i].state is State.PLACING))
-                    batch = [i for i in range(first, last) if entries[i].state is State.PLACING]  # not deleted
+                                                            if index.is_current(entries[i])))
+                    batch = [i for i in range(first, last) if index.is_current(entries[i])]  # not deleted
                     if not batch:  # all deleted while it waited: the victims it claimed go all the same
                         await self.make_room(level, victims)
                         continue
@@ -277,14 +278,9 @@ class Mover:
                     if declined is None:
                         raise
                     index.uncharge(placing)  # nothing of the batch was written: it and the rest go elsewhere
-                    declined += [i for i in range(last) if entries[i].state is State.PLACING]
+                    declined += [i for i in range(last) if index.is_current(entries[i])]
                     return published
-                for entry, ok in zip(placing, stored):
-                    if not ok:  # the tier could not write it (a damaged disk page): not published
-                        index.abandon(entry)
-                if sources is not None:  # complete
-                    self._move_out([sources[i] for i in batch], placing)
-                published += self.settle(placing, True)
+                published += self.settle(placing, stored, None if sources is None else [sources[i] for i in batch])
         except BaseException:
             for entry in entries:
                 if not entry.ended:
@@ -335,24 +331,16 @@ class Mover:
             return _nothing()
         return _quietly(pending, tier, len(keys))
 
-    def settle(self, entries: Sequence[Entry], written: bool) -> list[BlockKey]:
-        """The complete step of a placement: publish each entry that is still current; returns the keys published.
+    def settle(self, entries: Sequence[Entry], written: Sequence[bool],
+               sources: Sequence[Entry] | None = None) -> list[BlockKey]:
+        """A placement's or move's complete step (:meth:`Index.complete_put`); the stale records it names go.
 
-        The others were deleted or cleared while they were written: their
-        records are discarded (unless a newer entry of the key owns the record).
+        Returns:
+            The keys published, in prefix order.
         """
-        index = self._index
-        published, stale = [], []
-        for entry in reversed(entries):  # tail first: a chain's head ends the most recent
-            if written and index.publish(entry):
-                published.append(entry.key)
-            else:
-                index.abandon(entry)
-                if written and index.record_unneeded(entry):
-                    stale.append(entry.key)
+        published, stale = self._index.complete_put(entries, written, sources)
         if stale:
             self.discard(entries[0].level, stale)
-        published.reverse()
         return published
 
     def release(self, entries: Sequence[Entry]) -> None:
@@ -384,7 +372,7 @@ class Mover:
         index = self._index
         policy = index.policies[level]
         entries = [index.held(level, key) for key in victims]
-        sources = [e for e in entries if e is not None and e.state is State.RESIDENT]
+        sources = [e for e in entries if e is not None and index.is_current(e)]
         below = level + 1 < len(self._tiers)
         demote: list[Entry] = []
         if below or (self._write_back and level == len(self._tiers) - 1):
@@ -409,7 +397,7 @@ class Mover:
         except UnavailableError as exc:
             self._dropped(level, "unavailable", len(sources), exc)
             values = [None] * len(sources)
-        found = [(e, v) for e, v in zip(sources, values) if v is not None and e.state is State.RESIDENT]
+        found = [(e, v) for e, v in zip(sources, values) if v is not None and index.is_current(e)]
         now = self._clock()
         if target is None:
             await self._demote_to_shared(found, metas, now, generations or {})
@@ -452,7 +440,7 @@ class Mover:
 
     async def _demote_to_shared(self, found: list[tuple[Entry, bytes]], metas: dict[BlockKey, tuple[int, float]],
                                 now: float, generations: dict[bytes, int]) -> None:
-        found = [(e, v) for e, v in found if e.state is State.RESIDENT]  # not deleted meanwhile
+        found = [(e, v) for e, v in found if self._index.is_current(e)]  # not deleted meanwhile
         if not found or self._shared is None:
             return
         keys = [e.key for e, _ in found]
@@ -475,9 +463,7 @@ class Mover:
         for key in keys:
             self._shared_writes[key] = done
         try:
-            if isinstance(self._shared, SharedTier):
-                return await self._shared.put(keys, values, metas, generations=generations)
-            return await self._shared.put(keys, values, metas)  # type: ignore[union-attr]
+            return await self._shared.put(keys, values, metas, generations=generations)  # type: ignore[union-attr]
         finally:
             for key in keys:
                 if self._shared_writes.get(key) is done:
@@ -489,20 +475,12 @@ class Mover:
         writes = self._shared_writes
         return list({id(writes[k]): writes[k] for k in keys if k in writes}.values())
 
-    def _move_out(self, sources: Sequence[Entry], targets: Sequence[Entry]) -> None:
-        """The first half of a move's complete step: each source whose copy is still current leaves its tier (tiers
-        are exclusive), so that :meth:`settle` can publish the copy. A source deleted meanwhile took its copy's
-        placement with it (``Index.delete``), and stays as it is."""
-        for source, target in zip(sources, targets):
-            if source.state is State.RESIDENT and target.state is State.PLACING:
-                self._index.retire(source, reason="moved")
-
     async def _retire(self, entries: Sequence[Entry]) -> None:
         """Take the mover's claimed sources out of their tier, give back its references, and delete the records
         no reader still holds, before returning: that is the room the caller waits for."""
         index = self._index
         for entry in entries:
-            if entry.state is State.RESIDENT:
+            if index.is_current(entry):
                 index.retire(entry)
         for level, keys in self._released(entries).items():
             await self._delete(self._tiers[level], keys)
@@ -538,10 +516,10 @@ class Mover:
 
     def offer(self, job: _Job) -> bool:
         """Queue a background copy; ``False`` (and counted) if the queue is full or the mover closed."""
-        job.nbytes = sum(map(len, job.values)) if not isinstance(job, _Sweep) else 0
+        job.nbytes = sum(map(len, job.values))
         if self._closed or (job.nbytes and self._queued_bytes + job.nbytes > MAX_QUEUED_BYTES):
             target = 0 if isinstance(job, _Promotion) else -1
-            self._counts[target].copies_dropped += len(getattr(job, "keys", ()))
+            self._counts[target].copies_dropped += len(job.keys)
             return False
         self._queue.append(job)
         self._queued_bytes += job.nbytes
@@ -634,7 +612,7 @@ class Mover:
             return
         source = job.source
         tag = job.keys[0][:NAMESPACE_TAG_BYTES]
-        if source is None and index.namespace_generation(tag) != job.generation:
+        if source is None and index.cleared_since(tag, job.generation):
             return  # cleared since the read: the values are of the old generation
         wanted = [i for i, key in enumerate(job.keys)
                   if index.placing(key) is None and index.level_of(key) == source
@@ -672,7 +650,7 @@ class Mover:
         if self._shared is None or not job.keys:
             return
         tag = job.keys[0][:NAMESPACE_TAG_BYTES]
-        if self._index.namespace_generation(tag) != job.generation:
+        if self._index.cleared_since(tag, job.generation):
             return  # cleared here since the put: the clear wins (and one elsewhere: the old generation is written)
         await self.write_shared(job.keys, job.values, job.metas, {tag: job.shared_generation})
 

@@ -1,36 +1,116 @@
-"""Placement: a put's blocks into the first local tier each fits, in batches, and on down the tiers (or into the
-shared tier in ``write_back`` mode) where a tier cannot take them."""
+"""Placement: a put's admission, its steps (``Index.prepare_put``, the I/O, ``Index.complete_put``), and its blocks
+into the first local tier each fits, in batches, and on down the tiers (or into the shared tier in ``write_back``
+mode) where a tier cannot take them."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
+from kvstore.codec import check_one_shape
+from kvstore.config import StoreConfig
+from kvstore.continuations import Continuations
 from kvstore.errors import ResourceExhaustedError
-from kvstore.index import Entry, Index, State
-from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
+from kvstore.index import Entry, Index
+from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey, Namespace
 from kvstore.mover import Mover
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, SharedTier, Tier
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, SharedTier, Tier
+from kvstore.validation import check_block, check_counts, check_priority, check_retention_s
 
 
 class Placement:
-    """A put's I/O and complete step for one store (the prepare, its placing entries, is the store's ``put``).
+    """Every put of one store: what the store's ``put`` runs, over its index, tiers and mover.
 
     Args:
         index: the store's index.
         tiers: its local tiers, fastest first.
         shared: its shared tier, or ``None``.
         mover: its mover, which writes each batch and moves its victims out.
-        write_through: whether every put is also offered to the shared tier (else a shared tier is written back).
+        config: the store's config (``max_block_bytes``, ``default_priority``, ``redis.mode``).
+        clock: the store's clock, seconds.
+
+    Attributes:
+        continuations: the cached prefixes lookups found, by the block a put of the rest starts at.
     """
 
     def __init__(self, index: Index, tiers: Sequence[Tier], shared: SharedTier | None, mover: Mover,
-                 write_through: bool) -> None:
+                 config: StoreConfig, clock: Callable[[], float]) -> None:
         self._index = index
         self._tiers = list(tiers)
         self._shared = shared
         self._mover = mover
-        self._write_through = write_through
+        self._write_through = shared is not None and config.redis.mode == "write_through"
+        self._max_block_bytes = config.max_block_bytes
+        self._default_priority = config.default_priority
+        self._clock = clock
+        self.continuations: Continuations[BlockKey] = Continuations()
+
+    def admit(self, namespace: Namespace, keys: Sequence[BlockKey], blocks: Sequence[Buffer], priority: int | None,
+              retention_s: float | None) -> BlockMeta:
+        """Validate a put (``kvstore.validation``) before anything is stored; returns the blocks' metadata.
+
+        Raises:
+            InvalidArgumentError: on a block that does not decode or fit the namespace, or a bad priority or retention.
+            ResourceExhaustedError: on a block over ``max_block_bytes`` or larger than every tier (counted).
+        """
+        check_counts(len(keys), len(blocks))
+        checked = check_priority(priority)
+        priority = self._default_priority if checked is None else checked
+        retention_s = check_retention_s(retention_s)
+        now = self._clock()
+        meta = BlockMeta(priority, now + retention_s if retention_s else 0.0, now)
+        for position, block in enumerate(blocks):
+            check_block(namespace, position, block, self._max_block_bytes)
+            if not self._fits_somewhere(len(block)):
+                exc = ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
+                if self._tiers:
+                    self._mover.refused(0, "too_large", len(blocks), exc)
+                raise exc
+        check_one_shape(blocks)
+        return meta
+
+    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], meta: BlockMeta,
+                  check_open: Callable[[], None]) -> int:
+        """An admitted put's steps: prepare (``Index.prepare_put``), the I/O and complete (:meth:`place`), for
+        every block in no tier; a block another put is placing is waited for, and one whose placement a delete
+        retired is placed again once that placement has ended. Returns how many blocks this put stored.
+
+        A put that continues a prefix a Get is still promoting first waits for the promotion, and then
+        ``check_open``. Once prepared, each placement runs to its end even if the caller is cancelled.
+        """
+        index = self._index
+        first_new = next((key for key in keys if index.level_of(key) is None), None)
+        protect = self.continuations.pop(first_new) if first_new is not None else ()
+        promoting = self._mover.promotions_of(protect)
+        if promoting:  # the Get before this put is still promoting its prefix: this put continues that prefix
+            await asyncio.wait(promoting)
+            check_open()
+        num_new = 0
+        pending = dict(zip(keys, blocks))
+        first = True
+        while pending:
+            order = list(pending)
+            step = index.prepare_put(order, meta.priority, meta.expires_at, touch=first)
+            first = False
+            if step.entries:
+                values = [_owned(pending[order[i]]) for i in step.positions]
+                generations = (step.generation,
+                               self._mover.shared_generations(keys[:1]).get(keys[0][:NAMESPACE_TAG_BYTES], 0))
+                await asyncio.shield(self._mover.run(self.place(step.entries, values, meta, generations, protect)))
+                num_new += len(step.entries)
+            again = {order[i] for i in step.again}
+            for entry in step.waits:
+                error = await asyncio.shield(entry.wait())
+                if error is not None and entry.key not in again:
+                    raise error
+            pending = {key: pending[key] for key in again}
+        return num_new
+
+    def _fits_somewhere(self, nbytes: int) -> bool:
+        if self._shared is not None and not self._write_through:
+            return True
+        return self.first_fit(nbytes) is not None
 
     async def place(self, entries: list[Entry], values: list[bytes], meta: BlockMeta,
                      generations: tuple[int, int], protect: Sequence[BlockKey] = ()) -> None:
@@ -50,7 +130,7 @@ class Placement:
         """
         metas = _chain_metas(meta, len(entries))
         if self._write_through:
-            live = [i for i, entry in enumerate(entries) if entry.state is State.PLACING]  # not deleted meanwhile
+            live = [i for i, entry in enumerate(entries) if self._index.is_current(entry)]  # not deleted meanwhile
             if live:
                 self._mover.write_through([entries[i].key for i in live], [values[i] for i in live],
                                           [meta] * len(live), *generations)
@@ -61,11 +141,7 @@ class Placement:
             for level, positions in by_level.items():
                 await self._place_down(level, [entries[i] for i in positions], [values[i] for i in positions],
                                        [metas[i] for i in positions], protect, generations[1])
-            index = self._index
-            for key in reversed(protect):  # tail first: the chain's head ends the most recent
-                level = index.level_of(key)
-                if level is not None:
-                    index.policies[level].touch(key)
+            self._index.touch(protect)  # tail first: the chain's head ends the most recent
         except BaseException as exc:
             for entry in entries:
                 if not entry.ended:
@@ -126,7 +202,7 @@ class Placement:
     async def _spill(self, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
                      generation: int) -> None:
         """Blocks that fit no local tier, in ``write_back`` mode: straight into the shared tier."""
-        live = [i for i, entry in enumerate(entries) if entry.state is State.PLACING]  # not deleted meanwhile
+        live = [i for i, entry in enumerate(entries) if self._index.is_current(entry)]  # not deleted meanwhile
         if live:
             tag = entries[0].key[:NAMESPACE_TAG_BYTES]
             await self._mover.write_shared([entries[i].key for i in live], [values[i] for i in live],
@@ -148,7 +224,17 @@ def _chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
     """``meta`` for each of ``num_blocks`` blocks in prefix order, the head most recent.
 
     A restart rebuilds the eviction order by sorting on ``last_access``
-    (``TieredStore.start``); a step of :data:`~kvstore.tiers.base.CHAIN_STEP_S`
+    (``kvstore.lifecycle.restore``); a step of :data:`~kvstore.tiers.base.CHAIN_STEP_S`
     per block keeps the rule that a chain's tail goes before its head.
     """
     return [dataclasses.replace(meta, last_access=meta.last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
+
+
+def _owned(block: Buffer) -> bytes | memoryview:
+    """``block`` as memory no caller can change: ``bytes`` as it is, a read-only view of ``bytes`` as it is
+    (a same-host Put's copy behind its framing head, ``kvstore.shm.node.SharedMemoryNode.copy_in``), else a copy."""
+    if type(block) is bytes:
+        return block
+    if isinstance(block, memoryview) and block.readonly and type(block.obj) is bytes and block.c_contiguous:
+        return block
+    return bytes(block)

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 from kvstore.config import StoreConfig
 from kvstore.counts import TierCounts, count_get
-from kvstore.index import Entry, Index, State
+from kvstore.index import Entry, Index, ReadStep
 from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
 from kvstore.mover import Mover
 from kvstore.tiers.base import Buffer, LeasingTier, SharedTier, Tier
@@ -26,7 +26,7 @@ class ReadPath:
         mover: its mover (promotions, and deleting records a read found lost).
         counts: its tier counts (the shared tier's last).
         config: its config (``promote_on_hit``).
-        fits: whether a block read from a persistent tier fits its namespace (``TieredStore._fits``).
+        fits: whether a block read from a persistent tier fits its namespace (``validation.fits_namespace``).
         check_open: raises ``UnavailableError`` once the store is closed.
         is_closed: whether the store is closed (a read closed after it offers no promotions).
     """
@@ -89,17 +89,9 @@ class ReadPath:
         if values is not None:
             return values
         keys = block_keys(read.namespace, read.block_hashes)
-        index = self._index
-        sources: list[int | None] = list(index.locate(keys))  # the local prefix, then (with a shared tier) every
-        local: Sequence[int] = range(len(sources))  # later block: past a block in Redis the next may be local again
-        wanted: list[int] = []
-        if self._shared is not None and len(sources) < len(keys):
-            sources += index.levels_of(keys[len(sources):])
-            local = [i for i, level in enumerate(sources) if level is not None]
-            wanted = [i for i, level in enumerate(sources) if level is None]
-        read.held = [index.hold(sources[i], keys[i]) for i in local]  # type: ignore[arg-type]
-        generation = index.namespace_generation(read.namespace.tag)
-        task = asyncio.ensure_future(self._read_prefix(read, keys, sources, list(local), wanted, generation))
+        step = self._index.prepare_read(keys, self._shared is not None)
+        read.held = step.held
+        task = asyncio.ensure_future(self._read_prefix(read, keys, step))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:  # the I/O goes on, so that its complete step runs; then the read closes
@@ -107,18 +99,18 @@ class ReadPath:
             read.abandon(task)
             raise
 
-    async def _read_prefix(self, read: BlockRead, keys: list[BlockKey], sources: list[int | None],
-                           local: list[int], wanted: list[int], generation: int) -> list[Buffer]:
+    async def _read_prefix(self, read: BlockRead, keys: list[BlockKey], step: ReadStep) -> list[Buffer]:
         """A read's I/O (the shared tier first, then each local tier's part in one batch) and complete step."""
+        sources, local = step.levels, step.local
         found: list[Buffer | None] = [None] * len(sources)
-        if wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
+        if step.wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
             shared = self._shared
+            wanted = step.wanted
             for i, value in zip(wanted, await shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
                 if value is None or not self._fits(read.namespace, keys[i], value, shared.name):  # type: ignore[union-attr]
                     local = [j for j in local if j < i]
                     break
                 found[i] = value
-        held = {id(entry): entry for entry in read.held}
         by_level: dict[int, list[int]] = {}
         for i in local:
             by_level.setdefault(sources[i], []).append(i)  # type: ignore[arg-type]
@@ -129,10 +121,12 @@ class ReadPath:
                 found[i] = value
         # complete: a located block its tier could not serve (gone, unreadable), or a block of a persistent tier
         # that does not fit the namespace, is a miss, forgotten at once and its record deleted
-        entries = {entry.key: entry for entry in held.values()}
+        index = self._index
+        entries = {entry.key: entry for entry in step.held}
+        lost: list[Entry] = []
         for i in local:
             entry = entries[keys[i]]
-            if entry.state is not State.RESIDENT:
+            if not index.is_current(entry):
                 continue  # deleted or moved out meanwhile: what the read got (or not) is not the index's business
             value = found[i]
             if value is None:
@@ -145,17 +139,14 @@ class ReadPath:
                 self._counts[entry.level].mismatched += 1
             else:
                 continue
-            if self._index.forget(entry.level, entry.key, reason="lost"):
-                self._mover.discard(entry.level, [entry.key])
+            lost.append(entry)
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]
         count_get(self._counts, [len(self._tiers) if s is None else s for s in sources[:hit]], len(keys))
-        policies = self._index.policies
-        for key, level in reversed(list(zip(keys[:hit], sources[:hit]))):  # tail first: the head ends most recent
-            if level is not None and key in policies[level]:
-                policies[level].touch(key)
+        for level, records in index.complete_read(step, keys, hit, lost).items():
+            self._mover.discard(level, records)
         if self._promote_on_hit and self._tiers:
-            read.promotions = self._promotions(keys, sources[:hit], values, generation)
+            read.promotions = self._promotions(keys, sources[:hit], values, step.generation)
         return values
 
     async def _read_tier(self, level: int, keys: list[BlockKey], read: BlockRead) -> list[Buffer | None]:

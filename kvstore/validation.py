@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import operator
 from typing import Sequence
 
 from kvstore.api import Block
-from kvstore.codec import BlockHeader, Layout, verify_block
+from kvstore.codec import BlockHeader, Layout, decode_header, verify_block
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError
-from kvstore.keys import BlockHash, Namespace, check_block_hashes
+from kvstore.keys import BlockHash, BlockKey, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
+
+logger = logging.getLogger(__name__)
 
 _PLAIN_HASH_TYPES = frozenset((bytes, bytearray))
 """Hash types whose ``len`` is their byte length (a ``memoryview``'s need not be)."""
@@ -168,6 +171,23 @@ def namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
     if tokens != namespace.block_size:
         return f"holds {tokens} tokens, the namespace's block size is {namespace.block_size}"
     return ""
+
+
+def fits_namespace(namespace: Namespace, key: BlockKey, block: Block, tier_name: str) -> bool:
+    """Whether a block read from a tier that outlives this process (disk, Redis) has the namespace's dtype,
+    layout and block size; a block that does not is logged (a warning), for the store to count as a miss.
+
+    Such a tier verifies only the block's checksum, and Redis is shared with
+    other nodes (maybe of another version) and anything that can reach it: a
+    block a put would have refused here is a miss, never served.
+    """
+    try:
+        mismatch = namespace_mismatch(namespace, decode_header(block))
+    except CodecError as exc:
+        mismatch = str(exc)
+    if mismatch:
+        logger.warning("tier %s: block %s does not fit its namespace (%s); a miss", tier_name, key.hex(), mismatch)
+    return not mismatch
 
 
 def check_seconds(name: str, value: float, *, minimum_s: float = 0.0, open_minimum: bool = False,

@@ -251,6 +251,20 @@ class LeasingTier(Tier, Protocol):
 
 
 @runtime_checkable
+class CompressingTier(Tier, Protocol):
+    """A tier that stores blocks compressed (``kvstore.tiers.compression``): the LMDB tier with compression on.
+
+    The mover packs a batch with :meth:`pack_values` before it reserves room, so the store counts the
+    stored (compressed) lengths against the tier's capacity and the tier holds as many more blocks as they
+    are smaller; :meth:`put` stores packed frames as they are.
+    """
+
+    async def pack_values(self, values: Sequence[bytes]) -> Sequence[bytes]:
+        """``values`` as :meth:`put` stores them (compressed frames where that saves bytes), in order."""
+        ...
+
+
+@runtime_checkable
 class SharedTier(Tier, Protocol):
     """A tier that several nodes share (Redis): not indexed by any store, and cleared by namespace generations.
 
