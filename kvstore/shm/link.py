@@ -54,6 +54,10 @@ RETRY_S = (1.0, 60.0)
 """First and longest pause before a link that failed to attach tries again, seconds (doubling)."""
 LEASE_MARGIN_S = 0.5
 """A Get's blocks are used only if the copy ended this long before the lease's end, by this client's clock, seconds."""
+PUT_WARM_BYTES = 32 << 20
+"""Put-segment pages below this offset stay resident between puts (the first-fit allocator reuses them, so a
+steady stream of puts faults no new page); a put's pages above it go back to the kernel once the node has
+consumed the put, so a burst leaves no resident pages behind, bytes."""
 FORK_QUIESCE_S = 2.0
 """Longest a fork waits for a session's threads to leave gRPC (gRPC's fork support off), seconds."""
 
@@ -225,7 +229,14 @@ class SharedSession:
         return Staged(offset, offsets, sizes)
 
     def unstage(self, staged: Staged) -> None:
-        """Give a put's range back, once the node's reply (or its error status) has arrived."""
+        """Give a put's range back, once the node's reply (or its error status) has arrived; its pages past
+        :data:`PUT_WARM_BYTES` go back to the kernel first (``MADV_REMOVE``: the node has copied them out)."""
+        if staged.sizes:
+            page = self._put_ranges.alignment  # a multiple of the page size; the range is allocated in such units
+            start = max(staged.offset, PUT_WARM_BYTES)
+            end = -(-(staged.offsets[-1] + staged.sizes[-1]) // page) * page
+            if end > start:
+                self.put_segment.release(start, end - start)  # before the range is free for another put
         with self._lock:
             self._put_ranges.free(staged.offset)
 
