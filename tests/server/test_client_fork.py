@@ -11,6 +11,7 @@ held by a thread it does not have (an abort). The node is a separate process.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import threading
@@ -22,13 +23,19 @@ import pytest
 from kvstore.client import KVStoreClient
 from tests.support.kvnode import KVNode
 from tests.support.server import ThreadedServer, kv_blocks, namespace
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture(autouse=True)
 def no_in_process_server() -> None:
-    """Stop the in-process servers other test modules left running, so that this process hosts none when it forks."""
+    """Stop the in-process servers other test modules left running, so that this process hosts none when it forks,
+    and let gRPC's asyncio poller go: its thread polls inside gRPC core while any ``grpc.aio`` channel or server
+    of an earlier module is still alive, which makes gRPC skip its fork handlers as the session's stream did."""
     for server in list(ThreadedServer.live):
         server.stop()
+    gc.collect()  # the aio objects earlier modules dropped: gRPC's asyncio stack shuts down with the last of them
+    wait_until(lambda: not [t for t in threading.enumerate() if t.name.endswith("(_poll_wrapper)")], 30,
+               "gRPC's asyncio poller thread gone (an earlier module keeps a grpc.aio channel or server alive)")
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +129,7 @@ def test_grpc_runs_its_fork_handlers_with_a_session_attached(node: KVNode, capfd
             if pid == 0:
                 os._exit(0)
             assert os.waitpid(pid, 0)[1] == 0
-            assert "skipping fork() handlers" not in capfd.readouterr().err
+            assert "skipping fork() handlers" not in capfd.readouterr().err, [t.name for t in threading.enumerate()]
             got = kv.get_tensors(ns, hashes)  # the parent attaches a new session, and reads in it
             assert len(got) == 2 and all(a.equal(b) for a, b in zip(got, tensors))
             assert kv.shared_memory() == ("attached",)
