@@ -84,6 +84,7 @@ class Tally:
     checked_bytes: int = 0
     refused_with_room: int = 0
     refused_disk_full: int = 0
+    refusals: collections.Counter[str] = field(default_factory=collections.Counter)  # "op: reason" -> calls
     ops: collections.Counter[str] = field(default_factory=collections.Counter)
     messages: dict[str, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
 
@@ -131,12 +132,14 @@ class Worker(threading.Thread):
             while not self.stop.is_set():
                 ids = self.rng.choice(self.trace)[:MAX_BLOCKS_PER_REQUEST[self.size]]
                 hashes = hash_blocks(ns, [t for i in ids for t in range(i * 16, i * 16 + 16)])
+                op = "lookup"
                 try:
                     started = time.perf_counter()
                     found = client.lookup(ns, hashes).num_blocks
                     tally.op(f"lookup/{self.path}", time.perf_counter() - started)
                     got: list[Any] = []
                     if found:
+                        op = "get"
                         started = time.perf_counter()
                         got = list(client.get(ns, hashes[:found]))
                         tally.op(f"get/{self.path}", time.perf_counter() - started)
@@ -148,18 +151,22 @@ class Worker(threading.Thread):
                                 tally.wrong_blocks += bytes(block) != expected
                     missing = hashes[len(got):]
                     if missing:
+                        op = "put"
                         started = time.perf_counter()
                         client.put(ns, missing, [block_tensor(h, self.shape) for h in missing])
                         tally.op(f"put/{self.path}", time.perf_counter() - started)
                 except ResourceExhaustedError as exc:
-                    tally.error(self.path, exc)
+                    tally.error(f"{op}/{self.path}", exc)
                     with tally.lock:
-                        if self.disk_full.is_set():
+                        tally.refusals[f"{op}: {refusal_reason(exc)}"] += 1
+                        if op != "put":
+                            pass  # not a refused put (e.g. a Get past a limit): counted by code only
+                        elif self.disk_full.is_set():
                             tally.refused_disk_full += 1
                         else:
                             tally.refused_with_room += 1
                 except Exception as exc:  # noqa: BLE001 - counted by code; the soak goes on
-                    tally.error(self.path, exc)
+                    tally.error(f"{op}/{self.path}", exc)
                     self.stop.wait(0.2)
 
 
@@ -228,13 +235,22 @@ class Hostile(threading.Thread):
                 self.tally.hostile[f"{what}: {code}"] += num
 
 
-def process_figures(pid: int | None) -> tuple[float, int, int]:
-    """RSS (MiB), open descriptors, and same-host segments of a process (0s when it is down)."""
+def refusal_reason(exc: BaseException) -> str:
+    """A RESOURCE_EXHAUSTED message with its numbers taken out, so refusals of one cause count together."""
+    import re
+
+    return re.sub(r"\d[\d.,]*", "N", str(exc).split(";")[0])[:120]
+
+
+def process_figures(pid: int | None) -> tuple[float, float, int, int]:
+    """RSS and its anonymous part (heap, not LMDB's mapped file or shared memory), MiB, open descriptors, and
+    same-host segments of a process (0s when it is down)."""
     if pid is None:
-        return 0.0, 0, 0
+        return 0.0, 0.0, 0, 0
     try:
         with open(f"/proc/{pid}/status") as status:
-            rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+            fields = {line.split(":")[0]: line.split()[1] for line in status if line.startswith(("VmRSS:", "RssAnon:"))}
+        rss, anon = int(fields["VmRSS"]) / 1024, int(fields["RssAnon"]) / 1024
         fds = os.listdir(f"/proc/{pid}/fd")
         segments = set()
         for fd in fds:
@@ -244,9 +260,9 @@ def process_figures(pid: int | None) -> tuple[float, int, int]:
                 continue
             if link.startswith("/memfd:kvstore-"):
                 segments.add(link.split()[0])
-        return rss, len(fds), len(segments)
-    except (OSError, StopIteration):
-        return 0.0, 0, 0
+        return rss, anon, len(fds), len(segments)
+    except (OSError, KeyError):
+        return 0.0, 0.0, 0, 0
 
 
 def corrupt_a_leaf(data_file: Path, rng: random.Random) -> str:
@@ -343,8 +359,9 @@ def main() -> None:
             if elapsed >= next_sample:
                 row: dict[str, Any] = {"t_s": round(elapsed, 1)}
                 for i, node in enumerate(nodes):
-                    rss, fds, segments = process_figures(node.pid if node.is_running else None)
-                    row[f"node{i}"] = {"rss_mib": round(rss, 1), "open_files": fds, "segments": segments}
+                    rss, anon, fds, segments = process_figures(node.pid if node.is_running else None)
+                    row[f"node{i}"] = {"rss_mib": round(rss, 1), "rss_anon_mib": round(anon, 1), "open_files": fds,
+                                       "segments": segments}
                 with tally.lock:
                     row["ops"] = sum(tally.ops.values())
                 samples.append(row)
@@ -387,7 +404,7 @@ def report(args: argparse.Namespace, tally: Tally, samples: list[dict[str, Any]]
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, REPO_ROOT), *sys.argv[1:]])
     latency = {op: {"n": len(v), "p50_ms": round(percentile(v, 50), 2), "p99_ms": round(percentile(v, 99), 2)}
                for op, v in sorted(tally.latencies_ms.items())}
-    flat = {metric: flatness(samples, metric) for metric in ("rss_mib", "open_files", "segments")}
+    flat = {metric: flatness(samples, metric) for metric in ("rss_mib", "rss_anon_mib", "open_files", "segments")}
     meta = {"command": command, "minutes": args.minutes, "nodes": args.nodes, "workers": args.workers,
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "load_average_before": [round(x, 2) for x in load_before],
@@ -396,7 +413,7 @@ def report(args: argparse.Namespace, tally: Tally, samples: list[dict[str, Any]]
               "checked_bytes": tally.checked_bytes, "refused_with_room": tally.refused_with_room,
               "refused_disk_full": tally.refused_disk_full, "errors": dict(tally.errors),
               "hostile": dict(tally.hostile), "ops": dict(tally.ops), "latency": latency, "faults": faults,
-              "error_messages": dict(tally.messages),
+              "error_messages": dict(tally.messages), "refusals": dict(tally.refusals),
               "node0_flatness": flat, "samples": samples}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -420,9 +437,15 @@ def report(args: argparse.Namespace, tally: Tally, samples: list[dict[str, Any]]
         *[f"| node 0 {metric} flat after warm-up, within 5% | {v['after_warmup']} → {v['last_fifth']} "
           f"({v['ratio']}x) | {goal(abs(v['ratio'] - 1) <= 0.05)} |" for metric, v in flat.items()],
         "",
+        "Honest clients' RESOURCE_EXHAUSTED by operation and reason (numbers taken out):",
+        "",
+        "| operation: reason | calls |",
+        "|---|---:|",
+        *[f"| {k} | {v} |" for k, v in sorted(tally.refusals.items())],
+        "",
         "Honest clients' errors by code (retries are the client's own; each counts once, after them):",
         "",
-        "| path, code | calls |",
+        "| operation/path, code | calls |",
         "|---|---:|",
         *[f"| {k} | {v} |" for k, v in sorted(tally.errors.items()) if not k.startswith("hostile")],
         "",

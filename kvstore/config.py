@@ -330,6 +330,9 @@ class LimitsConfig:
             (read, not yet sent and acknowledged by gRPC); a Get past it waits, without reading
             or pinning anything, until earlier replies end (``kvstore.server.limits.ReplyBudget``).
         tenant_reply_bytes: the same over every connection of one tenant (``cache_salt``).
+        connection_put_bytes: bytes of Put bodies one connection's Puts may hold while the node receives
+            them; a Put past it waits before it reads on (``kvstore.server.put_budget.PutBudget``).
+        tenant_put_bytes: the same over every connection of one tenant.
     """
 
     max_hashes_per_request: int = 8192
@@ -339,6 +342,8 @@ class LimitsConfig:
     max_stream_s: float = 60.0
     connection_reply_bytes: int = 64 * MiB
     tenant_reply_bytes: int = 512 * MiB
+    connection_put_bytes: int = 256 * MiB
+    tenant_put_bytes: int = 1 * GiB
 
     def __post_init__(self) -> None:
         _require(self.max_hashes_per_request > 0, "max_hashes_per_request", "must be > 0")
@@ -348,6 +353,8 @@ class LimitsConfig:
         _require(0 < self.max_stream_s < math.inf, "max_stream_s", "must be > 0 and finite")
         _require(self.connection_reply_bytes > 0, "connection_reply_bytes", "must be > 0")
         _require(self.tenant_reply_bytes > 0, "tenant_reply_bytes", "must be > 0")
+        _require(self.connection_put_bytes > 0, "connection_put_bytes", "must be > 0")
+        _require(self.tenant_put_bytes > 0, "tenant_put_bytes", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

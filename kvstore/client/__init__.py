@@ -56,17 +56,26 @@ contract:
   slots, lock and worker threads, and a fresh same-host session; the parent's
   channels, session and threads are left untouched, and the parent's client
   keeps working;
-* gRPC's fork handlers must run: gRPC core's fork support must be on (it is
-  unless ``GRPC_ENABLE_FORK_SUPPORT`` is set false; then a child's first call
-  raises :class:`~kvstore.errors.UnavailableError` at once instead of hanging),
-  and at the moment of ``fork`` no other thread of the process may be inside
-  gRPC. gRPC skips its handlers otherwise ("Other threads are currently calling
-  into gRPC, skipping fork() handlers") and the child may abort on a gRPC lock
-  held by a thread it does not have. This client holds up its side: fork while
-  none of its calls is in flight (its calls run in the calling thread, and the
-  worker threads of a client of several nodes are idle between calls); a
-  gRPC server or another gRPC client busy in the same process breaks the
-  contract, whatever this client does;
+* gRPC's fork handlers must run: at the moment of ``fork`` no thread of the
+  process may be inside gRPC core, or gRPC skips them ("Other threads are
+  currently calling into gRPC, skipping fork() handlers") and the child may
+  abort in gRPC's poller, left mid-poll by a thread it does not have
+  ("ev_epoll1_linux.cc: Check failed: next_worker->state == KICKED"). A
+  same-host session's ``Attach`` stream is a call always in flight, and gRPC's
+  thread polling it is inside gRPC core, so the client ends its same-host
+  sessions just before a fork (an ``os.register_at_fork`` hook that waits for
+  the stream's threads to end) and attaches new ones on the next call, in the
+  parent and the child alike (:meth:`kvstore.shm.link.SharedMemoryLink.end_for_fork`).
+  Leases (:meth:`read`) held across a fork are released then: copy what must
+  outlive them. With gRPC Python's own fork support on
+  (``GRPC_ENABLE_FORK_SUPPORT=1`` before gRPC is imported; it parks gRPC's
+  threads itself, but makes every fork of the process wait about 1 s), the
+  sessions are kept. With ``GRPC_ENABLE_FORK_SUPPORT`` set false in the child,
+  its first call raises :class:`~kvstore.errors.UnavailableError` at once
+  instead of hanging. Fork while none of this client's calls is in flight (its
+  calls run in the calling thread, and the worker threads of a client of
+  several nodes are idle between calls); a gRPC server or another gRPC client
+  busy in the same process breaks the contract, whatever this client does;
 * the contract is tested for :class:`KVStoreClient`
   (``tests/server/test_client_fork.py``); an :class:`AsyncKVStoreClient`'s
   channels also reopen in a child, but an event loop must not cross ``fork``,

@@ -22,6 +22,10 @@ Exported series (conventional ``_total``, ``_bytes`` and ``_seconds`` suffixes):
 * ``kvstore_shm_sessions``, ``kvstore_shm_leases``, ``kvstore_shm_leased_bytes``: gauges of the same-host
   data plane (sessions open, leases in force and the bytes they hold), and
   ``kvstore_shm_events_total{event}``: its counts (``sessions_opened``, ``leases_expired``, ``no_room``, ...).
+* ``kvstore_reply_budget_waits_total{outcome}``: Gets that waited for their reply budget, ``admitted``
+  (their turn came) or ``abandoned`` (deadline, ``max_stream_s``, the client gone);
+  ``kvstore_reply_budget_wait_seconds``: a histogram of how long they waited; and
+  ``kvstore_reply_budget_held_bytes``: a gauge of the bytes Get replies hold now, over all connections.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -37,6 +41,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvstore.api import StoreStats
+
+if TYPE_CHECKING:
+    from kvstore.server.limits import ReplyBudget
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +194,52 @@ class SharedMemoryCollector(Collector):
                                            labels=["event"])
 
 
+class ReplyBudgetCollector(Collector):
+    """The reply budget's waits and held bytes (``kvstore.server.limits.ReplyBudget``), read at scrape time.
+
+    Args:
+        budget: the servicer's budget; counted on the server's loop, read here from the HTTP thread (copies).
+    """
+
+    def __init__(self, budget: ReplyBudget) -> None:
+        self._budget = budget
+
+    def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+        """The three families, empty."""
+        return list(self._families())
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+        """``kvstore_reply_budget_waits_total{outcome}``, ``_wait_seconds`` and ``_held_bytes``."""
+        waits_total, wait_seconds, held = self._families()
+        waits = self._budget.waits
+        counts, sum_s = list(waits.counts), waits.sum_s
+        waits_total.add_metric(["admitted"], waits.admitted)
+        waits_total.add_metric(["abandoned"], waits.abandoned)
+        cumulative, total = [], 0
+        for count in counts:
+            total += count
+            cumulative.append(total)
+        bounds = [*map(floatToGoString, waits.buckets), "+Inf"]
+        wait_seconds.add_metric([], list(zip(bounds, cumulative)), sum_s)
+        try:
+            held.add_metric([], self._budget.held_bytes())
+        except RuntimeError:  # the loop changed the dict while this summed it: skip the gauge this scrape
+            pass
+        yield waits_total
+        yield wait_seconds
+        yield held
+
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily, HistogramMetricFamily, GaugeMetricFamily]:
+        return (
+            CounterMetricFamily("kvstore_reply_budget_waits", "Gets that waited for their reply budget, by outcome.",
+                                labels=["outcome"]),
+            HistogramMetricFamily("kvstore_reply_budget_wait_seconds",
+                                  "How long Gets waited for their reply budget, seconds."),
+            GaugeMetricFamily("kvstore_reply_budget_held_bytes", "Bytes Get replies hold now, all connections."),
+        )
+
+
 class CallStats(Collector):
     """Finished calls by method and status code, and a latency histogram by method, exported at scrape time.
 
@@ -291,6 +344,10 @@ class ServiceMetrics:
         """Export the same-host data plane's counts through ``counters`` (``SharedMemoryNode.counters``, run on
         its loop: see :meth:`StoreCollector.on_loop`)."""
         self.registry.register(SharedMemoryCollector(counters))
+
+    def add_reply_budget(self, budget: ReplyBudget) -> None:
+        """Export the reply budget's waits and held bytes (see :class:`ReplyBudgetCollector`)."""
+        self.registry.register(ReplyBudgetCollector(budget))
 
     def start_http(self, host: str, port: int) -> int:
         """Serve ``/metrics`` over HTTP in a daemon thread.

@@ -35,6 +35,7 @@ from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
 from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
 from kvstore.server.limits import ReplyBudget, StreamWatch, StreamWatchdog, TenantQuota
+from kvstore.server.put_budget import PutBudget
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.shared_memory import SharedMemoryMethods
 from kvstore.wire import (
@@ -221,6 +222,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         self.namespaces = NamespaceCache()  # serialized wire namespace -> validated Namespace, of authorized calls
         self.quota = TenantQuota.from_config(config, store.namespace_bytes)
         self.replies = ReplyBudget.from_config(config)
+        self.puts = PutBudget.from_config(config)
         self.accepting = True
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -335,7 +337,8 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         """Receive a whole Put stream, validate it, then store every block in one ``store.put``.
 
         Nothing is stored unless the whole stream arrives: a cancelled, truncated
-        or malformed stream leaves the store unchanged.
+        or malformed stream leaves the store unchanged. The blocks being received
+        count against the connection's and tenant's put budget (:class:`PutBudget`) until the call ends.
         """
         async with self._call("Put", context) as call:
             namespace: Namespace | None = None
@@ -344,35 +347,43 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
             hashes: list[bytes] = []
             assembler = BlockAssembler(self._config.store.max_block_bytes, self._max_hashes,
                                        self._config.limits.max_put_bytes)
-            async with self._watchdog.watch("Put"):
-                async for raw in request_iterator:
-                    message, data = decode_put_request(raw)
-                    if namespace is None:
-                        if not message.HasField("namespace"):
-                            raise InvalidArgumentError("the first Put message must carry the namespace")
-                        namespace = self._namespace(message.namespace.SerializeToString(), call)
-                        priority = message.priority if message.HasField("priority") else None
-                        retention_s = message.retention_s if message.HasField("retention_s") else None
-                    elif message.HasField("namespace"):
-                        raise InvalidArgumentError("only the first Put message may carry the namespace")
-                    if message.block_hash:
-                        block_key(namespace, message.block_hash)  # the hash length, before buffering anything
-                        assembler.begin(message.block_index, message.total_bytes)
-                        hashes.append(message.block_hash)
-                    elif not data:
-                        continue  # e.g. a first message with the namespace alone: it carries no block bytes
-                    assembler.add(message.block_index, message.offset, data)
+            peer, held = call.peer(), 0  # the bytes this Put's blocks hold, under self.puts
             try:
-                blocks = assembler.finish()
-            except InvalidArgumentError:  # a truncated stream; a client that cancelled mid-stream ends it early too,
-                await _await_cancellation(context)  # and its cancellation lands a moment later: count it as such
-                raise
-            if namespace is None:
-                return pb.PutResponse(num_stored=0, num_blocks=0)
-            self._check_deadline(context)
-            with self._reserve(namespace, sum(len(b) for b in blocks)):
-                stored = await self._store.put(namespace, hashes, blocks, priority=priority, retention_s=retention_s)
-            return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
+                async with self._watchdog.watch("Put"):
+                    async for raw in request_iterator:
+                        message, data = decode_put_request(raw)
+                        if namespace is None:
+                            if not message.HasField("namespace"):
+                                raise InvalidArgumentError("the first Put message must carry the namespace")
+                            namespace = self._namespace(message.namespace.SerializeToString(), call)
+                            priority = message.priority if message.HasField("priority") else None
+                            retention_s = message.retention_s if message.HasField("retention_s") else None
+                        elif message.HasField("namespace"):
+                            raise InvalidArgumentError("only the first Put message may carry the namespace")
+                        if message.block_hash:
+                            block_key(namespace, message.block_hash)  # the hash length, before buffering anything
+                            assembler.begin(message.block_index, message.total_bytes)
+                            await self.puts.take(peer, namespace.cache_salt, message.total_bytes, held)
+                            held += message.total_bytes
+                            hashes.append(message.block_hash)
+                        elif not data:
+                            continue  # e.g. a first message with the namespace alone: it carries no block bytes
+                        assembler.add(message.block_index, message.offset, data)
+                try:
+                    blocks = assembler.finish()
+                except InvalidArgumentError:  # a truncated stream; a client that cancelled mid-stream ends it
+                    await _await_cancellation(context)  # early too, and its cancellation lands a moment later
+                    raise
+                if namespace is None:
+                    return pb.PutResponse(num_stored=0, num_blocks=0)
+                self._check_deadline(context)
+                with self._reserve(namespace, sum(len(b) for b in blocks)):
+                    stored = await self._store.put(namespace, hashes, blocks, priority=priority,
+                                                   retention_s=retention_s)
+                return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
+            finally:
+                if held:
+                    self.puts.release(peer, namespace.cache_salt if namespace is not None else "", held)
         raise AssertionError("unreachable")
 
     async def Delete(self, raw: bytes | pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
@@ -529,10 +540,14 @@ class _Call:
         self.principal: Principal | None = None
         self._reply: list | None = None  # [budget, peer, tenant, bytes charged] of a Get under a ReplyBudget
 
+    def peer(self) -> str:
+        """The call's client connection (what per-connection limits count by)."""
+        return self._ticket.peer if self._ticket is not None and self._ticket.peer else self._context.peer()
+
     def reply_turn(self, budget: ReplyBudget, tenant: str, num_blocks: int) -> Awaitable[None] | None:
         """Take a Get's turn under ``budget`` (``kvstore.server.limits.ReplyBudget``): ``None`` when admitted
         now, else the wait to await; what it is charged is released when the call ends."""
-        peer = self._ticket.peer if self._ticket is not None and self._ticket.peer else self._context.peer()
+        peer = self.peer()
         estimate = budget.estimate(num_blocks)
         if budget.admit(peer, tenant, estimate):
             self._reply = [budget, peer, tenant, estimate]

@@ -75,6 +75,35 @@ def test_a_tenant_is_bounded_over_all_its_connections() -> None:
     asyncio.run(scenario())
 
 
+def test_waits_for_the_budget_are_counted_and_timed_in_the_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from kvstore.server.metrics import ServiceMetrics
+
+    budget = ReplyBudget(per_connection_bytes=10, per_tenant_bytes=100)
+    metrics = ServiceMetrics()
+    metrics.add_reply_budget(budget)
+
+    async def scenario() -> None:
+        assert budget.admit("p", "t", 12)  # the budget is full
+        admitted = asyncio.ensure_future(budget.wait("p", "t", 6))
+        abandoned = asyncio.ensure_future(budget.wait("p", "t", 6))
+        await asyncio.sleep(0)
+        budget.release("p", "t", 12)
+        await admitted
+        abandoned.cancel()  # its deadline
+        await asyncio.gather(abandoned, return_exceptions=True)
+
+    asyncio.run(scenario())
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvstore_reply_budget_waits_total{outcome="admitted"} 1.0' in text
+    assert 'kvstore_reply_budget_waits_total{outcome="abandoned"} 1.0' in text
+    assert 'kvstore_reply_budget_wait_seconds_count 2.0' in text
+    assert 'kvstore_reply_budget_wait_seconds_bucket{le="+Inf"} 2.0' in text
+    assert "kvstore_reply_budget_held_bytes 6.0" in text  # the admitted Get's estimate, until it is released
+    assert budget.num_waited == 2 and budget.waits.sum_s >= 0
+
+
 def test_budgets_must_be_positive() -> None:
     with pytest.raises(ValueError):
         ReplyBudget(0, 1)

@@ -187,3 +187,27 @@ def test_the_65th_session_of_one_tenant_is_refused_while_another_tenant_attaches
         channel.close()
         node.stop()
         gc.collect()  # the sessions' segments are mapped here (the node is in this process) until collected
+
+
+def test_a_puts_pages_past_the_warm_part_of_the_put_segment_go_back_once_the_node_has_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.client import KVStoreClient
+    from kvstore.shm import link
+    from tests.support.server import kv_blocks, make_config, namespace
+
+    monkeypatch.setattr(link, "PUT_WARM_BYTES", 1 << 20)  # 1 MiB stays resident, as 32 MiB does by default
+    server = ThreadedServer(make_config())
+    try:
+        with KVStoreClient(server.target, retries=0) as client:
+            ns = namespace()
+            hashes, tensors = kv_blocks(ns, 8, num_layers=8, num_kv_heads=8, head_dim=128)  # 8 blocks of 512 KiB
+            assert client.put(ns, hashes[:1], tensors[:1]) == 1
+            session = client._links[0].current()
+            assert session is not None and session.put_segment.resident_bytes() <= 1 << 20
+            assert client.put(ns, hashes[1:], tensors[1:]) == 7  # 3.5 MiB staged: pages up to 3.5 MiB written
+            assert session.put_segment.resident_bytes() <= 1 << 20  # only the warm part is left
+            got = client.get_tensors(ns, hashes)  # the node had copied every block out before they went
+            assert len(got) == 8 and all(a.equal(b) for a, b in zip(got, tensors))
+            assert client.put(ns, hashes[:1], tensors[:1]) == 0  # the warm pages still serve the next put
+    finally:
+        server.stop()

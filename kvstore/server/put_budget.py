@@ -1,0 +1,98 @@
+"""Bytes of Put bodies the node holds while it receives them, per client connection and per tenant.
+
+The server buffers a whole Put stream before storing it (nothing is stored
+unless the whole stream arrives), so the blocks being received are node memory
+a client decides on. :class:`PutBudget` counts them: each block at its declared
+size (``total_bytes`` of its first message), from the moment its first message
+is read until the Put's call ends (stored, refused or cancelled). A Put whose
+next block would go past its connection's or tenant's budget, counting what the
+other Puts there hold, waits before it reads on: gRPC's flow control then stops
+the client's sending, as HTTP/2 windows do. Its own blocks do not count against
+it, so one Put larger than a budget still runs, alone. A waiting Put is bounded
+by its deadline and ``limits.max_stream_s``. Used from the server's loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvstore.config import Config
+
+
+class PutBudget:
+    """Bytes of Put bodies being received per connection (``peer``) and per tenant (``cache_salt``).
+
+    So the Puts of one connection hold at most ``per_connection_bytes`` plus one
+    block each past it (the block that was read while under it); of one tenant,
+    ``per_tenant_bytes`` plus as much.
+
+    Args:
+        per_connection_bytes: bytes one connection's Puts may hold while being received; > 0.
+        per_tenant_bytes: bytes one tenant's Puts may hold, over its connections; > 0.
+
+    Raises:
+        ValueError: if a budget is not > 0.
+    """
+
+    def __init__(self, per_connection_bytes: int, per_tenant_bytes: int) -> None:
+        if per_connection_bytes <= 0 or per_tenant_bytes <= 0:
+            raise ValueError(f"put budgets must be > 0, got {per_connection_bytes} and {per_tenant_bytes}")
+        self.per_connection_bytes = per_connection_bytes
+        self.per_tenant_bytes = per_tenant_bytes
+        self._held: dict[str, int] = {}  # peer, or "\0" + tenant -> bytes held
+        self._changed: asyncio.Event | None = None  # set (and replaced) whenever bytes are released
+        self.num_waited = 0  # blocks whose Put had to wait before reading them, since start
+
+    @classmethod
+    def from_config(cls, config: Config) -> PutBudget:
+        """The budget of ``limits.connection_put_bytes`` and ``limits.tenant_put_bytes``."""
+        return cls(config.limits.connection_put_bytes, config.limits.tenant_put_bytes)
+
+    def held_bytes(self, peer: str | None = None, tenant: str | None = None) -> int:
+        """Bytes held now by ``peer``'s Puts, or ``tenant``'s; by every Put when both are ``None``."""
+        if peer is not None:
+            return self._held.get(peer, 0)
+        if tenant is not None:
+            return self._held.get("\0" + tenant, 0)
+        return sum(n for key, n in list(self._held.items()) if not key.startswith("\0"))
+
+    def _full(self, peer: str, tenant: str, own_bytes: int) -> bool:
+        held = self._held
+        return (held.get(peer, 0) - own_bytes >= self.per_connection_bytes
+                or held.get("\0" + tenant, 0) - own_bytes >= self.per_tenant_bytes)
+
+    async def take(self, peer: str, tenant: str, nbytes: int, own_bytes: int) -> None:
+        """Charge a Put's next block of ``nbytes``, once the other Puts of ``peer`` and ``tenant`` leave room.
+
+        Args:
+            peer: the call's connection.
+            tenant: the namespace's ``cache_salt``.
+            nbytes: the block's declared size, bytes.
+            own_bytes: what this Put holds already (not counted against it), bytes.
+
+        Cancellation (the call's deadline, ``max_stream_s``, the client gone) leaves it uncharged.
+        """
+        if self._full(peer, tenant, own_bytes):
+            self.num_waited += 1
+            while self._full(peer, tenant, own_bytes):
+                if self._changed is None:
+                    self._changed = asyncio.Event()
+                await self._changed.wait()
+        self._charge(peer, tenant, nbytes)
+
+    def release(self, peer: str, tenant: str, nbytes: int) -> None:
+        """A Put's call ended, holding ``nbytes`` (maybe 0): uncount them and let waiting Puts read on."""
+        if nbytes:
+            self._charge(peer, tenant, -nbytes)
+            changed, self._changed = self._changed, None
+            if changed is not None:
+                changed.set()
+
+    def _charge(self, peer: str, tenant: str, nbytes: int) -> None:
+        held = self._held
+        for key in (peer, "\0" + tenant):
+            left = held.get(key, 0) + nbytes
+            if left > 0:
+                held[key] = left
+            else:
+                held.pop(key, None)
