@@ -95,8 +95,15 @@ class EventLog:
 
     def stored(self, level: int, key: BlockKey) -> None:
         """See :meth:`StoreObserver.stored`."""
-        source = self._moving.pop(key, -1) if self._moving else -1
-        self._append((_STORED, level, key, source))
+        queue = self._queue  # _append inlined: this runs once per stored block, on the store's loop
+        if self._overflowed or len(queue) >= self._max_events:
+            if self._moving:
+                self._moving.pop(key, None)
+            self._drop()
+            return
+        if not queue and self._waker is not None:
+            self._waker()
+        queue.append((_STORED, level, key, self._moving.pop(key, -1) if self._moving else -1))
 
     def removed(self, level: int, key: BlockKey, reason: str) -> None:
         """See :meth:`StoreObserver.removed`."""
@@ -110,13 +117,16 @@ class EventLog:
         """See :meth:`StoreObserver.cleared`."""
         self._append((_CLEARED, -1, bytes(tag), CLEARED_NAMESPACE))
 
+    def _drop(self) -> None:
+        if not self._overflowed:
+            self._overflowed = True
+            self.num_overflows += 1
+        self.num_dropped += 1
+
     def _append(self, item: tuple[int, int, bytes, object]) -> None:
         queue = self._queue
         if self._overflowed or len(queue) >= self._max_events:
-            if not self._overflowed:
-                self._overflowed = True
-                self.num_overflows += 1
-            self.num_dropped += 1
+            self._drop()
             return
         if not queue and self._waker is not None:
             self._waker()
