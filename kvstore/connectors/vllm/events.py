@@ -25,17 +25,21 @@ soon as one of them is, and its ``medium`` is the first rank's shard's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import msgspec
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+if TYPE_CHECKING:
+    from kvstore.events.discovery import EventStream
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +77,16 @@ class ConnectorEvents:
     Args:
         vllm_block_size: tokens per vLLM block.
         block_size: tokens per kvstore block (a multiple of ``vllm_block_size``).
-        events_target: the node's ``events.endpoint`` to follow; ``""``: announce at save time, never remove.
+        events_target: the node's ``events.endpoint`` to follow; ``""``: the streams ``streams`` finds, or none.
         events_replay: its replay endpoint (``""``: derived as the node derives it; ``off``: none).
-        max_tracked_blocks: kvstore blocks remembered at most.
+        streams: finds the nodes' streams (``kvstore.events.discovery``: each node's ``Capabilities``), on the
+            following thread; raises while a node cannot be asked (retried, backing off). When it finds none,
+            blocks are announced at save time and never removed, as with neither setting.
+        max_tracked_blocks: kvstore blocks (shards, with TP/PP) remembered at most.
     """
 
     def __init__(self, vllm_block_size: int, block_size: int, *, events_target: str = "", events_replay: str = "",
+                 streams: Callable[[], list[EventStream]] | None = None,
                  max_tracked_blocks: int = MAX_TRACKED_BLOCKS) -> None:
         self._vllm_block_size = vllm_block_size
         self._ratio = block_size // vllm_block_size
@@ -87,14 +95,19 @@ class ConnectorEvents:
         self._saved: OrderedDict[bytes, _Saved] = OrderedDict()
         self._max_tracked = max_tracked_blocks
         self._order = 0
-        self._follows = bool(events_target)
+        self._stream_keys: dict[int, set[bytes]] = {}  # per followed stream, the keys it reported stored
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if events_target:
+            from kvstore.events.discovery import EventStream
             from kvstore.events.publisher import replay_address
 
+            named = EventStream(events_target, replay_address(events_target, events_replay), "")
+            streams = lambda: [named]  # noqa: E731
+        self._follows = streams is not None
+        if streams is not None:
             self._thread = threading.Thread(target=self._follow, name="kvstore-connector-events", daemon=True,
-                                            args=(events_target, replay_address(events_target, events_replay)))
+                                            args=(streams,))
             self._thread.start()
 
     # ------------------------------------------------------------------ the scheduler's side
@@ -167,6 +180,8 @@ class ConnectorEvents:
         """Drop every rank's key of ``record`` and announce it removed (if it was announced)."""
         for key in record.keys:
             self._saved.pop(key, None)
+            for keys in self._stream_keys.values():
+                keys.discard(key)
         self._announce_removed(record)
 
     def _announce_removed(self, saved: _Saved) -> None:
@@ -177,25 +192,59 @@ class ConnectorEvents:
 
     # ------------------------------------------------------------------ the node's stream (a thread)
 
-    def _follow(self, endpoint: str, replay: str | None) -> None:
+    def _follow(self, streams: Callable[[], list[EventStream]]) -> None:
         from kvstore.events.subscriber import EventStreamError, EventSubscriber
 
-        with EventSubscriber(endpoint, replay, topic="", from_seq=None) as subscriber:
-            missed = 0
+        backoff_s = 1.0
+        while True:
+            try:
+                found = streams()
+                break
+            except Exception as exc:  # noqa: BLE001 - a node that is down now: ask again
+                logger.warning("kvstore connector: cannot ask the nodes for their event streams (again in %.0f s): "
+                               "%s", backoff_s, exc)
+                if self._stop.wait(backoff_s):
+                    return
+                backoff_s = min(30.0, backoff_s * 2)
+        if not found:
+            logger.info("kvstore connector: the nodes publish no events: blocks are announced at save time and "
+                        "never removed (set events.endpoint on the nodes)")
+            self._stop_following()
+            return
+        logger.info("kvstore connector: following the nodes' events at %s", ", ".join(s.endpoint for s in found))
+        subscribers = [EventSubscriber(s.endpoint, s.replay_endpoint, topic=s.topic, from_seq=None) for s in found]
+        try:
+            missed = [0] * len(subscribers)
             while not self._stop.is_set():
-                try:
-                    batches = subscriber.receive(0.2)
-                except (EventStreamError, TimeoutError) as exc:
-                    logger.warning("kvstore connector: the node's event stream %s: %s", endpoint, exc)
-                    batches = []
-                if subscriber.num_missed > missed:  # a hole: what the node still holds is unsure now
-                    missed = subscriber.num_missed
-                    self.node_event_removed_all()
-                for _, batch in batches:
-                    self.apply(batch.events)  # type: ignore[attr-defined]
+                for i, subscriber in enumerate(subscribers):
+                    try:
+                        batches = subscriber.receive(0.2 / len(subscribers))
+                    except (EventStreamError, TimeoutError) as exc:
+                        logger.warning("kvstore connector: the node's event stream %s: %s", found[i].endpoint, exc)
+                        batches = []
+                    if subscriber.num_missed > missed[i]:  # a hole: what the node still holds is unsure now
+                        missed[i] = subscriber.num_missed
+                        self.node_event_removed_all(i)
+                    for _, batch in batches:
+                        self.apply(batch.events, i)  # type: ignore[attr-defined]
+        finally:
+            for subscriber in subscribers:
+                subscriber.close()
 
-    def apply(self, events: Sequence[Any]) -> None:
-        """Turn the node's events (``kvstore.events.schema``) into vLLM events for the blocks this engine saved.
+    def _stop_following(self) -> None:
+        """No stream to follow: announce what waits (in medium ``kvstore``) and announce at save time from now."""
+        with self._lock:
+            self._follows = False
+            for record in sorted({id(r): r for r in self._saved.values()}.values(), key=lambda r: r.order):
+                record.medium = MEDIUM_PREFIX
+                self._pending.append(record.event())
+            self._saved.clear()
+
+    def apply(self, events: Sequence[Any], stream: int = 0) -> None:
+        """Turn a node's events (``kvstore.events.schema``) into vLLM events for the blocks this engine saved.
+
+        ``stream`` names the node (the index of its stream): a clear it sends
+        (a namespace's, or its restart's) concerns the blocks it reported stored.
 
         A block whose every shard is stored is announced in its first shard's
         medium; a move of that shard to another tier re-announces it there
@@ -208,6 +257,7 @@ class ConnectorEvents:
 
         with self._lock:
             saved = self._saved
+            mine = self._stream_keys.setdefault(stream, set())
             changed: dict[int, _Saved] = {}  # announced at the end of a run of stores, in prefix order
             for event in events:
                 if isinstance(event, NodeStored):
@@ -218,6 +268,7 @@ class ConnectorEvents:
                         if record is None:
                             continue
                         record.waiting.discard(key)
+                        mine.add(key)
                         if key == record.keys[0]:
                             record.first_medium = medium
                         if not record.waiting and record.medium != record.first_medium:
@@ -231,8 +282,8 @@ class ConnectorEvents:
                         record = saved.get(event.namespace + h)
                         if record is not None:
                             self._forget(record)
-                elif isinstance(event, AllBlocksCleared):
-                    gone = {id(r): r for k, r in saved.items() if k.startswith(event.namespace)}  # b"": every key
+                elif isinstance(event, AllBlocksCleared):  # b"": every key the node reported
+                    gone = {id(saved[k]): saved[k] for k in mine if k.startswith(event.namespace) and k in saved}
                     for record in gone.values():
                         self._forget(record)
             self._announce_changed(changed)
@@ -248,12 +299,20 @@ class ConnectorEvents:
             record.medium = record.first_medium
             self._pending.append(record.event())
 
-    def node_event_removed_all(self) -> None:
-        """Announce every block this engine saved as removed and forget them (the stream had a hole)."""
+    def node_event_removed_all(self, stream: int | None = None) -> None:
+        """Announce removed, and forget, every block one node (``stream``) reported stored, or every block this
+        engine saved (``None``): that node's stream had a hole."""
         with self._lock:
-            for record in {id(r): r for r in self._saved.values()}.values():
-                self._announce_removed(record)
-            self._saved.clear()
+            if stream is None:
+                for record in {id(r): r for r in self._saved.values()}.values():
+                    self._announce_removed(record)
+                self._saved.clear()
+                for keys in self._stream_keys.values():
+                    keys.clear()
+                return
+            keys = self._stream_keys.get(stream, set())
+            for record in {id(self._saved[k]): self._saved[k] for k in keys if k in self._saved}.values():
+                self._forget(record)
 
 
 def open_connector_events(vllm_config: Any, settings: Any, vllm_block_size: int,
@@ -269,7 +328,36 @@ def open_connector_events(vllm_config: Any, settings: Any, vllm_block_size: int,
     events_config = getattr(vllm_config, "kv_events_config", None)
     if events_config is None or not events_config.enable_kv_cache_events:
         return None
-    logger.info("kvstore connector: KV events on (%s)", f"following the node's stream at {settings.events_target}"
-                if settings.events_target else "announced at save time; set events_target for removals")
-    return ConnectorEvents(vllm_block_size, block_size, events_target=settings.events_target,
-                           events_replay=settings.events_replay)
+    streams = None
+    if settings.events_target == "off" or (not settings.events_target and not settings.target):
+        how = "announced at save time, never removed" + ("" if settings.events_target == "off" else
+                                                         " (an embedded store publishes no events)")
+    elif settings.events_target:
+        how = f"following the node's stream at {settings.events_target}"
+    else:
+        how = f"following the event streams the nodes at {settings.target} offer"
+        streams = functools.partial(discover_streams, settings)
+    logger.info("kvstore connector: KV events on (%s)", how)
+    target = settings.events_target if settings.events_target != "off" else ""
+    return ConnectorEvents(vllm_block_size, block_size, events_target=target,
+                           events_replay=settings.events_replay, streams=streams)
+
+
+def discover_streams(settings: Any) -> list[EventStream]:
+    """The event streams of the nodes in ``settings.target`` that publish one (each node's ``Capabilities``).
+
+    Raises:
+        grpc.RpcError: if a node cannot be asked (down): the caller asks again later.
+    """
+    from kvstore.events.discovery import discover_events
+    from kvstore.security import bearer_metadata, channel_credentials
+
+    credentials = None
+    if settings.tls_ca_file or settings.tls_cert_file:
+        credentials = channel_credentials(settings.tls_ca_file, cert_file=settings.tls_cert_file,
+                                          key_file=settings.tls_key_file)
+    token = settings.bearer_token()
+    metadata = bearer_metadata(token) if token else ()
+    found = [discover_events(target, credentials=credentials, metadata=metadata, timeout_s=max(1.0, settings.timeout_s))
+             for target in settings.targets]
+    return [stream for stream in found if stream is not None]

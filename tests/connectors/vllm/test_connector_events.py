@@ -220,3 +220,59 @@ async def test_with_two_ranks_a_block_is_announced_once_both_shards_are_stored_a
         assert len(events._saved) == 0  # every rank's key is forgotten
     finally:
         await store.close()
+
+
+def test_the_connector_finds_the_nodes_stream_by_itself_and_announces_removals() -> None:
+    """With only ``target`` set (no ``events_target``) the connector asks the node for its stream and follows it."""
+    import functools
+    import time
+
+    from kvstore.client import KVStoreClient
+    from kvstore.connectors.vllm.config import VLLMConnectorConfig
+    from kvstore.connectors.vllm.events import discover_streams
+    from tests.support.server import ThreadedServer, make_config
+
+    server = ThreadedServer(make_config(**{"events.endpoint": "tcp://127.0.0.1:0"}))
+    events = ConnectorEvents(VLLM_BLOCK, NS.block_size,
+                             streams=functools.partial(discover_streams, VLLMConnectorConfig(target=server.target)))
+    got: list[object] = []
+
+    def collected(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got.extend(events.take())
+            if condition():
+                return True
+            time.sleep(0.02)
+        return False
+
+    try:
+        with KVStoreClient(server.target, retries=0) as kv:
+            for seed in range(100, 200):  # until the connector has subscribed: the first put it sees announced
+                req = request(NS.block_size + 1, seed=seed)
+                hashes = hash_blocks(NS, req.all_token_ids[:NS.block_size])
+                events.saved(req, [NS.tag], 0, [hashes])
+                kv.put(NS, hashes, BLOCKS[:1])
+                if collected(lambda: bool(got), 1.0):
+                    break
+            stored = [e for e in got if isinstance(e, BlockStored)]
+            assert stored and {e.medium for e in stored} == {f"{MEDIUM_PREFIX}:memory"}
+            kv.clear(NS)
+            announced = {h for e in stored for h in e.block_hashes}
+            assert collected(lambda: {h for e in got if isinstance(e, BlockRemoved) for h in e.block_hashes}
+                             == announced, 20)
+    finally:
+        events.close()
+        server.stop()
+
+
+def test_when_the_nodes_publish_no_events_blocks_are_announced_at_save_time() -> None:
+    events = ConnectorEvents(VLLM_BLOCK, NS.block_size, streams=lambda: [])
+    req = request(NS.block_size + 1, seed=7)
+    events.saved(req, [NS.tag], 0, [hash_blocks(NS, req.all_token_ids[:NS.block_size])])
+    events.close()  # the thread found no stream: what waited is announced, and saves are announced from now
+    req2 = request(NS.block_size + 1, seed=8)
+    events.saved(req2, [NS.tag], 0, [hash_blocks(NS, req2.all_token_ids[:NS.block_size])])
+    taken = events.take()
+    assert [e.block_hashes for e in taken] == [external(req)[:2], external(req2)[:2]]
+    assert {e.medium for e in taken} == {MEDIUM_PREFIX} and all(e.token_ids for e in taken)
