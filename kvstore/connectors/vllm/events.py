@@ -50,7 +50,9 @@ OWNERSHIP = "kvstore"
 """vLLM's ``ownership`` field (the secondary tier that generated the event)."""
 
 MAX_TRACKED_BLOCKS = 1 << 20
-"""kvstore blocks the connector remembers; past it the oldest is announced removed and forgotten (never stale)."""
+"""kvstore blocks (shards, with TP/PP) the connector remembers; past it the oldest is announced removed and
+forgotten (never stale). Each keeps its tokens (4 bytes each) to announce it again when it moves tier: about
+64 MiB of tokens at this bound with blocks of 16 tokens, plus a few hundred bytes of record per block."""
 
 
 @dataclass(slots=True)
@@ -61,7 +63,7 @@ class _Saved:
     order: int  # when its save was planned: a request's blocks in prefix order, parents first
     keys: tuple[bytes, ...]  # each rank's ``tag + hash``, the first rank's first
     stored: BlockStored  # its BlockStored without tokens (a template: ``medium`` and the tokens are set per send)
-    tokens: array  # its tokens, compactly ("l"): a move announces the block again
+    tokens: array  # its tokens, 4 bytes each (``_compact``): a move announces the block again
     medium: str | None = None  # announced in this medium; None: not announced (not every shard is stored yet)
     waiting: set[bytes] = field(default_factory=set)  # keys the node has not reported stored yet
     first_medium: str | None = None  # where the node holds the first rank's shard
@@ -69,6 +71,14 @@ class _Saved:
     def event(self) -> BlockStored:
         """Its ``BlockStored`` in :attr:`medium`, with its tokens."""
         return msgspec.structs.replace(self.stored, medium=self.medium, token_ids=self.tokens.tolist())
+
+
+def _compact(tokens: Sequence[int]) -> array:
+    """Token ids as an array of 4-byte unsigned ints (8-byte signed for ids that do not fit)."""
+    try:
+        return array("I", tokens)
+    except OverflowError:
+        return array("q", tokens)
 
 
 class ConnectorEvents:
@@ -152,7 +162,7 @@ class ConnectorEvents:
                 if keys[0] in self._saved:
                     continue
                 self._order += 1
-                record = _Saved(hashes, self._order, keys, event, array("l", tokens), waiting=set(keys))
+                record = _Saved(hashes, self._order, keys, event, _compact(tokens), waiting=set(keys))
                 for key in keys:
                     self._saved[key] = record
                 self._trim()
