@@ -198,9 +198,12 @@ class EventPublisher:
         self._close_sockets()
 
     def _wake(self) -> None:
+        fd = getattr(self, "_wake_send", None)
+        if fd is None:  # closed (a closed fd's number may belong to another file by now)
+            return
         try:
-            os.write(self._wake_send, b"w")
-        except OSError:  # the pipe is full (wake-ups are pending already), or closed
+            os.write(fd, b"w")
+        except OSError:  # the pipe is full (wake-ups are pending already), or closing
             pass
 
     def _close_sockets(self) -> None:
@@ -208,7 +211,9 @@ class EventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
-        for fd in (getattr(self, "_wake_send", None), getattr(self, "_wake_recv", None)):
+        fds = (getattr(self, "_wake_send", None), getattr(self, "_wake_recv", None))
+        self._wake_send = self._wake_recv = None  # type: ignore[assignment]
+        for fd in fds:
             if fd is not None:
                 os.close(fd)
 
