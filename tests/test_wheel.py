@@ -161,7 +161,7 @@ def test_the_package_comes_from_the_venv_not_the_checkout(fresh_venv: Path, outs
     assert f"Name: {DISTRIBUTION}" in show
 
 
-@pytest.mark.parametrize("command", [None, "serve", "stats", "health", "simulate", "loadtest", "demo"])
+@pytest.mark.parametrize("command", [None, "serve", "stats", "health", "simulate", "loadtest", "demo", "events"])
 def test_every_subcommand_has_its_help(fresh_venv: Path, outside: Path, command: str | None) -> None:
     result = _run(fresh_venv, [command, "--help"] if command else ["--help"], outside)
     assert result.stdout.startswith(f"usage: kvstore{' ' + command if command else ''}")

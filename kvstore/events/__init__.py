@@ -4,6 +4,7 @@
 * :mod:`kvstore.events.log`: the bounded log the store's index appends to.
 * :mod:`kvstore.events.publisher`: the ZMQ publisher and replay socket (vLLM's framing).
 * :mod:`kvstore.events.subscriber`: a subscriber and a view of a node's tiers.
+* :mod:`kvstore.events.discovery`: where a node publishes, asked of the node (``Capabilities``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ from kvstore.events.schema import (
     CLEARED_NAMESPACE,
     CLEARED_OVERFLOW,
     CLEARED_START,
+    REMOVED_CLEARED,
+    REMOVED_DELETED,
+    REMOVED_EVICTED,
+    REMOVED_LOST,
     REMOVED_MOVED,
     AllBlocksCleared,
     BlockRemoved,
@@ -31,6 +35,11 @@ DEFAULT_MAX_EVENTS = 1_000_000
 """Block events the log holds before it drops (``events.max_queue_events``): about 100 MB at worst."""
 
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
+_HEADER = 3
+"""Bytes before the key in a queued record: kind, tier level + 1, code (the move's source + 1, or a reason's index).
+
+A record is one ``bytes`` (header + key), not a tuple: bytes are not tracked by the
+garbage collector, so a full log does not make the store's process collect more often."""
 
 
 class StoreObserver(Protocol):
@@ -72,8 +81,11 @@ class EventLog:
         if max_events <= 0:
             raise ValueError(f"max_events must be > 0, got {max_events}")
         self._max_events = max_events
-        self._queue: deque[tuple[int, int, bytes, object]] = deque()
-        self._queue.append((_CLEARED, -1, b"", CLEARED_START))
+        self._reasons: list[str] = [REMOVED_EVICTED, REMOVED_MOVED, REMOVED_DELETED, REMOVED_CLEARED, REMOVED_LOST,
+                                    CLEARED_START, CLEARED_NAMESPACE]  # a record's code indexes these
+        self._headers: dict[tuple[int, int, int], bytes] = {}
+        self._queue: deque[bytes] = deque()
+        self._queue.append(self._header(_CLEARED, -1, self._reasons.index(CLEARED_START)))
         self._moving: dict[BlockKey, int] = {}  # keys removed by a move, by the tier they left, until they arrive
         self._overflowed = False
         self._take_lock = threading.Lock()
@@ -95,8 +107,17 @@ class EventLog:
 
     def stored(self, level: int, key: BlockKey) -> None:
         """See :meth:`StoreObserver.stored`."""
+        queue = self._queue  # _append inlined: this runs once per stored block, on the store's loop
+        if self._overflowed or len(queue) >= self._max_events:
+            if self._moving:
+                self._moving.pop(key, None)
+            self._drop()
+            return
+        if not queue and self._waker is not None:
+            self._waker()
         source = self._moving.pop(key, -1) if self._moving else -1
-        self._append((_STORED, level, key, source))
+        header = self._headers.get((_STORED, level, source + 1)) or self._header(_STORED, level, source + 1)
+        queue.append(header + key)
 
     def removed(self, level: int, key: BlockKey, reason: str) -> None:
         """See :meth:`StoreObserver.removed`."""
@@ -104,19 +125,38 @@ class EventLog:
             if len(self._moving) > 65536:  # a move whose arrival never came (it cannot, but stay bounded)
                 self._moving.clear()
             self._moving[key] = level
-        self._append((_REMOVED, level, key, reason))
+        self._append(self._header(_REMOVED, level, self._reason_code(reason)) + key)
 
     def cleared(self, tag: bytes) -> None:
         """See :meth:`StoreObserver.cleared`."""
-        self._append((_CLEARED, -1, bytes(tag), CLEARED_NAMESPACE))
+        self._append(self._header(_CLEARED, -1, self._reason_code(CLEARED_NAMESPACE)) + bytes(tag))
 
-    def _append(self, item: tuple[int, int, bytes, object]) -> None:
+    def _reason_code(self, reason: str) -> int:
+        try:
+            return self._reasons.index(reason)
+        except ValueError:  # a reason added later: give it a code (at most 256 of them)
+            if len(self._reasons) >= 256:
+                return 0
+            self._reasons.append(reason)
+            return len(self._reasons) - 1
+
+    def _header(self, kind: int, level: int, code: int) -> bytes:
+        """The record header of ``kind`` in tier ``level`` (-1: none) with ``code``, cached."""
+        header = self._headers.get((kind, level, code))
+        if header is None:
+            header = self._headers[(kind, level, code)] = bytes((kind, (level + 1) & 0xFF, code & 0xFF))
+        return header
+
+    def _drop(self) -> None:
+        if not self._overflowed:
+            self._overflowed = True
+            self.num_overflows += 1
+        self.num_dropped += 1
+
+    def _append(self, item: bytes) -> None:
         queue = self._queue
         if self._overflowed or len(queue) >= self._max_events:
-            if not self._overflowed:
-                self._overflowed = True
-                self.num_overflows += 1
-            self.num_dropped += 1
+            self._drop()
             return
         if not queue and self._waker is not None:
             self._waker()
@@ -147,31 +187,34 @@ class EventLog:
                 events.append(AllBlocksCleared(reason=CLEARED_OVERFLOW))
             return events
 
-    def _events(self, raw: list[tuple[int, int, bytes, object]]) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-        """Schema events of queued changes: consecutive ones of one kind, tier, namespace and reason merge."""
+    def _events(self, raw: list[bytes]) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """Schema events of queued records: consecutive ones of one kind, tier, code and namespace merge."""
         events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         names = self._tier_names
-        last: tuple[int, int, bytes, object] | None = None
+        reasons = self._reasons
+        group = _HEADER + NAMESPACE_TAG_BYTES  # header and tag: the bytes a run shares
+        last = b""
         hashes: list[bytes] = []
-        for kind, level, key, extra in raw:
+        for item in raw:
+            kind = item[0]
             if kind == _CLEARED:
-                events.append(AllBlocksCleared(namespace=key, reason=extra))  # type: ignore[arg-type]
-                last = None
+                events.append(AllBlocksCleared(namespace=item[_HEADER:], reason=reasons[item[2]]))
+                last = b""
                 continue
-            tag = key[:NAMESPACE_TAG_BYTES]
-            group = (kind, level, tag, extra)
-            if group == last:
-                hashes.append(key[NAMESPACE_TAG_BYTES:])
+            head = item[:group]
+            if head == last:
+                hashes.append(item[group:])
                 continue
-            last = group
-            hashes = [key[NAMESPACE_TAG_BYTES:]]
+            last = head
+            hashes = [item[group:]]
+            level, tag = item[1] - 1, item[_HEADER:group]
             medium = names[level] if 0 <= level < len(names) else str(level)
             if kind == _STORED:
-                source = extra if isinstance(extra, int) else -1
+                source = item[2] - 1
                 events.append(BlockStored(
                     block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
                     medium=medium, lora_name=None, namespace=tag,
                     from_medium=(names[source] if source < len(names) else str(source)) if source >= 0 else None))
             else:
-                events.append(BlockRemoved(block_hashes=hashes, medium=medium, namespace=tag, reason=str(extra)))
+                events.append(BlockRemoved(block_hashes=hashes, medium=medium, namespace=tag, reason=reasons[item[2]]))
         return events

@@ -16,8 +16,9 @@ class EventsCollector(Collector):
 
     Counts (``EventPublisher.counters``): ``batches`` sent, ``events`` in them,
     ``dropped_events`` (block changes the full log dropped), ``overflows`` (each
-    announced as a clear), ``send_failures``, ``replays``, ``replay_errors``
-    (malformed requests).
+    announced as a clear), ``subscriber_overruns`` (sends that found a
+    subscriber's queue at its high-water mark: it lost one or more batches),
+    ``replays``, ``replay_errors`` (malformed requests).
 
     Args:
         counters: the publisher's counts by name; safe to call from the scrape thread (plain ints).

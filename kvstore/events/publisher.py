@@ -8,16 +8,26 @@ takes a start sequence number (8 bytes, big-endian) and streams every buffered
 batch from there, then an end marker (``b""``, ``END_SEQ``, ``b""``); a
 malformed request gets the end marker with ``b"error: ..."`` as its payload.
 
-Nothing here can block the store: the store only appends to the log, the PUB
-socket drops what a subscriber cannot take past its high-water mark (ZMQ's
-``SNDHWM``; the subscriber sees the gap in sequence numbers and replays), the
-ROUTER drops replies to a peer that does not read them, and every buffer is
+Nothing here can block the store: the store only appends to the log, the
+publishing socket drops what a subscriber cannot take past its high-water mark
+(ZMQ's ``SNDHWM``; the subscriber sees the gap in sequence numbers and replays),
+the ROUTER drops replies to a peer that does not read them, and every buffer is
 bounded. The thread owns both sockets (ZMQ sockets are not thread-safe).
+
+The publishing socket is an XPUB (a PUB to its subscribers) so that the node
+can count those drops, which a PUB drops silently: it is sent to with
+``XPUB_NODROP`` on and ``NOBLOCK``, so a send that finds a subscriber's queue
+full fails (``zmq.Again``) instead of dropping; the publisher counts it
+(``subscriber_overruns``) and sends the batch again with ``XPUB_NODROP`` off, to
+the subscribers that have room. ZMQ then leaves the full subscriber out until it
+has read its queue, so one overrun stands for one or more batches that
+subscriber lost (a lower bound; the subscriber counts its own gaps exactly).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -132,11 +142,12 @@ class EventPublisher:
         self._stop = threading.Event()
         self.num_batches = 0
         self.num_events = 0
-        self.num_send_failures = 0
+        self.num_overruns = 0
         self.num_replays = 0
         self.num_replay_errors = 0
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.SNDHWM, settings.hwm)
+        self._pub.setsockopt(zmq.XPUB_NODROP, 1)  # a full subscriber fails the send: counted (module docstring)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None
         try:
@@ -152,14 +163,11 @@ class EventPublisher:
         except BaseException:
             self._close_sockets()
             raise
-        # the log wakes the thread through an inproc pair (sent from the store's loop only), so an idle
-        # publisher sleeps instead of polling, and takes no GIL time from the store
-        self._wake_recv = self._ctx.socket(zmq.PAIR)
-        address = f"inproc://kvstore-events-wake-{id(self)}"
-        self._wake_recv.bind(address)
-        self._wake_send = self._ctx.socket(zmq.PAIR)
-        self._wake_send.setsockopt(zmq.SNDHWM, 4)
-        self._wake_send.connect(address)
+        # the log wakes the thread through a pipe (written from the store's loop only: one os.write, far cheaper
+        # there than a ZMQ send), so an idle publisher sleeps instead of polling, and takes no GIL time from the store
+        self._wake_recv, self._wake_send = os.pipe()
+        os.set_blocking(self._wake_recv, False)
+        os.set_blocking(self._wake_send, False)
         log.set_waker(self._wake)
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
         self._thread.start()
@@ -168,9 +176,10 @@ class EventPublisher:
 
     def counters(self) -> dict[str, int]:
         """The publisher's and the log's counts: ``batches``, ``events``, ``dropped_events``, ``overflows``,
-        ``send_failures``, ``replays``, ``replay_errors``, ``queued`` (block changes not yet taken)."""
+        ``subscriber_overruns`` (sends that found a subscriber's queue full: it lost batches), ``replays``,
+        ``replay_errors``, ``queued`` (block changes not yet taken)."""
         return {"batches": self.num_batches, "events": self.num_events, "dropped_events": self._log.num_dropped,
-                "overflows": self._log.num_overflows, "send_failures": self.num_send_failures,
+                "overflows": self._log.num_overflows, "subscriber_overruns": self.num_overruns,
                 "replays": self.num_replays, "replay_errors": self.num_replay_errors, "queued": len(self._log)}
 
     @property
@@ -181,6 +190,7 @@ class EventPublisher:
     def close(self, timeout_s: float = 2.0) -> None:
         """Send what the log still holds, stop the thread and close the sockets (waits up to ``timeout_s``)."""
         self._stop.set()
+        self._wake()  # (a pipe's write is safe from any thread)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning("the events publisher did not stop within %.1f s", timeout_s)
@@ -188,16 +198,24 @@ class EventPublisher:
         self._close_sockets()
 
     def _wake(self) -> None:
+        fd = getattr(self, "_wake_send", None)
+        if fd is None:  # closed (a closed fd's number may belong to another file by now)
+            return
         try:
-            self._wake_send.send(b"", flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # a wake-up is pending already (Again), or closing
+            os.write(fd, b"w")
+        except OSError:  # the pipe is full (wake-ups are pending already), or closing
             pass
 
     def _close_sockets(self) -> None:
         self._log.set_waker(None)
-        for sock in (self._pub, self._replay, getattr(self, "_wake_send", None), getattr(self, "_wake_recv", None)):
+        for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
+        fds = (getattr(self, "_wake_send", None), getattr(self, "_wake_recv", None))
+        self._wake_send = self._wake_recv = None  # type: ignore[assignment]
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
     # ------------------------------------------------------------------ the thread
 
@@ -206,6 +224,7 @@ class EventPublisher:
         idle_ms = 200  # how often an idle publisher checks whether it is closing
         poller = zmq.Poller()
         poller.register(self._wake_recv, zmq.POLLIN)
+        poller.register(self._pub, zmq.POLLIN)  # (un)subscriptions, read and dropped: they must not pile up
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         while True:
@@ -217,9 +236,11 @@ class EventPublisher:
             try:
                 ready = dict(poller.poll(idle_ms))
                 if ready.get(self._wake_recv):
-                    while self._wake_recv.poll(0):
-                        self._wake_recv.recv()
+                    self._drain_wakes()
                     self._stop.wait(self.settings.interval_s)  # let the batch fill: fewer, larger batches
+                if ready.get(self._pub):
+                    while self._pub.poll(0):
+                        self._pub.recv(zmq.NOBLOCK)
                 if self._replay is not None and ready.get(self._replay):
                     self._serve_replay()
             except zmq.ZMQError as exc:  # a closed context at interpreter exit: nothing more to do
@@ -227,6 +248,13 @@ class EventPublisher:
                 return
             except Exception:  # noqa: BLE001 - the thread must outlive one bad replay
                 logger.exception("serving a replay failed")
+
+    def _drain_wakes(self) -> None:
+        try:
+            while os.read(self._wake_recv, 4096):
+                pass
+        except BlockingIOError:  # empty
+            pass
 
     def _publish(self, pack: object) -> bool:
         """Send one batch of what the log holds; whether there was one."""
@@ -237,10 +265,18 @@ class EventPublisher:
         seq = self._next_seq
         self._next_seq = seq + 1
         self._buffer.append((seq, payload))
+        frames = (self._topic, seq.to_bytes(8, "big"), payload)
         try:
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # PUB drops rather than block; kept for replay all the same
-            self.num_send_failures += 1
+            self._pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # a subscriber's queue is full: count it, send to the others (module docstring)
+            self.num_overruns += 1
+            self._pub.setsockopt(zmq.XPUB_NODROP, 0)
+            try:
+                self._pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # cannot happen without XPUB_NODROP; the batch stays in the replay buffer
+                pass
+            finally:
+                self._pub.setsockopt(zmq.XPUB_NODROP, 1)
         self.num_batches += 1
         self.num_events += len(events)
         return True

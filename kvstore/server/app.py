@@ -152,6 +152,10 @@ class KVStoreServer:
         try:
             self.shm = await _start_shared_memory(self.config)
             self.servicer = KVStoreServicer(self._store, self.config, self.metrics, admission, self.shm)
+            if self.events is not None:  # Capabilities tells clients (the vLLM connector) where the events are
+                publisher = self.events.publisher
+                self.servicer.events_offer = (publisher.endpoint, publisher.replay_endpoint or "",
+                                              publisher.settings.topic)
             server = grpc.aio.server(
                 interceptors=self._interceptors or None,
                 options=[*channel_options(server_cfg.max_message_bytes), ("grpc.so_reuseport", 0)],

@@ -37,9 +37,12 @@ class SharedMemoryMethods:
     Attributes:
         shm: the node's data plane, ``None`` when it offers none (every method but
             Capabilities is then FAILED_PRECONDITION, and clients use gRPC).
+        events_offer: the node's KV event stream, ``(endpoint, replay_endpoint, topic)`` as bound
+            (``docs/events.md``), offered in Capabilities; ``None`` when it publishes none.
     """
 
     shm: SharedMemoryNode | None = None
+    events_offer: tuple[str, str, str] | None = None  # the node's KV events: (endpoint, replay endpoint, topic)
 
     # the servicer provides these
     _call: object
@@ -57,13 +60,15 @@ class SharedMemoryMethods:
         return self.shm
 
     async def Capabilities(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CapabilitiesResponse:
-        """What the node offers: a same-host data plane (its host id and handoff socket), or nothing."""
+        """What the node offers: a same-host data plane (its host id and handoff socket), its KV event stream."""
         async with self._call("Capabilities", context):  # type: ignore[operator]
             parse_request(pb.CapabilitiesRequest, raw)
             reply = pb.CapabilitiesResponse()
             if self.shm is not None and self.accepting:
                 reply.shared_memory.host_id = self.shm.host_id
                 reply.shared_memory.handoff_socket = self.shm.handoff_address
+            if self.events_offer is not None:
+                reply.events.endpoint, reply.events.replay_endpoint, reply.events.topic = self.events_offer
             return reply
         raise AssertionError("unreachable")
 

@@ -189,11 +189,23 @@ class SharedMemoryOffer(_message.Message):
     handoff_socket: str
     def __init__(self, host_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ...) -> None: ...
 
+class EventsOffer(_message.Message):
+    __slots__ = ("endpoint", "replay_endpoint", "topic")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    def __init__(self, endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., topic: _Optional[str] = ...) -> None: ...
+
 class CapabilitiesResponse(_message.Message):
-    __slots__ = ("shared_memory",)
+    __slots__ = ("shared_memory", "events")
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     shared_memory: SharedMemoryOffer
-    def __init__(self, shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ...) -> None: ...
+    events: EventsOffer
+    def __init__(self, shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., events: _Optional[_Union[EventsOffer, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("release_lease_ids",)

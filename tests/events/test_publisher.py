@@ -125,11 +125,52 @@ def test_a_stalled_subscriber_misses_batches_puts_go_on_and_it_catches_up_by_rep
         replayed = {seq for seq, _ in late.replay(missing[0], 5.0)}
         late.close()
         assert set(missing) <= replayed  # the replay buffer still had every batch it missed
-        assert publisher.counters()["dropped_events"] == 0  # the node itself dropped nothing
+        assert publisher.counters()["dropped_events"] == 0  # the log dropped nothing
+        assert publisher.counters()["subscriber_overruns"] >= 1  # the node counted that a subscriber lost batches
     finally:
         probe.close()
         stalled.close(linger=0)
         publisher.close()
+
+
+def test_a_stalled_subscribers_drops_are_counted_while_puts_and_a_reading_subscriber_go_on() -> None:
+    """On inproc (no kernel buffers) a subscriber that never reads fills its queue within a few batches; every
+    put still completes, the node counts the overruns on /metrics, and a subscriber that reads sees every batch."""
+    endpoint = f"inproc://test-events-stalled-{id(object())}"
+    server = ThreadedServer(make_config(**{"events.endpoint": endpoint, "events.replay_endpoint": "off",
+                                           "events.hwm": 1}))
+    stalled = zmq.Context.instance().socket(zmq.SUB)  # the node's context: inproc needs the same one
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.LINGER, 0)
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")
+    stalled.connect(endpoint)
+    try:
+        publisher = server.server.events.publisher  # type: ignore[union-attr]
+        ns = namespace()
+        num_puts = 12
+        hashes, tensors = kv_blocks(ns, num_puts)
+        with EventSubscriber(endpoint, None, topic="", from_seq=None) as reader, \
+                KVStoreClient(server.target, retries=0) as kv:
+            seqs: list[int] = []
+            while not seqs:  # both subscriptions are in once the reader gets a batch (the stalled one came first)
+                kv.put(ns, hashes[:1], encoded(ns, tensors[:1]))
+                kv.delete(ns, hashes[:1])
+                seqs += [seq for seq, _ in reader.receive(0.2)]
+            for i in range(num_puts):  # one batch per put at least: each waits for the last one's batch
+                before = publisher.next_seq
+                kv.put(ns, hashes[i:i + 1], encoded(ns, tensors[i:i + 1]))
+                wait_until(lambda: publisher.next_seq > before, 20, "the put's batch sent")
+                seqs += [seq for seq, _ in reader.receive(0)]
+            assert kv.lookup(ns, hashes).num_blocks == num_puts  # every put completed
+            wait_until(lambda: bool(seqs.extend(seq for seq, _ in reader.receive(0.2))) or
+                       seqs[-1] == publisher.next_seq - 1, 20, "the reader has the last batch")
+        assert seqs == list(range(seqs[0], publisher.next_seq)) and reader.num_missed == 0  # the reader lost none
+        overruns = publisher.counters()["subscriber_overruns"]
+        assert overruns >= 1  # the stalled one holds 2 batches at most (its HWM and the node's): it lost the rest
+        assert scrape(server)['kvstore_events_total{event="subscriber_overruns"}'] == overruns
+    finally:
+        stalled.close(linger=0)
+        server.stop()
 
 
 def block_key_of(i: int) -> bytes:

@@ -71,9 +71,11 @@ class VLLMConnectorConfig:
             float16, bfloat16 or float32 KV cache; engines share blocks only with the same encoding.
         events_target: the node's event stream (its ``events.endpoint``, e.g.
             ``tcp://kv-0:5557``). With vLLM's ``--kv-events-config`` on, the
-            connector then announces a saved block once the node stored it, and
+            connector announces a saved block once the node stored it, and
             its removal when the node evicts, deletes or clears it
-            (``docs/events.md``); without it, at save time, and never removed.
+            (``docs/events.md``). Empty (the default): the streams the nodes
+            in ``target`` offer (``Capabilities``); ``off``, or an embedded
+            store: at save time, and never removed.
         events_replay: the node's replay endpoint; empty: derived as the node
             derives it (the next tcp port), ``off``: none.
 

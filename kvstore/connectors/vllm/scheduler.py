@@ -326,7 +326,8 @@ class SchedulerSide:
         hashes = state.keys.hashes(state.request.all_token_ids, end_block)
         state.saved_blocks = end_block
         if self.events is not None:
-            self.events.saved(state.request, state.keys.namespaces[0].tag, first, hashes[0][first:end_block])
+            self.events.saved(state.request, [ns.tag for ns in state.keys.namespaces], first,  # every rank's shard
+                              [chain[first:end_block] for chain in hashes])
         return SaveJob(
             req_id=state.request.request_id, tenant=state.tenant,
             hashes={(r.pp_rank, r.tp_rank): [bytes(h) for h in chain[first:end_block]]

@@ -1,6 +1,7 @@
 """KV events with vLLM: the node's stream decodes with vLLM's own classes, and a real vLLM CPU engine with
 ``kv_events_config`` on publishes ``BlockStored`` with kvstore's medium for the blocks it saves, then
-``BlockRemoved`` once the node clears their namespace (vLLM's ZMQ publisher on 127.0.0.1, vLLM's msgspec classes)."""
+``BlockRemoved`` once the node clears their namespace (vLLM's ZMQ publisher on 127.0.0.1, vLLM's msgspec classes).
+The connector is given only the node's ``target``: it finds the node's event stream in its ``Capabilities``."""
 
 from __future__ import annotations
 
@@ -101,8 +102,7 @@ def test_an_engine_announces_its_saved_blocks_and_their_removal(tmp_path: Any) -
         vllm_events = f"tcp://127.0.0.1:{vllm_port}"
         batches = Batches(vllm_events)
         try:
-            with Engine(model, extra={"target": node.target, "events_target": node_events,
-                                      "events_replay": node_replay},
+            with Engine(model, extra={"target": node.target},  # the connector asks the node for its stream
                         prefix_caching=True,
                         kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
                                    "endpoint": f"tcp://*:{vllm_port}", "topic": "kv"}) as engine:
