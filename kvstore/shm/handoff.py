@@ -43,6 +43,8 @@ VERSION_CHANNELS = 2
 GRANT_BYTES = 32
 REQUEST_BYTES = len(MAGIC) + 1 + GRANT_BYTES
 MAX_CHANNELS = 16
+NOT_A_HANDOFF = "not a kvstore handoff request"
+"""The refusal of a request of a version the node does not know (before any grant is looked at)."""
 _SIZES = struct.Struct("<QQ")
 OK, REFUSED = 0, 1
 HANDOFF_TIMEOUT_S = 5.0
@@ -118,7 +120,7 @@ class HandoffServer:
             request = await asyncio.wait_for(_recv_exactly(loop, conn, REQUEST_BYTES), HANDOFF_TIMEOUT_S)
             if request is None or request[:len(MAGIC)] != MAGIC or request[len(MAGIC)] not in (VERSION,
                                                                                               VERSION_CHANNELS):
-                await _send_refusal(loop, conn, "not a kvstore handoff request")
+                await _send_refusal(loop, conn, NOT_A_HANDOFF)
                 return
             channels = 0
             if request[len(MAGIC)] == VERSION_CHANNELS:

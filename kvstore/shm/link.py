@@ -36,7 +36,7 @@ from kvstore.codec import Layout, decode_header, torch_dtype, verify_block
 from kvstore.errors import KVStoreError
 from kvstore.shm.allocator import RangeAllocator
 from kvstore.shm.control import ControlChannels, channels_wanted
-from kvstore.shm.handoff import redeem_grant
+from kvstore.shm.handoff import NOT_A_HANDOFF, HandoffRefused, redeem_grant
 from kvstore.shm.node import BLOCK_ALIGNMENT, host_id
 from kvstore.shm.segment import Segment, unsupported_reason
 from kvstore.v1 import kvstore_pb2 as pb
@@ -406,8 +406,7 @@ class SharedMemoryLink:
             reply = first[0]
             if isinstance(reply, BaseException):
                 raise reply
-            sizes, fds = redeem_grant(offer.handoff_socket, reply.grant, max(0.1, deadline - time.monotonic()),
-                                      channels_wanted())
+            sizes, fds = _redeem(offer.handoff_socket, reply.grant, deadline)
             control = ControlChannels(fds[2:]) if len(fds) > 2 else None
             try:
                 get_segment = Segment.attach(fds[0], sizes[0], writable=False)
@@ -441,6 +440,18 @@ class SharedMemoryLink:
             session, self._session = self._session, None
             if session is not None and self._pid == os.getpid():
                 session.retire()
+
+
+def _redeem(address: str, grant: bytes, deadline: float) -> tuple[tuple[int, int], list[int]]:
+    """The handoff, asking for control channels; again without (version 1) if the node predates them (it refuses
+    the request before it looks at the grant, so the grant is still good)."""
+    channels = channels_wanted()
+    try:
+        return redeem_grant(address, grant, max(0.1, deadline - time.monotonic()), channels)
+    except HandoffRefused as exc:
+        if not channels or NOT_A_HANDOFF not in str(exc):
+            raise
+    return redeem_grant(address, grant, max(0.1, deadline - time.monotonic()))
 
 
 class _Off(Exception):

@@ -228,3 +228,28 @@ def test_a_sessions_end_closes_its_channels(node: ThreadedServer) -> None:
         assert sock.recv(1) == b""
     finally:
         sock.close()
+
+
+def test_a_node_that_predates_the_channels_still_gives_the_segments(node: ThreadedServer,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.shm import link as link_module
+    from kvstore.shm.handoff import NOT_A_HANDOFF, HandoffRefused
+
+    real = link_module.redeem_grant
+    asked: list[int] = []
+
+    def old_node(address: str, grant: bytes, timeout_s: float, channels: int = 0) -> object:
+        asked.append(channels)
+        if channels:  # what a version 1 node answers to a version 2 request
+            raise HandoffRefused(f"the node refused the grant: {NOT_A_HANDOFF}")
+        return real(address, grant, timeout_s)
+
+    monkeypatch.setattr(link_module, "redeem_grant", old_node)
+    ns = sha_namespace("tenant-a")
+    hashes = hash_blocks(ns, list(range(400, 416)))
+    with client_of(node, TOKEN_A) as client:
+        assert client.put(ns, hashes, [block(7)]) == 1
+        assert client.shared_memory() == ("attached",)
+        assert client._links[0].current().control is None  # type: ignore[union-attr]
+        assert torch.equal(client.get_tensors(ns, hashes)[0], block(7))
+    assert asked == [control_module.DEFAULT_CHANNELS, 0]
