@@ -9,10 +9,11 @@ checked again, call by call, by the same rules as gRPC's).
 
 A call that fails on a channel reports a gRPC status (:class:`ControlError`,
 a ``grpc.RpcError``), so the client's retry and fallback logic treat it as
-the unary call it replaces: UNAVAILABLE when the channel broke mid-call (the
-node stopped), DEADLINE_EXCEEDED when the deadline passed before the reply
-(the channel is dropped then: its late reply would answer the next call),
-FAILED_PRECONDITION once no channel is left (the client attaches again).
+the unary call it replaces: FAILED_PRECONDITION when the channel closed
+before the reply (the node closes a session's channels as the session ends,
+so the client attaches again, or uses gRPC) or once no channel is left,
+DEADLINE_EXCEEDED when the deadline passed before the reply (the channel is
+dropped then: its late reply would answer the next call).
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ class ControlChannels:
         except (socket.timeout, TimeoutError):
             raise ControlError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the node's reply") \
                 from None
-        except (OSError, EOFError, FrameError) as exc:
-            raise ControlError(grpc.StatusCode.UNAVAILABLE, f"the control channel broke: {exc}") from None
+        except (OSError, EOFError, FrameError) as exc:  # the node closes channels only as the session ends
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the session's control channel closed (the session ended): {exc}") from None
         finally:
             if kept and not self.closed:
                 self._idle.put(sock)
@@ -160,8 +162,8 @@ class ControlChannels:
         sock.close()
 
     def close(self) -> None:
-        """Close every channel (the node ends its side; calls in flight fail with UNAVAILABLE and close theirs);
-        idempotent."""
+        """Close every channel (the node ends its side; calls in flight fail with FAILED_PRECONDITION and close
+        theirs); idempotent."""
         with self._lock:
             self.closed = True
             socks = list(self._all)
