@@ -130,7 +130,7 @@ def main() -> int:
         os.environ[CHANNELS_ENV] = "0"  # a same-host client whose control calls go over gRPC (the baseline)
         try:
             shm_grpc_control = KVStoreClient(node.target, timeout_s=120)
-            shm_grpc_control.put(single_ns, single_hash, [single])  # attaches, with no channel (stored already)
+            shm_grpc_control.lookup(single_ns, single_hash)  # attaches (a Lookup may go over the session), no channel
         finally:
             del os.environ[CHANNELS_ENV]
         rds = redis.Redis(host=redis_server.host, port=redis_server.port, socket_timeout=60)
@@ -298,7 +298,7 @@ def _markdown(result: dict[str, Any], batch_bytes: int, single_bytes: int) -> st
         "## Single-block Get of 2 MiB", "",
         "| op | ms | GB/s |", "|---|---:|---:|", *rows(result["single_ms"], single_bytes), "",
         f"- same-host `get` (bytes) vs Redis GET (redis-py + hiredis): {verdict('single_vs_redis')}",
-        f"- `control_call` (a Lookup of the one hash, a unary gRPC round trip) is the floor of any same-host Get: "
+        f"- `control_call` (a Lookup of the one hash, one round trip on the session's control channels; `control_call_grpc`: the same over gRPC) is the floor of any same-host Get: "
         f"{result['single_ms']['control_call']:.3f} ms of the same-host `get`'s {result['single_ms']['shm_get']:.3f} "
         f"ms; the rest is the node's copy into the segment and the client's copy out "
         f"({result['single_ms']['shm_get'] - result['single_ms']['control_call']:.3f} ms).", "",
