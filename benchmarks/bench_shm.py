@@ -298,7 +298,8 @@ def _markdown(result: dict[str, Any], batch_bytes: int, single_bytes: int) -> st
         "## Single-block Get of 2 MiB", "",
         "| op | ms | GB/s |", "|---|---:|---:|", *rows(result["single_ms"], single_bytes), "",
         f"- same-host `get` (bytes) vs Redis GET (redis-py + hiredis): {verdict('single_vs_redis')}",
-        f"- `control_call` (a Lookup of the one hash, one round trip on the session's control channels; `control_call_grpc`: the same over gRPC) is the floor of any same-host Get: "
+        "- `control_call` (a Lookup of the one hash, one round trip on the session's control channels; "
+        "`control_call_grpc`: the same over gRPC) is the floor of any same-host Get: "
         f"{result['single_ms']['control_call']:.3f} ms of the same-host `get`'s {result['single_ms']['shm_get']:.3f} "
         f"ms; the rest is the node's copy into the segment and the client's copy out "
         f"({result['single_ms']['shm_get'] - result['single_ms']['control_call']:.3f} ms).", "",
