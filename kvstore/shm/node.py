@@ -130,7 +130,7 @@ class SharedMemoryNode:
         """End a session: its leases, its grant and this side's mappings of its segments."""
         for sock in self._channels.pop(session.session_id, ()):
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # its task sees the end and closes it
+                sock.shutdown(socket.SHUT_RD)  # its task sees the end, sends the reply of a call in flight, closes it
         if self.sessions is not None:
             self.sessions.close(session)
 
