@@ -86,6 +86,7 @@ def main() -> int:
 
     from kvstore.blockcopy import encode_into
     from kvstore.client import KVStoreClient
+    from kvstore.shm.control import CHANNELS_ENV
     from kvstore.codec import encode_block, verify_block
     from kvstore.keys import Namespace, hash_blocks
     from kvstore.server.app import tune_malloc
@@ -126,6 +127,12 @@ def main() -> int:
         shm = KVStoreClient(node.target, timeout_s=120)  # the same-host path (on by default)
         grpc_only = KVStoreClient(node.target, timeout_s=120, shared_memory=False)
         over_unix = KVStoreClient(f"unix://{unix_socket}", timeout_s=120, shared_memory=False)
+        os.environ[CHANNELS_ENV] = "0"  # a same-host client whose control calls go over gRPC (the baseline)
+        try:
+            shm_grpc_control = KVStoreClient(node.target, timeout_s=120)
+            shm_grpc_control.lookup(single_ns, single_hash)  # attaches (a Lookup may go over the session), no channel
+        finally:
+            del os.environ[CHANNELS_ENV]
         rds = redis.Redis(host=redis_server.host, port=redis_server.port, socket_timeout=60)
         assert redis.utils.HIREDIS_AVAILABLE, "hiredis is not installed"
 
@@ -175,7 +182,9 @@ def main() -> int:
             "shm_get_into": lambda: shm.get_into(single_ns, single_hash, [single_dest]),
             "redis_get": lambda: rds.get(b"single"),
             "grpc_get": lambda: grpc_only.get(single_ns, single_hash),
-            "control_call": lambda: shm.lookup(single_ns, single_hash),  # one unary round trip, no bulk bytes
+            "control_call": lambda: shm.lookup(single_ns, single_hash),  # one control round trip, no bulk bytes
+            "shm_get_grpc_control": lambda: shm_grpc_control.get(single_ns, single_hash),
+            "control_call_grpc": lambda: shm_grpc_control.lookup(single_ns, single_hash),
         }
         # the parts of a same-host Put, done here on a scratch segment (this process tunes malloc as the node
         # does): the client's staging (payload copy + header checksum), the node's copy out of the segment
@@ -201,6 +210,7 @@ def main() -> int:
             "shm_put": put_with(shm),
             "redis_set_pipelined": redis_put_batch,
             "grpc_put": put_with(grpc_only),
+            "shm_put_grpc_control": put_with(shm_grpc_control),
             "part_client_stage": part_stage,
             "part_node_copy_out": part_copy_out,
             "part_node_verify": part_verify,
@@ -228,7 +238,8 @@ def main() -> int:
         lookup_ms = interleaved_ms(lookup_ops, args.lookups, 1, seed=3)
         print(json.dumps({"lookup_ms": lookup_ms}), flush=True)
         assert shm.shared_memory() == ("attached",), shm.shared_memory()  # nothing fell back to gRPC meanwhile
-        for client in (shm, grpc_only, over_unix):
+        assert shm_grpc_control.shared_memory() == ("attached",)
+        for client in (shm, grpc_only, over_unix, shm_grpc_control):
             client.close()
         rds.close()
     finally:
@@ -287,7 +298,8 @@ def _markdown(result: dict[str, Any], batch_bytes: int, single_bytes: int) -> st
         "## Single-block Get of 2 MiB", "",
         "| op | ms | GB/s |", "|---|---:|---:|", *rows(result["single_ms"], single_bytes), "",
         f"- same-host `get` (bytes) vs Redis GET (redis-py + hiredis): {verdict('single_vs_redis')}",
-        f"- `control_call` (a Lookup of the one hash, a unary gRPC round trip) is the floor of any same-host Get: "
+        "- `control_call` (a Lookup of the one hash, one round trip on the session's control channels; "
+        "`control_call_grpc`: the same over gRPC) is the floor of any same-host Get: "
         f"{result['single_ms']['control_call']:.3f} ms of the same-host `get`'s {result['single_ms']['shm_get']:.3f} "
         f"ms; the rest is the node's copy into the segment and the client's copy out "
         f"({result['single_ms']['shm_get'] - result['single_ms']['control_call']:.3f} ms).", "",

@@ -16,6 +16,7 @@ from kvstore.codec import encode_blocks
 from kvstore.errors import DestinationMismatchError, InvalidArgumentError, KVStoreError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.routing import Partition
+from kvstore.shm.frames import GET_SHARED, LOOKUP, PUT_SHARED
 from kvstore.shm.link import SharedSession
 from kvstore.client.channel import TargetChannel
 from kvstore.wire import (
@@ -193,6 +194,15 @@ def _put_shared_call(channel: TargetChannel) -> Any:
     return channel.stub.PutShared
 
 
+def _control_or(session: SharedSession, kind: int, reply_type: type, grpc_method: Callable[[TargetChannel], Any]
+                ) -> Callable[[TargetChannel], Any]:
+    """The session's control channels for a call of ``kind`` (``kvstore.shm.control``), else ``grpc_method``."""
+    control = session.control
+    if control is None:
+        return grpc_method
+    return lambda channel: control.method(kind, reply_type, channel.aio)
+
+
 _UNCLEAR_CODES = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
                             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 """Statuses after which a same-host call may still be running on the node (its staged range is not reused)."""
@@ -232,8 +242,16 @@ def _unknown_service(exc: grpc.RpcError) -> str:
 
 
 def _lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
-    return _Rpc(_UNARY, _stub("Lookup"), request_with_hashes(pb.LookupRequest, namespace, block_hashes),
-                lookup_from_pb)
+    """A Lookup: over a same-host session's control channels where it has them, else over gRPC."""
+    request = request_with_hashes(pb.LookupRequest, namespace, block_hashes)
+
+    def shared(session: SharedSession) -> tuple[_Rpc, None] | None:
+        if session.control is None:
+            return None
+        return _Rpc(_UNARY, _control_or(session, LOOKUP, pb.LookupResponse, _stub("Lookup")), request,
+                    lookup_from_pb), None
+
+    return _Rpc(_UNARY, _stub("Lookup"), request, lookup_from_pb, shared=shared)
 
 
 def _get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
@@ -259,7 +277,8 @@ def _shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
         request = request_with_hashes(pb.GetSharedRequest, namespace, block_hashes)
         request.session_id = session.session_id
         started = time.monotonic()
-        return _Rpc(_UNARY, _get_shared_call, request, lambda reply: use(session, reply, started)), None
+        method = _control_or(session, GET_SHARED, pb.GetSharedResponse, _get_shared_call)
+        return _Rpc(_UNARY, method, request, lambda reply: use(session, reply, started)), None
 
     return make
 
@@ -291,7 +310,8 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
             request.priority = priority
         if retention_s is not None:
             request.retention_s = retention_s
-        return (_Rpc(_UNARY, _put_shared_call, request, lambda reply: int(reply.num_stored)),
+        method = _control_or(session, PUT_SHARED, pb.PutResponse, _put_shared_call)
+        return (_Rpc(_UNARY, method, request, lambda reply: int(reply.num_stored)),
                 lambda: session.unstage(staged))
 
     return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored), shared=shared)

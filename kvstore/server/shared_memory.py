@@ -19,6 +19,7 @@ import grpc
 
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import block_key
+from kvstore.server.shm_control import ControlServer
 from kvstore.status import FailedPreconditionError
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import parse_request, reply_head
@@ -81,8 +82,10 @@ class SharedMemoryMethods:
         """
         async with self._call("Attach", context) as call:  # type: ignore[operator]
             shm = self._require_shm()
+            control = self._control_server(shm)
             session = shm.open(call.principal)
             call.give_back_slot()  # a session lasts as long as its client: max_sessions bounds them, not the slots
+            control.remember(session.session_id, context.invocation_metadata())
             try:
                 await context.write(pb.AttachReply(
                     session_id=session.session_id, grant=session.grant,
@@ -90,9 +93,19 @@ class SharedMemoryMethods:
                     lease_s=shm.config.lease_s, grant_s=shm.config.grant_s))
                 await _serve_session(shm, session, request_iterator)
             finally:
+                control.forget(session.session_id)
                 shm.close_session(session)
             return None
         raise AssertionError("unreachable")
+
+    def _control_server(self, shm: SharedMemoryNode) -> ControlServer:
+        """This servicer's control-channel server, made and offered to the node on the first Attach."""
+        control = getattr(self, "_shm_control", None)
+        if control is None:
+            control = ControlServer(self, self._config.server.max_message_bytes)  # type: ignore[attr-defined]
+            self._shm_control = control
+            shm.serve_channel = control.serve
+        return control
 
     async def GetShared(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GetSharedResponse:
         """Copy the blocks of the longest cached prefix into the session's get segment, under one lease.

@@ -9,7 +9,13 @@ connection, all integers little-endian::
                      with two descriptors: the get segment, read-only; the put segment, read-write
                  or  1 (1 byte) | reason (UTF-8), and no descriptor
 
-and the node closes the connection. A grant is random (256 bits), sent only on
+and the node closes the connection. Version 2 asks for control channels too
+(``kvstore.shm.frames``)::
+
+    client -> node   b"KVSH" | 2 | grant (32 bytes) | channels wanted (1 byte, at most 16)
+    node -> client   as version 1, with one more descriptor per channel the node serves (0 to that many)
+
+A grant is random (256 bits), sent only on
 the authenticated ``Attach`` stream that opened the session, valid once and
 for ``grant_s`` seconds, so the socket needs no access control of its own; it
 is made ``0660`` all the same. A connection that sends nothing is closed after
@@ -33,8 +39,12 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"KVSH"
 VERSION = 1
+VERSION_CHANNELS = 2
 GRANT_BYTES = 32
 REQUEST_BYTES = len(MAGIC) + 1 + GRANT_BYTES
+MAX_CHANNELS = 16
+NOT_A_HANDOFF = "not a kvstore handoff request"
+"""The refusal of a request of a version the node does not know (before any grant is looked at)."""
 _SIZES = struct.Struct("<QQ")
 OK, REFUSED = 0, 1
 HANDOFF_TIMEOUT_S = 5.0
@@ -42,8 +52,10 @@ HANDOFF_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 64
 """Handoff connections served at once; more wait in the listen backlog."""
 
-Redeem = Callable[[bytes], "tuple[tuple[int, int], list[int]] | None"]
-"""``grant -> ((get_bytes, put_bytes), fds)``, or ``None`` to refuse; the handoff server closes ``fds`` once sent."""
+Redeem = Callable[..., "tuple[tuple[int, int], list[int]] | None"]
+"""``(grant[, channels wanted]) -> ((get_bytes, put_bytes), fds)``, or ``None`` to refuse; the handoff server closes
+``fds`` once sent (the two segments', then one per control channel). The second argument is passed only when
+a version 2 request asks for channels."""
 
 
 class HandoffServer:
@@ -106,10 +118,19 @@ class HandoffServer:
         try:
             conn.setblocking(False)
             request = await asyncio.wait_for(_recv_exactly(loop, conn, REQUEST_BYTES), HANDOFF_TIMEOUT_S)
-            if request is None or request[:len(MAGIC)] != MAGIC or request[len(MAGIC)] != VERSION:
-                await _send_refusal(loop, conn, "not a kvstore handoff request")
+            if request is None or request[:len(MAGIC)] != MAGIC or request[len(MAGIC)] not in (VERSION,
+                                                                                              VERSION_CHANNELS):
+                await _send_refusal(loop, conn, NOT_A_HANDOFF)
                 return
-            granted = self._redeem(request[len(MAGIC) + 1:])
+            channels = 0
+            if request[len(MAGIC)] == VERSION_CHANNELS:
+                wanted = await asyncio.wait_for(_recv_exactly(loop, conn, 1), HANDOFF_TIMEOUT_S)
+                if wanted is None or wanted[0] > MAX_CHANNELS:
+                    await _send_refusal(loop, conn, f"at most {MAX_CHANNELS} control channels")
+                    return
+                channels = wanted[0]
+            grant = request[len(MAGIC) + 1:]
+            granted = self._redeem(grant, channels) if channels else self._redeem(grant)  # type: ignore[call-arg]
             if granted is None:
                 await _send_refusal(loop, conn, "unknown, used or lapsed grant")
                 return
@@ -157,16 +178,19 @@ class HandoffRefused(SegmentError):
     """The node refused a grant (unknown, used or lapsed), or the reply was not a handoff."""
 
 
-def redeem_grant(address: str, grant: bytes, timeout_s: float) -> tuple[tuple[int, int], list[int]]:
-    """Redeem ``grant`` on the node's handoff socket: the segment sizes and the two descriptors (the caller owns them).
+def redeem_grant(address: str, grant: bytes, timeout_s: float,
+                 channels: int = 0) -> tuple[tuple[int, int], list[int]]:
+    """Redeem ``grant`` on the node's handoff socket: the segment sizes and the descriptors (the caller owns them).
 
     Args:
         address: the socket path (or ``@name``) the node offered.
         grant: the session's grant, :data:`GRANT_BYTES` long.
         timeout_s: for the whole exchange, seconds.
+        channels: control channels to ask for (0 to :data:`MAX_CHANNELS`; 0: a version 1 request).
 
     Returns:
-        ``((get_bytes, put_bytes), [get_fd, put_fd])``.
+        ``((get_bytes, put_bytes), [get_fd, put_fd, *channel_fds])``: as many channels as the node serves, up
+        to ``channels`` (none from a node that serves none).
 
     Raises:
         OSError: if the socket cannot be reached (another host, another mount or network namespace).
@@ -175,9 +199,13 @@ def redeem_grant(address: str, grant: bytes, timeout_s: float) -> tuple[tuple[in
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         sock.connect(sockaddr(address))
-        sock.sendall(MAGIC + bytes((VERSION,)) + grant)
-        data, fds, flags, _ = socket.recv_fds(sock, 4096, 2)
-        if flags & socket.MSG_CTRUNC or (data[:1] == bytes((OK,)) and (len(fds) != 2 or len(data) != 1 + _SIZES.size)):
+        if channels:
+            sock.sendall(MAGIC + bytes((VERSION_CHANNELS,)) + grant + bytes((min(channels, MAX_CHANNELS),)))
+        else:
+            sock.sendall(MAGIC + bytes((VERSION,)) + grant)
+        data, fds, flags, _ = socket.recv_fds(sock, 4096, 2 + MAX_CHANNELS)
+        if flags & socket.MSG_CTRUNC or (data[:1] == bytes((OK,)) and (
+                not 2 <= len(fds) <= 2 + channels or len(data) != 1 + _SIZES.size)):
             for fd in fds:
                 os.close(fd)
             raise HandoffRefused(f"malformed handoff reply ({len(data)} bytes, {len(fds)} descriptors)")

@@ -35,7 +35,8 @@ from kvstore.blockcopy import Copied, byte_view, copy_batch_into, copy_block_int
 from kvstore.codec import Layout, decode_header, torch_dtype, verify_block
 from kvstore.errors import KVStoreError
 from kvstore.shm.allocator import RangeAllocator
-from kvstore.shm.handoff import redeem_grant
+from kvstore.shm.control import ControlChannels, channels_wanted
+from kvstore.shm.handoff import NOT_A_HANDOFF, HandoffRefused, redeem_grant
 from kvstore.shm.node import BLOCK_ALIGNMENT, host_id
 from kvstore.shm.segment import Segment, unsupported_reason
 from kvstore.v1 import kvstore_pb2 as pb
@@ -83,10 +84,14 @@ class SharedSession:
         session_id: the node's name for it.
         lease_s: how long a lease lasts, seconds.
         alive: ``False`` once the session ended (the node stopped, or :meth:`retire`).
+        control: the session's control channels (``kvstore.shm.control``), ``None`` when the node handed over none
+            (its control calls then go over gRPC).
     """
 
     def __init__(self, session_id: int, lease_s: float, get_segment: Segment, put_segment: Segment,
-                 releases: queue.SimpleQueue[pb.AttachRequest | None], call: Any, channel: grpc.Channel) -> None:
+                 releases: queue.SimpleQueue[pb.AttachRequest | None], call: Any, channel: grpc.Channel,
+                 control: ControlChannels | None = None) -> None:
+        self.control = control
         self.session_id = session_id
         self.lease_s = lease_s
         self.get_segment = get_segment
@@ -246,6 +251,8 @@ class SharedSession:
         """Stop using this session (a call on it ended without a clear outcome, or the node forgot it): end its
         stream, so the node ends it; its mappings go once no view of them is left."""
         self.alive = False
+        if self.control is not None:
+            self.control.close()
         self._releases.put(None)
         self._call.cancel()
         self._channel.close()
@@ -416,22 +423,28 @@ class SharedMemoryLink:
             reply = first[0]
             if isinstance(reply, BaseException):
                 raise reply
-            sizes, fds = redeem_grant(offer.handoff_socket, reply.grant, max(0.1, deadline - time.monotonic()))
+            sizes, fds = _redeem(offer.handoff_socket, reply.grant, deadline)
+            control = ControlChannels(fds[2:]) if len(fds) > 2 else None
             try:
                 get_segment = Segment.attach(fds[0], sizes[0], writable=False)
             except BaseException:
                 os.close(fds[1])
+                if control is not None:
+                    control.close()
                 raise
             try:
                 put_segment = Segment.attach(fds[1], sizes[1], writable=True)
             except BaseException:
                 get_segment.close()
+                if control is not None:
+                    control.close()
                 raise
         except BaseException:
             releases.put(None)
             call.cancel()
             raise
-        session = SharedSession(reply.session_id, reply.lease_s, get_segment, put_segment, releases, call, channel)
+        session = SharedSession(reply.session_id, reply.lease_s, get_segment, put_segment, releases, call, channel,
+                                control)
         session.threads = threads
         session_box.append(weakref.ref(session))
         if not call.is_active():  # ended before the reader could tell the session
@@ -480,6 +493,18 @@ class SharedMemoryLink:
             session, self._session = self._session, None
             if session is not None and self._pid == os.getpid():
                 session.retire()
+
+
+def _redeem(address: str, grant: bytes, deadline: float) -> tuple[tuple[int, int], list[int]]:
+    """The handoff, asking for control channels; again without (version 1) if the node predates them (it refuses
+    the request before it looks at the grant, so the grant is still good)."""
+    channels = channels_wanted()
+    try:
+        return redeem_grant(address, grant, max(0.1, deadline - time.monotonic()), channels)
+    except HandoffRefused as exc:
+        if not channels or NOT_A_HANDOFF not in str(exc):
+            raise
+    return redeem_grant(address, grant, max(0.1, deadline - time.monotonic()))
 
 
 _LINKS: weakref.WeakSet[SharedMemoryLink] = weakref.WeakSet()

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
+import socket
 import uuid
-from typing import Hashable, NamedTuple, Sequence
+from typing import Any, Callable, Coroutine, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -78,6 +80,8 @@ class SharedMemoryNode:
         host_id: what the node offers as its host (:func:`host_id`).
         handoff_address: as given.
         sessions: the session table (after :meth:`start`).
+        serve_channel: serves one control channel of a session (``kvstore.server.shm_control``) until it ends;
+            ``None`` (the default): the node hands over no control channel, and control goes over gRPC.
     """
 
     def __init__(self, config: SharedMemoryConfig, handoff_address: str) -> None:
@@ -90,6 +94,9 @@ class SharedMemoryNode:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self.stopping: asyncio.Event | None = None
+        self.serve_channel: Callable[[Session, socket.socket], Coroutine[Any, Any, None]] | None = None
+        self._channels: dict[int, list[socket.socket]] = {}  # session id -> the node's ends of its control channels
+        self._channel_tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Listen on the handoff socket.
@@ -121,6 +128,9 @@ class SharedMemoryNode:
 
     def close_session(self, session: Session) -> None:
         """End a session: its leases, its grant and this side's mappings of its segments."""
+        for sock in self._channels.pop(session.session_id, ()):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RD)  # its task sees the end, sends the reply of a call in flight, closes it
         if self.sessions is not None:
             self.sessions.close(session)
 
@@ -129,13 +139,23 @@ class SharedMemoryNode:
         assert self.sessions is not None
         return self.sessions.release(session, list(lease_ids))
 
-    def _redeem(self, grant: bytes) -> tuple[tuple[int, int], list[int]] | None:
+    def _redeem(self, grant: bytes, num_channels: int = 0) -> tuple[tuple[int, int], list[int]] | None:
         assert self.sessions is not None
         session = self.sessions.redeem(grant)
         if session is None:
             return None
         get_fd = session.get_segment.read_only_fd()
-        return (session.get_segment.nbytes, session.put_segment.nbytes), [get_fd, os.dup(session.put_segment.fd)]
+        fds = [get_fd, os.dup(session.put_segment.fd)]
+        if self.serve_channel is not None and num_channels:
+            loop = asyncio.get_running_loop()
+            for _ in range(num_channels):
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                fds.append(theirs.detach())
+                self._channels.setdefault(session.session_id, []).append(ours)
+                task = loop.create_task(self.serve_channel(session, ours), name="kvstore-shm-control")
+                self._channel_tasks.add(task)
+                task.add_done_callback(self._channel_tasks.discard)
+        return (session.get_segment.nbytes, session.put_segment.nbytes), fds
 
     def begin_shutdown(self) -> None:
         """End every session's ``Attach`` stream, so that clients detach and use gRPC while the node drains."""
@@ -151,6 +171,12 @@ class SharedMemoryNode:
         if self._handoff is not None:
             await self._handoff.close()
             self._handoff = None
+        for task in list(self._channel_tasks):
+            task.cancel()
+        for task in list(self._channel_tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._channels.clear()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None

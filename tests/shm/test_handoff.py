@@ -65,7 +65,8 @@ def test_a_grant_is_redeemed_once_for_the_two_segments(served: tuple[HandoffServ
         redeem_grant(server.address, GRANT, 5.0)  # replayed
 
 
-@pytest.mark.parametrize("request_bytes", [b"GET / HTTP/1.1\r\n\r\n" + bytes(40), b"KVSH\x02" + GRANT, b"\0" * 37])
+@pytest.mark.parametrize("request_bytes", [b"GET / HTTP/1.1\r\n\r\n" + bytes(40), b"KVSH\x03" + GRANT,
+                                           b"KVSH\x02" + GRANT + b"\x11", b"\0" * 37])  # v2: 17 channels
 def test_anything_but_a_handoff_request_is_refused(served: tuple[HandoffServer, list[bytes], Segment],
                                                    request_bytes: bytes) -> None:
     server, asked, _ = served
