@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 from kvstore.config import Config
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
+from kvstore.server.budget import ByteBudget
 from kvstore.status import DeadlineExceededError
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ class TenantQuota:
                 del self._pending_bytes[tenant]
 
 
-class ReplyBudget:
+class ReplyBudget(ByteBudget):
     """Bytes of Get replies in flight per client connection and per tenant; a Get past either waits its turn.
 
     A Get's reply counts, at its full size, from the moment its blocks are read
@@ -218,11 +219,7 @@ class ReplyBudget:
     """
 
     def __init__(self, per_connection_bytes: int, per_tenant_bytes: int) -> None:
-        if per_connection_bytes <= 0 or per_tenant_bytes <= 0:
-            raise ValueError(f"reply budgets must be > 0, got {per_connection_bytes} and {per_tenant_bytes}")
-        self.per_connection_bytes = per_connection_bytes
-        self.per_tenant_bytes = per_tenant_bytes
-        self._held: dict[str, int] = {}  # peer, or "\0" + tenant (no peer starts so) -> bytes held
+        super().__init__(per_connection_bytes, per_tenant_bytes, "reply")
         self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}  # key -> Gets waiting for it
         self.num_waited = 0  # Gets that had to wait, since start
         self.waits = WaitTimes()  # how long they waited, and how many gave up waiting
@@ -232,14 +229,6 @@ class ReplyBudget:
     def from_config(cls, config: Config) -> ReplyBudget:
         """The budget of ``limits.connection_reply_bytes`` and ``limits.tenant_reply_bytes``."""
         return cls(config.limits.connection_reply_bytes, config.limits.tenant_reply_bytes)
-
-    def held_bytes(self, peer: str | None = None, tenant: str | None = None) -> int:
-        """Bytes held now by ``peer``'s replies, or ``tenant``'s; by every reply when both are ``None``."""
-        if peer is not None:
-            return self._held.get(peer, 0)
-        if tenant is not None:
-            return self._held.get("\0" + tenant, 0)
-        return sum(n for key, n in self._held.items() if not key.startswith("\0"))
 
     def estimate(self, num_blocks: int) -> int:
         """What a Get of ``num_blocks`` is charged on admission, before its blocks are read: ``num_blocks`` times
@@ -289,16 +278,6 @@ class ReplyBudget:
             raise
         self.waits.observe(loop.time() - started, admitted=True)
         self.charge(peer, tenant, estimate_bytes)
-
-    def charge(self, peer: str, tenant: str, nbytes: int) -> None:
-        """Count ``nbytes`` more (or fewer, when negative) of an admitted Get's reply against ``peer`` and ``tenant``."""
-        held = self._held
-        for key in (peer, "\0" + tenant):
-            left = held.get(key, 0) + nbytes
-            if left > 0:
-                held[key] = left
-            else:
-                held.pop(key, None)
 
     def settle(self, peer: str, tenant: str, estimate_bytes: int, nbytes: int, num_blocks: int) -> None:
         """An admitted Get has read its ``num_blocks`` blocks, ``nbytes`` in all: charge that instead of its estimate."""

@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 
 from kvstore.config import Config
+from kvstore.server.budget import ByteBudget
 
 
-class PutBudget:
+class PutBudget(ByteBudget):
     """Bytes of Put bodies being received per connection (``peer``) and per tenant (``cache_salt``).
 
     So the Puts of one connection hold at most ``per_connection_bytes`` plus one
@@ -35,11 +36,7 @@ class PutBudget:
     """
 
     def __init__(self, per_connection_bytes: int, per_tenant_bytes: int) -> None:
-        if per_connection_bytes <= 0 or per_tenant_bytes <= 0:
-            raise ValueError(f"put budgets must be > 0, got {per_connection_bytes} and {per_tenant_bytes}")
-        self.per_connection_bytes = per_connection_bytes
-        self.per_tenant_bytes = per_tenant_bytes
-        self._held: dict[str, int] = {}  # peer, or "\0" + tenant -> bytes held
+        super().__init__(per_connection_bytes, per_tenant_bytes, "put")
         self._changed: asyncio.Event | None = None  # set (and replaced) whenever bytes are released
         self.num_waited = 0  # blocks whose Put had to wait before reading them, since start
 
@@ -47,14 +44,6 @@ class PutBudget:
     def from_config(cls, config: Config) -> PutBudget:
         """The budget of ``limits.connection_put_bytes`` and ``limits.tenant_put_bytes``."""
         return cls(config.limits.connection_put_bytes, config.limits.tenant_put_bytes)
-
-    def held_bytes(self, peer: str | None = None, tenant: str | None = None) -> int:
-        """Bytes held now by ``peer``'s Puts, or ``tenant``'s; by every Put when both are ``None``."""
-        if peer is not None:
-            return self._held.get(peer, 0)
-        if tenant is not None:
-            return self._held.get("\0" + tenant, 0)
-        return sum(n for key, n in list(self._held.items()) if not key.startswith("\0"))
 
     def _full(self, peer: str, tenant: str, own_bytes: int) -> bool:
         held = self._held
@@ -78,21 +67,12 @@ class PutBudget:
                 if self._changed is None:
                     self._changed = asyncio.Event()
                 await self._changed.wait()
-        self._charge(peer, tenant, nbytes)
+        self.charge(peer, tenant, nbytes)
 
     def release(self, peer: str, tenant: str, nbytes: int) -> None:
         """A Put's call ended, holding ``nbytes`` (maybe 0): uncount them and let waiting Puts read on."""
         if nbytes:
-            self._charge(peer, tenant, -nbytes)
+            self.charge(peer, tenant, -nbytes)
             changed, self._changed = self._changed, None
             if changed is not None:
                 changed.set()
-
-    def _charge(self, peer: str, tenant: str, nbytes: int) -> None:
-        held = self._held
-        for key in (peer, "\0" + tenant):
-            left = held.get(key, 0) + nbytes
-            if left > 0:
-                held[key] = left
-            else:
-                held.pop(key, None)

@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Iterator
 
 import grpc
 import pytest
@@ -20,25 +19,14 @@ from kvstore.shm import control as control_module
 from kvstore.shm.frames import GET_SHARED, LOOKUP, PUT_SHARED, REPLY_HEAD, pack_request, unpack_reply_head
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import namespace_to_pb
-from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
+from tests.support.security import TOKEN_A, TOKEN_B, client_of, sha_namespace
 from tests.support.server import ThreadedServer
-from tests.support.shm import RawSession
+from tests.support.shm import RawSession, assert_healthy, small_block
 from tests.support.waiting import wait_until
 
 A, B = bearer_metadata(TOKEN_A), bearer_metadata(TOKEN_B)
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
-
-
-@pytest.fixture(scope="module")
-def node() -> Iterator[ThreadedServer]:
-    server = ThreadedServer(auth_config(**{"shared_memory.max_sessions": 8}))
-    yield server
-    server.stop()
-
-
-def block(seed: int) -> torch.Tensor:
-    return torch.randn(2, 2, 2, 16, 64, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
 
 
 def sessions_open(node: ThreadedServer) -> int:
@@ -96,16 +84,6 @@ def lookup_frame(namespace: pb.Namespace, hashes: list[bytes]) -> bytes:
     return pack_request(LOOKUP, pb.LookupRequest(namespace=namespace, block_hashes=hashes).SerializeToString(), None)
 
 
-def assert_healthy(node: ThreadedServer) -> None:
-    ns = sha_namespace("tenant-a")
-    hashes = hash_blocks(ns, list(range(16)))
-    with client_of(node, TOKEN_A) as client:
-        assert client.health() == "SERVING"
-        client.put(ns, hashes, [block(99)])
-        assert torch.equal(client.get_tensors(ns, hashes)[0], block(99))
-        assert client.lookup(ns, hashes).num_blocks == 1
-
-
 def test_lookup_get_and_put_go_over_the_sessions_channels(node: ThreadedServer,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     kinds: list[int] = []
@@ -118,7 +96,7 @@ def test_lookup_get_and_put_go_over_the_sessions_channels(node: ThreadedServer,
     monkeypatch.setattr(control_module.ControlChannels, "call", counting)
     ns = sha_namespace("tenant-a")
     hashes = hash_blocks(ns, list(range(64)))
-    blocks = [block(i) for i in range(4)]
+    blocks = [small_block(i) for i in range(4)]
     with client_of(node, TOKEN_A) as client:
         assert client.put(ns, hashes, blocks) == 4
         assert client.lookup(ns, hashes).num_blocks == 4
@@ -138,9 +116,9 @@ def test_without_channels_the_same_calls_go_over_grpc(node: ThreadedServer, monk
     ns = sha_namespace("tenant-a")
     hashes = hash_blocks(ns, list(range(300, 332)))
     with client_of(node, TOKEN_A) as client:
-        assert client.put(ns, hashes, [block(5), block(6)]) == 2
+        assert client.put(ns, hashes, [small_block(5), small_block(6)]) == 2
         assert client.lookup(ns, hashes).num_blocks == 2
-        assert torch.equal(client.get_tensors(ns, hashes)[1], block(6))
+        assert torch.equal(client.get_tensors(ns, hashes)[1], small_block(6))
         session = client._links[0].current()  # type: ignore[union-attr]
         assert session is not None and session.control is None
 
@@ -248,8 +226,8 @@ def test_a_node_that_predates_the_channels_still_gives_the_segments(node: Thread
     ns = sha_namespace("tenant-a")
     hashes = hash_blocks(ns, list(range(400, 416)))
     with client_of(node, TOKEN_A) as client:
-        assert client.put(ns, hashes, [block(7)]) == 1
+        assert client.put(ns, hashes, [small_block(7)]) == 1
         assert client.shared_memory() == ("attached",)
         assert client._links[0].current().control is None  # type: ignore[union-attr]
-        assert torch.equal(client.get_tensors(ns, hashes)[0], block(7))
+        assert torch.equal(client.get_tensors(ns, hashes)[0], small_block(7))
     assert asked == [control_module.DEFAULT_CHANNELS, 0]

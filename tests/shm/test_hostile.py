@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Iterator
 
 import grpc
 import pytest
@@ -23,23 +22,12 @@ from kvstore.security import bearer_metadata
 from kvstore.shm.handoff import HandoffRefused, redeem_grant
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import namespace_to_pb
-from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
+from tests.support.security import TOKEN_A, TOKEN_B, client_of, sha_namespace
 from tests.support.server import ThreadedServer, make_config
-from tests.support.shm import RawSession
+from tests.support.shm import RawSession, assert_healthy, small_block
 from tests.support.waiting import wait_until
 
 A, B = bearer_metadata(TOKEN_A), bearer_metadata(TOKEN_B)
-
-
-@pytest.fixture(scope="module")
-def node() -> Iterator[ThreadedServer]:
-    server = ThreadedServer(auth_config(**{"shared_memory.max_sessions": 8}))
-    yield server
-    server.stop()
-
-
-def block(seed: int) -> torch.Tensor:
-    return torch.randn(2, 2, 2, 16, 64, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
 
 
 def put_shared(session: RawSession, namespace: pb.Namespace, hashes: list[bytes], offsets: list[int],
@@ -49,19 +37,10 @@ def put_shared(session: RawSession, namespace: pb.Namespace, hashes: list[bytes]
         block_hashes=hashes, offsets=offsets, sizes=sizes), timeout=30, metadata=session.metadata)
 
 
-def assert_healthy(node: ThreadedServer) -> None:
-    ns = sha_namespace("tenant-a")
-    hashes = hash_blocks(ns, list(range(16)))
-    with client_of(node, TOKEN_A) as client:
-        assert client.health() == "SERVING"
-        client.put(ns, hashes, [block(99)])
-        assert torch.equal(client.get_tensors(ns, hashes)[0], block(99))
-
-
 def test_writing_into_the_put_segment_after_a_put_changes_nothing_stored(node: ThreadedServer) -> None:
     ns = sha_namespace("tenant-a")
     hashes = hash_blocks(ns, list(range(16)))
-    good = encode_block(block(1))
+    good = encode_block(small_block(1))
     with RawSession(node.target, A) as hostile:
         hostile.put.view[:len(good)] = good
         reply = put_shared(hostile, namespace_to_pb(ns), hashes, [0], [len(good)])
@@ -74,11 +53,11 @@ def test_writing_into_the_put_segment_after_a_put_changes_nothing_stored(node: T
 def test_writing_during_the_nodes_copy_spoils_at_most_that_put(node: ThreadedServer) -> None:
     ns = sha_namespace("tenant-a")
     stored_hashes = hash_blocks(ns, list(range(100, 116)))
-    stored = encode_block(block(2))
+    stored = encode_block(small_block(2))
     with client_of(node, TOKEN_A) as client:
         client.put(ns, stored_hashes, [stored])
     target = hash_blocks(ns, list(range(200, 216)))
-    valid = encode_block(block(3))
+    valid = encode_block(small_block(3))
     garbage = bytes(range(256)) * (len(valid) // 256 + 1)
     stop = threading.Event()
     with RawSession(node.target, A) as hostile:
@@ -155,7 +134,7 @@ def test_a_session_serves_only_the_principal_that_opened_it_and_only_its_tenants
     ns_a, ns_b = sha_namespace("tenant-a"), sha_namespace("tenant-b")
     hashes_a = hash_blocks(ns_a, list(range(16)))
     with client_of(node, TOKEN_A) as client:
-        client.put(ns_a, hashes_a, [block(4)])
+        client.put(ns_a, hashes_a, [small_block(4)])
     with RawSession(node.target, A) as session_a, RawSession(node.target, B) as tenant_b:
         for call in ("GetShared", "PutShared"):
             with pytest.raises(grpc.RpcError) as info:  # B names A's session
@@ -207,8 +186,8 @@ def test_sessions_past_the_limit_are_refused_and_a_client_uses_grpc(node: Thread
         ns = sha_namespace("tenant-a")
         hashes = hash_blocks(ns, list(range(16)))
         with client_of(node, TOKEN_A) as client:
-            client.put(ns, hashes, [block(5)])
-            assert torch.equal(client.get_tensors(ns, hashes)[0], block(5))
+            client.put(ns, hashes, [small_block(5)])
+            assert torch.equal(client.get_tensors(ns, hashes)[0], small_block(5))
             assert client.shared_memory()[0].startswith("RESOURCE_EXHAUSTED: 8 same-host sessions are open")
     finally:
         for session in sessions:
@@ -223,7 +202,7 @@ def test_another_user_can_reach_neither_the_segments_nor_the_sockets(tmp_path) -
     try:
         with KVStoreClient(server.server.unix_target, retries=0) as client:
             ns = sha_namespace("")
-            client.put(ns, hash_blocks(ns, list(range(16))), [block(6)])
+            client.put(ns, hash_blocks(ns, list(range(16))), [small_block(6)])
             assert client.shared_memory() == ("attached",)
             fds = [f"/proc/{os.getpid()}/fd/{fd}" for fd in os.listdir("/proc/self/fd")
                    if _link(f"/proc/self/fd/{fd}").startswith("/memfd:kvstore-")]

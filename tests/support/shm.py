@@ -7,11 +7,33 @@ import queue
 from typing import Any, Sequence
 
 import grpc
+import torch
 
+from kvstore.keys import hash_blocks
 from kvstore.shm.handoff import redeem_grant
 from kvstore.shm.segment import Segment
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.support.security import TOKEN_A, client_of, sha_namespace
+from tests.support.server import ThreadedServer
+
+
+
+def small_block(seed: int) -> torch.Tensor:
+    """A random fp16 block ``[2 layers, 2, 2 KV heads, 16 tokens, 64]`` (16 KiB), the same for the same ``seed``."""
+    return torch.randn(2, 2, 2, 16, 64, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+
+
+def assert_healthy(node: ThreadedServer) -> None:
+    """Assert that ``node`` still serves tenant A (``tests.support.security``): health, put, get and lookup."""
+    ns = sha_namespace("tenant-a")
+    hashes = hash_blocks(ns, list(range(16)))
+    with client_of(node, TOKEN_A) as client:
+        assert client.health() == "SERVING"
+        client.put(ns, hashes, [small_block(99)])
+        assert torch.equal(client.get_tensors(ns, hashes)[0], small_block(99))
+        assert client.lookup(ns, hashes).num_blocks == 1
+
 
 SEGMENT_NAMES = ("memfd:kvstore-get-", "memfd:kvstore-put-")
 
