@@ -188,7 +188,7 @@ class KVStoreServer:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             if server_cfg.metrics_port >= 0:
                 self.metrics.add_store(StoreCollector.on_loop(asyncio.get_running_loop(), self._store.stats))
-                self.metrics.add_reply_budget(self.servicer.replies)
+                self.metrics.add_budgets(self.servicer.replies, self.servicer.puts)
                 if self.shm is not None:
                     self.metrics.add_shared_memory(StoreCollector.on_loop(asyncio.get_running_loop(),  # type: ignore
                                                                           self.shm.counters))

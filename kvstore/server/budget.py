@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 
 class ByteBudget:
     """Bytes held now by each client connection (``peer``) and each tenant (``cache_salt``), against a budget each.
@@ -15,6 +17,10 @@ class ByteBudget:
         per_tenant_bytes: bytes one tenant may hold, over its connections; > 0.
         what: what is held, for the error (``"reply"``, ``"put"``).
 
+    Attributes:
+        num_waited: calls that had to wait for room, since start.
+        waits: how long they waited (:class:`WaitTimes`), and how many gave up.
+
     Raises:
         ValueError: if a budget is not > 0.
     """
@@ -25,6 +31,8 @@ class ByteBudget:
         self.per_connection_bytes = per_connection_bytes
         self.per_tenant_bytes = per_tenant_bytes
         self._held: dict[str, int] = {}  # peer, or "\0" + tenant -> bytes held
+        self.num_waited = 0  # calls (Gets; a Put's blocks) that had to wait, since start
+        self.waits = WaitTimes()  # how long they waited, and how many gave up waiting
 
     def held_bytes(self, peer: str | None = None, tenant: str | None = None) -> int:
         """Bytes held now by ``peer``, or by ``tenant``; by every connection when both are ``None``."""
@@ -43,3 +51,39 @@ class ByteBudget:
                 held[key] = left
             else:
                 held.pop(key, None)
+
+
+WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+"""Histogram buckets of the time calls waited for a budget, seconds (up to ``limits.max_stream_s``'s default)."""
+
+
+class WaitTimes:
+    """How long calls waited for their turn under a budget (:class:`~kvstore.server.limits.ReplyBudget`'s Gets,
+    :class:`~kvstore.server.put_budget.PutBudget`'s Put blocks): a histogram, and counts by outcome.
+
+    Counted on the server's loop; read by a scrape in another thread (copies of
+    lists and ints, atomic under the GIL), as ``kvstore.server.metrics.CallStats``.
+
+    Attributes:
+        buckets: upper bounds of the buckets, seconds (``+Inf`` follows).
+        counts: waits per bucket, the last one ``+Inf`` (Prometheus' ``le``: wait <= bound).
+        sum_s: the waits' total, seconds.
+        admitted: waits that ended in the call's turn.
+        abandoned: waits that ended before it (the call's deadline, ``max_stream_s``, the client gone).
+    """
+
+    def __init__(self, buckets: tuple[float, ...] = WAIT_BUCKETS_S) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum_s = 0.0
+        self.admitted = 0
+        self.abandoned = 0
+
+    def observe(self, waited_s: float, *, admitted: bool) -> None:
+        """Count one wait of ``waited_s`` seconds, which ended in the call's turn (``admitted``) or before it."""
+        self.counts[bisect.bisect_left(self.buckets, waited_s)] += 1
+        self.sum_s += waited_s
+        if admitted:
+            self.admitted += 1
+        else:
+            self.abandoned += 1

@@ -8,7 +8,6 @@ bytes per block) are checked by the servicer and ``kvstore.wire``.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import contextlib
 import json
@@ -221,8 +220,6 @@ class ReplyBudget(ByteBudget):
     def __init__(self, per_connection_bytes: int, per_tenant_bytes: int) -> None:
         super().__init__(per_connection_bytes, per_tenant_bytes, "reply")
         self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}  # key -> Gets waiting for it
-        self.num_waited = 0  # Gets that had to wait, since start
-        self.waits = WaitTimes()  # how long they waited, and how many gave up waiting
         self.bytes_per_block = 0  # of the latest reply: what a Get is charged per block before it reads
 
     @classmethod
@@ -297,41 +294,6 @@ class ReplyBudget(ByteBudget):
             future = queue[0]
             if not future.done():
                 future.set_result(None)
-
-
-WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
-"""Histogram buckets of the time Gets waited for their reply budget, seconds (up to ``limits.max_stream_s``'s default)."""
-
-
-class WaitTimes:
-    """How long Gets waited for their turn under a :class:`ReplyBudget`: a histogram, and counts by outcome.
-
-    Counted on the server's loop; read by a scrape in another thread (copies of
-    lists and ints, atomic under the GIL), as ``kvstore.server.metrics.CallStats``.
-
-    Attributes:
-        buckets: upper bounds of the buckets, seconds (``+Inf`` follows).
-        counts: waits per bucket, the last one ``+Inf`` (Prometheus' ``le``: wait <= bound).
-        sum_s: the waits' total, seconds.
-        admitted: waits that ended in the Get's turn.
-        abandoned: waits that ended before it (the call's deadline, ``max_stream_s``, the client gone).
-    """
-
-    def __init__(self, buckets: tuple[float, ...] = WAIT_BUCKETS_S) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum_s = 0.0
-        self.admitted = 0
-        self.abandoned = 0
-
-    def observe(self, waited_s: float, *, admitted: bool) -> None:
-        """Count one wait of ``waited_s`` seconds, which ended in the Get's turn (``admitted``) or before it."""
-        self.counts[bisect.bisect_left(self.buckets, waited_s)] += 1
-        self.sum_s += waited_s
-        if admitted:
-            self.admitted += 1
-        else:
-            self.abandoned += 1
 
 
 class TenantLedger:

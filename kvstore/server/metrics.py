@@ -26,6 +26,9 @@ Exported series (conventional ``_total``, ``_bytes`` and ``_seconds`` suffixes):
   (their turn came) or ``abandoned`` (deadline, ``max_stream_s``, the client gone);
   ``kvstore_reply_budget_wait_seconds``: a histogram of how long they waited; and
   ``kvstore_reply_budget_held_bytes``: a gauge of the bytes Get replies hold now, over all connections.
+* ``kvstore_put_budget_waits_total{outcome}``, ``kvstore_put_budget_wait_seconds`` and
+  ``kvstore_put_budget_held_bytes``: the same of the Put budget (a Put block that waited before it was read,
+  and the bytes of Put bodies being received).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from prometheus_client.utils import floatToGoString
 from kvstore.api import StoreStats
 
 if TYPE_CHECKING:
+    from kvstore.server.budget import ByteBudget
     from kvstore.server.limits import ReplyBudget
+    from kvstore.server.put_budget import PutBudget
 
 logger = logging.getLogger(__name__)
 
@@ -194,22 +199,30 @@ class SharedMemoryCollector(Collector):
                                            labels=["event"])
 
 
-class ReplyBudgetCollector(Collector):
-    """The reply budget's waits and held bytes (``kvstore.server.limits.ReplyBudget``), read at scrape time.
+class BudgetCollector(Collector):
+    """A byte budget's waits and held bytes (``kvstore.server.budget.ByteBudget``), read at scrape time.
+
+    Exports ``kvstore_<kind>_budget_waits_total{outcome}``, ``kvstore_<kind>_budget_wait_seconds`` (a
+    histogram) and ``kvstore_<kind>_budget_held_bytes``.
 
     Args:
         budget: the servicer's budget; counted on the server's loop, read here from the HTTP thread (copies).
+        kind: ``"reply"`` (:class:`~kvstore.server.limits.ReplyBudget`) or ``"put"``
+            (:class:`~kvstore.server.put_budget.PutBudget`), the metrics' infix.
+        waiters: what waits, for the help texts (``"Gets"``, ``"Put blocks"``).
+        holders: what holds the bytes, for the help texts (``"Get replies"``, ``"Put bodies being received"``).
     """
 
-    def __init__(self, budget: ReplyBudget) -> None:
+    def __init__(self, budget: ByteBudget, kind: str, waiters: str, holders: str) -> None:
         self._budget = budget
+        self._kind, self._waiters, self._holders = kind, waiters, holders
 
     def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         """The three families, empty."""
         return list(self._families())
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
-        """``kvstore_reply_budget_waits_total{outcome}``, ``_wait_seconds`` and ``_held_bytes``."""
+        """``kvstore_<kind>_budget_waits_total{outcome}``, ``_wait_seconds`` and ``_held_bytes``."""
         waits_total, wait_seconds, held = self._families()
         waits = self._budget.waits
         counts, sum_s = list(waits.counts), waits.sum_s
@@ -229,14 +242,14 @@ class ReplyBudgetCollector(Collector):
         yield wait_seconds
         yield held
 
-    @staticmethod
-    def _families() -> tuple[CounterMetricFamily, HistogramMetricFamily, GaugeMetricFamily]:
+    def _families(self) -> tuple[CounterMetricFamily, HistogramMetricFamily, GaugeMetricFamily]:
+        prefix = f"kvstore_{self._kind}_budget"
         return (
-            CounterMetricFamily("kvstore_reply_budget_waits", "Gets that waited for their reply budget, by outcome.",
-                                labels=["outcome"]),
-            HistogramMetricFamily("kvstore_reply_budget_wait_seconds",
-                                  "How long Gets waited for their reply budget, seconds."),
-            GaugeMetricFamily("kvstore_reply_budget_held_bytes", "Bytes Get replies hold now, all connections."),
+            CounterMetricFamily(f"{prefix}_waits", f"{self._waiters} that waited for their {self._kind} budget, "
+                                "by outcome.", labels=["outcome"]),
+            HistogramMetricFamily(f"{prefix}_wait_seconds",
+                                  f"How long {self._waiters} waited for their {self._kind} budget, seconds."),
+            GaugeMetricFamily(f"{prefix}_held_bytes", f"Bytes {self._holders} hold now, all connections."),
         )
 
 
@@ -345,9 +358,10 @@ class ServiceMetrics:
         its loop: see :meth:`StoreCollector.on_loop`)."""
         self.registry.register(SharedMemoryCollector(counters))
 
-    def add_reply_budget(self, budget: ReplyBudget) -> None:
-        """Export the reply budget's waits and held bytes (see :class:`ReplyBudgetCollector`)."""
-        self.registry.register(ReplyBudgetCollector(budget))
+    def add_budgets(self, replies: ReplyBudget, puts: PutBudget) -> None:
+        """Export the reply and Put budgets' waits and held bytes (see :class:`BudgetCollector`)."""
+        self.registry.register(BudgetCollector(replies, "reply", "Gets", "Get replies"))
+        self.registry.register(BudgetCollector(puts, "put", "Put blocks", "Put bodies being received"))
 
     def start_http(self, host: str, port: int) -> int:
         """Serve ``/metrics`` over HTTP in a daemon thread.

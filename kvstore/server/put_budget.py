@@ -38,7 +38,6 @@ class PutBudget(ByteBudget):
     def __init__(self, per_connection_bytes: int, per_tenant_bytes: int) -> None:
         super().__init__(per_connection_bytes, per_tenant_bytes, "put")
         self._changed: asyncio.Event | None = None  # set (and replaced) whenever bytes are released
-        self.num_waited = 0  # blocks whose Put had to wait before reading them, since start
 
     @classmethod
     def from_config(cls, config: Config) -> PutBudget:
@@ -63,10 +62,17 @@ class PutBudget(ByteBudget):
         """
         if self._full(peer, tenant, own_bytes):
             self.num_waited += 1
-            while self._full(peer, tenant, own_bytes):
-                if self._changed is None:
-                    self._changed = asyncio.Event()
-                await self._changed.wait()
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                while self._full(peer, tenant, own_bytes):
+                    if self._changed is None:
+                        self._changed = asyncio.Event()
+                    await self._changed.wait()
+            except asyncio.CancelledError:
+                self.waits.observe(loop.time() - started, admitted=False)
+                raise
+            self.waits.observe(loop.time() - started, admitted=True)
         self.charge(peer, tenant, nbytes)
 
     def release(self, peer: str, tenant: str, nbytes: int) -> None:

@@ -16,7 +16,7 @@ from kvstore.keys import Namespace
 from kvstore.server.put_budget import PutBudget
 from kvstore.wire import PUT_METHOD, identity, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.support.server import ThreadedServer, kv_blocks, make_config
+from tests.support.server import ThreadedServer, kv_blocks, make_config, scrape
 from tests.support.waiting import wait_until
 
 
@@ -74,6 +74,13 @@ def test_stalled_puts_keep_the_node_within_its_put_budget_while_another_connecti
         for call in calls:
             call.cancel()
         wait_until(lambda: budget.held_bytes() == 0, 30, "every stalled Put's bytes released")
+        waits = budget.waits
+        wait_until(lambda: waits.admitted + waits.abandoned == budget.num_waited, 30, "every wait ended and timed")
+        samples = scrape(server)
+        assert samples['kvstore_put_budget_waits_total{outcome="admitted"}'] == waits.admitted
+        assert samples['kvstore_put_budget_waits_total{outcome="abandoned"}'] == waits.abandoned
+        assert samples["kvstore_put_budget_wait_seconds_count"] == budget.num_waited >= 6
+        assert samples["kvstore_put_budget_held_bytes"] == 0
         for _ in calls:
             hold.put(None)
     finally:

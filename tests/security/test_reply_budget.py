@@ -79,10 +79,11 @@ def test_waits_for_the_budget_are_counted_and_timed_in_the_metrics() -> None:
     from prometheus_client import generate_latest
 
     from kvstore.server.metrics import ServiceMetrics
+    from kvstore.server.put_budget import PutBudget
 
     budget = ReplyBudget(per_connection_bytes=10, per_tenant_bytes=100)
     metrics = ServiceMetrics()
-    metrics.add_reply_budget(budget)
+    metrics.add_budgets(budget, PutBudget(per_connection_bytes=10, per_tenant_bytes=100))
 
     async def scenario() -> None:
         assert budget.admit("p", "t", 12)  # the budget is full
@@ -126,7 +127,11 @@ def test_stalled_readers_keep_the_node_within_its_budget_while_another_connectio
             kv.put(stalled_ns, hashes, tensors)
             kv.put(good_ns, good_hashes, good_tensors)
             kv.get(stalled_ns, hashes)  # the node learns its replies' bytes per block: Gets are charged before they read
-        channel = grpc.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)])
+        # No BDP probing: the stalled client's receive windows stay at gRPC's 64 KiB, so no unread reply can
+        # complete into its buffers (with probing, a window can grow past a whole 4 MiB reply, which then ends,
+        # frees its budget and lets the next Get in without a wait).
+        channel = grpc.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1),
+                                                                ("grpc.http2.bdp_probe", 0)])
         stub = pb_grpc.KVStoreStub(channel)
         request = pb.GetRequest(namespace=namespace_to_pb(stalled_ns), block_hashes=hashes)
         streams = [stub.Get(request, timeout=120) for _ in range(32)]  # none is read
