@@ -29,8 +29,12 @@ INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.
 DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
 
-def sessions_open(node: ThreadedServer) -> int:
-    return len(node.server.shm.sessions)  # type: ignore[union-attr,arg-type]  # len(): safe from this thread
+def session_ids(node: ThreadedServer) -> set[int]:
+    """The ids of the node's open sessions, read on its loop (other tests' sessions may end meanwhile)."""
+    async def ids() -> set[int]:
+        return {session.session_id for session in node.server.shm.sessions}  # type: ignore[union-attr]
+
+    return node.call(ids())
 
 
 class ChannelSession(RawSession):
@@ -154,7 +158,6 @@ def test_an_oversized_request_is_refused_before_it_is_read(node: ThreadedServer)
 
 
 def test_a_client_killed_mid_call_leaves_the_node_healthy(node: ThreadedServer, tmp_path) -> None:
-    before = sessions_open(node)
     script = tmp_path / "killed.py"
     script.write_text(f"""
 import os, sys
@@ -165,20 +168,21 @@ raw = ChannelSession({node.target!r}, A, channels=2)
 frame = pack_request(PUT_SHARED, bytes(4000), None)
 raw.channels[0].sendall(frame[:2000])  # half a frame
 raw.channels[1].sendall(frame[:10])  # half a head
-print("sent", flush=True)
+print("sent", raw.session_id, flush=True)
 sys.stdin.read()
 """)
     child = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        assert child.stdout.readline() == b"sent\n"  # type: ignore[union-attr]
-        wait_until(lambda: sessions_open(node) == before + 1, 60, "the child's session to open")
+        sent, session_id = child.stdout.readline().split()  # type: ignore[union-attr]
+        assert sent == b"sent"
+        wait_until(lambda: int(session_id) in session_ids(node), 60, "the child's session to open")
         child.kill()
         child.wait()
     finally:
         if child.poll() is None:
             child.kill()
-    wait_until(lambda: sessions_open(node) == before, 60, "the killed child's session to end")
+    wait_until(lambda: int(session_id) not in session_ids(node), 60, "the killed child's session to end")
     assert_healthy(node)
 
 
