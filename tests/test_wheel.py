@@ -161,7 +161,17 @@ def test_the_package_comes_from_the_venv_not_the_checkout(fresh_venv: Path, outs
     assert f"Name: {DISTRIBUTION}" in show
 
 
-@pytest.mark.parametrize("command", [None, "serve", "stats", "health", "simulate", "loadtest", "demo", "events"])
+def _subcommands() -> list[str]:
+    """Every subcommand of ``kvstore`` (from the checkout's parser), so a new one is checked without a list here."""
+    import argparse
+
+    from kvstore.cli import build_parser
+
+    [subparsers] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return list(subparsers.choices)
+
+
+@pytest.mark.parametrize("command", [None, *_subcommands()])
 def test_every_subcommand_has_its_help(fresh_venv: Path, outside: Path, command: str | None) -> None:
     result = _run(fresh_venv, [command, "--help"] if command else ["--help"], outside)
     assert result.stdout.startswith(f"usage: kvstore{' ' + command if command else ''}")
