@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 import grpc
 
 from kvstore.blocklease import BlockLease
-from kvstore.blockcopy import Copied, byte_view, copy_batch_into, copy_block_into, copy_into_destinations, encode_into, encoded_nbytes
+from kvstore.blockcopy import (Copied, byte_view, copy_batch_into, copy_block_into, copy_into_destinations,
+                               encode_batch_into, encode_into, encoded_nbytes)
 from kvstore.codec import Layout, decode_header, torch_dtype, verify_block
 from kvstore.errors import KVStoreError
 from kvstore.shm.allocator import RangeAllocator
@@ -202,7 +203,8 @@ class SharedSession:
     # ------------------------------------------------------------------ Put
 
     def stage(self, blocks: Sequence[Block], layout: Layout | str) -> Staged | None:
-        """Write blocks encoded into a new range of the put segment (one copy of each payload, from any device).
+        """Write blocks encoded into a new range of the put segment (one copy of each payload, from any device):
+        a batch of like tensors with one header build for all (``kvstore.blockcopy.encode_batch_into``).
 
         Returns:
             Where they are, or ``None`` when the put segment has no room for them now.
@@ -226,8 +228,10 @@ class SharedSession:
         try:
             view = self.put_segment.view
             raw = None if all(isinstance(b, (bytes, bytearray, memoryview)) for b in blocks) else self.put_bytes
-            for block, start, nbytes in zip(blocks, offsets, sizes):
-                encode_into(block, layout, view[start:start + nbytes], None if raw is None else raw[start:start + nbytes])
+            if raw is None or not encode_batch_into(blocks, layout, view, raw, offsets):  # like tensors: one header
+                for block, start, nbytes in zip(blocks, offsets, sizes):
+                    encode_into(block, layout, view[start:start + nbytes],
+                                None if raw is None else raw[start:start + nbytes])
         except BaseException:
             self.unstage(Staged(offset, offsets, sizes))
             raise
