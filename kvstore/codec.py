@@ -393,6 +393,54 @@ def verify_block(buf: bytes | bytearray | memoryview) -> BlockHeader:
     return header
 
 
+class LikeBlocks:
+    """Verifies blocks like one already verified (its header byte for byte, but for the checksum) without parsing
+    their headers: what a batch of one dtype and shape, such as a Put's, needs checked per block.
+
+    A block whose length and header bytes (all but the checksum field) are the
+    reference's decodes to the reference's header exactly (the same dtype,
+    layout, shape, flags, sizes and padding), so only its checksum is left to
+    check: xxh3-64 of those header bytes is taken once, and each block's payload
+    continues a copy of it.
+
+    Args:
+        header: the reference block's header, from :func:`verify_block`.
+        block: the reference block.
+    """
+
+    __slots__ = ("header", "_nbytes", "_lead", "_rest", "_digest")
+
+    def __init__(self, header: BlockHeader, block: bytes | bytearray | memoryview) -> None:
+        view = memoryview(block).cast("B")
+        self.header = header
+        self._nbytes = view.nbytes
+        self._lead = bytes(view[:_CHECKSUM_AT])
+        self._rest = bytes(view[_CHECKSUM_AT + _CHECKSUM_BYTES:header.header_nbytes])
+        digest = xxhash.xxh3_64()
+        digest.update(self._lead)
+        digest.update(_NO_CHECKSUM)
+        digest.update(self._rest)
+        self._digest = digest
+
+    def verify(self, block: bytes | bytearray | memoryview) -> bool:
+        """Check a block like the reference: ``True`` if it is one and intact, ``False`` if it is not like it
+        (its length or a header byte differs: check it with :func:`verify_block`).
+
+        Raises:
+            ChecksumError: if it is like the reference but a byte of its header or payload is not what was written.
+        """
+        view = memoryview(block).cast("B")
+        head = self.header.header_nbytes
+        if (view.nbytes != self._nbytes or view[:_CHECKSUM_AT] != self._lead
+                or view[_CHECKSUM_AT + _CHECKSUM_BYTES:head] != self._rest):
+            return False
+        digest = self._digest.copy()
+        digest.update(view[head:])
+        if digest.intdigest() != int.from_bytes(view[_CHECKSUM_AT:_CHECKSUM_AT + _CHECKSUM_BYTES], "little"):
+            raise ChecksumError("checksum mismatch: the block (header or payload) is corrupt")
+        return True
+
+
 def decode_block(buf: bytes | bytearray | memoryview, *, verify: bool = True, copy: bool | None = None) -> torch.Tensor:
     """Decode an encoded block into a CPU tensor; read-only bytes are copied, so no tensor writes into them.
 

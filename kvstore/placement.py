@@ -16,7 +16,7 @@ from kvstore.index import Entry, Index
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey, Namespace
 from kvstore.mover import Mover
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, SharedTier, Tier
-from kvstore.validation import check_block, check_counts, check_priority, check_retention_s
+from kvstore.validation import check_blocks, check_counts, check_priority, check_retention_s
 
 
 class Placement:
@@ -60,9 +60,14 @@ class Placement:
         retention_s = check_retention_s(retention_s)
         now = self._clock()
         meta = BlockMeta(priority, now + retention_s if retention_s else 0.0, now)
+        check_blocks(namespace, blocks, self._max_block_bytes)
+        fits: set[int] = set()
         for position, block in enumerate(blocks):
-            check_block(namespace, position, block, self._max_block_bytes)
-            if not self._fits_somewhere(len(block)):
+            if len(block) in fits:
+                continue
+            if self._fits_somewhere(len(block)):
+                fits.add(len(block))
+            else:
                 exc = ResourceExhaustedError(f"block {position}: {len(block)} bytes is larger than every tier")
                 if self._tiers:
                     self._mover.refused(0, "too_large", len(blocks), exc)

@@ -9,7 +9,7 @@ import operator
 from typing import Sequence
 
 from kvstore.api import Block
-from kvstore.codec import BlockHeader, Layout, decode_header, verify_block
+from kvstore.codec import BlockHeader, Layout, LikeBlocks, decode_header, verify_block
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import BlockHash, BlockKey, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
@@ -158,6 +158,73 @@ def check_block(namespace: Namespace, position: int, block: object, max_block_by
     if mismatch:
         raise InvalidArgumentError(f"block {position}: {mismatch}")
     return header
+
+
+class BlockChecker:
+    """Checks the blocks of one put one at a time, as :func:`check_block` does, parsing a header only where it
+    differs from the last one parsed (``kvstore.codec.LikeBlocks``): a batch of one dtype and shape parses one.
+
+    Args:
+        namespace: the put's namespace.
+        max_block_bytes: the largest block accepted, bytes (``store.max_block_bytes``).
+    """
+
+    __slots__ = ("namespace", "max_block_bytes", "_like")
+
+    def __init__(self, namespace: Namespace, max_block_bytes: int) -> None:
+        self.namespace = namespace
+        self.max_block_bytes = max_block_bytes
+        self._like: LikeBlocks | None = None
+
+    def check(self, position: int, block: object) -> None:
+        """Check block ``position`` of the put.
+
+        Raises:
+            InvalidArgumentError, ResourceExhaustedError, CodecError: as :func:`check_block`.
+        """
+        like = self._like
+        if like is not None and isinstance(block, (bytes, bytearray, memoryview)):
+            try:
+                if like.verify(block):  # its length and header are the checked block's: only the checksum was left
+                    return
+            except CodecError as exc:
+                raise type(exc)(f"block {position}: {exc}") from None
+        header = check_block(self.namespace, position, block, self.max_block_bytes)
+        self._like = LikeBlocks(header, block)  # type: ignore[arg-type]
+
+
+class CheckedBlocks(list):  # type: ignore[type-arg]
+    """A put's blocks that a :class:`BlockChecker` of ``namespace`` checked one by one as they were made: the
+    node's own immutable copies (``bytes``, or views of them), so checking them again would find the same.
+
+    The same-host Put checks each copy right after copying it out of the client's segment, while it is in
+    cache (``kvstore.shm.node.SharedMemoryNode.copy_in``); the store's admission then skips the blocks
+    (:func:`check_blocks`).
+
+    Args:
+        blocks: the checked blocks, in put order.
+        checker: the checker that checked them.
+    """
+
+    def __init__(self, blocks: Sequence[object], checker: BlockChecker) -> None:
+        super().__init__(blocks)
+        self.namespace = checker.namespace
+        self.max_block_bytes = checker.max_block_bytes
+
+
+def check_blocks(namespace: Namespace, blocks: Sequence[object], max_block_bytes: int) -> None:
+    """Check every encoded block of a put as :func:`check_block` does (a :class:`BlockChecker`), but for
+    :class:`CheckedBlocks` of ``namespace`` checked within ``max_block_bytes``: those were checked already.
+
+    Raises:
+        InvalidArgumentError, ResourceExhaustedError, CodecError: as :func:`check_block`, for the first bad block.
+    """
+    if (type(blocks) is CheckedBlocks and blocks.namespace == namespace
+            and blocks.max_block_bytes <= max_block_bytes):
+        return
+    checker = BlockChecker(namespace, max_block_bytes)
+    for position, block in enumerate(blocks):
+        checker.check(position, block)
 
 
 def namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:

@@ -21,6 +21,7 @@ from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import block_key
 from kvstore.server.shm_control import ControlServer
 from kvstore.status import FailedPreconditionError
+from kvstore.validation import BlockChecker, CheckedBlocks
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import parse_request, reply_head
 
@@ -135,7 +136,8 @@ class SharedMemoryMethods:
         raise AssertionError("unreachable")
 
     async def PutShared(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        """Store the blocks the client staged in its put segment: each is copied out, and the copies validated.
+        """Store the blocks the client staged in its put segment: each is copied out, and each copy validated
+        as soon as it is made (while in cache; the store's admission does not read it again).
 
         As a Put: nothing is stored unless every block validates (header,
         checksum, the namespace's dtype, layout and block size), and the limits
@@ -162,8 +164,10 @@ class SharedMemoryMethods:
                 if nbytes > store_config.max_block_bytes:
                     raise ResourceExhaustedError(f"block {position}: {nbytes} bytes is over "
                                                  f"max_block_bytes={store_config.max_block_bytes}")
-            blocks = shm.copy_in(session, request.offsets, request.sizes,
-                                 functools.partial(reply_head, chunk_bytes=self._chunk_bytes))  # type: ignore[attr-defined]
+            checker = BlockChecker(namespace, store_config.max_block_bytes)  # each copy checked while in cache
+            framing = functools.partial(reply_head, chunk_bytes=self._chunk_bytes)  # type: ignore[attr-defined]
+            blocks = CheckedBlocks(shm.copy_in(session, request.offsets, request.sizes, framing, checker.check),
+                                   checker)
             priority = request.priority if request.HasField("priority") else None
             retention_s = request.retention_s if request.HasField("retention_s") else None
             self._check_deadline(context)  # type: ignore[operator]

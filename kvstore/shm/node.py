@@ -248,7 +248,7 @@ class SharedMemoryNode:
 
     @staticmethod
     def copy_in(session: Session, offsets: Sequence[int], sizes: Sequence[int],
-                framing: Framing | None = None) -> list[Buffer]:
+                framing: Framing | None = None, check: Callable[[int, Buffer], None] | None = None) -> list[Buffer]:
         """The node's copy of each block the client staged in its put segment (memory of its own).
 
         What the client writes into its segment afterwards, or while this runs,
@@ -266,24 +266,34 @@ class SharedMemoryNode:
             offsets: each block's offset in the put segment, bytes.
             sizes: each block's length, bytes.
             framing: the head stored before a block of ``n`` bytes (``None``: no head).
+            check: called with each block's position and copy as soon as it is made, the copy still in cache
+                (``kvstore.validation.BlockChecker.check``: the store then need not read it again); its error
+                ends the copying.
 
         Raises:
             InvalidArgumentError: if the offsets and sizes differ in number, or a range is not inside the segment.
+            Exception: what ``check`` raises.
         """
         if len(offsets) != len(sizes):
             raise InvalidArgumentError(f"{len(offsets)} offsets but {len(sizes)} sizes")
         view = session.put_segment.view
         limit = session.put_segment.nbytes
         copies: list[Buffer] = []
+        heads: dict[int, bytes | None] = {}  # the framing of each block size seen (a batch has one)
         for i, (offset, nbytes) in enumerate(zip(offsets, sizes)):
             if not 0 < nbytes <= limit - offset or offset < 0:
                 raise InvalidArgumentError(f"block {i}: range [{offset}, {offset + nbytes}) is not inside "
                                            f"the put segment of {limit} bytes")
-            head = framing(nbytes) if framing is not None else None
+            head = heads.get(nbytes, b"")
+            if head == b"":
+                head = heads[nbytes] = framing(nbytes) if framing is not None else None
             if head:
-                copies.append(memoryview(b"".join((head, view[offset:offset + nbytes])))[len(head):])
+                copy: Buffer = memoryview(b"".join((head, view[offset:offset + nbytes])))[len(head):]
             else:
-                copies.append(bytes(view[offset:offset + nbytes]))
+                copy = bytes(view[offset:offset + nbytes])
+            if check is not None:
+                check(i, copy)
+            copies.append(copy)
         return copies
 
     def counters(self) -> dict[str, int]:
