@@ -72,11 +72,20 @@ def blocks_for_put(blocks: Sequence[object], layout: Layout | str) -> list[Block
         raise InvalidArgumentError(f"expected a sequence of blocks, got {type(blocks).__name__} (one block? pass [block])")
     layout = Layout(layout)
     checked = [block if type(block) is bytes else as_block(block, index=i) for i, block in enumerate(blocks)]
+    seen, like = None, True  # like: every block a tensor of one dtype and shape (so of one shape: nothing to compare)
     for block in checked:
-        if not isinstance(block, (bytes, bytearray, memoryview)):
-            dtype_name(block.dtype)
-            _check_shape(layout, tuple(block.shape))
-    check_one_shape(checked, layout)
+        if isinstance(block, (bytes, bytearray, memoryview)):
+            like = False
+            continue
+        kind = (block.dtype, block.shape)
+        if kind == seen:
+            continue
+        dtype_name(block.dtype)
+        _check_shape(layout, tuple(block.shape))
+        like = like and seen is None
+        seen = kind
+    if not like:
+        check_one_shape(checked, layout)
     return checked  # type: ignore[return-value]
 
 

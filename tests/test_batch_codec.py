@@ -141,3 +141,19 @@ def test_checked_blocks_are_not_checked_again_only_for_their_own_namespace_and_l
 
     with pytest.raises(ResourceExhaustedError):
         check_blocks(NS, checked, 1024)  # a lower limit than they were checked against: checked again
+
+
+def test_blocks_for_put_checks_every_kind_of_block_once_and_still_refuses_a_later_bad_one() -> None:
+    from kvstore.blockcopy import blocks_for_put
+    from kvstore.errors import UnknownDtypeError
+
+    tensors = _tensors(4)
+    assert blocks_for_put(tensors, "kv") == tensors
+    with pytest.raises(ElementCountError, match="block 3"):
+        blocks_for_put([*tensors[:3], torch.zeros(4, 2, 2, 16, 64, dtype=torch.float16)], "kv")  # another model
+    with pytest.raises(ElementCountError):
+        blocks_for_put([*tensors[:3], torch.zeros(2, 3, 2, 16, 64, dtype=torch.float16)], "kv")  # not kv
+    with pytest.raises(UnknownDtypeError):
+        blocks_for_put([*tensors[:3], tensors[3].to(torch.complex64)], "kv")
+    mixed = [*tensors[:2], encode_block(tensors[2]), tensors[3]]
+    assert blocks_for_put(mixed, "kv") == mixed
