@@ -412,7 +412,7 @@ class SessionTable:
 
     def resident_bytes(self) -> int:
         """Bytes of memory the get segments' pages take now (``st_blocks``; what the node wrote and has not given back)."""
-        return sum(session.get_segment.resident_bytes() for session in self._sessions.values())
+        return sum(session.get_segment.resident_bytes() for session in list(self._sessions.values()))
 
     def sessions_of(self, principal: Hashable | None) -> int:
         """Sessions ``principal`` has open."""
@@ -420,10 +420,15 @@ class SessionTable:
 
     def num_leases(self) -> int:
         """Leases in force, over every session."""
-        return sum(len(session.leases) for session in self._sessions.values())
+        return sum(len(session.leases) for session in list(self._sessions.values()))
 
     def counters(self) -> dict[str, int]:
-        """The counts, the sessions open and the leases in force, by name (``shm_`` prefixed in stats)."""
+        """The counts, the sessions open and the leases in force, by name (``shm_`` prefixed in stats).
+
+        Safe from another thread (the metrics collector's): the sums run over a snapshot of the sessions
+        (``list`` of a dict's values is one step under the GIL), so a session opened or closed on the
+        loop meanwhile cannot end the iteration with "dictionary changed size".
+        """
         return {**dataclasses.asdict(self.counts), "sessions": len(self._sessions), "leases": self.num_leases(),
                 "leased_bytes": self.leased_bytes(), "resident_bytes": self.resident_bytes()}
 

@@ -135,3 +135,25 @@ def test_close_all_closes_every_segment() -> None:
         sessions.open(None)
     sessions.close_all()
     assert len(segments.made) == 6 and segments.open == 0
+
+
+def test_counters_survive_a_session_opened_while_they_sum() -> None:
+    """The metrics thread reads ``counters()`` while the loop opens and closes sessions.
+
+    A segment's ``resident_bytes`` (an ``fstat``) lets another thread run; here it opens and closes sessions
+    at exactly that point, which made the sum's iteration over the live dict fail with "dictionary changed size".
+    """
+    sessions = table(Clock(), Segments())
+    first = sessions.open("a")
+    busy: list[int] = []
+
+    def resident_bytes_while_the_loop_acts() -> int:
+        if not busy:
+            busy.append(1)
+            sessions.close(sessions.open("b"))
+            sessions.open("c")
+        return 0
+
+    first.get_segment.resident_bytes = resident_bytes_while_the_loop_acts  # type: ignore[method-assign]
+    counters = sessions.counters()
+    assert busy and counters["resident_bytes"] >= 0 and sessions.counters()["sessions"] == 2
