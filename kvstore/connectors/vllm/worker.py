@@ -317,6 +317,21 @@ class WorkerSide:
             self._async_loads[:0] = pending
         return finished
 
+    def in_flight(self) -> dict[str, int]:
+        """What this worker holds for loads now (read-only; tests count leaks with it).
+
+        Returns:
+            ``loads``: asynchronous loads not yet reported in ``finished_recving``;
+            ``writing``: those of them scattering into vLLM's cache now (each under its lease);
+            ``failed_blocks``: vLLM blocks that failed to load, not yet reported.
+        """
+        with self._async_lock:
+            loads = list(self._async_loads)
+        with self._fail_lock:
+            failed_blocks = len(self._failed_block_ids)
+        return {"loads": len(loads), "writing": sum(load.writing and not load.done for load in loads),
+                "failed_blocks": failed_blocks}
+
     def _fetch(self, job: LoadJob) -> list[Buffer] | _Staged | _Leased:
         """The job's blocks: leased in place when the client can ``read`` and the cache is on the CPU, else copied
         into a staging tensor when it has ``get_into``, else encoded buffers."""

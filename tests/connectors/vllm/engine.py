@@ -23,6 +23,15 @@ def _generate(llm: Any, conn: Any, cmd: dict[str, Any]) -> list[list[int]]:
     (``[name, id, path]``), ``load``, ``save``, ``max_tokens``. With
     ``pause_after=k``, the loop stops stepping once ``k`` requests have
     finished, sends ``{"paused": k}`` and waits for any message before going on.
+
+    With ``hold_loads`` (the engine core in this process), it pauses twice at
+    the first step whose connector metadata holds loads: ``{"paused":
+    "loads"}`` once the scheduler planned them (looked up, blocks allocated),
+    before any worker starts them, and ``{"paused": "loading"}`` after that
+    step, while they are in flight (asynchronous loads). Each pause serves
+    commands (``metrics``, ``state``, ...) until ``{"op": "go"}``; the second
+    one's ``go`` may carry ``"abort": true``, which aborts those requests.
+    An aborted request's output is ``None``.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -44,15 +53,91 @@ def _generate(llm: Any, conn: Any, cmd: dict[str, Any]) -> list[list[int]]:
         ids.append(request_id)
     outputs: dict[str, list[int]] = {}
     pause_after = cmd.get("pause_after")
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = list(output.outputs[0].token_ids)
-        if pause_after is not None and len(outputs) >= pause_after:
-            conn.send({"paused": len(outputs)})
-            conn.recv()
-            pause_after = None
-    return [outputs[i] for i in ids]
+    held = _HeldLoads(llm, conn) if cmd.get("hold_loads") else None
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished and output.request_id in ids:
+                    outputs[output.request_id] = list(output.outputs[0].token_ids)
+            if pause_after is not None and len(outputs) >= pause_after:
+                conn.send({"paused": len(outputs)})
+                conn.recv()
+                pause_after = None
+            if held is not None and held.loads and not held.resumed:
+                held.resumed = True
+                if _pause(llm, conn, "loading").get("abort"):
+                    engine.abort_request(held.loads, internal=True)
+    finally:
+        if held is not None:
+            held.restore()
+    return [outputs.get(i) for i in ids]
+
+
+class _HeldLoads:
+    """The scheduler connector's ``build_connector_meta`` wrapped to pause at the first metadata with loads."""
+
+    def __init__(self, llm: Any, conn: Any) -> None:
+        self.connector = _scheduler(llm).connector
+        self.build = self.connector.build_connector_meta
+        self.loads: list[str] = []  # vLLM's (internal) ids of the requests whose loads were held
+        self.resumed = False
+
+        def build(scheduler_output: Any) -> Any:
+            meta = self.build(scheduler_output)
+            if not self.loads and meta.loads:
+                self.loads = [job.req_id for job in meta.loads]
+                _pause(llm, conn, "loads")
+            return meta
+
+        self.connector.build_connector_meta = build
+
+    def restore(self) -> None:
+        del self.connector.build_connector_meta  # the class's method again
+
+
+def _pause(llm: Any, conn: Any, what: str) -> dict[str, Any]:
+    """Tell the test ``{"paused": what}``, serve its commands until ``{"op": "go"}``, and return that message."""
+    conn.send({"paused": what})
+    while (cmd := conn.recv())["op"] != "go":
+        try:
+            conn.send({"result": HANDLERS[cmd["op"]](llm, cmd)})
+        except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+            conn.send({"error": traceback.format_exc()})
+    return cmd
+
+
+def _scheduler(llm: Any) -> Any:
+    """vLLM's scheduler; only while the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("the engine core runs in a process of its own: start the engine with engine_core_process=False")
+    return core.scheduler
+
+
+def _state(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """What the engine holds for requests: vLLM's free KV blocks and requests, the connector's per-request state and
+    each worker's loads not yet reported (:meth:`WorkerSide.in_flight`)."""
+    scheduler = _scheduler(llm)
+    side = scheduler.connector.scheduler_side
+    return {"free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "requests": len(scheduler.requests), "connector_requests": len(side._requests),
+            "finish_saves": len(side._finish_saves),
+            "workers": _on_workers(llm, lambda worker: worker.in_flight())}
+
+
+def _settle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Step the engine until vLLM holds no request (an aborted one waits for its load to end), then :func:`_state`.
+
+    Raises:
+        TimeoutError: if requests remain after ``timeout_s`` (default 120) seconds.
+    """
+    scheduler = _scheduler(llm)
+    deadline = time.monotonic() + float(cmd.get("timeout_s", 120.0))
+    while scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM still holds {len(scheduler.requests)} requests")
+        llm.llm_engine.step()
+    return _state(llm, cmd)
 
 
 def _ttft(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -106,6 +191,12 @@ def _drain(llm: Any, cmd: dict[str, Any]) -> bool:
     return all(_on_workers(llm, lambda side: side.drain(timeout_s)))
 
 
+HANDLERS: dict[str, Any] = {"metrics": _metrics, "ttft": _ttft, "namespace": _namespace, "drain": _drain,
+                            "state": _state, "settle": _settle,
+                            "reset_prefix_cache": lambda llm, cmd: llm.reset_prefix_cache()}
+"""The engine's commands besides ``generate`` and ``quit``: ``op`` -> ``handler(llm, cmd)``."""
+
+
 def main(address: str, authkey_hex: str) -> None:
     conn = Client(address, authkey=bytes.fromhex(authkey_hex))
     settings: dict[str, Any] = conn.recv()
@@ -125,8 +216,6 @@ def main(address: str, authkey_hex: str) -> None:
         conn.send({"error": traceback.format_exc()})
         return
     conn.send({"ready": True})
-    handlers = {"metrics": _metrics, "ttft": _ttft, "namespace": _namespace, "drain": _drain,
-                "reset_prefix_cache": lambda llm, cmd: llm.reset_prefix_cache()}
     while True:
         cmd = conn.recv()
         if cmd["op"] == "quit":
@@ -136,7 +225,7 @@ def main(address: str, authkey_hex: str) -> None:
             if cmd["op"] == "generate":
                 result = _generate(llm, conn, cmd)
             else:
-                result = handlers[cmd["op"]](llm, cmd)
+                result = HANDLERS[cmd["op"]](llm, cmd)
             conn.send({"result": result})
         except Exception:  # noqa: BLE001 - reported to the test, which fails with it
             conn.send({"error": traceback.format_exc()})

@@ -276,6 +276,51 @@ class Engine:
             raise EngineError(reply["error"])
         return reply["result"]
 
+    def generate_holding_loads(self, prompts: Sequence[dict[str, Any] | list[int]], *,
+                               on_loads: Callable[[], None] = lambda: None,
+                               on_loading: Callable[[], dict[str, Any] | None] = lambda: None,
+                               max_tokens: int = 16) -> list[list[int] | None]:
+        """Like :meth:`generate`, pausing the engine at the first step that loads (``hold_loads`` in ``engine.py``).
+
+        ``on_loads`` runs once the scheduler planned the step's loads, before any
+        worker starts them; ``on_loading`` after that step, while they are in
+        flight. Both may call this engine's commands (:meth:`metrics`,
+        :meth:`state`, ...); ``on_loading`` may return ``{"abort": True}`` to abort
+        the requests being loaded (their outputs are ``None``). The engine core
+        must run in the engine's process (``engine_core_process=False``).
+
+        Raises:
+            EngineError: if the engine failed, or no step loaded anything.
+        """
+        assert self._conn is not None
+        given = [p if isinstance(p, dict) else {"tokens": list(p)} for p in prompts]
+        self._conn.send({"op": "generate", "prompts": given, "max_tokens": max_tokens, "hold_loads": True})
+        for pause, action in (("loads", on_loads), ("loading", on_loading)):
+            reply = self._receive(time.monotonic() + CALL_TIMEOUT_S)
+            if reply.get("paused") != pause:
+                raise EngineError(reply.get("error", f"the engine did not pause at {pause!r}: {reply}"))
+            go: dict[str, Any] = {"op": "go"}
+            try:
+                result = action()
+                if pause == "loading" and result:
+                    go.update(result)
+            finally:
+                self._conn.send(go)
+        reply = self._receive(time.monotonic() + CALL_TIMEOUT_S)
+        if "error" in reply:
+            raise EngineError(reply["error"])
+        return reply["result"]
+
+    def state(self) -> dict[str, Any]:
+        """What the engine holds for requests: ``free_blocks`` (vLLM's free KV blocks), ``requests`` (vLLM's),
+        ``connector_requests`` and ``finish_saves`` (the connector scheduler's), and ``workers`` (each worker's
+        ``WorkerSide.in_flight()``). Needs the engine core in the engine's process."""
+        return self.call("state")
+
+    def settle(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Step the engine until vLLM holds no request (an aborted one is kept until its load ends); then :meth:`state`."""
+        return self.call("settle", timeout_s=timeout_s)
+
     def ttft(self, prompt: list[int], tag: str) -> dict[str, Any]:
         """Seconds from submitting ``prompt`` to its first token (``ttft_s``), and that ``token``."""
         return self.call("ttft", tokens=list(prompt), tag=tag)

@@ -281,10 +281,12 @@ def test_an_asynchronous_load_returns_at_once_and_is_reported_when_written(store
     loader = _worker(proxy, target, load_async=True)
     _load_async(loader, [5, 6, 10, 11, 2, 8, 14, 15])  # returns while the store holds the fetch back
     assert loader.take_finished_recving() == set()
+    assert loader.in_flight() == {"loads": 1, "writing": 0, "failed_blocks": 0}
     proxy.gate.set()
     finished: set[str] = set()
     wait_until(lambda: finished.update(loader.take_finished_recving()) or "l" in finished, 30, "the load ended")
     assert loader.take_load_errors() == set()
+    assert loader.in_flight() == {"loads": 0, "writing": 0, "failed_blocks": 0}  # reported: nothing held
     assert _units_equal(source, [3, 4, 9, 1, 0, 7, 12, 13], target, [5, 6, 10, 11, 2, 8, 14, 15])
     assert loader.take_stats().data["loaded_blocks"] == 4
     assert store.stats().tiers[0].hits == 4  # the lease went back once written
@@ -299,6 +301,7 @@ def test_an_asynchronous_load_past_its_deadline_is_reported_failed_and_never_wri
     loader = _worker(proxy, target, load_async=True, timeout_s=0.2, down_backoff_s=3600)
     _load_async(loader, [5, 6, 10, 11], HASHES[:2])
     wait_until(lambda: loader.take_finished_recving() == {"l"}, 30, "the load was given up at its deadline")
+    assert loader.in_flight() == {"loads": 0, "writing": 0, "failed_blocks": 4}  # reported next, by vLLM's order
     assert loader.take_load_errors() == {5, 6, 10, 11}  # read by vLLM in the same step as the finished receive
     proxy.gate.set()  # the fetch ends now: its lease goes back, and nothing is written
     wait_until(lambda: store.stats().tiers[0].hits == 2, 30, "the late fetch gave its lease back")
