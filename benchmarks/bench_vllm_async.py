@@ -31,8 +31,8 @@ step that returns their first token. The goal (issue 33): with asynchronous
 loads the ratio is >= 0.9, and the hits' TTFT is no worse than with
 synchronous loads (the baseline, in the same run).
 
-    .venv-vllm/bin/python benchmarks/bench_vllm_async.py             # ~8 min on 2 busy cores
-    .venv-vllm/bin/python benchmarks/bench_vllm_async.py --quick     # smoke test, small model, ~3 min
+    .venv-vllm/bin/python benchmarks/bench_vllm_async.py --rounds 2  # ~2.5 min on 2 cores, engines interleaved
+    .venv-vllm/bin/python benchmarks/bench_vllm_async.py --quick     # smoke test, small model, ~1 min
 
 Writes ``benchmarks/results/bench_vllm_async.{json,md}`` (``--out`` to change).
 """

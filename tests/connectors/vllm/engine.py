@@ -62,7 +62,7 @@ def _decode_with_hits(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     once every one has its first token, each of ``trials`` rounds steps
     ``baseline_steps`` times with nothing else in the engine (the baseline
     window), then adds the ``hits`` prompts (one token each) and steps until
-    every hit has its first token (the load window), then ``settle_steps``
+    every hit has its first token, then ``settle_steps``
     more and until the hits are gone. No request saves (``kv_transfer_params``).
     Times are ``time.perf_counter()`` around ``step()``; a step's tokens are the
     running requests' new output tokens. Needs the engine core in this process
