@@ -140,6 +140,102 @@ def _settle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     return _state(llm, cmd)
 
 
+def _decode_with_hits(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Decode throughput of running requests with and without hits loading, one ``engine.step()`` at a time.
+
+    ``cmd``: ``running`` (prompts, token ids) decode greedily with ``max_tokens``;
+    once every one has its first token, each of ``trials`` rounds steps
+    ``baseline_steps`` times with nothing else in the engine (the baseline
+    window), then adds the ``hits`` prompts (one token each) and steps until
+    every hit has its first token, then ``settle_steps``
+    more and until the hits are gone. No request saves (``kv_transfer_params``).
+    Times are ``time.perf_counter()`` around ``step()``; a step's tokens are the
+    running requests' new output tokens. Needs the engine core in this process
+    (``Engine(engine_core_process=False)``) to read which loads are in flight.
+
+    Returns:
+        ``{"trials": [{"baseline": {"steps", "tokens", "seconds"}, "steps": [{"seconds", "tokens",
+        "loading"}, ...], "hit_ttft_s": [...]}]}``: ``steps`` are the load window's, ``loading`` the
+        number of hits whose load was in flight when the step began (not yet looked up, or in
+        ``WAITING_FOR_REMOTE_KVS`` and not reported received); ``hit_ttft_s`` the seconds from
+        ``add_request`` to the end of the step that returned each hit's first token.
+
+    Raises:
+        RuntimeError: a running request finished before the last window ended (``max_tokens`` too small).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    no_save = {"kv_transfer_params": {"kvstore": {"save": False}}}
+    lengths: dict[str, int] = {}
+
+    def add(request_id: str, tokens: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=no_save)
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(tokens)), params)
+        lengths[request_id] = 0
+
+    def step(running: set[str]) -> tuple[int, set[str]]:
+        """One step: (new tokens of ``running``, requests with their first token now)."""
+        num_tokens, first = 0, set()
+        for output in engine.step():
+            rid, count = output.request_id, len(output.outputs[0].token_ids) if output.outputs else 0
+            if rid in running:
+                num_tokens += count - lengths[rid]
+                if output.finished:
+                    raise RuntimeError("a running request finished before the last window: raise max_tokens")
+            if count and not lengths[rid]:
+                first.add(rid)
+            lengths[rid] = count
+        return num_tokens, first
+
+    def loading(hits: set[str]) -> int:
+        count = 0
+        for rid, request in scheduler.requests.items():  # vLLM's ids: ours plus "-" and 8 random characters
+            if rid.rsplit("-", 1)[0] not in hits:
+                continue
+            if request.status == RequestStatus.WAITING and request.num_computed_tokens == 0:
+                count += 1  # not scheduled yet: its lookup (and, synchronously, its load) is in the next step
+            elif (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                  and rid not in scheduler.finished_recving_kv_req_ids):
+                count += 1
+        return count
+
+    running = {f"run-{i}" for i in range(len(cmd["running"]))}
+    for i, tokens in enumerate(cmd["running"]):
+        add(f"run-{i}", tokens, cmd["max_tokens"])
+    started: set[str] = set()
+    while started != running:
+        started |= step(running)[1]
+    trials = []
+    for trial in range(cmd["trials"]):
+        begin, num_tokens = time.perf_counter(), 0
+        for _ in range(cmd["baseline_steps"]):
+            num_tokens += step(running)[0]
+        baseline = {"steps": cmd["baseline_steps"], "tokens": num_tokens, "seconds": time.perf_counter() - begin}
+        hits = {f"hit-{trial}-{i}" for i in range(len(cmd["hits"]))}
+        steps, ttft_s = [], {}
+        begin = time.perf_counter()
+        for i, tokens in enumerate(cmd["hits"]):
+            add(f"hit-{trial}-{i}", tokens, 1)
+        while len(ttft_s) < len(hits):
+            in_flight, step_begin = loading(hits), time.perf_counter()
+            got, first = step(running)
+            now = time.perf_counter()
+            steps.append({"seconds": now - step_begin, "tokens": got, "loading": in_flight})
+            ttft_s.update({rid: now - begin for rid in first & hits})
+        for _ in range(cmd["settle_steps"]):
+            step(running)
+        while engine.get_num_unfinished_requests() > len(running):  # hits still finishing
+            step(running)
+        trials.append({"baseline": baseline, "steps": steps, "hit_ttft_s": [ttft_s[h] for h in sorted(hits)]})
+    engine.abort_request(sorted(running))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"trials": trials}
+
 def _ttft(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     """Seconds from submitting one prompt to its first token (greedy, one token), and the token."""
     from vllm import SamplingParams
@@ -192,7 +288,7 @@ def _drain(llm: Any, cmd: dict[str, Any]) -> bool:
 
 
 HANDLERS: dict[str, Any] = {"metrics": _metrics, "ttft": _ttft, "namespace": _namespace, "drain": _drain,
-                            "state": _state, "settle": _settle,
+                            "state": _state, "settle": _settle, "decode_with_hits": _decode_with_hits,
                             "reset_prefix_cache": lambda llm, cmd: llm.reset_prefix_cache()}
 """The engine's commands besides ``generate`` and ``quit``: ``op`` -> ``handler(llm, cmd)``."""
 
