@@ -412,7 +412,10 @@ class SharedMemoryConfig:
         max_leased_bytes: bytes of get segments every lease together may hold (the node's budget
             for same-host replies, beside the memory tier's capacity); 0: no bound.
         release_after_s: seconds after a lease ends before the node gives its pages back to the
-            kernel (a busy client reuses warm pages meanwhile).
+            kernel (a client that reads again meanwhile reuses warm pages). 30 by default: a Get into
+            pages given back pays a fresh page fault per 4 KiB page, which made a 16 MiB same-host
+            Get after one idle second 6x slower than back to back (27 ms against 4.5 ms here,
+            ``benchmarks/results/hitpath.md``); a worker that hits at least every 30 s never pays it.
         seal_get_segments: seal get segments with ``F_SEAL_FUTURE_WRITE``, so that no process, of
             the node's uid or root, can write them; their pages then stay until the session ends
             (``docs/shared-memory.md``).
@@ -427,7 +430,7 @@ class SharedMemoryConfig:
     max_sessions_per_tenant: int = 64
     tenant_leased_bytes: int = 1 * GiB
     max_leased_bytes: int = 4 * GiB
-    release_after_s: float = 1.0
+    release_after_s: float = 30.0
     seal_get_segments: bool = False
     lease_s: float = 30.0
     grant_s: float = 10.0
