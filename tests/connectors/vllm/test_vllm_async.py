@@ -5,7 +5,8 @@ greedy outputs are those of a run without the connector. Engine B
 (``kv_consumer``, ``load_async``) serves them again: vLLM parks each hit in
 ``WAITING_FOR_REMOTE_KVS`` while a worker thread loads it, and schedules it once
 ``get_finished`` reports it; a batch of hits and misses runs together, so misses
-prefill while hits load. (Failed and timed-out asynchronous loads: ``test_worker.py``.)
+prefill while hits load. (Failed, timed-out and aborted asynchronous loads: ``test_worker.py``,
+``test_vllm_async_faults.py``.)
 """
 
 from __future__ import annotations
