@@ -422,6 +422,13 @@ class LikeBlocks:
         digest.update(self._rest)
         self._digest = digest
 
+    def matches(self, block: bytes | bytearray | memoryview) -> bool:
+        """Whether a block has the reference's length and header bytes (all but the checksum field), so that its
+        header is the reference's :attr:`header`; nothing of its payload is read."""
+        view = memoryview(block).cast("B")
+        return (view.nbytes == self._nbytes and view[:_CHECKSUM_AT] == self._lead
+                and view[_CHECKSUM_AT + _CHECKSUM_BYTES:self.header.header_nbytes] == self._rest)
+
     def verify(self, block: bytes | bytearray | memoryview) -> bool:
         """Check a block like the reference: ``True`` if it is one and intact, ``False`` if it is not like it
         (its length or a header byte differs: check it with :func:`verify_block`).
@@ -430,10 +437,9 @@ class LikeBlocks:
             ChecksumError: if it is like the reference but a byte of its header or payload is not what was written.
         """
         view = memoryview(block).cast("B")
-        head = self.header.header_nbytes
-        if (view.nbytes != self._nbytes or view[:_CHECKSUM_AT] != self._lead
-                or view[_CHECKSUM_AT + _CHECKSUM_BYTES:head] != self._rest):
+        if not self.matches(view):
             return False
+        head = self.header.header_nbytes
         digest = self._digest.copy()
         digest.update(view[head:])
         if digest.intdigest() != int.from_bytes(view[_CHECKSUM_AT:_CHECKSUM_AT + _CHECKSUM_BYTES], "little"):

@@ -284,9 +284,9 @@ class SharedMemoryNode:
             if not 0 < nbytes <= limit - offset or offset < 0:
                 raise InvalidArgumentError(f"block {i}: range [{offset}, {offset + nbytes}) is not inside "
                                            f"the put segment of {limit} bytes")
-            head = heads.get(nbytes, b"")
-            if head == b"":
-                head = heads[nbytes] = framing(nbytes) if framing is not None else None
+            if nbytes not in heads:
+                heads[nbytes] = framing(nbytes) if framing is not None else None
+            head = heads[nbytes]
             if head:
                 copy: Buffer = memoryview(b"".join((head, view[offset:offset + nbytes])))[len(head):]
             else:

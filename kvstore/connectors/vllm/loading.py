@@ -7,10 +7,10 @@ module checks it and views its payloads, and ``PagedKV.scatter_arrays`` copies
 them into vLLM's paged cache: the scatter is the one copy on this side, with no
 staging tensor and no per-block decode.
 
-Checks: a prefix of like blocks has one header but for its checksum
-(:data:`kvstore.codec.CHECKSUM_SPAN`), so the first block's header is parsed
-and checked against this worker's page format, and every other block's header
-is compared with it as bytes. Checksums are checked only where the lease says
+Checks: a prefix of like blocks has one header but for its checksum, so the
+first block's header is parsed and checked against this worker's page format,
+and every other block's header is compared with it as bytes
+(:class:`kvstore.codec.LikeBlocks`). Checksums are checked only where the lease says
 the blocks crossed a network (``BlockLease.checked`` is ``False``, gRPC): what
 the node validated at put time and serves from its own memory is not checked
 again (``docs/shared-memory.md``).
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from kvstore.codec import CHECKSUM_SPAN, BlockHeader, DTYPES, decode_header, verify_block
+from kvstore.codec import BlockHeader, DTYPES, LikeBlocks, decode_header, verify_block
 from kvstore.errors import CodecError
 
 if TYPE_CHECKING:
@@ -90,21 +90,18 @@ def view_leased(lease: BlockLease, fmt: PageFormat, block_shape: tuple[int, ...]
     bad = _mismatch(header, fmt, block_shape)
     if bad is not None:
         return LeasedBlocks([], 0, bad)
-    start, end, size = CHECKSUM_SPAN[0], CHECKSUM_SPAN[1], header.nbytes
-    first = memoryview(blocks[0]).cast("B")
-    lead, rest = bytes(first[:start]), bytes(first[end:header.header_nbytes])
+    like = LikeBlocks(header, blocks[0])
     num_good = 1
     for block in blocks[1:]:
-        view = memoryview(block).cast("B")
-        if view.nbytes != size or view[:start] != lead or view[end:header.header_nbytes] != rest or not lease.checked:
-            try:  # another header, or a network's block: the full check names what is wrong
-                other = check(view)
-            except CodecError as exc:
-                bad = f"corrupt ({exc})"
-                break
-            bad = _mismatch(other, fmt, block_shape)
-            if bad is not None:
-                break
+        try:
+            if not (like.verify(block) if not lease.checked else like.matches(block)):
+                other = check(block)  # another header: the full check names what is wrong
+                bad = _mismatch(other, fmt, block_shape)
+                if bad is not None:
+                    break
+        except CodecError as exc:
+            bad = f"corrupt ({exc})"
+            break
         num_good += 1
     item = item_type(DTYPES[header.dtype][1])
     return LeasedBlocks(_payloads(lease, blocks[:num_good], header, item), num_good, bad)
