@@ -540,6 +540,7 @@ class WorkerSide:
         if not self.drain(SHUTDOWN_DRAIN_S):
             logger.warning("kvstore saves still queued at shutdown were dropped")
         self._tasks.put(None)
+        self._saver.join(SHUTDOWN_DRAIN_S)  # its loop ends at the None: no torch call left running at exit
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         if self.endpoint is not None:
             self.endpoint.close()
