@@ -36,10 +36,6 @@ from tests.support.process import OwnedProcess, forget, free_port, spawn  # noqa
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
-
-
 class KVNode(OwnedProcess):
     """One real ``kvstore serve`` process on loopback ports, which can be stopped, killed and restarted.
 

@@ -176,7 +176,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 if num < len(chunk):
                     break
         except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
-            copied = self._failed("get", exc, copied)
+            self._failed("get", exc, copied)
+            self._count_read(copied, len(keys), time.perf_counter() - started)  # the pages before the failure
             return [i < copied for i in range(len(keys))]
         self.health.succeeded()
         self._count_read(copied, len(keys), time.perf_counter() - started)
@@ -236,7 +237,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 if num < len(chunk):
                     break
         except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
-            copied = self._failed("get", exc, copied)
+            self._failed("get", exc, copied)
+            self._count_read(copied, len(keys), time.perf_counter() - started)  # the pages before the failure
             return [t if i < copied else None for i, t in enumerate(targets)]
         self.health.succeeded()
         self._count_read(copied, len(keys), time.perf_counter() - started)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from kvstore.connectors.sglang import KVStoreHiCacheStorage
+from kvstore.connectors.sglang.storage import MAX_PAGES_PER_CALL
 from tests.connectors.sglang.harness import fill_random, host_indices, mha_pool, page_keys, pages_of, storage_config
 from tests.support.kvnode import KVNode
 from tests.support.redis import make_tls_files
@@ -111,6 +114,82 @@ def test_a_killed_or_hung_single_node_gives_misses_and_no_exception():
         assert dead.stats().errors == 1
         assert dead.batch_set_v1(keys, host_indices(0, 4, PAGE)) == [False] * 4  # in its backoff: not stored
         assert dead.stats().skipped_calls == 1
+
+
+def kill_at_call(monkeypatch, storage, method: str, node: KVNode, call: int) -> list[int]:
+    """Make ``storage``'s store kill ``node`` as the ``call``-th ``method`` call begins; returns each call's size."""
+    sizes: list[int] = []
+    original = getattr(storage.store, method)
+
+    def killing(namespace, hashes, *args, **kwargs):
+        sizes.append(len(hashes))
+        if len(sizes) == call:
+            node.kill()
+        return original(namespace, hashes, *args, **kwargs)
+
+    monkeypatch.setattr(storage.store, method, killing)
+    return sizes
+
+
+def test_a_node_killed_between_the_calls_of_one_batch_gives_the_prefix_read_and_misses(monkeypatch):
+    num = MAX_PAGES_PER_CALL + 44  # two store calls in one batch: the node dies as the second begins
+    with KVNode(metrics=False) as node:
+        keys = page_keys(num, PAGE)
+        pool = mha_pool("page_first", device_pages=num)
+        fill_random(pool, seed=15)
+        extra = {"target": node.target, "timeout_s": 5.0, "down_backoff_s": 60.0}
+        assert connected(pool, extra).batch_set_v1(keys, host_indices(0, num, PAGE)) == [True] * num
+
+        reader_pool = mha_pool("page_first", device_pages=num)
+        reader = connected(reader_pool, extra)
+        sizes = kill_at_call(monkeypatch, reader, "get_into", node, call=2)
+        dst = host_indices(num, num, PAGE)
+        assert reader.batch_get_v1(keys, dst) == [True] * MAX_PAGES_PER_CALL + [False] * 44
+        assert sizes == [MAX_PAGES_PER_CALL, 44]
+        assert all(torch.equal(a, b) for a, b in zip(pages_of(reader_pool, dst, MAX_PAGES_PER_CALL),
+                                                     pages_of(pool, host_indices(0, num, PAGE), MAX_PAGES_PER_CALL)))
+        counts = reader.stats()
+        assert (counts.hit_pages, counts.errors) == (MAX_PAGES_PER_CALL, 1)
+
+
+def test_a_node_killed_mid_write_batch_makes_the_write_false_and_raises_nothing(monkeypatch):
+    num = MAX_PAGES_PER_CALL + 44
+    with KVNode(metrics=False) as node:
+        pool = mha_pool("page_first", device_pages=num)
+        fill_random(pool, seed=16)
+        writer = connected(pool, {"target": node.target, "timeout_s": 5.0, "down_backoff_s": 60.0})
+        sizes = kill_at_call(monkeypatch, writer, "put", node, call=2)
+        assert writer.batch_set_v1(page_keys(num, PAGE), host_indices(0, num, PAGE)) == [False] * num
+        assert sizes == [MAX_PAGES_PER_CALL, 44]
+        counts = writer.stats()
+        assert (counts.written_pages, counts.errors) == (0, 1)
+
+
+def test_a_node_killed_while_a_read_waits_on_it_is_a_miss_and_no_exception(monkeypatch):
+    with KVNode(metrics=False) as node:
+        keys = page_keys(4, PAGE)
+        pool = mha_pool("page_first")
+        fill_random(pool, seed=17)
+        extra = {"target": node.target, "timeout_s": 5.0, "down_backoff_s": 60.0}
+        assert connected(pool, extra).batch_set_v1(keys, host_indices(0, 4, PAGE)) == [True] * 4
+        reader = connected(mha_pool("page_first"), extra)
+        assert reader.batch_exists(keys) == 4  # connected: the read below is the only call in flight
+
+        entered = threading.Event()
+        original = reader.store.get_into
+
+        def get_into(*args, **kwargs):
+            entered.set()
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(reader.store, "get_into", get_into)
+        os.kill(node.pid, signal.SIGSTOP)  # the read is sent, and nothing answers it
+        with ThreadPoolExecutor(1) as executor:
+            read = executor.submit(reader.batch_get_v1, keys, host_indices(4, 4, PAGE))
+            assert entered.wait(60)
+            node.kill()
+            assert read.result(timeout=60) == [False] * 4
+        assert reader.stats().errors == 1
 
 
 def test_pages_cross_a_mutual_tls_node_with_a_token_and_a_wrong_ca_is_a_miss(tmp_path):
