@@ -60,7 +60,8 @@ from kvstore.keys import BlockHash, HashAlgorithm, hash_blocks
 try:  # transformers is the optional ``hf`` extra
     from transformers import DynamicCache
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("kvstore.connectors.hf needs transformers: pip install transformers (or, in a checkout, pip install -e '.[hf]'; docs/install.md)") from exc
+    raise ImportError("kvstore.connectors.hf needs transformers: pip install transformers "
+                      "(or, in a checkout, pip install -e '.[hf]'; docs/install.md)") from exc
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from kvstore.keys import HashAlgorithm, Namespace
 try:  # transformers is the optional ``hf`` extra
     from transformers import DynamicCache
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("kvstore.connectors.hf needs transformers: pip install transformers (or, in a checkout, pip install -e '.[hf]'; docs/install.md)") from exc
+    raise ImportError("kvstore.connectors.hf needs transformers: pip install transformers "
+                      "(or, in a checkout, pip install -e '.[hf]'; docs/install.md)") from exc
 
 DEFAULT_BLOCK_SIZE = 256
 """Tokens per block when the caller names none (a 4 MiB float32 block for the demo model)."""
