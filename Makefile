@@ -144,7 +144,7 @@ setup-peers: $(PEERS_MOONCAKE_VENV)/.installed $(PEERS_LMCACHE_VENV)/.installed 
 bench-peers: setup system-deps setup-peers
 	@if unshare --net true 2>/dev/null && command -v ip >/dev/null; then \
 	  echo "make bench-peers: in a network namespace of its own (loopback only)"; \
-	  unshare --net sh -c 'ip link set lo up && exec $(PY) benchmarks/bench_peers.py $(PEERS_ARGS)'; \
+	  unshare --net sh -c 'ip link set lo up && exec "$$@"' sh $(PY) benchmarks/bench_peers.py $(PEERS_ARGS); \
 	else $(PY) benchmarks/bench_peers.py $(PEERS_ARGS); fi
 
 clean:
