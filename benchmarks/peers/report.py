@@ -69,7 +69,7 @@ def _versus(summary: dict[str, Any], system: str, peers: Iterable[str], column: 
     if mine is None or not theirs:
         return None, "not measured"
     best = min(theirs, key=lambda peer: theirs[peer])
-    return mine / theirs[best], f"fastest peer: {best}"
+    return mine / theirs[best], f"fastest peer: {best}" if len(theirs) > 1 else f"against {best}"
 
 
 def goals(summary: dict[str, Any], series: dict[str, list[float]], cpu: dict[str, Any]) -> list[dict[str, Any]]:
