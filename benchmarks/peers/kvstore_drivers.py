@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from drivers import KIND_BLOCKS, KIND_SHAPES, KINDS, Driver, package_version
+from drivers import KIND_BLOCKS, KIND_SHAPES, KINDS, Driver
 
 
 class KVStoreDriver(Driver):
