@@ -180,19 +180,28 @@ class ReadPath:
                  [v if type(v) is bytes else bytes(v) for v in (values[p] for p in positions)], generation)
                 for level, positions in moves.items()]
 
-    def close(self, read: BlockRead) -> None:
-        """A read's last step: count a lent read, give back its leases and references, offer its promotions."""
+    def settle(self, read: BlockRead) -> None:
+        """Count a lent read now (the counts :meth:`close` would make), keeping what it holds."""
         if read.top_misses is not None:
             self._counts[0].hits += read.num_lent
             if read.top_misses:  # the first miss was looked for in every tier
                 for counts in self._counts:
                     counts.misses += 1
             read.top_misses = None
+
+    def close(self, read: BlockRead) -> None:
+        """A read's last step: count a lent read, give back its leases and references, offer its promotions."""
+        self.settle(read)
         for release in read.releases:
             release()
         self._mover.release(read.held)
+        self.promote(read)
+
+    def promote(self, read: BlockRead) -> None:
+        """Offer a read's lower-tier hits for promotion (once: they are forgotten here)."""
+        promotions, read.promotions = read.promotions, []
         if not self._is_closed():  # once released, so that the promotion's room is made by evicting others
-            for source, keys, values, generation in read.promotions:
+            for source, keys, values, generation in promotions:
                 self._mover.promote(source, keys, values, generation)
 
 
@@ -273,6 +282,13 @@ class BlockRead:
             self.close()
         else:
             task.add_done_callback(lambda _: self.close())
+
+    def settle(self) -> None:
+        """Count the read and offer its promotions now, while it still holds its blocks: for a reader that holds
+        them long after (a same-host lease, until the client releases it). :meth:`close` still gives them back."""
+        if not self._closed:
+            self._reads.settle(self)
+            self._reads.promote(self)
 
     def close(self) -> None:
         """Give back what :meth:`open` took, count the read, and offer its promotions; a second call does nothing.

@@ -176,6 +176,7 @@ class SharedSession:
                     logger.warning("kvstore node: slab %d not mapped: %s", offers[i].slab_id, exc)
                     continue
                 segment.populate(offers[i].touched)  # its pages in use, in one call, not a fault each on first read
+                segment.drop_descriptor()  # read through the mapping alone: nothing to reopen in /proc/<pid>/fd
                 self.slabs[offers[i].slab_id] = MappedSlab(segment)
 
     def _sources(self, reply: pb.GetSharedResponse) -> _Source:
@@ -577,6 +578,8 @@ class SharedMemoryLink:
             releases.put(None)
             call.cancel()
             raise
+        for segment in (get_segment, put_segment):  # used through the mappings alone: no other process of this
+            segment.drop_descriptor()               # uid can reopen them through /proc/<pid>/fd (docs/security.md)
         session = SharedSession(reply.session_id, reply.lease_s, get_segment, put_segment, releases, call, channel,
                                 control)
         session.threads = threads

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -132,7 +133,12 @@ class HandoffServer:
             self.dropped += 1
             logger.debug("handoff connection closed: no request within %.1f s", REQUEST_TIMEOUT_S)
         except (OSError, SegmentError) as exc:
-            logger.debug("handoff connection ended: %s", exc)
+            cause = exc if isinstance(exc, OSError) else exc.__cause__
+            if isinstance(cause, OSError) and cause.errno in (errno.EMFILE, errno.ENFILE):
+                logger.warning("a handoff failed: the node is out of file descriptors (%s); raise RLIMIT_NOFILE or "
+                               "lower shared_memory.max_sessions", exc)
+            else:
+                logger.debug("handoff connection ended: %s", exc)
         finally:
             conn.close()
 

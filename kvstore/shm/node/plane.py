@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
+import resource
 import socket
 from typing import Any, Callable, Coroutine, Hashable, NamedTuple, Sequence
 
@@ -32,18 +34,61 @@ from kvstore.api import Buffer
 from kvstore.config import SharedMemoryConfig
 from kvstore.errors import InvalidArgumentError
 from kvstore.reads import BlockRead
-from kvstore.shm.frames import MAX_REPLY_DESCRIPTORS
+from kvstore.errors import ResourceExhaustedError
+from kvstore.shm.frames import MAX_CHANNELS, MAX_REPLY_DESCRIPTORS
 from kvstore.shm.host import BLOCK_ALIGNMENT, host_id
 from kvstore.shm.node.control import ControlServer, Dispatch
 from kvstore.shm.node.handoff import HandoffServer
 from kvstore.shm.node.pool import SharedPool
 from kvstore.shm.node.sessions import Session, SessionTable, session_budgets
+from kvstore.shm.segment import SegmentError
 from kvstore.v1 import kvstore_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 INLINE_COPY_BYTES = 4 << 20
 """A batch whose blocks total less than this is copied on the event loop; a larger one in worker threads, bytes."""
+
+FDS_PER_SESSION = 1 + MAX_CHANNELS
+"""File descriptors a session may hold on the node: its get segment's, and one per control channel (its put
+segment's is closed once handed over)."""
+RESERVED_FDS = 512
+"""File descriptors kept for everything else of the node: listeners, connections, LMDB, Redis, pool slabs, logs."""
+
+
+class SessionLimits(NamedTuple):
+    """How many same-host sessions the node's file descriptors allow (:func:`session_limits`)."""
+
+    max_sessions: int
+    max_sessions_per_tenant: int
+    fd_limit: int
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (the most it may); returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def session_limits(config: SharedMemoryConfig, fd_limit: int) -> SessionLimits:
+    """The session caps ``config`` asks for, lowered to what ``fd_limit`` descriptors allow.
+
+    Each session may hold :data:`FDS_PER_SESSION` descriptors, and :data:`RESERVED_FDS` are kept for the rest of
+    the node; one tenant may then take at most half of the sessions, so that another can still attach.
+    """
+    by_fds = max(1, (fd_limit - RESERVED_FDS) // FDS_PER_SESSION)
+    max_sessions = min(config.max_sessions, by_fds)
+    per_tenant = config.max_sessions_per_tenant
+    if max_sessions < config.max_sessions:  # lowered: keep room for another tenant
+        per_tenant = min(per_tenant, max(1, max_sessions // 2))
+    return SessionLimits(max_sessions, min(per_tenant, max_sessions), fd_limit)
 
 
 class Copies(NamedTuple):
@@ -101,9 +146,20 @@ class SharedMemoryNode:
         """
         loop = asyncio.get_running_loop()
         config = self.config
-        self.sessions = SessionTable(segment_bytes=config.segment_bytes, max_sessions=config.max_sessions,
+        limits = session_limits(config, raise_fd_limit())
+        if limits.max_sessions < config.max_sessions:
+            logger.warning("RLIMIT_NOFILE=%d allows %d same-host sessions of up to %d descriptors each: "
+                           "shared_memory.max_sessions=%d lowered to %d, max_sessions_per_tenant to %d; raise the "
+                           "open-files limit (ulimit -n, compose ulimits.nofile, the pod's runtime) for more",
+                           limits.fd_limit, limits.max_sessions, FDS_PER_SESSION, config.max_sessions,
+                           limits.max_sessions, limits.max_sessions_per_tenant)
+        else:
+            logger.info("same-host data plane: up to %d sessions (%d per tenant), RLIMIT_NOFILE=%d",
+                        limits.max_sessions, limits.max_sessions_per_tenant, limits.fd_limit)
+        budgets = {**session_budgets(config), "max_sessions_per_tenant": limits.max_sessions_per_tenant}
+        self.sessions = SessionTable(segment_bytes=config.segment_bytes, max_sessions=limits.max_sessions,
                                      lease_s=config.lease_s, grant_s=config.grant_s, clock=loop.time,
-                                     **session_budgets(config), call_at=loop.call_at)
+                                     **budgets, call_at=loop.call_at)
         self.stopping = asyncio.Event()
         self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-shm-copy")
         self._handoff = HandoffServer(self.handoff_address, self._redeem)
@@ -112,9 +168,21 @@ class SharedMemoryNode:
     # ------------------------------------------------------------------ sessions
 
     def open(self, principal: Hashable | None) -> Session:
-        """A new session for ``principal`` (see :meth:`SessionTable.open` for errors)."""
+        """A new session for ``principal`` (see :meth:`SessionTable.open` for errors).
+
+        Raises:
+            ResourceExhaustedError: also when the node is out of file descriptors (logged).
+        """
         assert self.sessions is not None, "start() first"
-        return self.sessions.open(principal)
+        try:
+            return self.sessions.open(principal)
+        except (OSError, SegmentError) as exc:
+            if not _out_of_descriptors(exc):
+                raise
+            logger.warning("a same-host session was refused: the node is out of file descriptors (%s); raise "
+                           "RLIMIT_NOFILE or lower shared_memory.max_sessions", exc)
+            raise ResourceExhaustedError("the node is out of file descriptors for another same-host session; "
+                                         "use the gRPC data path") from None
 
     def session(self, session_id: int, principal: Hashable | None) -> Session:
         """The session a call names (see :meth:`SessionTable.session` for errors)."""
@@ -141,6 +209,7 @@ class SharedMemoryNode:
         if session is None:
             return None
         fds = [session.get_segment.read_only_fd(), os.dup(session.put_segment.fd)]
+        session.put_segment.drop_descriptor()  # handed over: from now on only the client's mapping can write it
         if self.serve_frame is not None and num_channels:
             if self._control is None:
                 self._control = ControlServer(self.serve_frame, self._max_request_bytes)
@@ -237,6 +306,11 @@ class SharedMemoryNode:
             offsets[i] += lease.offset
         if copied:
             await self._copy_out(session, lease.lease_id, [blocks[i] for i in copied], [offsets[i] for i in copied])
+        if not pooled_bytes:  # every block was copied: nothing of the store's is held for the lease
+            lease.on_end = None
+            read.close()
+        else:
+            read.settle()  # counted, and lower-tier hits offered for promotion, now: the pool blocks stay held
         reply = pb.GetSharedResponse(lease_id=lease.lease_id, offsets=offsets, sizes=sizes)
         if pooled_bytes:
             reply.slabs.extend(slabs)
@@ -384,6 +458,12 @@ class SharedMemoryNode:
         if self._control is not None:
             counts["control_bodies_refused"] = self._control.budget.refused
         return counts
+
+
+def _out_of_descriptors(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the ``OSError`` it was raised from) is ``EMFILE`` or ``ENFILE``."""
+    cause = exc if isinstance(exc, OSError) else exc.__cause__
+    return isinstance(cause, OSError) and cause.errno in (errno.EMFILE, errno.ENFILE)
 
 
 def _nothing() -> None:
