@@ -38,6 +38,7 @@ from kvstore.server.limits import ReplyBudget, StreamWatch, StreamWatchdog, Tena
 from kvstore.server.put_budget import PutBudget
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.shared_memory import SharedMemoryMethods
+from kvstore.server.tenants import TenantTags
 from kvstore.wire import (
     MAX_NAMESPACE_WIRE_BYTES,
     BlockAssembler,
@@ -194,6 +195,8 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         admission: the token check and in-flight limit of every call; built
             from ``config`` when ``None``.
         shm: the node's same-host data plane (``kvstore.shm.node``), ``None`` for none.
+        tenants: the pairs tenant -> namespace of this node (``kvstore.server.tenants``: the quota's, and the
+            event stream's routes); a new one from ``config`` when ``None``.
 
     Raises:
         ConfigError: when ``admission`` is ``None`` and the tokens of ``config`` are unusable.
@@ -207,7 +210,8 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
     """
 
     def __init__(self, store: TieredStore, config: Config, metrics: ServiceMetrics | None = None,
-                 admission: Admission | None = None, shm: SharedMemoryNode | None = None) -> None:
+                 admission: Admission | None = None, shm: SharedMemoryNode | None = None, *,
+                 tenants: TenantTags | None = None) -> None:
         self._store = store
         self.shm = shm
         self._config = config
@@ -220,7 +224,8 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
         self.require_sha256 = self._auth if security.require_sha256 is None else security.require_sha256
         self.namespaces = NamespaceCache()  # serialized wire namespace -> validated Namespace, of authorized calls
-        self.quota = TenantQuota.from_config(config, store.namespace_bytes)
+        self.tenants = tenants if tenants is not None else TenantTags.from_config(config, store.namespace_bytes)
+        self.quota = TenantQuota.from_config(config, store.namespace_bytes, self.tenants)
         self.replies = ReplyBudget.from_config(config)
         self.puts = PutBudget.from_config(config)
         self.accepting = True
@@ -440,6 +445,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
             if call.principal is None:  # fail closed: an authenticating node never serves an anonymous call
                 raise UnauthenticatedError("authentication is on but this call was not authenticated")
             call.principal.authorize(namespace.cache_salt)
+            self.tenants.note(namespace)  # its blocks' events go to its tenant's stream (kvstore.events.access)
         if self.require_sha256 and namespace.hash_algorithm is not HashAlgorithm.SHA256:
             raise InvalidArgumentError(
                 "this server requires namespace.hash_algorithm='sha256' (security.require_sha256, on by default "
@@ -451,7 +457,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
 
     def _reserve(self, namespace: Namespace, incoming_bytes: int) -> contextlib.AbstractContextManager[None]:
         if self.quota is None:
-            return contextlib.nullcontext()
+            return self.tenants.writing(namespace)
         return self.quota.reserve(namespace, incoming_bytes)
 
     def _hashes(self, block_hashes: Sequence[bytes]) -> Sequence[bytes]:

@@ -39,12 +39,12 @@ class SharedMemoryMethods:
     Attributes:
         shm: the node's data plane, ``None`` when it offers none (every method but
             Capabilities is then FAILED_PRECONDITION, and clients use gRPC).
-        events_offer: the node's KV event stream, ``(endpoint, replay_endpoint, topic)`` as bound
-            (``docs/events.md``), offered in Capabilities; ``None`` when it publishes none.
+        events_offer: the node's KV event stream, ``(endpoint, replay_endpoint, topic, authenticated)`` as
+            bound (``docs/events.md``), offered in Capabilities; ``None`` when it publishes none.
     """
 
     shm: SharedMemoryNode | None = None
-    events_offer: tuple[str, str, str] | None = None  # the node's KV events: (endpoint, replay endpoint, topic)
+    events_offer: tuple[str, str, str, bool] | None = None  # (endpoint, replay endpoint, topic, authenticated)
 
     # the servicer provides these
     _call: object
@@ -70,7 +70,8 @@ class SharedMemoryMethods:
                 reply.shared_memory.host_id = self.shm.host_id
                 reply.shared_memory.handoff_socket = self.shm.handoff_address
             if self.events_offer is not None:
-                reply.events.endpoint, reply.events.replay_endpoint, reply.events.topic = self.events_offer
+                (reply.events.endpoint, reply.events.replay_endpoint, reply.events.topic,
+                 reply.events.authenticated) = self.events_offer
             return reply
         raise AssertionError("unreachable")
 

@@ -9,7 +9,8 @@ import pytest
 
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
-from kvstore.server.limits import LEDGER_FILE, TenantQuota
+from kvstore.server.limits import TenantQuota
+from kvstore.server.tenants import LEDGER_FILE, TenantTags
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
 from tests.support.server import ThreadedServer, encoded, kv_blocks
@@ -49,10 +50,13 @@ def test_a_tenant_over_its_quota_after_a_restart_is_refused_its_next_put(tmp_pat
         restarted.stop()
 
 
-def test_a_quota_without_a_disk_tier_keeps_no_ledger() -> None:
+def test_a_quota_without_a_disk_tier_keeps_no_ledger(tmp_path: Path) -> None:
     config = auth_config(**{"limits.tenant_quota_bytes": MiB})
-    quota = TenantQuota.from_config(config, lambda tag: 0)
-    assert quota is not None and quota._ledger is None
+    assert TenantQuota.from_config(config, lambda tag: 0) is not None
+    assert not TenantTags.from_config(config).keeps_ledger
+    assert TenantTags.from_config(auth_config(**{"limits.tenant_quota_bytes": MiB,
+                                                 "store.disk.path": str(tmp_path)})).keeps_ledger
+    assert not TenantTags.from_config(auth_config(**{"store.disk.path": str(tmp_path)})).keeps_ledger  # no need
     assert TenantQuota.from_config(auth_config(), lambda tag: 0) is None  # 0: no quota
 
 
@@ -60,12 +64,12 @@ def test_the_ledger_survives_a_new_quota_and_forgets_namespaces_that_hold_nothin
     held: dict[bytes, int] = {}
     path = str(tmp_path / LEDGER_FILE)
     ns1, ns2 = Namespace("m1", cache_salt="t"), Namespace("m2", cache_salt="t")
-    quota = TenantQuota(100, lambda tag: held.get(tag, 0), path)
+    quota = TenantQuota(100, lambda tag: held.get(tag, 0), TenantTags(path))
     with quota.reserve(ns1, 60):
         held[ns1.tag] = 60
     with quota.reserve(ns2, 10):
         pass  # stored nothing
-    again = TenantQuota(100, lambda tag: held.get(tag, 0), path)
+    again = TenantQuota(100, lambda tag: held.get(tag, 0), TenantTags(path))
     assert again.used_bytes("t") == 60
     with pytest.raises(ResourceExhaustedError, match="holds 60 bytes"):
         with again.reserve(ns2, 41):
@@ -81,5 +85,5 @@ def test_an_unreadable_ledger_is_named_in_a_warning_and_starts_empty(tmp_path: P
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / LEDGER_FILE
     path.write_bytes(b"\x80not json")
-    quota = TenantQuota(100, lambda tag: 1, str(path))
+    quota = TenantQuota(100, lambda tag: 1, TenantTags(str(path)))
     assert quota.tenants == [] and "unreadable" in caplog.text
