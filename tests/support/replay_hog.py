@@ -7,10 +7,16 @@ kvstore's library would be, with the smallest receive buffer the kernel allows a
 message, so what the node sends it piles up on the node's side. A request is vLLM's: the start sequence number,
 8 bytes, big-endian (0: everything buffered).
 
-Usage (a round; ``until`` says when the node has taken every request, e.g. from its ``/metrics``)::
+Usage in a test (a round; ``until`` says when the node has taken every request, e.g. from its ``/metrics``)::
 
     hog = ReplayHog(replay_endpoint, peers=2, requests_per_peer=20)
     figures = hog.attack(node_pid, until=lambda: replays_counted() >= hog.num_requests)
+
+and in the soak, where time may pass (nodes started with ``KVSTORE_EVENTS__ENDPOINT=tcp://127.0.0.1:<port>``,
+the replay socket on the next port), one round of the hostile thread::
+
+    figures = ReplayHog(f"tcp://127.0.0.1:{port + 1}", peers=4, requests_per_peer=50).attack_for(node.pid, 2.0)
+    self._count("replay hog", figures.codes)
 """
 
 from __future__ import annotations
@@ -105,6 +111,32 @@ class ReplayHog:
             self.close()
         if after is not None:
             figures.rss_peak = self._sample_until(pid, after, timeout_s, figures.rss_peak)
+        figures.rss_after = rss_bytes(pid)
+        figures.codes["requests sent"] = self.num_sent
+        figures.seconds = time.monotonic() - started
+        return figures
+
+    def attack_for(self, pid: int, hold_s: float, sample_s: float = 0.05) -> Figures:
+        """One round for a benchmark: the peers send their requests, read nothing for ``hold_s`` seconds, then go;
+        the node's RSS before, at its peak (sampled every ``sample_s``) and once they have gone.
+
+        ``codes`` counts the requests sent (``requests sent``) and the peers that had anything queued for them
+        when they went (``peers sent batches``), as a soak's tally of a hostile client's calls.
+        """
+        figures = Figures(f"replay hog: {self.peers} peers x {self.requests_per_peer} requests, held {hold_s:g} s",
+                          calls=self.num_requests, rss_before=rss_bytes(pid))
+        started = time.monotonic()
+        self.start()
+        peak = figures.rss_before
+        try:
+            deadline = started + hold_s
+            while time.monotonic() < deadline:  # a benchmark's hold, not a test's ordering
+                peak = max(peak, rss_bytes(pid))
+                time.sleep(sample_s)
+            figures.codes["peers sent batches"] = sum(1 for sock in self._sockets if sock.poll(0))
+        finally:
+            self.close()
+        figures.rss_peak = max(peak, rss_bytes(pid))
         figures.rss_after = rss_bytes(pid)
         figures.codes["requests sent"] = self.num_sent
         figures.seconds = time.monotonic() - started
