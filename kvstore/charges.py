@@ -35,14 +35,13 @@ class NamespaceCharges:
         charge: bytes a block of a given length (as put) counts for; the identity when ``None``.
     """
 
-    __slots__ = ("_charge", "_charges", "_bytes", "_blocks", "_usual", "_odd")
+    __slots__ = ("_charge", "_charges", "_tags", "_odd")
 
     def __init__(self, charge: Callable[[int], int] | None = None) -> None:
         self._charge = charge or (lambda nbytes: nbytes)
         self._charges: dict[int, int] = {}  # length -> charge, cached (a few distinct lengths)
-        self._bytes: dict[bytes, int] = {}  # tag -> charged bytes
-        self._blocks: dict[bytes, int] = {}  # tag -> resident blocks
-        self._usual: dict[bytes, int] = {}  # tag -> the length of (nearly) all its blocks
+        # tag -> [resident blocks, charged bytes, the length of (nearly) all its blocks, that length's charge]
+        self._tags: dict[bytes, list[int]] = {}
         self._odd: dict[bytes, int] = {}  # key -> its length, where that is not its namespace's usual one
 
     def charge_of(self, nbytes: int) -> int:
@@ -57,28 +56,35 @@ class NamespaceCharges:
     def added(self, key: bytes, nbytes: int) -> None:
         """Block ``key`` of ``nbytes`` (as put) became resident in a local tier (it was in none)."""
         tag = key[:NAMESPACE_TAG_BYTES]
-        usual = self._usual.setdefault(tag, nbytes)
-        if nbytes != usual:
+        state = self._tags.get(tag)
+        if state is None:
+            charge = self.charge_of(nbytes)
+            self._tags[tag] = [1, charge, nbytes, charge]
+            return
+        state[0] += 1
+        if nbytes == state[2]:
+            state[1] += state[3]
+        else:
             self._odd[key] = nbytes
-        self._blocks[tag] = self._blocks.get(tag, 0) + 1
-        self._bytes[tag] = self._bytes.get(tag, 0) + self.charge_of(nbytes)
+            state[1] += self.charge_of(nbytes)
 
     def removed(self, key: bytes) -> None:
         """Block ``key`` left the local tier it was resident in."""
         tag = key[:NAMESPACE_TAG_BYTES]
-        num_blocks = self._blocks.get(tag, 0) - 1
-        if num_blocks < 0:  # never added: nothing to give back
+        state = self._tags.get(tag)
+        if state is None:  # never added: nothing to give back
             return
-        nbytes = self._odd.pop(key, None) if self._odd else None
-        if num_blocks == 0:
-            del self._blocks[tag], self._bytes[tag], self._usual[tag]
+        odd = self._odd.pop(key, None) if self._odd else None
+        if state[0] == 1:
+            del self._tags[tag]
             return
-        self._blocks[tag] = num_blocks
-        self._bytes[tag] -= self.charge_of(self._usual[tag] if nbytes is None else nbytes)
+        state[0] -= 1
+        state[1] -= state[3] if odd is None else self.charge_of(odd)
 
     def namespace_bytes(self, tag: bytes) -> int:
         """Charged bytes of the namespace of ``tag``'s resident blocks."""
-        return self._bytes.get(tag, 0)
+        state = self._tags.get(tag)
+        return state[1] if state is not None else 0
 
     def num_odd(self) -> int:
         """Blocks whose length is kept one by one (their namespace's blocks differ in length)."""
