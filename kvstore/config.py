@@ -454,18 +454,28 @@ class SharedMemoryConfig:
 class EventsConfig:
     """The node's KV event stream for routers (``docs/events.md``; ``kvstore.events``); off unless ``endpoint`` is set.
 
+    On a node with bearer tokens, subscribers authenticate with their token and
+    each reads only the events of the tenants its token covers (``kvstore.events.access``).
+
     Attributes:
         endpoint: ZMQ address the node binds its PUB socket to, e.g. ``tcp://127.0.0.1:5557`` or
-            ``ipc:///run/kvstore/events``; empty: no events. A node with auth on refuses a
-            non-local one unless ``allow_remote`` is set.
+            ``ipc:///run/kvstore/events``; empty: no events. A node that authenticates its clients
+            (tokens or client certificates) refuses a non-local one, unless it has tokens and
+            ``allow_remote`` is set.
         replay_endpoint: the replay ROUTER's address; empty: the next tcp port (ipc: the path plus
             ``.replay``); ``off``: no replays.
-        topic: the first frame of every batch.
+        topic: the first frame of every batch (with tokens: the prefix of every stream's topic).
         hwm: ZMQ high-water mark per subscriber, batches; past it a slow subscriber misses batches (and replays).
-        buffer_steps: batches kept for replay.
+        buffer_steps: batches kept for replay, per stream.
+        buffer_bytes: bytes of batches kept for replay, per stream (the oldest go first).
         max_queue_events: block changes queued for the publisher before the node drops them (counted,
             and announced to subscribers as a clear).
-        allow_remote: publish on a non-local endpoint even with auth on (events are not authenticated).
+        max_replays: replays served at once; more are refused (``error: busy``) until one ends.
+        max_replays_per_stream: replays of one stream (one token's tenants) served at once.
+        replay_hwm: batches queued on the node for one replay peer; the rest is sent as it reads.
+        replay_stall_s: seconds a replay peer may read nothing before its replay is dropped.
+        allow_remote: on a node with tokens, publish on a non-local endpoint (subscribers' tokens cross the
+            network in the clear); a node that authenticates with client certificates alone cannot.
     """
 
     endpoint: str = ""
@@ -473,7 +483,12 @@ class EventsConfig:
     topic: str = "kvstore"
     hwm: int = 100_000
     buffer_steps: int = 10_000
+    buffer_bytes: int = 64 * MiB
     max_queue_events: int = 1_000_000
+    max_replays: int = 64
+    max_replays_per_stream: int = 16
+    replay_hwm: int = 64
+    replay_stall_s: float = 10.0
     allow_remote: bool = False
 
     def __post_init__(self) -> None:
@@ -482,6 +497,12 @@ class EventsConfig:
         _require(self.hwm > 0, "hwm", f"must be > 0 (ZMQ reads 0 as no bound), got {self.hwm}")
         _require(self.buffer_steps > 0, "buffer_steps", f"must be > 0, got {self.buffer_steps}")
         _require(self.max_queue_events > 0, "max_queue_events", f"must be > 0, got {self.max_queue_events}")
+        _require(self.buffer_bytes > 0, "buffer_bytes", f"must be > 0, got {self.buffer_bytes}")
+        _require(self.max_replays > 0, "max_replays", f"must be > 0, got {self.max_replays}")
+        _require(0 < self.max_replays_per_stream <= self.max_replays, "max_replays_per_stream",
+                 f"must be in [1, max_replays={self.max_replays}], got {self.max_replays_per_stream}")
+        _require(self.replay_hwm > 0, "replay_hwm", f"must be > 0 (ZMQ reads 0 as no bound), got {self.replay_hwm}")
+        _require(self.replay_stall_s > 0, "replay_stall_s", f"must be > 0, got {self.replay_stall_s}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,9 @@ What it knows, per local tier (``level`` 0 is the fastest):
   being written, and still held for readers, which :meth:`Index.reserve` keeps
   within the tier's capacity.
 
-And per namespace: the bytes its resident blocks take (tenant quotas) and a
-**generation** that every clear of the namespace bumps.
+And per namespace: what its resident blocks are charged (tenant quotas: the same
+in every tier, ``kvstore.charges``) and a **generation** that every clear of the
+namespace bumps.
 
 Every operation of the store is prepare -> I/O -> complete, and the index owns
 the two synchronous steps: :meth:`Index.prepare_put` / :meth:`Index.complete_put`
@@ -41,6 +42,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
+from kvstore.charges import NamespaceCharges
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.logical import LogicalBytes
 from kvstore.policy import EvictionPolicy
@@ -71,6 +73,8 @@ class Entry:
         key: the block key.
         level: its local tier (0 is the fastest); -1 for a placement not yet charged to one.
         nbytes: capacity bytes it takes there (the tier's ``footprint``).
+        block_nbytes: the block's length as put (its tenant's charge: ``kvstore.charges``), set by the mover
+            with the value it writes (for a placement).
         readers: references held (readers, and the mover while it copies the block).
         state: see :class:`State`.
         priority: retention priority of a ``PLACING`` entry, ``[0, 100]``.
@@ -82,7 +86,7 @@ class Entry:
             block's record goes at once (the tier keeps what a reader leased valid).
     """
 
-    __slots__ = ("key", "level", "nbytes", "readers", "state", "priority", "expires_at", "done",
+    __slots__ = ("key", "level", "nbytes", "block_nbytes", "readers", "state", "priority", "expires_at", "done",
                  "ended", "owns_record")
 
     def __init__(self, key: BlockKey, level: int, nbytes: int, state: State,
@@ -90,6 +94,7 @@ class Entry:
         self.key = key
         self.level = level
         self.nbytes = nbytes
+        self.block_nbytes = 0
         self.readers = 0
         self.state = state
         self.priority = priority
@@ -160,10 +165,13 @@ class Index:
         clock: the store's clock, seconds (retentions end by it).
         held_bytes: per tier, a function giving the bytes the tier still holds for blocks already deleted
             (``LeasingTier.held_bytes``: pages a lease still holds); they count as used.
+        charge: bytes a block of a given length (as put) counts for in its namespace's
+            :meth:`namespace_bytes`, whatever tier holds it (``kvstore.charges``); the length when ``None``.
     """
 
     def __init__(self, policies: Sequence[EvictionPolicy], capacities: Sequence[int], clock: Callable[[], float],
-                 held_bytes: Sequence[Callable[[], int] | None] = ()) -> None:
+                 held_bytes: Sequence[Callable[[], int] | None] = (), charge: Callable[[int], int] | None = None
+                 ) -> None:
         self.policies = list(policies)
         self.capacities = list(capacities)
         self._clock = clock
@@ -174,7 +182,7 @@ class Index:
         self._leaving_bytes = [0] * len(self.policies)  # resident, claimed as victims, not yet gone
         self._leaving: list[set[BlockKey]] = [set() for _ in self.policies]
         self._retired_bytes = [0] * len(self.policies)
-        self._tag_bytes: dict[bytes, int] = {}
+        self.charges = NamespaceCharges(charge)  # per namespace, its blocks' charges (tenant quotas)
         self._namespace_generations: dict[bytes, int] = {}
         self.observer: StoreObserver | None = None  # told of every change of residency (``kvstore.events``)
         self.logical = LogicalBytes(len(self.policies))  # blocks per tier and namespace, for logical bytes (stats)
@@ -245,8 +253,9 @@ class Index:
                 + (held() if held is not None else 0))
 
     def namespace_bytes(self, tag: bytes) -> int:
-        """Capacity bytes the resident blocks of one namespace (by its tag) take in local tiers."""
-        return self._tag_bytes.get(tag, 0)
+        """Charged bytes of the resident blocks of one namespace (by its tag) in local tiers: the same for a block
+        in any tier, before and after a restart (``kvstore.charges``)."""
+        return self.charges.namespace_bytes(tag)
 
     def namespace_generation(self, tag: bytes) -> int:
         """How many times this store cleared the namespace: a copy made under an older value is stale."""
@@ -468,7 +477,7 @@ class Index:
         level, key = entry.level, entry.key
         assert level >= 0 and self.level_of(key) is None, (entry, self.level_of(key))  # a move retires its source first
         self.policies[level].insert(key, entry.nbytes, entry.priority, entry.expires_at)
-        self._add_tag_bytes(key, entry.nbytes)
+        self.charges.added(key, entry.block_nbytes)
         self.logical.added(level, key)
         entry.state = State.RESIDENT
         if self.observer is not None:
@@ -563,7 +572,7 @@ class Index:
         nbytes = policy.size_of(key) if entry is None else entry.nbytes
         self._unclaim(level, key, nbytes)
         policy.remove(key)  # held or not: a hold ends with the block
-        self._add_tag_bytes(key, -nbytes)
+        self.charges.removed(key)
         self.logical.removed(level, key)
         if self.observer is not None:
             self.observer.removed(level, key, reason)  # a ``kvstore.events.schema`` REMOVED_* reason
@@ -616,12 +625,3 @@ class Index:
         if self.observer is not None:
             self.observer.cleared(tag)
         return self.delete(keys, reason="cleared")
-
-    def _add_tag_bytes(self, key: BlockKey, nbytes: int) -> None:
-        tag = key[:NAMESPACE_TAG_BYTES]
-        left = self._tag_bytes.get(tag, 0) + nbytes
-        if left:
-            self._tag_bytes[tag] = left
-        else:
-            self._tag_bytes.pop(tag, None)
-

@@ -31,6 +31,7 @@ async def restore(index: Index, tiers: Sequence[Tier], shared: SharedTier | None
                 stale.append(found.key)
                 continue
             entry = index.place(found.key, found.meta.priority, found.meta.expires_at)
+            entry.block_nbytes = found.block_nbytes or found.nbytes  # its length as put (a frame's block's)
             index.charge([entry], level, [tier.footprint(found.nbytes)])
             index.publish(entry)
         if stale:

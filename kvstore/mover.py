@@ -244,6 +244,8 @@ class Mover:
         """
         tier, index = self._tiers[level], self._index
         index.logical.learn([entry.key for entry in entries], values)
+        for entry, value in zip(entries, values):  # the length as put (a move's: read back as put), before packing
+            entry.block_nbytes = len(value)
         published: list[BlockKey] = []
         try:
             if isinstance(tier, CompressingTier):  # its room is what it stores

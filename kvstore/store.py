@@ -88,7 +88,8 @@ class TieredStore:
                                 capacity_bytes=tier.capacity_bytes or 0, demotes=level + 1 < len(self._tiers))
                     for level, tier in enumerate(self._tiers)]
         self.index = Index(policies, [tier.capacity_bytes or 0 for tier in self._tiers], clock,
-                           [(lambda t=lender: t.held_bytes) if lender is not None else None for lender in lenders])
+                           [(lambda t=lender: t.held_bytes) if lender is not None else None for lender in lenders],
+                           charge=self.charge_of)
         if events is not None:
             events.bind(tuple(t.name for t in self._tiers))
             self.index.observer = events
@@ -319,8 +320,14 @@ class TieredStore:
         return store_stats(self.index, self.tiers, self._counts, self._lookup_hit_blocks, self._lookup_miss_blocks)
 
     def namespace_bytes(self, tag: bytes) -> int:
-        """Capacity bytes the blocks of one namespace (by its :attr:`Namespace.tag`) hold in local tiers."""
+        """Charged bytes of the blocks of one namespace (by its :attr:`Namespace.tag`) in local tiers: each block
+        counts :meth:`charge_of` its length, whichever tier holds it, before and after a restart (tenant quotas)."""
         return self.index.namespace_bytes(tag)
+
+    def charge_of(self, nbytes: int) -> int:
+        """Bytes a block of ``nbytes`` (as put) counts for in :meth:`namespace_bytes`: the most capacity it takes in
+        any local tier (``Tier.footprint``), so it never counts less than it may take (``kvstore.charges``)."""
+        return max((tier.footprint(nbytes) for tier in self._tiers), default=nbytes)
 
     # ------------------------------------------------------------------ internals
 

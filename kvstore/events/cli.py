@@ -17,7 +17,10 @@ examples:
 Each line is {"seq": ..., "ts": ..., "type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared",
 "medium": ..., "namespace": "<hex>", "block_hashes": ["<hex>", ...], ...}. With --summary it prints
 {"tiers": {"memory": N, "disk": M}, "events": {"stored": ..., "evicted": ...}, "missed_batches": ...}
-once at the end (and every --every seconds). The replay socket is the next port (--replay to name it)."""
+once at the end (and every --every seconds). The replay socket is the next port (--replay to name it).
+A node with tokens sends its events only to subscribers with a token, and only those of the tenants the
+token covers (all of them for a token of every tenant): --token-file FILE, --token TOKEN, or the variables
+KVSTORE_TOKEN_FILE and KVSTORE_TOKEN."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, default=0.0, metavar="SECONDS",
                         help="stop after SECONDS (default: run until interrupted)")
     parser.add_argument("--max-batches", type=int, default=0, metavar="N", help="stop after N batches")
+    parser.add_argument("--token-file", metavar="FILE", help="bearer token for a node with tokens, the file's first "
+                                                             "line (KVSTORE_TOKEN_FILE)")
+    parser.add_argument("--token", metavar="TOKEN", help="bearer token itself (KVSTORE_TOKEN; prefer the file)")
     parser.set_defaults(func=_run)
     return parser
 
@@ -64,8 +70,11 @@ def event_json(seq: int, ts: float, event: Any) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from kvstore.connection import Connection
     from kvstore.events.publisher import replay_address
     from kvstore.events.subscriber import EventStreamError, EventSubscriber, TierView
+
+    token = Connection.from_args(args).token or None
 
     replay = replay_address(args.target, args.replay) if args.target.startswith(("tcp://", "ipc://")) else None
     view = TierView()
@@ -76,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps({"tiers": view.per_tier(), "events": dict(view.num_events),
                           "batches": num_batches, "missed_batches": subscriber.num_missed}), flush=True)
 
-    with EventSubscriber(args.target, replay, topic=args.topic, from_seq=args.from_seq) as subscriber:
+    with EventSubscriber(args.target, replay, topic=args.topic, from_seq=args.from_seq, token=token) as subscriber:
         try:
             while True:
                 now = time.monotonic()

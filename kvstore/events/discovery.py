@@ -4,7 +4,7 @@ vLLM connector: a user turns on the engine's events and the connector finds the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import grpc
@@ -22,12 +22,15 @@ class EventStream:
     Attributes:
         endpoint: the PUB address, e.g. ``tcp://kv-0:5557``.
         replay_endpoint: the replay ROUTER's address, ``None`` when the node serves no replays.
-        topic: the node's ``events.topic``.
+        topic: the node's ``events.topic`` (with tokens: the prefix of every stream's topic).
+        token: the bearer token to subscribe with, for a node whose stream is authenticated
+            (``kvstore.events.access``); ``None`` for one whose stream is not.
     """
 
     endpoint: str
     replay_endpoint: str | None
     topic: str
+    token: str | None = field(default=None, repr=False)
 
 
 def reachable_address(bound: str, target: str) -> str:
@@ -51,7 +54,8 @@ def reachable_address(bound: str, target: str) -> str:
 
 
 def discover_events(target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                    metadata: Sequence[tuple[str, str]] = (), timeout_s: float = 5.0) -> EventStream | None:
+                    metadata: Sequence[tuple[str, str]] = (), timeout_s: float = 5.0,
+                    token: str | None = None) -> EventStream | None:
     """Ask the node at ``target`` (``host:port``) where it publishes its events (its ``Capabilities``).
 
     Args:
@@ -59,6 +63,8 @@ def discover_events(target: str, *, credentials: grpc.ChannelCredentials | None 
         credentials: TLS channel credentials, ``None`` for plaintext.
         metadata: call metadata (the bearer token's, ``kvstore.security.bearer_metadata``).
         timeout_s: the call's deadline, seconds.
+        token: the bearer token (sent as ``metadata`` when that is empty); a node whose stream is
+            authenticated is subscribed to with it.
 
     Returns:
         The stream, with addresses the client can connect to; ``None`` when the node publishes no events, or
@@ -66,7 +72,12 @@ def discover_events(target: str, *, credentials: grpc.ChannelCredentials | None 
 
     Raises:
         grpc.RpcError: when the call fails otherwise (the node is down: ask again later).
+        EventStreamError: if the node's stream is authenticated and no ``token`` was given.
     """
+    if token is not None and not metadata:
+        from kvstore.security import bearer_metadata
+
+        metadata = bearer_metadata(token)
     channel = grpc.secure_channel(target, credentials) if credentials is not None else grpc.insecure_channel(target)
     try:
         try:
@@ -81,5 +92,11 @@ def discover_events(target: str, *, credentials: grpc.ChannelCredentials | None 
     if not reply.HasField("events") or not reply.events.endpoint:
         return None
     offer = reply.events
+    if offer.authenticated and token is None:
+        from kvstore.events.subscriber import EventStreamError
+
+        raise EventStreamError(f"the node at {target} sends its events only to subscribers with a bearer token: "
+                               "pass token=")
     replay = reachable_address(offer.replay_endpoint, target) if offer.replay_endpoint else None
-    return EventStream(reachable_address(offer.endpoint, target), replay, offer.topic)
+    return EventStream(reachable_address(offer.endpoint, target), replay, offer.topic,
+                       token if offer.authenticated else None)

@@ -16,6 +16,7 @@ import msgspec
 import zmq
 
 from kvstore.errors import KVStoreError
+from kvstore.events.access import authenticate_client
 from kvstore.events.schema import (
     END_SEQ,
     AllBlocksCleared,
@@ -43,6 +44,8 @@ class EventSubscriber:
         rcvhwm: the SUB socket's high-water mark, messages (small: a slow reader drops, and replays).
         replay_timeout_s: seconds :meth:`receive` waits for each message of a replay.
         context: the ZMQ context; the shared one when ``None``.
+        token: the bearer token to authenticate with, for a node with tokens (``kvstore.events.access``:
+            it sends the events of the tenants the token covers); ``None`` for a node without.
 
     Attributes:
         num_missed: batches neither the live stream nor the replay buffer had (the view must be rebuilt).
@@ -51,9 +54,13 @@ class EventSubscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "kvstore",
                  from_seq: int | None = 0, decode: Callable[[bytes], object] | None = None, rcvhwm: int = 100_000,
-                 replay_timeout_s: float = 5.0, context: zmq.Context | None = None) -> None:
+                 replay_timeout_s: float = 5.0, context: zmq.Context | None = None,
+                 token: str | None = None) -> None:
         self._ctx = context or zmq.Context.instance()
+        self._token = token
         self._sub = self._ctx.socket(zmq.SUB)
+        if token is not None:
+            authenticate_client(self._sub, token)
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -119,6 +126,8 @@ class EventSubscriber:
             raise EventStreamError("no replay endpoint")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._token is not None:
+            authenticate_client(sock, self._token)
         try:
             sock.connect(self._replay_endpoint)
             sock.send_multipart([b"", start_seq.to_bytes(8, "big")])

@@ -27,6 +27,17 @@ from kvstore.server.limits import InflightLimiter
 logger = logging.getLogger(__name__)
 
 
+def authenticates_clients(config: Config) -> bool:
+    """Whether a node with ``config`` authenticates its clients in any way: bearer tokens
+    (``security.auth_tokens[_file]``) or client certificates (``security.tls_client_ca_file``, mutual TLS).
+
+    Such a node must not offer anything unauthenticated to the network: its event stream stays local unless
+    subscribers authenticate too (``kvstore.events.publisher.check_endpoint``).
+    """
+    security = config.security
+    return bool(security.auth_tokens or security.auth_tokens_file or security.tls_client_ca_file)
+
+
 class Ticket(NamedTuple):
     """An admitted call: who made it, and the connection it counts against.
 

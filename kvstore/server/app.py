@@ -27,12 +27,13 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.events import NodeEvents, open_node_events
+from kvstore.events import NodeEvents
 from kvstore.events.metrics import EventsCollector
 from kvstore.server.admission import Admission
 from kvstore.server.health import NodeHealth
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
+from kvstore.server.node_events import open_tenants_and_events
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.server.service import CallFailed, NodeService
 from kvstore.wire import channel_options, chunk_bytes_for, reply_head
@@ -41,6 +42,7 @@ from kvstore.store import TieredStore
 from kvstore.unix_sockets import SOCKET_MODE, claim_socket_path, remove_socket_path
 
 if TYPE_CHECKING:
+    from kvstore.server.tenants import TenantTags
     from kvstore.shm.node.plane import SharedMemoryNode
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class KVStoreServer:
         self.shm: SharedMemoryNode | None = None
         self._unix_inode: int | None = None
         self.events: NodeEvents | None = None  # the KV event stream (``events.endpoint``), after :meth:`start`
+        self.tenants: TenantTags | None = None  # the pairs tenant -> namespace (quota, event routes), after start
         self.port = 0
         self.metrics_port = -1
         self._stopped: asyncio.Event | None = None
@@ -138,8 +141,8 @@ class KVStoreServer:
                            "set security.tls_cert_file and security.tls_key_file", server_cfg.host)
         self.admission = admission
         self._stopped, self._hurry = asyncio.Event(), asyncio.Event()
+        self.tenants, self.events = open_tenants_and_events(self.config, admission, with_events=self._store is None)
         if self._store is None:
-            self.events = open_node_events(self.config.events, authenticates=admission.authenticates)
             try:
                 self._store = await open_async_store(self.config.store, framing=functools.partial(
                     reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)),
@@ -153,9 +156,10 @@ class KVStoreServer:
             logger.warning("events.endpoint is ignored: the node serves a store it did not open (its events go to "
                            "whatever observer that store was given)")
         self.health.tier_states = self._tier_states
+        self.tenants.namespace_bytes = self._store.namespace_bytes
         try:
             self.shm = await _start_shared_memory(self.config, self._store)
-            self.service = NodeService(self._store, self.config, self.metrics, admission)
+            self.service = NodeService(self._store, self.config, self.metrics, admission, tenants=self.tenants)
             if self.shm is not None:
                 from kvstore.shm.node.operations import SameHostOperations
 
@@ -164,7 +168,7 @@ class KVStoreServer:
             if self.events is not None:  # Capabilities tells clients (the vLLM connector) where the events are
                 publisher = self.events.publisher
                 self.servicer.events_offer = (publisher.endpoint, publisher.replay_endpoint or "",
-                                              publisher.settings.topic)
+                                              publisher.settings.topic, publisher.authenticated)
             server = grpc.aio.server(
                 interceptors=self._interceptors or None,
                 options=[*channel_options(server_cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
@@ -299,6 +303,8 @@ class KVStoreServer:
             self._unix_inode = None
 
     async def _close_store(self) -> None:
+        if self.tenants is not None:  # the pairs of namespaces that hold bytes, for the next start
+            self.tenants.save()
         if self._own_store and self._store is not None:
             await self._store.close()
         if self.events is not None:  # after the store: its last moves are published

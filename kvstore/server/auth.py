@@ -243,6 +243,11 @@ class Authenticator:
         """Configured tokens."""
         return len(self._entries)
 
+    @property
+    def principals(self) -> list[Principal]:
+        """What each configured token authenticates as, in order (never the tokens themselves)."""
+        return [entry.principal for entry in self._entries]
+
     def principal_of(self, token: str) -> Principal | None:
         """The principal of ``token``, or ``None`` if it is not configured.
 

@@ -10,22 +10,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
-import os
 from typing import Callable, Iterator
 
 from kvstore.config import Config
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
 from kvstore.server.budget import ByteBudget
+from kvstore.server.tenants import TenantTags
 from kvstore.status import DeadlineExceededError
 
 logger = logging.getLogger(__name__)
-
-LEDGER_FILE = "tenants.json"
-"""The :class:`TenantLedger`'s file name, in the disk tier's directory (``store.disk.path``)."""
-
 
 class InflightLimiter:
     """Counts the calls in flight per client connection and refuses one over the limit.
@@ -87,73 +82,68 @@ class TenantQuota:
     """Bytes each tenant (``cache_salt``) may hold in the node's local tiers; a Put over it is refused.
 
     A tenant's use is the sum of ``namespace_bytes(tag)`` (the store's per-namespace
-    byte count, ``TieredStore.namespace_bytes``) over the namespaces it has written
-    to on this node, plus the bytes of its Puts still in progress. A Put is
-    admitted when ``used + incoming <= quota_bytes``, where ``incoming`` is the
-    encoded size of every block in it, already stored or not (so a Put near the
-    quota may be refused though it would store nothing new: look up first and
-    put only the missing blocks, as connectors do).
+    count, ``TieredStore.namespace_bytes``) over the namespaces it has written
+    to on this node (:class:`~kvstore.server.tenants.TenantTags`), plus the bytes
+    of its Puts still in progress. A Put is admitted when ``used + incoming <=
+    quota_bytes``, where ``incoming`` is the encoded size of every block in it,
+    already stored or not (so a Put near the quota may be refused though it
+    would store nothing new: look up first and put only the missing blocks, as
+    connectors do).
 
     Notes:
-        Local bytes are capacity bytes (the memory tier rounds a block up to
-        whole pages); blocks demoted to the shared Redis tier no longer count
-        (Redis is bounded by its own ``maxmemory``). A namespace tag is a hash
-        and names no tenant, so with ``ledger_path`` (the node's disk tier
-        directory holds it, ``tenants.json``) the pairs tenant → tag are kept
-        on disk: blocks restored from LMDB after a restart count against their
-        tenant from the start. Without a ledger (no disk tier) nothing survives
-        a restart to count.
+        A block counts the same in every local tier, before and after a restart: the most capacity a block
+        of its length takes in any of the node's local tiers (``kvstore.charges``), whichever tier holds it
+        now (the memory tier rounds a block up to whole pages, LMDB to its pages). Blocks demoted to the
+        shared Redis tier no longer count (Redis is bounded by its own ``maxmemory``). A namespace tag is a
+        hash and names no tenant, so with a disk tier the pairs tenant → tag are kept on disk
+        (``kvstore.server.tenants``, ``tenants.json``): blocks restored from LMDB after a restart count
+        against their tenant from the start. Without a disk tier nothing survives a restart to count.
 
     Args:
         quota_bytes: bytes one tenant may hold; must be > 0.
-        namespace_bytes: local bytes of one namespace by its tag (``TieredStore.namespace_bytes``).
-        ledger_path: the JSON file of the pairs tenant → namespace tag (see :class:`TenantLedger`),
-            ``None`` to keep them in memory only.
+        namespace_bytes: bytes one namespace holds by its tag (``TieredStore.namespace_bytes``).
+        tenants: the pairs tenant → namespace tag of this node; a new in-memory one when ``None``.
 
     Raises:
         ValueError: if ``quota_bytes <= 0``.
     """
 
     def __init__(self, quota_bytes: int, namespace_bytes: Callable[[bytes], int],
-                 ledger_path: str | None = None) -> None:
+                 tenants: TenantTags | None = None) -> None:
         if quota_bytes <= 0:
             raise ValueError(f"quota_bytes must be > 0, got {quota_bytes}")
         self.quota_bytes = quota_bytes
         self._namespace_bytes = namespace_bytes
-        self._ledger = TenantLedger(ledger_path) if ledger_path else None
-        self._tags: dict[str, set[bytes]] = self._ledger.load() if self._ledger is not None else {}
+        self._tenants = tenants if tenants is not None else TenantTags()
         self._pending_bytes: dict[str, int] = {}
 
     @classmethod
-    def from_config(cls, config: Config, namespace_bytes: Callable[[bytes], int]) -> TenantQuota | None:
-        """The quota of ``limits.tenant_quota_bytes`` (``None`` when 0), its ledger in ``store.disk.path`` if set."""
+    def from_config(cls, config: Config, namespace_bytes: Callable[[bytes], int],
+                    tenants: TenantTags | None = None) -> TenantQuota | None:
+        """The quota of ``limits.tenant_quota_bytes`` (``None`` when 0), over ``tenants`` (when ``None``, a new
+        one, its ledger in ``store.disk.path`` if set)."""
         if config.limits.tenant_quota_bytes <= 0:
             return None
-        disk = config.store.disk.path
         return cls(config.limits.tenant_quota_bytes, namespace_bytes,
-                   os.path.join(disk, LEDGER_FILE) if disk else None)
+                   tenants if tenants is not None else TenantTags.from_config(config, namespace_bytes))
 
     @property
     def tenants(self) -> list[str]:
         """Tenants known to hold (or to have held since they were last counted) bytes on this node."""
-        return list(self._tags)
+        return self._tenants.tenants
 
     def used_bytes(self, tenant: str) -> int:
         """Bytes ``tenant`` holds in local tiers now plus those of its Puts in progress.
 
         Namespaces that hold nothing any more are forgotten on the way.
         """
-        tags = self._tags.get(tenant)
         used = 0
-        if tags:
-            for tag in list(tags):
-                num = self._namespace_bytes(tag)
-                if num:
-                    used += num
-                else:
-                    tags.discard(tag)
-            if not tags:
-                del self._tags[tenant]
+        for tag in list(self._tenants.tags_of(tenant)):
+            num = self._namespace_bytes(tag)
+            if num:
+                used += num
+            else:
+                self._tenants.forget(tenant, tag)
         return used + self._pending_bytes.get(tenant, 0)
 
     @contextlib.contextmanager
@@ -173,20 +163,16 @@ class TenantQuota:
                 f"tenant {tenant!r} holds {used} bytes; {incoming_bytes} more is over "
                 f"limits.tenant_quota_bytes={self.quota_bytes}"
             )
-        tags = self._tags.setdefault(tenant, set())
-        if namespace.tag not in tags:  # forgotten again while it holds nothing
-            tags.add(namespace.tag)
-            if self._ledger is not None:  # before any block of it is stored, so a crash never loses the pair
-                self._ledger.save(self._tags)
-        self._pending_bytes[tenant] = self._pending_bytes.get(tenant, 0) + incoming_bytes
-        try:
-            yield
-        finally:
-            left = self._pending_bytes[tenant] - incoming_bytes
-            if left:
-                self._pending_bytes[tenant] = left
-            else:
-                del self._pending_bytes[tenant]
+        with self._tenants.writing(namespace):  # before any block of it is stored, so a crash never loses the pair
+            self._pending_bytes[tenant] = self._pending_bytes.get(tenant, 0) + incoming_bytes
+            try:
+                yield
+            finally:
+                left = self._pending_bytes[tenant] - incoming_bytes
+                if left:
+                    self._pending_bytes[tenant] = left
+                else:
+                    del self._pending_bytes[tenant]
 
 
 class ReplyBudget(ByteBudget):
@@ -294,54 +280,6 @@ class ReplyBudget(ByteBudget):
             future = queue[0]
             if not future.done():
                 future.set_result(None)
-
-
-class TenantLedger:
-    """The pairs tenant → namespace tag of a :class:`TenantQuota`, in a small JSON file that survives restarts.
-
-    The file is ``{"version": 1, "tenants": {"<tenant>": ["<tag hex>", ...]}}``,
-    rewritten whole (to a temporary file, fsynced, then renamed over the old
-    one) each time a tenant first writes to a namespace: once per namespace and
-    tenant, not per Put. Tags that hold nothing are left out at the next write.
-    JSON only: nothing read from disk is unpickled.
-
-    Args:
-        path: the file; its directory must exist (the disk tier's).
-    """
-
-    VERSION = 1
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def load(self) -> dict[str, set[bytes]]:
-        """The pairs on disk; an empty map when the file is missing, and (with a warning) when it is unreadable."""
-        try:
-            with open(self.path, "rb") as f:
-                doc = json.loads(f.read(64 << 20))
-            if doc.get("version") != self.VERSION:
-                raise ValueError(f"version {doc.get('version')!r}, expected {self.VERSION}")
-            return {str(tenant): {bytes.fromhex(tag) for tag in tags} for tenant, tags in doc["tenants"].items()}
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            logger.warning("tenant ledger %s is unreadable (%s): blocks restored from disk count against no "
-                           "tenant's quota until their tenant writes to their namespace again", self.path, exc)
-            return {}
-
-    def save(self, tags: dict[str, set[bytes]]) -> None:
-        """Replace the file with ``tags`` atomically; a failure is logged, not raised (the quota still holds in memory)."""
-        doc = {"version": self.VERSION, "tenants": {t: sorted(tag.hex() for tag in s) for t, s in tags.items() if s}}
-        temp = f"{self.path}.tmp"
-        try:
-            with open(temp, "wb") as f:
-                f.write(json.dumps(doc, separators=(",", ":")).encode())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, self.path)
-        except OSError as exc:
-            logger.warning("tenant ledger %s could not be written (%s): after a restart, blocks of new "
-                           "namespaces count against their tenant's quota only once it writes again", self.path, exc)
 
 
 class StreamWatchdog:

@@ -31,6 +31,7 @@ from kvstore.server.auth import Principal
 from kvstore.server.limits import ReplyBudget, TenantQuota
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.put_budget import PutBudget
+from kvstore.server.tenants import TenantTags
 from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
 from kvstore.store import TieredStore
 from kvstore.v1 import kvstore_pb2 as pb
@@ -128,6 +129,8 @@ class NodeService:
             tenant may hold, ``security.*`` the tokens (see ``kvstore.server.admission``).
         metrics: where to count calls; ``None`` for no metrics.
         admission: the token check and in-flight limit of every call; built from ``config`` when ``None``.
+        tenants: the pairs tenant -> namespace of this node (``kvstore.server.tenants``: the quota's, and the
+            event stream's routes); a new one from ``config`` when ``None``.
 
     Raises:
         ConfigError: when ``admission`` is ``None`` and the tokens of ``config`` are unusable.
@@ -148,7 +151,7 @@ class NodeService:
     """
 
     def __init__(self, store: TieredStore, config: Config, metrics: ServiceMetrics | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, *, tenants: TenantTags | None = None) -> None:
         self.store = store
         self.config = config
         self.metrics = metrics
@@ -159,7 +162,8 @@ class NodeService:
         self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
         self.require_sha256 = self._auth if security.require_sha256 is None else security.require_sha256
         self.namespaces = NamespaceCache()
-        self.quota = TenantQuota.from_config(config, store.namespace_bytes)
+        self.tenants = tenants if tenants is not None else TenantTags.from_config(config, store.namespace_bytes)
+        self.quota = TenantQuota.from_config(config, store.namespace_bytes, self.tenants)
         self.replies = ReplyBudget.from_config(config)
         self.puts = PutBudget.from_config(config)
         self.same_host: SameHostOperations | None = None
@@ -195,6 +199,7 @@ class NodeService:
             if principal is None:  # fail closed: an authenticating node never serves an anonymous call
                 raise UnauthenticatedError("authentication is on but this call was not authenticated")
             principal.authorize(namespace.cache_salt)
+            self.tenants.note(namespace)  # its blocks' events go to its tenant's stream (kvstore.events.access)
         if self.require_sha256 and namespace.hash_algorithm is not HashAlgorithm.SHA256:
             raise InvalidArgumentError(
                 "this server requires namespace.hash_algorithm='sha256' (security.require_sha256, on by default "
@@ -216,13 +221,14 @@ class NodeService:
         return block_hashes
 
     def reserve(self, namespace: Namespace, incoming_bytes: int) -> contextlib.AbstractContextManager[None]:
-        """Hold ``incoming_bytes`` of the namespace's tenant quota while a put stores them (a no-op without one).
+        """Hold ``incoming_bytes`` of the namespace's tenant quota while a put stores them (without a quota: note
+        the namespace as written, for its tenant's event routes and the next start, ``TenantTags.writing``).
 
         Raises:
             ResourceExhaustedError: (on entering) if the put would take the tenant over its quota.
         """
         if self.quota is None:
-            return contextlib.nullcontext()
+            return self.tenants.writing(namespace)
         return self.quota.reserve(namespace, incoming_bytes)
 
     @staticmethod

@@ -122,8 +122,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     Attributes:
         service: as given.
-        events_offer: the node's KV event stream, ``(endpoint, replay_endpoint, topic)`` as bound
-            (``docs/events.md``), offered in Capabilities; ``None`` when it publishes none.
+        events_offer: the node's KV event stream, ``(endpoint, replay_endpoint, topic, authenticated)`` as
+            bound (``docs/events.md``), offered in Capabilities; ``None`` when it publishes none.
     """
 
     def __init__(self, service: NodeService) -> None:
@@ -136,7 +136,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._watchdog = StreamWatchdog(service.config.limits.max_stream_s)
         self.admission = service.admission
         self.replies: ReplyBudget = service.replies
-        self.events_offer: tuple[str, str, str] | None = None
+        self.events_offer: tuple[str, str, str, bool] | None = None
 
     @property
     def accepting(self) -> bool:
@@ -338,7 +338,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if same_host is not None and same_host.offering and self.accepting:
                 reply.shared_memory.host_id, reply.shared_memory.handoff_socket = same_host.offer()
             if self.events_offer is not None:
-                reply.events.endpoint, reply.events.replay_endpoint, reply.events.topic = self.events_offer
+                (reply.events.endpoint, reply.events.replay_endpoint, reply.events.topic,
+                 reply.events.authenticated) = self.events_offer
             return reply
         raise AssertionError("unreachable")
 

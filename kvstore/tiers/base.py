@@ -44,11 +44,14 @@ class ResidentEntry:
         key: the block key.
         nbytes: length of the stored value, bytes.
         meta: its priority, retention and recency.
+        block_nbytes: length of the block as put, where the stored value is not the block itself (a
+            compressed frame: the frame's header holds it); 0: ``nbytes``.
     """
 
     key: BlockKey
     nbytes: int
     meta: BlockMeta
+    block_nbytes: int = 0
 
 
 class TierFullError(KVStoreError):

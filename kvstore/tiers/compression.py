@@ -173,6 +173,15 @@ def is_frame(value: bytes | memoryview) -> bool:
     return memoryview(value)[:4] == FRAME_MAGIC
 
 
+def block_nbytes(value: bytes | memoryview) -> int:
+    """The length of the block a stored value holds: a frame's header's (read only, not checked), else the
+    value's own length. Reads the first 16 bytes of a frame."""
+    view = memoryview(value)
+    if view.nbytes >= _FRAME.size and view[:4] == FRAME_MAGIC:
+        return int.from_bytes(view[8:16], "little")
+    return view.nbytes
+
+
 def unpack(value: bytes | memoryview) -> bytes | memoryview:
     """The block a stored value holds: a frame decompressed, anything else as it is.
 

@@ -373,19 +373,23 @@ class LMDBTier:
         a meta record costs a block only its priority and recency, and is counted
         as ``repaired_records``. Anything else that does not pair up is junk,
         deleted and counted as ``corrupt_records``: a meta record without its
-        block, or a block record that does not end with its key.
+        block, or a block record that does not end with its key. With
+        compression on, each entry also says the length of the block a frame
+        holds (``block_nbytes``, from the frame's header).
 
         Raises:
             UnavailableError: if the tier is closed or LMDB fails.
         """
         self._check_open()
-        entries, junk, repairs = await self._run(self._readers, scan_records, self._env, self._blocks, self._meta)
+        entries, junk, repairs = await self._run(self._readers, scan_records, self._env, self._blocks, self._meta,
+                                                 self._compressor.enabled)
         if junk or repairs:
             await self._write(self._repair_txn, junk, repairs)
             entries += [ResidentEntry(key, nbytes, BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0)) for key, nbytes in repairs]
         touched, set_aside = self._touched, self._set_aside
         return [
-            ResidentEntry(e.key, e.nbytes, BlockMeta(e.meta.priority, e.meta.expires_at, touched[e.key]))
+            ResidentEntry(e.key, e.nbytes, BlockMeta(e.meta.priority, e.meta.expires_at, touched[e.key]),
+                          e.block_nbytes)
             if e.key in touched and touched[e.key] > e.meta.last_access
             else e
             for e in entries if e.key not in set_aside

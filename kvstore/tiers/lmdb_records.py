@@ -25,7 +25,7 @@ from typing import Any
 
 import lmdb
 
-from kvstore.tiers.compression import unpack
+from kvstore.tiers.compression import block_nbytes, unpack
 from kvstore.codec import verify_block
 from kvstore.errors import CodecError, ConfigError, UnavailableError
 from kvstore.policy import MAX_PRIORITY
@@ -213,10 +213,14 @@ def _remove_environment_files(path: str) -> None:
             pass
 
 
-def scan_records(env: lmdb.Environment, blocks_db: Any, meta_db: Any
+def scan_records(env: lmdb.Environment, blocks_db: Any, meta_db: Any, frames: bool = False
                  ) -> tuple[list[ResidentEntry], list[BlockKey], list[tuple[BlockKey, int]]]:
     """Every block that pairs up with its meta; the junk keys; the blocks whose meta must be rewritten, with
-    the length of each (see :meth:`kvstore.tiers.lmdb.LMDBTier.resident`). One read transaction, in a worker thread."""
+    the length of each (see :meth:`kvstore.tiers.lmdb.LMDBTier.resident`). One read transaction, in a worker thread.
+
+    With ``frames`` (the tier compresses) each entry's ``block_nbytes`` is the length of the block its value
+    holds (a frame's header's), which reads the first bytes of every record; without, only lengths are read.
+    """
     entries: list[ResidentEntry] = []
     junk: list[BlockKey] = []
     repairs: list[tuple[BlockKey, int]] = []
@@ -226,7 +230,8 @@ def scan_records(env: lmdb.Environment, blocks_db: Any, meta_db: Any
             parsed = _unpack_meta(raw)
             record = txn.get(key, db=blocks_db)
             if parsed is not None and record is not None and len(record) == parsed[1] + len(key):
-                entries.append(ResidentEntry(key, parsed[1], parsed[0]))  # the stored length: a frame's own
+                entries.append(ResidentEntry(key, parsed[1], parsed[0],  # the stored length: a frame's own
+                                             block_nbytes(memoryview(record)[:parsed[1]]) if frames else 0))
             elif record is not None and _ends_with(record, key):
                 repairs.append((key, len(record) - len(key)))
             else:

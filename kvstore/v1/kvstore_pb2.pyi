@@ -190,14 +190,16 @@ class SharedMemoryOffer(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ...) -> None: ...
 
 class EventsOffer(_message.Message):
-    __slots__ = ("endpoint", "replay_endpoint", "topic")
+    __slots__ = ("endpoint", "replay_endpoint", "topic", "authenticated")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TOPIC_FIELD_NUMBER: _ClassVar[int]
+    AUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     replay_endpoint: str
     topic: str
-    def __init__(self, endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., topic: _Optional[str] = ...) -> None: ...
+    authenticated: bool
+    def __init__(self, endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., topic: _Optional[str] = ..., authenticated: _Optional[bool] = ...) -> None: ...
 
 class CapabilitiesResponse(_message.Message):
     __slots__ = ("shared_memory", "events")

@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from kvstore.events.discovery import EventStream, discover_events, reachable_address
-from kvstore.events.subscriber import EventSubscriber, TierView, wait_for
+from kvstore.events.subscriber import EventStreamError, EventSubscriber, TierView, wait_for
 from kvstore.security import bearer_metadata
 from tests.support.security import AUTH_TOKENS, TOKEN_A
 from tests.support.server import ThreadedServer, encoded, kv_blocks, make_config, namespace
@@ -45,8 +45,11 @@ def test_a_node_without_events_offers_none_and_a_node_with_auth_asks_for_the_tok
         with pytest.raises(grpc.RpcError) as info:
             discover_events(server.target)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
-        stream = discover_events(server.target, metadata=bearer_metadata(TOKEN_A))
+        with pytest.raises(EventStreamError, match="bearer token"):  # the stream is authenticated too
+            discover_events(server.target, metadata=bearer_metadata(TOKEN_A))
+        stream = discover_events(server.target, token=TOKEN_A)
         assert stream is not None and stream.endpoint == server.server.events.publisher.endpoint  # type: ignore
+        assert stream.token == TOKEN_A and TOKEN_A not in repr(stream)
     finally:
         server.stop()
 

@@ -236,29 +236,35 @@ def test_the_metrics_export_the_publishers_counts(node: ThreadedServer) -> None:
 
 def test_events_are_off_by_default() -> None:
     assert make_config().events.endpoint == ""
-    assert open_node_events(EventsConfig(), authenticates=True) is None
+    assert open_node_events(EventsConfig(), client_auth=True) is None
 
 
-def test_a_node_with_auth_publishes_only_on_a_local_endpoint() -> None:
+def test_a_node_that_authenticates_clients_publishes_only_on_a_local_endpoint() -> None:
     for endpoint in ("tcp://*:0", "tcp://0.0.0.0:0", "tcp://10.1.2.3:5557"):
         with pytest.raises(ConfigError, match="events.endpoint"):
-            open_node_events(EventsConfig(endpoint=endpoint), authenticates=True)
+            open_node_events(EventsConfig(endpoint=endpoint), client_auth=True)
+        with pytest.raises(ConfigError, match="events.endpoint"):  # an unauthenticated stream: even when allowed
+            open_node_events(EventsConfig(endpoint=endpoint, allow_remote=True), client_auth=True)
     with pytest.raises(ConfigError, match="events.replay_endpoint"):
-        open_node_events(EventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://*:0"),
-                         authenticates=True)
-    for config in (EventsConfig(endpoint="tcp://127.0.0.1:0"), EventsConfig(endpoint="tcp://*:0", allow_remote=True),
-                   EventsConfig(endpoint="tcp://*:0")):
-        events = open_node_events(config, authenticates=config.endpoint.startswith("tcp://127.") or
-                                  config.allow_remote)
+        open_node_events(EventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://*:0"), client_auth=True)
+    for config, client_auth in ((EventsConfig(endpoint="tcp://127.0.0.1:0"), True),
+                                (EventsConfig(endpoint="tcp://*:0"), False)):
+        events = open_node_events(config, client_auth=client_auth)
         assert events is not None
         events.close()
     server = ThreadedServer(make_config(**{"events.endpoint": "tcp://127.0.0.1:0", "security.auth_tokens": AUTH_TOKENS}))
     try:
-        assert server.server.events is not None
+        assert server.server.events is not None and server.server.events.publisher.authenticated
     finally:
         server.stop()
     with pytest.raises(ConfigError, match="events.endpoint"):
         ThreadedServer(make_config(**{"events.endpoint": "tcp://*:0", "security.auth_tokens": AUTH_TOKENS}))
+    server = ThreadedServer(make_config(**{"events.endpoint": "tcp://*:0", "events.allow_remote": True,
+                                           "security.auth_tokens": AUTH_TOKENS}))
+    try:  # tokens, and the operator said so: subscribers authenticate (their tokens in the clear)
+        assert server.server.events is not None and server.server.events.publisher.authenticated
+    finally:
+        server.stop()
 
 
 def test_vllms_own_decoder_reads_the_nodes_batches(node: ThreadedServer) -> None:

@@ -75,7 +75,8 @@ class VLLMConnectorConfig:
             its removal when the node evicts, deletes or clears it
             (``docs/events.md``). Empty (the default): the streams the nodes
             in ``target`` offer (``Capabilities``); ``off``, or an embedded
-            store: at save time, and never removed.
+            store: at save time, and never removed. With a bearer token set, the
+            connector subscribes with it (a node with tokens requires it).
         events_replay: the node's replay endpoint; empty: derived as the node
             derives it (the next tcp port), ``off``: none.
 

@@ -89,6 +89,8 @@ class ConnectorEvents:
         block_size: tokens per kvstore block (a multiple of ``vllm_block_size``).
         events_target: the node's ``events.endpoint`` to follow; ``""``: the streams ``streams`` finds, or none.
         events_replay: its replay endpoint (``""``: derived as the node derives it; ``off``: none).
+        events_token: the bearer token to subscribe to ``events_target`` with (a node with tokens sends
+            the events of the tenants it covers: ``kvstore.events.access``); ``None`` for a node without.
         streams: finds the nodes' streams (``kvstore.events.discovery``: each node's ``Capabilities``), on the
             following thread; raises while a node cannot be asked (retried, backing off). When it finds none,
             blocks are announced at save time and never removed, as with neither setting.
@@ -96,7 +98,7 @@ class ConnectorEvents:
     """
 
     def __init__(self, vllm_block_size: int, block_size: int, *, events_target: str = "", events_replay: str = "",
-                 streams: Callable[[], list[EventStream]] | None = None,
+                 events_token: str | None = None, streams: Callable[[], list[EventStream]] | None = None,
                  max_tracked_blocks: int = MAX_TRACKED_BLOCKS) -> None:
         self._vllm_block_size = vllm_block_size
         self._ratio = block_size // vllm_block_size
@@ -112,7 +114,7 @@ class ConnectorEvents:
             from kvstore.events.discovery import EventStream
             from kvstore.events.publisher import replay_address
 
-            named = EventStream(events_target, replay_address(events_target, events_replay), "")
+            named = EventStream(events_target, replay_address(events_target, events_replay), "", events_token)
             streams = lambda: [named]  # noqa: E731
         self._follows = streams is not None
         if streams is not None:
@@ -222,7 +224,8 @@ class ConnectorEvents:
             self._stop_following()
             return
         logger.info("kvstore connector: following the nodes' events at %s", ", ".join(s.endpoint for s in found))
-        subscribers = [EventSubscriber(s.endpoint, s.replay_endpoint, topic=s.topic, from_seq=None) for s in found]
+        subscribers = [EventSubscriber(s.endpoint, s.replay_endpoint, topic=s.topic, from_seq=None, token=s.token)
+                       for s in found]
         try:
             missed = [0] * len(subscribers)
             while not self._stop.is_set():
@@ -350,7 +353,8 @@ def open_connector_events(vllm_config: Any, settings: Any, vllm_block_size: int,
     logger.info("kvstore connector: KV events on (%s)", how)
     target = settings.events_target if settings.events_target != "off" else ""
     return ConnectorEvents(vllm_block_size, block_size, events_target=target,
-                           events_replay=settings.events_replay, streams=streams)
+                           events_replay=settings.events_replay, events_token=settings.bearer_token() or None,
+                           streams=streams)
 
 
 def discover_streams(settings: Any) -> list[EventStream]:
@@ -368,6 +372,7 @@ def discover_streams(settings: Any) -> list[EventStream]:
                                           key_file=settings.tls_key_file)
     token = settings.bearer_token()
     metadata = bearer_metadata(token) if token else ()
-    found = [discover_events(target, credentials=credentials, metadata=metadata, timeout_s=max(1.0, settings.timeout_s))
+    found = [discover_events(target, credentials=credentials, metadata=metadata, timeout_s=max(1.0, settings.timeout_s),
+                             token=token or None)
              for target in settings.targets]
     return [stream for stream in found if stream is not None]

@@ -224,17 +224,40 @@ async def test_with_two_ranks_a_block_is_announced_once_both_shards_are_stored_a
 
 def test_the_connector_finds_the_nodes_stream_by_itself_and_announces_removals() -> None:
     """With only ``target`` set (no ``events_target``) the connector asks the node for its stream and follows it."""
+    follow_the_nodes_stream(NS, BLOCKS, {})
+
+
+def test_on_a_node_with_tokens_the_connector_follows_its_tenants_stream_with_its_token(tmp_path: Path) -> None:
+    """A node with tokens sends events only to subscribers with a token: the connector subscribes with its own
+    and follows the stream of its tenant (``docs/events.md``, "Trust model")."""
+    import dataclasses
+
+    from kvstore.keys import HashAlgorithm
+    from tests.support.security import AUTH_TOKENS, TOKEN_A
+
+    ns = dataclasses.replace(NS, cache_salt="tenant-a", hash_algorithm=HashAlgorithm.SHA256)
+    _, blocks = make_blocks(1, seed=2, ns=ns)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN_A)
+    follow_the_nodes_stream(ns, blocks, {"security.auth_tokens": AUTH_TOKENS}, token_file=str(token_file))
+
+
+def follow_the_nodes_stream(ns: Namespace, blocks: list[bytes], overrides: dict[str, str], **connector: str) -> None:
+    """A node with events (and ``overrides``); a connector with ``target`` (and ``connector``) set finds its
+    stream, announces a put block when the node stored it and its removal when the node clears it."""
     import functools
     import time
 
     from kvstore.client import KVStoreClient
     from kvstore.connectors.vllm.config import VLLMConnectorConfig
     from kvstore.connectors.vllm.events import discover_streams
+    from kvstore.security import bearer_metadata
     from tests.support.server import ThreadedServer, make_config
 
-    server = ThreadedServer(make_config(**{"events.endpoint": "tcp://127.0.0.1:0"}))
-    events = ConnectorEvents(VLLM_BLOCK, NS.block_size,
-                             streams=functools.partial(discover_streams, VLLMConnectorConfig(target=server.target)))
+    server = ThreadedServer(make_config(**{"events.endpoint": "tcp://127.0.0.1:0", **overrides}))
+    settings = VLLMConnectorConfig(target=server.target, **connector)
+    token = settings.bearer_token()
+    events = ConnectorEvents(VLLM_BLOCK, ns.block_size, streams=functools.partial(discover_streams, settings))
     got: list[object] = []
 
     def collected(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
@@ -247,17 +270,17 @@ def test_the_connector_finds_the_nodes_stream_by_itself_and_announces_removals()
         return False
 
     try:
-        with KVStoreClient(server.target, retries=0) as kv:
+        with KVStoreClient(server.target, retries=0, metadata=bearer_metadata(token) if token else ()) as kv:
             for seed in range(100, 200):  # until the connector has subscribed: the first put it sees announced
-                req = request(NS.block_size + 1, seed=seed)
-                hashes = hash_blocks(NS, req.all_token_ids[:NS.block_size])
-                events.saved(req, [NS.tag], 0, [hashes])
-                kv.put(NS, hashes, BLOCKS[:1])
+                req = request(ns.block_size + 1, seed=seed)
+                hashes = hash_blocks(ns, req.all_token_ids[:ns.block_size])
+                events.saved(req, [ns.tag], 0, [hashes])
+                kv.put(ns, hashes, blocks[:1])
                 if collected(lambda: bool(got), 1.0):
                     break
             stored = [e for e in got if isinstance(e, BlockStored)]
             assert stored and {e.medium for e in stored} == {f"{MEDIUM_PREFIX}:memory"}
-            kv.clear(NS)
+            kv.clear(ns)
             announced = {h for e in stored for h in e.block_hashes}
             assert collected(lambda: {h for e in got if isinstance(e, BlockRemoved) for h in e.block_hashes}
                              == announced, 20)
