@@ -72,7 +72,8 @@ class MemoryTierConfig:
         enabled: whether the store has a memory tier.
         capacity_bytes: pool size (or the heap tier's capacity), bytes.
         device: ``cpu`` or ``cuda:N``.
-        page_bytes: page size of the pool, bytes; a block takes ``ceil(nbytes / page_bytes)`` pages.
+        page_bytes: page size of the pool, its unit of allocation, bytes; a block takes ``ceil(nbytes / page_bytes)``
+            pages, so its capacity is its own length rounded up to a page (``kvstore.tiers.memory``).
         pin_memory: use pinned host memory for a ``cpu`` pool when CUDA is available.
         storage: ``pages`` for the page pool (``kvstore.tiers.memory``: preallocated,
             pinnable, for blocks that move to and from a GPU); ``heap`` for one
@@ -84,7 +85,7 @@ class MemoryTierConfig:
     enabled: bool = True
     capacity_bytes: int = 1 * GiB
     device: str = "cpu"
-    page_bytes: int = 64 * KiB
+    page_bytes: int = 256
     pin_memory: bool = True
     storage: str = "auto"
 

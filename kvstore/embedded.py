@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
-from kvstore.api import Block, LookupResult, StoreStats
-from kvstore.blockcopy import check_destinations, copy_into_destinations
+from kvstore.api import Block, Buffer, LookupResult, StoreStats
+from kvstore.blockcopy import check_destinations, copy_lent_into, tensor_blocks
 from kvstore.blocklease import BlockLease
-from kvstore.codec import decode_block, encode_blocks
+from kvstore.codec import decode_block
 from kvstore.encoding import encode_for_put
 from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.factory import open_async_store
+from kvstore.reads import BlockRead
 from kvstore.store import TieredStore
 
 if TYPE_CHECKING:
@@ -92,11 +94,11 @@ class EmbeddedStore:
         never reaches a stored block.
         """
         read = self._store.read(namespace, block_hashes)
-        blocks = self._call(read.open())
+        blocks = self._open(read)
         try:
             return [decode_block(b, verify=False, copy=True) for b in blocks]
         finally:
-            self._loop.call_soon_threadsafe(read.close)
+            self._close_read(read)
 
     def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],
                  destinations: Sequence[torch.Tensor], *, verify: bool | None = None) -> int:
@@ -120,15 +122,48 @@ class EmbeddedStore:
                 are copied).
         """
         check_destinations(destinations, len(block_hashes))
+        read = self._store.read(namespace, block_hashes)
+        blocks = self._open(read)
+        try:
+            copied = copy_lent_into(blocks, destinations, bool(verify), read.pool, read.offsets)  # type: ignore[arg-type]
+        finally:
+            self._close_read(read)
+        if copied.error is not None:
+            raise copied.error
+        return copied.num_copied
 
-        async def copy() -> int:
-            async with self._store.read(namespace, block_hashes) as blocks:
-                copied = copy_into_destinations(blocks, destinations, bool(verify))
-            if copied.error is not None:
-                raise copied.error
-            return copied.num_copied
+    def _open(self, read: BlockRead) -> list[Buffer]:
+        """Enter ``read`` on the store's loop: with one plain callback where the top tier lends the whole prefix
+        (:meth:`BlockRead.open_now`), else with a coroutine. The caller copies out of it in its own thread (the
+        store holds the blocks) and gives it back with :meth:`_close_read`."""
+        blocks = self._call_now(read.open_now)
+        return blocks if blocks is not None else self._call(read.open())
 
-        return self._call(copy())
+    def _close_read(self, read: BlockRead) -> None:
+        """Give ``read`` back on the store's loop, without waiting (a later call of this thread comes after it)."""
+        if not self._closed:
+            self._loop.call_soon_threadsafe(read.close)
+
+    def _call_now(self, function: Callable[[], _T]) -> _T:
+        """Run a plain function on the store's loop and return its result: a coroutine's hop less.
+
+        Raises:
+            UnavailableError: if the store is closed or used in a forked child.
+        """
+        if os.getpid() != self._pid:
+            raise UnavailableError("an EmbeddedStore cannot be used after fork; open a new one in the child")
+        if self._closed:
+            raise UnavailableError("the embedded store is closed")
+        result: concurrent.futures.Future[_T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                result.set_result(function())
+            except BaseException as exc:  # handed to the caller's thread
+                result.set_exception(exc)
+
+        self._loop.call_soon_threadsafe(run)
+        return result.result()
 
     def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> BlockLease:
         """The encoded blocks of the longest cached prefix in place, held until released (a :class:`BlockLease`).
@@ -144,13 +179,13 @@ class EmbeddedStore:
             UnavailableError: if the store is closed.
         """
         read = self._store.read(namespace, block_hashes)
-        blocks = self._call(read.open())
+        blocks = self._open(read)
 
         def release() -> None:
             if not self._closed:
                 self._loop.call_soon_threadsafe(read.close)
 
-        return BlockLease(list(blocks), [release], checked=True)
+        return BlockLease(list(blocks), [release], checked=True, offsets=read.offsets)  # offsets: in the pool
 
     def put(
         self,
@@ -161,9 +196,20 @@ class EmbeddedStore:
         priority: int | None = None,
         retention_s: float | None = None,
     ) -> int:
-        """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`)."""
-        encoded = encode_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.encoding
-        return self._call(self._store.put(namespace, block_hashes, encoded, priority=priority, retention_s=retention_s))
+        """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`).
+
+        A tensor is encoded where the store keeps it: into the memory tier's pool, one copy of its payload and
+        its checksum taken there (``kvstore.blockcopy.TensorBlock``); into ``bytes`` for any other tier. A
+        namespace with a lossy KV encoding (``kvstore.encoding``) encodes each tensor first.
+
+        Raises:
+            InvalidArgumentError, UnknownDtypeError, ElementCountError: on a block that is not bytes, a tensor
+                or an array, or a tensor whose dtype or shape does not fit the codec and layout.
+            As :meth:`TieredStore.put` otherwise.
+        """
+        staged = tensor_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.encoding
+        return self._call(self._store.put(namespace, block_hashes, staged,  # type: ignore[arg-type]
+                                          priority=priority, retention_s=retention_s))
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier; returns how many were found."""

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 from typing import Callable, Sequence
 
+from kvstore.blockcopy import TensorBlock, encoded_values
 from kvstore.codec import check_one_shape
 from kvstore.config import StoreConfig
 from kvstore.continuations import Continuations
@@ -137,8 +138,8 @@ class Placement:
         if self._write_through:
             live = [i for i, entry in enumerate(entries) if self._index.is_current(entry)]  # not deleted meanwhile
             if live:
-                self._mover.write_through([entries[i].key for i in live], [values[i] for i in live],
-                                          [meta] * len(live), *generations)
+                self._mover.write_through([entries[i].key for i in live], encoded_values([values[i] for i in live]),
+                                          [meta] * len(live), *generations)  # queued: outlives the put
         try:
             by_level: dict[int | None, list[int]] = {}
             for i, value in enumerate(values):
@@ -210,7 +211,7 @@ class Placement:
         live = [i for i, entry in enumerate(entries) if self._index.is_current(entry)]  # not deleted meanwhile
         if live:
             tag = entries[0].key[:NAMESPACE_TAG_BYTES]
-            await self._mover.write_shared([entries[i].key for i in live], [values[i] for i in live],
+            await self._mover.write_shared([entries[i].key for i in live], encoded_values([values[i] for i in live]),
                                            [metas[i] for i in live], {tag: generation})
         for entry in entries:
             self._index.abandon(entry)
@@ -235,10 +236,12 @@ def _chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
     return [dataclasses.replace(meta, last_access=meta.last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
 
 
-def _owned(block: Buffer) -> bytes | memoryview:
+def _owned(block: Buffer | TensorBlock) -> bytes | memoryview | TensorBlock:
     """``block`` as memory no caller can change: ``bytes`` as it is, a read-only view of ``bytes`` as it is
-    (a same-host Put's copy behind its framing head, ``kvstore.shm.node.SharedMemoryNode.copy_in``), else a copy."""
-    if type(block) is bytes:
+    (a same-host Put's copy behind its framing head, ``kvstore.shm.node.SharedMemoryNode.copy_in``), a
+    :class:`~kvstore.blockcopy.TensorBlock` as it is (the embedded store's caller waits for the put, and what
+    outlives it is encoded first), else a copy."""
+    if type(block) is bytes or type(block) is TensorBlock:
         return block
     if isinstance(block, memoryview) and block.readonly and type(block.obj) is bytes and block.c_contiguous:
         return block

@@ -81,6 +81,7 @@ class ReadPath:
             top.touch(key)
         read.num_lent = len(keys)
         read.framed = lease.framed
+        read.pool, read.offsets = lease.pool, lease.offsets
         return lease.values  # type: ignore[return-value]  # no None: checked above
 
     async def open(self, read: BlockRead) -> list[Buffer]:
@@ -205,13 +206,16 @@ class BlockRead:
             value encoding, e.g. a ready Get reply) where the top tier holds one
             (:attr:`~kvstore.tiers.base.TierLease.framed`), valid as long as the
             blocks are; ``None`` when none was lent.
+        pool: once entered, where the top tier lent the whole prefix as views of one buffer, a 1-D ``uint8``
+            tensor over it (:attr:`~kvstore.tiers.base.TierLease.pool`; only read from it), else ``None``.
+        offsets: with :attr:`pool`, each block's offset in it, bytes.
         num_lent: the blocks of a read the top tier lent whole.
         top_misses: for such a read, until it is closed, whether it asked for
             more blocks than were cached (its counts are made then); else ``None``.
     """
 
     __slots__ = ("_reads", "namespace", "block_hashes", "lend", "held", "releases", "promotions", "framed",
-                 "num_lent", "top_misses", "_closed")
+                 "pool", "offsets", "num_lent", "top_misses", "_closed")
 
     def __init__(self, reads: ReadPath, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
         self._reads = reads
@@ -222,6 +226,8 @@ class BlockRead:
         self.releases: list[Callable[[], None]] = []
         self.promotions: list[tuple[int | None, list[BlockKey], list[bytes], int]] = []
         self.framed: list[bytes | None] | None = None
+        self.pool: object | None = None
+        self.offsets: list[int] | None = None
         self.num_lent = 0
         self.top_misses: bool | None = None
         self._closed = False
