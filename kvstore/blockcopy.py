@@ -380,19 +380,23 @@ class TensorBlock:
             block_size, latent_dim]`` (``mla``), any device and strides, of a codec dtype.
         header: its parsed header (checksum 0), shared by the blocks of one batch.
         blank: its header bytes with the checksum field zero (:func:`kvstore.codec.blank_header`), shared too.
+
+    Attributes:
+        nbytes: the encoded length, header and payload, bytes (``len``).
     """
 
-    __slots__ = ("tensor", "header", "blank", "_encoded")
+    __slots__ = ("tensor", "header", "blank", "nbytes", "_encoded")
 
     def __init__(self, tensor: torch.Tensor, header: BlockHeader, blank: bytes) -> None:
         self.tensor = tensor
         self.header = header
         self.blank = blank
+        self.nbytes = header.nbytes
         self._encoded: bytes | None = None
 
     def __len__(self) -> int:
-        """The encoded length, header and payload, bytes."""
-        return self.header.nbytes
+        """The encoded length, header and payload, bytes (:attr:`nbytes`)."""
+        return self.nbytes
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -5,7 +5,6 @@ mode) where a tier cannot take them."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Callable, Sequence
 
 from kvstore.blockcopy import TensorBlock, encoded_values
@@ -73,7 +72,8 @@ class Placement:
                 if self._tiers:
                     self._mover.refused(0, "too_large", len(blocks), exc)
                 raise exc
-        check_one_shape(blocks)
+        if not _one_kind(blocks):
+            check_one_shape(blocks)
         return meta
 
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], meta: BlockMeta,
@@ -233,7 +233,8 @@ def _chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
     (``kvstore.lifecycle.restore``); a step of :data:`~kvstore.tiers.base.CHAIN_STEP_S`
     per block keeps the rule that a chain's tail goes before its head.
     """
-    return [dataclasses.replace(meta, last_access=meta.last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
+    priority, expires_at, last_access = meta.priority, meta.expires_at, meta.last_access
+    return [BlockMeta(priority, expires_at, last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
 
 
 def _owned(block: Buffer | TensorBlock) -> bytes | memoryview | TensorBlock:
@@ -246,3 +247,13 @@ def _owned(block: Buffer | TensorBlock) -> bytes | memoryview | TensorBlock:
     if isinstance(block, memoryview) and block.readonly and type(block.obj) is bytes and block.c_contiguous:
         return block
     return bytes(block)
+
+
+def _one_kind(blocks: Sequence[object]) -> bool:
+    """Whether ``blocks`` are tensor blocks of one header (one dtype and shape: ``kvstore.blockcopy.tensor_blocks``
+    made them so), whose shapes need no comparing."""
+    first = blocks[0] if blocks else None
+    if type(first) is not TensorBlock:
+        return False
+    header = first.header
+    return all(type(block) is TensorBlock and block.header is header for block in blocks)  # type: ignore[union-attr]
