@@ -78,7 +78,10 @@ class EmbeddedStore:
 
     def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest cached prefix of ``block_hashes`` (see :meth:`TieredStore.lookup`)."""
-        return self._call(self._store.lookup(namespace, block_hashes))
+        located = self._call_now(lambda: self._store.locate_now(namespace, block_hashes))
+        if located is None:  # a shared tier to ask
+            return self._call(self._store.lookup(namespace, block_hashes))
+        return LookupResult.from_block_tiers(located, self._store.tier_names)
 
     def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
         """Encoded blocks of the longest cached prefix (see :meth:`TieredStore.get`)."""

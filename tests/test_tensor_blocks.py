@@ -105,3 +105,15 @@ def test_a_write_through_copy_is_the_tensor_as_it_was_at_the_put(redis_server: R
     assert [decode_block(b) for b in got] and all(
         torch.equal(decode_block(b), want) for b, want in zip(got, _tensors(4)))
     assert len(got) == 4
+
+
+@pytest.mark.parametrize("layout", ["rows", "strided rows", "separate"])
+def test_a_batch_from_one_tensor_is_copied_in_chunks_and_stored_exactly(layout: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    whole = torch.randn(40, *SHAPE, generator=generator).to(torch.float16)  # 40 x 16 KiB: more than one chunk
+    if layout == "strided rows":  # the rows of a tensor whose blocks are not contiguous
+        whole = torch.randn(40, *SHAPE[:-1], 2 * SHAPE[-1], generator=generator).to(torch.float16)[..., ::2]
+    blocks = list(whole.unbind(0)) if layout != "separate" else [b.clone() for b in whole.unbind(0)]
+    with EmbeddedStore(StoreConfig(memory=MemoryTierConfig(capacity_bytes=8 << 20))) as store:
+        assert store.put(NS, _hashes(40), blocks) == 40
+        assert store.get(NS, _hashes(40)) == [encode_block(b) for b in blocks]
