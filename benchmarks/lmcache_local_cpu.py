@@ -17,11 +17,13 @@ preallocated tensor this process owns):
   tensor, ``ref_count_down``;
 * ``copy``: one ``Tensor.copy_`` of the payload's bytes in this process (a check on the baseline).
 
-Each reply gives the seconds the operation took, timed in this process; a ``get`` also says whether the bytes
+Before each operation an untimed 1 MiB ``copy_`` wakes torch's threads (asleep while this process waited on
+the pipe; ``bench_embedded.py`` does the same before each of its own steps). Each reply gives the seconds the
+operation took, timed in this process; a ``get`` also says whether the bytes
 are the ones put (checked after the timing). ``remove`` drops a round's keys (untimed).
 
 Protocol: ``{"op": "setup", "layers": L, "kv_heads": H, "head_dim": D, "tokens": T, "num_blocks": N,
-"seed": S, "dtype": "float16"}`` once (reply ``{"ok": true, "version": ...}``), then ``{"op": "put" | "get" |
+"seed": S, "dtype": "float16", "threads": N}`` once (``threads``: torch's threads, optional) (reply ``{"ok": true, "version": ...}``), then ``{"op": "put" | "get" |
 "copy" | "remove", "round": R}``; ``{"op": "exit"}`` ends it.
 """
 
@@ -57,6 +59,8 @@ def main() -> None:
             layers, heads, dim, tokens, num_blocks = (msg[k] for k in ("layers", "kv_heads", "head_dim", "tokens",
                                                                        "num_blocks"))
             dtype = getattr(torch, msg["dtype"])
+            if msg.get("threads"):
+                torch.set_num_threads(msg["threads"])
             torch.manual_seed(msg["seed"])
             # kvstore's block layout [layers, 2, heads, tokens, dim] is the payload; LMCache's KV_2LTD object is
             # [2, layers, tokens, heads * dim] of the same bytes count: each block is copied in as raw bytes
@@ -75,10 +79,12 @@ def main() -> None:
                          flat_source=source.view(-1).view(torch.uint8).clone(), fmt=MemoryFormat.KV_2LTD,
                          key=lambda r, i: CacheEngineKey("bench", 1, 0, r * 100_000 + i, dtype))
             state["flat_destination"] = torch.empty_like(state["flat_source"])
+            state["spare"] = (torch.ones(1 << 20, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.uint8))
             state["destination_rows"] = [b.view(-1).view(torch.uint8) for b in state["destination"]]
             reply({"ok": True, "version": getattr(lmcache, "__version__", "?"), "block_bytes": block_bytes})
             continue
         backend, rows, n = state["backend"], state["rows"], len(state["rows"])
+        state["spare"][1].copy_(state["spare"][0])  # untimed: wakes torch's threads, asleep while the pipe waited
         keys = [state["key"](msg.get("round", 0), i) for i in range(n)]
         if op == "put":
             started = time.perf_counter()

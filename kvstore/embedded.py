@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
+import selectors
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
@@ -27,6 +27,28 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
+class _ParkingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The embedded store's loop's selector: the loop thread holds the store's lock except while it waits here.
+
+    So a caller thread that takes the lock finds the loop parked (waiting for
+    I/O or a timer, no callback running) and may run a synchronous step of the
+    store itself (:meth:`EmbeddedStore._run_now`), exactly as a callback on the
+    loop would, with no hand-off to the loop thread and back: on a busy host each
+    hand-off waits for the scheduler to run the other thread.
+    """
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__()
+        self._lock = lock
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        self._lock.release()
+        try:
+            return super().select(timeout)
+        finally:
+            self._lock.acquire()
+
+
 class EmbeddedStore:
     """A :class:`TieredStore` driven from synchronous code, on a private event-loop thread.
 
@@ -35,14 +57,21 @@ class EmbeddedStore:
     cannot use its parent's store (the loop thread does not survive fork); it
     gets :class:`UnavailableError` and should open its own.
 
+    The loop owns the store. A call that awaits (a put, a delete) runs on it as
+    a coroutine; a lookup and the lease of a read, which never wait when the
+    memory tier holds the whole prefix, run in the caller's own thread while
+    the loop is parked (:class:`_ParkingSelector`'s lock), and the caller copies
+    the blocks out itself, the release going back to the loop without a wait.
+
     Args:
         config: the store configuration; defaults to one memory tier of 1 GiB.
     """
 
     def __init__(self, config: StoreConfig | None = None) -> None:
         self._pid = os.getpid()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-embedded", daemon=True)
+        self._lock = threading.Lock()  # held by the loop thread but while it waits for events
+        self._loop = asyncio.SelectorEventLoop(_ParkingSelector(self._lock))
+        self._thread = threading.Thread(target=self._run_loop, name="kvstore-embedded", daemon=True)
         self._thread.start()
         self._closed = False
         try:
@@ -52,6 +81,10 @@ class EmbeddedStore:
             self._thread.join()
             self._loop.close()
             raise
+
+    def _run_loop(self) -> None:
+        with self._lock:  # released only inside the selector's select()
+            self._loop.run_forever()
 
     @property
     def store(self) -> TieredStore:
@@ -78,7 +111,7 @@ class EmbeddedStore:
 
     def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest cached prefix of ``block_hashes`` (see :meth:`TieredStore.lookup`)."""
-        located = self._call_now(lambda: self._store.locate_now(namespace, block_hashes))
+        located = self._run_now(lambda: self._store.locate_now(namespace, block_hashes))
         if located is None:  # a shared tier to ask
             return self._call(self._store.lookup(namespace, block_hashes))
         return LookupResult.from_block_tiers(located, self._store.tier_names)
@@ -136,10 +169,10 @@ class EmbeddedStore:
         return copied.num_copied
 
     def _open(self, read: BlockRead) -> list[Buffer]:
-        """Enter ``read`` on the store's loop: with one plain callback where the top tier lends the whole prefix
-        (:meth:`BlockRead.open_now`), else with a coroutine. The caller copies out of it in its own thread (the
-        store holds the blocks) and gives it back with :meth:`_close_read`."""
-        blocks = self._call_now(read.open_now)
+        """Enter ``read``: in this thread while the loop is parked where the top tier lends the whole prefix
+        (:meth:`BlockRead.open_now`), else with a coroutine on the loop. The caller copies out of it in its own
+        thread (the store holds the blocks) and gives it back with :meth:`_close_read`."""
+        blocks = self._run_now(read.open_now)
         return blocks if blocks is not None else self._call(read.open())
 
     def _close_read(self, read: BlockRead) -> None:
@@ -147,26 +180,21 @@ class EmbeddedStore:
         if not self._closed:
             self._loop.call_soon_threadsafe(read.close)
 
-    def _call_now(self, function: Callable[[], _T]) -> _T:
-        """Run a plain function on the store's loop and return its result: a coroutine's hop less.
+    def _run_now(self, function: Callable[[], _T]) -> _T:
+        """Run a synchronous step of the store in this thread, the loop parked meanwhile, and return its result.
+
+        ``function`` must not wait, nor call asyncio (it runs as a callback of the loop would, outside it); what
+        it sets in motion on the loop goes with ``call_soon_threadsafe``.
 
         Raises:
             UnavailableError: if the store is closed or used in a forked child.
         """
         if os.getpid() != self._pid:
             raise UnavailableError("an EmbeddedStore cannot be used after fork; open a new one in the child")
-        if self._closed:
-            raise UnavailableError("the embedded store is closed")
-        result: concurrent.futures.Future[_T] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                result.set_result(function())
-            except BaseException as exc:  # handed to the caller's thread
-                result.set_exception(exc)
-
-        self._loop.call_soon_threadsafe(run)
-        return result.result()
+        with self._lock:
+            if self._closed:
+                raise UnavailableError("the embedded store is closed")
+            return function()
 
     def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> BlockLease:
         """The encoded blocks of the longest cached prefix in place, held until released (a :class:`BlockLease`).
