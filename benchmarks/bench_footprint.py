@@ -11,6 +11,7 @@ what the tier then takes, from the tier's own memory or file, not its accounting
   by the puts (the objects and the tier's records);
 * ``lmdb``: the disk tier: pages of its B-trees (branch, leaf and overflow pages of every sub-database, from
   LMDB's own ``stat``, read from a fresh read-only environment after the tier closed) times the page size;
+* ``memory-64k``: the page pool with the 64 KiB pages it had before (``page_bytes=64KiB``), for comparison;
 * ``redis``: the shared tier: ``MEMORY USAGE`` of each block's key (Redis' allocator's bytes for the key,
   its value and their entry), against a real ``redis-server`` on a loopback port.
 
@@ -166,8 +167,20 @@ async def stored_redis(blocks: Sequence[bytes]) -> tuple[int, int]:
             await tier.close()
 
 
+async def stored_memory_64k(blocks: Sequence[bytes]) -> tuple[int, int]:
+    """The page pool as it was before issue 38: whole 64 KiB pages (``page_bytes=64KiB``), for the record."""
+    from kvstore.tiers.memory import MemoryTier
+    tier = MemoryTier(2 * sum(map(len, blocks)) + (8 << 20), page_bytes=64 << 10, pin_memory=False)
+    try:
+        await tier.put(keys_for(blocks), blocks, [BlockMeta()] * len(blocks))
+        return tier.used_bytes, sum(tier.footprint(len(b)) for b in blocks)
+    finally:
+        await tier.close()
+
+
 TIERS: dict[str, Callable[[Sequence[bytes]], object]] = {
-    "memory": stored_memory, "heap": stored_heap, "lmdb": stored_lmdb, "redis": stored_redis}
+    "memory": stored_memory, "heap": stored_heap, "lmdb": stored_lmdb, "redis": stored_redis,
+    "memory-64k": stored_memory_64k}
 """Tier name -> an async function of the blocks that returns ``(stored bytes, accounted bytes)``."""
 
 
@@ -190,7 +203,7 @@ def measure(tier: str, blocks: Sequence[bytes]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiers", default="memory,heap,lmdb,redis")
+    parser.add_argument("--tiers", default="memory,memory-64k,heap,lmdb,redis")
     parser.add_argument("--num-blocks", type=int, default=64)
     parser.add_argument("--out", default=str(RESULTS / "bench_footprint"))
     args = parser.parse_args()
