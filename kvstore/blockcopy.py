@@ -382,18 +382,18 @@ def _stacked(blocks: Sequence[torch.Tensor]) -> torch.Tensor | None:
     first = blocks[0].detach()
     if len(blocks) < 2 or first.device.type != "cpu":
         return None
-    step = blocks[1].data_ptr() - first.data_ptr()
+    start = first.data_ptr()
+    step = blocks[1].data_ptr() - start
     item = first.element_size()
-    storage, strides = first.untyped_storage().data_ptr(), first.stride()
+    strides = first.stride()
     if step <= 0 or step % item:
         return None
     for i, block in enumerate(blocks):
-        if (block.data_ptr() != first.data_ptr() + i * step or block.stride() != strides
-                or block.untyped_storage().data_ptr() != storage):
+        if block.data_ptr() != start + i * step or block.stride() != strides:
             return None
-    try:
+    try:  # within the first block's storage (torch checks), so every block's memory is that storage's
         return first.as_strided((len(blocks), *first.shape), (step // item, *strides))
-    except RuntimeError:  # not within the storage after all: copy block by block
+    except RuntimeError:  # separate tensors that merely lie evenly spaced: copy block by block
         return None
 
 

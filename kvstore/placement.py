@@ -142,8 +142,11 @@ class Placement:
                                           [meta] * len(live), *generations)  # queued: outlives the put
         try:
             by_level: dict[int | None, list[int]] = {}
+            fits: dict[int, int | None] = {}  # length -> its first tier (a put's blocks have one or two lengths)
             for i, value in enumerate(values):
-                by_level.setdefault(self.first_fit(len(value)), []).append(i)
+                nbytes = len(value)
+                level = fits[nbytes] if nbytes in fits else fits.setdefault(nbytes, self.first_fit(nbytes))
+                by_level.setdefault(level, []).append(i)
             for level, positions in by_level.items():
                 await self._place_down(level, [entries[i] for i in positions], [values[i] for i in positions],
                                        [metas[i] for i in positions], protect, generations[1])

@@ -14,6 +14,7 @@ from kvstore.embedded import EmbeddedStore
 from kvstore.errors import UnavailableError
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.tiers.memory import MemoryTier
+from tests.support.redis import redis_server  # noqa: F401
 
 NS = Namespace("test/embedded", dtype="float16", block_size=16)
 SHAPE = (2, 2, 2, 16, 32)
@@ -83,3 +84,27 @@ def test_a_closed_store_refuses_lookups_and_reads_in_the_callers_thread() -> Non
         store.get_into(NS, hashes, [torch.empty(SHAPE, dtype=torch.float16)])
     with pytest.raises(UnavailableError):
         store.read(NS, hashes)
+
+
+def test_a_lookup_asks_the_shared_tier_through_the_loop(redis_server) -> None:  # noqa: F811
+    from kvstore.config import RedisTierConfig
+
+    hashes = hash_blocks(NS, list(range(16 * 3)))
+    config = StoreConfig(memory=MemoryTierConfig(capacity_bytes=4 << 20),
+                         redis=RedisTierConfig(url=redis_server.url, mode="write_through"))
+    with EmbeddedStore(config) as writer:
+        writer.put(NS, hashes, list(_blocks(3, 1)))
+        writer.drain()
+        assert writer.store.locate_now(NS, hashes) is None  # a shared tier: the index alone cannot answer
+        assert writer.lookup(NS, hashes).tiers == ("memory",) * 3
+    with EmbeddedStore(config) as reader:  # a store of its own: the blocks are only in Redis for it
+        assert reader.lookup(NS, hashes).tiers == ("redis",) * 3
+
+
+def test_a_lookup_without_a_shared_tier_counts_as_the_loops_would() -> None:
+    hashes = hash_blocks(NS, list(range(16 * 4)))
+    with EmbeddedStore(StoreConfig(memory=MemoryTierConfig(capacity_bytes=4 << 20))) as store:
+        store.put(NS, hashes[:2], list(_blocks(2, 2)))
+        assert store.lookup(NS, hashes).num_blocks == 2
+        stats = store.stats()
+        assert (stats.lookup_hit_blocks, stats.lookup_miss_blocks) == (2, 2)
