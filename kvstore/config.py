@@ -90,7 +90,8 @@ class MemoryTierConfig:
     storage: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.page_bytes > 0, "page_bytes", "must be > 0")
+        _require(self.page_bytes > 0 and self.page_bytes % 64 == 0, "page_bytes",
+                 "must be a positive multiple of 64 (every block and its payload start 64-byte aligned)")
         _require(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
         _require(self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None,
                  "device", f"must be 'cpu' or 'cuda:N', got {self.device!r}")

@@ -55,6 +55,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 import torch
 
 from kvstore.blockcopy import TensorBlock, encode_batch_into
+from kvstore.codec import ALIGNMENT
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
@@ -259,7 +260,7 @@ class MemoryTier:
             :attr:`capacity_bytes` reports the rounded value.
         device: ``cpu`` or ``cuda[:N]``; with a CUDA pool, puts copy host to
             device and gets copy device to host.
-        page_bytes: page size, bytes; a block of ``n`` bytes takes ``ceil(n / page_bytes)`` pages.
+        page_bytes: page size, bytes, a multiple of 64; a block of ``n`` bytes takes ``ceil(n / page_bytes)`` pages.
         pin_memory: pin a ``cpu`` pool (page-locked) when CUDA is available, so
             that later host<->device copies of its pages are DMA transfers.
         name: tier name in stats and metrics.
@@ -267,7 +268,8 @@ class MemoryTier:
             worker thread instead of on the event loop.
 
     Raises:
-        InvalidArgumentError: on a non-positive page size, negative capacity or unknown device.
+        InvalidArgumentError: on a page size that is not a positive multiple of 64, a negative capacity, an
+            unknown device, or more pages than :data:`MAX_PAGES`.
     """
 
     persistent = False
@@ -284,8 +286,9 @@ class MemoryTier:
         name: str = "memory",
         offload_min_bytes: int = 4 * MiB,
     ) -> None:
-        if page_bytes <= 0:
-            raise InvalidArgumentError(f"page_bytes must be > 0, got {page_bytes}")
+        if page_bytes <= 0 or page_bytes % ALIGNMENT:
+            raise InvalidArgumentError(f"page_bytes must be a positive multiple of {ALIGNMENT} (blocks start aligned "
+                                       f"for their payload's dtype), got {page_bytes}")
         if capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name

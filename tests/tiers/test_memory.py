@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.config import MemoryTierConfig
-from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.errors import ConfigError, InvalidArgumentError, UnavailableError
 from kvstore.tiers.base import BlockMeta, TierFullError
 from kvstore.tiers.memory import MemoryTier, PageAllocator
 from tests.support.tier_contract import TierContract, make_block, make_key, make_sized_block, meta
@@ -506,6 +506,13 @@ def test_the_default_page_makes_a_block_take_its_own_length():
     block = 96 * KiB + 128  # a 96 KiB payload behind its header: 128 KiB of 64 KiB pages before
     assert tier.footprint(block) == 96 * KiB + 256
     assert tier.footprint(block) / block <= 1.05
+
+
+def test_a_page_that_is_not_a_multiple_of_64_bytes_is_refused():
+    with pytest.raises(InvalidArgumentError, match="multiple of 64"):
+        MemoryTier(MiB, page_bytes=100)
+    with pytest.raises(ConfigError, match="page_bytes"):
+        MemoryTierConfig(page_bytes=100)
 
 
 def test_a_pool_of_more_pages_than_a_record_can_name_is_refused():
