@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from kvstore.codec import (
     CHECKSUM_SPAN,
+    BlockHeader,
     Layout,
     _check_shape,
     as_block,
+    blank_header,
     check_one_shape,
     decode_header,
     dtype_name,
+    encode_block,
     encode_header,
     header_nbytes,
     torch_dtype,
@@ -99,7 +102,8 @@ def byte_view(buffer: Buffer) -> torch.Tensor:
 
 
 def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
-                    source: torch.Tensor | None = None, position: int = 0, num_found: int = 1) -> None:
+                    source: torch.Tensor | None = None, position: int = 0, num_found: int = 1,
+                    header: BlockHeader | None = None) -> BlockHeader:
     """Copy one encoded block's payload into ``destination`` (any device, any strides): one copy.
 
     Args:
@@ -110,12 +114,18 @@ def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
         source: a ``uint8`` tensor over exactly ``block``'s bytes, if the caller has one (saves making it).
         position: the block's index in its call, for the error.
         num_found: blocks the call fetched, for the error.
+        header: the block's header, parsed already (a block whose header bytes are another's, but for the
+            checksum); without ``verify`` only.
+
+    Returns:
+        The block's header.
 
     Raises:
         DestinationMismatchError: if the block's dtype or shape is not the destination's.
         CodecError: if the block is malformed, or (with ``verify``) corrupt.
     """
-    header = verify_block(block) if verify else decode_header(block)
+    if header is None or verify:
+        header = verify_block(block) if verify else decode_header(block)
     dtype = torch_dtype(header.dtype)
     if destination.dtype != dtype or tuple(destination.shape) != header.shape:
         raise DestinationMismatchError(
@@ -123,12 +133,14 @@ def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
             f"{str(destination.dtype).removeprefix('torch.')} {list(destination.shape)}", position, num_found)
     if header.encoding:  # a lossy block: decoded on the destination's device (kvstore.encoding)
         from kvstore.encoding import decode_block_into
-        return decode_block_into(block, header, destination, source)
+        decode_block_into(block, header, destination, source)
+        return header
     if header.payload_nbytes == 0:
-        return
+        return header
     if source is None:
         source = byte_view(block)
     destination.copy_(source[header.header_nbytes:header.nbytes].view(dtype).view(header.shape))
+    return header
 
 
 class Copied(NamedTuple):
@@ -201,17 +213,53 @@ def copy_into_destinations(blocks: Sequence[Buffer], destinations: Sequence[torc
         verify: check each checksum first.
         sources: ``uint8`` tensors over the blocks' bytes, if the caller has them.
 
+    Without ``verify``, a block whose length and header bytes (all but the checksum) are the block before's is
+    not parsed again: its header is that block's (as ``kvstore.codec.LikeBlocks`` has it).
+
     Raises:
         CodecError: on a malformed block, or (with ``verify``) a corrupt one.
     """
+    at, end = CHECKSUM_SPAN
+    header: BlockHeader | None = None
+    lead = rest = b""
     for position, block in enumerate(blocks):
+        like = None
+        if header is not None and not verify:
+            view = memoryview(block)
+            if (view.nbytes == header.nbytes and view[:at] == lead
+                    and view[end:header.header_nbytes] == rest):
+                like = header
         try:
-            copy_block_into(block, destinations[position], verify=verify,
-                            source=None if sources is None else sources[position], position=position,
-                            num_found=len(blocks))
+            parsed = copy_block_into(block, destinations[position], verify=verify,
+                                     source=None if sources is None else sources[position], position=position,
+                                     num_found=len(blocks), header=like)
         except DestinationMismatchError as exc:
             return Copied(position, len(blocks), exc)
+        if parsed is not header:
+            header = parsed
+            view = memoryview(block).cast("B")
+            lead, rest = bytes(view[:at]), bytes(view[end:header.header_nbytes])
     return Copied(len(blocks), len(blocks))
+
+
+def copy_lent_into(blocks: Sequence[Buffer], destinations: Sequence[torch.Tensor], verify: bool,
+                   pool: torch.Tensor | None = None, offsets: Sequence[int] | None = None) -> Copied:
+    """Copy leased blocks into their destinations: with the buffer they view (``pool``, a 1-D ``uint8`` tensor,
+    and each block's offset in it; ``kvstore.tiers.base.TierLease.pool``), as one strided copy where the blocks lie
+    evenly spaced and the destinations are the rows of one tensor (:func:`copy_batch_into`), else block by block
+    from views of ``pool``; without it, as :func:`copy_into_destinations`.
+
+    Raises:
+        CodecError: on a malformed block, or (with ``verify``) a corrupt one.
+    """
+    if pool is None or offsets is None:
+        return copy_into_destinations(blocks, destinations, verify)
+    if not verify:
+        copied = copy_batch_into(blocks, destinations, pool, offsets)  # type: ignore[arg-type]
+        if copied is not None:
+            return copied
+    sources = [pool[offset:offset + len(block)] for offset, block in zip(offsets, blocks)]
+    return copy_into_destinations(blocks, destinations, verify, sources)
 
 
 def encoded_nbytes(block: Block) -> int:
@@ -302,17 +350,154 @@ def encode_batch_into(blocks: Sequence[Block], layout: Layout | str, target: mem
     if step < nbytes or any(offsets[i + 1] - offsets[i] != step for i in range(num_blocks - 1)):
         return False
     start = offsets[0]
-    # any bytes of the payload's length make the header: its checksum field is cleared, and taken per block below
-    header = bytearray(encode_header(dtype_name(dtype), layout, tuple(shape), target[start + head:start + nbytes]))
-    at, end = CHECKSUM_SPAN
-    header[at:end] = bytes(end - at)
+    header = bytearray(blank_header(dtype_name(dtype), layout, tuple(shape)))  # checksum field zero, taken below
+    at = CHECKSUM_SPAN[0]
     base = target_bytes.storage_offset() + start
     heads = target_bytes.as_strided((num_blocks, head), (step, 1), base)
     heads.copy_(torch.frombuffer(header, dtype=torch.uint8).expand(num_blocks, head))
     payloads = target_bytes.as_strided((num_blocks, nbytes - head), (step, 1), base + head)
-    rows = payloads.view(dtype).view(num_blocks, *shape).unbind(0)
+    rows = payloads.view(dtype).view(num_blocks, *shape)
     pack_into, digest = _CHECKSUM_FIELD.pack_into, xxhash.xxh3_64_intdigest
-    for row, block, offset in zip(rows, blocks, offsets):
-        row.copy_(block.detach())
-        pack_into(target, offset + at, digest(target[offset:offset + nbytes]))
+    stacked = _stacked(blocks)  # type: ignore[arg-type]
+    per_copy = max(1, _COPY_CHUNK_BYTES // nbytes) if stacked is not None else 1
+    for first in range(0, num_blocks, per_copy):
+        last = min(num_blocks, first + per_copy)
+        if stacked is not None:
+            rows[first:last].copy_(stacked[first:last])
+        else:
+            rows[first].copy_(blocks[first].detach())  # type: ignore[union-attr]
+        for offset in offsets[first:last]:
+            pack_into(target, offset + at, digest(target[offset:offset + nbytes]))
     return True
+
+
+_COPY_CHUNK_BYTES = 2 << 20
+"""Blocks stacked in one tensor are copied this many bytes at a time, and checksummed while the copy is in cache:
+one ``copy_`` (and one parallel region of torch's threads) per chunk instead of per block."""
+
+
+def _stacked(blocks: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``blocks`` as one ``[num_blocks, *shape]`` view, where they are evenly spaced views of one storage with
+    one layout (the rows of one tensor, ``list(t.unbind(0))``), else ``None``."""
+    first = blocks[0].detach()
+    if len(blocks) < 2 or first.device.type != "cpu":
+        return None
+    start = first.data_ptr()
+    step = blocks[1].data_ptr() - start
+    item = first.element_size()
+    strides = first.stride()
+    if step <= 0 or step % item:
+        return None
+    for i, block in enumerate(blocks):
+        if block.data_ptr() != start + i * step or block.stride() != strides:
+            return None
+    try:  # within the first block's storage (torch checks), so every block's memory is that storage's
+        return first.as_strided((len(blocks), *first.shape), (step // item, *strides))
+    except RuntimeError:  # separate tensors that merely lie evenly spaced: copy block by block
+        return None
+
+
+class TensorBlock:
+    """One block of a put still as the caller's tensor: encoded only where it is stored, with one copy of its
+    payload and one checksum taken over that copy where it lies.
+
+    What the embedded store hands its store for each tensor of a put (:func:`tensor_blocks`): the memory tier
+    writes it straight into its pool (:meth:`encode_into`, or :func:`encode_batch_into` for a batch laid out
+    evenly), and any other tier takes :meth:`encoded` bytes (``kvstore.mover``). Byte for byte what
+    :func:`kvstore.codec.encode_block` makes of the tensor. It reads the caller's tensor, which the caller may
+    change once the put has returned, so it is valid only during the put: what outlives the put (a queued
+    write-through) takes :meth:`encoded` bytes first.
+
+    Args:
+        tensor: the block, ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or ``[num_layers, 1,
+            block_size, latent_dim]`` (``mla``), any device and strides, of a codec dtype.
+        header: its parsed header (checksum 0), shared by the blocks of one batch.
+        blank: its header bytes with the checksum field zero (:func:`kvstore.codec.blank_header`), shared too.
+
+    Attributes:
+        nbytes: the encoded length, header and payload, bytes (``len``).
+    """
+
+    __slots__ = ("tensor", "header", "blank", "nbytes", "_encoded")
+
+    def __init__(self, tensor: torch.Tensor, header: BlockHeader, blank: bytes) -> None:
+        self.tensor = tensor
+        self.header = header
+        self.blank = blank
+        self.nbytes = header.nbytes
+        self._encoded: bytes | None = None
+
+    def __len__(self) -> int:
+        """The encoded length, header and payload, bytes (:attr:`nbytes`)."""
+        return self.nbytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape (what :func:`kvstore.codec.check_one_shape` compares)."""
+        return self.header.shape
+
+    def encode_into(self, target: memoryview, target_bytes: torch.Tensor) -> None:
+        """Write the block encoded at the start of ``target``: the payload copied from the tensor, the header, then
+        the checksum of both where they lie.
+
+        Args:
+            target: a writable range of at least ``len(self)`` bytes.
+            target_bytes: a ``uint8`` tensor over the same range.
+        """
+        header, head = self.header, self.header.header_nbytes
+        nbytes = header.nbytes
+        if header.payload_nbytes:
+            target_bytes[head:nbytes].view(self.tensor.dtype).view(header.shape).copy_(self.tensor.detach())
+        target[:head] = self.blank
+        _CHECKSUM_FIELD.pack_into(target, CHECKSUM_SPAN[0], _xxh3_64(target[:nbytes]))
+
+    def encoded(self) -> bytes:
+        """The block encoded as ``bytes`` (made once: one copy of the payload and its checksum)."""
+        if self._encoded is None:
+            self._encoded = encode_block(self.tensor, self.header.layout)
+        return self._encoded
+
+
+def _xxh3_64(data: memoryview) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def tensor_blocks(blocks: Sequence[object], layout: Layout | str) -> list[Buffer | TensorBlock]:
+    """The blocks of a put as an in-process store takes them: encoded bytes as they are, each tensor (or numpy
+    array) a :class:`TensorBlock`, checked as :func:`blocks_for_put` checks it; no payload is copied yet.
+
+    Raises:
+        InvalidArgumentError, UnknownDtypeError, ElementCountError: as :func:`blocks_for_put`.
+    """
+    layout = Layout(layout)
+    checked = blocks_for_put(blocks, layout)
+    made: list[Buffer | TensorBlock] = []
+    for block in checked:
+        if isinstance(block, (bytes, bytearray, memoryview)):
+            made.append(block)
+            continue
+        key = (block.dtype, block.shape, layout)
+        kind = _KINDS.get(key)
+        if kind is None:
+            name, shape = dtype_name(block.dtype), tuple(block.shape)
+            blank = blank_header(name, layout, shape)
+            payload = block.numel() * block.element_size()
+            kind = (BlockHeader(name, layout, shape, len(blank), payload, 0), blank)
+            if len(_KINDS) >= _MAX_KINDS:
+                _KINDS.clear()
+            _KINDS[key] = kind
+        made.append(TensorBlock(block, *kind))
+    return made
+
+
+_KINDS: dict[tuple[object, object, Layout], tuple[BlockHeader, bytes]] = {}
+"""Header and blank header bytes of each tensor dtype, shape and layout seen (a process puts a few)."""
+_MAX_KINDS = 64
+
+
+def encoded_values(values: Sequence[Buffer | TensorBlock]) -> list[Buffer]:
+    """``values`` with each :class:`TensorBlock` as its :meth:`~TensorBlock.encoded` bytes: for a tier that stores
+    bytes, or for what outlives the put."""
+    return [v.encoded() if type(v) is TensorBlock else v for v in values]  # type: ignore[union-attr]

@@ -239,15 +239,39 @@ def encode_header(dtype: str, layout: Layout | str, shape: tuple[int, ...], payl
             f"payload of {payload.nbytes} bytes does not hold shape {list(shape)} of {name}"
             + ("" if lossy is None else f" encoded as {lossy.value}")
         )
+    header = _blank_header(name, layout, shape, payload.nbytes, lossy, group)
+    struct.pack_into("<Q", header, _CHECKSUM_AT, block_checksum(header, payload))
+    return bytes(header)
+
+
+def blank_header(dtype: str, layout: Layout | str, shape: tuple[int, ...]) -> bytes:
+    """The header of an exact block of ``dtype`` and ``shape`` with its checksum field zero: what a writer that
+    checksums the block where it lies (``kvstore.blockcopy``) writes before the payload, then fills the field in.
+
+    The checksum is then xxh3-64 (seed 0) of the whole block as it lies, this header first (see the module
+    docstring): :func:`block_checksum` of the same header and payload.
+
+    Raises:
+        UnknownDtypeError: on an unknown dtype.
+        ElementCountError: if the shape does not fit the layout.
+    """
+    name = dtype_name(dtype)
+    layout = Layout(layout)
+    shape = tuple(int(d) for d in shape)
+    _check_shape(layout, shape)
+    return bytes(_blank_header(name, layout, shape, math.prod(shape) * DTYPES[name][1], None, 0))
+
+
+def _blank_header(name: str, layout: Layout, shape: tuple[int, ...], payload_nbytes: int, lossy: Encoding | None,
+                  group: int) -> bytearray:
     size = header_nbytes(len(shape), encoded=lossy is not None)
     header = bytearray(size)
     _FIXED.pack_into(header, 0, MAGIC, VERSION, DTYPES[name][0], layout.code, len(shape),
-                     0 if lossy is None else FLAG_ENCODED, size, payload.nbytes, 0)
+                     0 if lossy is None else FLAG_ENCODED, size, payload_nbytes, 0)
     struct.pack_into(f"<{len(shape)}Q", header, _FIXED.size, *shape)
     if lossy is not None:
         _ENCODING.pack_into(header, _FIXED.size + 8 * len(shape), lossy.code, 0, group)
-    struct.pack_into("<Q", header, _CHECKSUM_AT, block_checksum(header, payload))
-    return bytes(header)
+    return header
 
 
 def block_checksum(header: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview) -> int:

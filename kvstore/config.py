@@ -72,7 +72,8 @@ class MemoryTierConfig:
         enabled: whether the store has a memory tier.
         capacity_bytes: pool size (or the heap tier's capacity), bytes.
         device: ``cpu`` or ``cuda:N``.
-        page_bytes: page size of the pool, bytes; a block takes ``ceil(nbytes / page_bytes)`` pages.
+        page_bytes: page size of the pool, its unit of allocation, bytes; a block takes ``ceil(nbytes / page_bytes)``
+            pages, so its capacity is its own length rounded up to a page (``kvstore.tiers.memory``).
         pin_memory: use pinned host memory for a ``cpu`` pool when CUDA is available.
         storage: ``pages`` for the page pool (``kvstore.tiers.memory``: preallocated,
             pinnable, for blocks that move to and from a GPU); ``heap`` for one
@@ -88,12 +89,13 @@ class MemoryTierConfig:
     enabled: bool = True
     capacity_bytes: int = 1 * GiB
     device: str = "cpu"
-    page_bytes: int = 64 * KiB
+    page_bytes: int = 256
     pin_memory: bool = True
     storage: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.page_bytes > 0, "page_bytes", "must be > 0")
+        _require(self.page_bytes > 0 and self.page_bytes % 64 == 0, "page_bytes",
+                 "must be a positive multiple of 64 (every block and its payload start 64-byte aligned)")
         _require(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
         _require(self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None,
                  "device", f"must be 'cpu' or 'cuda:N', got {self.device!r}")

@@ -4,25 +4,49 @@ from __future__ import annotations
 
 import asyncio
 import os
+import selectors
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
-from kvstore.api import Block, LookupResult, StoreStats
-from kvstore.blockcopy import check_destinations, copy_into_destinations
+from kvstore.api import Block, Buffer, LookupResult, StoreStats
+from kvstore.blockcopy import check_destinations, copy_lent_into, tensor_blocks
 from kvstore.blocklease import BlockLease
-from kvstore.codec import decode_block, encode_blocks
+from kvstore.codec import decode_block
 from kvstore.encoding import encode_for_put
 from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.factory import open_async_store
+from kvstore.reads import BlockRead
 from kvstore.store import TieredStore
 
 if TYPE_CHECKING:
     import torch
 
 _T = TypeVar("_T")
+
+
+class _ParkingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The embedded store's loop's selector: the loop thread holds the store's lock except while it waits here.
+
+    So a caller thread that takes the lock finds the loop parked (waiting for
+    I/O or a timer, no callback running) and may run a synchronous step of the
+    store itself (:meth:`EmbeddedStore._run_now`), exactly as a callback on the
+    loop would, with no hand-off to the loop thread and back: on a busy host each
+    hand-off waits for the scheduler to run the other thread.
+    """
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__()
+        self._lock = lock
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        self._lock.release()
+        try:
+            return super().select(timeout)
+        finally:
+            self._lock.acquire()
 
 
 class EmbeddedStore:
@@ -33,14 +57,21 @@ class EmbeddedStore:
     cannot use its parent's store (the loop thread does not survive fork); it
     gets :class:`UnavailableError` and should open its own.
 
+    The loop owns the store. A call that awaits (a put, a delete) runs on it as
+    a coroutine; a lookup and the lease of a read, which never wait when the
+    memory tier holds the whole prefix, run in the caller's own thread while
+    the loop is parked (:class:`_ParkingSelector`'s lock), and the caller copies
+    the blocks out itself, the release going back to the loop without a wait.
+
     Args:
         config: the store configuration; defaults to one memory tier of 1 GiB.
     """
 
     def __init__(self, config: StoreConfig | None = None) -> None:
         self._pid = os.getpid()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-embedded", daemon=True)
+        self._lock = threading.Lock()  # held by the loop thread but while it waits for events
+        self._loop = asyncio.SelectorEventLoop(_ParkingSelector(self._lock))
+        self._thread = threading.Thread(target=self._run_loop, name="kvstore-embedded", daemon=True)
         self._thread.start()
         self._closed = False
         try:
@@ -50,6 +81,10 @@ class EmbeddedStore:
             self._thread.join()
             self._loop.close()
             raise
+
+    def _run_loop(self) -> None:
+        with self._lock:  # released only inside the selector's select()
+            self._loop.run_forever()
 
     @property
     def store(self) -> TieredStore:
@@ -76,7 +111,10 @@ class EmbeddedStore:
 
     def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest cached prefix of ``block_hashes`` (see :meth:`TieredStore.lookup`)."""
-        return self._call(self._store.lookup(namespace, block_hashes))
+        located = self._run_now(lambda: self._store.locate_now(namespace, block_hashes))
+        if located is None:  # a shared tier to ask
+            return self._call(self._store.lookup(namespace, block_hashes))
+        return LookupResult.from_block_tiers(located, self._store.tier_names)
 
     def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
         """Encoded blocks of the longest cached prefix (see :meth:`TieredStore.get`)."""
@@ -92,11 +130,11 @@ class EmbeddedStore:
         never reaches a stored block.
         """
         read = self._store.read(namespace, block_hashes)
-        blocks = self._call(read.open())
+        blocks = self._open(read)
         try:
             return [decode_block(b, verify=False, copy=True) for b in blocks]
         finally:
-            self._loop.call_soon_threadsafe(read.close)
+            self._close_read(read)
 
     def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],
                  destinations: Sequence[torch.Tensor], *, verify: bool | None = None) -> int:
@@ -120,15 +158,44 @@ class EmbeddedStore:
                 are copied).
         """
         check_destinations(destinations, len(block_hashes))
+        read = self._store.read(namespace, block_hashes)
+        blocks = self._open(read)
+        try:
+            copied = copy_lent_into(blocks, destinations, bool(verify), read.pool, read.offsets)  # type: ignore[arg-type]
+        finally:
+            self._close_read(read)
+        if copied.error is not None:
+            raise copied.error
+        return copied.num_copied
 
-        async def copy() -> int:
-            async with self._store.read(namespace, block_hashes) as blocks:
-                copied = copy_into_destinations(blocks, destinations, bool(verify))
-            if copied.error is not None:
-                raise copied.error
-            return copied.num_copied
+    def _open(self, read: BlockRead) -> list[Buffer]:
+        """Enter ``read``: in this thread while the loop is parked where the top tier lends the whole prefix
+        (:meth:`BlockRead.open_now`), else with a coroutine on the loop. The caller copies out of it in its own
+        thread (the store holds the blocks) and gives it back with :meth:`_close_read`."""
+        blocks = self._run_now(read.open_now)
+        return blocks if blocks is not None else self._call(read.open())
 
-        return self._call(copy())
+    def _close_read(self, read: BlockRead) -> None:
+        """Give ``read`` back on the store's loop, without waiting (a later call of this thread comes after it):
+        the loop's thread does the release's work while this one goes on (``benchmarks/bench_embedded.py``)."""
+        if not self._closed and os.getpid() == self._pid:
+            self._loop.call_soon_threadsafe(read.close)
+
+    def _run_now(self, function: Callable[[], _T]) -> _T:
+        """Run a synchronous step of the store in this thread, the loop parked meanwhile, and return its result.
+
+        ``function`` must not wait, nor call asyncio (it runs as a callback of the loop would, outside it); what
+        it sets in motion on the loop goes with ``call_soon_threadsafe``.
+
+        Raises:
+            UnavailableError: if the store is closed or used in a forked child.
+        """
+        if os.getpid() != self._pid:
+            raise UnavailableError("an EmbeddedStore cannot be used after fork; open a new one in the child")
+        with self._lock:
+            if self._closed:
+                raise UnavailableError("the embedded store is closed")
+            return function()
 
     def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> BlockLease:
         """The encoded blocks of the longest cached prefix in place, held until released (a :class:`BlockLease`).
@@ -144,13 +211,12 @@ class EmbeddedStore:
             UnavailableError: if the store is closed.
         """
         read = self._store.read(namespace, block_hashes)
-        blocks = self._call(read.open())
+        blocks = self._open(read)
 
         def release() -> None:
-            if not self._closed:
-                self._loop.call_soon_threadsafe(read.close)
+            self._close_read(read)
 
-        return BlockLease(list(blocks), [release], checked=True)
+        return BlockLease(list(blocks), [release], checked=True, offsets=read.offsets)  # offsets: in the pool
 
     def put(
         self,
@@ -161,9 +227,20 @@ class EmbeddedStore:
         priority: int | None = None,
         retention_s: float | None = None,
     ) -> int:
-        """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`)."""
-        encoded = encode_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.encoding
-        return self._call(self._store.put(namespace, block_hashes, encoded, priority=priority, retention_s=retention_s))
+        """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`).
+
+        A tensor is encoded where the store keeps it: into the memory tier's pool, one copy of its payload and
+        its checksum taken there (``kvstore.blockcopy.TensorBlock``); into ``bytes`` for any other tier. A
+        namespace with a lossy KV encoding (``kvstore.encoding``) encodes each tensor first.
+
+        Raises:
+            InvalidArgumentError, UnknownDtypeError, ElementCountError: on a block that is not bytes, a tensor
+                or an array, or a tensor whose dtype or shape does not fit the codec and layout.
+            As :meth:`TieredStore.put` otherwise.
+        """
+        staged = tensor_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.encoding
+        return self._call(self._store.put(namespace, block_hashes, staged,  # type: ignore[arg-type]
+                                          priority=priority, retention_s=retention_s))
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier; returns how many were found."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from kvstore.blockcopy import TensorBlock
 from kvstore.codec import decode_header
 from kvstore.errors import CodecError
 from kvstore.keys import NAMESPACE_TAG_BYTES
@@ -80,7 +81,8 @@ class LogicalBytes:
             if tag in per_block:
                 continue
             try:
-                per_block[tag] = decode_header(block).logical_nbytes
+                header = block.header if type(block) is TensorBlock else decode_header(block)
+                per_block[tag] = header.logical_nbytes
             except CodecError:
                 continue
             self._sample.pop(tag, None)

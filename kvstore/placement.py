@@ -5,9 +5,9 @@ mode) where a tier cannot take them."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Callable, Sequence
 
+from kvstore.blockcopy import TensorBlock, encoded_values
 from kvstore.codec import check_one_shape
 from kvstore.config import StoreConfig
 from kvstore.continuations import Continuations
@@ -72,7 +72,8 @@ class Placement:
                 if self._tiers:
                     self._mover.refused(0, "too_large", len(blocks), exc)
                 raise exc
-        check_one_shape(blocks)
+        if not _one_kind(blocks):
+            check_one_shape(blocks)
         return meta
 
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], meta: BlockMeta,
@@ -138,12 +139,15 @@ class Placement:
         if self._write_through:
             live = [i for i, entry in enumerate(entries) if self._index.is_current(entry)]  # not deleted meanwhile
             if live:
-                self._mover.write_through([entries[i].key for i in live], [values[i] for i in live],
-                                          [meta] * len(live), *generations)
+                self._mover.write_through([entries[i].key for i in live], encoded_values([values[i] for i in live]),
+                                          [meta] * len(live), *generations)  # queued: outlives the put
         try:
             by_level: dict[int | None, list[int]] = {}
+            fits: dict[int, int | None] = {}  # length -> its first tier (a put's blocks have one or two lengths)
             for i, value in enumerate(values):
-                by_level.setdefault(self.first_fit(len(value)), []).append(i)
+                nbytes = len(value)
+                level = fits[nbytes] if nbytes in fits else fits.setdefault(nbytes, self.first_fit(nbytes))
+                by_level.setdefault(level, []).append(i)
             for level, positions in by_level.items():
                 await self._place_down(level, [entries[i] for i in positions], [values[i] for i in positions],
                                        [metas[i] for i in positions], protect, generations[1])
@@ -211,7 +215,7 @@ class Placement:
         live = [i for i, entry in enumerate(entries) if self._index.is_current(entry)]  # not deleted meanwhile
         if live:
             tag = entries[0].key[:NAMESPACE_TAG_BYTES]
-            await self._mover.write_shared([entries[i].key for i in live], [values[i] for i in live],
+            await self._mover.write_shared([entries[i].key for i in live], encoded_values([values[i] for i in live]),
                                            [metas[i] for i in live], {tag: generation})
         for entry in entries:
             self._index.abandon(entry)
@@ -233,15 +237,27 @@ def _chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
     (``kvstore.lifecycle.restore``); a step of :data:`~kvstore.tiers.base.CHAIN_STEP_S`
     per block keeps the rule that a chain's tail goes before its head.
     """
-    return [dataclasses.replace(meta, last_access=meta.last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
+    priority, expires_at, last_access = meta.priority, meta.expires_at, meta.last_access
+    return [BlockMeta(priority, expires_at, last_access - i * CHAIN_STEP_S) for i in range(num_blocks)]
 
 
-def _owned(block: Buffer) -> bytes | memoryview:
-    """``block`` as memory no caller can change: ``bytes`` as it is, a read-only view of ``bytes`` as it is, else a
-    copy. (A same-host Put's blocks are the node's own copies, ``kvstore.validation.CheckedBlocks``: taken as they
-    are.)"""
-    if type(block) is bytes:
+def _owned(block: Buffer | TensorBlock) -> bytes | memoryview | TensorBlock:
+    """``block`` as memory no caller can change: ``bytes`` as it is, a read-only view of ``bytes`` as it is, a
+    :class:`~kvstore.blockcopy.TensorBlock` as it is (the embedded store's caller waits for the put, and what
+    outlives it is encoded first), else a copy. (A same-host Put's blocks are the node's own copies,
+    ``kvstore.validation.CheckedBlocks``: taken as they are.)"""
+    if type(block) is bytes or type(block) is TensorBlock:
         return block
     if isinstance(block, memoryview) and block.readonly and type(block.obj) is bytes and block.c_contiguous:
         return block
     return bytes(block)
+
+
+def _one_kind(blocks: Sequence[object]) -> bool:
+    """Whether ``blocks`` are tensor blocks of one header (one dtype and shape: ``kvstore.blockcopy.tensor_blocks``
+    made them so), whose shapes need no comparing."""
+    first = blocks[0] if blocks else None
+    if type(first) is not TensorBlock:
+        return False
+    header = first.header
+    return all(type(block) is TensorBlock and block.header is header for block in blocks)  # type: ignore[union-attr]

@@ -82,6 +82,7 @@ class ReadPath:
         read.num_lent = len(keys)
         read.framed = lease.framed
         read.places = lease.places
+        read.pool, read.offsets = lease.pool, lease.offsets
         return lease.values  # type: ignore[return-value]  # no None: checked above
 
     async def open(self, read: BlockRead) -> list[Buffer]:
@@ -227,13 +228,16 @@ class BlockRead:
         places: once entered, per block, where it lies in memory other processes may map (the shared
             pool's :class:`~kvstore.shm.node.pool.Place`, :attr:`~kvstore.tiers.base.TierLease.places`), or
             ``None`` for a block elsewhere; ``None`` when no block was lent from such memory.
+        pool: once entered, where the top tier lent the whole prefix as views of one buffer, a 1-D ``uint8``
+            tensor over it (:attr:`~kvstore.tiers.base.TierLease.pool`; only read from it), else ``None``.
+        offsets: with :attr:`pool`, each block's offset in it, bytes.
         num_lent: the blocks of a read the top tier lent whole.
         top_misses: for such a read, until it is closed, whether it asked for
             more blocks than were cached (its counts are made then); else ``None``.
     """
 
     __slots__ = ("_reads", "namespace", "block_hashes", "lend", "held", "releases", "promotions", "framed",
-                 "places", "num_lent", "top_misses", "_closed")
+                 "places", "pool", "offsets", "num_lent", "top_misses", "_closed")
 
     def __init__(self, reads: ReadPath, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
         self._reads = reads
@@ -245,6 +249,8 @@ class BlockRead:
         self.promotions: list[tuple[int | None, list[BlockKey], list[bytes], int]] = []
         self.framed: list[bytes | None] | None = None
         self.places: list[object] | None = None
+        self.pool: object | None = None
+        self.offsets: list[int] | None = None
         self.num_lent = 0
         self.top_misses: bool | None = None
         self._closed = False

@@ -36,7 +36,7 @@ from kvstore.config import StoreConfig
 from kvstore.counts import TierCounts, store_stats
 from kvstore.errors import UnavailableError
 from kvstore.index import Index
-from kvstore.keys import BlockHash, Namespace, block_keys
+from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
 from kvstore.lifecycle import restore, shut_down
 from kvstore.mover import Mover
 from kvstore.placement import Placement
@@ -189,6 +189,25 @@ class TieredStore:
                     break
                 tail.append(shared if level is None else level)  # a local copy is the faster one
             located += bytes(tail)
+        return self._located(keys, located)
+
+    def locate_now(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> bytes | None:
+        """:meth:`locate` with no await, for a store without a shared tier (the index alone answers); ``None``,
+        with nothing done, for a store with one (await :meth:`locate`). The embedded store's lookup: one plain
+        callback on the loop instead of a coroutine.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        if self._shared is not None:
+            return None
+        self._check_open()
+        keys = block_keys(namespace, block_hashes)
+        return self._located(keys, self.index.locate(keys))
+
+    def _located(self, keys: list[BlockKey], located: bytes) -> bytes:
+        """Count a lookup's hits and misses, and record the prefix a put of the rest continues; returns ``located``."""
         self._lookup_hit_blocks += len(located)
         self._lookup_miss_blocks += len(keys) - len(located)
         if 0 < len(located) < len(keys):  # the put of the rest protects this prefix (``put``)

@@ -9,6 +9,7 @@ import operator
 from typing import Sequence
 
 from kvstore.api import Block
+from kvstore.blockcopy import TensorBlock
 from kvstore.codec import BlockHeader, Layout, LikeBlocks, decode_header, verify_block
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import BlockHash, BlockKey, Namespace, check_block_hashes
@@ -169,19 +170,24 @@ class BlockChecker:
         max_block_bytes: the largest block accepted, bytes (``store.max_block_bytes``).
     """
 
-    __slots__ = ("namespace", "max_block_bytes", "_like")
+    __slots__ = ("namespace", "max_block_bytes", "_like", "_tensor_header")
 
     def __init__(self, namespace: Namespace, max_block_bytes: int) -> None:
         self.namespace = namespace
         self.max_block_bytes = max_block_bytes
         self._like: LikeBlocks | None = None
+        self._tensor_header: BlockHeader | None = None
 
     def check(self, position: int, block: object) -> None:
-        """Check block ``position`` of the put.
+        """Check block ``position`` of the put; a :class:`~kvstore.blockcopy.TensorBlock` (a tensor the store
+        encodes where it stores it) by its length and its header against the namespace.
 
         Raises:
             InvalidArgumentError, ResourceExhaustedError, CodecError: as :func:`check_block`.
         """
+        if type(block) is TensorBlock:
+            self._check_tensor(position, block)
+            return
         like = self._like
         if like is not None and isinstance(block, (bytes, bytearray, memoryview)):
             try:
@@ -191,6 +197,16 @@ class BlockChecker:
                 raise type(exc)(f"block {position}: {exc}") from None
         header = check_block(self.namespace, position, block, self.max_block_bytes)
         self._like = LikeBlocks(header, block)  # type: ignore[arg-type]
+
+    def _check_tensor(self, position: int, block: TensorBlock) -> None:
+        if len(block) > self.max_block_bytes:
+            raise ResourceExhaustedError(f"block {position}: {len(block)} bytes is over "
+                                         f"max_block_bytes={self.max_block_bytes}")
+        if block.header is not self._tensor_header:  # the blocks of one batch share one header
+            mismatch = namespace_mismatch(self.namespace, block.header)
+            if mismatch:
+                raise InvalidArgumentError(f"block {position}: {mismatch}")
+            self._tensor_header = block.header
 
 
 class CheckedBlocks(list):  # type: ignore[type-arg]

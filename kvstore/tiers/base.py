@@ -214,12 +214,19 @@ class TierLease(NamedTuple):
         places: per key, where the block lies in memory other processes may map (the shared pool's
             ``(slab_id, offset)``, ``kvstore.shm.node.pool.Place``), else ``None``; ``None`` for a tier whose
             memory no other process maps.
+        pool: a 1-D ``uint8`` tensor over the memory every value views (the
+            page pool), where that is so, else ``None``: with :attr:`offsets`, a
+            reader copies the blocks out with tensor views of it and no per-block
+            buffer wrapping (``kvstore.blockcopy.copy_lent_into``).
+        offsets: with :attr:`pool`, each value's offset in it, bytes.
     """
 
     values: list[Buffer | None]
     release: Callable[[], None]
     framed: list[bytes | None] | None = None
     places: list[Any] | None = None
+    pool: object | None = None
+    offsets: list[int] | None = None
 
 
 @runtime_checkable
@@ -269,6 +276,21 @@ class CompressingTier(Tier, Protocol):
     async def pack_values(self, values: Sequence[bytes]) -> Sequence[bytes]:
         """``values`` as :meth:`put` stores them (compressed frames where that saves bytes), in order."""
         ...
+
+
+@runtime_checkable
+class TensorWritingTier(Tier, Protocol):
+    """A tier whose put also takes a put's tensors not yet encoded (:class:`kvstore.blockcopy.TensorBlock`) and
+    encodes each straight into its own memory: one copy of the payload and its checksum, where another tier
+    needs the block encoded into ``bytes`` first and then copies it again (the host memory tier).
+
+    The mover hands any other tier :func:`kvstore.blockcopy.encoded_values`.
+
+    Attributes:
+        writes_tensors: ``True``.
+    """
+
+    writes_tensors: bool
 
 
 @runtime_checkable

@@ -4,9 +4,20 @@ The pool is a single ``torch.empty(num_pages, page_bytes, dtype=uint8)`` made at
 start, as in vLLM's PagedAttention block pool (``vllm/v1/core/block_pool.py``): a
 block of ``n`` bytes takes ``ceil(n / page_bytes)`` pages, which need not be
 contiguous, so the pool never fragments and a put never allocates tensor
-memory. Free pages are kept as coalesced runs (extents); a put takes one run
-that fits (best fit) whenever there is one, so most blocks are a single run and
-move with a single copy, and otherwise gathers pages from the largest runs.
+memory. Pages are small (:data:`DEFAULT_PAGE_BYTES`, 256 bytes): a page is the
+unit of allocation, not of layout, so a block takes its own length rounded up
+to 256 bytes, not to a 64 KiB page (a 96 KiB block took 128 KiB). Free pages are
+kept as coalesced runs (extents); a put takes one run for its whole batch when
+there is one (best fit), its blocks one after another, else one run per block
+that fits whenever there is one, so most blocks are a single run and move with
+a single copy, and otherwise gathers pages from the largest runs. Blocks of one
+size free holes of that size, which the next blocks of that size fill exactly.
+
+Puts of tensors. The embedded store hands the tier a put's tensors not yet
+encoded (``kvstore.blockcopy.TensorBlock``): each is encoded straight into its
+pages, its payload copied once from the caller's tensor and its checksum taken
+over that copy while it is in cache, instead of being encoded into ``bytes`` and
+copied again.
 
 Concurrency. Every method is called from the store's one asyncio loop, which
 owns the index and the free runs, so neither needs a lock. A batch of at least
@@ -43,6 +54,8 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 
 import torch
 
+from kvstore.blockcopy import TensorBlock, encode_batch_into
+from kvstore.codec import ALIGNMENT
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
@@ -54,6 +67,15 @@ KiB = 1024
 MiB = 1024 * KiB
 
 _T = TypeVar("_T")
+
+DEFAULT_PAGE_BYTES = 256
+"""The pool's default page: its unit of allocation, bytes. Small, so a block's capacity is its own length within
+256 bytes (a 16 KiB block: 1.6 % over, ``benchmarks/bench_footprint.py``), and a multiple of 64, so every block
+and its payload (``kvstore.codec.ALIGNMENT``) start 64-byte aligned; 256 rather than 64 so a pool of up to 1 TiB
+fits :data:`MAX_PAGES`."""
+
+MAX_PAGES = (1 << 32) - 1
+"""Most pages a pool may have: a record keeps a run's start page in 32 bits."""
 
 _HEAD = struct.Struct("<QBddII")
 """Head of a record: nbytes, priority, expires_at, last_access, then the first run (start page, page count)."""
@@ -165,6 +187,19 @@ class PageAllocator:
             remaining -= run[1]
         return runs
 
+    def allocate_run(self, num_pages: int) -> tuple[int, int] | None:
+        """Take ``num_pages`` free pages as one run, the shortest free run long enough (best fit).
+
+        Returns:
+            ``(start, num_pages)``, or ``None`` when no free run is that long (nothing is taken).
+        """
+        if num_pages <= 0:
+            return None
+        i = bisect.bisect_left(self._lengths, num_pages)
+        if i == len(self._lengths):
+            return None
+        return self._take(self._lengths[i], num_pages)
+
     def free(self, start: int, count: int) -> None:
         """Return the run ``[start, start + count)``, merging it with free neighbours."""
         assert 0 <= start and start + count <= self.num_pages, (start, count)
@@ -225,7 +260,7 @@ class MemoryTier:
             :attr:`capacity_bytes` reports the rounded value.
         device: ``cpu`` or ``cuda[:N]``; with a CUDA pool, puts copy host to
             device and gets copy device to host.
-        page_bytes: page size, bytes; a block of ``n`` bytes takes ``ceil(n / page_bytes)`` pages.
+        page_bytes: page size, bytes, a multiple of 64; a block of ``n`` bytes takes ``ceil(n / page_bytes)`` pages.
         pin_memory: pin a ``cpu`` pool (page-locked) when CUDA is available, so
             that later host<->device copies of its pages are DMA transfers.
         name: tier name in stats and metrics.
@@ -233,24 +268,27 @@ class MemoryTier:
             worker thread instead of on the event loop.
 
     Raises:
-        InvalidArgumentError: on a non-positive page size, negative capacity or unknown device.
+        InvalidArgumentError: on a page size that is not a positive multiple of 64, a negative capacity, an
+            unknown device, or more pages than :data:`MAX_PAGES`.
     """
 
     persistent = False
     lends_references = False  # leases are views of pages the tier reuses: the store pins what it reads
+    writes_tensors = True  # a put's tensors are encoded straight into the pool (TensorWritingTier)
 
     def __init__(
         self,
         capacity_bytes: int,
         *,
         device: str = "cpu",
-        page_bytes: int = 64 * KiB,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
         pin_memory: bool = True,
         name: str = "memory",
         offload_min_bytes: int = 4 * MiB,
     ) -> None:
-        if page_bytes <= 0:
-            raise InvalidArgumentError(f"page_bytes must be > 0, got {page_bytes}")
+        if page_bytes <= 0 or page_bytes % ALIGNMENT:
+            raise InvalidArgumentError(f"page_bytes must be a positive multiple of {ALIGNMENT} (blocks start aligned "
+                                       f"for their payload's dtype), got {page_bytes}")
         if capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
@@ -260,6 +298,10 @@ class MemoryTier:
         if self.device.type not in ("cpu", "cuda"):
             raise InvalidArgumentError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
         num_pages = capacity_bytes // page_bytes
+        if num_pages > MAX_PAGES:
+            raise InvalidArgumentError(f"a pool of {capacity_bytes} bytes has {num_pages} pages of {page_bytes} bytes, "
+                                       f"over {MAX_PAGES}: raise page_bytes to at least "
+                                       f"{-(-capacity_bytes // MAX_PAGES)}")
         self.capacity_bytes: int | None = num_pages * page_bytes
         self.pinned = self.device.type == "cpu" and pin_memory and torch.cuda.is_available()
         self._pool: torch.Tensor | None = torch.empty(
@@ -268,8 +310,14 @@ class MemoryTier:
         if self.device.type == "cpu" and not self.pinned:
             self._pool.zero_()  # fault the pages in now: a steady footprint, and no page faults on puts
         self._flat = self._pool.view(-1)
-        # read-only: leases hand out slices of it, and only the tier writes (through torch)
-        self._host_view = memoryview(self._flat.numpy()).toreadonly() if self.device.type == "cpu" else None
+        # read-only: leases hand out slices of it; the tier writes through the writable one (and torch)
+        self._host_writable = self._host_view = None
+        if self.device.type == "cpu":
+            array = self._flat.numpy()
+            self._host_writable = memoryview(array)
+            readonly = array.view()
+            readonly.flags.writeable = False  # what a view's .obj gives a reader (BlockLease.offsets) is read-only too
+            self._host_view = memoryview(readonly)
         self._allocator = PageAllocator(num_pages)
         self._index: dict[BlockKey, _Record] = {}
         self._readers: dict[int, int] = {}  # id(record) -> gets copying it now (records are distinct objects)
@@ -357,6 +405,9 @@ class MemoryTier:
     def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
         """Each key's value as a read-only view of the host pool, pinned until the lease is released.
 
+        The lease names the pool and each value's offset in it when every value is such a view
+        (:attr:`TierLease.pool`); the pool tensor is writable, so only a copy out of it may use it.
+
         A pinned value's pages are not reused (a delete or overwrite unpublishes
         it at once and frees its pages at the release), so the views stay valid
         however long the caller holds them; the pool itself outlives a
@@ -376,18 +427,23 @@ class MemoryTier:
             return None
         values: list[Buffer | None] = []
         pinned: list[_Record] = []
+        offsets: list[int] | None = []
         readers, index, page_bytes = self._readers, self._index, self.page_bytes
         for key in keys:
             record = index.get(key)
             if record is None:
                 values.append(None)
+                offsets = None
                 continue
             runs = _record_runs(record)
             if len(runs) != 1:
                 values.append(self._copy_out(self._flat, host_view, record))
+                offsets = None
                 continue
             base = runs[0][0] * page_bytes
             values.append(host_view[base: base + _record_nbytes(record)])
+            if offsets is not None:
+                offsets.append(base)
             readers[id(record)] = readers.get(id(record), 0) + 1
             pinned.append(record)
 
@@ -396,14 +452,20 @@ class MemoryTier:
                 self._unpin(record)
             pinned.clear()  # a second call releases nothing
 
-        return TierLease(values, release)
+        return TierLease(values, release, None, self._flat if offsets else None, offsets or None)
 
-    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
+    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes | TensorBlock],
+                  metas: Sequence[BlockMeta]) -> list[bool]:
         """Store each value with its meta, replacing any value held under the same key.
+
+        The batch takes one run of pages when a free run is long enough (so its blocks lie one after another,
+        and a Get of them is one strided copy), else a run per block. A :class:`~kvstore.blockcopy.TensorBlock`
+        is encoded straight into its pages: its payload copied once from the caller's tensor, its checksum
+        taken there (a batch of like tensors with one header build, ``kvstore.blockcopy.encode_batch_into``).
 
         Args:
             keys: block keys.
-            values: encoded blocks (any bytes-like object), one per key.
+            values: encoded blocks (any bytes-like object) or tensors to encode, one per key.
             metas: priority and recency, one per key.
 
         Returns:
@@ -420,28 +482,31 @@ class MemoryTier:
         """
         self._check_open()
         order = put_order(keys, values, metas)
-        views = [memoryview(values[i]).cast("B") for i in order]
-        pages_needed = [-(-v.nbytes // self.page_bytes) for v in views]
+        views = [values[i] if type(values[i]) is TensorBlock else memoryview(values[i]).cast("B") for i in order]
+        sizes = [len(v) if type(v) is TensorBlock else v.nbytes for v in views]  # type: ignore[union-attr]
+        page_bytes = self.page_bytes
+        pages_needed = [-(-n // page_bytes) for n in sizes]
         self._make_room(sum(pages_needed), [keys[i] for i in order])
-        reserved = [self._allocator.allocate(n) for n in pages_needed]
+        reserved = self._reserve(pages_needed)
 
         def free_all() -> None:
             for runs in reserved:
                 self._free(runs)
 
-        if sum(v.nbytes for v in views) < self.offload_min_bytes:
+        pool = (self._flat, self._host_writable)
+        if sum(sizes) < self.offload_min_bytes:
             try:
-                self._copy_in_all(self._flat, reserved, views)
+                self._copy_in_all(pool, reserved, views)
             except BaseException:
                 free_all()
                 raise
         else:
-            copy = asyncio.get_running_loop().run_in_executor(None, self._copy_in_all, self._flat, reserved, views)
+            copy = asyncio.get_running_loop().run_in_executor(None, self._copy_in_all, pool, reserved, views)
             await _await_copy(copy, on_failure=free_all)
         self._check_open()  # closed while the copy ran: nothing to publish into
-        for i, runs, view in zip(order, reserved, views):
+        for i, runs, nbytes in zip(order, reserved, sizes):
             old = self._index.get(keys[i])
-            self._index[keys[i]] = _make_record(view.nbytes, metas[i], runs)
+            self._index[keys[i]] = _make_record(nbytes, metas[i], runs)
             if old is not None:
                 self._release(old)
         return [True] * len(keys)
@@ -472,7 +537,7 @@ class MemoryTier:
         self._unpublished.clear()
         self._held_pages = 0
         self._pool = self._flat = None
-        self._host_view = None
+        self._host_view = self._host_writable = None
         logger.info("memory tier %s closed", self.name)
 
     # -- internals ------------------------------------------------------------------
@@ -499,6 +564,18 @@ class MemoryTier:
                 del self._index[key]
                 self._free(_record_runs(record))
 
+    def _reserve(self, pages_needed: Sequence[int]) -> list[list[tuple[int, int]]]:
+        """Take the pages of a batch (free already, :meth:`_make_room`): one run cut block by block when a free run
+        is that long, else the allocator's runs block by block."""
+        run = self._allocator.allocate_run(sum(pages_needed)) if len(pages_needed) > 1 else None
+        if run is None:
+            return [self._allocator.allocate(n) for n in pages_needed]
+        start, reserved = run[0], []
+        for count in pages_needed:
+            reserved.append([(start, count)] if count else [])
+            start += count
+        return reserved
+
     def _release(self, record: _Record) -> None:
         """Return an unpublished record's pages, or defer that until the gets copying it end."""
         if id(record) in self._readers:
@@ -524,13 +601,26 @@ class MemoryTier:
         for start, count in runs:
             self._allocator.free(start, count)
 
-    def _copy_in_all(
-        self, flat: torch.Tensor, reserved: Sequence[Sequence[tuple[int, int]]], views: Sequence[memoryview]
-    ) -> None:
+    def _copy_in_all(self, pool: tuple[torch.Tensor, memoryview | None], reserved: Sequence[Sequence[tuple[int, int]]],
+                     views: Sequence[memoryview | TensorBlock]) -> None:
+        flat, host = pool
         page_bytes = self.page_bytes
+        if host is not None and self._encode_batch(flat, host, reserved, views):
+            return
+        rest = []
+        for runs, view in zip(reserved, views):
+            if type(view) is not TensorBlock:
+                rest.append((runs, view))
+            elif host is not None and len(runs) == 1:  # encoded where it is stored: one copy
+                base = runs[0][0] * page_bytes
+                view.encode_into(host[base:base + len(view)], flat[base:base + len(view)])
+            else:  # over several runs, or into a GPU pool
+                rest.append((runs, memoryview(view.encoded())))
+        if not rest:
+            return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only sources are only read
-            for runs, view in zip(reserved, views):
+            for runs, view in rest:
                 if not view.nbytes:
                     continue
                 src = torch.frombuffer(view, dtype=torch.uint8)
@@ -540,6 +630,20 @@ class MemoryTier:
                     base = start * page_bytes
                     flat[base : base + seg].copy_(src[offset : offset + seg])
                     offset += seg
+
+    def _encode_batch(self, flat: torch.Tensor, host: memoryview, reserved: Sequence[Sequence[tuple[int, int]]],
+                      views: Sequence[memoryview | TensorBlock]) -> bool:
+        """A batch of like tensors, each in one run, evenly spaced (one run cut block by block): encoded in place
+        with one header build (``kvstore.blockcopy.encode_batch_into``); whether it was that batch."""
+        first = views[0] if views else None
+        if type(first) is not TensorBlock or len(views) < 2:
+            return False
+        if not all(type(v) is TensorBlock and v.header is first.header and len(runs) == 1  # type: ignore[union-attr]
+                   for v, runs in zip(views, reserved)):
+            return False
+        offsets = [runs[0][0] * self.page_bytes for runs in reserved]
+        return encode_batch_into([v.tensor for v in views], first.header.layout, host, flat,  # type: ignore[union-attr]
+                                 offsets)
 
     def _copy_out_all(
         self, pool: tuple[torch.Tensor, memoryview | None], records: Sequence[_Record | None]

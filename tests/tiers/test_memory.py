@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.config import MemoryTierConfig
-from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.errors import ConfigError, InvalidArgumentError, UnavailableError
 from kvstore.tiers.base import BlockMeta, TierFullError
 from kvstore.tiers.memory import MemoryTier, PageAllocator
 from tests.support.tier_contract import TierContract, make_block, make_key, make_sized_block, meta
@@ -484,4 +484,82 @@ async def test_a_cuda_pool_does_not_lend():
     await tier.put([make_key(0)], [make_block(0)], [meta()])
     assert tier.lease([make_key(0)]) is None
     assert await tier.get([make_key(0)]) == [make_block(0)]
+    await tier.close()
+
+
+# -- small pages, batches in one run, tensors encoded in place -------------------------
+
+
+def test_allocator_takes_one_run_or_nothing():
+    alloc = PageAllocator(10)
+    assert alloc.allocate_run(4) == (0, 4)
+    alloc.allocate(2)
+    alloc.free(0, 4)  # free runs: [0, 4) and [6, 10)
+    assert alloc.allocate_run(5) is None and alloc.num_free_pages == 8  # none is 5 long: nothing taken
+    assert alloc.allocate_run(4) in ((0, 4), (6, 4))
+    assert alloc.allocate_run(0) is None
+
+
+def test_the_default_page_makes_a_block_take_its_own_length():
+    tier = MemoryTier(1 * MiB, pin_memory=False)
+    assert tier.page_bytes == 256 == MemoryTierConfig().page_bytes
+    block = 96 * KiB + 128  # a 96 KiB payload behind its header: 128 KiB of 64 KiB pages before
+    assert tier.footprint(block) == 96 * KiB + 256
+    assert tier.footprint(block) / block <= 1.05
+
+
+def test_a_page_that_is_not_a_multiple_of_64_bytes_is_refused():
+    with pytest.raises(InvalidArgumentError, match="multiple of 64"):
+        MemoryTier(MiB, page_bytes=100)
+    with pytest.raises(ConfigError, match="page_bytes"):
+        MemoryTierConfig(page_bytes=100)
+
+
+def test_a_pool_of_more_pages_than_a_record_can_name_is_refused():
+    with pytest.raises(InvalidArgumentError, match="raise page_bytes"):
+        MemoryTier(1 << 40, page_bytes=64)  # checked before the pool is made
+
+
+async def test_a_batch_takes_one_run_and_a_lease_names_its_blocks_in_the_pool():
+    tier = MemoryTier(4 * MiB, pin_memory=False)
+    blocks = [make_sized_block(i, 3000) for i in range(4)]
+    keys = [make_key(i) for i in range(4)]
+    await tier.put(keys, blocks, [meta()] * 4)
+    lease = tier.lease(keys)
+    try:
+        assert lease.offsets is not None and lease.pool is not None
+        step = tier.footprint(3000)
+        assert [o - lease.offsets[0] for o in lease.offsets] == [0, step, 2 * step, 3 * step]
+        for offset, block, value in zip(lease.offsets, blocks, lease.values):
+            assert bytes(lease.pool[offset:offset + len(block)].numpy()) == block == bytes(value)
+    finally:
+        lease.release()
+
+
+@pytest.mark.parametrize("offload_min_bytes", [1 << 62, 0], ids=["inline", "threads"])
+@pytest.mark.parametrize("num_blocks", [1, 3])
+async def test_tensors_are_encoded_in_the_pool_byte_for_byte_as_encode_block(offload_min_bytes, num_blocks):
+    from kvstore.blockcopy import tensor_blocks
+    from kvstore.codec import encode_block
+
+    tier = MemoryTier(4 * MiB, pin_memory=False, offload_min_bytes=offload_min_bytes)
+    tensors = [torch.randn(2, 2, 2, 16, 8).to(torch.bfloat16) for _ in range(num_blocks)]
+    keys = [make_key(i) for i in range(num_blocks)]
+    await tier.put(keys, tensor_blocks(tensors, "kv"), [meta()] * num_blocks)
+    assert await tier.get(keys) == [encode_block(t) for t in tensors]
+    await tier.close()
+
+
+async def test_tensors_over_scattered_pages_are_encoded_once_then_copied():
+    from kvstore.blockcopy import tensor_blocks
+    from kvstore.codec import encode_block
+
+    tensor = torch.randn(1, 2, 1, 16, 64)  # float32: 8 KiB of payload, 33 pages of 256 bytes with its header
+    pages = -(-(len(encode_block(tensor))) // 256)
+    tier = MemoryTier(2 * pages * 256, pin_memory=False)
+    fill = [make_sized_block(i, 256 * (pages // 2)) for i in range(4)]
+    await tier.put([make_key(i) for i in range(4)], fill, [meta()] * 4)
+    await tier.delete([make_key(0), make_key(2)])  # free pages left in two runs, neither long enough
+    await tier.put([make_key(9)], tensor_blocks([tensor], "kv"), [meta()])
+    assert await tier.get([make_key(9)]) == [encode_block(tensor)]
     await tier.close()

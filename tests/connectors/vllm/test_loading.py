@@ -62,17 +62,18 @@ def test_a_same_host_lease_is_one_strided_view_of_the_segment_with_no_copy(node:
         wait_until(lambda: node.server.shm.counters()["leases"] == 0, 30, "the lease went back")  # type: ignore[union-attr]
 
 
-def test_an_embedded_lease_views_each_block_in_the_stores_memory() -> None:
+def test_an_embedded_lease_views_the_blocks_in_the_stores_memory_as_one_array() -> None:
     blocks = _blocks(2)
     with EmbeddedStore(StoreConfig(memory=MemoryTierConfig(capacity_bytes=16 << 20))) as store:
-        store.put(NAMESPACE, HASHES, blocks)
+        store.put(NAMESPACE, HASHES, blocks)  # one put: its blocks lie one after another in the page pool
         lease = store.read(NAMESPACE, HASHES)
         store.delete(NAMESPACE, HASHES)  # held by the read: the views stay what was stored
         store.clear(NAMESPACE)
         try:
-            assert lease.checked and lease.offsets is None and len(lease) == 6
+            assert lease.checked and lease.offsets is not None and len(lease) == 6
             viewed = view_leased(lease, FORMAT, SHAPE)
-            assert viewed.num_good == 6 and isinstance(viewed.arrays, list)
+            assert viewed.num_good == 6 and not isinstance(viewed.arrays, list)
+            assert not viewed.arrays.flags.writeable  # a view of the pool a reader cannot write through
             assert all(torch.equal(_as_tensor(a), b) for a, b in zip(viewed.arrays, blocks))
         finally:
             lease.release()
