@@ -224,9 +224,9 @@ class TierLease(NamedTuple):
     values: list[Buffer | None]
     release: Callable[[], None]
     framed: list[bytes | None] | None = None
-    places: list[Any] | None = None
     pool: object | None = None
     offsets: list[int] | None = None
+    places: list[Any] | None = None
 
 
 @runtime_checkable

@@ -476,7 +476,7 @@ class SharedPool:
             pinned.append(where)
             values.append(slabs[record.slab_id].view[record.offset:record.offset + record.nbytes])
             places.append(Place(*where))
-        return TierLease(values, lambda: self._unpin(pinned), None, places)
+        return TierLease(values, lambda: self._unpin(pinned), places=places)
 
     def _unpin(self, pinned: list[tuple[int, int]]) -> None:
         pins = self._pins
