@@ -9,7 +9,7 @@ this host (its same-host data plane) and through an embedded store:
 * ``hash``:    the scheduler's chained block hashes of the prompt (``kvstore.keys.hash_blocks``);
 * ``lookup``:  the scheduler's Lookup of those hashes;
 * ``read``:    the worker's ``read`` of the 48 blocks in place, under a lease: through the node, its
-               ``GetShared`` (the node copies them from its memory tier into this client's segment);
+               ``GetShared`` (the blocks where they lie in the node's shared pool, mapped read-only here);
                embedded, the store's own memory;
 * ``check``:   the batched header check and the views of the payloads (``kvstore.connectors.vllm.loading``);
 * ``scatter``: the copy from the leased memory into vLLM's CPU paged cache (``PagedKV.scatter_arrays`` on the
@@ -139,9 +139,9 @@ def main() -> None:
         steps: dict[str, Callable[[], object]] = {
             "hash (scheduler)": lambda: hash_blocks(namespace, tokens),
             "lookup, kvstore serve": lambda: client.lookup(namespace, hashes),
-            "read, kvstore serve (GetShared: the node's copy into the segment)": read(client),
+            "read, kvstore serve (GetShared: in place in the node's pool)": read(client),
             "check + views, kvstore serve": check(client),
-            "scatter from the segment into the paged cache": None,  # type: ignore[dict-item]
+            "scatter from the node's pool into the paged cache": None,  # type: ignore[dict-item]
             "HIT PATH, kvstore serve (lookup + start_load)": hit("serve", client),
             "lookup, embedded": lambda: embedded.lookup(namespace, hashes),
             "read, embedded (in place)": read(embedded),
@@ -155,7 +155,7 @@ def main() -> None:
             "memcpy (Tensor.copy_)": lambda: flat_dst.copy_(flat_src),
             "memcpy, one thread (numpy)": lambda: np.copyto(np_dst, np_src),
         }
-        steps["scatter from the segment into the paged cache"] = scatter("serve")
+        steps["scatter from the node's pool into the paged cache"] = scatter("serve")
         steps["scatter from the store's memory into the paged cache"] = scatter("embedded")
         times: dict[str, list[float]] = {name: [] for name in steps}
         for name, step in steps.items():  # warm-up

@@ -9,8 +9,10 @@ loopback only:
   own, replaying the bundled Mooncake conversation trace (``kvstore/data/traces``) as a connector would: look
   up the request's prefix, get what is cached, put the rest; block sizes of 16 KiB, 256 KiB and 1 MiB mixed.
   Every block's bytes follow from its hash, so every byte returned is checked against what was put;
-* one hostile client: stalled Gets on one connection, Lookups with 4 MB namespaces, malformed messages, and a
-  greedy tenant that puts until its quota refuses it;
+* one hostile client: stalled Gets on one connection, Lookups with 4 MB namespaces, malformed messages, a
+  greedy tenant that puts until its quota refuses it, and the attackers of issue 39: a control-channel slowloris
+  (half-frames on 32 channels), a flood of idle handoff connections, and a replay hog (event-replay peers that
+  ask again and again and never read; each node publishes its KV events);
 * faults at fixed fractions of the run: Redis killed (SIGKILL) and restarted, one node stopped (SIGTERM) and
   restarted, another killed (SIGKILL) and restarted, then the same node on a full disk (writes past its data
   file's size fail with EFBIG, ``RLIMIT_FSIZE``) and with a corrupted LMDB leaf page. Node 0 is never
@@ -193,7 +195,7 @@ class Hostile(threading.Thread):
         while not self.stop.wait(2.0):
             node = self.rng.choice([n for n in self.nodes if n.is_running] or self.nodes)
             try:
-                kind = round_index % 4
+                kind = round_index % 7
                 round_index += 1
                 if kind == 0:
                     with KVStoreClient(node.target, timeout_s=20, retries=0, shared_memory=False) as kv:
@@ -216,6 +218,22 @@ class Hostile(threading.Thread):
                         except grpc.RpcError as exc:
                             self._count("malformed message", {exc.code().name: 1})
                     channel.close()
+                elif kind == 4:
+                    from tests.support.plane_attacks import control_slowloris
+
+                    self._count("control-channel half-frames", control_slowloris(node.target))
+                elif kind == 5:
+                    from tests.support.plane_attacks import HandoffFlood
+
+                    with HandoffFlood(node.target) as flood:
+                        self.stop.wait(3.0)  # honest same-host clients attach while it holds its connections
+                    self._count("idle handoff connections", {"opened": flood.opened})
+                elif kind == 6:
+                    from tests.support.replay_hog import ReplayHog
+
+                    replay = node.env["KVSTORE_EVENTS__REPLAY_ENDPOINT"]
+                    self._count("replay hog", ReplayHog(replay, peers=4, requests_per_peer=50)
+                                .attack_for(node.pid, 2.0).codes)
                 else:
                     with KVStoreClient(node.target, timeout_s=20, retries=0, shared_memory=False) as kv:
                         for _ in range(200):  # fresh blocks until the quota refuses one (it holds at most its quota)
@@ -302,8 +320,15 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-soak-"))
     redis = RedisProcess(maxmemory_bytes=256 * MiB).start()
     env = {"KVSTORE_LIMITS__TENANT_QUOTA_BYTES": "160MiB", "KVSTORE_STORE__MAX_BLOCK_BYTES": "4MiB"}
+    from tests.support.process import free_port
+
+    def events_env() -> dict[str, str]:  # each node publishes its KV events, with a replay socket (the replay hog's)
+        return {"KVSTORE_EVENTS__ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+                "KVSTORE_EVENTS__REPLAY_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"}
+
     nodes = [KVNode(memory_capacity="32MiB", disk_path=workdir / f"node{i}", disk_capacity="192MiB",
-                    redis_url=redis.url, env=env, workdir=workdir / f"run{i}") for i in range(args.nodes)]
+                    redis_url=redis.url, env={**env, **events_env()}, workdir=workdir / f"run{i}")
+             for i in range(args.nodes)]
     for node in nodes:
         (workdir / f"run{nodes.index(node)}").mkdir(exist_ok=True)
         node.start()

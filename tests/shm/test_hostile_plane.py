@@ -10,15 +10,11 @@
 
 from __future__ import annotations
 
-import array
 import contextlib
 import fcntl
 import json
 import mmap
 import os
-import queue
-import socket
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -28,15 +24,12 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.shm.client.handoff import redeem_grant
-from kvstore.shm.frames import GET_SHARED, MAX_REPLY_DESCRIPTORS, PUT_SHARED, REPLY_HEAD, pack_request, \
-    unpack_reply_head
-from kvstore.shm.segment import Segment
+from kvstore.shm.frames import GET_SHARED
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import namespace_to_pb
 from tests.support.hostile import rss_bytes
 from tests.support.kvnode import KVNode
+from tests.support.plane_attacks import Channels, HandoffFlood, read_channel_ends, send_half_frames
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -55,46 +48,6 @@ def blocks(seed: int, count: int = 4) -> tuple[list[bytes], list[torch.Tensor]]:
     hashes = hash_blocks(NS, [seed * 100_000 + i for i in range(count * NS.block_size)])
     gen = torch.Generator().manual_seed(seed)
     return hashes, [torch.randn(2, 2, 2, 16, 64, generator=gen).half() for _ in range(count)]
-
-
-class Channels:
-    """A session opened by hand with control channels, as a hostile same-uid process would open one."""
-
-    def __init__(self, target: str, num_channels: int = 1) -> None:
-        self.channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-        stub = pb_grpc.KVStoreStub(self.channel)
-        offer = stub.Capabilities(pb.CapabilitiesRequest(), timeout=10).shared_memory
-        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.call = stub.Attach(iter(self._requests.get, None))
-        reply = next(self.call)
-        self.session_id = reply.session_id
-        sizes, fds = redeem_grant(offer.handoff_socket, reply.grant, 10.0, num_channels)
-        self.fds = fds[:2]
-        self.put = Segment.attach(os.dup(fds[1]), sizes[1], writable=True)
-        self.socks = [socket.socket(fileno=fd) for fd in fds[2:]]
-
-    def request(self, sock: socket.socket, kind: int, message: object) -> tuple[int, bytes, list[int]]:
-        sock.settimeout(30)
-        sock.sendall(pack_request(kind, message.SerializeToString(), None))  # type: ignore[attr-defined]
-        data, fds, _, _ = socket.recv_fds(sock, REPLY_HEAD.size, MAX_REPLY_DESCRIPTORS)
-        while len(data) < REPLY_HEAD.size:
-            data += sock.recv(REPLY_HEAD.size - len(data))
-        nbytes, code = unpack_reply_head(data)
-        body = b""
-        while len(body) < nbytes:
-            body += sock.recv(nbytes - len(body))
-        return code, body, fds
-
-    def close(self) -> None:
-        for sock in self.socks:
-            sock.close()
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.put.close()
-        self._requests.put(None)
-        self.call.cancel()
-        self.channel.close()
 
 
 def test_a_stored_block_cannot_be_written_through_anything_a_client_was_given(node: KVNode) -> None:
@@ -152,18 +105,11 @@ def test_half_frames_on_control_channels_cost_the_node_nothing_and_end(node: KVN
     try:
         socks = [sock for session in sessions for sock in session.socks][:58]
         baseline = rss_bytes(node.pid)
-        head = pack_request(PUT_SHARED, b"", None)
-        for sock in socks:  # each announces the largest body a node takes, and never sends it
-            sock.sendall(array.array("I", [4 << 20]).tobytes() + head[4:])
+        send_half_frames(socks)  # each announces the largest body a node takes, and never sends it
         grown = rss_bytes(node.pid) - baseline
         assert grown < 64 * MiB, f"{grown / MiB:.0f} MiB for 58 half-frames"
-        for sock in socks:  # the node answers the body that never came, and ends the channel
-            sock.settimeout(60)
-            data = sock.recv(REPLY_HEAD.size)
-            assert unpack_reply_head(data[:REPLY_HEAD.size])[1] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-            rest = b"x"
-            while rest:
-                rest = sock.recv(4096)
+        # the node answers each body that never came, and ends its channel
+        assert read_channel_ends(socks) == {"DEADLINE_EXCEEDED": 58}
         assert rss_bytes(node.pid) - baseline < 64 * MiB
         with KVStoreClient(node.target, retries=0) as honest:  # and the node serves on
             hashes, tensors = blocks(2)
@@ -175,41 +121,14 @@ def test_half_frames_on_control_channels_cost_the_node_nothing_and_end(node: KVN
 
 
 def test_a_flood_of_idle_handoff_connections_keeps_no_honest_client_off(node: KVNode) -> None:
-    with grpc.insecure_channel(node.target) as channel:
-        address = pb_grpc.KVStoreStub(channel).Capabilities(pb.CapabilitiesRequest(), timeout=10) \
-            .shared_memory.handoff_socket
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def flood() -> None:  # no token, no request: connections held open, and new ones while the test runs
-        while not stop.is_set():
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                sock.connect(address if not address.startswith("@") else "\0" + address[1:])
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                sock.close()
-                continue
-            held.append(sock)
-            if len(held) > 600:
-                held.pop(0).close()
-
-    flooder = threading.Thread(target=flood, daemon=True)
-    flooder.start()
-    try:
-        wait_until(lambda: len(held) > 600, 60, "the flood holds 600 idle connections")
+    # no token, no request: idle connections held open, and new ones opened while the test runs
+    with HandoffFlood(node.target, held=600) as flood:
+        wait_until(flood.holding, 60, "the flood holds 600 idle connections")
         for seed in range(3):
             with KVStoreClient(node.target, retries=0) as honest:
                 hashes, tensors = blocks(10 + seed)
                 assert honest.put(NS, hashes, tensors) == 4
                 assert honest.shared_memory() == ("attached",)
-    finally:
-        stop.set()
-        flooder.join()
-        for sock in held:
-            sock.close()
 
 
 def test_a_put_segment_is_out_of_reach_once_handed_over(node: KVNode) -> None:
