@@ -34,6 +34,8 @@ import stat
 import sys
 import weakref
 
+import numpy as np
+
 from kvstore.errors import KVStoreError
 
 OWNER_ONLY = 0o600
@@ -66,7 +68,8 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 def _map(fd: int, nbytes: int, writable: bool) -> tuple[int, memoryview]:
     """Map ``fd`` shared: its address, and a byte view that owns the mapping (it is unmapped once neither that view
-    nor any view made from it is left).
+    nor any view made from it is left). The view's ``obj`` (what a reader may wrap, ``numpy.frombuffer``) is a
+    ``uint8`` array, read-only unless ``writable``: nothing can write through it into a read-only mapping.
 
     ``mmap(2)`` is called directly rather than through Python's ``mmap`` module,
     which keeps a duplicate of the descriptor for as long as the mapping lives
@@ -84,7 +87,9 @@ def _map(fd: int, nbytes: int, writable: bool) -> tuple[int, memoryview]:
         raise OSError(code, os.strerror(code))
     memory = (ctypes.c_ubyte * nbytes).from_address(address)
     weakref.finalize(memory, _libc.munmap, address, nbytes)
-    return address, memoryview(memory).cast("B")
+    array = np.frombuffer(memory, dtype=np.uint8)  # keeps ``memory``, and so the mapping, alive
+    array.flags.writeable = writable
+    return address, memoryview(array)
 
 
 def _madvise(address: int, nbytes: int, advice: int) -> None:
@@ -128,8 +133,7 @@ class Segment:
         self.fd = fd
         self.nbytes = nbytes
         self.writable = writable
-        self._address, view = _map(fd, nbytes, writable)
-        self.view = view if writable else view.toreadonly()
+        self._address, self.view = _map(fd, nbytes, writable)
         self._close_fd = weakref.finalize(self, os.close, fd)  # also when it is dropped unclosed
         self._closed = False
         self.sealed_writes = False
