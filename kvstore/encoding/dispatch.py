@@ -121,5 +121,5 @@ def decode_payload_into(payload: torch.Tensor, layout: str, encoding: Encoding, 
                    _TABLE, words16, words32)
 
 
-_TABLE = kernels_v2.STEP_TABLE.numpy()
+_TABLE = np.append(kernels_v2.STEP_TABLE.numpy(), np.float32(0.0))  # a 257th entry, 0: fast.py's guard
 _ASCENDING = kernels_v2.ASCENDING_STEPS.numpy()

@@ -35,47 +35,48 @@ _F16_DOWN = np.float32(2.0 ** -112)
 _F16_MAX = np.float32(65504.0)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def _load_row(words16, words32, kind, start, count, out):  # type: ignore[no-untyped-def]
-    """``count`` elements from ``start`` into ``out`` (float32); returns the largest magnitude (inf if any is
-    not finite: a float16 Inf/NaN loads as a finite 65536.. 131008, caught by the range)."""
-    bits = out.view(np.uint32)
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _load_row(words16, words32, kind, start, count, out, bits):  # type: ignore[no-untyped-def]
+    """``count`` elements from ``start`` into ``out`` (float32; ``bits``: its view as uint32, made once by the
+    caller: a view made here, in the loop over rows, stops LLVM vectorizing); returns False if one is not finite
+    (a float16 Inf or NaN loads as a finite 65536 .. 131008: caught by the range)."""
+    limit = np.float32(3.4028234663852886e38)  # float16: its largest value (an Inf or a NaN loads beyond it)
     if kind == KIND_FLOAT32:
+        source32 = words32[start:start + count]  # slices, not words[start + i]: that indexing does not vectorize
         for i in range(count):
-            out[i] = words32[start + i]
+            out[i] = source32[i]
     elif kind == KIND_BFLOAT16:
+        source = words16[start:start + count]
         for i in range(count):
-            bits[i] = np.uint32(words16[start + i]) << np.uint32(16)
+            bits[i] = np.uint32(source[i]) << np.uint32(16)
     else:
+        limit = _F16_MAX
+        source = words16[start:start + count]
         for i in range(count):
-            h = np.uint32(words16[start + i])
+            h = np.uint32(source[i])
             bits[i] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
         for i in range(count):
             out[i] *= _F16_UP
-    peak = np.float32(0.0)
+    bad = 0  # on the bits, so that the kernels' fastmath (no NaN, no Inf: checked here) cannot drop the test
     for i in range(count):
-        peak = max(peak, abs(out[i]))
-    if kind == KIND_FLOAT16 and peak > _F16_MAX:
-        return np.float32(np.inf)
-    for i in range(count):
-        if out[i] != out[i]:
-            return np.float32(np.inf)
-    return peak
+        bad += ((bits[i] & np.uint32(0x7F800000)) == np.uint32(0x7F800000)) | (abs(out[i]) > limit)
+    return bad == 0
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def _store_row(values, kind, words16, words32, start, count):  # type: ignore[no-untyped-def]
-    """``values`` (float32, finite, within the dtype's range) into the block's words, rounded half to even."""
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _store_row(values, bits, kind, words16, words32, start, count):  # type: ignore[no-untyped-def]
+    """``values`` (float32, finite, within the dtype's range; ``bits``: their uint32 view) into the block's words,
+    rounded half to even."""
     if kind == KIND_FLOAT32:
+        out32 = words32[start:start + count]
         for i in range(count):
-            words32[start + i] = values[i]
+            out32[i] = values[i]
         return
-    bits = values.view(np.uint32)
+    out = words16[start:start + count]
     if kind == KIND_BFLOAT16:
         for i in range(count):
             b = bits[i]
-            words16[start + i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
-                                           >> np.uint32(16))
+            out[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
         return
     for i in range(count):
         b = bits[i]
@@ -86,23 +87,63 @@ def _store_row(values, kind, words16, words32, start, count):  # type: ignore[no
             h = np.uint16((m + np.uint32(0xFFF) + ((m >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13))
         else:  # a float16 subnormal: 2^-24 steps, exact to scale
             h = np.uint16(np.rint(abs(values[i]) * np.float32(2.0 ** 24)))
-        words16[start + i] = sign | h
+        out[i] = sign | h
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def _step_index(ratio, ascending):  # type: ignore[no-untyped-def]
-    """The largest ``q`` with ``2^(-q/16) >= ratio`` (``ascending`` is the table reversed): searchsorted, left."""
-    lo, hi = 0, 256
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if ascending[mid] < ratio:
-            lo = mid + 1
-        else:
-            hi = mid
-    return 255 - min(lo, 255)
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _steps_of(need, row_scale, table, ratio_bits, q, inverse):  # type: ignore[no-untyped-def]
+    """Each group's step: ``q[g]``, the largest ``q`` in ``[0, 255]`` with ``table[q] = 2^(-q/16) >= need[g] /
+    row_scale`` (``table``: 257 entries, the last 0) (what torch's ``searchsorted`` on the reversed table gives; 255 for a zero ratio), and
+    ``inverse[g] = 1 / (row_scale * table[q])`` (0 for a zero step).
+
+    Branch-free, so that LLVM vectorizes it over the groups (a binary search per group cost more than the rest
+    of the encode): ``-16 log2(ratio)`` from the float's bits with ``log2(1 + m) ~ m`` (low by at most 1.38 steps),
+    then three steps up and one down to the exact ``q``.
+    """
+    count = need.shape[0]
+    ratio = ratio_bits.view(np.float32)
+    positive = row_scale > 0
+    for g in range(count):
+        ratio[g] = need[g] / row_scale if positive else np.float32(0.0)
+    for g in range(count):
+        b = ratio_bits[g]
+        exponent = np.int32(b >> np.uint32(23)) - np.int32(127)
+        fraction = np.float32(b & np.uint32(0x7FFFFF)) * np.float32(2.0 ** -23)
+        guess = -np.float32(16.0) * (np.float32(exponent) + fraction) - np.float32(1.5)
+        guess = np.float32(0.0) if guess < np.float32(0.0) else (np.float32(255.0) if guess > np.float32(255.0) else guess)
+        q[g] = np.int32(guess)
+    for g in range(count):  # & not ``and``: no branches (table[256] is there for the lanes that stop at 255)
+        r = ratio[g]
+        k = q[g]
+        k += np.int32((table[k + 1] >= r) & (k < 255))
+        k += np.int32((table[k + 1] >= r) & (k < 255))
+        k += np.int32((table[k + 1] >= r) & (k < 255))
+        k -= np.int32((table[k] < r) & (k > 0))
+        q[g] = k
+    for g in range(count):
+        s = row_scale * table[q[g]]
+        inverse[g] = np.float32(1.0) / s if s > 0 else np.float32(0.0)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _row_groups(r, kv, num_layers, num_heads, num_tokens, width, key_group, value_group):  # type: ignore[no-untyped-def]
+    """Row ``r``'s ``(is_value, groups, first group's index in the steps)``."""
+    key_groups = (num_tokens // key_group) * width
+    value_groups = num_tokens * (width // value_group)
+    if not kv:
+        return False, key_groups, r * key_groups
+    layer, head = r // (2 * num_heads), r % num_heads
+    if (r // num_heads) % 2 == 1:
+        return True, value_groups, num_layers * num_heads * key_groups + (layer * num_heads + head) * value_groups
+    return False, key_groups, (layer * num_heads + head) * key_groups
+
+
+_FASTMATH = {"nnan", "ninf", "nsz"}
+"""What the encoders let LLVM assume (their input was checked finite by :func:`_load_row`): that is what lets it
+vectorize a min or max reduction; no flag that changes a finite result (no reassociation, no contraction)."""
+
+
+@njit(cache=True, nogil=True, boundscheck=False, fastmath=_FASTMATH)
 def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, width, key_group, value_group,
               asymmetric, cap, table, ascending, row_scales, steps, zeros, data):  # type: ignore[no-untyped-def]
     """``int8_v2`` / ``int4_v2`` encode of a block (``spec.py``'s layout 2); returns False on a non-finite value.
@@ -116,96 +157,107 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
     """
     per_row = num_tokens * width
     rows = num_layers * (2 * num_heads if kv else 1)
-    key_groups_per_row = (num_tokens // key_group) * width
-    value_groups_per_row = num_tokens * (width // value_group)
-    values_start = num_layers * num_heads * key_groups_per_row
+    most = max((num_tokens // key_group) * width, num_tokens * (width // value_group))
     buf = np.empty(per_row, np.float32)
-    low = np.empty(max(key_groups_per_row, value_groups_per_row), np.float32)
-    high = np.empty_like(low)
-    need = np.empty_like(low)
-    scale = np.empty_like(low)
-    inverse = np.empty_like(low)
-    zero = np.zeros_like(low)
+    bits = buf.view(np.uint32)
+    signed = buf.view(np.int32)
+    keys = np.empty(per_row, np.int32)
+    low = np.empty(most, np.float32)
+    high = np.empty(most, np.float32)
+    low_keys = low.view(np.int32)
+    high_keys = high.view(np.int32)
+    need = np.empty(most, np.float32)
+    inverse = np.empty(most, np.float32)
+    zero = np.zeros(most, np.float32)
+    ratio_bits = np.empty(most, np.uint32)
+    q_of = np.empty(most, np.int32)
     codes = data.view(np.int8)
     for r in range(rows):
-        is_value = kv and (r // num_heads) % 2 == 1
-        if kv:
-            layer, head = r // (2 * num_heads), r % num_heads
-            group_base = (layer * num_heads + head) * (value_groups_per_row if is_value else key_groups_per_row)
-            if is_value:
-                group_base += values_start
-        else:
-            group_base = r * key_groups_per_row
-        if _load_row(words16, words32, kind, r * per_row, per_row, buf) == np.inf:
+        is_value, groups, group_base = _row_groups(r, kv, num_layers, num_heads, num_tokens, width, key_group,
+                                                   value_group)
+        if not _load_row(words16, words32, kind, r * per_row, per_row, buf, bits):
             return False
-        groups = value_groups_per_row if is_value else key_groups_per_row
-        for g in range(groups):
-            low[g] = np.inf
-            high[g] = -np.inf
-        if is_value:
-            per_token = width // value_group
-            for t in range(num_tokens):
-                for c in range(per_token):
-                    lo_, hi_ = np.float32(np.inf), np.float32(-np.inf)
-                    base = t * width + c * value_group
-                    for i in range(value_group):
-                        lo_ = min(lo_, buf[base + i])
-                        hi_ = max(hi_, buf[base + i])
-                    low[t * per_token + c] = lo_
-                    high[t * per_token + c] = hi_
-        else:
-            for t in range(num_tokens):
-                g0 = (t // key_group) * width
+        if is_value:  # per token, groups of value_group channels: integer reductions on order-keeping keys
+            for i in range(per_row):
+                b = signed[i]
+                keys[i] = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+            for g in range(groups):
+                segment = keys[g * value_group:(g + 1) * value_group]
+                lo, hi = segment[0], segment[0]
+                for i in range(value_group):
+                    k = segment[i]
+                    lo = k if k < lo else lo
+                    hi = k if k > hi else hi
+                low_keys[g] = lo ^ ((lo >> np.int32(31)) & np.int32(0x7FFFFFFF))
+                high_keys[g] = hi ^ ((hi >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        else:  # per channel, over groups of key_group tokens
+            for tg in range(num_tokens // key_group):
+                lo = low[tg * width:(tg + 1) * width]
+                hi = high[tg * width:(tg + 1) * width]
+                first = buf[tg * key_group * width:(tg * key_group + 1) * width]
                 for d in range(width):
-                    v = buf[t * width + d]
-                    low[g0 + d] = min(low[g0 + d], v)
-                    high[g0 + d] = max(high[g0 + d], v)
+                    lo[d] = first[d]
+                    hi[d] = first[d]
+                for t in range(tg * key_group + 1, (tg + 1) * key_group):
+                    row = buf[t * width:(t + 1) * width]
+                    for d in range(width):
+                        v = row[d]
+                        lo[d] = v if v < lo[d] else lo[d]
+                        hi[d] = v if v > hi[d] else hi[d]
         row_scale = np.float32(0.0)
         for g in range(groups):
             if asymmetric:
-                n = max((high[g] - low[g]) / np.float32(15.0),
-                        abs((low[g] + high[g]) * np.float32(0.5)) / np.float32(119.0))
+                a = (high[g] - low[g]) / np.float32(15.0)
+                b = abs((low[g] + high[g]) * np.float32(0.5)) / np.float32(119.0)
+                n = a if a > b else b
             else:
-                n = max(-low[g], high[g]) / np.float32(127.0)
+                a, b = -low[g], high[g]
+                n = (a if a > b else b) / np.float32(127.0)
             need[g] = n
-            row_scale = max(row_scale, n)
-        row_scale = min(row_scale, cap)
+            row_scale = n if n > row_scale else row_scale
+        row_scale = cap if row_scale > cap else row_scale
         row_scales[r] = row_scale
+        _steps_of(need[:groups], row_scale, table, ratio_bits[:groups], q_of[:groups], inverse[:groups])
+        out_steps = steps[group_base:group_base + groups]
         for g in range(groups):
-            ratio = need[g] / row_scale if row_scale > 0 else np.float32(0.0)
-            q = _step_index(ratio, ascending)
-            steps[group_base + g] = q
-            s = row_scale * table[q]
-            scale[g] = s
-            inverse[g] = np.float32(1.0) / s if s > 0 else np.float32(0.0)
-            if asymmetric:
-                mid = (low[g] + high[g]) * np.float32(0.5)
-                z = np.floor(np.float32(8.0) - mid * inverse[g])
-                z = min(max(z, np.float32(-128.0)), np.float32(127.0))
-                zero[g] = z
-                zeros[group_base + g] = np.int8(z)
-        base = r * per_row
-        if is_value:
-            per_token = width // value_group
-            for t in range(num_tokens):
-                for c in range(per_token):
-                    g = t * per_token + c
-                    start = t * width + c * value_group
-                    for i in range(value_group):
-                        buf[start + i] = buf[start + i] * inverse[g] + zero[g]
-        else:
-            for t in range(num_tokens):
-                g0 = (t // key_group) * width
-                for d in range(width):
-                    buf[t * width + d] = buf[t * width + d] * inverse[g0 + d] + zero[g0 + d]
+            out_steps[g] = np.uint8(q_of[g])
         if asymmetric:
-            for i in range(0, per_row, 2):
-                a = min(max(np.rint(buf[i]), np.float32(0.0)), np.float32(15.0))
-                b = min(max(np.rint(buf[i + 1]), np.float32(0.0)), np.float32(15.0))
-                data[(base + i) // 2] = np.uint8(a) | (np.uint8(b) << np.uint8(4))
+            out_zeros = zeros[group_base:group_base + groups]
+            for g in range(groups):
+                z = np.floor(np.float32(8.0) - (low[g] + high[g]) * np.float32(0.5) * inverse[g])
+                z = np.float32(-128.0) if z < np.float32(-128.0) else z
+                z = np.float32(127.0) if z > np.float32(127.0) else z
+                zero[g] = z
+                out_zeros[g] = np.int8(z)
+        if is_value:
+            for g in range(groups):
+                segment = buf[g * value_group:(g + 1) * value_group]
+                iv, z = inverse[g], zero[g]
+                for i in range(value_group):
+                    segment[i] = segment[i] * iv + z
         else:
+            for t in range(num_tokens):
+                tg = t // key_group
+                row = buf[t * width:(t + 1) * width]
+                iv = inverse[tg * width:(tg + 1) * width]
+                zv = zero[tg * width:(tg + 1) * width]
+                for d in range(width):
+                    row[d] = row[d] * iv[d] + zv[d]
+        base = r * per_row
+        if asymmetric:
+            packed = data[base // 2:(base + per_row) // 2]
+            for j in range(per_row // 2):
+                a = np.rint(buf[2 * j])
+                b = np.rint(buf[2 * j + 1])
+                a = np.float32(0.0) if a < np.float32(0.0) else (np.float32(15.0) if a > np.float32(15.0) else a)
+                b = np.float32(0.0) if b < np.float32(0.0) else (np.float32(15.0) if b > np.float32(15.0) else b)
+                packed[j] = np.uint8(a) | (np.uint8(b) << np.uint8(4))
+        else:
+            out = codes[base:base + per_row]
             for i in range(per_row):
-                codes[base + i] = np.int8(min(max(np.rint(buf[i]), np.float32(-127.0)), np.float32(127.0)))
+                c = np.rint(buf[i])
+                c = np.float32(-127.0) if c < np.float32(-127.0) else (np.float32(127.0) if c > np.float32(127.0) else c)
+                out[i] = np.int8(c)
     return True
 
 
@@ -216,80 +268,85 @@ def decode_v2(row_scales, steps, zeros, data, kind, num_layers, num_heads, kv, n
     rounded once to the dtype). The row scales must have been checked (``scales.check_scales``)."""
     per_row = num_tokens * width
     rows = num_layers * (2 * num_heads if kv else 1)
-    key_groups_per_row = (num_tokens // key_group) * width
-    value_groups_per_row = num_tokens * (width // value_group)
-    values_start = num_layers * num_heads * key_groups_per_row
+    most = max((num_tokens // key_group) * width, num_tokens * (width // value_group))
     buf = np.empty(per_row, np.float32)
-    scale = np.empty(max(key_groups_per_row, value_groups_per_row), np.float32)
-    zero = np.zeros_like(scale)
+    bits = buf.view(np.uint32)
+    scale = np.empty(most, np.float32)
+    zero = np.zeros(most, np.float32)
     codes = data.view(np.int8)
     for r in range(rows):
-        is_value = kv and (r // num_heads) % 2 == 1
-        if kv:
-            layer, head = r // (2 * num_heads), r % num_heads
-            group_base = (layer * num_heads + head) * (value_groups_per_row if is_value else key_groups_per_row)
-            if is_value:
-                group_base += values_start
-        else:
-            group_base = r * key_groups_per_row
-        groups = value_groups_per_row if is_value else key_groups_per_row
+        is_value, groups, group_base = _row_groups(r, kv, num_layers, num_heads, num_tokens, width, key_group,
+                                                   value_group)
         row_scale = row_scales[r]
         for g in range(groups):
             scale[g] = row_scale * table[steps[group_base + g]]
-            if asymmetric:
+        if asymmetric:
+            for g in range(groups):
                 zero[g] = np.float32(zeros[group_base + g])
         base = r * per_row
         if asymmetric:
-            for i in range(0, per_row, 2):
-                byte = data[(base + i) // 2]
-                buf[i] = np.float32(byte & np.uint8(15))
-                buf[i + 1] = np.float32(byte >> np.uint8(4))
+            packed = data[base // 2:(base + per_row) // 2]
+            for j in range(per_row // 2):
+                byte = packed[j]
+                buf[2 * j] = np.float32(byte & np.uint8(15))
+                buf[2 * j + 1] = np.float32(byte >> np.uint8(4))
         else:
+            source = codes[base:base + per_row]
             for i in range(per_row):
-                buf[i] = np.float32(codes[base + i])
+                buf[i] = np.float32(source[i])
         if is_value:
-            per_token = width // value_group
-            for t in range(num_tokens):
-                for c in range(per_token):
-                    g = t * per_token + c
-                    start = t * width + c * value_group
-                    for i in range(value_group):
-                        buf[start + i] = (buf[start + i] - zero[g]) * scale[g]
+            for g in range(groups):
+                segment = buf[g * value_group:(g + 1) * value_group]
+                s, z = scale[g], zero[g]
+                for i in range(value_group):
+                    segment[i] = (segment[i] - z) * s
         else:
             for t in range(num_tokens):
-                g0 = (t // key_group) * width
+                tg = t // key_group
+                row = buf[t * width:(t + 1) * width]
+                sv = scale[tg * width:(tg + 1) * width]
+                zv = zero[tg * width:(tg + 1) * width]
                 for d in range(width):
-                    buf[t * width + d] = (buf[t * width + d] - zero[g0 + d]) * scale[g0 + d]
-        _store_row(buf, kind, words16, words32, r * per_row, per_row)
+                    row[d] = (row[d] - zv[d]) * sv[d]
+        _store_row(buf, bits, kind, words16, words32, base, per_row)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, fastmath=_FASTMATH)
 def encode_fp8(words16, words32, kind, rows, per_row, cap, row_scales, data):  # type: ignore[no-untyped-def]
     """``fp8_e4m3`` encode (the first layout: one float32 scale per row, ``max|row| / 448``); False on a
     non-finite value. e4m3 codes are rounded half to even from float32, saturating at +-448, as torch's."""
     buf = np.empty(per_row, np.float32)
+    bits = buf.view(np.uint32)
+    signs = np.empty(per_row, np.uint8)
+    peak_word = np.empty(1, np.uint32)
+    peak_float = peak_word.view(np.float32)
     for r in range(rows):
-        peak = _load_row(words16, words32, kind, r * per_row, per_row, buf)
-        if peak == np.inf:
+        if not _load_row(words16, words32, kind, r * per_row, per_row, buf, bits):
             return False
-        s = min(peak / np.float32(448.0), cap)
-        row_scales[r] = s
-        inverse = np.float32(448.0) / peak if peak > 0 else np.float32(0.0)
-        if s < peak / np.float32(448.0):  # capped: the scale, not the peak, sets the codes
-            inverse = np.float32(1.0) / s
-        bits = buf.view(np.uint32)
-        base = r * per_row
+        peak_bits = np.uint32(0)  # |x| orders as its bits do: an integer max vectorizes, a float one does not
         for i in range(per_row):
-            y = min(max(buf[i] * inverse, np.float32(-448.0)), np.float32(448.0))
-            sign = np.uint8((bits[i] >> np.uint32(24)) & np.uint32(0x80))
-            magnitude = abs(y)
-            if magnitude >= np.float32(2.0 ** -6):  # an e4m3 normal: rebias the exponent, round the bits
-                buf[i] = magnitude
-                m = bits[i] - np.uint32(120 << 23)
-                code = np.uint8((m + np.uint32(0x7FFFF) + ((m >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20))
-            else:
-                code = np.uint8(np.rint(magnitude * np.float32(512.0)))
-            data[base + i] = sign | code
+            m = bits[i] & np.uint32(0x7FFFFFFF)
+            peak_bits = m if m > peak_bits else peak_bits
+        peak_word[0] = peak_bits
+        peak = peak_float[0]
+        s = peak / np.float32(448.0)
+        inverse = np.float32(448.0) / peak if peak > 0 else np.float32(0.0)
+        if s > cap:  # capped: the scale, not the peak, sets the codes
+            s = cap
+            inverse = np.float32(1.0) / s
+        row_scales[r] = s
+        for i in range(per_row):
+            signs[i] = np.uint8((bits[i] >> np.uint32(24)) & np.uint32(0x80))
+        for i in range(per_row):
+            y = abs(buf[i] * inverse)
+            buf[i] = np.float32(448.0) if y > np.float32(448.0) else y
+        out = data[r * per_row:(r + 1) * per_row]
+        for i in range(per_row):
+            magnitude = buf[i]
+            m = bits[i] - np.uint32(120 << 23)  # an e4m3 normal: rebias the exponent, round the bits
+            normal = np.uint8((m + np.uint32(0x7FFFF) + ((m >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20))
+            subnormal = np.uint8(np.rint(magnitude * np.float32(512.0)))  # below 2^-6: 2^-9 steps, exact to scale
+            out[i] = signs[i] | (normal if magnitude >= np.float32(2.0 ** -6) else subnormal)
     return True
 
 
@@ -308,4 +365,4 @@ def decode_fp8(row_scales, data, kind, rows, per_row, words16, words32):  # type
         s = row_scales[r]
         for i in range(per_row):
             buf[i] = (buf[i] * power) * s
-        _store_row(buf, kind, words16, words32, base, per_row)
+        _store_row(buf, bits, kind, words16, words32, base, per_row)
