@@ -30,6 +30,11 @@ KIND_FLOAT16 = 1
 KIND_FLOAT32 = 2
 """The ``kind`` argument of the kernels: how the 16- or 32-bit words of a block are numbers."""
 
+TINY_ROW = np.float32(2.0 ** -60)
+"""A row whose largest magnitude is below this is quantized as ``BOOST`` times itself (``kernels.py`` the same), so
+that ``1 / scale`` cannot overflow float32; its stored scale is ``UNBOOST`` times the boosted one."""
+BOOST = np.float32(2.0 ** 64)
+UNBOOST = np.float32(2.0 ** -64)
 _F16_UP = np.float32(2.0 ** 112)
 _F16_DOWN = np.float32(2.0 ** -112)
 _F16_MAX = np.float32(65504.0)
@@ -204,6 +209,18 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
                         v = row[d]
                         lo[d] = v if v < lo[d] else lo[d]
                         hi[d] = v if v > hi[d] else hi[d]
+        peak = np.float32(0.0)
+        for g in range(groups):
+            a, b = -low[g], high[g]
+            peak = a if a > peak else peak
+            peak = b if b > peak else peak
+        boosted = peak < TINY_ROW
+        if boosted:  # a tiny row: quantized as 2^64 times itself, so that no inverse overflows float32
+            for i in range(per_row):
+                buf[i] *= BOOST
+            for g in range(groups):
+                low[g] *= BOOST
+                high[g] *= BOOST
         row_scale = np.float32(0.0)
         for g in range(groups):
             if asymmetric:
@@ -216,7 +233,7 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
             need[g] = n
             row_scale = n if n > row_scale else row_scale
         row_scale = cap if row_scale > cap else row_scale
-        row_scales[r] = row_scale
+        row_scales[r] = row_scale * UNBOOST if boosted else row_scale
         _steps_of(need[:groups], row_scale, table, ratio_bits[:groups], q_of[:groups], inverse[:groups])
         out_steps = steps[group_base:group_base + groups]
         for g in range(groups):
@@ -334,6 +351,11 @@ def encode_fp8(words16, words32, kind, rows, per_row, cap, row_scales, data):  #
         if s > cap:  # capped: the scale, not the peak, sets the codes
             s = cap
             inverse = np.float32(1.0) / s
+        if peak < TINY_ROW:  # a tiny row: quantized as 2^64 times itself, so that the inverse does not overflow
+            s = (peak * BOOST) / np.float32(448.0) * UNBOOST
+            inverse = np.float32(448.0) / (peak * BOOST) if peak > 0 else np.float32(0.0)
+            for i in range(per_row):
+                buf[i] *= BOOST
         row_scales[r] = s
         for i in range(per_row):
             signs[i] = np.uint8((bits[i] >> np.uint32(24)) & np.uint32(0x80))

@@ -24,6 +24,10 @@ FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value (OCP FP8 spec, as ``torch.finfo(torch.float8_e4m3fn).max``)."""
 INT8_MAX = 127.0
 """Symmetric int8 codes lie in ``[-127, 127]`` (-128 unused, so that the code is symmetric)."""
+TINY_ROW = 2.0 ** -60
+"""Rows below this magnitude are quantized as ``BOOST`` times themselves (``fast.TINY_ROW``, the same rule)."""
+BOOST = 2.0 ** 64
+UNBOOST = 2.0 ** -64
 
 
 
@@ -67,6 +71,11 @@ def quantize_rows(x: torch.Tensor, encoding: Encoding, scales: torch.Tensor, dat
     amax = abs_max_rows(x)
     if not bool(torch.isfinite(amax).all()):
         raise InvalidArgumentError(f"a KV value is not finite (NaN or Inf): {encoding.value} cannot encode it")
+    tiny = amax < TINY_ROW
+    boosted = bool(tiny.any())
+    if boosted:  # rows below 2^-60: quantized as 2^64 times themselves, so that no inverse overflows (fast.py too)
+        boost = torch.where(tiny, BOOST, 1.0)
+        amax = amax * boost
     torch.div(amax, code_max, out=scales)
     # torch.div, not ``code_max / amax`` (which torch computes as ``reciprocal(amax) * code_max``): the one IEEE
     # division fast.py makes, so that both give the same codes
@@ -78,7 +87,11 @@ def quantize_rows(x: torch.Tensor, encoding: Encoding, scales: torch.Tensor, dat
     inverse = inverse.unsqueeze(1)
     # float32 [rows, n]: the one temporary. Converted first, then scaled in place: a float32 multiply of a
     # 16-bit tensor by a float32 one is a mixed-dtype kernel, about 8x slower on CPU than the two passes.
-    scaled = x.float().mul_(inverse) if x.dtype != torch.float32 else torch.mul(x, inverse)
+    if boosted:
+        scales.mul_(torch.where(tiny, UNBOOST, 1.0))
+        scaled = (x.float() * boost.unsqueeze(1)).mul_(inverse)
+    else:
+        scaled = x.float().mul_(inverse) if x.dtype != torch.float32 else torch.mul(x, inverse)
     if encoding is Encoding.FP8_E4M3:
         scaled.clamp_(-FP8_MAX, FP8_MAX)
         data.view(torch.float8_e4m3fn).copy_(scaled)

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from kvstore.encoding.kernels import BOOST, TINY_ROW, UNBOOST
 from kvstore.encoding.spec import LOG_STEPS, Encoding, PayloadPlan, key_group, scales_plan, value_group
 from kvstore.errors import InvalidArgumentError
 
@@ -77,6 +78,14 @@ def encode_v2(block: torch.Tensor, layout: str, encoding: Encoding, cap: float, 
     parts = _groups(x, layout, encoding)
     lows = [p.amin(dim=-2 if i == 0 else -1) for i, p in enumerate(parts)]
     highs = [p.amax(dim=-2 if i == 0 else -1) for i, p in enumerate(parts)]
+    # rows below 2^-60 are quantized as 2^64 times themselves, so that no inverse overflows (fast.py the same)
+    boosts = [torch.where(torch.maximum(-lo, hi).flatten(2).amax(dim=2) < TINY_ROW, BOOST, 1.0)
+              for lo, hi in zip(lows, highs)]  # [L, H] (mla: [L, 1]) per part
+    boosted = any(bool((b > 1).any()) for b in boosts)
+    if boosted:
+        expand = [b.view(b.shape + (1,) * (lo.dim() - 2)) for b, lo in zip(boosts, lows)]
+        lows = [lo * e for lo, e in zip(lows, expand)]
+        highs = [hi * e for hi, e in zip(highs, expand)]
     needs = [_need(lo, hi, asymmetric) for lo, hi in zip(lows, highs)]
     rows = [n.flatten(2).amax(dim=2) for n in needs]  # [L, H] each (mla: [L, 1])
     row_scale = (torch.stack(rows, dim=1) if layout == "kv" else rows[0]).flatten()
@@ -85,7 +94,11 @@ def encode_v2(block: torch.Tensor, layout: str, encoding: Encoding, cap: float, 
     row_scale.clamp_(max=cap)
     shaped = row_scale.view(-1, 2, parts[0].shape[1]) if layout == "kv" else row_scale.view(-1, 1)
     sp = scales_plan(encoding, layout, tuple(block.shape))
-    payload[:sp.steps_offset].view(torch.float32).copy_(row_scale)
+    stored = row_scale
+    if boosted:
+        row_boost = (torch.stack(boosts, dim=1) if layout == "kv" else boosts[0]).flatten()
+        stored = row_scale * torch.where(row_boost > 1, UNBOOST, 1.0)
+    payload[:sp.steps_offset].view(torch.float32).copy_(stored)
     steps = payload[sp.steps_offset:sp.zeros_offset]
     zeros = payload[sp.zeros_offset:sp.nbytes].view(torch.int8) if asymmetric else None
     bits = encoding.bits
@@ -100,7 +113,11 @@ def encode_v2(block: torch.Tensor, layout: str, encoding: Encoding, cap: float, 
         count = q.numel()
         steps[offset:offset + count].copy_(q.flatten())
         axis = -2 if i == 0 else -1
-        scaled = part * inv.unsqueeze(axis)
+        if boosted:
+            b = boosts[i]
+            scaled = (part * b.view(b.shape + (1,) * (part.dim() - 2))).mul_(inv.unsqueeze(axis))
+        else:
+            scaled = part * inv.unsqueeze(axis)
         if asymmetric:
             z = torch.floor(8.0 - (lo + hi) * 0.5 * inv).clamp_(-128.0, 127.0)
             zeros[offset:offset + count].copy_(z.flatten())  # type: ignore[index]

@@ -77,8 +77,8 @@ def check_scales(header: object, block: bytes | bytearray | memoryview) -> None:
         bad = np.flatnonzero(reach > limit)
         if bad.size:
             i = int(bad[0])
-            raise BadScalesError(f"scales section: {min_name} {minimum[i]!r} and {scale_name} {scale[i]!r} at index "
-                                 f"{i} reach {reach[i]:.4g}, beyond {dtype}'s largest value ({limit:.4g}) "
+            raise BadScalesError(f"scales section: {min_name} {float(minimum[i])!r} and {scale_name} "
+                                 f"{float(scale[i])!r} at index {i} reach {reach[i]:.4g}, beyond {dtype}'s largest value ({limit:.4g}) "
                                  f"({encoding.value} block)")
 
 
@@ -87,5 +87,5 @@ def _check(name: str, values: np.ndarray, low: float, high: float, encoding: Enc
     bad = np.flatnonzero(~((values >= low) & (values <= high)))  # NaN compares false: caught
     if bad.size:
         i = int(bad[0])
-        raise BadScalesError(f"scales section: {name} {i} is {values[i]!r}; it must be finite and in "
+        raise BadScalesError(f"scales section: {name} {i} is {float(values[i])!r}; it must be finite and in "
                              f"[{low:.4g}, {high:.4g}] for {dtype} {encoding.value} blocks")
