@@ -45,7 +45,7 @@ def _load_row(words16, words32, kind, start, count, out, bits):  # type: ignore[
     """``count`` elements from ``start`` into ``out`` (float32; ``bits``: its view as uint32, made once by the
     caller: a view made here, in the loop over rows, stops LLVM vectorizing); returns False if one is not finite
     (a float16 Inf or NaN loads as a finite 65536 .. 131008: caught by the range)."""
-    limit = np.float32(3.4028234663852886e38)  # float16: its largest value (an Inf or a NaN loads beyond it)
+    limit = np.uint32(0x7F7FFFFF)  # the largest finite float32's bits; float16: its largest value's (65504)
     if kind == KIND_FLOAT32:
         source32 = words32[start:start + count]  # slices, not words[start + i]: that indexing does not vectorize
         for i in range(count):
@@ -55,16 +55,16 @@ def _load_row(words16, words32, kind, start, count, out, bits):  # type: ignore[
         for i in range(count):
             bits[i] = np.uint32(source[i]) << np.uint32(16)
     else:
-        limit = _F16_MAX
+        limit = np.uint32(0x477FE000)
         source = words16[start:start + count]
         for i in range(count):
             h = np.uint32(source[i])
             bits[i] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
         for i in range(count):
             out[i] *= _F16_UP
-    bad = 0  # on the bits, so that the kernels' fastmath (no NaN, no Inf: checked here) cannot drop the test
-    for i in range(count):
-        bad += ((bits[i] & np.uint32(0x7F800000)) == np.uint32(0x7F800000)) | (abs(out[i]) > limit)
+    bad = np.uint32(0)  # integer arithmetic on the bits: fastmath (no NaN, no Inf) cannot drop it, and it vectorizes
+    for i in range(count):  # 1 where |x|'s bits exceed the limit's (NaN and Inf do): the borrow of limit - |x|
+        bad |= (limit - (bits[i] & np.uint32(0x7FFFFFFF))) >> np.uint32(31)
     return bad == 0
 
 
@@ -96,17 +96,29 @@ def _store_row(values, bits, kind, words16, words32, start, count):  # type: ign
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _steps_of(need, row_scale, table, ratio_bits, q, inverse):  # type: ignore[no-untyped-def]
+def _largest(values, bits, word, word_float):  # type: ignore[no-untyped-def]
+    """The largest of ``values`` (float32, >= 0, finite; ``bits`` their uint32 view): an integer max on the bits,
+    which orders them as their values, and vectorizes where a float max does not (``word``: a 1-element scratch,
+    ``word_float`` its float32 view)."""
+    top = np.uint32(0)
+    for i in range(bits.shape[0]):
+        b = bits[i] & np.uint32(0x7FFFFFFF)  # -0.0 is 0
+        top = b if b > top else top
+    word[0] = top
+    return word_float[0]
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _steps_of(need, row_scale, table, ratio, ratio_bits, q, inverse):  # type: ignore[no-untyped-def]
     """Each group's step: ``q[g]``, the largest ``q`` in ``[0, 255]`` with ``table[q] = 2^(-q/16) >= need[g] /
     row_scale`` (``table``: 257 entries, the last 0) (what torch's ``searchsorted`` on the reversed table gives; 255 for a zero ratio), and
     ``inverse[g] = 1 / (row_scale * table[q])`` (0 for a zero step).
 
-    Branch-free, so that LLVM vectorizes it over the groups (a binary search per group cost more than the rest
-    of the encode): ``-16 log2(ratio)`` from the float's bits with ``log2(1 + m) ~ m`` (low by at most 1.38 steps),
-    then three steps up and one down to the exact ``q``.
+    A few operations a group (a binary search per group cost more than the rest of the encode): ``-16
+    log2(ratio)`` from the float's bits with ``log2(1 + m) ~ m`` (low by at most 1.38 steps, and 1.5 more taken
+    off), then up to three steps up and one down to the exact ``q``.
     """
-    count = need.shape[0]
-    ratio = ratio_bits.view(np.float32)
+    count = need.shape[0]  # ratio, ratio_bits: one scratch as float32 and as uint32 (views made once, by the caller)
     positive = row_scale > 0
     for g in range(count):
         ratio[g] = need[g] / row_scale if positive else np.float32(0.0)
@@ -117,14 +129,18 @@ def _steps_of(need, row_scale, table, ratio_bits, q, inverse):  # type: ignore[n
         guess = -np.float32(16.0) * (np.float32(exponent) + fraction) - np.float32(1.5)
         guess = np.float32(0.0) if guess < np.float32(0.0) else (np.float32(255.0) if guess > np.float32(255.0) else guess)
         q[g] = np.int32(guess)
-    for g in range(count):  # & not ``and``: no branches (table[256] is there for the lanes that stop at 255)
+    for g in range(count):  # plain ifs on an int64: numba's bool arithmetic here cost 40 ns a group
         r = ratio[g]
-        k = q[g]
-        k += np.int32((table[k + 1] >= r) & (k < 255))
-        k += np.int32((table[k + 1] >= r) & (k < 255))
-        k += np.int32((table[k + 1] >= r) & (k < 255))
-        k -= np.int32((table[k] < r) & (k > 0))
-        q[g] = k
+        k = np.int64(q[g])
+        if k < 255 and table[k + 1] >= r:
+            k += 1
+        if k < 255 and table[k + 1] >= r:
+            k += 1
+        if k < 255 and table[k + 1] >= r:
+            k += 1
+        if k > 0 and table[k] < r:
+            k -= 1
+        q[g] = np.int32(k)
     for g in range(count):
         s = row_scale * table[q[g]]
         inverse[g] = np.float32(1.0) / s if s > 0 else np.float32(0.0)
@@ -175,7 +191,11 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
     inverse = np.empty(most, np.float32)
     zero = np.zeros(most, np.float32)
     ratio_bits = np.empty(most, np.uint32)
+    ratio = ratio_bits.view(np.float32)
     q_of = np.empty(most, np.int32)
+    need_bits = need.view(np.uint32)
+    peak_word = np.empty(1, np.uint32)
+    peak_float = peak_word.view(np.float32)
     codes = data.view(np.int8)
     for r in range(rows):
         is_value, groups, group_base = _row_groups(r, kv, num_layers, num_heads, num_tokens, width, key_group,
@@ -209,11 +229,10 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
                         v = row[d]
                         lo[d] = v if v < lo[d] else lo[d]
                         hi[d] = v if v > hi[d] else hi[d]
-        peak = np.float32(0.0)
-        for g in range(groups):
+        for g in range(groups):  # each group's largest magnitude (need, as scratch), then their max on the bits
             a, b = -low[g], high[g]
-            peak = a if a > peak else peak
-            peak = b if b > peak else peak
+            need[g] = a if a > b else b
+        peak = _largest(need[:groups], need_bits[:groups], peak_word, peak_float)
         boosted = peak < TINY_ROW
         if boosted:  # a tiny row: quantized as 2^64 times itself, so that no inverse overflows float32
             for i in range(per_row):
@@ -221,20 +240,20 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
             for g in range(groups):
                 low[g] *= BOOST
                 high[g] *= BOOST
-        row_scale = np.float32(0.0)
-        for g in range(groups):
-            if asymmetric:
+        if asymmetric:
+            for g in range(groups):
                 a = (high[g] - low[g]) / np.float32(15.0)
                 b = abs((low[g] + high[g]) * np.float32(0.5)) / np.float32(119.0)
-                n = a if a > b else b
-            else:
+                need[g] = a if a > b else b
+        else:
+            for g in range(groups):
                 a, b = -low[g], high[g]
-                n = (a if a > b else b) / np.float32(127.0)
-            need[g] = n
-            row_scale = n if n > row_scale else row_scale
+                need[g] = (a if a > b else b) / np.float32(127.0)
+        row_scale = _largest(need[:groups], need_bits[:groups], peak_word, peak_float)
         row_scale = cap if row_scale > cap else row_scale
         row_scales[r] = row_scale * UNBOOST if boosted else row_scale
-        _steps_of(need[:groups], row_scale, table, ratio_bits[:groups], q_of[:groups], inverse[:groups])
+        _steps_of(need[:groups], row_scale, table, ratio[:groups], ratio_bits[:groups], q_of[:groups],
+                  inverse[:groups])
         out_steps = steps[group_base:group_base + groups]
         for g in range(groups):
             out_steps[g] = np.uint8(q_of[g])
