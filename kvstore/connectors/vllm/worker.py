@@ -389,7 +389,10 @@ class WorkerSide:
             if header.dtype != fmt.dtype or header.layout is not fmt.layout or header.shape != self._block_shape:
                 return good, (f"of {header.dtype}/{header.layout.value} {list(header.shape)}, not "
                               f"{fmt.dtype}/{fmt.layout.value} {list(self._block_shape)}")
-            good.append(decode_block(buffer, verify=False))
+            try:
+                good.append(decode_block(buffer, verify=False))
+            except CodecError as exc:  # a lossy block's scales out of range (kvstore.encoding.scales): a miss
+                return good, f"corrupt ({exc})"
         return good, None
 
     def _write_good(self, job: LoadJob, good: Sequence[torch.Tensor] | torch.Tensor | np.ndarray | list[np.ndarray],
