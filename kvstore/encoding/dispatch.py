@@ -37,6 +37,28 @@ def fast_kernels() -> ModuleType | None:
     return fast
 
 
+def warm_up(encoding: Encoding | str, dtype: torch.dtype = torch.bfloat16, layout: str = "kv") -> None:
+    """Compile (or load from numba's cache) the CPU kernels ``encoding`` runs for blocks of ``dtype``: an encode
+    and decodes of a tiny block, from writable and read-only memory, as the put and get paths hold it.
+
+    numba compiles a kernel on its first call in a process, which takes seconds on a cold cache: a connector
+    calls this when it starts, so that the first load does not spend them inside its timeout. A no-op for
+    encodings without CPU kernels, or without numba.
+    """
+    from kvstore.codec import decode_header
+    from kvstore.encoding.blocks import decode_block_into, encode_lossy
+    from kvstore.encoding.spec import encoding_of
+
+    lossy = encoding if isinstance(encoding, Encoding) else encoding_of(encoding)
+    if lossy not in FAST_ENCODINGS or fast_kernels() is None:
+        return
+    shape = (1, 2, 1, 2, 8) if layout == "kv" else (1, 1, 2, 8)
+    block = encode_lossy(torch.zeros(shape, dtype=dtype), layout, lossy)
+    header = decode_header(block)
+    for source in (block, bytes(block)):
+        decode_block_into(source, header, torch.empty(shape, dtype=dtype))
+
+
 def _words(tensor: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """A CPU tensor's words as numpy arrays (uint16 and float32; the one that fits its dtype is a view)."""
     if tensor.dtype == torch.float32:
@@ -88,7 +110,7 @@ def encode_payload(block: torch.Tensor, layout: str, encoding: Encoding, group: 
     else:
         sp = scales_plan(encoding, layout, tuple(block.shape))
         ok = fast.encode_v2(words16, words32, _KINDS[block.dtype], *_shape_args(layout, encoding, tuple(block.shape)),
-                            encoding.asymmetric, np.float32(cap), _TABLE, _ASCENDING,
+                            encoding.asymmetric, np.float32(cap), _TABLE,
                             out[:sp.steps_offset].view(np.float32), out[sp.steps_offset:sp.zeros_offset],
                             out[sp.zeros_offset:sp.nbytes].view(np.int8) if encoding.asymmetric
                             else np.empty(0, np.int8), data)
@@ -122,4 +144,3 @@ def decode_payload_into(payload: torch.Tensor, layout: str, encoding: Encoding, 
 
 
 _TABLE = np.append(kernels_v2.STEP_TABLE.numpy(), np.float32(0.0))  # a 257th entry, 0: fast.py's guard
-_ASCENDING = kernels_v2.ASCENDING_STEPS.numpy()

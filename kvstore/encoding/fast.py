@@ -36,8 +36,6 @@ that ``1 / scale`` cannot overflow float32; its stored scale is ``UNBOOST`` time
 BOOST = np.float32(2.0 ** 64)
 UNBOOST = np.float32(2.0 ** -64)
 _F16_UP = np.float32(2.0 ** 112)
-_F16_DOWN = np.float32(2.0 ** -112)
-_F16_MAX = np.float32(65504.0)
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
@@ -160,13 +158,13 @@ def _row_groups(r, kv, num_layers, num_heads, num_tokens, width, key_group, valu
 
 
 _FASTMATH = {"nnan", "ninf", "nsz"}
-"""What the encoders let LLVM assume (their input was checked finite by :func:`_load_row`): that is what lets it
-vectorize a min or max reduction; no flag that changes a finite result (no reassociation, no contraction)."""
+"""What the encoders let LLVM assume: no NaN, no Inf (their input was checked finite by :func:`_load_row`, on the
+bits), no signed zeros; no flag that changes a finite result (no reassociation, no contraction)."""
 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=_FASTMATH)
 def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, width, key_group, value_group,
-              asymmetric, cap, table, ascending, row_scales, steps, zeros, data):  # type: ignore[no-untyped-def]
+              asymmetric, cap, table, row_scales, steps, zeros, data):  # type: ignore[no-untyped-def]
     """``int8_v2`` / ``int4_v2`` encode of a block (``spec.py``'s layout 2); returns False on a non-finite value.
 
     Args:
@@ -174,6 +172,7 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
         kv: ``kv`` layout (rows alternate K and V per layer) or ``mla`` (every row is keys).
         width: channels per token (head size, or latent size).
         cap: the largest row scale ``S`` (``scales.max_row_scale``): a larger one saturates.
+        table: ``kernels_v2.STEP_TABLE`` and a 257th entry, 0.
         row_scales, steps, zeros, data: the payload's parts (float32, uint8, int8, uint8), written.
     """
     per_row = num_tokens * width

@@ -162,6 +162,10 @@ class WorkerSide:
         self._block_shape = paged.page_format.block_shape(self.block_size)
         self._block_dtype = torch_dtype(paged.page_format.dtype)
         self._hash_algorithm = HashAlgorithm(config.hash_algorithm)
+        if config.kv_encoding and self._block_dtype in (torch.float16, torch.bfloat16, torch.float32):
+            from kvstore.encoding import warm_up  # numba's first compile here, not in the first load's timeout
+
+            warm_up(config.kv_encoding, self._block_dtype, paged.page_format.layout.value)
         self._namespaces: dict[TenantKey, Namespace] = {}
         self._stats = KVStoreConnectorStats()
         self._stats_lock = threading.Lock()
