@@ -143,4 +143,4 @@ def decode_payload_into(payload: torch.Tensor, layout: str, encoding: Encoding, 
                    _TABLE, words16, words32)
 
 
-_TABLE = np.append(kernels_v2.STEP_TABLE.numpy(), np.float32(0.0))  # a 257th entry, 0: fast.py's guard
+_TABLE = kernels_v2.STEP_TABLE.numpy()

@@ -109,35 +109,27 @@ def _largest(values, bits, word, word_float):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
 def _steps_of(need, row_scale, table, ratio, ratio_bits, q, inverse):  # type: ignore[no-untyped-def]
     """Each group's step: ``q[g]``, the largest ``q`` in ``[0, 255]`` with ``table[q] = 2^(-q/16) >= need[g] /
-    row_scale`` (``table``: 257 entries, the last 0) (what torch's ``searchsorted`` on the reversed table gives; 255 for a zero ratio), and
+    row_scale`` (what torch's ``searchsorted`` on the reversed table gives; 255 for a zero ratio), and
     ``inverse[g] = 1 / (row_scale * table[q])`` (0 for a zero step).
 
-    A few operations a group (a binary search per group cost more than the rest of the encode): ``-16
-    log2(ratio)`` from the float's bits with ``log2(1 + m) ~ m`` (low by at most 1.38 steps, and 1.5 more taken
-    off), then up to three steps up and one down to the exact ``q``.
+    Exact and without a search (a binary search per group cost more than the rest of the encode): with
+    ``ratio = m 2^e``, ``m`` in ``[1, 2)``, ``q = 16 (-e - 1) + #{b < 16: table[b] >= m / 2} - 1`` (``16 (-e)``
+    where ``m`` is 1), since ``table[16 a + b] = 2^-a table[b]`` exactly: 16 comparisons against constants.
     """
     count = need.shape[0]  # ratio, ratio_bits: one scratch as float32 and as uint32 (views made once, by the caller)
     positive = row_scale > 0
     for g in range(count):
         ratio[g] = need[g] / row_scale if positive else np.float32(0.0)
-    for g in range(count):
-        b = ratio_bits[g]
-        exponent = np.int32(b >> np.uint32(23)) - np.int32(127)
-        fraction = np.float32(b & np.uint32(0x7FFFFF)) * np.float32(2.0 ** -23)
-        guess = -np.float32(16.0) * (np.float32(exponent) + fraction) - np.float32(1.5)
-        guess = np.float32(0.0) if guess < np.float32(0.0) else (np.float32(255.0) if guess > np.float32(255.0) else guess)
-        q[g] = np.int32(guess)
-    for g in range(count):  # plain ifs on an int64: numba's bool arithmetic here cost 40 ns a group
-        r = ratio[g]
-        k = np.int64(q[g])
-        if k < 255 and table[k + 1] >= r:
-            k += 1
-        if k < 255 and table[k + 1] >= r:
-            k += 1
-        if k < 255 and table[k + 1] >= r:
-            k += 1
-        if k > 0 and table[k] < r:
-            k -= 1
+    for g in range(count):  # table[16 a + b] = 2^-a table[b] exactly (tests/encoding/test_layouts.py)
+        bits = ratio_bits[g]
+        exponent = np.int64(bits >> np.uint32(23)) - 127
+        mantissa = bits & np.uint32(0x7FFFFF)
+        half = (np.float32(1.0) + np.float32(mantissa) * np.float32(2.0 ** -23)) * np.float32(0.5)  # in [0.5, 1)
+        count_b = np.int64(0)  # how many of the 16 steps of an octave reach half the ratio's mantissa
+        for step in range(16):
+            count_b += np.int64(table[step] >= half)
+        k = 16 * (-exponent - 1) + count_b - 1 if mantissa else 16 * (-exponent)
+        k = 255 if (k > 255) or (bits == 0) else (0 if k < 0 else k)
         q[g] = np.int32(k)
     for g in range(count):
         s = row_scale * table[q[g]]
@@ -162,7 +154,7 @@ _FASTMATH = {"nnan", "ninf", "nsz"}
 bits), no signed zeros; no flag that changes a finite result (no reassociation, no contraction)."""
 
 
-@njit(cache=True, nogil=True, boundscheck=False, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, boundscheck=False, fastmath=_FASTMATH, error_model="numpy")
 def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, width, key_group, value_group,
               asymmetric, cap, table, row_scales, steps, zeros, data):  # type: ignore[no-untyped-def]
     """``int8_v2`` / ``int4_v2`` encode of a block (``spec.py``'s layout 2); returns False on a non-finite value.
@@ -172,7 +164,7 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
         kv: ``kv`` layout (rows alternate K and V per layer) or ``mla`` (every row is keys).
         width: channels per token (head size, or latent size).
         cap: the largest row scale ``S`` (``scales.max_row_scale``): a larger one saturates.
-        table: ``kernels_v2.STEP_TABLE`` and a 257th entry, 0.
+        table: ``kernels_v2.STEP_TABLE`` (``2^(-q/16)``, float32, 256 entries).
         row_scales, steps, zeros, data: the payload's parts (float32, uint8, int8, uint8), written.
     """
     per_row = num_tokens * width
@@ -296,7 +288,7 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
     return True
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 def decode_v2(row_scales, steps, zeros, data, kind, num_layers, num_heads, kv, num_tokens, width, key_group,
               value_group, asymmetric, table, words16, words32):  # type: ignore[no-untyped-def]
     """The inverse of :func:`encode_v2`, into the block's words (``x = c * s``, or ``(c - z) * s``, in float32,
@@ -346,7 +338,7 @@ def decode_v2(row_scales, steps, zeros, data, kind, num_layers, num_heads, kv, n
         _store_row(buf, bits, kind, words16, words32, base, per_row)
 
 
-@njit(cache=True, nogil=True, boundscheck=False, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, boundscheck=False, fastmath=_FASTMATH, error_model="numpy")
 def encode_fp8(words16, words32, kind, rows, per_row, cap, row_scales, data):  # type: ignore[no-untyped-def]
     """``fp8_e4m3`` encode (the first layout: one float32 scale per row, ``max|row| / 448``); False on a
     non-finite value. e4m3 codes are rounded half to even from float32, saturating at +-448, as torch's."""
@@ -390,7 +382,7 @@ def encode_fp8(words16, words32, kind, rows, per_row, cap, row_scales, data):  #
     return True
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 def decode_fp8(row_scales, data, kind, rows, per_row, words16, words32):  # type: ignore[no-untyped-def]
     """``fp8_e4m3`` decode: each code's e4m3 value (its NaN bytes read as +-480) times its row's scale in
     float32, rounded once to the dtype. The row scales must have been checked."""

@@ -98,6 +98,15 @@ def test_the_cpu_kernels_give_torchs_bytes_and_values(encoding: Encoding, dtype:
         assert torch.equal(fast_out, reference_out), (layout, shape)
 
 
+def test_the_steps_table_scales_by_octaves_exactly() -> None:
+    """fast.py finds a group's step from the ratio's exponent and 16 comparisons, which holds because each octave
+    of the table is the first one halved, exactly: ``table[16 a + b] == 2^-a * table[b]``."""
+    from kvstore.encoding.kernels_v2 import STEP_TABLE
+
+    for q in range(256):
+        assert float(STEP_TABLE[q]) == 2.0 ** -(q // 16) * float(STEP_TABLE[q % 16])
+
+
 @pytest.mark.parametrize("encoding", ["fp8_e4m3", "int8", "int8_v2", "int4_v2"])
 def test_a_tiny_row_does_not_decode_to_zeros(encoding: str) -> None:
     """A bfloat16 row whose largest value is 1e-37 (the scale is about 1e-39, below float32's normals) comes
