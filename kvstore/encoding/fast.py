@@ -263,13 +263,14 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
                 for i in range(value_group):
                     segment[i] = segment[i] * iv + z
         else:
-            for t in range(num_tokens):
-                tg = t // key_group
-                row = buf[t * width:(t + 1) * width]
+            for tg in range(num_tokens // key_group):
                 iv = inverse[tg * width:(tg + 1) * width]
                 zv = zero[tg * width:(tg + 1) * width]
-                for d in range(width):
-                    row[d] = row[d] * iv[d] + zv[d]
+                span = buf[tg * key_group * width:(tg + 1) * key_group * width]
+                for t in range(key_group):
+                    start = t * width
+                    for d in range(width):
+                        span[start + d] = span[start + d] * iv[d] + zv[d]
         base = r * per_row
         if asymmetric:
             packed = data[base // 2:(base + per_row) // 2]
