@@ -59,6 +59,11 @@ class ElementCountError(CodecError):
     """The payload size does not equal ``prod(shape) * itemsize``, or the shape does not fit the layout."""
 
 
+class BadScalesError(CodecError):
+    """A lossy block's scales section holds a value that is not finite, negative, or large enough to decode beyond
+    the block's dtype (``kvstore.encoding.scales``); the message names the field."""
+
+
 class ChecksumError(CodecError):
     """The xxh3-64 checksum of the payload does not match the header: the bytes are corrupt."""
 

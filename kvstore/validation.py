@@ -11,6 +11,7 @@ from typing import Sequence
 from kvstore.api import Block
 from kvstore.blockcopy import TensorBlock
 from kvstore.codec import BlockHeader, Layout, LikeBlocks, decode_header, verify_block
+from kvstore.encoding.scales import check_scales
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import BlockHash, BlockKey, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
@@ -131,7 +132,9 @@ def check_retention_s(retention_s: float | None) -> float | None:
 
 
 def check_block(namespace: Namespace, position: int, block: object, max_block_bytes: int) -> BlockHeader:
-    """Check one encoded block of a put: bytes-like, within ``max_block_bytes``, intact, and of the namespace.
+    """Check one encoded block of a put: bytes-like, within ``max_block_bytes``, intact, of the namespace, and (a
+    lossy block) with its scales in range (``kvstore.encoding.scales``: finite, non-negative, never decoding
+    beyond the dtype).
 
     Args:
         namespace: the put's namespace.
@@ -145,7 +148,8 @@ def check_block(namespace: Namespace, position: int, block: object, max_block_by
     Raises:
         InvalidArgumentError: on a block that is not bytes-like, or whose header contradicts the namespace.
         ResourceExhaustedError: on a block over ``max_block_bytes``.
-        CodecError: on a malformed or corrupt block, naming the position and the cause.
+        CodecError: on a malformed or corrupt block, naming the position and the cause
+            (:class:`~kvstore.errors.BadScalesError`: a scales field out of range, named).
     """
     if not isinstance(block, (bytes, bytearray, memoryview)):
         raise InvalidArgumentError(f"block {position}: expected encoded bytes, got {type(block).__name__}")
@@ -158,7 +162,16 @@ def check_block(namespace: Namespace, position: int, block: object, max_block_by
     mismatch = namespace_mismatch(namespace, header)
     if mismatch:
         raise InvalidArgumentError(f"block {position}: {mismatch}")
+    if header.encoding:
+        _check_scales(position, header, block)
     return header
+
+
+def _check_scales(position: int, header: BlockHeader, block: bytes | bytearray | memoryview) -> None:
+    try:
+        check_scales(header, block)
+    except CodecError as exc:
+        raise type(exc)(f"block {position}: {exc}") from None
 
 
 class BlockChecker:
@@ -191,10 +204,13 @@ class BlockChecker:
         like = self._like
         if like is not None and isinstance(block, (bytes, bytearray, memoryview)):
             try:
-                if like.verify(block):  # its length and header are the checked block's: only the checksum was left
-                    return
+                verified = like.verify(block)  # its length and header are the checked block's: the checksum left
             except CodecError as exc:
                 raise type(exc)(f"block {position}: {exc}") from None
+            if verified:
+                if like.header.encoding:  # and its own scales (the header is shared, the scales are not)
+                    _check_scales(position, like.header, block)
+                return
         header = check_block(self.namespace, position, block, self.max_block_bytes)
         self._like = LikeBlocks(header, block)  # type: ignore[arg-type]
 
@@ -260,14 +276,18 @@ def namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
 
 def fits_namespace(namespace: Namespace, key: BlockKey, block: Block, tier_name: str) -> bool:
     """Whether a block read from a tier that outlives this process (disk, Redis) has the namespace's dtype,
-    layout and block size; a block that does not is logged (a warning), for the store to count as a miss.
+    layout and block size, and (a lossy block) its scales in range; a block that does not is logged (a
+    warning), for the store to count as a miss.
 
     Such a tier verifies only the block's checksum, and Redis is shared with
     other nodes (maybe of another version) and anything that can reach it: a
     block a put would have refused here is a miss, never served.
     """
     try:
-        mismatch = namespace_mismatch(namespace, decode_header(block))
+        header = decode_header(block)
+        mismatch = namespace_mismatch(namespace, header)
+        if not mismatch and header.encoding:
+            check_scales(header, block)  # a block written before scales were checked, or into Redis by anyone
     except CodecError as exc:
         mismatch = str(exc)
     if mismatch:

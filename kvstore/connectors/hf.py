@@ -146,6 +146,10 @@ class HFConnector:
             model, block_size=block_size, model_id=model_id, revision=revision,
             cache_salt=cache_salt, hash_algorithm=hash_algorithm, adapter=adapter, kv_encoding=kv_encoding,
         )
+        if self.namespace.kv_encoding:  # numba's first compile of the kernels, here rather than in a load's timeout
+            from kvstore.encoding import warm_up
+
+            warm_up(self.namespace.kv_encoding, model.dtype)
         self.load_timeout_s = load_timeout_s
         self._priority = priority
         self._retention_s = retention_s

@@ -51,11 +51,11 @@ def encode_lossy(block: torch.Tensor, layout: Layout | str, encoding: Encoding |
         UnknownEncodingError: on an unknown encoding name.
         ElementCountError: if the shape does not fit the layout.
         InvalidArgumentError: if the shape does not fit the encoding (e.g. an odd head size under int4), or a
-            value does not fit its parameters.
+            value is not finite or does not fit its parameters (the first int4/int2 layout: float16's range).
     """
     import torch
 
-    from kvstore.encoding.kernels import encode_payload
+    from kvstore.encoding.dispatch import encode_payload
 
     layout = Layout(layout)
     lossy = encoding if isinstance(encoding, Encoding) else encoding_of(encoding)
@@ -77,10 +77,10 @@ def encode_lossy(block: torch.Tensor, layout: Layout | str, encoding: Encoding |
     if not source.is_contiguous():
         source = source.contiguous()
     if source.device.type == "cpu":
-        encode_payload(source, layout.value, lossy, group, plan, host[head:])
+        encode_payload(source, layout.value, lossy, group, plan, host[head:], name)
     else:
         payload = torch.empty(plan.payload_nbytes, dtype=torch.uint8, device=source.device)
-        encode_payload(source, layout.value, lossy, group, plan, payload)
+        encode_payload(source, layout.value, lossy, group, plan, payload, name)
         host[head:].copy_(payload)
     out[:head] = encode_header(name, layout, shape, memoryview(out)[head:], encoding=lossy, group=group)
     return out
@@ -114,11 +114,17 @@ def decode_block_into(buf: bytes | bytearray | memoryview, header: BlockHeader, 
         header: its parsed header (``header.encoding`` set).
         destination: ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or the ``mla`` shape.
         source: a ``uint8`` tensor over exactly ``buf``'s bytes, if the caller has one.
+
+    Raises:
+        BadScalesError: if the scales section is out of range (``kvstore.encoding.scales``): nothing is
+            written into ``destination``.
     """
     import torch
 
-    from kvstore.encoding.kernels import decode_payload_into
+    from kvstore.encoding.dispatch import decode_payload_into
+    from kvstore.encoding.scales import check_scales
 
+    check_scales(header, buf)  # whoever wrote it, and wherever it was: never a non-finite value decoded
     if source is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only buffer is only read
@@ -137,14 +143,37 @@ def decode_block_into(buf: bytes | bytearray | memoryview, header: BlockHeader, 
 
 
 def read_scales(buf: bytes | bytearray | memoryview, header: BlockHeader) -> torch.Tensor:
-    """A lossy block's scales section as stored: float32 ``[rows]`` (fp8, int8) or float16 (int4, int2, in
-    ``spec``'s order). What a test or a tool uses to compute the encoding's error bound."""
+    """A lossy block's scales as a decoder applies them: float32 ``[rows]`` (fp8, int8), float16 (int4, int2, in
+    ``spec``'s order), or float32 per group for layout 2 (keys' groups then values', ``S * 2^(-q/16)``). What a
+    test or a tool uses to compute the encoding's error bound."""
     import torch
 
     plan = plan_of(header)
-    raw = bytes(memoryview(buf).cast("B")[header.header_nbytes:header.header_nbytes + plan.scales_nbytes])
-    dtype = torch.float16 if Encoding(header.encoding).grouped else torch.float32
-    return torch.frombuffer(bytearray(raw), dtype=dtype)
+    encoding = Encoding(header.encoding)
+    raw = bytearray(memoryview(buf).cast("B")[header.header_nbytes:header.header_nbytes + plan.scales_nbytes])
+    if encoding.version == 2:
+        from kvstore.encoding.kernels_v2 import STEP_TABLE
+        from kvstore.encoding.spec import scales_plan
+
+        sp = scales_plan(encoding, header.layout.value, header.shape)
+        rows = torch.frombuffer(raw, dtype=torch.float32, count=sp.rows)
+        steps = torch.frombuffer(raw, dtype=torch.uint8, count=sp.num_groups, offset=sp.steps_offset).long()
+        return _group_scales(rows, steps, sp, header) * STEP_TABLE[steps]
+    dtype = torch.float16 if encoding.grouped else torch.float32
+    return torch.frombuffer(raw, dtype=dtype)
+
+
+def _group_scales(rows: torch.Tensor, steps: torch.Tensor, sp: object, header: BlockHeader) -> torch.Tensor:
+    """Each layout-2 group's row scale ``S``, in the steps' order (keys' groups, then values')."""
+    import torch
+
+    if header.layout is Layout.KV:
+        num_layers, _, num_heads = header.shape[:3]
+        by_row = rows.view(num_layers, 2, num_heads)
+        keys = by_row[:, 0].reshape(-1).repeat_interleave(sp.key_groups // (num_layers * num_heads))  # type: ignore[attr-defined]
+        values = by_row[:, 1].reshape(-1).repeat_interleave(sp.value_groups // (num_layers * num_heads))  # type: ignore[attr-defined]
+        return torch.cat((keys, values))
+    return rows.repeat_interleave(sp.key_groups // header.shape[0])  # type: ignore[attr-defined]
 
 
 def encode_for_put(blocks: Sequence[object], namespace: Namespace) -> list[object]:

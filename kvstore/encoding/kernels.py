@@ -24,12 +24,11 @@ FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value (OCP FP8 spec, as ``torch.finfo(torch.float8_e4m3fn).max``)."""
 INT8_MAX = 127.0
 """Symmetric int8 codes lie in ``[-127, 127]`` (-128 unused, so that the code is symmetric)."""
+TINY_ROW = 2.0 ** -60
+"""Rows below this magnitude are quantized as ``BOOST`` times themselves (``fast.TINY_ROW``, the same rule)."""
+BOOST = 2.0 ** 64
+UNBOOST = 2.0 ** -64
 
-_FP8_TO_WIDE = {torch.bfloat16: (torch.int16, 4, 2.0 ** 120), torch.float16: (torch.int16, 7, 2.0 ** 8),
-                torch.float32: (torch.int32, 20, 2.0 ** 120)}
-"""Per output dtype: the int of its width, where e4m3's exponent-and-mantissa bits land in it, and the power of
-two that turns the reinterpreted bits into e4m3's value (normals and subnormals alike: both formats' exponent
-biases differ by a constant, and e4m3 subnormals land on the wider format's subnormals or normals exactly)."""
 
 
 def rows_of(block: torch.Tensor, layout: str) -> torch.Tensor:
@@ -54,59 +53,76 @@ def abs_max_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_and(x.view(wide), mask).amax(dim=1).view(x.dtype).float()
 
 
-def quantize_rows(x: torch.Tensor, encoding: Encoding, scales: torch.Tensor, data: torch.Tensor) -> None:
-    """fp8_e4m3 or int8, one scale per row: ``code = x / scale`` with ``scale = max|row| / code_max``.
+def quantize_rows(x: torch.Tensor, encoding: Encoding, scales: torch.Tensor, data: torch.Tensor,
+                  cap: float = math.inf) -> None:
+    """fp8_e4m3 or int8, one scale per row: ``code = x / scale`` with ``scale = min(max|row| / code_max, cap)``.
 
     Args:
         x: ``[rows, n]``, float16, bfloat16 or float32, contiguous.
         encoding: :attr:`Encoding.FP8_E4M3` or :attr:`Encoding.INT8`.
         scales: ``[rows]`` float32, written.
         data: ``[rows, n]`` ``uint8`` on ``x``'s device, written (the codes' bytes).
+        cap: the largest scale (``scales.max_row_scale``); values beyond ``cap * code_max`` saturate.
+
+    Raises:
+        InvalidArgumentError: if a value is not finite.
     """
     code_max = FP8_MAX if encoding is Encoding.FP8_E4M3 else INT8_MAX
     amax = abs_max_rows(x)
+    if not bool(torch.isfinite(amax).all()):
+        raise InvalidArgumentError(f"a KV value is not finite (NaN or Inf): {encoding.value} cannot encode it")
+    tiny = amax < TINY_ROW
+    boosted = bool(tiny.any())
+    if boosted:  # rows below 2^-60: quantized as 2^64 times themselves, so that no inverse overflows (fast.py too)
+        boost = torch.where(tiny, BOOST, 1.0)
+        amax = amax * boost
     torch.div(amax, code_max, out=scales)
-    inverse = torch.where(amax > 0, code_max / amax, torch.zeros_like(amax)).unsqueeze(1)
+    # torch.div, not ``code_max / amax`` (which torch computes as ``reciprocal(amax) * code_max``): the one IEEE
+    # division fast.py makes, so that both give the same codes
+    inverse = torch.where(amax > 0, torch.div(torch.full_like(amax, code_max), amax), torch.zeros_like(amax))
+    if cap < math.inf and bool((scales > cap).any()):
+        capped = scales > cap
+        scales.clamp_(max=cap)
+        inverse = torch.where(capped, 1.0 / scales, inverse)
+    inverse = inverse.unsqueeze(1)
     # float32 [rows, n]: the one temporary. Converted first, then scaled in place: a float32 multiply of a
     # 16-bit tensor by a float32 one is a mixed-dtype kernel, about 8x slower on CPU than the two passes.
-    scaled = x.float().mul_(inverse) if x.dtype != torch.float32 else torch.mul(x, inverse)
+    if boosted:
+        scales.mul_(torch.where(tiny, UNBOOST, 1.0))
+        scaled = (x.float() * boost.unsqueeze(1)).mul_(inverse)
+    else:
+        scaled = x.float().mul_(inverse) if x.dtype != torch.float32 else torch.mul(x, inverse)
     if encoding is Encoding.FP8_E4M3:
         scaled.clamp_(-FP8_MAX, FP8_MAX)
         data.view(torch.float8_e4m3fn).copy_(scaled)
     else:
-        scaled.round_()  # |x| * 127 / max|row| <= 127: no clamp needed
+        scaled.round_().clamp_(-INT8_MAX, INT8_MAX)  # |x| * 127 / max|row| <= 127 but where the cap saturates
         data.view(torch.int8).copy_(scaled)
 
 
 def dequantize_rows(encoding: Encoding, scales: torch.Tensor, data: torch.Tensor, out: torch.Tensor) -> None:
-    """The inverse of :func:`quantize_rows`, written into ``out``.
+    """The inverse of :func:`quantize_rows`, written into ``out``: each code times its row's scale in float32,
+    rounded once to ``out``'s dtype (the scale is never rounded to bfloat16 first, so a tiny row does not
+    decode to zeros). e4m3's NaN bytes, which no writer emits, decode as +-480 times the scale (``fast.py``
+    does the same).
 
     Args:
-        scales: ``[rows]`` float32 on ``out``'s device.
+        scales: ``[rows]`` float32 on ``out``'s device (checked: ``scales.check_scales``).
         data: ``[rows, n]`` ``uint8`` on ``out``'s device.
         out: ``[rows, n]`` float16, bfloat16 or float32 (may be a view).
     """
     scale = scales.unsqueeze(1)
     if encoding is Encoding.INT8:
-        if out.dtype == torch.float32:
-            torch.mul(data.view(torch.int8), scale, out=out)
-        else:  # int8 -> out's dtype is exact; one multiply in it, no float32 temporary
-            out.copy_(data.view(torch.int8)).mul_(scale.to(out.dtype))
-        return
-    if out.device.type != "cpu" or out.dtype not in _FP8_TO_WIDE:
-        out.copy_(data.view(torch.float8_e4m3fn)).mul_(scale.to(out.dtype))
-        return
-    # On CPU torch converts float8 element by element (about 50x a copy): move e4m3's bits into the output
-    # format's instead, and fold the exponent bias into the scale.
-    wide, shift, power = _FP8_TO_WIDE[out.dtype]
-    bits = data.view(torch.int8).to(wide)  # sign-extended: bit 7 of the byte is every high bit
-    sign = bits & torch.iinfo(wide).min
-    bits.bitwise_and_(0x7F).bitwise_left_shift_(shift).bitwise_or_(sign)
-    target = bits.view(out.dtype)
-    if float(scales.max()) * power < torch.finfo(out.dtype).max / 2:
-        torch.mul(target, (scale * power).to(out.dtype), out=out)
-    else:  # a scale past ~2^7: the folded factor would overflow, so scale the bits first (exact: a power of two)
-        torch.mul(target.mul_(power), scale.to(out.dtype), out=out)
+        wide = data.view(torch.int8).float()
+    else:  # e4m3's bits moved into float32's (sign; exponent and mantissa), its bias folded in as 2^120
+        bits = data.view(torch.int8).to(torch.int32)  # sign-extended: bit 7 of the byte is every high bit
+        sign = bits & torch.iinfo(torch.int32).min
+        bits.bitwise_and_(0x7F).bitwise_left_shift_(20).bitwise_or_(sign)
+        wide = bits.view(torch.float32).mul_(2.0 ** 120)
+    if out.dtype == torch.float32:
+        torch.mul(wide, scale, out=out)
+    else:
+        out.copy_(wide.mul_(scale))
 
 
 def _min_and_scale(low: torch.Tensor, high: torch.Tensor, code_max: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,8 +252,9 @@ def dequantize_grouped(layout: str, encoding: Encoding, group: int, scales: torc
 
 
 def encode_payload(block: torch.Tensor, layout: str, encoding: Encoding, group: int, plan: PayloadPlan,
-                   payload: torch.Tensor) -> None:
-    """Write ``block`` encoded into ``payload`` (``uint8`` ``[plan.payload_nbytes]``, on ``block``'s device).
+                   payload: torch.Tensor, cap: float = math.inf) -> None:
+    """Write ``block`` encoded into ``payload`` (``uint8`` ``[plan.payload_nbytes]``, on ``block``'s device), in
+    the first layouts (fp8_e4m3, int8, int4, int2); ``cap``: fp8 and int8's largest row scale.
 
     Raises:
         InvalidArgumentError: if a value does not fit the encoding's parameters (int4/int2: float16 range).
@@ -249,7 +266,7 @@ def encode_payload(block: torch.Tensor, layout: str, encoding: Encoding, group: 
         quantize_grouped(block, layout, encoding, group, payload[:plan.scales_nbytes].view(torch.float16), data)
         return
     rows = rows_of(block, layout)
-    quantize_rows(rows, encoding, payload[:plan.scales_nbytes].view(torch.float32), data.view(rows.shape))
+    quantize_rows(rows, encoding, payload[:plan.scales_nbytes].view(torch.float32), data.view(rows.shape), cap)
 
 
 def decode_payload_into(payload: torch.Tensor, layout: str, encoding: Encoding, group: int, plan: PayloadPlan,

@@ -162,6 +162,10 @@ class WorkerSide:
         self._block_shape = paged.page_format.block_shape(self.block_size)
         self._block_dtype = torch_dtype(paged.page_format.dtype)
         self._hash_algorithm = HashAlgorithm(config.hash_algorithm)
+        if config.kv_encoding and self._block_dtype in (torch.float16, torch.bfloat16, torch.float32):
+            from kvstore.encoding import warm_up  # numba's first compile here, not in the first load's timeout
+
+            warm_up(config.kv_encoding, self._block_dtype, paged.page_format.layout.value)
         self._namespaces: dict[TenantKey, Namespace] = {}
         self._stats = KVStoreConnectorStats()
         self._stats_lock = threading.Lock()
@@ -389,7 +393,10 @@ class WorkerSide:
             if header.dtype != fmt.dtype or header.layout is not fmt.layout or header.shape != self._block_shape:
                 return good, (f"of {header.dtype}/{header.layout.value} {list(header.shape)}, not "
                               f"{fmt.dtype}/{fmt.layout.value} {list(self._block_shape)}")
-            good.append(decode_block(buffer, verify=False))
+            try:
+                good.append(decode_block(buffer, verify=False))
+            except CodecError as exc:  # a lossy block's scales out of range (kvstore.encoding.scales): a miss
+                return good, f"corrupt ({exc})"
         return good, None
 
     def _write_good(self, job: LoadJob, good: Sequence[torch.Tensor] | torch.Tensor | np.ndarray | list[np.ndarray],
