@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats
 from kvstore.config import StoreConfig
-from kvstore.counts import TierCounts, store_stats
+from kvstore.counts import TenantLookups, TierCounts, count_lookup, store_stats
 from kvstore.errors import UnavailableError
 from kvstore.index import Index
 from kvstore.keys import BlockHash, Namespace, block_keys
@@ -103,6 +103,7 @@ class TieredStore:
         self._removal = Removal(self.index, self._tiers, shared, self._mover)
         self._lookup_hit_blocks = 0
         self._lookup_miss_blocks = 0
+        self._tenant_lookups = TenantLookups()
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -190,6 +191,8 @@ class TieredStore:
             located += bytes(tail)
         self._lookup_hit_blocks += len(located)
         self._lookup_miss_blocks += len(keys) - len(located)
+        count_lookup(self._counts, len(keys) - len(located))
+        self._tenant_lookups.count(namespace.cache_salt, len(located), len(keys) - len(located))
         if 0 < len(located) < len(keys):  # the put of the rest protects this prefix (``put``)
             self._placement.continuations.record(keys, len(located))
         return located
@@ -316,7 +319,8 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         """Blocks, bytes, capacity and event counts of every tier, fastest first; blocks hit and missed by lookups."""
-        return store_stats(self.index, self.tiers, self._counts, self._lookup_hit_blocks, self._lookup_miss_blocks)
+        return store_stats(self.index, self.tiers, self._counts, self._lookup_hit_blocks, self._lookup_miss_blocks,
+                           self._tenant_lookups)
 
     def namespace_bytes(self, tag: bytes) -> int:
         """Capacity bytes the blocks of one namespace (by its :attr:`Namespace.tag`) hold in local tiers."""
