@@ -39,7 +39,6 @@ from tests.support.deploy import (
     CONFIG_FILE,
     DOCKERFILE,
     KUBERNETES_DIR,
-    PROMETHEUS_FILE,
     REPO_ROOT,
     exec_form,
     final_stage,
@@ -361,15 +360,6 @@ def test_compose_named_volumes_are_declared(compose: dict) -> None:
                 assert source in compose["volumes"], f"{name}: volume {source} is not declared"
             else:
                 assert (REPO_ROOT / source).exists(), f"{name}: bind mount {source} does not exist"
-
-
-def test_prometheus_scrapes_every_node(compose: dict) -> None:
-    prometheus = yaml.safe_load(PROMETHEUS_FILE.read_text())
-    targets = {t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    assert targets == {f"{name}:{METRICS_PORT}" for name in KVSTORE_NODES}
-    assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in prometheus["scrape_configs"])
-    mounts = compose["services"]["prometheus"]["volumes"]
-    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
 
 
 def _compose_schema() -> dict[str, Any]:
