@@ -97,6 +97,13 @@ def _add_target(parser: argparse.ArgumentParser) -> None:
 
 _CORE_COMMANDS = ("serve", "stats", "health")
 
+SERVE_SECURITY_HINT = (
+    "a node takes TLS and tokens from its security.* settings, not from flags: in the --config file "
+    "(security.tls_cert_file, tls_key_file, tls_client_ca_file, auth_tokens_file) or from KVSTORE_SECURITY__* "
+    "variables, e.g. KVSTORE_SECURITY__TLS_CERT_FILE=server.crt; --tls-ca, --tls-cert/--tls-key and --token-file "
+    "are the client commands' (docs/security.md)")
+"""Added to ``serve``'s error for a client's TLS or token flag."""
+
 
 def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.ArgumentParser:
     """The ``kvstore`` argument parser: the core commands plus those of ``extra_modules``."""
@@ -352,7 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # report it with the usage of the subcommand, not the top level's
         command: argparse.ArgumentParser = getattr(args, "command_parser", parser)
-        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        hint = ""
+        if getattr(args, "command", None) == "serve" and any(u.startswith(("--tls", "--token")) for u in unknown):
+            hint = f" ({SERVE_SECURITY_HINT})"
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

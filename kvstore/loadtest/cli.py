@@ -50,8 +50,8 @@ examples:
   kvstore loadtest --target 127.0.0.1:50051                      # conversation trace, 1 worker, file order
   kvstore loadtest --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --concurrency 8 --duration 60
   kvstore loadtest --speedup 10 --max-inflight 32 --json out.json --plot-dir plots/
-  kvstore loadtest --requests 2000 --sim-capacity 5859           # also print kvstore simulate's hit ratio
-  kvstore loadtest --sim-capacity 1827 --sim-disk-capacity 45697 # a node with a disk tier: the same in the simulation
+  kvstore loadtest --requests 2000 --sim-capacity node           # also simulate the node's capacity and compare
+  kvstore loadtest --sim-capacity 1827 --sim-disk-capacity 45697 # capacities in blocks, given
 
 Exit status: 0 if every call succeeded and every block matched; 1 if a call
 failed, a block mismatched or the node is unreachable; 2 on a bad argument or
@@ -136,7 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write loadtest_hit_ratio.png and loadtest_latency_cdf.png there")
     parser.add_argument("--sim-capacity", default=None, metavar="BLOCKS",
                         help="also run kvstore simulate on the replayed requests with a memory tier of this many "
-                             "blocks (or inf): the node's memory capacity over one block's footprint")
+                             "blocks (or inf), or `node`: the node's own memory tier (and disk tier), read from its "
+                             "stats after the run (its capacity over one block's footprint); one --target only")
     parser.add_argument("--sim-disk-capacity", default=None, metavar="BLOCKS",
                         help="the simulation's disk tier, blocks: give it for a node with a disk tier, so that the "
                              "simulation has the same (default: none)")
@@ -168,12 +169,18 @@ def read_requests(path: str, format: str, limit: int | None,
     return requests
 
 
+NODE_CAPACITY = "node"
+"""``--sim-capacity node``: simulate the capacities the node reports."""
+
+
 def _sim_capacity(text: str | None) -> tuple[bool, int | None]:
     if text is None:
         return False, None
     value = text.strip().lower()
     if value in ("inf", "infinite", "none"):
         return True, None
+    if value == NODE_CAPACITY:
+        return True, -1  # read from the node after the run
     if not value.isdigit():
         raise InvalidArgumentError(f"--sim-capacity must be a block count or inf, got {text!r}")
     return True, int(value)
@@ -273,6 +280,8 @@ def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = N
         rows.append(("simulator", f"{comparison['policy']}@{capacity}{disk}: hit ratio "
                                   f"{comparison['sim_hit_ratio']:.4f}, "
                                   f"loadtest - sim = {comparison['hit_ratio_diff']:+.4f}"))
+        if comparison.get("capacity_source", "given") != "given":
+            rows.append(("sim capacity", comparison["capacity_source"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -309,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args, connection)
         compare, sim_capacity = _sim_capacity(args.sim_capacity)
         sim_disk = _sim_disk_capacity(args.sim_disk_capacity, compare)
+        if sim_capacity == -1 and (len(config.targets) > 1 or args.sim_disk_capacity is not None):
+            raise InvalidArgumentError("--sim-capacity node reads one node's tiers: give one --target, and no "
+                                       "--sim-disk-capacity")
         requests = read_requests(args.trace, args.format, config.max_requests, config.block_tokens)
     except (InvalidArgumentError, ConfigError, OSError) as exc:
         print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
@@ -324,11 +336,19 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     comparison = None
     if compare:
-        from kvstore.loadtest.compare import compare_with_simulator
+        from kvstore.loadtest.compare import compare_with_simulator, node_capacity_blocks
 
         try:
+            source = "given"
+            if sim_capacity == -1:
+                sim_capacity, sim_disk, source = node_capacity_blocks(result.server_stats)
+            elif sim_capacity is not None and len(config.targets) == 1:
+                _warn_if_not_the_nodes(result.server_stats, sim_capacity)
+            if sys.stderr.isatty():
+                print("kvstore loadtest: simulating the replayed requests ...", file=sys.stderr, flush=True)
             comparison = compare_with_simulator(requests, result, sim_capacity, policy=args.sim_policy,
                                                 disk_capacity_blocks=sim_disk)
+            comparison["capacity_source"] = source
         except InvalidArgumentError as exc:
             print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -341,6 +361,20 @@ def run(args: argparse.Namespace) -> int:
 
         write_plots(result, args.plot_dir, sim_hit_ratio=comparison["sim_hit_ratio"] if comparison else None)
     return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def _warn_if_not_the_nodes(server_stats: dict[str, Any] | None, sim_capacity: int) -> None:
+    """A line on stderr when ``--sim-capacity`` is not what the node's memory tier holds of these blocks."""
+    from kvstore.loadtest.compare import node_capacity_blocks
+
+    try:
+        node_blocks, _, how = node_capacity_blocks(server_stats)
+    except InvalidArgumentError:
+        return  # nothing to measure: say nothing
+    if abs(node_blocks - sim_capacity) > max(1, node_blocks // 100):
+        print(f"kvstore loadtest: warning: --sim-capacity {sim_capacity} is not the node's memory tier, which holds "
+              f"{node_blocks:,} of these blocks ({how}); the two hit ratios then differ. --sim-capacity node "
+              f"simulates the node's", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

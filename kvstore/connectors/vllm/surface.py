@@ -158,13 +158,24 @@ def _parameters(function: Any) -> list[tuple[str, Any]]:
     return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
 
 
-def check_hooks(release: tuple[int, int] | None) -> list[str]:
-    """Problems with the connector's hooks against vLLM's ``KVConnectorBase_V1``."""
-    from kvstore.connectors.vllm.connector import KVStoreConnector
+def check_hooks(release: tuple[int, int] | None, connector: type | None = None) -> list[str]:
+    """Problems with the connector's hooks against vLLM's ``KVConnectorBase_V1``.
 
+    Args:
+        release: the installed vLLM's ``(major, minor)``, for :data:`NEWER_HOOKS`.
+        connector: the class to check; ``KVStoreConnector`` when ``None``.
+    """
+    if connector is None:
+        from kvstore.connectors.vllm.connector import KVStoreConnector as connector
+
+    KVStoreConnector = connector
     base = getattr(importlib.import_module(BASE_CLASS[0]), BASE_CLASS[1])
+    defined: dict[str, Any] = {}  # what the connector's own classes define, a subclass's over its parent's
+    for klass in reversed(connector.__mro__):
+        if klass not in base.__mro__:
+            defined.update(vars(klass))
     problems = []
-    for name, ours in sorted(vars(KVStoreConnector).items()):
+    for name, ours in sorted(defined.items()):
         if name.startswith("_"):
             continue
         theirs = inspect.getattr_static(base, name, None)
@@ -203,7 +214,7 @@ def check_hooks(release: tuple[int, int] | None) -> list[str]:
                     and param.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)):
                 problems.append(f"KVStoreConnector.{name}: requires {param.name!r}, which vLLM does not pass")
     for name in sorted(getattr(base, "__abstractmethods__", ())):
-        if name not in vars(KVStoreConnector):
+        if name not in defined:
             problems.append(f"KVStoreConnector does not define {name}, abstract in {BASE_CLASS[1]}")
     return problems
 
