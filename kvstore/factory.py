@@ -36,6 +36,10 @@ async def open_async_store(config: StoreConfig | None = None, *, framing: Framin
     tiers: list[Tier] = []
     memory = config.memory
     if memory.enabled and memory.capacity_bytes > 0:
+        if memory.device == "cpu":
+            from kvstore.host_memory import warn_if_larger_than_memory
+
+            warn_if_larger_than_memory(memory.capacity_bytes)
         if memory.storage == "heap" or (memory.storage == "auto" and framing is not None and memory.device == "cpu"):
             from kvstore.tiers.heap import HeapTier
 

@@ -391,7 +391,19 @@ def test_the_compose_schema_check_can_fail() -> None:
 
 def test_compose_tls_override_turns_on_tls_for_every_node_and_its_probe(compose: dict) -> None:
     override = yaml.safe_load(COMPOSE_TLS_FILE.read_text())
-    assert set(override["services"]) == {*KVSTORE_NODES, "demo"}
+    assert set(override["services"]) == {*KVSTORE_NODES, "demo", "vllm", "vllm-gpu"}
+    for name in ("vllm", "vllm-gpu"):  # the workers' connector: the base command, plus its TLS and token
+        worker, base = override["services"][name], compose["services"][name]
+        flag = worker["command"].index("--kv-transfer-config")
+        assert worker["command"][:flag] == base["command"][:flag]
+        transfer = json.loads(worker["command"][flag + 1])
+        assert {k: v for k, v in transfer.items() if k != "kv_connector_extra_config"} == \
+            json.loads(base["command"][flag + 1])
+        extra = transfer["kv_connector_extra_config"]
+        assert extra["tls_ca_file"] == "/etc/kvstore/tls/ca.crt" and extra["token_file"] == "/etc/kvstore/tls/vllm.token"
+        assert extra["hash_algorithm"] == "sha256"  # a node with tokens requires it
+        assert "./deploy/tls:/etc/kvstore/tls:ro" in worker["volumes"]
+        assert set(base["volumes"]) <= set(worker["volumes"])  # the override replaces the list: nothing lost
     for name in KVSTORE_NODES:
         node = override["services"][name]
         env = image_env(parse_dockerfile(DOCKERFILE)) | compose["services"][name]["environment"] | node["environment"]
