@@ -27,7 +27,8 @@ from tests.support.redis import make_tls_files
 from tests.support.deploy import COMPOSE_FILE, COMPOSE_TLS_FILE, DOCKERFILE, KUBERNETES_DIR, healthcheck_command, load_yaml_documents, \
     parse_dockerfile
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed"),
+              pytest.mark.slow]  # starts nodes: outside `make test-fast`
 
 CONTAINER_TLS_DIR = "/etc/kvstore/tls"
 PROBE_PORT = "127.0.0.1:50051"

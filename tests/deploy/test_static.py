@@ -372,6 +372,7 @@ def _compose_schema() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("path", [COMPOSE_FILE, COMPOSE_TLS_FILE], ids=lambda p: p.name)
+@pytest.mark.slow
 def test_compose_files_match_the_compose_specification(path: Path) -> None:
     import jsonschema
 
@@ -532,6 +533,7 @@ def test_k8s_config_and_env_are_accepted_by_load_config(k8s_objects: dict, conta
 K8S_SCHEMA_VERSION = "1.30.0"   # native gRPC probes are GA since 1.27
 
 
+@pytest.mark.slow
 def test_k8s_manifests_match_the_openapi_schema(k8s_objects: dict) -> None:
     import kubernetes_validate  # from .[dev]
 

@@ -85,6 +85,7 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+@pytest.mark.slow
 def test_a_lease_not_released_expires_and_its_range_comes_back() -> None:
     node = ThreadedServer(make_config(**{"shared_memory.lease_s": 0.5}))
     try:
