@@ -145,6 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="policy of the simulation, the node's --policy (default: default)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="live progress bar on stderr (default: only on a terminal)")
+    parser.add_argument("--legend", action=argparse.BooleanOptionalAction, default=None,
+                        help="explain the summary's rows under it (default: only on a terminal)")
     add_connection_arguments(parser)
 
 
@@ -247,6 +249,26 @@ def config_from_args(args: argparse.Namespace, connection: Connection | None = N
         timeout_s=args.timeout,
         verify=args.verify,
     )
+
+
+SUMMARY_LEGEND = {
+    "requests": "trace requests completed and failed, and what ended the run (trace_end, max_requests, duration)",
+    "targets": "the nodes the client spread blocks over",
+    "block hit ratio": "blocks the lookups found in the cached prefix (and the gets returned) / blocks requested",
+    "token hit ratio": "prompt tokens those blocks cover / prompt tokens",
+    "hits per tier": "the hit blocks by the tier that held them at lookup",
+    "elapsed": "wall time from the first request to the last completion",
+    "requests/s": "completed requests per second of that time",
+    "GB/s moved": "10^9 bytes of encoded blocks read (gets) and written (puts) per second",
+    "latency": "per call, percentiles over the run (request: lookup + get + put of one trace request)",
+    "start lag": "open loop: how late requests started behind their trace time (waiting for --max-inflight)",
+    "errors": "failed calls, by operation and error class",
+    "byte mismatches": "blocks whose bytes differed from what was put (must be 0)",
+    "short gets": "gets that returned fewer blocks than their lookup found (evicted in between)",
+    "simulator": "kvstore simulate on the same requests: its hit ratio, and the load test's minus it",
+    "sim capacity": "with --sim-capacity node: the node's capacity over one block's footprint, per tier",
+}
+"""What the summary's rows mean (printed under it with --legend)."""
 
 
 def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = None) -> str:
@@ -353,6 +375,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
     print(format_summary(result, comparison))
+    if args.legend or (args.legend is None and sys.stdout.isatty()):
+        width = max(map(len, SUMMARY_LEGEND))
+        print("\n".join(f"  {name.ljust(width)}  {meaning}" for name, meaning in SUMMARY_LEGEND.items()))
     if args.json:
         payload = {"trace": str(args.trace), **result.to_dict(), "simulator": comparison}
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")

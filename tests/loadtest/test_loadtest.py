@@ -206,3 +206,18 @@ def test_sim_capacity_node_reads_the_nodes_tier_and_agrees(tmp_path: Path, capsy
         assert "--sim-capacity 5859 is not the node's memory tier, which holds 150 of these blocks" in err
     assert main(["--target", "127.0.0.1:1", "--target", "127.0.0.1:2", *args, "--sim-capacity", "node"]) == 2
     assert "give one --target" in capsys.readouterr().err
+
+
+def test_the_legend_explains_every_row_of_the_summary(big_node: KVNode, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.loadtest.cli import SUMMARY_LEGEND
+
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, read_trace(CONVERSATION)[:5])
+    assert main(["--target", big_node.target, "--trace", str(trace), "--block-bytes", str(PAYLOAD_BYTES),
+                 "--no-progress", "--legend", "--model", "legend"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("  ")[0] for line in out.splitlines() if line and not line.startswith(" ")]
+    for row in rows:  # every row of the summary is explained (a latency row by "latency")
+        assert any(row == name or (name == "latency" and row.endswith(" latency")) for name in SUMMARY_LEGEND), row
+    assert all(f"  {name}" in out for name in SUMMARY_LEGEND)
