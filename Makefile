@@ -13,7 +13,8 @@ PYTEST_ARGS ?=
 # machine: TORCH_SPEC=torch==2.13.0. The same steps as docs/install.md (tests/test_install.py checks it).
 TORCH_SPEC ?= torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
-.PHONY: setup setup-vllm setup-sglang system-deps demo vllm-demo test test-fast test-vllm bench bench-smoke clean
+.PHONY: setup setup-vllm setup-sglang setup-peers peers-deps system-deps demo vllm-demo test test-fast test-vllm bench \
+  bench-smoke bench-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -97,10 +98,11 @@ test-vllm: setup-vllm system-deps
 	$(VLLM_PY) -m pytest tests/connectors/vllm $(PYTEST_ARGS)
 
 # bench_vllm_* need vLLM, so they run from .venv-vllm; bench_sglang from .venv-sglang.
+# bench_peers needs the peers' venvs and runs with `make bench-peers`.
 bench: setup setup-vllm setup-sglang system-deps
 	for script in benchmarks/bench_*.py; do \
 	  case $$script in *bench_vllm_*) $(VLLM_PY) $$script || exit 1;; *bench_sglang*) $(SGLANG_PY) $$script || exit 1;; \
-	  *) $(PY) $$script || exit 1;; esac; done
+	  *bench_peers*) echo "make bench: $$script runs with make bench-peers";; *) $(PY) $$script || exit 1;; esac; done
 
 # CI's short run of the benchmarks: they must run end to end; the recorded results come from `make bench`.
 bench-smoke: setup system-deps
@@ -109,5 +111,43 @@ bench-smoke: setup system-deps
 	$(PY) benchmarks/bench_tiers.py --reps 1 --batch-bytes 16777216 --malloc default --out /tmp/kvstore-bench/bench_tiers
 	$(PY) benchmarks/bench_service.py --run-bytes 33554432 --min-rounds 5 --lookups 50 --out /tmp/kvstore-bench/bench_service
 
+# The stores benchmarks/bench_peers.py measures kvstore against (issues 38 and 40), each in a venv of its own that no
+# test uses: Mooncake Store (its wheel ships mooncake_master and mooncake_client, which link Debian's libibverbs1 even
+# for TCP) and LMCache, each over the CPU torch. kvstore itself runs from $(VENV).
+PEERS_MOONCAKE_VENV ?= .venv-peers-mooncake
+PEERS_LMCACHE_VENV  ?= .venv-peers-lmcache
+MOONCAKE_SPEC ?= mooncake-transfer-engine-non-cuda==0.3.13.post1
+LMCACHE_SPEC  ?= lmcache==0.5.6
+PEERS_ARGS    ?=
+
+$(PEERS_MOONCAKE_VENV)/.installed:
+	python3 -m venv $(PEERS_MOONCAKE_VENV)
+	$(PEERS_MOONCAKE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_MOONCAKE_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(PEERS_MOONCAKE_VENV)/bin/python -m pip install -q $(MOONCAKE_SPEC) numpy torch==2.13.0
+	touch $@
+
+$(PEERS_LMCACHE_VENV)/.installed:
+	python3 -m venv $(PEERS_LMCACHE_VENV)
+	$(PEERS_LMCACHE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_LMCACHE_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(PEERS_LMCACHE_VENV)/bin/python -m pip install -q $(LMCACHE_SPEC) torch==2.13.0
+	touch $@
+
+peers-deps:
+	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1; }
+
+setup-peers: $(PEERS_MOONCAKE_VENV)/.installed $(PEERS_LMCACHE_VENV)/.installed peers-deps
+
+# Mooncake's Transfer Engine binds every interface, so where unshare may make one, the benchmark runs in a network
+# namespace of its own with loopback only (the results say which). About 10 minutes; PEERS_ARGS passes options.
+bench-peers: setup system-deps setup-peers
+	@if unshare --net true 2>/dev/null && command -v ip >/dev/null; then \
+	  echo "make bench-peers: in a network namespace of its own (loopback only)"; \
+	  unshare --net sh -c 'ip link set lo up && exec "$$@"' sh $(PY) benchmarks/bench_peers.py $(PEERS_ARGS); \
+	else $(PY) benchmarks/bench_peers.py $(PEERS_ARGS); fi
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache kvstore-demo-out
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(PEERS_MOONCAKE_VENV) $(PEERS_LMCACHE_VENV) .pytest_cache \
+	  kvstore-demo-out

@@ -86,7 +86,7 @@ def main() -> int:
 
     from kvstore.blockcopy import encode_batch_into, encode_into
     from kvstore.client import KVStoreClient
-    from kvstore.shm.control import CHANNELS_ENV
+    from kvstore.shm.client.control import CHANNELS_ENV
     from kvstore.codec import encode_block, verify_block
     from kvstore.keys import Namespace, hash_blocks
     from kvstore.server.app import tune_malloc

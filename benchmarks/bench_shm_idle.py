@@ -1,7 +1,7 @@
 """A same-host Get after the client was idle, against the same Get back to back, by ``release_after_s``.
 
 The node gives a get segment's pages back to the kernel ``release_after_s``
-after their lease ends (``kvstore.shm.sessions.SessionTable.reclaim``). A Get
+after their lease ends (``kvstore.shm.node.sessions.SessionTable.reclaim``). A Get
 into pages given back takes a fresh page fault per 4 KiB page as the node
 writes them, so a worker whose hits are seconds apart pays that on every hit.
 This runs two ``kvstore serve`` nodes in one run, one with the old 1 s and one

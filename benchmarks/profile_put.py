@@ -84,9 +84,9 @@ class Timers:
 
 def _serve_timed(argv: list[str]) -> int:
     """``kvstore serve`` with the Put's node-side steps timed (see the module docstring)."""
-    from kvstore.server import shm_control
-    from kvstore.server.shared_memory import SharedMemoryMethods
-    from kvstore.shm.node import SharedMemoryNode
+    from kvstore.shm.node.operations import SameHostOperations
+    from kvstore.shm.node.plane import SharedMemoryNode
+    from kvstore.shm.node.pool import SharedPool
     from kvstore.store import TieredStore
     import kvstore.index as index
     import kvstore.mover as mover
@@ -95,8 +95,8 @@ def _serve_timed(argv: list[str]) -> int:
     import kvstore.validation as validation
 
     timers = Timers()
-    timers.wrap(shm_control.ControlServer, "_handle", "node: control frame handled (all below)")
-    timers.wrap(SharedMemoryMethods, "PutShared", "node: PutShared")
+    timers.wrap(SameHostOperations, "dispatch", "node: control frame handled (all below)")
+    timers.wrap(SameHostOperations, "put_shared", "node: PutShared")
     timers.wrap(SharedMemoryNode, "copy_in", "node: copy_in (copy + check of each block)")
     timers.wrap(getattr(validation, "BlockChecker", validation), "check", "node: check (one block, in copy_in)")
     timers.wrap(placement, "check_block", "node: check_block (one block, in admit; before this change)")
@@ -104,6 +104,8 @@ def _serve_timed(argv: list[str]) -> int:
     timers.wrap(placement.Placement, "admit", "node: placement.admit")
     timers.wrap(placement.Placement, "put", "node: placement.put")
     timers.wrap(heap.HeapTier, "put", "node: heap tier put")
+    timers.wrap(SharedPool, "put", "node: shared pool put")
+    timers.wrap(SharedPool, "stage", "node: shared pool stage")
     timers.wrap(index.Index, "prepare_put", "node: index.prepare_put")
     timers.wrap(index.Index, "complete_put", "node: index.complete_put")
     for name in ("place", "make_room", "_write", "settle"):
@@ -142,8 +144,8 @@ def main() -> int:
     from kvstore.client import core as client_core
     from kvstore.keys import Namespace
     from kvstore.server.app import tune_malloc
-    from kvstore.shm.control import ControlChannels
-    from kvstore.shm.link import SharedSession
+    from kvstore.shm.client.control import ControlChannels
+    from kvstore.shm.client.link import SharedSession
     from tests.support.kvnode import KVNode
 
     tune_malloc()

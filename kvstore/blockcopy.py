@@ -2,7 +2,7 @@
 encoded straight into a target range; one copy each way, and no intermediate ``bytes``.
 
 Used by every transport: the same-host data plane (from and into shared-memory
-segments, ``kvstore.shm.link``), the gRPC client (from the received messages)
+segments, ``kvstore.shm.client.link``), the gRPC client (from the received messages)
 and the embedded store (from the tier's leased memory).
 """
 

@@ -77,8 +77,12 @@ class MemoryTierConfig:
         storage: ``pages`` for the page pool (``kvstore.tiers.memory``: preallocated,
             pinnable, for blocks that move to and from a GPU); ``heap`` for one
             ``bytes`` object per block, stored as the node's ready Get reply
-            (``kvstore.tiers.heap``: no copy per Get, ``cpu`` only); ``auto``
-            for ``heap`` in ``kvstore serve`` on ``cpu`` and ``pages`` elsewhere.
+            (``kvstore.tiers.heap``: no copy per Get, ``cpu`` only); ``shared`` for
+            sealed shared-memory slabs that same-host clients read in place
+            (``kvstore.shm.node.pool``: ``kvstore serve`` with ``shared_memory.enabled``,
+            ``cpu`` only); ``auto`` for ``shared`` in ``kvstore serve`` on ``cpu``
+            with the same-host data plane on, ``heap`` there with it off, and
+            ``pages`` elsewhere.
     """
 
     enabled: bool = True
@@ -93,10 +97,10 @@ class MemoryTierConfig:
         _require(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
         _require(self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None,
                  "device", f"must be 'cpu' or 'cuda:N', got {self.device!r}")
-        _require(self.storage in ("auto", "pages", "heap"), "storage",
-                 f"must be 'auto', 'pages' or 'heap', got {self.storage!r}")
-        _require(self.storage != "heap" or self.device == "cpu", "storage",
-                 f"'heap' holds blocks in host memory; it cannot be used with device {self.device!r}")
+        _require(self.storage in ("auto", "pages", "heap", "shared"), "storage",
+                 f"must be 'auto', 'pages', 'heap' or 'shared', got {self.storage!r}")
+        _require(self.storage not in ("heap", "shared") or self.device == "cpu", "storage",
+                 f"{self.storage!r} holds blocks in host memory; it cannot be used with device {self.device!r}")
 
 
 COMPRESSION_CODECS = ("none", "blosc2", "zstd", "lz4")

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 async def open_async_store(config: StoreConfig | None = None, *, framing: Framing | None = None,
-                           events: StoreObserver | None = None) -> TieredStore:
+                           events: StoreObserver | None = None, shared_pool: bool = False) -> TieredStore:
     """Build the tiers named by ``config`` and open a started :class:`TieredStore`.
 
     The memory tier comes first when enabled, then the LMDB tier when
@@ -26,6 +26,8 @@ async def open_async_store(config: StoreConfig | None = None, *, framing: Framin
             tier of ``storage: auto`` is the heap tier, which stores every block
             behind its framing, so the server sends it with no copy of its own.
         events: the store's observer (``kvstore.events.EventLog``), told of blocks restored at start too.
+        shared_pool: the node offers the same-host data plane: a ``cpu`` memory tier of ``storage: auto`` is
+            the shared pool (``kvstore.shm.node.pool``), which same-host clients read in place.
 
     Raises:
         ConfigError: if no tier is enabled.
@@ -40,7 +42,12 @@ async def open_async_store(config: StoreConfig | None = None, *, framing: Framin
             from kvstore.host_memory import warn_if_larger_than_memory
 
             warn_if_larger_than_memory(memory.capacity_bytes)
-        if memory.storage == "heap" or (memory.storage == "auto" and framing is not None and memory.device == "cpu"):
+        auto_host = memory.storage == "auto" and memory.device == "cpu"
+        if memory.storage == "shared" or (auto_host and shared_pool):
+            from kvstore.shm.node.pool import SharedPool
+
+            tiers.append(SharedPool(memory.capacity_bytes))
+        elif memory.storage == "heap" or (auto_host and framing is not None):
             from kvstore.tiers.heap import HeapTier
 
             tiers.append(HeapTier.from_config(memory, framing=framing))

@@ -558,7 +558,9 @@ class Mover:
     def write_through(self, keys: list[BlockKey], values: list[bytes], metas: list[BlockMeta], generation: int,
                       shared_generation: int) -> None:
         """Offer to copy new blocks into the shared tier under ``shared_generation``, unless this store clears their
-        namespace first (its local ``generation`` changes)."""
+        namespace first (its local ``generation`` changes). A value that is a view (of memory the put lends only
+        until it ends, e.g. a range of the shared pool) is copied here, since the job outlives the put."""
+        values = [v if type(v) is bytes else bytes(v) for v in values]
         self.offer(_WriteThrough(keys, values, metas, generation, shared_generation))
 
     def sweep(self, tag: bytes, generation: int) -> None:

@@ -16,7 +16,7 @@ from kvstore.index import Entry, Index
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey, Namespace
 from kvstore.mover import Mover
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, SharedTier, Tier
-from kvstore.validation import check_blocks, check_counts, check_priority, check_retention_s
+from kvstore.validation import CheckedBlocks, check_blocks, check_counts, check_priority, check_retention_s
 
 
 class Placement:
@@ -92,6 +92,7 @@ class Placement:
             await asyncio.wait(promoting)
             check_open()
         num_new = 0
+        owned = type(blocks) is CheckedBlocks  # the node's own copies, which nothing but the node can change
         pending = dict(zip(keys, blocks))
         first = True
         while pending:
@@ -99,7 +100,7 @@ class Placement:
             step = index.prepare_put(order, meta.priority, meta.expires_at, touch=first)
             first = False
             if step.entries:
-                values = [_owned(pending[order[i]]) for i in step.positions]
+                values = [pending[order[i]] if owned else _owned(pending[order[i]]) for i in step.positions]
                 generations = (step.generation,
                                self._mover.shared_generations(keys[:1]).get(keys[0][:NAMESPACE_TAG_BYTES], 0))
                 await asyncio.shield(self._mover.run(self.place(step.entries, values, meta, generations, protect)))
@@ -236,8 +237,9 @@ def _chain_metas(meta: BlockMeta, num_blocks: int) -> list[BlockMeta]:
 
 
 def _owned(block: Buffer) -> bytes | memoryview:
-    """``block`` as memory no caller can change: ``bytes`` as it is, a read-only view of ``bytes`` as it is
-    (a same-host Put's copy behind its framing head, ``kvstore.shm.node.SharedMemoryNode.copy_in``), else a copy."""
+    """``block`` as memory no caller can change: ``bytes`` as it is, a read-only view of ``bytes`` as it is, else a
+    copy. (A same-host Put's blocks are the node's own copies, ``kvstore.validation.CheckedBlocks``: taken as they
+    are.)"""
     if type(block) is bytes:
         return block
     if isinstance(block, memoryview) and block.readonly and type(block.obj) is bytes and block.c_contiguous:

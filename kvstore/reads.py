@@ -81,6 +81,7 @@ class ReadPath:
             top.touch(key)
         read.num_lent = len(keys)
         read.framed = lease.framed
+        read.places = lease.places
         return lease.values  # type: ignore[return-value]  # no None: checked above
 
     async def open(self, read: BlockRead) -> list[Buffer]:
@@ -116,9 +117,14 @@ class ReadPath:
             by_level.setdefault(sources[i], []).append(i)  # type: ignore[arg-type]
         batches = [self._read_tier(level, [keys[i] for i in positions], read) for level, positions in by_level.items()]
         results = [await batches[0]] if len(batches) == 1 else await asyncio.gather(*batches)
-        for positions, values in zip(by_level.values(), results):
+        places: list[object] | None = None
+        for positions, (values, lent_places) in zip(by_level.values(), results):
             for i, value in zip(positions, values):
                 found[i] = value
+            if lent_places is not None:
+                places = places if places is not None else [None] * len(sources)
+                for i, place in zip(positions, lent_places):
+                    places[i] = place
         # complete: a located block its tier could not serve (gone, unreadable), or a block of a persistent tier
         # that does not fit the namespace, is a miss, forgotten at once and its record deleted
         index = self._index
@@ -142,6 +148,8 @@ class ReadPath:
             lost.append(entry)
         hit = found.index(None) if None in found else len(found)
         values: list[Buffer] = found[:hit]  # type: ignore[assignment]
+        if places is not None:
+            read.places = places[:hit]
         count_get(self._counts, [len(self._tiers) if s is None else s for s in sources[:hit]], len(keys))
         for level, records in index.complete_read(step, keys, hit, lost).items():
             self._mover.discard(level, records)
@@ -149,15 +157,17 @@ class ReadPath:
             read.promotions = self._promotions(keys, sources[:hit], values, step.generation)
         return values
 
-    async def _read_tier(self, level: int, keys: list[BlockKey], read: BlockRead) -> list[Buffer | None]:
-        """One tier's values of ``keys``: lent views where ``read`` may take them and the tier lends, else copies."""
+    async def _read_tier(self, level: int, keys: list[BlockKey], read: BlockRead
+                         ) -> tuple[Sequence[Buffer | None], list[object] | None]:
+        """One tier's values of ``keys``: lent views where ``read`` may take them and the tier lends, else copies;
+        and where the tier lent them, their places in memory other processes map (:attr:`TierLease.places`)."""
         lender = self._lenders[level]
         if read.lend and lender is not None:
             lease = lender.lease(keys)
             if lease is not None:
                 read.releases.append(lease.release)
-                return lease.values
-        return await self._tiers[level].get(keys)
+                return lease.values, lease.places
+        return await self._tiers[level].get(keys), None
 
     def _promotions(self, keys: list[BlockKey], sources: Sequence[int | None], values: list[Buffer],
                     generation: int) -> list[tuple[int | None, list[BlockKey], list[bytes], int]]:
@@ -170,19 +180,28 @@ class ReadPath:
                  [v if type(v) is bytes else bytes(v) for v in (values[p] for p in positions)], generation)
                 for level, positions in moves.items()]
 
-    def close(self, read: BlockRead) -> None:
-        """A read's last step: count a lent read, give back its leases and references, offer its promotions."""
+    def settle(self, read: BlockRead) -> None:
+        """Count a lent read now (the counts :meth:`close` would make), keeping what it holds."""
         if read.top_misses is not None:
             self._counts[0].hits += read.num_lent
             if read.top_misses:  # the first miss was looked for in every tier
                 for counts in self._counts:
                     counts.misses += 1
             read.top_misses = None
+
+    def close(self, read: BlockRead) -> None:
+        """A read's last step: count a lent read, give back its leases and references, offer its promotions."""
+        self.settle(read)
         for release in read.releases:
             release()
         self._mover.release(read.held)
+        self.promote(read)
+
+    def promote(self, read: BlockRead) -> None:
+        """Offer a read's lower-tier hits for promotion (once: they are forgotten here)."""
+        promotions, read.promotions = read.promotions, []
         if not self._is_closed():  # once released, so that the promotion's room is made by evicting others
-            for source, keys, values, generation in read.promotions:
+            for source, keys, values, generation in promotions:
                 self._mover.promote(source, keys, values, generation)
 
 
@@ -205,13 +224,16 @@ class BlockRead:
             value encoding, e.g. a ready Get reply) where the top tier holds one
             (:attr:`~kvstore.tiers.base.TierLease.framed`), valid as long as the
             blocks are; ``None`` when none was lent.
+        places: once entered, per block, where it lies in memory other processes may map (the shared
+            pool's :class:`~kvstore.shm.node.pool.Place`, :attr:`~kvstore.tiers.base.TierLease.places`), or
+            ``None`` for a block elsewhere; ``None`` when no block was lent from such memory.
         num_lent: the blocks of a read the top tier lent whole.
         top_misses: for such a read, until it is closed, whether it asked for
             more blocks than were cached (its counts are made then); else ``None``.
     """
 
     __slots__ = ("_reads", "namespace", "block_hashes", "lend", "held", "releases", "promotions", "framed",
-                 "num_lent", "top_misses", "_closed")
+                 "places", "num_lent", "top_misses", "_closed")
 
     def __init__(self, reads: ReadPath, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
         self._reads = reads
@@ -222,6 +244,7 @@ class BlockRead:
         self.releases: list[Callable[[], None]] = []
         self.promotions: list[tuple[int | None, list[BlockKey], list[bytes], int]] = []
         self.framed: list[bytes | None] | None = None
+        self.places: list[object] | None = None
         self.num_lent = 0
         self.top_misses: bool | None = None
         self._closed = False
@@ -259,6 +282,13 @@ class BlockRead:
             self.close()
         else:
             task.add_done_callback(lambda _: self.close())
+
+    def settle(self) -> None:
+        """Count the read and offer its promotions now, while it still holds its blocks: for a reader that holds
+        them long after (a same-host lease, until the client releases it). :meth:`close` still gives them back."""
+        if not self._closed:
+            self._reads.settle(self)
+            self._reads.promote(self)
 
     def close(self) -> None:
         """Give back what :meth:`open` took, count the read, and offer its promotions; a second call does nothing.

@@ -195,10 +195,12 @@ class BlockChecker:
 
 class CheckedBlocks(list):  # type: ignore[type-arg]
     """A put's blocks that a :class:`BlockChecker` of ``namespace`` checked one by one as they were made: the
-    node's own immutable copies (``bytes``, or views of them), so checking them again would find the same.
+    node's own copies, which no other process can write (views of ranges of the shared pool, sealed against
+    every writer but the node, or of memory of the node's own), so checking them again would find the same,
+    and the store takes them as they are, with no copy of its own.
 
     The same-host Put checks each copy right after copying it out of the client's segment, while it is in
-    cache (``kvstore.shm.node.SharedMemoryNode.copy_in``); the store's admission then skips the blocks
+    cache (``kvstore.shm.node.plane.SharedMemoryNode.copy_in``); the store's admission then skips the blocks
     (:func:`check_blocks`).
 
     Args:

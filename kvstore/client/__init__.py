@@ -65,7 +65,7 @@ contract:
   thread polling it is inside gRPC core, so the client ends its same-host
   sessions just before a fork (an ``os.register_at_fork`` hook that waits for
   the stream's threads to end) and attaches new ones on the next call, in the
-  parent and the child alike (:meth:`kvstore.shm.link.SharedMemoryLink.end_for_fork`).
+  parent and the child alike (:meth:`kvstore.shm.client.link.SharedMemoryLink.end_for_fork`).
   Leases (:meth:`read`) held across a fork are released then: copy what must
   outlive them. With gRPC Python's own fork support on
   (``GRPC_ENABLE_FORK_SUPPORT=1`` before gRPC is imported; it parks gRPC's

@@ -17,7 +17,7 @@ from kvstore.errors import DestinationMismatchError, InvalidArgumentError, KVSto
 from kvstore.keys import BlockHash, Namespace
 from kvstore.routing import Partition
 from kvstore.shm.frames import GET_SHARED, LOOKUP, PUT_SHARED
-from kvstore.shm.link import SharedSession
+from kvstore.shm.client.link import SharedSession
 from kvstore.client.channel import TargetChannel
 from kvstore.wire import (
     BlockAssembler,
@@ -196,7 +196,7 @@ def _put_shared_call(channel: TargetChannel) -> Any:
 
 def _control_or(session: SharedSession, kind: int, reply_type: type, grpc_method: Callable[[TargetChannel], Any]
                 ) -> Callable[[TargetChannel], Any]:
-    """The session's control channels for a call of ``kind`` (``kvstore.shm.control``), else ``grpc_method``."""
+    """The session's control channels for a call of ``kind`` (``kvstore.shm.client.control``), else ``grpc_method``."""
     control = session.control
     if control is None:
         return grpc_method
@@ -276,6 +276,7 @@ def _shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
     def make(session: SharedSession) -> tuple[_Rpc, None]:
         request = request_with_hashes(pb.GetSharedRequest, namespace, block_hashes)
         request.session_id = session.session_id
+        request.in_place = session.in_place
         started = time.monotonic()
         method = _control_or(session, GET_SHARED, pb.GetSharedResponse, _get_shared_call)
         return _Rpc(_UNARY, method, request, lambda reply: use(session, reply, started)), None

@@ -27,7 +27,7 @@ from kvstore.routing import (
     Partition,
     RendezvousRouter,
 )
-from kvstore.shm.link import BlockLease, SharedMemoryLink, SharedSession, UseGrpc
+from kvstore.shm.client.link import BlockLease, SharedMemoryLink, SharedSession, UseGrpc
 from kvstore.status import DeadlineExceededError, error_of
 from kvstore.validation import check_count, check_put, check_seconds
 from kvstore.wire import cached_namespace_pb, chunk_bytes_for, stats_from_pb

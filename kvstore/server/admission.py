@@ -2,7 +2,8 @@
 
 The servicer admits every call first thing, before it parses the request (its
 handlers take raw bytes), inside the one wrapper that also maps errors and
-counts metrics (``KVStoreServicer._call``). Doing it there rather than in a
+counts metrics (``KVStoreServicer._call`` for gRPC, ``NodeService.scope`` for
+a same-host session's control channels). Doing it there rather than in a
 ``grpc.aio.ServerInterceptor`` keeps gRPC's direct dispatch: with any
 interceptor, ``grpc.aio`` runs an interceptor coroutine and a handler wrapper
 on every call, health and reflection included, which cost more than the
@@ -13,7 +14,7 @@ stay open for probes.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import grpc
 
@@ -72,11 +73,22 @@ class Admission:
         return self.authenticator is not None
 
     def admit(self, method: str, context: grpc.aio.ServicerContext) -> Ticket:
-        """Check one call's token, then take an in-flight slot of its connection.
+        """:meth:`admit_call` of a gRPC call (its metadata and peer from ``context``).
+
+        Raises:
+            UnauthenticatedError, ResourceExhaustedError: as :meth:`admit_call`.
+        """
+        if self.authenticator is None and self.inflight is None:
+            return OPEN_TICKET
+        return self.admit_call(method, context.invocation_metadata() or (), context.peer())
+
+    def admit_call(self, method: str, metadata: Sequence[tuple[str, Any]], peer: str) -> Ticket:
+        """Check one call's token, then take an in-flight slot of its connection (whatever transport carried it).
 
         Args:
             method: RPC name, e.g. ``Get`` (for the log line of a refusal).
-            context: the call's context (metadata and peer).
+            metadata: the call's metadata (its ``authorization`` entry).
+            peer: the connection the call counts against.
 
         Returns:
             The call's ticket; pass it to :meth:`release` when the call ends.
@@ -88,11 +100,10 @@ class Admission:
         """
         if self.authenticator is None and self.inflight is None:
             return OPEN_TICKET
-        peer = context.peer()
         try:
             principal = None
             if self.authenticator is not None:
-                principal = self.authenticator.authenticate(context.invocation_metadata())
+                principal = self.authenticator.authenticate(metadata)
             if self.inflight is not None:
                 self.inflight.acquire(peer)
         except KVStoreError as exc:

@@ -34,13 +34,14 @@ from kvstore.server.health import NodeHealth
 from kvstore.server.logs import LIFECYCLE_LOGGER, configure_logging
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
+from kvstore.server.service import CallFailed, NodeService
 from kvstore.wire import channel_options, chunk_bytes_for, reply_head
 from kvstore.factory import open_async_store
 from kvstore.store import TieredStore
 from kvstore.unix_sockets import SOCKET_MODE, claim_socket_path, remove_socket_path
 
 if TYPE_CHECKING:
-    from kvstore.shm.node import SharedMemoryNode
+    from kvstore.shm.node.plane import SharedMemoryNode
 
 logger = logging.getLogger(__name__)
 lifecycle = logging.getLogger(LIFECYCLE_LOGGER)
@@ -65,10 +66,11 @@ class KVStoreServer:
             ``kvstore.server.admission``, and any interceptor slows every call).
 
     Attributes:
-        servicer: the ``kvstore.v1.KVStore`` servicer (after :meth:`start`).
+        service: the node's service, its checks and operations for every transport (after :meth:`start`).
+        servicer: the ``kvstore.v1.KVStore`` servicer, gRPC's transport for it (after :meth:`start`).
         admission: authenticates calls and limits them per connection
             (``kvstore.server.admission``; after :meth:`start`).
-        shm: the same-host data plane (``kvstore.shm.node``), ``None`` when off or unsupported (after :meth:`start`).
+        shm: the same-host data plane (``kvstore.shm.node.plane``), ``None`` when off or unsupported (after :meth:`start`).
 
     Raises:
         ConfigError: from :meth:`start`, on an unreadable TLS file or a malformed
@@ -88,6 +90,7 @@ class KVStoreServer:
         self._interceptors = interceptors
         self.metrics = ServiceMetrics()
         self.health = NodeHealth()
+        self.service: NodeService | None = None
         self.servicer: KVStoreServicer | None = None
         self.admission: Admission | None = None
         self._server: grpc.aio.Server | None = None
@@ -140,7 +143,8 @@ class KVStoreServer:
             try:
                 self._store = await open_async_store(self.config.store, framing=functools.partial(
                     reply_head, chunk_bytes=chunk_bytes_for(self.config.server.max_message_bytes)),
-                    events=self.events.log if self.events is not None else None)
+                    events=self.events.log if self.events is not None else None,
+                    shared_pool=_shared_memory_on(self.config))
             except BaseException:
                 if self.events is not None:
                     self.events.close()
@@ -150,8 +154,13 @@ class KVStoreServer:
                            "whatever observer that store was given)")
         self.health.tier_states = self._tier_states
         try:
-            self.shm = await _start_shared_memory(self.config)
-            self.servicer = KVStoreServicer(self._store, self.config, self.metrics, admission, self.shm)
+            self.shm = await _start_shared_memory(self.config, self._store)
+            self.service = NodeService(self._store, self.config, self.metrics, admission)
+            if self.shm is not None:
+                from kvstore.shm.node.operations import SameHostOperations
+
+                self.service.same_host = SameHostOperations(self.service, self.shm, CallFailed)
+            self.servicer = KVStoreServicer(self.service)
             if self.events is not None:  # Capabilities tells clients (the vLLM connector) where the events are
                 publisher = self.events.publisher
                 self.servicer.events_offer = (publisher.endpoint, publisher.replay_endpoint or "",
@@ -188,7 +197,7 @@ class KVStoreServer:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             if server_cfg.metrics_port >= 0:
                 self.metrics.add_store(StoreCollector.on_loop(asyncio.get_running_loop(), self._store.stats))
-                self.metrics.add_budgets(self.servicer.replies, self.servicer.puts)
+                self.metrics.add_budgets(self.service.replies, self.service.puts)
                 if self.shm is not None:
                     self.metrics.add_shared_memory(StoreCollector.on_loop(asyncio.get_running_loop(),  # type: ignore
                                                                           self.shm.counters))
@@ -207,7 +216,7 @@ class KVStoreServer:
                               "events": self.events.publisher.endpoint if self.events is not None else "",
                               "tiers": self._store.tier_names, "tls": credentials is not None,
                               "mtls": bool(security.tls_client_ca_file), "auth": admission.authenticates,
-                              "require_sha256": self.servicer.require_sha256,
+                              "require_sha256": self.service.require_sha256,
                               "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0]}},
         )
 
@@ -313,15 +322,26 @@ def _add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCre
         return 0
 
 
-async def _start_shared_memory(config: Config) -> SharedMemoryNode | None:
+def _shared_memory_on(config: Config) -> bool:
+    """Whether the node will offer the same-host data plane: ``shared_memory.enabled``, on a platform that has it."""
+    from kvstore.shm.segment import unsupported_reason
+
+    return config.shared_memory.enabled and unsupported_reason() is None
+
+
+async def _start_shared_memory(config: Config, store: TieredStore) -> SharedMemoryNode | None:
     """The node's same-host data plane, started; ``None`` when ``shared_memory.enabled`` is off or unsupported here.
+
+    Its blocks are read in place where the store's memory tier is the shared pool (``kvstore.shm.node.pool``).
 
     Raises:
         OSError: if the handoff socket cannot be bound (its path is in use).
     """
     if not config.shared_memory.enabled:
         return None
-    from kvstore.shm.node import SharedMemoryNode, default_handoff_address
+    from kvstore.shm.host import default_handoff_address
+    from kvstore.shm.node.plane import SharedMemoryNode
+    from kvstore.shm.node.pool import SharedPool
     from kvstore.shm.segment import unsupported_reason
 
     reason = unsupported_reason()
@@ -332,7 +352,8 @@ async def _start_shared_memory(config: Config) -> SharedMemoryNode | None:
     address = config.shared_memory.handoff_socket or default_handoff_address(unix_socket)
     if not address.startswith("@"):
         address = os.path.abspath(address)
-    node = SharedMemoryNode(config.shared_memory, address)
+    pool = next((tier for tier in store.tiers if isinstance(tier, SharedPool)), None)
+    node = SharedMemoryNode(config.shared_memory, address, pool, config.server.max_message_bytes)
     await node.start()
     return node
 

@@ -176,7 +176,7 @@ class SharedMemoryCollector(Collector):
     """The same-host data plane's sessions, leases and counts, read at scrape time.
 
     Args:
-        counters: the counts by name (``kvstore.shm.sessions.SessionTable.counters``); may raise to skip them.
+        counters: the counts by name (``kvstore.shm.node.sessions.SessionTable.counters``); may raise to skip them.
     """
 
     GAUGES = {"sessions": "Same-host sessions open.", "leases": "Same-host leases in force.",

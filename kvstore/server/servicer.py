@@ -1,58 +1,49 @@
-"""The thin ``kvstore.v1.KVStore`` servicer: wire messages in, store calls, wire messages out.
+"""The thin ``kvstore.v1.KVStore`` servicer: gRPC's transport for the node's service.
 
 Every method runs inside :meth:`KVStoreServicer._call`, the one place that
-admits the call (``kvstore.server.admission``: token, in-flight slot), counts
-it in the metrics, logs it, and turns a raised kvstore error into its status
-code (``kvstore.status.status_of``). Requests arrive as raw bytes and are
-parsed inside it, so a malformed message is INVALID_ARGUMENT (not gRPC's
+admits a gRPC call (``kvstore.server.admission``: token, in-flight slot),
+counts it in the metrics, logs it, and turns a raised kvstore error into its
+status code (``kvstore.status.status_of``), and then calls the node's service
+(``kvstore.server.service.NodeService``), whose checks and operations a
+same-host session's control channels share. Requests arrive as raw bytes and
+are parsed inside it, so a malformed message is INVALID_ARGUMENT (not gRPC's
 UNKNOWN) and is parsed only after the caller was admitted. With authentication
 on, every namespace must be one of the caller's tenants (``cache_salt``;
 PERMISSION_DENIED otherwise), and with ``limits.tenant_quota_bytes`` a Put must
-fit the tenant's quota (``kvstore.server.limits.TenantQuota``). The data path (chunking
-and reassembly) is in ``kvstore.wire``, so a later same-host zero-copy
-data plane can replace it without touching the servicer's shape.
+fit the tenant's quota (``kvstore.server.limits.TenantQuota``). Get and Put
+stream their blocks, chunked and reassembled by ``kvstore.wire``; the same-host
+methods' bytes move through ``kvstore.shm``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
 import weakref
-from collections import OrderedDict
 from typing import TYPE_CHECKING, AsyncIterator, Sequence, TypeVar
 
 import grpc
 
 from google.protobuf.message import Message
 
-from kvstore.config import Config
 from kvstore.errors import InvalidArgumentError, UnavailableError
-from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, block_key
-from kvstore.server.admission import Admission, Ticket
+from kvstore.keys import Namespace, block_key
+from kvstore.server.admission import Ticket
 from kvstore.server.auth import Principal
-from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
-from kvstore.server.limits import ReplyBudget, StreamWatch, StreamWatchdog, TenantQuota
-from kvstore.server.put_budget import PutBudget
-from kvstore.server.metrics import ServiceMetrics
-from kvstore.server.shared_memory import SharedMemoryMethods
+from kvstore.status import FailedPreconditionError, status_of
+from kvstore.server.limits import ReplyBudget, StreamWatch, StreamWatchdog
+from kvstore.server.service import NodeService
 from kvstore.wire import (
-    MAX_NAMESPACE_WIRE_BYTES,
     BlockAssembler,
     HashRequest,
-    chunk_bytes_for,
     decode_hash_request,
     decode_put_request,
     identity,
     iter_block_chunks,
-    lookup_to_pb,
-    namespace_from_pb,
     parse_request,
-    stats_to_pb,
 )
-from kvstore.store import TieredStore
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -60,18 +51,11 @@ if TYPE_CHECKING:
     from typing import Awaitable
 
     from kvstore.api import Buffer
-    from kvstore.shm.node import SharedMemoryNode
+    from kvstore.shm.node.operations import SameHostOperations
 
 logger = logging.getLogger(__name__)
 
 _H = TypeVar("_H")
-
-NAMESPACE_CACHE_BYTES = 1 << 20
-"""Bytes of validated namespaces a servicer keeps by their wire form (a node serves a handful; 1 MiB holds hundreds)."""
-
-NAMESPACE_ENTRY_OVERHEAD_BYTES = 768
-"""What :class:`NamespaceCache` counts per entry beyond twice its wire bytes: the ``Namespace`` object, its
-strings' headers and root, and the dict's share (CPython 3.11, measured with ``tracemalloc``)."""
 
 DEADLINE_SLACK_S = 0.05
 """A call its client ended this close to the deadline (seconds) is counted as DEADLINE_EXCEEDED, not CANCELLED.
@@ -130,100 +114,34 @@ _REPLY_LOST = _ReplyLostFilter()
 _GRPC_AIO_LOGGER = "grpc._cython.cygrpc"  # the logger of grpc.aio's server (its Cython module)
 
 
-class NamespaceCache:
-    """Validated namespaces by their serialized form, least recently used first out, bounded in bytes.
-
-    Each entry counts twice its wire bytes (the key, and the parsed strings)
-    plus :data:`NAMESPACE_ENTRY_OVERHEAD_BYTES`; the servicer only adds
-    namespaces whose caller was authorized, and the wire form is at most
-    :data:`~kvstore.wire.MAX_NAMESPACE_WIRE_BYTES`, so no caller can make
-    it hold more than ``max_bytes``.
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    """Serves one node's service (:class:`~kvstore.server.service.NodeService`) over gRPC (``grpc.aio``).
 
     Args:
-        max_bytes: the bound, bytes.
-    """
-
-    def __init__(self, max_bytes: int = NAMESPACE_CACHE_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._entries: OrderedDict[bytes, Namespace] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, wire: object) -> bool:
-        return wire in self._entries
-
-    @staticmethod
-    def entry_bytes(wire: bytes) -> int:
-        """The bytes one entry counts for."""
-        return 2 * len(wire) + NAMESPACE_ENTRY_OVERHEAD_BYTES
-
-    def get(self, wire: bytes) -> Namespace | None:
-        """The namespace cached under ``wire``, now the most recently used; ``None`` if none is."""
-        namespace = self._entries.get(wire)
-        if namespace is not None:
-            self._entries.move_to_end(wire)
-        return namespace
-
-    def put(self, wire: bytes, namespace: Namespace) -> None:
-        """Cache ``namespace`` under ``wire``, dropping the least recently used entries past ``max_bytes``."""
-        if wire in self._entries:
-            return
-        self._entries[wire] = namespace
-        self.nbytes += self.entry_bytes(wire)
-        while self.nbytes > self.max_bytes and self._entries:
-            old, _ = self._entries.popitem(last=False)
-            self.nbytes -= self.entry_bytes(old)
-
-
-class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
-    """Serves one :class:`~kvstore.store.TieredStore` over gRPC (``grpc.aio``).
-
-    The same-host methods (Capabilities, Attach, GetShared, PutShared) are in
-    ``kvstore.server.shared_memory``; their bytes move through ``kvstore.shm``.
-
-    Args:
-        store: the started store; the servicer never closes it.
-        config: the whole configuration; ``server.max_message_bytes`` sets the
-            chunk size, ``limits.max_hashes_per_request`` the largest request and
-            ``store.max_block_bytes`` the largest block of a Put,
-            ``limits.tenant_quota_bytes`` the bytes one tenant may hold,
-            ``security.auth_tokens[_file]`` the tokens (see ``admission``).
-        metrics: where to count calls; ``None`` for no metrics.
-        admission: the token check and in-flight limit of every call; built
-            from ``config`` when ``None``.
-        shm: the node's same-host data plane (``kvstore.shm.node``), ``None`` for none.
-
-    Raises:
-        ConfigError: when ``admission`` is ``None`` and the tokens of ``config`` are unusable.
+        service: the node's service (its store, checks and budgets; the servicer closes nothing of it).
 
     Attributes:
-        admission: admits every call (token, in-flight slot).
-        require_sha256: namespaces must use SHA-256 (``security.require_sha256``;
-            when unset, on exactly when authentication is on).
-        quota: the per-tenant byte quota, ``None`` without one.
-        accepting: ``False`` once shutdown began (new calls get UNAVAILABLE).
+        service: as given.
+        events_offer: the node's KV event stream, ``(endpoint, replay_endpoint, topic)`` as bound
+            (``docs/events.md``), offered in Capabilities; ``None`` when it publishes none.
     """
 
-    def __init__(self, store: TieredStore, config: Config, metrics: ServiceMetrics | None = None,
-                 admission: Admission | None = None, shm: SharedMemoryNode | None = None) -> None:
-        self._store = store
-        self.shm = shm
-        self._config = config
-        self._metrics = metrics
-        self._chunk_bytes = chunk_bytes_for(config.server.max_message_bytes)
-        self._max_hashes = config.limits.max_hashes_per_request
-        self._watchdog = StreamWatchdog(config.limits.max_stream_s)
-        self.admission = admission if admission is not None else Admission.from_config(config)
-        security = config.security
-        self._auth = self.admission.authenticates or bool(security.auth_tokens or security.auth_tokens_file)
-        self.require_sha256 = self._auth if security.require_sha256 is None else security.require_sha256
-        self.namespaces = NamespaceCache()  # serialized wire namespace -> validated Namespace, of authorized calls
-        self.quota = TenantQuota.from_config(config, store.namespace_bytes)
-        self.replies = ReplyBudget.from_config(config)
-        self.puts = PutBudget.from_config(config)
-        self.accepting = True
+    def __init__(self, service: NodeService) -> None:
+        self.service = service
+        self._store = service.store
+        self._config = service.config
+        self._metrics = service.metrics
+        self._chunk_bytes = service.chunk_bytes
+        self._max_hashes = service.max_hashes
+        self._watchdog = StreamWatchdog(service.config.limits.max_stream_s)
+        self.admission = service.admission
+        self.replies: ReplyBudget = service.replies
+        self.events_offer: tuple[str, str, str] | None = None
+
+    @property
+    def accepting(self) -> bool:
+        """``False`` once shutdown began (new calls get UNAVAILABLE)."""
+        return self.service.accepting
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the service on ``server``, with the data path's own (de)serializers.
@@ -272,7 +190,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
 
     def begin_shutdown(self) -> None:
         """Refuse every new call with UNAVAILABLE; calls already running go on."""
-        self.accepting = False
+        self.service.accepting = False
 
     def close(self) -> None:
         """Stop the servicer's background work (the stream watchdog), once the gRPC server has stopped."""
@@ -283,10 +201,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
     async def Lookup(self, raw: bytes | pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         """The longest cached prefix of ``request.block_hashes`` and each block's tier."""
         async with self._call("Lookup", context) as call:
-            request = _hash_request(pb.LookupRequest, raw)
-            namespace = self._namespace(request.namespace, call)
-            hashes = self._hashes(request.block_hashes)
-            return lookup_to_pb(await self._store.locate(namespace, hashes), self._store.tier_names)
+            return await self.service.lookup(call.principal, _hash_request(pb.LookupRequest, raw))
         raise AssertionError("unreachable")  # _call re-raises as an abort
 
     async def Get(self, raw: bytes | pb.GetRequest, context: grpc.aio.ServicerContext) -> bytes:
@@ -309,7 +224,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         async with self._call("Get", context) as call:
             namespace_wire, hashes = (decode_hash_request(pb.GetRequest, raw) if type(raw) is bytes
                                       else _hash_request(pb.GetRequest, raw))
-            namespace, hashes = self._namespace(namespace_wire, call), self._hashes(hashes)
+            namespace, hashes = self.service.namespace(namespace_wire, call.principal), self.service.hashes(hashes)
             call.watch(self._watchdog)
             turn = call.reply_turn(self.replies, namespace.cache_salt, len(hashes))  # flow control: None, or wait
             if turn is not None:
@@ -355,7 +270,8 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
                         if namespace is None:
                             if not message.HasField("namespace"):
                                 raise InvalidArgumentError("the first Put message must carry the namespace")
-                            namespace = self._namespace(message.namespace.SerializeToString(), call)
+                            namespace = self.service.namespace(message.namespace.SerializeToString(),
+                                                               call.principal)
                             priority = message.priority if message.HasField("priority") else None
                             retention_s = message.retention_s if message.HasField("retention_s") else None
                         elif message.HasField("namespace"):
@@ -363,7 +279,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
                         if message.block_hash:
                             block_key(namespace, message.block_hash)  # the hash length, before buffering anything
                             assembler.begin(message.block_index, message.total_bytes)
-                            await self.puts.take(peer, namespace.cache_salt, message.total_bytes, held)
+                            await self.service.puts.take(peer, namespace.cache_salt, message.total_bytes, held)
                             held += message.total_bytes
                             hashes.append(message.block_hash)
                         elif not data:
@@ -376,97 +292,90 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
                     raise
                 if namespace is None:
                     return pb.PutResponse(num_stored=0, num_blocks=0)
-                self._check_deadline(context)
-                with self._reserve(namespace, sum(len(b) for b in blocks)):
+                self.service.check_deadline(context.time_remaining())
+                with self.service.reserve(namespace, sum(len(b) for b in blocks)):
                     stored = await self._store.put(namespace, hashes, blocks, priority=priority,
                                                    retention_s=retention_s)
                 return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
             finally:
                 if held:
-                    self.puts.release(peer, namespace.cache_salt if namespace is not None else "", held)
+                    self.service.puts.release(peer, namespace.cache_salt if namespace is not None else "", held)
         raise AssertionError("unreachable")
 
     async def Delete(self, raw: bytes | pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         """Delete blocks from every tier."""
         async with self._call("Delete", context) as call:
-            request = _hash_request(pb.DeleteRequest, raw)
-            namespace = self._namespace(request.namespace, call)
-            hashes = self._hashes(request.block_hashes)
-            return pb.DeleteResponse(num_deleted=await self._store.delete(namespace, hashes))
+            return await self.service.delete(call.principal, _hash_request(pb.DeleteRequest, raw))
         raise AssertionError("unreachable")
 
     async def Clear(self, raw: bytes | pb.ClearRequest, context: grpc.aio.ServicerContext) -> pb.ClearResponse:
         """Delete every block of one namespace (the token must cover its tenant)."""
         async with self._call("Clear", context) as call:
-            request = parse_request(pb.ClearRequest, raw)
-            namespace = self._namespace(request.namespace.SerializeToString(), call)
-            return pb.ClearResponse(num_deleted=await self._store.clear(namespace))
+            return await self.service.clear(call.principal, parse_request(pb.ClearRequest, raw))
         raise AssertionError("unreachable")
 
     async def Stats(self, raw: bytes | pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         """Per-tier counts, summed over every tenant (any valid token may read them)."""
         async with self._call("Stats", context):
             parse_request(pb.StatsRequest, raw)
-            return stats_to_pb(self._store.stats())
+            return self.service.stats()
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ the same-host data plane
+
+    def _same_host(self) -> SameHostOperations:
+        same_host = self.service.same_host
+        if same_host is None or not same_host.offering or not self.accepting:
+            raise FailedPreconditionError("this node offers no same-host data plane; use Get and Put")
+        return same_host
+
+    async def Capabilities(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.CapabilitiesResponse:
+        """What the node offers: a same-host data plane (its host id and handoff socket), its KV event stream."""
+        async with self._call("Capabilities", context):
+            parse_request(pb.CapabilitiesRequest, raw)
+            reply = pb.CapabilitiesResponse()
+            same_host = self.service.same_host
+            if same_host is not None and same_host.offering and self.accepting:
+                reply.shared_memory.host_id, reply.shared_memory.handoff_socket = same_host.offer()
+            if self.events_offer is not None:
+                reply.events.endpoint, reply.events.replay_endpoint, reply.events.topic = self.events_offer
+            return reply
+        raise AssertionError("unreachable")
+
+    async def Attach(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """One client's session: the grant first, then the client's lease releases, until the stream ends.
+
+        The session (its leases, its segments) ends with the stream: when the
+        client closes it, when its process dies and the kernel closes its
+        connection, or when the node begins to shut down.
+        """
+        async with self._call("Attach", context) as call:
+            same_host = self._same_host()
+            session = same_host.open(call.principal, context.invocation_metadata())
+            call.give_back_slot()  # a session lasts as long as its client: max_sessions bounds them, not the slots
+            try:
+                await context.write(same_host.attach_reply(session))
+                await same_host.serve(session, request_iterator)
+            finally:
+                same_host.close(session)
+            return None
+        raise AssertionError("unreachable")
+
+    async def GetShared(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GetSharedResponse:
+        """The blocks of the longest cached prefix under one lease, copied into the session's get segment
+        (gRPC carries no descriptors: only a control channel's GetShared reads the node's pool in place)."""
+        async with self._call("GetShared", context) as call:
+            return await self._same_host().get_shared(call.principal, parse_request(pb.GetSharedRequest, raw), None)
+        raise AssertionError("unreachable")
+
+    async def PutShared(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        """Store the blocks the client staged in its put segment (``kvstore.shm.node.operations``)."""
+        async with self._call("PutShared", context) as call:
+            return await self._same_host().put_shared(call.principal, parse_request(pb.PutSharedRequest, raw),
+                                                      context.time_remaining)
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ helpers
-
-    def _namespace(self, wire: bytes, call: _Call) -> Namespace:
-        """The namespace of a request (its serialized ``Namespace``), once the caller may use its tenant and hash.
-
-        A namespace over :data:`~kvstore.wire.MAX_NAMESPACE_WIRE_BYTES`
-        is refused before it is parsed. Validated namespaces are kept by their
-        serialized form in :attr:`namespaces` (bounded in bytes), so a worker's
-        repeated namespace is parsed once, but only once the caller is allowed
-        to use it: a refused caller leaves nothing behind. The tenant and hash
-        checks run on every call.
-
-        Raises:
-            InvalidArgumentError: on a malformed or oversized namespace (each text field has a limit,
-                ``kvstore.keys.NAMESPACE_FIELD_MAX_BYTES``), or xxh3 where SHA-256 is required.
-            UnauthenticatedError: if authentication is on and the call carries no principal.
-            PermissionDeniedError: if the caller's token does not cover the namespace's ``cache_salt``.
-        """
-        namespace = self.namespaces.get(wire)
-        fresh = namespace is None
-        if namespace is None:
-            if len(wire) > MAX_NAMESPACE_WIRE_BYTES:
-                raise InvalidArgumentError(
-                    f"namespace of {len(wire)} bytes is over the limit of {MAX_NAMESPACE_WIRE_BYTES}; each field has "
-                    f"its own limit: {NAMESPACE_FIELD_MAX_BYTES}")
-            namespace = namespace_from_pb(parse_request(pb.Namespace, wire))
-        if self._auth:
-            if call.principal is None:  # fail closed: an authenticating node never serves an anonymous call
-                raise UnauthenticatedError("authentication is on but this call was not authenticated")
-            call.principal.authorize(namespace.cache_salt)
-        if self.require_sha256 and namespace.hash_algorithm is not HashAlgorithm.SHA256:
-            raise InvalidArgumentError(
-                "this server requires namespace.hash_algorithm='sha256' (security.require_sha256, on by default "
-                "with authentication): xxh3 collisions can be forced, so untrusted clients must hash with SHA-256"
-            )
-        if fresh:
-            self.namespaces.put(wire, namespace)
-        return namespace
-
-    def _reserve(self, namespace: Namespace, incoming_bytes: int) -> contextlib.AbstractContextManager[None]:
-        if self.quota is None:
-            return contextlib.nullcontext()
-        return self.quota.reserve(namespace, incoming_bytes)
-
-    def _hashes(self, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
-        if len(block_hashes) > self._max_hashes:
-            raise InvalidArgumentError(
-                f"{len(block_hashes)} block hashes is over max_hashes_per_request={self._max_hashes}; "
-                "split the request"
-            )
-        return block_hashes
-
-    @staticmethod
-    def _check_deadline(context: grpc.aio.ServicerContext) -> None:
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            raise DeadlineExceededError("the deadline passed before the blocks were stored")
 
     def _call(self, method: str, context: grpc.aio.ServicerContext) -> _Call:
         """The scope of one call (``async with self._call(...) as call``): see :class:`_Call`."""

@@ -10,7 +10,10 @@ little-endian::
     reply    body bytes (u32) | code (u8) | 0 (u8) | 0 (u16)                  | body
 
 ``kind`` is one of :data:`KINDS`; its body is the serialized protobuf request
-of the gRPC method of that name (the same message, the same checks). The
+of the gRPC method of that name (the same message, the same checks). A reply
+may carry up to :data:`MAX_REPLY_DESCRIPTORS` file descriptors (``SCM_RIGHTS``,
+sent with its head): a GetShared reply's new slabs, in the order its
+``new_slabs`` names them. The
 ``deadline`` is ``CLOCK_MONOTONIC`` seconds (``time.monotonic()``, one clock for
 every process of a host), ``0`` for none. ``code`` is a gRPC status code's
 number: ``0`` (OK) with the serialized reply, any other with the status's
@@ -39,6 +42,10 @@ is far smaller)."""
 
 MAX_CHANNELS = 16
 """The most control channels a client may ask for at a handoff."""
+
+MAX_REPLY_DESCRIPTORS = 32
+"""The most file descriptors one reply carries (``SCM_RIGHTS`` with its head: the shared pool's slabs a
+GetShared reply names for the first time; the client makes room for this many)."""
 
 
 class FrameError(ValueError):

@@ -25,6 +25,7 @@ LWN 591108): memory shared with a process one does not trust.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -47,6 +48,54 @@ READ_ONLY = 0o400
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 """``fcntl(2)``: no new writable mapping and no ``write(2)``, by anyone; mappings made before keep writing
 (Linux 5.1; ``include/uapi/linux/fcntl.h``, the value where Python's ``fcntl`` lacks the name)."""
+
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+"""``madvise(2)``: fault in a range's pages for reading now (Linux 5.14; ``include/uapi/asm-generic/mman-common.h``)."""
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+"""``madvise(2)``: fault in a range's pages for writing now (Linux 5.14)."""
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, nbytes: int, writable: bool) -> tuple[int, memoryview]:
+    """Map ``fd`` shared: its address, and a byte view that owns the mapping (it is unmapped once neither that view
+    nor any view made from it is left).
+
+    ``mmap(2)`` is called directly rather than through Python's ``mmap`` module,
+    which keeps a duplicate of the descriptor for as long as the mapping lives
+    (``trackfd`` came only in Python 3.13): a segment used through its mapping
+    alone must leave no descriptor in ``/proc/<pid>/fd`` for another process of
+    the same uid to reopen (:meth:`Segment.drop_descriptor`).
+
+    Raises:
+        OSError: if the kernel refuses.
+    """
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    address = _libc.mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    memory = (ctypes.c_ubyte * nbytes).from_address(address)
+    weakref.finalize(memory, _libc.munmap, address, nbytes)
+    return address, memoryview(memory).cast("B")
+
+
+def _madvise(address: int, nbytes: int, advice: int) -> None:
+    """``madvise(2)`` on ``[address, address + nbytes)``.
+
+    Raises:
+        OSError: if the kernel refuses.
+    """
+    if _libc.madvise(address, nbytes, advice) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
 
 
 class SegmentError(KVStoreError):
@@ -79,10 +128,10 @@ class Segment:
         self.fd = fd
         self.nbytes = nbytes
         self.writable = writable
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
-        self.view = memoryview(self._map)
+        self._address, view = _map(fd, nbytes, writable)
+        self.view = view if writable else view.toreadonly()
         self._close_fd = weakref.finalize(self, os.close, fd)  # also when it is dropped unclosed
+        self._closed = False
         self.sealed_writes = False
 
     @classmethod
@@ -188,14 +237,31 @@ class Segment:
         if self.sealed_writes or not self.writable or self.closed or nbytes <= 0:
             return False
         try:
-            self._map.madvise(mmap.MADV_REMOVE, offset, nbytes)
+            _madvise(self._address + offset, nbytes, mmap.MADV_REMOVE)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def populate(self, nbytes: int, *, write: bool = False) -> bool:
+        """Map in the pages of ``[0, nbytes)`` now (``madvise(MADV_POPULATE_READ)``, or ``_WRITE``; Linux 5.14), in
+        one call rather than a page fault per page on first use. Pages not yet in the file are allocated.
+
+        Returns:
+            Whether the kernel did it (``False`` on an older kernel, or a closed segment: pages then fault in as
+            they are used).
+        """
+        nbytes = min(nbytes, self.nbytes)
+        if self.closed or nbytes <= 0:
+            return False
+        try:
+            _madvise(self._address, nbytes, MADV_POPULATE_WRITE if write else MADV_POPULATE_READ)
         except (OSError, ValueError):
             return False
         return True
 
     def resident_bytes(self) -> int:
         """Bytes of memory the segment's pages take now (``st_blocks`` × 512), whoever mapped them; 0 once closed."""
-        if self.closed:
+        if not self.has_descriptor:
             return 0
         try:
             return os.fstat(self.fd).st_blocks * 512
@@ -207,7 +273,7 @@ class Segment:
         return stat.S_IMODE(os.fstat(self.fd).st_mode)
 
     def close(self) -> None:
-        """Close this side's file descriptor; idempotent.
+        """Close this side's file descriptor, and use the segment no more; idempotent.
 
         The mapping stays until the last reference to this segment, or to a
         view of it, goes (CPython frees it then): a call still copying, or a
@@ -215,12 +281,28 @@ class Segment:
         ``torch.frombuffer`` keeps no buffer export, so an explicit unmap would
         leave such a tensor pointing at nothing.
         """
+        self._closed = True
+        self._close_fd()
+
+    def drop_descriptor(self) -> None:
+        """Close this side's file descriptor but go on using the mapping (idempotent).
+
+        Once neither side holds a descriptor, no other process can open the
+        segment: ``/proc/<pid>/fd`` lists none, and ``/proc/<pid>/map_files``
+        opens a mapping only for ``CAP_SYS_ADMIN``. :meth:`read_only_fd`,
+        :meth:`resident_bytes` and :meth:`mode` need the descriptor.
+        """
         self._close_fd()
 
     @property
+    def has_descriptor(self) -> bool:
+        """Whether this side still holds the segment's file descriptor."""
+        return self._close_fd.alive
+
+    @property
     def closed(self) -> bool:
-        """Whether this side's descriptor is closed."""
-        return not self._close_fd.alive
+        """Whether this side is done with the segment (:meth:`close`)."""
+        return self._closed
 
     def __repr__(self) -> str:
         return f"Segment(fd={self.fd}, {self.nbytes} bytes, {'rw' if self.writable else 'ro'})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvstore.api import Buffer
 from kvstore.errors import InvalidArgumentError, KVStoreError
@@ -208,11 +208,15 @@ class TierLease(NamedTuple):
         framed: per key, the stored framed value (the :data:`Framing` head, then
             the block), where the tier holds one (the heap tier, built with a
             framing), else ``None``; ``None`` for a tier that frames nothing.
+        places: per key, where the block lies in memory other processes may map (the shared pool's
+            ``(slab_id, offset)``, ``kvstore.shm.node.pool.Place``), else ``None``; ``None`` for a tier whose
+            memory no other process maps.
     """
 
     values: list[Buffer | None]
     release: Callable[[], None]
     framed: list[bytes | None] | None = None
+    places: list[Any] | None = None
 
 
 @runtime_checkable

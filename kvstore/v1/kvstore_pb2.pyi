@@ -230,26 +230,44 @@ class AttachReply(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., grant: _Optional[bytes] = ..., get_segment_bytes: _Optional[int] = ..., put_segment_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., grant_s: _Optional[float] = ...) -> None: ...
 
 class GetSharedRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "session_id")
+    __slots__ = ("namespace", "block_hashes", "session_id", "in_place")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: int
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[int] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[int] = ..., in_place: _Optional[bool] = ...) -> None: ...
+
+class SlabOffer(_message.Message):
+    __slots__ = ("slab_id", "nbytes", "touched")
+    SLAB_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    slab_id: int
+    nbytes: int
+    touched: int
+    def __init__(self, slab_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., touched: _Optional[int] = ...) -> None: ...
 
 class GetSharedResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "sizes", "no_room")
+    __slots__ = ("lease_id", "offsets", "sizes", "no_room", "slabs", "new_slabs", "retired_slabs")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     NO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    SLABS_FIELD_NUMBER: _ClassVar[int]
+    NEW_SLABS_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_SLABS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     no_room: bool
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., no_room: _Optional[bool] = ...) -> None: ...
+    slabs: _containers.RepeatedScalarFieldContainer[int]
+    new_slabs: _containers.RepeatedCompositeFieldContainer[SlabOffer]
+    retired_slabs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., no_room: _Optional[bool] = ..., slabs: _Optional[_Iterable[int]] = ..., new_slabs: _Optional[_Iterable[_Union[SlabOffer, _Mapping]]] = ..., retired_slabs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutSharedRequest(_message.Message):
     __slots__ = ("namespace", "session_id", "priority", "retention_s", "block_hashes", "offsets", "sizes")

@@ -60,7 +60,7 @@ def test_a_field_over_its_limit_is_invalid_argument_naming_it_and_is_not_cached(
         message = _wire_namespace(**{field: "x" * (NAMESPACE_FIELD_MAX_BYTES[field] + 1)})
         code, details = _code(lambda: stub.Lookup(pb.LookupRequest(namespace=message, block_hashes=[b"\0" * 16])))
         assert code is grpc.StatusCode.INVALID_ARGUMENT and field in details
-        assert message.SerializeToString() not in open_server.server.servicer.namespaces
+        assert message.SerializeToString() not in open_server.server.service.namespaces
     finally:
         channel.close()
 
@@ -78,7 +78,7 @@ def test_a_huge_namespace_is_refused_before_it_is_parsed(open_server: ThreadedSe
             assert len(details) < 1024  # the message does not echo the field
         code, _ = _code(lambda: list(stub.Get(pb.GetRequest(namespace=message, block_hashes=[b"\0" * 16]))))
         assert code is grpc.StatusCode.INVALID_ARGUMENT
-        assert len(open_server.server.servicer.namespaces) < 8
+        assert len(open_server.server.service.namespaces) < 8
     finally:
         channel.close()
 
@@ -90,7 +90,7 @@ def test_refused_callers_leave_nothing_in_the_namespace_cache() -> None:
     channel = raw_channel(server)
     stub = pb_grpc.KVStoreStub(channel)
     try:
-        cache = server.server.servicer.namespaces
+        cache = server.server.service.namespaces
         md = bearer_metadata(TOKEN_A)
         for i in range(50):  # tenant A asking for other tenants' namespaces
             other = namespace_to_pb(sha_namespace(f"tenant-b-{i}"))

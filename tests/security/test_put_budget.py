@@ -61,7 +61,7 @@ def test_stalled_puts_keep_the_node_within_its_put_budget_while_another_connecti
     hashes, tensors = kv_blocks(ns, 8, num_layers=8, num_kv_heads=8, head_dim=128)  # 8 blocks of 512 KiB
     blocks = [encode_block(t) for t in tensors]
     server = ThreadedServer(make_config(**{"limits.connection_put_bytes": 2 * len(blocks[0])}))  # two blocks
-    budget = server.server.servicer.puts
+    budget = server.server.service.puts
     good_hashes, good_tensors = kv_blocks(good_ns, 4, num_layers=8, num_kv_heads=8, head_dim=128)
     hold: queue.SimpleQueue[None] = queue.SimpleQueue()
     channel = grpc.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)])

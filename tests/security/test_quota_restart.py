@@ -34,7 +34,7 @@ def test_a_tenant_over_its_quota_after_a_restart_is_refused_its_next_put(tmp_pat
                                              "store.disk.capacity_bytes": 64 * MiB,
                                              "limits.tenant_quota_bytes": 2 * footprint}))
     try:  # now the quota is 2 blocks (the operator lowered it), and tenant A holds 3 from before the restart
-        quota = restarted.server.servicer.quota
+        quota = restarted.server.service.quota
         assert quota is not None
         with client_of(restarted, TOKEN_A) as a, client_of(restarted, TOKEN_B) as b:
             assert a.lookup(ns_a, hashes).num_blocks == 3  # restored

@@ -117,7 +117,7 @@ def test_budgets_must_be_positive() -> None:
 def test_stalled_readers_keep_the_node_within_its_budget_while_another_connection_is_served() -> None:
     server = ThreadedServer(make_config(**{"limits.connection_reply_bytes": 4 * MiB,
                                            "limits.max_hashes_per_request": 64}))
-    budget = server.server.servicer.replies
+    budget = server.server.service.replies
     stalled_ns, good_ns = Namespace("stalled-model"), Namespace("good-model")
     hashes, tensors = kv_blocks(stalled_ns, 8, num_layers=8, num_kv_heads=8, head_dim=128)  # 8 blocks of 1 MiB
     good_hashes, good_tensors = kv_blocks(good_ns, 4, num_layers=4, num_kv_heads=4, head_dim=64)
@@ -188,7 +188,7 @@ def test_many_concurrent_gets_on_one_connection_all_complete_under_a_small_budge
             for thread in threads:
                 thread.join(120)
             assert results == [True] * 40
-        assert server.server.servicer.replies.num_waited > 0  # they took turns
-        wait_until(lambda: server.server.servicer.replies.held_bytes() == 0, 30, "every reply's bytes released")
+        assert server.server.service.replies.num_waited > 0  # they took turns
+        wait_until(lambda: server.server.service.replies.held_bytes() == 0, 30, "every reply's bytes released")
     finally:
         server.stop()

@@ -296,7 +296,7 @@ def test_a_bad_namespace_is_refused_every_time_and_never_cached(stub: pb_grpc.KV
         assert code == INVALID and "block_size" in details
         code, _ = _code_of(lambda: list(stub.Get(pb.GetRequest(namespace=bad, block_hashes=hashes))))
         assert code == INVALID
-    assert bad.SerializeToString() not in server.server.servicer.namespaces
+    assert bad.SerializeToString() not in server.server.service.namespaces
     good = namespace_to_pb(ns)
     assert stub.Lookup(pb.LookupRequest(namespace=good, block_hashes=hashes)).num_blocks == 2
     assert len(list(stub.Get(pb.GetRequest(namespace=good, block_hashes=hashes)))) == 2
@@ -321,7 +321,7 @@ def test_namespaces_that_differ_in_one_field_are_not_confused(stub: pb_grpc.KVSt
 
 def test_the_namespace_cache_is_bounded_in_bytes_and_keeps_the_most_recent(client: KVStoreClient,
                                                                             server: ThreadedServer) -> None:
-    cache = server.server.servicer.namespaces
+    cache = server.server.service.namespaces
     namespaces = [namespace() for _ in range(5)]
     entry_bytes = cache.entry_bytes(namespace_to_pb(namespaces[0]).SerializeToString())
     old_max, cache.max_bytes = cache.max_bytes, 2 * entry_bytes + entry_bytes // 2  # room for two
@@ -351,7 +351,7 @@ def test_a_cached_namespace_is_still_checked_for_sha256_on_every_call(fresh_serv
         for _ in range(2):
             code, details = _code_of(lambda: stub.Lookup(pb.LookupRequest(namespace=xxh3, block_hashes=[b"\x00" * 16])))
             assert code == INVALID and "sha256" in details
-            assert xxh3.SerializeToString() not in fresh_server.server.servicer.namespaces  # refused: not kept
+            assert xxh3.SerializeToString() not in fresh_server.server.service.namespaces  # refused: not kept
         assert stub.Lookup(pb.LookupRequest(namespace=sha, block_hashes=[b"\x00" * 32])).num_blocks == 0
     finally:
         channel.close()

@@ -91,7 +91,7 @@ def _in_child(work: Callable[[], bytes], *, use_multiprocessing: bool) -> bytes:
 @pytest.mark.slow
 # Issue 32 item 8: the parent's same-host session keeps its Attach stream in flight, and gRPC's thread polling it
 # made gRPC skip its fork handlers; the child then aborted in gRPC's poller about one run in four. The client now
-# ends its sessions before a fork (kvstore.shm.link.SharedMemoryLink.end_for_fork); no retries, no xfail.
+# ends its sessions before a fork (kvstore.shm.client.link.SharedMemoryLink.end_for_fork); no retries, no xfail.
 @pytest.mark.parametrize("use_multiprocessing", [False, True], ids=["os.fork", "multiprocessing-fork"])
 def test_sync_client_works_in_a_forked_child(node: KVNode, use_multiprocessing: bool) -> None:
     ns = namespace()

@@ -190,6 +190,7 @@ def test_a_stalled_get_of_ready_replies_survives_delete_eviction_and_new_bytes(t
     small = MESSAGE // 2  # one message each: stored as ready replies
     server = ThreadedServer(make_config(**{"server.max_message_bytes": MESSAGE,
                                            "store.memory.capacity_bytes": 8 * (small + 64),
+                                           "store.memory.storage": "heap",
                                            "store.disk.path": str(tmp_path / "disk")}))
     try:
         assert type(server.server.store.tiers[0]).__name__ == "HeapTier"

@@ -206,7 +206,7 @@ def test_a_get_whose_last_message_stalls_keeps_its_in_flight_slot_until_it_is_re
         stub = pb_grpc.KVStoreStub(channel)
         request = pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=[b"\x01" * 16])
         stalled = [stub.Get(request, timeout=30) for _ in range(2)]  # sent, never read yet
-        inflight = server.server.servicer.admission.inflight
+        inflight = server.server.service.admission.inflight
         for _ in range(100):  # a fresh channel may start them after the first probe below: wait until they hold
             if sum(inflight.snapshot().values()) == 2:  # both slots (else the probes fit in and never fail)
                 break

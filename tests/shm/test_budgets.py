@@ -12,7 +12,7 @@ import torch
 
 from kvstore.keys import hash_blocks
 from kvstore.security import bearer_metadata
-from kvstore.shm.sessions import SessionTable
+from kvstore.shm.node.sessions import SessionTable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import namespace_to_pb
@@ -195,7 +195,7 @@ def test_the_65th_session_of_one_tenant_is_refused_while_another_tenant_attaches
 def test_a_puts_pages_past_the_warm_part_of_the_put_segment_go_back_once_the_node_has_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from kvstore.client import KVStoreClient
-    from kvstore.shm import link
+    from kvstore.shm.client import link
     from tests.support.server import kv_blocks, make_config, namespace
 
     monkeypatch.setattr(link, "PUT_WARM_BYTES", 1 << 20)  # 1 MiB stays resident, as 32 MiB does by default

@@ -1,4 +1,4 @@
-"""A same-host session's control channels (kvstore.shm.control, kvstore.server.shm_control): round trips over
+"""A same-host session's control channels (kvstore.shm.client.control, kvstore.shm.node.control): round trips over
 them, and what a broken, malformed, oversized or foreign use of them does: a clear error, the node healthy."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from kvstore.codec import encode_block
 from kvstore.keys import hash_blocks
 from kvstore.security import bearer_metadata
-from kvstore.shm import control as control_module
+from kvstore.shm.client import control as control_module
 from kvstore.shm.frames import GET_SHARED, LOOKUP, PUT_SHARED, REPLY_HEAD, pack_request, unpack_reply_head
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import namespace_to_pb
@@ -42,7 +42,7 @@ class ChannelSession(RawSession):
     (version 2): :attr:`channels` are its raw sockets."""
 
     def __init__(self, target: str, metadata: tuple[tuple[str, str], ...], channels: int = 2) -> None:
-        from kvstore.shm.handoff import redeem_grant
+        from kvstore.shm.client.handoff import redeem_grant
 
         original = redeem_grant
 
@@ -215,7 +215,7 @@ def test_a_sessions_end_closes_its_channels(node: ThreadedServer) -> None:
 
 def test_a_node_that_predates_the_channels_still_gives_the_segments(node: ThreadedServer,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstore.shm import link as link_module
+    from kvstore.shm.client import link as link_module
     from kvstore.shm.handoff import NOT_A_HANDOFF, HandoffRefused
 
     real = link_module.redeem_grant

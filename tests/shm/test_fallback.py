@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.server.shared_memory import SharedMemoryMethods
-from kvstore.shm import link
+from kvstore.server.servicer import KVStoreServicer
+from kvstore.shm.client import link
 from tests.support.server import ThreadedServer, kv_blocks, make_config, namespace, scrape
 
 
@@ -43,7 +43,7 @@ def node(request: pytest.FixtureRequest) -> Iterator[ThreadedServer]:
 
 @pytest.mark.parametrize("node", [{"shared_memory.enabled": False}], indirect=True)
 def test_a_node_that_offers_none_is_used_over_grpc(node: ThreadedServer, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="kvstore.shm.link"), KVStoreClient(node.target, retries=0) as client:
+    with caplog.at_level(logging.INFO, logger="kvstore.shm.client.link"), KVStoreClient(node.target, retries=0) as client:
         round_trip(client)
         round_trip(client)
         assert client.shared_memory() == ("the node offers none",)
@@ -63,7 +63,7 @@ def test_a_node_older_than_the_data_plane_is_used_over_grpc(monkeypatch: pytest.
     async def unimplemented(self: Any, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
-    monkeypatch.setattr(SharedMemoryMethods, "Capabilities", unimplemented)
+    monkeypatch.setattr(KVStoreServicer, "Capabilities", unimplemented)
     server = ThreadedServer(make_config())
     try:
         with KVStoreClient(server.target, retries=0) as client:
@@ -104,6 +104,6 @@ def test_a_node_that_stops_offering_it_is_used_over_grpc_without_an_error(node: 
     with KVStoreClient(node.target, retries=0) as client:
         round_trip(client)
         assert client.shared_memory() == ("attached",)
-        node.server.servicer.shm = None  # type: ignore[union-attr]  # the node forgets its sessions
+        node.server.service.same_host.offering = False  # type: ignore[union-attr]  # it stops offering the path
         round_trip(client)  # FAILED_PRECONDITION: the client re-attaches, learns there is none, uses gRPC
         assert client.shared_memory() == ("the node offers none",)

@@ -11,8 +11,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from kvstore.shm import handoff
-from kvstore.shm.handoff import HandoffRefused, HandoffServer, redeem_grant
+from kvstore.shm.client.handoff import redeem_grant
+from kvstore.shm.handoff import HandoffRefused
+from kvstore.shm.node import handoff
+from kvstore.shm.node.handoff import HandoffServer
 from kvstore.shm.segment import Segment
 
 GRANT = bytes(range(32))
@@ -85,7 +87,7 @@ def test_anything_but_a_handoff_request_is_refused(served: tuple[HandoffServer, 
 def test_a_connection_that_sends_nothing_is_closed(served: tuple[HandoffServer, list[bytes], Segment],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     server, _, _ = served
-    monkeypatch.setattr(handoff, "HANDOFF_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(handoff, "REQUEST_TIMEOUT_S", 0.2)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(30.0)
         sock.connect(server.address)

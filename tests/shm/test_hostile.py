@@ -19,7 +19,8 @@ from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.keys import hash_blocks
 from kvstore.security import bearer_metadata
-from kvstore.shm.handoff import HandoffRefused, redeem_grant
+from kvstore.shm.client.handoff import redeem_grant
+from kvstore.shm.handoff import HandoffRefused
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import namespace_to_pb
 from tests.support.security import TOKEN_A, TOKEN_B, client_of, sha_namespace

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import numpy as np
 import pytest
 import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, hash_blocks
+from kvstore.shm.node.pool import SharedPool
 from tests.support.server import MiB, ThreadedServer, finished_calls, make_config, namespace, scrape
 from tests.support.waiting import wait_until
 
@@ -42,6 +42,16 @@ def small_node() -> Iterator[ThreadedServer]:
     node.stop()
 
 
+@pytest.fixture()
+def copying_node() -> Iterator[ThreadedServer]:
+    """As :func:`small_node`, with its memory tier on the heap: every Get is copied into the get segment (as a
+    Get of blocks read from disk or Redis is), which is what the segment's room bounds."""
+    node = ThreadedServer(make_config(**{"store.memory.capacity_bytes": 2 * MiB, "store.memory.storage": "heap",
+                                         "shared_memory.segment_bytes": MiB}))
+    yield node
+    node.stop()
+
+
 def test_a_leased_range_is_never_written_while_its_blocks_are_deleted_cleared_evicted_or_put_again(
         small_node: ThreadedServer) -> None:
     ns = namespace(block_size=16)
@@ -65,24 +75,19 @@ def test_a_leased_range_is_never_written_while_its_blocks_are_deleted_cleared_ev
         # the get_into calls release their leases without waiting for the node: wait for those releases to land
         wait_until(lambda: counts(small_node)["leases"] == 1, 30, "the get_into leases' releases reached the node")
         assert counts(small_node)["leases_expired"] == 0
-        offset = _offset(lease.blocks[0], client)
+        pool = small_node.server.store.tiers[0]
+        assert isinstance(pool, SharedPool)
+        assert small_node.call(_held(pool)) > 0  # the deleted blocks' ranges: kept for the lease, not reused
         lease.release()
         wait_until(lambda: counts(small_node)["leases"] == 0, 30, "the release reached the node")
+        assert small_node.call(_held(pool)) == 0  # given back with the lease
         again = client.read(ns, hashes)
-        assert _offset(again.blocks[0], client) == offset  # the range is reused once released: the lease kept it
         assert [bytes(b) for b in again.blocks] != held
         again.release()
 
 
-def _offset(view: memoryview, client: KVStoreClient) -> int:
-    """Where a leased block's view starts in the client's get segment, bytes."""
-    session = client._links[0].current()
-    assert session is not None
-    return _address(view) - _address(session.get_segment.view)
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+async def _held(pool: SharedPool) -> int:
+    return pool.held_bytes
 
 
 @pytest.mark.slow
@@ -104,7 +109,7 @@ def test_a_lease_not_released_expires_and_its_range_comes_back() -> None:
         node.stop()
 
 
-def test_a_prefix_larger_than_the_segment_goes_over_grpc(small_node: ThreadedServer) -> None:
+def test_a_prefix_larger_than_the_segment_is_read_in_place(small_node: ThreadedServer) -> None:
     ns = namespace(block_size=256)
     hashes, tensors = blocks_of(ns, 6, fill=4)  # 6 x 256 KiB: more than the 1 MiB segment
     with KVStoreClient(small_node.target, retries=0) as client:
@@ -112,26 +117,56 @@ def test_a_prefix_larger_than_the_segment_goes_over_grpc(small_node: ThreadedSer
         into = [torch.empty_like(t) for t in tensors[:4]]
         assert client.get_into(ns, hashes[:4], into) == 4
         assert all(torch.equal(a, b) for a, b in zip(into, tensors))
-        assert finished_calls(small_node, "Get", 1) == 1 and counts(small_node)["no_room"] == 1
+        assert finished_calls(small_node, "GetShared", 1) == 1 and counts(small_node)["no_room"] == 0
+        assert calls(small_node, "Get") == 0  # where the blocks lie in the pool: the segment's room is not needed
+
+
+def test_a_prefix_larger_than_the_segment_goes_over_grpc(copying_node: ThreadedServer) -> None:
+    ns = namespace(block_size=256)
+    hashes, tensors = blocks_of(ns, 6, fill=4)  # 6 x 256 KiB: more than the 1 MiB segment
+    with KVStoreClient(copying_node.target, retries=0) as client:
+        client.put(ns, hashes[:4], tensors[:4])
+        into = [torch.empty_like(t) for t in tensors[:4]]
+        assert client.get_into(ns, hashes[:4], into) == 4
+        assert all(torch.equal(a, b) for a, b in zip(into, tensors))
+        assert finished_calls(copying_node, "Get", 1) == 1 and counts(copying_node)["no_room"] == 1
         assert client.shared_memory() == ("attached",)  # one call went over gRPC; the session stays
 
 
-def test_a_full_segment_sends_gets_over_grpc_until_leases_come_back(small_node: ThreadedServer) -> None:
+def test_a_full_segment_sends_gets_over_grpc_until_leases_come_back(copying_node: ThreadedServer) -> None:
     ns = namespace(block_size=64)
     hashes, tensors = blocks_of(ns, 4, fill=5)  # 4 x 64 KiB
-    with KVStoreClient(small_node.target, retries=0) as client:
+    with KVStoreClient(copying_node.target, retries=0) as client:
         client.put(ns, hashes, tensors)
         # 3 x 260 KiB (blocks and their headers) leave no room for a fourth prefix in the 1 MiB segment
         leases = [client.read(ns, hashes) for _ in range(3)]
-        assert finished_calls(small_node, "GetShared", 3) == 3 and counts(small_node)["no_room"] == 0
+        assert finished_calls(copying_node, "GetShared", 3) == 3 and counts(copying_node)["no_room"] == 0
         assert [bytes(b) for b in client.get(ns, hashes)] == [bytes(b) for b in leases[0].blocks]
-        assert counts(small_node)["no_room"] == 1  # refused over the data plane (a GetShared), then sent over gRPC
-        assert finished_calls(small_node, "Get", 1) == 1 and finished_calls(small_node, "GetShared", 4) == 4
+        assert counts(copying_node)["no_room"] == 1  # refused over the data plane (a GetShared), then over gRPC
+        assert finished_calls(copying_node, "Get", 1) == 1 and finished_calls(copying_node, "GetShared", 4) == 4
         for lease in leases:
             lease.release()
-        wait_until(lambda: counts(small_node)["leases"] == 0, 30, "the releases reached the node")
+        wait_until(lambda: counts(copying_node)["leases"] == 0, 30, "the releases reached the node")
         client.get(ns, hashes)
-        assert finished_calls(small_node, "GetShared", 5) == 5 and calls(small_node, "Get") == 1
+        assert finished_calls(copying_node, "GetShared", 5) == 5 and calls(copying_node, "Get") == 1
+
+
+def test_leases_in_place_count_against_the_tenant_budget() -> None:
+    node = ThreadedServer(make_config(**{"shared_memory.tenant_leased_bytes": MiB}))
+    try:
+        ns = namespace(block_size=64)
+        hashes, tensors = blocks_of(ns, 4, fill=7)  # 4 x 64 KiB, read in place
+        with KVStoreClient(node.target, retries=0) as client:
+            client.put(ns, hashes, tensors)
+            leases = [client.read(ns, hashes) for _ in range(3)]  # 3 x 260 KiB of the 1 MiB budget
+            assert counts(node)["leased_bytes"] >= 3 * 4 * 64 * 1024
+            assert [bytes(b) for b in client.get(ns, hashes)] == [bytes(b) for b in leases[0].blocks]
+            assert counts(node)["tenant_budget_no_room"] == 1  # the fourth: over gRPC
+            for lease in leases:
+                lease.release()
+            wait_until(lambda: counts(node)["leased_bytes"] == 0, 30, "the releases reached the node")
+    finally:
+        node.stop()
 
 
 def test_a_put_larger_than_the_put_segment_goes_over_grpc(small_node: ThreadedServer) -> None:

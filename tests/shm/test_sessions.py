@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.errors import ResourceExhaustedError
 from kvstore.shm.segment import Segment
-from kvstore.shm.sessions import SessionTable, UnknownSessionError
+from kvstore.shm.node.sessions import SessionTable, UnknownSessionError
 from kvstore.status import PermissionDeniedError
 
 

@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from kvstore.keys import hash_blocks
-from kvstore.shm.handoff import redeem_grant
+from kvstore.shm.client.handoff import redeem_grant
 from kvstore.shm.segment import Segment
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

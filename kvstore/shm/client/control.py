@@ -5,7 +5,9 @@ handoff's version 2, ``kvstore.shm.handoff``): Unix socket pairs whose other
 ends the node serves, each one call at a time (``kvstore.shm.frames``). Only
 this process holds them, so they need no token of their own: every call on
 them is admitted by the node as the session's ``Attach`` call was (its token
-checked again, call by call, by the same rules as gRPC's).
+checked again, call by call, by the same rules as gRPC's). A reply may carry
+file descriptors (``SCM_RIGHTS``): the slabs of the node's shared pool a
+GetShared reply names for the first time, handed to :attr:`ControlChannels.on_descriptors`.
 
 A call that fails on a channel reports a gRPC status (:class:`ControlError`,
 a ``grpc.RpcError``), so the client's retry and fallback logic treat it as
@@ -29,7 +31,7 @@ from typing import Any, Callable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvstore.shm.frames import REPLY_HEAD, FrameError, pack_request, unpack_reply_head
+from kvstore.shm.frames import MAX_REPLY_DESCRIPTORS, REPLY_HEAD, FrameError, pack_request, unpack_reply_head
 
 CHANNELS_ENV = "KVSTORE_SHM_CONTROL_CHANNELS"
 """The environment variable setting how many control channels a client asks for (``0``: control over gRPC)."""
@@ -74,9 +76,14 @@ class ControlChannels:
 
     Args:
         fds: the client ends of the channels, connected Unix stream sockets (this object owns them).
+
+    Attributes:
+        on_descriptors: ``(reply, fds)``, called with a reply that came with file descriptors, before the
+            reply is returned; it owns them from then on. ``None``: they are closed.
     """
 
     def __init__(self, fds: list[int]) -> None:
+        self.on_descriptors: Callable[[Message, list[int]], None] | None = None
         self._idle: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._all: set[socket.socket] = set()
@@ -114,17 +121,20 @@ class ControlChannels:
             raise ControlError(grpc.StatusCode.DEADLINE_EXCEEDED, "no free control channel before the deadline") \
                 from None
         kept = False
+        fds: list[int] = []
         try:
             sock.settimeout(None if deadline is None else max(1e-3, deadline - time.monotonic()))
             sock.sendall(pack_request(kind, body, deadline))
-            code_bytes = _recv_exactly(sock, REPLY_HEAD.size)
+            code_bytes = _recv_head(sock, fds)
             nbytes, code = unpack_reply_head(code_bytes)
             payload = _recv_exactly(sock, nbytes) if nbytes else b""
             kept = True
         except (socket.timeout, TimeoutError):
+            _close_all(fds)
             raise ControlError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the node's reply") \
                 from None
         except (OSError, EOFError, FrameError) as exc:  # the node closes channels only as the session ends
+            _close_all(fds)
             raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"the session's control channel closed (the session ended): {exc}") from None
         finally:
@@ -133,12 +143,20 @@ class ControlChannels:
             else:
                 self._drop(sock)
         if code:
+            _close_all(fds)
             raise ControlError(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
         try:
-            return reply_type.FromString(payload)
+            reply = reply_type.FromString(payload)
         except DecodeError as exc:
+            _close_all(fds)
             raise ControlError(grpc.StatusCode.INTERNAL, f"malformed {reply_type.__name__} from the node: {exc}") \
                 from None
+        if fds:
+            if self.on_descriptors is None:
+                _close_all(fds)
+            else:
+                self.on_descriptors(reply, fds)
+        return reply
 
     def method(self, kind: int, reply_type: type[Message], aio: bool) -> Callable[..., Any]:
         """A callable with a gRPC unary multicallable's signature (``request, timeout=, metadata=``) making this
@@ -178,6 +196,33 @@ class ControlChannels:
             except queue.Empty:
                 return
             self._drop(sock)
+
+
+def _recv_head(sock: socket.socket, fds: list[int]) -> bytes:
+    """A reply's head, and the descriptors that came with it (appended to ``fds``, which the caller then owns).
+
+    Raises:
+        FrameError: if descriptors were cut off (more than :data:`~kvstore.shm.frames.MAX_REPLY_DESCRIPTORS`).
+        EOFError: if the node closed the channel.
+    """
+    data, received, flags, _ = socket.recv_fds(sock, REPLY_HEAD.size, MAX_REPLY_DESCRIPTORS)
+    fds.extend(received)
+    if flags & socket.MSG_CTRUNC:
+        raise FrameError(f"a control reply came with more than {MAX_REPLY_DESCRIPTORS} descriptors")
+    if not data:
+        raise EOFError("the node closed the control channel")
+    if len(data) < REPLY_HEAD.size:
+        data += _recv_exactly(sock, REPLY_HEAD.size - len(data))
+    return data
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _recv_exactly(sock: socket.socket, nbytes: int) -> bytes:

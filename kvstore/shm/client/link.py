@@ -12,8 +12,10 @@ exits, however it exits.
 
 A :class:`SharedSession` then serves the client's calls: it stages a Put's
 blocks in the put segment (this client chooses the ranges), reads a Get's
-blocks where the node wrote them (ranges the node leased to it), copies them
-into the caller's memory, and releases the lease on the ``Attach`` stream.
+blocks where they lie under the node's lease (in the slabs of the node's shared
+pool, mapped read-only as their descriptors arrive with the replies that first
+name them, or in the get segment where the node copied them), copies them into
+the caller's memory, and releases the lease on the ``Attach`` stream.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from kvstore.blockcopy import (Copied, byte_view, copy_batch_into, copy_block_in
 from kvstore.codec import Layout, decode_header, torch_dtype, verify_block
 from kvstore.errors import KVStoreError
 from kvstore.shm.allocator import RangeAllocator
-from kvstore.shm.control import ControlChannels, channels_wanted
-from kvstore.shm.handoff import NOT_A_HANDOFF, HandoffRefused, redeem_grant
-from kvstore.shm.node import BLOCK_ALIGNMENT, host_id
-from kvstore.shm.segment import Segment, unsupported_reason
+from kvstore.shm.client.control import ControlChannels, channels_wanted
+from kvstore.shm.client.handoff import redeem_grant
+from kvstore.shm.handoff import NOT_A_HANDOFF, HandoffRefused
+from kvstore.shm.host import BLOCK_ALIGNMENT, host_id
+from kvstore.shm.segment import Segment, SegmentError, unsupported_reason
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -76,6 +79,37 @@ class Staged(NamedTuple):
     sizes: list[int]
 
 
+class MappedSlab:
+    """A slab of the node's shared pool, mapped read-only here (``kvstore.shm.node.pool``).
+
+    The mapping lives as long as this object or a view of it: a copy in flight
+    holds it, so a slab the node retires is unmapped only after that copy.
+
+    Attributes:
+        segment: the mapping.
+    """
+
+    __slots__ = ("segment", "__dict__")
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+
+    @functools.cached_property
+    def raw(self) -> torch.Tensor:
+        """A ``uint8`` tensor over the whole slab (made on first use)."""
+        return byte_view(self.segment.view)
+
+
+class _Source(NamedTuple):
+    """Where a Get's blocks lie: per block, the view of its bytes, a ``uint8`` tensor over the same bytes' whole
+    buffer and its offset there; ``common`` is that buffer's tensor when every block lies in one (else ``None``)."""
+
+    views: list[memoryview]
+    raws: list[Any]
+    offsets: list[int]
+    common: Any
+
+
 class SharedSession:
     """An attached session with one node: its segments, its ``Attach`` stream, and this client's put ranges.
 
@@ -85,7 +119,7 @@ class SharedSession:
         session_id: the node's name for it.
         lease_s: how long a lease lasts, seconds.
         alive: ``False`` once the session ended (the node stopped, or :meth:`retire`).
-        control: the session's control channels (``kvstore.shm.control``), ``None`` when the node handed over none
+        control: the session's control channels (``kvstore.shm.client.control``), ``None`` when the node handed over none
             (its control calls then go over gRPC).
     """
 
@@ -102,6 +136,10 @@ class SharedSession:
         self._channel = channel
         self._lock = threading.Lock()
         self._put_ranges = RangeAllocator(put_segment.nbytes)
+        self.slabs: dict[int, MappedSlab] = {}  # the node's pool slabs mapped here, by id
+        if control is not None:  # weakly: the session owns its channels, and must go when nothing else holds it
+            mapper = weakref.WeakMethod(self._map_slabs)
+            control.on_descriptors = lambda reply, fds: _map_or_close(mapper, reply, fds)
         self.alive = True
         self.threads: list[threading.Thread] = []  # its stream's reader and gRPC's threads of the stream
 
@@ -118,10 +156,67 @@ class SharedSession:
 
     # ------------------------------------------------------------------ Get
 
-    def _ranges(self, reply: pb.GetSharedResponse, started: float) -> tuple[list[int], list[int], float]:
+    @property
+    def in_place(self) -> bool:
+        """Whether this session reads blocks in the node's pool slabs (it has control channels for their
+        descriptors); else the node copies every block into its get segment."""
+        return self.control is not None
+
+    def _map_slabs(self, reply: Any, fds: list[int]) -> None:
+        """Map the slabs a reply hands over (its ``new_slabs``, one descriptor each, in order); this owns ``fds``."""
+        offers = list(getattr(reply, "new_slabs", ()))
+        with self._lock:
+            for i, fd in enumerate(fds):
+                if i >= len(offers):
+                    os.close(fd)
+                    continue
+                try:
+                    segment = Segment.attach(fd, offers[i].nbytes, writable=False)
+                except SegmentError as exc:  # not a slab: the blocks in it are missing, and the call uses gRPC
+                    logger.warning("kvstore node: slab %d not mapped: %s", offers[i].slab_id, exc)
+                    continue
+                segment.populate(offers[i].touched)  # its pages in use, in one call, not a fault each on first read
+                segment.drop_descriptor()  # read through the mapping alone: nothing to reopen in /proc/<pid>/fd
+                self.slabs[offers[i].slab_id] = MappedSlab(segment)
+
+    def _sources(self, reply: pb.GetSharedResponse) -> _Source:
+        """Where each block of a reply lies (its slab, or the get segment), and the slabs the node retired unmapped.
+
+        Raises:
+            UseGrpc: if a block lies in a slab that is not mapped here.
+        """
+        with self._lock:
+            for slab_id in reply.retired_slabs:
+                slab = self.slabs.pop(slab_id, None)
+                if slab is not None:
+                    slab.segment.close()  # unmapped with its last view: a copy in flight keeps it
+            slabs = reply.slabs
+            offsets, sizes = list(reply.offsets), list(reply.sizes)
+            if not slabs or not any(slabs):
+                view, raw = self.get_segment.view, self.get_bytes
+                return _Source([view[o:o + n] for o, n in zip(offsets, sizes)], [raw] * len(offsets), offsets, raw)
+            views, raws = [], []
+            for slab_id, o, n in zip(slabs, offsets, sizes):
+                if slab_id:
+                    slab = self.slabs.get(slab_id)
+                    if slab is None:
+                        raise UseGrpc(f"slab {slab_id} is not mapped here")
+                    views.append(slab.segment.view[o:o + n])
+                    raws.append(slab.raw)
+                else:
+                    views.append(self.get_segment.view[o:o + n])
+                    raws.append(self.get_bytes)
+        common = raws[0] if all(r is raws[0] for r in raws) else None
+        return _Source(views, raws, offsets, common)
+
+    def _ranges(self, reply: pb.GetSharedResponse, started: float) -> tuple[_Source, float]:
         if reply.no_room:
             raise UseGrpc("the get segment has no room for this prefix now")
-        return list(reply.offsets), list(reply.sizes), started + self.lease_s - LEASE_MARGIN_S
+        try:
+            return self._sources(reply), started + self.lease_s - LEASE_MARGIN_S
+        except UseGrpc:
+            self.release(reply.lease_id)
+            raise
 
     def release(self, lease_id: int) -> None:
         """End a lease (sent on the ``Attach`` stream, not waited for); nothing once the session ended."""
@@ -148,14 +243,13 @@ class SharedSession:
             UseGrpc: if the node had no room, or the lease ran out meanwhile.
             CodecError: on a malformed block, or (with ``verify``) a corrupt one.
         """
-        offsets, sizes, deadline = self._ranges(reply, started)
-        view, raw = self.get_segment.view, self.get_bytes
+        source, deadline = self._ranges(reply, started)
         try:
-            blocks = [view[o:o + n] for o, n in zip(offsets, sizes)]
-            copied = None if verify else copy_batch_into(blocks, destinations, raw, offsets)
+            copied = None if verify else _copy_runs(source, destinations)
             if copied is None:
-                copied = copy_into_destinations(blocks, destinations, verify,
-                                                [raw[o:o + n] for o, n in zip(offsets, sizes)])
+                copied = copy_into_destinations(source.views, destinations, verify,
+                                                [r[o:o + b.nbytes] for r, o, b in
+                                                 zip(source.raws, source.offsets, source.views)])
             self._check_lease(reply.lease_id, deadline)
             return copied
         finally:
@@ -163,10 +257,9 @@ class SharedSession:
 
     def take_bytes(self, reply: pb.GetSharedResponse, started: float) -> list[bytes]:
         """The reply's blocks as ``bytes`` the caller owns (one copy each), then release."""
-        offsets, sizes, deadline = self._ranges(reply, started)
-        view = self.get_segment.view
+        source, deadline = self._ranges(reply, started)
         try:
-            blocks = [bytes(view[o:o + n]) for o, n in zip(offsets, sizes)]
+            blocks = [bytes(view) for view in source.views]
             self._check_lease(reply.lease_id, deadline)
             return blocks
         finally:
@@ -176,15 +269,13 @@ class SharedSession:
         """The reply's blocks decoded into new CPU tensors (one copy each, straight from the segment), then release."""
         import torch
 
-        offsets, sizes, deadline = self._ranges(reply, started)
-        view, raw = self.get_segment.view, self.get_bytes
+        source, deadline = self._ranges(reply, started)
         try:
             tensors = []
-            for o, n in zip(offsets, sizes):
-                block = view[o:o + n]
+            for block, raw, o in zip(source.views, source.raws, source.offsets):
                 header = verify_block(block) if verify else decode_header(block)
                 tensor = torch.empty(header.shape, dtype=torch_dtype(header.dtype))
-                copy_block_into(block, tensor, verify=False, source=raw[o:o + n])
+                copy_block_into(block, tensor, verify=False, source=raw[o:o + block.nbytes])
                 tensors.append(tensor)
             self._check_lease(reply.lease_id, deadline)
             return tensors
@@ -193,12 +284,10 @@ class SharedSession:
 
     def lease(self, reply: pb.GetSharedResponse, started: float) -> BlockLease:
         """The reply's blocks in place, as read-only views under the node's lease (see :class:`BlockLease`)."""
-        offsets, sizes, deadline = self._ranges(reply, started)
-        view = self.get_segment.view
+        source, deadline = self._ranges(reply, started)
         lease_id = reply.lease_id
-        return BlockLease([view[o:o + n] for o, n in zip(offsets, sizes)],
-                          [lambda: self.release(lease_id)] if lease_id else [], deadline,
-                          checked=True, offsets=offsets)
+        return BlockLease(source.views, [lambda: self.release(lease_id)] if lease_id else [], deadline,
+                          checked=True, offsets=source.offsets if source.common is not None else None)
 
     # ------------------------------------------------------------------ Put
 
@@ -262,10 +351,52 @@ class SharedSession:
         self._channel.close()
         self.get_segment.close()  # a call still copying keeps its views: the mappings go with the last of them
         self.put_segment.close()
+        with self._lock:
+            slabs, self.slabs = list(self.slabs.values()), {}
+        for slab in slabs:
+            slab.segment.close()
 
     def ended(self) -> None:
         """The node ended the stream (it stopped or restarted)."""
         self.alive = False
+
+
+def _copy_runs(source: _Source, destinations: Sequence[torch.Tensor]) -> Copied | None:
+    """Copy a reply's blocks with one strided ``copy_`` per run of them that lies in one buffer
+    (:func:`~kvstore.blockcopy.copy_batch_into`: a prefix put in one batch lies evenly spaced in one slab); ``None``
+    (nothing copied) unless every run can be copied so."""
+    raws, num_blocks = source.raws, len(source.views)
+    runs, start = [], 0
+    for i in range(1, num_blocks + 1):
+        if i == num_blocks or raws[i] is not raws[start]:
+            runs.append((start, i))
+            start = i
+    if len(runs) > 4 or any(stop - start < 2 for start, stop in runs):
+        return None
+    for start, stop in runs:
+        if copy_batch_into(source.views[start:stop], destinations[start:stop], raws[start],
+                           source.offsets[start:stop]) is None:
+            return None if start == 0 else _copied_rest(source, destinations, start)
+    return Copied(num_blocks, num_blocks)
+
+
+def _copied_rest(source: _Source, destinations: Sequence[torch.Tensor], start: int) -> Copied:
+    """Copy blocks ``start`` on one by one (the runs before them are copied already)."""
+    rest = copy_into_destinations(source.views[start:], destinations[start:], False,
+                                  [r[o:o + b.nbytes] for r, o, b in
+                                   zip(source.raws[start:], source.offsets[start:], source.views[start:])])
+    error = rest.error
+    return Copied(start + rest.num_copied, start + rest.num_found, error)
+
+
+def _map_or_close(mapper: weakref.WeakMethod[Callable[[Any, list[int]], None]], reply: Any, fds: list[int]) -> None:
+    """Hand a reply's descriptors to its session's slab mapping, or close them if the session is gone."""
+    map_slabs = mapper()
+    if map_slabs is not None:
+        map_slabs(reply, fds)
+        return
+    for fd in fds:
+        os.close(fd)
 
 
 def _tell_ended(session_box: list[weakref.ref[SharedSession]]) -> None:
@@ -447,6 +578,8 @@ class SharedMemoryLink:
             releases.put(None)
             call.cancel()
             raise
+        for segment in (get_segment, put_segment):  # used through the mappings alone: no other process of this
+            segment.drop_descriptor()               # uid can reopen them through /proc/<pid>/fd (docs/security.md)
         session = SharedSession(reply.session_id, reply.lease_s, get_segment, put_segment, releases, call, channel,
                                 control)
         session.threads = threads

@@ -54,21 +54,27 @@ class UnknownSessionError(FailedPreconditionError):
 
 @dataclass(slots=True)
 class Lease:
-    """A range of a session's get segment that holds a Get's blocks until released or expired.
+    """A Get's blocks held for a client until released or expired: blocks of the shared pool read in place
+    (``kvstore.shm.node.pool``), and a range of the session's get segment holding those the node copied there.
 
     Attributes:
         lease_id: its number, unique on the node.
-        offset: start of the range in the get segment, bytes.
-        nbytes: length of the range, bytes.
+        offset: start of the range in the get segment, bytes; -1 when the lease holds no range.
+        nbytes: length of the range, bytes (0 for none).
         expires_at: when it ends unless released first (the table's clock, seconds).
-        nbytes_held: the range's size as allocated (``nbytes`` rounded up to a page), bytes.
+        nbytes_held: what the lease counts against the leased-bytes budgets: its range as allocated
+            (``nbytes`` rounded up to a page) and the pool bytes it holds, bytes.
+        range_bytes: the range's size as allocated, bytes (0 for none).
+        on_end: called once when the lease ends, however it ends (the node gives back the pool blocks it held).
     """
 
     lease_id: int
     offset: int
     nbytes: int
     expires_at: float
-    nbytes_held: int = 0  # nbytes rounded up to the allocator's alignment: what it counts against budgets
+    nbytes_held: int = 0
+    range_bytes: int = 0
+    on_end: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -256,6 +262,7 @@ class SessionTable:
         self.counts.leases_ended_with_session += len(session.leases)
         for lease in session.leases.values():
             self._uncharge(session, lease.nbytes_held)
+            _run_on_end(lease)
         session.leases.clear()
         self._dirty.pop(session.session_id, None)
         session.get_segment.close()  # its pages go once the client unmaps it too
@@ -274,10 +281,20 @@ class SessionTable:
 
     # ------------------------------------------------------------------ leases
 
-    def lease(self, session: Session, nbytes: int) -> Lease | None:
-        """A lease on a new range of ``nbytes`` of the session's get segment; ``None`` when it has no room now
-        (its other leases hold it), or ever (``nbytes`` is more than the segment holds): the client uses gRPC."""
-        held = session.allocator.aligned(nbytes)
+    def lease(self, session: Session, nbytes: int, *, pooled_bytes: int = 0,
+              on_end: Callable[[], None] | None = None) -> Lease | None:
+        """A lease on a new range of ``nbytes`` of the session's get segment and on ``pooled_bytes`` of pool
+        blocks read in place; ``None`` when either budget, or the segment, has no room now (or ever: ``nbytes``
+        is more than the segment holds): the client uses gRPC, and ``on_end`` is not called.
+
+        Args:
+            session: the client's session.
+            nbytes: bytes of the get segment to hold (0: no range).
+            pooled_bytes: bytes of pool blocks the lease holds (counted against the budgets too).
+            on_end: called once when the lease ends (released, expired, or its session closed).
+        """
+        range_bytes = session.allocator.aligned(nbytes) if nbytes else 0
+        held = range_bytes + pooled_bytes
         tenant = session.principal
         if self.tenant_leased_bytes is not None and self._tenant_leased.get(tenant, 0) + held > self.tenant_leased_bytes:
             self.counts.no_room += 1
@@ -287,16 +304,17 @@ class SessionTable:
             self.counts.no_room += 1
             self.counts.node_budget_no_room += 1
             return None
-        offset = session.allocator.allocate(nbytes)
+        offset = session.allocator.allocate(nbytes) if nbytes else -1
         if offset is None:
             self.counts.no_room += 1
             return None
-        lease = Lease(self._next_lease, offset, nbytes, self._clock() + self.lease_s, held)
+        lease = Lease(self._next_lease, offset, nbytes, self._clock() + self.lease_s, held, range_bytes, on_end)
         self._next_lease += 1
         session.leases[lease.lease_id] = lease
         self._tenant_leased[tenant] = self._tenant_leased.get(tenant, 0) + held
         self._leased_bytes += held
-        session.dirty_bytes = max(session.dirty_bytes, offset + held)
+        if range_bytes:
+            session.dirty_bytes = max(session.dirty_bytes, offset + range_bytes)
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id, session.session_id))
         self.counts.leases_granted += 1
         return lease
@@ -313,11 +331,15 @@ class SessionTable:
         return num_released
 
     def _end(self, session: Session, lease: Lease) -> None:
-        """Free a lease's range, uncount its bytes, and have its pages given back in ``release_after_s``."""
-        self._uncharge(session, session.allocator.free(lease.offset))
-        if session.session_id not in self._dirty:
-            self._dirty[session.session_id] = self._clock()
-            self._schedule_reclaim()
+        """Free a lease's range, uncount its bytes, give back what it held, and have the range's pages given
+        back in ``release_after_s``."""
+        self._uncharge(session, lease.nbytes_held)
+        _run_on_end(lease)
+        if lease.range_bytes:
+            session.allocator.free(lease.offset)
+            if session.session_id not in self._dirty:
+                self._dirty[session.session_id] = self._clock()
+                self._schedule_reclaim()
 
     def _uncharge(self, session: Session, held: int) -> None:
         left = self._tenant_leased.get(session.principal, 0) - held
@@ -365,8 +387,8 @@ class SessionTable:
                 size = min(size, limit - offset)
                 if segment.release(offset, size):
                     released += size
-            session.dirty_bytes = max((lease.offset + lease.nbytes_held for lease in session.leases.values()),
-                                      default=0)
+            session.dirty_bytes = max((lease.offset + lease.range_bytes for lease in session.leases.values()
+                                       if lease.range_bytes), default=0)
         self.counts.released_bytes += released
         return released
 
@@ -431,6 +453,16 @@ class SessionTable:
         """
         return {**dataclasses.asdict(self.counts), "sessions": len(self._sessions), "leases": self.num_leases(),
                 "leased_bytes": self.leased_bytes(), "resident_bytes": self.resident_bytes()}
+
+
+def _run_on_end(lease: Lease) -> None:
+    """Run a lease's ``on_end`` once; an error there is logged, never raised into the table's bookkeeping."""
+    on_end, lease.on_end = lease.on_end, None
+    if on_end is not None:
+        try:
+            on_end()
+        except Exception:  # noqa: BLE001 - a release that fails must not stop the others
+            logger.exception("ending same-host lease %d failed", lease.lease_id)
 
 
 def session_budgets(config: Any) -> dict[str, Any]:
