@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -48,6 +49,6 @@ def test_the_disk_warning_names_the_setting_as_given_not_its_usable_part(
 
     with caplog.at_level(logging.WARNING, logger="kvstore.tiers.lmdb_records"):
         tier = LMDBTier.from_config(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=parse_size("10TiB")))
-        tier.close()
+        asyncio.run(tier.close())
     (record,) = [r for r in caplog.records if "may fill the filesystem" in r.getMessage()]
     assert "store.disk.capacity_bytes is 10240.0 GiB" in record.getMessage()

@@ -188,8 +188,9 @@ def test_closed_loop_with_workers_and_several_targets(big_node: KVNode) -> None:
 
 
 def test_sim_capacity_node_reads_the_nodes_tier_and_agrees(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--sim-capacity node``: the simulation gets the capacity the node has (150 blocks of these), so the two hit
-    ratios agree; a count that is not the node's draws a warning naming the node's."""
+    """``--sim-capacity node``: the simulation gets the capacity the node's memory tier has, in its own footprint
+    of these blocks (about 150 of them), so the two hit ratios agree; a count that is not the node's draws a
+    warning naming the node's."""
     trace = tmp_path / "trace.jsonl"
     write_trace(trace, read_trace(CONVERSATION)[:150])
     args = ["--trace", str(trace), "--block-bytes", str(PAYLOAD_BYTES), "--no-progress", "--json",
@@ -197,13 +198,19 @@ def test_sim_capacity_node_reads_the_nodes_tier_and_agrees(tmp_path: Path, capsy
     with _node(150) as node:
         assert main(["--target", node.target, *args, "--sim-capacity", "node"]) == 0
         out = capsys.readouterr().out
-        simulator = json.loads((tmp_path / "out.json").read_text())["simulator"]
-        assert simulator["capacity_blocks"] == 150 and simulator["disk_capacity_blocks"] == 0
+        report = json.loads((tmp_path / "out.json").read_text())
+        simulator, memory = report["simulator"], report["server_stats"]["tiers"][0]
+        footprint = memory["bytes"] / memory["blocks"]  # the tier's own: the heap's or the shared pool's
+        assert simulator["capacity_blocks"] == int(memory["capacity_bytes"] // footprint)
+        assert 140 <= simulator["capacity_blocks"] <= 170 and simulator["disk_capacity_blocks"] == 0
+        assert memory["evictions"] > 0  # the capacity mattered
         assert abs(simulator["hit_ratio_diff"]) <= 0.01 and simulator["sim_hit_ratio"] > 0.01
-        assert f"memory {150 * FOOTPRINT_BYTES:,} B / {FOOTPRINT_BYTES:,} B a block = 150" in out
+        assert f"memory {memory['capacity_bytes']:,} B / {footprint:,.0f} B a block = " \
+               f"{simulator['capacity_blocks']:,}" in out
         assert main(["--target", node.target, *args, "--sim-capacity", "5859", "--model", "other"]) == 0
         err = capsys.readouterr().err
-        assert "--sim-capacity 5859 is not the node's memory tier, which holds 150 of these blocks" in err
+        assert f"--sim-capacity 5859 is not the node's memory tier, which holds " \
+               f"{simulator['capacity_blocks']:,} of these blocks" in err
     assert main(["--target", "127.0.0.1:1", "--target", "127.0.0.1:2", *args, "--sim-capacity", "node"]) == 2
     assert "give one --target" in capsys.readouterr().err
 
