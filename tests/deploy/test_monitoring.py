@@ -181,3 +181,18 @@ def test_kubernetes_gets_the_rules_and_the_dashboard() -> None:
     assert generator["files"] == ["kvstore.json"] and (monitoring / "kvstore.json").read_text() == \
         (GRAFANA_DIR / "dashboards" / "kvstore.json").read_text()
     assert json.loads((monitoring / "kvstore.json").read_text())["uid"] == "kvstore"
+
+
+def test_every_panels_query_is_valid_promql(tmp_path: Path) -> None:
+    """Each panel's query, its Grafana variables given values, parses as PromQL: promtool checks them as the
+    expressions of recording rules."""
+    rules = [{"record": f"kvstore:panel_{i}", "expr": expr.replace("$__rate_interval", "5m").replace("$instance", ".*")}
+             for i, (_, expr) in enumerate(dashboard_queries())]
+    path = tmp_path / "panels.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    checked = _run_promtool("check", "rules", str(path))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in checked.stdout
+    rules[0]["expr"] = "sum(rate(kvstore_tier_hits_total[5m])"  # and the check can fail
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    assert _run_promtool("check", "rules", str(path)).returncode != 0
