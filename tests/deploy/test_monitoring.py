@@ -169,7 +169,7 @@ def test_kubernetes_gets_the_rules_and_the_dashboard() -> None:
     ServiceMonitor of the nodes' metrics port (for the Prometheus Operator; docs/deploy.md)."""
     monitoring = KUBERNETES_DIR / "monitoring"
     rule = yaml.safe_load((monitoring / "prometheusrule.yaml").read_text())
-    assert rule["kind"] == "PrometheusRule"
+    assert rule["kind"] == "PrometheusRule"  # scripts/gen_monitoring_k8s.py writes it and the JSON copy
     assert rule["spec"]["groups"] == yaml.safe_load(ALERTS_FILE.read_text())["groups"]
     monitor = yaml.safe_load((monitoring / "servicemonitor.yaml").read_text())
     assert monitor["kind"] == "ServiceMonitor"
