@@ -57,14 +57,15 @@ $(SGLANG_VENV)/.installed: pyproject.toml
 
 setup-sglang: $(SGLANG_VENV)/.installed
 
-# Debian's packages the tests run: redis-server (fixtures), openssl (test CAs) and kubectl (`kubectl kustomize`,
-# from kubernetes-client; any kubectl on PATH will do). Compose files are checked against the Compose
-# Specification's JSON schema, and the Dockerfile by hadolint, both from .[dev]: no Docker is installed.
+# Debian's packages the tests run: redis-server (fixtures), openssl (test CAs), kubectl (`kubectl kustomize`,
+# from kubernetes-client; any kubectl on PATH will do) and promtool (Prometheus' own check of the alert rules and
+# their unit tests, from the prometheus package). Compose files are checked against the Compose Specification's
+# JSON schema, and the Dockerfile by hadolint, both from .[dev]: no Docker is installed.
 system-deps:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null \
-	  && command -v kubectl >/dev/null || \
+	  && command -v kubectl >/dev/null && command -v promtool >/dev/null || \
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools openssl \
-	    $$(command -v kubectl >/dev/null || echo kubernetes-client); }
+	    $$(command -v kubectl >/dev/null || echo kubernetes-client) $$(command -v promtool >/dev/null || echo prometheus); }
 
 demo: setup
 	$(VENV)/bin/kvstore demo

@@ -54,8 +54,9 @@ class TierStats:
             which the node does not index. ``logical_bytes / bytes`` is :attr:`logical_ratio`.
         capacity_bytes: capacity, bytes; 0 when the tier manages its own (Redis).
         hits: blocks a get served from this tier.
-        misses: blocks a get looked for in this tier and did not find there: served from a tier below,
-            or found in no tier (the first block past the prefix). Defined once, in ``docs/service.md``.
+        misses: blocks a lookup or a get asked this tier for and it could not serve: a get's blocks served
+            from a tier below, the first block a get found in no tier, every block a lookup asked for past
+            the cached prefix. Defined once, in ``docs/service.md``.
         evictions: blocks that left this tier to make room, or as the store closed (demoted or dropped).
         demotions: blocks written into this tier by an eviction from the tier above.
         promotions: blocks copied from this tier into the top tier after a hit.
@@ -109,14 +110,18 @@ class StoreStats:
         tiers: per tier, fastest first.
         lookup_hit_blocks: blocks that lookups found cached (the prefix length, summed over lookups).
         lookup_miss_blocks: blocks that lookups asked for past the cached prefix. The
-            prefix hit ratio of the traffic is ``hit / (hit + miss)``; the tiers'
-            ``hits`` and ``misses`` count only Gets, which connectors send for a
-            looked-up prefix, so they rarely miss.
+            prefix hit ratio of the traffic is ``hit / (hit + miss)``; each of those
+            blocks is also a miss of every tier (``docs/service.md``, "Metrics").
+        lookup_blocks_by_tenant: the same two counts, ``(hit, miss)``, by tenant: ``default`` for the
+            namespaces without a ``cache_salt``, else ``t-`` and 8 hex digits of the salt's SHA-256 (a salt
+            may be a secret; ``kvstore.counts.tenant_label``), at most ``kvstore.counts.MAX_TENANTS`` of
+            them and ``other`` for the rest. The node's own stats (``/metrics``); not sent by ``Stats``.
     """
 
     tiers: tuple[TierStats, ...]
     lookup_hit_blocks: int = 0
     lookup_miss_blocks: int = 0
+    lookup_blocks_by_tenant: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def tier(self, name: str) -> TierStats:
         """The stats of the tier called ``name``. Raises ``KeyError`` if there is none."""

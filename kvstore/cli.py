@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import textwrap
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvstore.connection import add_connection_arguments, target_argument
@@ -47,12 +48,18 @@ still open), drains calls for server.grace_s seconds and closes the store
 
 _STATS_EXAMPLES = """\
 examples:
-  kvstore stats                                   # the node on 127.0.0.1:50051
-  kvstore stats --target kv-0.kv:50051 | jq '.tiers[] | {name, blocks, hits}'
+  kvstore stats                                   # the node on 127.0.0.1:50051: a table on a terminal
+  kvstore stats --target kv-0.kv:50051 --target kv-1.kv:50051   # several nodes, one table each
+  kvstore stats --watch                           # refresh every 2 s, with rates (Ctrl-C stops)
+  kvstore stats --json | jq '.tiers[] | {name, blocks, hit_ratio}'
 
-Prints {"tiers": [{"name": ..., "blocks": ..., "bytes": ..., "capacity_bytes": ...,
-"hits": ..., "misses": ..., "evictions": ..., "state": ..., "last_error": ..., ...}, ...]}
-as JSON, fastest tier first; "state" is "up" or "down" for the shared Redis tier."""
+On a terminal: the node's prefix hit ratio, then a line per tier, fastest first:
+state, blocks, stored bytes, capacity and fill, hits, misses and hit ratio,
+evictions, demotions, promotions and errors. Piped, or with --json: the same as
+JSON, {"tiers": [{"name", "blocks", "bytes", "capacity_bytes", "fill", "hits",
+"misses", "hit_ratio", "evictions", ..., "state", "last_error"}, ...],
+"lookup_hit_blocks", "lookup_miss_blocks", "lookup_hit_ratio"} (a list under
+"nodes" for several targets); "blocks" is null where the tier cannot tell (Redis)."""
 
 _HEALTH_EXAMPLES = """\
 examples:
@@ -89,6 +96,13 @@ def _add_target(parser: argparse.ArgumentParser) -> None:
 
 
 _CORE_COMMANDS = ("serve", "stats", "health")
+
+SERVE_SECURITY_HINT = (
+    "a node takes TLS and tokens from its security.* settings, not from flags: in the --config file "
+    "(security.tls_cert_file, tls_key_file, tls_client_ca_file, auth_tokens_file) or from KVSTORE_SECURITY__* "
+    "variables, e.g. KVSTORE_SECURITY__TLS_CERT_FILE=server.crt; --tls-ca, --tls-cert/--tls-key and --token-file "
+    "are the client commands' (docs/security.md)")
+"""Added to ``serve``'s error for a client's TLS or token flag."""
 
 
 def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.ArgumentParser:
@@ -134,17 +148,32 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
     serve.set_defaults(func=_serve)
 
     stats = subparsers.add_parser(
-        "stats", help="print a node's per-tier stats as JSON",
-        description=textwrap.fill("Print a node's per-tier stats (blocks, bytes stored, logical_bytes decoded and uncompressed, and "
-                                  "their logical_ratio; hits, misses, evictions, ...) as "
-                                  "JSON.") + "\n\n" + textwrap.fill(
-            "A tier's hits and misses count Gets, tier by tier: a block served from disk is a memory miss and a "
-            "disk hit, and the first block a Get did not find is a miss of every tier. lookup_hit_blocks and "
-            "lookup_miss_blocks count Lookups: the traffic's prefix hit ratio is hit / (hit + miss). Every counter "
-            "is defined in docs/service.md (Metrics)."),
+        "stats", help="show a node's hit ratio and per-tier stats (a table, JSON, or a live view)",
+        description=textwrap.fill("Show a node's prefix hit ratio and its tiers' stats: blocks, bytes stored and the "
+                                  "capacity they fill, hits, misses and hit ratio, evictions, demotions, promotions, "
+                                  "errors. A table on a terminal, JSON when piped or with --json.") + "\n\n" +
+        textwrap.fill(
+            "A tier's misses are the blocks a lookup or get asked it for and it could not serve: a block served "
+            "from disk is a memory miss and a disk hit, and every block a lookup asked for past the cached prefix "
+            "is a miss of every tier; so a tier's hit ratio, hits / (hits + misses), is the share of the blocks "
+            "asked of it that it served. The prefix hit ratio is the lookups': blocks found in the cached prefix "
+            "over blocks asked for. Every counter is defined in docs/service.md (Metrics)."),
         epilog=_STATS_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_target(stats)
+    stats.add_argument("--target", type=target_argument, action="append", default=None, metavar="HOST:PORT",
+                       help=f"address of a node, a bare HOST meaning HOST:50051; repeatable (default {DEFAULT_TARGET})")
+    stats.add_argument("--timeout", type=_timeout_s, default=5.0, metavar="SECONDS",
+                       help="deadline of each call, seconds > 0 (default 5)")
+    add_connection_arguments(stats)
+    output = stats.add_mutually_exclusive_group()
+    output.add_argument("--json", dest="format", action="store_const", const="json",
+                        help="print JSON (the default when stdout is not a terminal)")
+    output.add_argument("--table", dest="format", action="store_const", const="table",
+                        help="print the table (the default on a terminal)")
+    stats.add_argument("--watch", type=_timeout_s, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                       help="refresh every SECONDS (default 2) with the rates since the last refresh, as "
+                            "`redis-cli --stat` does; Ctrl-C stops")
+    stats.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
     stats.set_defaults(func=_stats)
 
     health = subparsers.add_parser(
@@ -218,23 +247,60 @@ def _client(command: str, args: argparse.Namespace) -> KVStoreClient | None:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    """``kvstore stats``: 0 with the stats on stdout; 1 if the node fails the call; 2 on a bad flag."""
-    from kvstore.errors import KVStoreError
+    """``kvstore stats``: 0 with the stats on stdout; 1 if a node fails the call; 2 on a bad flag."""
+    from kvstore.client import KVStoreClient
+    from kvstore.connection import Connection
+    from kvstore.errors import ConfigError, InvalidArgumentError, KVStoreError
+    from kvstore.stats_view import FOOTNOTE, format_table, format_watch, stats_report
 
-    client = _client("stats", args)
-    if client is None:
+    targets = args.target or [DEFAULT_TARGET]
+    if args.count is not None and (args.count < 1 or args.watch is None):
+        print("kvstore stats: invalid argument: --count needs --watch and must be >= 1", file=sys.stderr)
         return 2
-    with client:
-        try:
-            stats = client.stats()
-        except KVStoreError as exc:
-            print(f"kvstore stats: {args.target}: {exc}", file=sys.stderr)
-            return 1
-    report = dataclasses.asdict(stats)
-    for tier, fields in zip(stats.tiers, report["tiers"]):
-        fields["logical_ratio"] = round(tier.logical_ratio, 4)  # logical bytes per stored byte
-    print(json.dumps(report, indent=2))
-    return 0
+    table = args.format == "table" or (args.format is None and sys.stdout.isatty())
+    try:
+        kwargs = Connection.from_args(args).client_kwargs()
+        clients = [KVStoreClient(t, timeout_s=args.timeout, retries=0, **kwargs) for t in targets]
+    except (InvalidArgumentError, ConfigError) as exc:
+        print(f"kvstore stats: invalid argument: {exc}", file=sys.stderr)
+        return 2
+    previous: list[Any] = [None] * len(clients)
+    frames, last = 0, 0.0
+    try:
+        while True:
+            started = time.monotonic()
+            current = []
+            for target, client in zip(targets, clients):
+                try:
+                    current.append(client.stats())
+                except KVStoreError as exc:
+                    print(f"kvstore stats: {target}: {exc}", file=sys.stderr)
+                    return 1
+            if args.watch is None and not table:
+                reports = [stats_report(s) for s in current]
+                print(json.dumps(reports[0] if len(reports) == 1 else
+                                 {"nodes": [{"target": t, **r} for t, r in zip(targets, reports)]}, indent=2))
+                return 0
+            if args.watch is None:
+                print("\n\n".join(format_table(t, s) for t, s in zip(targets, current)))
+                print(textwrap.fill(FOOTNOTE))
+                return 0
+            if table:
+                print("\x1b[H\x1b[2J", end="")  # clear the screen, as watch(1) and top do
+            now = time.monotonic()
+            frame = "\n\n".join(format_watch(t, s, p, now - last) for t, s, p in zip(targets, current, previous))
+            print(f"{time.strftime('%H:%M:%S')}  every {args.watch:g} s\n{frame}" if table else
+                  json.dumps({"time": time.time(), "nodes": [{"target": t, **stats_report(s)}
+                                                             for t, s in zip(targets, current)]}), flush=True)
+            previous, frames, last = current, frames + 1, now
+            if args.count is not None and frames >= args.count:
+                return 0
+            time.sleep(max(0.0, args.watch - (time.monotonic() - started)))  # the refresh period of the live view
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for client in clients:
+            client.close()
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -293,7 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # report it with the usage of the subcommand, not the top level's
         command: argparse.ArgumentParser = getattr(args, "command_parser", parser)
-        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        hint = ""
+        if getattr(args, "command", None) == "serve" and any(u.startswith(("--tls", "--token")) for u in unknown):
+            hint = f" ({SERVE_SECURITY_HINT})"
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -18,8 +19,9 @@ class TierCounts:
 
     Attributes:
         hits: blocks a get served from this tier.
-        misses: blocks a get looked for in this tier and did not find there: served
-            from a tier below it, or found in no tier (the first block past the prefix).
+        misses: blocks a lookup or a get asked this tier for and it could not serve: a get's blocks
+            served from a tier below it, the first block a get found in no tier, and every block a
+            lookup asked for past the cached prefix (in every tier: none held it).
         evictions: blocks that left this tier to make room, or as the store closed (a volatile
             tier is flushed into a persistent one): demoted or dropped.
         demotions: blocks written into this tier by an eviction from the tier above.
@@ -68,8 +70,58 @@ def count_get(counts: Sequence[TierCounts], hit_tiers: list[int], num_asked: int
             c.misses += 1
 
 
+MAX_TENANTS = 64
+"""Tenants whose lookups are counted apart (:class:`TenantLookups`); the others share the label ``other``."""
+
+
+def tenant_label(cache_salt: str) -> str:
+    """The label of a tenant in the stats and metrics: ``default`` without a salt, else ``t-`` and the first 8
+    hex digits of the salt's SHA-256 (``/metrics`` is unauthenticated, and a salt may be a secret)."""
+    if not cache_salt:
+        return "default"
+    return "t-" + hashlib.sha256(cache_salt.encode()).hexdigest()[:8]
+
+
+class TenantLookups:
+    """Blocks lookups found cached and missed, by tenant (:func:`tenant_label`), for at most :data:`MAX_TENANTS`."""
+
+    def __init__(self, max_tenants: int = MAX_TENANTS) -> None:
+        self._max = max_tenants
+        self._labels: dict[str, str] = {}
+        self.counts: dict[str, list[int]] = {}
+
+    def count(self, cache_salt: str, hit: int, miss: int) -> None:
+        """Count one lookup of the tenant ``cache_salt``: ``hit`` blocks in the cached prefix, ``miss`` past it."""
+        label = self._labels.get(cache_salt)
+        if label is None:
+            label = tenant_label(cache_salt) if len(self._labels) < self._max else "other"
+            if label != "other":
+                self._labels[cache_salt] = label
+        counts = self.counts.get(label)
+        if counts is None:
+            counts = self.counts[label] = [0, 0]
+        counts[0] += hit
+        counts[1] += miss
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """The counts, ``{label: (hit, miss)}``."""
+        return {label: (c[0], c[1]) for label, c in self.counts.items()}
+
+
+def count_lookup(counts: Sequence[TierCounts], num_missed: int) -> None:
+    """Count one lookup's blocks past its cached prefix, ``num_missed``, as misses of every tier.
+
+    With :func:`count_get` a tier's ``hits / (hits + misses)`` is then the share of the
+    blocks asked of it that it served, for clients that look up, then get the prefix
+    (every connector): a lookup that finds nothing is a miss, though no get follows.
+    """
+    if num_missed > 0:
+        for c in counts:
+            c.misses += num_missed
+
+
 def store_stats(index: Index, tiers: Sequence[Tier], counts: Sequence[TierCounts], lookup_hit_blocks: int,
-                lookup_miss_blocks: int) -> StoreStats:
+                lookup_miss_blocks: int, tenants: TenantLookups | None = None) -> StoreStats:
     """A store's :class:`StoreStats`: per tier (the local ones, fastest first, then the shared one), its blocks and
     bytes (local tiers: the index's; the shared tier: ``-1`` and 0, it is not indexed), capacity, these counts and
     the tier's own counters; and the blocks lookups hit and missed."""
@@ -100,4 +152,5 @@ def store_stats(index: Index, tiers: Sequence[Tier], counts: Sequence[TierCounts
             counters=extra,
             **tier_status(tier),
         ))
-    return StoreStats(tuple(result), lookup_hit_blocks, lookup_miss_blocks)
+    return StoreStats(tuple(result), lookup_hit_blocks, lookup_miss_blocks,
+                      tenants.snapshot() if tenants is not None else {})

@@ -38,6 +38,10 @@ async def open_async_store(config: StoreConfig | None = None, *, framing: Framin
     tiers: list[Tier] = []
     memory = config.memory
     if memory.enabled and memory.capacity_bytes > 0:
+        if memory.device == "cpu":
+            from kvstore.host_memory import warn_if_larger_than_memory
+
+            warn_if_larger_than_memory(memory.capacity_bytes)
         auto_host = memory.storage == "auto" and memory.device == "cpu"
         if memory.storage == "shared" or (auto_host and shared_pool):
             from kvstore.shm.node.pool import SharedPool

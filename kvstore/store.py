@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats
 from kvstore.config import StoreConfig
-from kvstore.counts import TierCounts, store_stats
+from kvstore.counts import TenantLookups, TierCounts, count_lookup, store_stats
 from kvstore.errors import UnavailableError
 from kvstore.index import Index
 from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
@@ -104,6 +104,7 @@ class TieredStore:
         self._removal = Removal(self.index, self._tiers, shared, self._mover)
         self._lookup_hit_blocks = 0
         self._lookup_miss_blocks = 0
+        self._tenant_lookups = TenantLookups()
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -210,6 +211,8 @@ class TieredStore:
         """Count a lookup's hits and misses, and record the prefix a put of the rest continues; returns ``located``."""
         self._lookup_hit_blocks += len(located)
         self._lookup_miss_blocks += len(keys) - len(located)
+        count_lookup(self._counts, len(keys) - len(located))
+        self._tenant_lookups.count(namespace.cache_salt, len(located), len(keys) - len(located))
         if 0 < len(located) < len(keys):  # the put of the rest protects this prefix (``put``)
             self._placement.continuations.record(keys, len(located))
         return located
@@ -336,7 +339,8 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         """Blocks, bytes, capacity and event counts of every tier, fastest first; blocks hit and missed by lookups."""
-        return store_stats(self.index, self.tiers, self._counts, self._lookup_hit_blocks, self._lookup_miss_blocks)
+        return store_stats(self.index, self.tiers, self._counts, self._lookup_hit_blocks, self._lookup_miss_blocks,
+                           self._tenant_lookups)
 
     def namespace_bytes(self, tag: bytes) -> int:
         """Charged bytes of the blocks of one namespace (by its :attr:`Namespace.tag`) in local tiers: each block

@@ -11,6 +11,7 @@ import os
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstore.codec import encode_block
@@ -22,6 +23,7 @@ NS = Namespace(model="tests/disk-capacity", dtype="float16", block_size=16)
 MiB = 1 << 20
 
 
+@pytest.mark.slow
 def test_the_data_file_never_outgrows_the_disk_capacity_and_every_put_succeeds(tmp_path: Path) -> None:
     capacity = 16 * MiB
     config = StoreConfig(memory=MemoryTierConfig(enabled=False),

@@ -74,6 +74,7 @@ def _serve(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[st
 # -- ports --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_busy_metrics_port_is_named_with_the_flag_to_change_it(busy_port: int) -> None:
     result = _serve("--port", "0", "--metrics-port", str(busy_port))
     assert result.returncode == 1
@@ -81,6 +82,7 @@ def test_a_busy_metrics_port_is_named_with_the_flag_to_change_it(busy_port: int)
     assert "--metrics-port (KVSTORE_METRICS_PORT)" in result.stderr and "--metrics-port 0" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_busy_grpc_port_is_named_with_the_flag_to_change_it(busy_port: int) -> None:
     result = _serve("--port", str(busy_port), "--metrics-port", "-1")
     assert result.returncode == 1
@@ -91,6 +93,7 @@ def test_a_busy_grpc_port_is_named_with_the_flag_to_change_it(busy_port: int) ->
 # -- the disk tier --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_disk_path_that_is_a_file_names_the_setting_and_the_path(tmp_path: Path) -> None:
     a_file = tmp_path / "afile"
     a_file.write_text("not a directory")
@@ -102,6 +105,7 @@ def test_a_disk_path_that_is_a_file_names_the_setting_and_the_path(tmp_path: Pat
     assert "--disk-path" in result.stderr and "Errno" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_disk_path_that_cannot_be_created_names_the_setting_and_the_path(tmp_path: Path) -> None:
     a_file = tmp_path / "afile"
     a_file.write_text("")
@@ -110,6 +114,7 @@ def test_a_disk_path_that_cannot_be_created_names_the_setting_and_the_path(tmp_p
         kvstore.open_store(StoreConfig(disk=DiskTierConfig(path=str(below))))
 
 
+@pytest.mark.slow
 def test_a_disk_capacity_over_the_free_space_is_a_warning_at_start(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     too_big = shutil.disk_usage(tmp_path).free * 4
@@ -123,6 +128,7 @@ def test_a_disk_capacity_over_the_free_space_is_a_warning_at_start(tmp_path: Pat
                for w in warnings), warnings
 
 
+@pytest.mark.slow
 def test_a_disk_capacity_that_fits_gives_no_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="kvstore.tiers.lmdb"):
         kvstore.open_store(StoreConfig(disk=DiskTierConfig(path=str(tmp_path / "lmdb"),
@@ -286,6 +292,7 @@ def test_the_state_of_redis_follows_it_coming_back() -> None:
 
 
 @requires_redis
+@pytest.mark.slow
 def test_a_node_whose_redis_is_down_shows_it_in_stats_and_health(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     with KVNode(redis_url=url, metrics=False) as node:
@@ -305,6 +312,7 @@ def test_a_node_whose_redis_is_down_shows_it_in_stats_and_health(capsys: pytest.
 
 
 @requires_redis
+@pytest.mark.slow
 def test_health_names_a_down_tier_also_without_the_token_its_stats_need(capsys: pytest.CaptureFixture[str]) -> None:
     env = {"KVSTORE_SECURITY__AUTH_TOKENS": "errors-table-token-0123456789="}
     with KVNode(redis_url=f"redis://127.0.0.1:{free_port()}/0", metrics=False, env=env) as node:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts processes or servers, or takes seconds: outside `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[1]
 HALVES = ("main", "vllm", "sglang")
 

@@ -284,6 +284,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_retention_ties_are_the_same_in_every_process() -> None:
     """Blocks whose retention ends at the same time revert in insertion order, not by memory address."""
     outputs = set()

@@ -107,6 +107,7 @@ def test_every_file_the_commands_name_exists() -> None:
                 assert (ROOT / word).exists(), f"`{line}` names {word}, which does not exist"
 
 
+@pytest.mark.slow
 def test_the_embedded_quick_start_runs(tmp_path: Path) -> None:
     code = _blocks(_readme(), "python")[0]
     assert "open_store" in code

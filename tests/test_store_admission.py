@@ -52,6 +52,7 @@ async def _writer(store: TieredStore, writer: int, num_puts: int, stored: dict[b
     return errors
 
 
+@pytest.mark.slow
 async def test_concurrent_puts_with_a_disk_tier_are_not_refused(tmp_path: Path) -> None:
     memory = HeapTier(32 * MiB, framing=functools.partial(reply_head, chunk_bytes=MiB))
     disk = LMDBTier(tmp_path / "disk", 2048 * MiB)

@@ -493,6 +493,7 @@ def test_memory_and_disk_agree_with_the_model() -> None:
     run_state_machine_as_test(StoreModel, settings=MODEL_SETTINGS)
 
 
+@pytest.mark.slow
 def test_the_index_steps_agree_with_the_model() -> None:
     run_state_machine_as_test(IndexStepsModel, settings=settings(MODEL_SETTINGS, max_examples=200,
                                                                  stateful_step_count=50))

@@ -50,8 +50,8 @@ examples:
   kvstore loadtest --target 127.0.0.1:50051                      # conversation trace, 1 worker, file order
   kvstore loadtest --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --concurrency 8 --duration 60
   kvstore loadtest --speedup 10 --max-inflight 32 --json out.json --plot-dir plots/
-  kvstore loadtest --requests 2000 --sim-capacity 5859           # also print kvstore simulate's hit ratio
-  kvstore loadtest --sim-capacity 1827 --sim-disk-capacity 45697 # a node with a disk tier: the same in the simulation
+  kvstore loadtest --requests 2000 --sim-capacity node           # also simulate the node's capacity and compare
+  kvstore loadtest --sim-capacity 1827 --sim-disk-capacity 45697 # capacities in blocks, given
 
 Exit status: 0 if every call succeeded and every block matched; 1 if a call
 failed, a block mismatched or the node is unreachable; 2 on a bad argument or
@@ -136,7 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write loadtest_hit_ratio.png and loadtest_latency_cdf.png there")
     parser.add_argument("--sim-capacity", default=None, metavar="BLOCKS",
                         help="also run kvstore simulate on the replayed requests with a memory tier of this many "
-                             "blocks (or inf): the node's memory capacity over one block's footprint")
+                             "blocks (or inf), or `node`: the node's own memory tier (and disk tier), read from its "
+                             "stats after the run (its capacity over one block's footprint); one --target only")
     parser.add_argument("--sim-disk-capacity", default=None, metavar="BLOCKS",
                         help="the simulation's disk tier, blocks: give it for a node with a disk tier, so that the "
                              "simulation has the same (default: none)")
@@ -144,6 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="policy of the simulation, the node's --policy (default: default)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="live progress bar on stderr (default: only on a terminal)")
+    parser.add_argument("--legend", action=argparse.BooleanOptionalAction, default=None,
+                        help="explain the summary's rows under it (default: only on a terminal)")
     add_connection_arguments(parser)
 
 
@@ -168,12 +171,18 @@ def read_requests(path: str, format: str, limit: int | None,
     return requests
 
 
+NODE_CAPACITY = "node"
+"""``--sim-capacity node``: simulate the capacities the node reports."""
+
+
 def _sim_capacity(text: str | None) -> tuple[bool, int | None]:
     if text is None:
         return False, None
     value = text.strip().lower()
     if value in ("inf", "infinite", "none"):
         return True, None
+    if value == NODE_CAPACITY:
+        return True, -1  # read from the node after the run
     if not value.isdigit():
         raise InvalidArgumentError(f"--sim-capacity must be a block count or inf, got {text!r}")
     return True, int(value)
@@ -242,6 +251,26 @@ def config_from_args(args: argparse.Namespace, connection: Connection | None = N
     )
 
 
+SUMMARY_LEGEND = {
+    "requests": "trace requests completed and failed, and what ended the run (trace_end, max_requests, duration)",
+    "targets": "the nodes the client spread blocks over",
+    "block hit ratio": "blocks the lookups found in the cached prefix (and the gets returned) / blocks requested",
+    "token hit ratio": "prompt tokens those blocks cover / prompt tokens",
+    "hits per tier": "the hit blocks by the tier that held them at lookup",
+    "elapsed": "wall time from the first request to the last completion",
+    "requests/s": "completed requests per second of that time",
+    "GB/s moved": "10^9 bytes of encoded blocks read (gets) and written (puts) per second",
+    "latency": "per call, percentiles over the run (request: lookup + get + put of one trace request)",
+    "start lag": "open loop: how late requests started behind their trace time (waiting for --max-inflight)",
+    "errors": "failed calls, by operation and error class",
+    "byte mismatches": "blocks whose bytes differed from what was put (must be 0)",
+    "short gets": "gets that returned fewer blocks than their lookup found (evicted in between)",
+    "simulator": "kvstore simulate on the same requests: its hit ratio, and the load test's minus it",
+    "sim capacity": "with --sim-capacity node: the node's capacity over one block's footprint, per tier",
+}
+"""What the summary's rows mean (printed under it with --legend)."""
+
+
 def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = None) -> str:
     """Plain aligned text: hit ratios, per-tier hits, rates, latency percentiles, errors and mismatches."""
     rows: list[tuple[str, str]] = [
@@ -273,6 +302,8 @@ def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = N
         rows.append(("simulator", f"{comparison['policy']}@{capacity}{disk}: hit ratio "
                                   f"{comparison['sim_hit_ratio']:.4f}, "
                                   f"loadtest - sim = {comparison['hit_ratio_diff']:+.4f}"))
+        if comparison.get("capacity_source", "given") != "given":
+            rows.append(("sim capacity", comparison["capacity_source"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -309,6 +340,9 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args, connection)
         compare, sim_capacity = _sim_capacity(args.sim_capacity)
         sim_disk = _sim_disk_capacity(args.sim_disk_capacity, compare)
+        if sim_capacity == -1 and (len(config.targets) > 1 or args.sim_disk_capacity is not None):
+            raise InvalidArgumentError("--sim-capacity node reads one node's tiers: give one --target, and no "
+                                       "--sim-disk-capacity")
         requests = read_requests(args.trace, args.format, config.max_requests, config.block_tokens)
     except (InvalidArgumentError, ConfigError, OSError) as exc:
         print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
@@ -324,15 +358,26 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     comparison = None
     if compare:
-        from kvstore.loadtest.compare import compare_with_simulator
+        from kvstore.loadtest.compare import compare_with_simulator, node_capacity_blocks
 
         try:
+            source = "given"
+            if sim_capacity == -1:
+                sim_capacity, sim_disk, source = node_capacity_blocks(result.server_stats)
+            elif sim_capacity is not None and len(config.targets) == 1:
+                _warn_if_not_the_nodes(result.server_stats, sim_capacity)
+            if sys.stderr.isatty():
+                print("kvstore loadtest: simulating the replayed requests ...", file=sys.stderr, flush=True)
             comparison = compare_with_simulator(requests, result, sim_capacity, policy=args.sim_policy,
                                                 disk_capacity_blocks=sim_disk)
+            comparison["capacity_source"] = source
         except InvalidArgumentError as exc:
             print(f"kvstore loadtest: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
     print(format_summary(result, comparison))
+    if args.legend or (args.legend is None and sys.stdout.isatty()):
+        width = max(map(len, SUMMARY_LEGEND))
+        print("\n".join(f"  {name.ljust(width)}  {meaning}" for name, meaning in SUMMARY_LEGEND.items()))
     if args.json:
         payload = {"trace": str(args.trace), **result.to_dict(), "simulator": comparison}
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
@@ -341,6 +386,20 @@ def run(args: argparse.Namespace) -> int:
 
         write_plots(result, args.plot_dir, sim_hit_ratio=comparison["sim_hit_ratio"] if comparison else None)
     return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def _warn_if_not_the_nodes(server_stats: dict[str, Any] | None, sim_capacity: int) -> None:
+    """A line on stderr when ``--sim-capacity`` is not what the node's memory tier holds of these blocks."""
+    from kvstore.loadtest.compare import node_capacity_blocks
+
+    try:
+        node_blocks, _, how = node_capacity_blocks(server_stats)
+    except InvalidArgumentError:
+        return  # nothing to measure: say nothing
+    if abs(node_blocks - sim_capacity) > max(1, node_blocks // 100):
+        print(f"kvstore loadtest: warning: --sim-capacity {sim_capacity} is not the node's memory tier, which holds "
+              f"{node_blocks:,} of these blocks ({how}); the two hit ratios then differ. --sim-capacity node "
+              f"simulates the node's", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from kvstore.errors import InvalidArgumentError
 from kvstore.loadtest.runner import LoadTestResult
 from kvstore.sim import simulate
 from kvstore.trace import TraceRequest
@@ -65,3 +66,36 @@ def compare_with_simulator(
         "hit_ratio_diff": result.hit_ratio - sim.hit_ratio,
         "hit_ratio_ratio": result.hit_ratio / sim.hit_ratio if sim.hit_ratio else None,
     }
+
+
+def node_capacity_blocks(server_stats: dict[str, Any] | None) -> tuple[int, int, str]:
+    """The blocks of the load test that the node's memory tier and disk tier hold, from its stats after the run.
+
+    A tier's ``capacity_bytes`` is counted in its own footprint of a block, and the load
+    test's blocks are all of one size, so one block's footprint is the tier's ``bytes /
+    blocks`` and its capacity in blocks ``capacity_bytes // footprint``: what
+    ``--sim-capacity`` (and ``--sim-disk-capacity``) should be. Exact for a node that
+    holds only the load test's blocks.
+
+    Args:
+        server_stats: ``LoadTestResult.server_stats`` (``kvstore stats`` as a dict).
+
+    Returns:
+        ``(memory blocks, disk blocks or 0, a line saying how)``.
+
+    Raises:
+        InvalidArgumentError: if the stats could not be read, or the memory tier holds no block to measure.
+    """
+    tiers = [t for t in (server_stats or {}).get("tiers", ()) if t.get("capacity_bytes", 0) > 0]
+    if not tiers:
+        raise InvalidArgumentError("--sim-capacity node: the node's stats name no tier with a capacity")
+    counts, parts = [], []
+    for tier in tiers[:2]:  # the memory tier, then a disk tier below it
+        if tier["blocks"] <= 0:
+            if counts:
+                break  # an empty disk tier: nothing was demoted, so the simulation needs none
+            raise InvalidArgumentError(f"--sim-capacity node: the {tier['name']} tier holds no block to measure")
+        footprint = tier["bytes"] / tier["blocks"]
+        counts.append(int(tier["capacity_bytes"] // footprint))
+        parts.append(f"{tier['name']} {tier['capacity_bytes']:,} B / {footprint:,.0f} B a block = {counts[-1]:,}")
+    return counts[0], (counts[1] if len(counts) > 1 else 0), "the node's " + ", ".join(parts)

@@ -18,7 +18,9 @@ Exported series (conventional ``_total``, ``_bytes`` and ``_seconds`` suffixes):
   ``kvstore_tier_corrupt_records_total`` ``{tier}``: counters.
 * ``kvstore_tier_events_total{tier, event}``: the tiers' extra counters (e.g. Redis ``errors``).
 * ``kvstore_lookup_blocks_total{result}``: blocks asked for by lookups, ``hit`` (in the cached prefix)
-  or ``miss``; ``hit / (hit + miss)`` is the traffic's prefix hit ratio (the tier hit counters see only Gets).
+  or ``miss``; ``hit / (hit + miss)`` is the traffic's prefix hit ratio; and
+  ``kvstore_tenant_lookup_blocks_total{tenant, result}`` the same by tenant (``kvstore.counts.tenant_label``).
+* ``kvstore_tier_up{tier}``: 1 while the tier serves, 0 while it is down (the shared Redis tier).
 * ``kvstore_shm_sessions``, ``kvstore_shm_leases``, ``kvstore_shm_leased_bytes``: gauges of the same-host
   data plane (sessions open, leases in force and the bytes they hold), and
   ``kvstore_shm_events_total{event}``: its counts (``sessions_opened``, ``leases_expired``, ``no_room``, ...).
@@ -97,8 +99,8 @@ class StoreCollector(Collector):
 
     def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
         """The families, empty, so that a filtered scrape finds them and registering never calls the store."""
-        gauges, counters, events, lookups = self._families()
-        return [*gauges.values(), *counters.values(), events, lookups]
+        gauges, counters, events, lookups, up, tenants = self._families()
+        return [*gauges.values(), *counters.values(), events, lookups, up, tenants]
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """Yield one family per stat, labelled by tier (called by ``prometheus_client`` on scrape)."""
@@ -107,8 +109,9 @@ class StoreCollector(Collector):
         except Exception as exc:  # a closed loop or a slow store must not break /metrics
             logger.warning("store stats unavailable for /metrics: %s", exc)
             return
-        gauges, counters, events, lookups = self._families()
+        gauges, counters, events, lookups, up, tenants = self._families()
         for tier in stats.tiers:
+            up.add_metric([tier.name], 0.0 if tier.state == "down" else 1.0)
             for name, family in gauges.items():
                 family.add_metric([tier.name], getattr(tier, name))
             for name, family in counters.items():
@@ -117,15 +120,21 @@ class StoreCollector(Collector):
                 events.add_metric([tier.name, event], count)
         lookups.add_metric(["hit"], stats.lookup_hit_blocks)
         lookups.add_metric(["miss"], stats.lookup_miss_blocks)
+        for tenant, (hit, miss) in sorted(stats.lookup_blocks_by_tenant.items()):
+            tenants.add_metric([tenant, "hit"], hit)
+            tenants.add_metric([tenant, "miss"], miss)
         yield from gauges.values()
         yield from counters.values()
         yield events
         yield lookups
+        yield up
+        yield tenants
 
     @staticmethod
     def _families() -> tuple[dict[str, GaugeMetricFamily], dict[str, CounterMetricFamily], CounterMetricFamily,
-                             CounterMetricFamily]:
-        """The exported families, empty: tier gauges and counters by stat name, tier events, lookup blocks."""
+                             CounterMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+        """The exported families, empty: tier gauges and counters by stat name, tier events, lookup blocks,
+        tier up, lookup blocks by tenant."""
         gauges = {
             "blocks": GaugeMetricFamily("kvstore_tier_blocks", "Blocks resident in the tier (-1: unknown).",
                                         labels=["tier"]),
@@ -144,8 +153,8 @@ class StoreCollector(Collector):
             name: CounterMetricFamily(f"kvstore_tier_{name}", help_text, labels=["tier"])
             for name, help_text in (  # defined once, in docs/service.md ("Metrics")
                 ("hits", "Blocks a get served from the tier."),
-                ("misses", "Blocks a get looked for in the tier and did not find there (served from a tier below, "
-                           "or found in none)."),
+                ("misses", "Blocks a lookup or get asked the tier for and it could not serve (served from a tier "
+                           "below, or found in none; a lookup's blocks past the cached prefix)."),
                 ("evictions", "Blocks that left the tier to make room, or as the store closed (demoted or dropped)."),
                 ("demotions", "Blocks written into the tier by an eviction from the tier above."),
                 ("promotions", "Blocks copied from the tier into the top tier after a hit."),
@@ -155,7 +164,12 @@ class StoreCollector(Collector):
         events = CounterMetricFamily("kvstore_tier_events", "Tier-specific event counts.", labels=["tier", "event"])
         lookups = CounterMetricFamily("kvstore_lookup_blocks", "Blocks asked for by lookups, by whether they were "
                                       "in the cached prefix (the traffic's prefix hit ratio).", labels=["result"])
-        return gauges, counters, events, lookups
+        up = GaugeMetricFamily("kvstore_tier_up", "1 while the tier serves, 0 while it is down (the shared Redis "
+                               "tier can be; a local tier is up while the node serves).", labels=["tier"])
+        tenants = CounterMetricFamily(
+            "kvstore_tenant_lookup_blocks", "kvstore_lookup_blocks_total by tenant: 'default' (no cache_salt), "
+            "'t-' and 8 hex digits of the salt's SHA-256, 'other' past the 64th tenant.", labels=["tenant", "result"])
+        return gauges, counters, events, lookups, up, tenants
 
 
 class SharedMemoryCollector(Collector):

@@ -9,7 +9,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvstore.codec import header_nbytes
 from kvstore.config import parse_size
@@ -32,7 +32,9 @@ _EPILOG = """\
 capacities are block counts (5859), percentages of the trace's distinct blocks (5%),
 sizes (3GiB; divided by --block-bytes) or inf. Policies: lru, slru, adaptive, default
 (what a node runs by default: adaptive) and belady (the offline bound, MIN with bypass).
-The replay model is the node's own; docs/simulate.md explains it.
+The replay model is the node's own; docs/simulate.md explains it. A progress bar runs
+on stderr on a terminal (--no-progress hides it); the table's columns are explained
+under it (--no-legend hides that).
 examples:
   kvstore simulate --policy lru,default,belady --capacity 1%,5%,25%,inf
   kvstore simulate --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --capacity 3GiB --block-bytes 512KiB
@@ -96,29 +98,56 @@ def _label(capacity_blocks: int | None) -> str:
     return "inf" if capacity_blocks is None else str(capacity_blocks)
 
 
-def format_table(rows: Sequence[tuple[str, SimResult]]) -> str:
+COLUMNS = {
+    "trace": "the trace file's name",
+    "policy": "the eviction policy (default: what a node runs, adaptive; belady: the offline bound)",
+    "capacity": "the memory tier's capacity as given (5%, 3GiB, 5859, inf)",
+    "blocks": "the same in blocks: a percentage of the trace's distinct blocks, or a size over --block-bytes",
+    "disk": "the disk tier below memory, as given, and in blocks (-: none)",
+    "hit_ratio": "blocks found in the cached prefix / blocks requested",
+    "token_hit": "prompt tokens those blocks cover / prompt tokens",
+    "tier_hits": "the hit ratio's part served by each tier, memory/disk",
+    "vs_lru": "hit_ratio / LRU's at the same capacities",
+    "gap_closed": "(hit_ratio - LRU's) / (the bound's - LRU's): the share of LRU's distance to the bound made up",
+    "M acc/s": "millions of block accesses the simulator replayed per second: its own speed, not the cache's",
+}
+"""Every column of the table, and what it means (printed under it)."""
+
+
+def format_table(rows: Sequence[tuple[str, SimResult]], given: Sequence[tuple[str, str]] | None = None) -> str:
     """Plain aligned text: one row per (trace, result), with hit ratios, the ratio to LRU and the gap closed.
+
+    Args:
+        rows: ``(trace name, result)`` per run.
+        given: per row, the memory and disk capacities as the user gave them (``5%``, ``3GiB``); the block
+            counts alone when ``None``.
 
     ``vs_lru`` is the hit ratio over LRU's at the same capacities; ``gap_closed``
     is ``(hit - lru) / (bound - lru)``, the share of LRU's distance to the
     offline bound that the policy makes up (when both are in the rows).
+    :data:`COLUMNS` says what every column means.
     """
-    header = ("trace", "policy", "capacity", "disk", "hit_ratio", "token_hit", "tier_hits", "vs_lru", "gap_closed",
-              "M acc/s")
+    header = ("trace", "policy", "capacity", "blocks", "disk", "hit_ratio", "token_hit", "tier_hits", "vs_lru",
+              "gap_closed", "M acc/s")
 
     def by(policy: str) -> dict[tuple[str, int | None, int], float]:
         return {(t, r.capacity_blocks, r.disk_capacity_blocks): r.hit_ratio for t, r in rows if r.policy == policy}
 
     lru, bound = by("lru"), by("belady")
     lines = [header]
-    for trace, r in rows:
+    for index, (trace, r) in enumerate(rows):
         where = (trace, r.capacity_blocks, r.disk_capacity_blocks)
         base, top = lru.get(where), bound.get(where)
         closed = "-"
         if base is not None and top is not None and top > base and r.policy not in ("lru", "belady"):
             closed = f"{(r.hit_ratio - base) / (top - base):+.3f}"
+        capacity_text, disk_text = given[index] if given is not None else (_label(r.capacity_blocks), "")
+        disk = "-"
+        if r.disk_capacity_blocks:
+            disk = f"{disk_text} ({r.disk_capacity_blocks})" if disk_text and disk_text != str(
+                r.disk_capacity_blocks) else str(r.disk_capacity_blocks)
         lines.append((
-            trace, r.policy, _label(r.capacity_blocks), str(r.disk_capacity_blocks or "-"),
+            trace, r.policy, capacity_text, _label(r.capacity_blocks), disk,
             f"{r.hit_ratio:.4f}", f"{r.token_hit_ratio:.4f}",
             "/".join(f"{x:.4f}" for x in r.tier_hit_ratios),
             f"{r.hit_ratio / base:.3f}" if base else "-", closed,
@@ -126,7 +155,13 @@ def format_table(rows: Sequence[tuple[str, SimResult]]) -> str:
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(line, widths))) for line in lines)
+                               for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines)
+
+
+def legend() -> str:
+    """What each column of :func:`format_table` means, a line each."""
+    width = max(len(name) for name in COLUMNS)
+    return "\n".join(f"  {name.ljust(width)}  {meaning}" for name, meaning in COLUMNS.items())
 
 
 def plot(rows: Sequence[tuple[str, SimResult]], path: str | os.PathLike[str]) -> None:
@@ -209,6 +244,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "exact bf16 block, and each block takes the bytes the encoding implies (docs/encodings.md)")
     parser.add_argument("--plot", default=None, metavar="PATH.png", help="write hit ratio vs capacity as a PNG")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result as JSON")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar over the runs on stderr (default: only on a terminal)")
+    parser.add_argument("--legend", action=argparse.BooleanOptionalAction, default=True,
+                        help="explain the table's columns under it (default: on)")
 
 
 def encoded_block_bytes(exact_block_bytes: int | None, kv_encoding: str, block_tokens: int) -> int | None:
@@ -257,7 +296,9 @@ def run(args: argparse.Namespace) -> int:
             if not Path(output).resolve().parent.is_dir():
                 raise InvalidArgumentError(f"cannot write {output}: no directory {Path(output).resolve().parent}")
         rows: list[tuple[str, SimResult]] = []
+        given: list[tuple[str, str]] = []
         exact_block_bytes = block_bytes
+        plans = []
         for trace in traces:
             block_tokens = _block_tokens_of(trace, args.format, args.block_tokens)
             block_bytes = encoded_block_bytes(exact_block_bytes, getattr(args, "kv_encoding", ""), block_tokens)
@@ -276,25 +317,43 @@ def run(args: argparse.Namespace) -> int:
                     raise InvalidArgumentError("--disk-capacity cannot be infinite")
                 disk_blocks = disk
             name = Path(trace).stem
-            for capacity in capacities:
-                if capacity is None:  # nothing is evicted, so every policy gives the same: one row
+            for text, capacity in zip(capacity_texts, capacities):
+                for policy in (["lru"] if capacity is None else policies):  # infinite: one row, nothing evicted
+                    plans.append((name, requests, policy, text, capacity, disk_blocks, block_tokens))
+        disk_text = (args.disk_capacity or "").strip()
+        with _progress(len(plans), args.progress) as bar:
+            for name, requests, policy, text, capacity, disk_blocks, block_tokens in plans:
+                bar.set_postfix_str(f"{name} {policy} @ {text}", refresh=True)
+                if capacity is None:
                     rows.append((name, simulate(requests, "lru", None, block_tokens=block_tokens)))
-                    continue
-                for policy in policies:
+                else:
                     rows.append((name, simulate(requests, policy, capacity, disk_capacity_blocks=disk_blocks,
                                                 block_tokens=block_tokens)))
+                given.append((text, disk_text))
+                bar.update(1)
     except (InvalidArgumentError, OSError) as exc:
         print(f"kvstore simulate: error: {exc}", file=sys.stderr)
         return 2
-    print(format_table(rows))
+    print(format_table(rows, given))
+    if args.legend:
+        print(legend())
     if args.json:
         payload = {"traces": traces, "block_tokens": args.block_tokens, "block_bytes": block_bytes,
                    "kv_encoding": getattr(args, "kv_encoding", ""),
-                   "results": [{"trace": t, **r.to_dict()} for t, r in rows]}
+                   "results": [{"trace": t, "capacity": c, "disk_capacity": d or None, **r.to_dict()}
+                               for (t, r), (c, d) in zip(rows, given)]}
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     if args.plot:
         plot(rows, args.plot)
     return 0
+
+
+def _progress(total: int, enabled: bool | None) -> Any:
+    """A tqdm bar over the runs on stderr: shown when ``enabled``, or on a terminal when ``None``."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="run", desc="simulate", file=sys.stderr, leave=False,
+                disable=not (sys.stderr.isatty() if enabled is None else enabled))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

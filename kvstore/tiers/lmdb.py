@@ -139,7 +139,7 @@ class LMDBTier:
         self.sync = sync
         self.map_size_bytes = default_map_size_bytes(capacity_bytes) if map_size_bytes is None else map_size_bytes
         self._num_reader_threads = num_reader_threads
-        prepare_directory(self.path, capacity_bytes)
+        prepare_directory(self.path, self.map_size_bytes)  # the bound of data.mdb: the setting, page-rounded
         free_bytes = shutil.disk_usage(self.path).free
         if free_bytes < MIN_FREE_BYTES:  # LMDB maps its files: growing one on a full disk is a SIGBUS, not an error
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {free_bytes} bytes free on its "

@@ -108,7 +108,7 @@ def default_map_size_bytes(capacity_bytes: int) -> int:
 LOCK_FILE = "kvstore.lock"
 
 
-def prepare_directory(path: str, capacity_bytes: int) -> None:
+def prepare_directory(path: str, map_size_bytes: int) -> None:
     """Create the disk tier's directory, and check that it is one this process can write and that it can hold the tier.
 
     A capacity over what the filesystem can give (its free space plus what the
@@ -118,7 +118,8 @@ def prepare_directory(path: str, capacity_bytes: int) -> None:
 
     Args:
         path: ``store.disk.path``.
-        capacity_bytes: ``store.disk.capacity_bytes``.
+        map_size_bytes: the bound of ``data.mdb``: ``store.disk.capacity_bytes`` (page-rounded), of which
+            blocks get :func:`usable_bytes`; a warning is logged when the filesystem has less room than that.
 
     Raises:
         ConfigError: naming ``store.disk.path`` and the path, if it exists and is not a directory, cannot
@@ -139,13 +140,13 @@ def prepare_directory(path: str, capacity_bytes: int) -> None:
     own_bytes = sum(os.path.getsize(os.path.join(path, name)) for name in ("data.mdb",)
                     if os.path.isfile(os.path.join(path, name)))
     available_bytes = shutil.disk_usage(path).free + own_bytes
-    if capacity_bytes > available_bytes:
+    if map_size_bytes > available_bytes:
         logger.warning(
             "disk tier at %s: store.disk.capacity_bytes is %.1f GiB but its filesystem has %.1f GiB for it: the tier "
             "may fill the filesystem before it reaches its capacity and starts to evict; lower --disk-capacity "
             "(store.disk.capacity_bytes, KVSTORE_DISK_CAPACITY) below that",
-            path, capacity_bytes / 2**30, available_bytes / 2**30,
-            extra={"fields": {"path": path, "capacity_bytes": capacity_bytes, "available_bytes": available_bytes}},
+            path, map_size_bytes / 2**30, available_bytes / 2**30,
+            extra={"fields": {"path": path, "capacity_bytes": map_size_bytes, "available_bytes": available_bytes}},
         )
 
 

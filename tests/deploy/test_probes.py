@@ -27,7 +27,8 @@ from tests.support.redis import make_tls_files
 from tests.support.deploy import COMPOSE_FILE, COMPOSE_TLS_FILE, DOCKERFILE, KUBERNETES_DIR, healthcheck_command, load_yaml_documents, \
     parse_dockerfile
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed"),
+              pytest.mark.slow]  # starts nodes: outside `make test-fast`
 
 CONTAINER_TLS_DIR = "/etc/kvstore/tls"
 PROBE_PORT = "127.0.0.1:50051"
@@ -148,3 +149,50 @@ def test_the_kubernetes_probes_pass_with_kvstore_tls_env(tls_dir: Path) -> None:
         for name, command in _k8s_probes().items():
             result = _probe(command, env, node)
             assert result.returncode == 0 and result.stdout.strip() == "SERVING", (name, result.stderr)
+
+
+VLLM_TOKEN = "compose-vllm-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def vllm_tls_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """/etc/kvstore/tls as docs/security.md makes it: a certificate that names kvstore (and 127.0.0.1, which the
+    tests dial), tokens.yaml with the demo's token and the vLLM workers' (every tenant), and both token files."""
+    files = make_tls_files(tmp_path_factory.mktemp("ca"), subject_alt_names=("DNS:kvstore", "IP:127.0.0.1"))
+    folder = tmp_path_factory.mktemp("tls")
+    shutil.copy(files.ca_cert, folder / "ca.crt")
+    shutil.copy(files.server_cert, folder / "tls.crt")
+    shutil.copy(files.server_key, folder / "tls.key")
+    (folder / "tokens.yaml").write_text(yaml.safe_dump({"tokens": [
+        {"name": "demo", "token": TOKEN, "tenants": ["demo"]}, {"name": "vllm", "token": VLLM_TOKEN, "tenants": ["*"]}]}))
+    (folder / "demo.token").write_text(TOKEN + "\n")
+    (folder / "vllm.token").write_text(VLLM_TOKEN + "\n")
+    return folder
+
+
+def test_the_compose_vllm_workers_reach_a_tls_node_with_their_token(vllm_tls_dir: Path) -> None:
+    """docker-compose.tls.yml gives the vLLM workers' connector the CA, its token and SHA-256 keys: with them it
+    reads and writes a TLS node that requires tokens; without the token it is refused."""
+    import json
+
+    from kvstore.connectors.vllm.config import parse_config
+    from kvstore.connectors.vllm.stores import open_client
+    from kvstore.errors import KVStoreError
+    from kvstore.keys import Namespace, hash_blocks
+
+    services = yaml.safe_load(COMPOSE_TLS_FILE.read_text())["services"]
+    with _tls_node(_compose_tls_env(vllm_tls_dir), vllm_tls_dir) as node:
+        for name in ("vllm", "vllm-gpu"):
+            args = services[name]["command"]
+            extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+            extra = _here(extra, vllm_tls_dir)
+            settings = parse_config(extra, environ={"KVSTORE_TARGET": node.target})  # compose's: kvstore:50051
+            ns = Namespace(model=f"tls-{name}", dtype="float16", block_size=16, cache_salt="a-user",
+                           hash_algorithm=settings.hash_algorithm)
+            hashes = hash_blocks(ns, list(range(32)))
+            with open_client(settings) as client:
+                assert client.lookup(ns, hashes).num_blocks == 0  # TLS verified, the token accepted, SHA-256 keys
+            anonymous = parse_config({k: v for k, v in extra.items() if k != "token_file"},
+                                     environ={"KVSTORE_TARGET": node.target})
+            with open_client(anonymous) as client, pytest.raises(KVStoreError):
+                client.lookup(ns, hashes)

@@ -39,7 +39,6 @@ from tests.support.deploy import (
     CONFIG_FILE,
     DOCKERFILE,
     KUBERNETES_DIR,
-    PROMETHEUS_FILE,
     REPO_ROOT,
     exec_form,
     final_stage,
@@ -363,15 +362,6 @@ def test_compose_named_volumes_are_declared(compose: dict) -> None:
                 assert (REPO_ROOT / source).exists(), f"{name}: bind mount {source} does not exist"
 
 
-def test_prometheus_scrapes_every_node(compose: dict) -> None:
-    prometheus = yaml.safe_load(PROMETHEUS_FILE.read_text())
-    targets = {t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    assert targets == {f"{name}:{METRICS_PORT}" for name in KVSTORE_NODES}
-    assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in prometheus["scrape_configs"])
-    mounts = compose["services"]["prometheus"]["volumes"]
-    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
-
-
 def _compose_schema() -> dict[str, Any]:
     """The Compose Specification's JSON schema, as check-jsonschema vendors it (licence beside it there)."""
     from importlib import resources
@@ -382,6 +372,7 @@ def _compose_schema() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("path", [COMPOSE_FILE, COMPOSE_TLS_FILE], ids=lambda p: p.name)
+@pytest.mark.slow
 def test_compose_files_match_the_compose_specification(path: Path) -> None:
     import jsonschema
 
@@ -401,7 +392,19 @@ def test_the_compose_schema_check_can_fail() -> None:
 
 def test_compose_tls_override_turns_on_tls_for_every_node_and_its_probe(compose: dict) -> None:
     override = yaml.safe_load(COMPOSE_TLS_FILE.read_text())
-    assert set(override["services"]) == {*KVSTORE_NODES, "demo"}
+    assert set(override["services"]) == {*KVSTORE_NODES, "demo", "vllm", "vllm-gpu"}
+    for name in ("vllm", "vllm-gpu"):  # the workers' connector: the base command, plus its TLS and token
+        worker, base = override["services"][name], compose["services"][name]
+        flag = worker["command"].index("--kv-transfer-config")
+        assert worker["command"][:flag] == base["command"][:flag]
+        transfer = json.loads(worker["command"][flag + 1])
+        assert {k: v for k, v in transfer.items() if k != "kv_connector_extra_config"} == \
+            json.loads(base["command"][flag + 1])
+        extra = transfer["kv_connector_extra_config"]
+        assert extra["tls_ca_file"] == "/etc/kvstore/tls/ca.crt" and extra["token_file"] == "/etc/kvstore/tls/vllm.token"
+        assert extra["hash_algorithm"] == "sha256"  # a node with tokens requires it
+        assert "./deploy/tls:/etc/kvstore/tls:ro" in worker["volumes"]
+        assert set(base["volumes"]) <= set(worker["volumes"])  # the override replaces the list: nothing lost
     for name in KVSTORE_NODES:
         node = override["services"][name]
         env = image_env(parse_dockerfile(DOCKERFILE)) | compose["services"][name]["environment"] | node["environment"]
@@ -530,6 +533,7 @@ def test_k8s_config_and_env_are_accepted_by_load_config(k8s_objects: dict, conta
 K8S_SCHEMA_VERSION = "1.30.0"   # native gRPC probes are GA since 1.27
 
 
+@pytest.mark.slow
 def test_k8s_manifests_match_the_openapi_schema(k8s_objects: dict) -> None:
     import kubernetes_validate  # from .[dev]
 

@@ -34,14 +34,22 @@ def _extras() -> dict[str, Requirement]:
 
 
 def _transfer_config(args: list[str]) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` JSON of a ``vllm serve`` command (or the api_server module's), checked as the connector does."""
+    """The ``--kv-transfer-config`` JSON of a ``vllm serve`` command (or the api_server module's), checked as the
+    connector does: the two-key form that kvstore's entry point makes enough (``kv_connector_module_path``, if
+    given, must name the connector's module)."""
     assert args[0] == "serve" or args[:1] == ["--model"], args
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == "KVStoreConnector"
-    assert config["kv_connector_module_path"] == "kvstore.connectors.vllm"
+    assert config.get("kv_connector_module_path", "kvstore.connectors.vllm") == "kvstore.connectors.vllm"
     assert config["kv_role"] in ("kv_both", "kv_producer", "kv_consumer")
-    parse_config(config["kv_connector_extra_config"])  # raises on an unknown key or a bad value
+    parse_config(config.get("kv_connector_extra_config"), environ={})  # raises on an unknown key or a bad value
     return config
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    """A compose service's or a Kubernetes container's environment, as a dict."""
+    env = container.get("environment") or container.get("env") or {}
+    return {e["name"]: e["value"] for e in env} if isinstance(env, list) else {k: str(v) for k, v in env.items()}
 
 
 def _stages(path: Path) -> dict[str, list[Any]]:
@@ -113,7 +121,7 @@ def test_compose_vllm_workers_use_the_connector_against_the_kvstore_service(comp
         assert worker["build"]["dockerfile"] == "deploy/vllm/Dockerfile" and worker["build"]["context"] == "."
         assert worker["image"] != services["kvstore"]["image"]
         config = _transfer_config(worker["command"])
-        targets = parse_config(config["kv_connector_extra_config"]).targets
+        targets = parse_config(config.get("kv_connector_extra_config"), environ=_env(worker)).targets
         assert targets == (f"kvstore:{GRPC_PORT}",), "the worker must reach the compose kvstore service"
         assert any(p.endswith(f":{GRPC_PORT}") for p in services["kvstore"]["ports"])
         assert worker["depends_on"]["kvstore"]["condition"] == "service_healthy"
@@ -146,7 +154,7 @@ def test_k8s_worker_names_every_kvstore_replica(worker: dict) -> None:
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     (container,) = pod["spec"]["containers"]
     config = _transfer_config(container["args"])
-    targets = parse_config(config["kv_connector_extra_config"]).targets
+    targets = parse_config(config.get("kv_connector_extra_config"), environ=_env(container)).targets
     statefulset = next(d for d in load_yaml_documents(KUBERNETES_DIR / "statefulset.yaml") if d["kind"] == "StatefulSet")
     headless = statefulset["spec"]["serviceName"]
     replicas = statefulset["spec"]["replicas"]
@@ -177,9 +185,10 @@ def test_k8s_worker_has_a_gpu_probes_and_shared_memory(worker: dict) -> None:
 def test_the_documented_kv_transfer_configs_are_accepted(page: Path) -> None:
     """Every JSON object in a page that names the connector is a config the connector takes as written."""
     text = page.read_text()
-    configs = [json.loads(m) for m in re.findall(r"'(\{\"kv_connector\".*?\}\})'", text.replace("\n  ", " "))]
+    configs = [json.loads(m) for m in re.findall(r"'(\{\"kv_connector\".*?\})'", text.replace("\n  ", " "))]
     assert configs, f"{page.name} shows no --kv-transfer-config"
     for config in configs:
-        assert config["kv_connector"] == "KVStoreConnector"
-        assert config["kv_connector_module_path"] == "kvstore.connectors.vllm"
-        parse_config(config["kv_connector_extra_config"])
+        assert config["kv_connector"] == "KVStoreConnector" and config["kv_role"] == "kv_both"
+        assert config.get("kv_connector_module_path", "kvstore.connectors.vllm") == "kvstore.connectors.vllm"
+        parse_config(config.get("kv_connector_extra_config"), environ={})
+    assert {"kv_connector": "KVStoreConnector", "kv_role": "kv_both"} in configs  # the quick start's two keys

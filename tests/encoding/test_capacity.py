@@ -36,6 +36,7 @@ def _simulate(tmp_path, *extra: str) -> dict:  # type: ignore[type-arg]
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_simulate_holds_more_blocks_in_the_same_bytes(tmp_path) -> None:
     raw = _simulate(tmp_path)["results"][0]
     int8 = _simulate(tmp_path, "--kv-encoding", "int8")

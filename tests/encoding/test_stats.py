@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstore.client import KVStoreClient
@@ -65,6 +66,7 @@ def _disk_server(tmp_path: Path, compression: str, capacity_bytes: int) -> Threa
     }))
 
 
+@pytest.mark.slow
 def test_a_compressing_disk_tier_counts_what_it_stores_and_holds_more_blocks(tmp_path: Path) -> None:
     ns = namespace()
     hashes, tensors = _compressible_blocks(ns, 12)
@@ -89,6 +91,7 @@ def test_a_compressing_disk_tier_counts_what_it_stores_and_holds_more_blocks(tmp
     assert held["zstd"].bytes < held["none"].bytes
 
 
+@pytest.mark.slow
 def test_a_restarted_disk_tier_knows_its_logical_bytes(tmp_path: Path) -> None:
     ns, lossy = namespace(), namespace(kv_encoding="int8")
     hashes, tensors = _compressible_blocks(ns, 4)

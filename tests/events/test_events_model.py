@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -122,6 +123,7 @@ class EventsModel(RuleBasedStateMachine):
         assert self.view.blocks == resident
 
 
+@pytest.mark.slow
 def test_events_replayed_into_a_view_equal_the_tiers() -> None:
     run_state_machine_as_test(EventsModel, settings=settings(
         max_examples=60, stateful_step_count=25, deadline=None, derandomize=True,

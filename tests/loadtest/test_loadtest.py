@@ -185,3 +185,46 @@ def test_closed_loop_with_workers_and_several_targets(big_node: KVNode) -> None:
     expected = config.targets if client_target_keyword() is not None else config.targets[:1]
     assert result.client_targets == expected
     assert result.hit_blocks <= simulate(requests, "lru", None).hit_blocks
+
+
+def test_sim_capacity_node_reads_the_nodes_tier_and_agrees(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sim-capacity node``: the simulation gets the capacity the node's memory tier has, in its own footprint
+    of these blocks (about 150 of them), so the two hit ratios agree; a count that is not the node's draws a
+    warning naming the node's."""
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, read_trace(CONVERSATION)[:150])
+    args = ["--trace", str(trace), "--block-bytes", str(PAYLOAD_BYTES), "--no-progress", "--json",
+            str(tmp_path / "out.json")]
+    with _node(150) as node:
+        assert main(["--target", node.target, *args, "--sim-capacity", "node"]) == 0
+        out = capsys.readouterr().out
+        report = json.loads((tmp_path / "out.json").read_text())
+        simulator, memory = report["simulator"], report["server_stats"]["tiers"][0]
+        footprint = memory["bytes"] / memory["blocks"]  # the tier's own: the heap's or the shared pool's
+        assert simulator["capacity_blocks"] == int(memory["capacity_bytes"] // footprint)
+        assert 140 <= simulator["capacity_blocks"] <= 170 and simulator["disk_capacity_blocks"] == 0
+        assert memory["evictions"] > 0  # the capacity mattered
+        assert abs(simulator["hit_ratio_diff"]) <= 0.01 and simulator["sim_hit_ratio"] > 0.01
+        assert f"memory {memory['capacity_bytes']:,} B / {footprint:,.0f} B a block = " \
+               f"{simulator['capacity_blocks']:,}" in out
+        assert main(["--target", node.target, *args, "--sim-capacity", "5859", "--model", "other"]) == 0
+        err = capsys.readouterr().err
+        assert f"--sim-capacity 5859 is not the node's memory tier, which holds " \
+               f"{simulator['capacity_blocks']:,} of these blocks" in err
+    assert main(["--target", "127.0.0.1:1", "--target", "127.0.0.1:2", *args, "--sim-capacity", "node"]) == 2
+    assert "give one --target" in capsys.readouterr().err
+
+
+def test_the_legend_explains_every_row_of_the_summary(big_node: KVNode, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.loadtest.cli import SUMMARY_LEGEND
+
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, read_trace(CONVERSATION)[:5])
+    assert main(["--target", big_node.target, "--trace", str(trace), "--block-bytes", str(PAYLOAD_BYTES),
+                 "--no-progress", "--legend", "--model", "legend"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("  ")[0] for line in out.splitlines() if line and not line.startswith(" ")]
+    for row in rows:  # every row of the summary is explained (a latency row by "latency")
+        assert any(row == name or (name == "latency" and row.endswith(" latency")) for name in SUMMARY_LEGEND), row
+    assert all(f"  {name}" in out for name in SUMMARY_LEGEND)

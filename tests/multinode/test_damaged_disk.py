@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvstore.client import KVStoreClient
@@ -11,6 +12,7 @@ from tests.support.kvnode import KVNode
 from tests.support.lmdb_pages import page_map
 
 
+@pytest.mark.slow
 def test_a_record_lmdb_cannot_delete_costs_its_prefix_not_the_node(tmp_path) -> None:
     """Regression: after 64 KiB of a node's data.mdb were zeroed, a Get of a block there failed with
     UNAVAILABLE ('mdb_del: MDB_CORRUPTED'), the client marked the whole node down, and it missed every block the

@@ -25,7 +25,8 @@ from tests.support.redis import TlsFiles, make_tls_files
 
 from tests.support.security import AUTH_TOKENS, TOKEN_A
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed"),
+              pytest.mark.slow]  # starts nodes: outside `make test-fast`
 
 TENANT_A = "tenant-a"
 CLIENT_ENV = ("KVSTORE_TLS", "KVSTORE_TLS_CA", "KVSTORE_TLS_CERT", "KVSTORE_TLS_KEY", "KVSTORE_TLS_SERVER_NAME",

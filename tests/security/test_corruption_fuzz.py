@@ -13,6 +13,8 @@ import pytest
 from tests.support import disk_fuzz, redis_fuzz
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 
+pytestmark = pytest.mark.slow  # starts processes or servers, or takes seconds: outside `make test-fast`
+
 
 def _assert_clean(counts) -> None:  # type: ignore[no-untyped-def]
     summary = {k: v for k, v in counts.as_dict().items() if k != "failures"}

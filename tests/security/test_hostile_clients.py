@@ -25,6 +25,8 @@ from tests.support.kvnode import KVNode
 
 from tests.support.security import AUTH_TOKENS, TOKEN_A
 
+pytestmark = pytest.mark.slow  # starts processes or servers, or takes seconds: outside `make test-fast`
+
 MiB = 1 << 20
 GROWTH_PER_ROUND_BYTES = 48 * MiB
 """The most RSS a later round of an attack may add to what the first left (allocator noise)."""

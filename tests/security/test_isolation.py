@@ -16,6 +16,7 @@ from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 
 from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace
 
+@pytest.mark.slow
 def test_tenant_b_never_hits_tenant_a_in_any_tier(redis_server: RedisProcess, tmp_path) -> None:  # noqa: F811
     ns_a = sha_namespace("tenant-a")
     ns_b = dataclasses.replace(ns_a, cache_salt="tenant-b")  # the same model, dtype, layout: only the salt differs

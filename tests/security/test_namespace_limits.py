@@ -83,6 +83,7 @@ def test_a_huge_namespace_is_refused_before_it_is_parsed(open_server: ThreadedSe
         channel.close()
 
 
+@pytest.mark.slow
 def test_refused_callers_leave_nothing_in_the_namespace_cache() -> None:
     """Regression: the cache was filled before the tenant check, so PERMISSION_DENIED calls pinned memory."""
     server = ThreadedServer(auth_config())

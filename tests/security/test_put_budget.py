@@ -55,6 +55,7 @@ def _stalled_put(ns: Namespace, block_hash: bytes, block: bytes, hold: queue.Sim
     hold.get()
 
 
+@pytest.mark.slow
 def test_stalled_puts_keep_the_node_within_its_put_budget_while_another_connection_puts() -> None:
     ns, good_ns = Namespace("stalled-puts"), Namespace("good-puts")
     hashes, tensors = kv_blocks(ns, 8, num_layers=8, num_kv_heads=8, head_dim=128)  # 8 blocks of 512 KiB

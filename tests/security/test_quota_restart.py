@@ -19,6 +19,7 @@ from tests.support.server import ThreadedServer, encoded, kv_blocks
 MiB = 1 << 20
 
 
+@pytest.mark.slow
 def test_a_tenant_over_its_quota_after_a_restart_is_refused_its_next_put(tmp_path: Path) -> None:
     ns_a, ns_b = sha_namespace("tenant-a"), sha_namespace("tenant-b")
     hashes, tensors = kv_blocks(ns_a, 4)

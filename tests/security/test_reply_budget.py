@@ -113,6 +113,7 @@ def test_budgets_must_be_positive() -> None:
 # ---------------------------------------------------------------- on a real node
 
 
+@pytest.mark.slow
 def test_stalled_readers_keep_the_node_within_its_budget_while_another_connection_is_served() -> None:
     server = ThreadedServer(make_config(**{"limits.connection_reply_bytes": 4 * MiB,
                                            "limits.max_hashes_per_request": 64}))
@@ -166,6 +167,7 @@ def test_stalled_readers_keep_the_node_within_its_budget_while_another_connectio
         server.stop()
 
 
+@pytest.mark.slow
 def test_many_concurrent_gets_on_one_connection_all_complete_under_a_small_budget() -> None:
     server = ThreadedServer(make_config(**{"limits.connection_reply_bytes": 1 * MiB}))
     ns = Namespace("busy-model")

@@ -12,6 +12,7 @@ from kvstore.security import bearer_metadata
 from tests.support.server import kv_blocks, namespace
 
 
+@pytest.mark.slow
 def test_a_served_store_is_the_same_store_and_needs_its_token() -> None:
     ns = namespace()
     hashes, tensors = kv_blocks(ns, 3)

@@ -1,12 +1,14 @@
 """Stats and ``/metrics`` agree, and count one scripted workload over memory, disk and Redis by one definition.
 
 The definitions (``docs/service.md``, "Metrics"): a block a get served from tier ``t`` is a hit there and a miss
-in every tier above it; the first block a get did not find is a miss in every tier; a tier's evictions are its
-demotions into the tier below (or into Redis, in write-back mode) plus what it dropped.
+in every tier above it; the first block a get did not find is a miss in every tier, and so is every block a
+lookup asked for past its cached prefix; a tier's evictions are its demotions into the tier below (or into
+Redis, in write-back mode) plus what it dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from pathlib import Path
 
@@ -26,8 +28,11 @@ def _counts(stats: StoreStats) -> dict[str, dict[str, int]]:
 
 def _expected_get(before: dict[str, dict[str, int]], names: tuple[str, ...], served: tuple[str, ...],
                   asked: int) -> dict[str, dict[str, int]]:
-    """The counts after a get that served blocks from the tiers ``served`` (in order) of ``asked`` blocks."""
+    """The counts after a lookup, then a get of the same ``asked`` blocks, that served blocks from the tiers
+    ``served`` (in order)."""
     after = {name: dict(counts) for name, counts in before.items()}
+    for name in names:  # the lookup: every block past the prefix is a miss of every tier
+        after[name]["misses"] += asked - len(served)
     for tier in served:
         after[tier]["hits"] += 1
         for above in names[:names.index(tier)]:
@@ -122,3 +127,59 @@ def test_promotions_count_at_the_tier_they_leave(redis_server: RedisProcess) -> 
     finally:
         server.stop()
         other.stop()
+
+
+def test_a_lookup_that_finds_nothing_is_a_miss_of_every_tier() -> None:
+    """The traffic of a connector: look up, get the prefix found. With a quarter of the blocks cached, the
+    memory tier's hits / (hits + misses) is a quarter too, not 1 (as when only Gets counted)."""
+    from kvstore import open_store
+    from kvstore.config import MemoryTierConfig, StoreConfig
+
+    ns = namespace()
+    hashes, tensors = kv_blocks(ns, 8)
+    store = open_store(StoreConfig(memory=MemoryTierConfig(capacity_bytes=64 << 20)))
+    try:
+        store.put(ns, hashes[:2], tensors[:2])
+        for prompt in (hashes, hashes[2:], hashes[:4] + [b"\x99" * 16] * 4):  # 2 of 8, 0 of 6, 2 of 8 cached
+            found = store.lookup(ns, prompt).num_blocks
+            assert len(store.get(ns, prompt[:found])) == found
+        memory = store.stats().tier("memory")
+        assert (memory.hits, memory.misses) == (4, 18)  # 4 of the 22 blocks asked for were served
+        stats = store.stats()
+        assert (stats.lookup_hit_blocks, stats.lookup_miss_blocks) == (4, 18)
+    finally:
+        store.close()
+
+
+def test_lookups_are_counted_by_tenant_under_a_digest_of_the_salt() -> None:
+    import hashlib
+
+    from kvstore import open_store
+    from kvstore.config import MemoryTierConfig, StoreConfig
+    from kvstore.counts import TenantLookups
+    from kvstore.server.metrics import ServiceMetrics
+
+    ns = namespace()
+    salted = dataclasses.replace(ns, cache_salt="team-a")
+    hashes, tensors = kv_blocks(ns, 4)
+    salted_hashes, _ = kv_blocks(salted, 4)
+    store = open_store(StoreConfig(memory=MemoryTierConfig(capacity_bytes=64 << 20)))
+    try:
+        store.put(ns, hashes[:3], tensors[:3])
+        store.lookup(ns, hashes)
+        store.lookup(salted, salted_hashes)
+        by_tenant = store.stats().lookup_blocks_by_tenant
+        label = "t-" + hashlib.sha256(b"team-a").hexdigest()[:8]
+        assert by_tenant == {"default": (3, 1), label: (0, 4)}  # the salt itself is never shown
+        metrics = ServiceMetrics()
+        metrics.add_store(store.stats)
+        from prometheus_client import generate_latest
+        text = generate_latest(metrics.registry).decode()
+        assert f'kvstore_tenant_lookup_blocks_total{{result="miss",tenant="{label}"}} 4.0' in text
+        assert 'kvstore_tier_up{tier="memory"} 1.0' in text and "team-a" not in text
+    finally:
+        store.close()
+    few = TenantLookups(max_tenants=2)
+    for salt in ("a", "b", "c", "d"):
+        few.count(salt, 1, 0)
+    assert few.snapshot()["other"] == (2, 0) and len(few.snapshot()) == 3  # bounded: past the 2nd, "other"

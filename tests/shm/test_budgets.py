@@ -122,6 +122,7 @@ def _block(seed: int) -> torch.Tensor:
     return torch.randn(2, 2, 2, 16, 64, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
 
 
+@pytest.mark.slow
 def test_a_tenant_that_fills_its_get_segments_and_lets_leases_lapse_gets_its_pages_released() -> None:
     node = ThreadedServer(auth_config(**{"shared_memory.segment_bytes": 8 * MiB, "shared_memory.lease_s": 2.0,
                                          "shared_memory.release_after_s": 0.5}))
@@ -158,6 +159,7 @@ def test_a_tenant_that_fills_its_get_segments_and_lets_leases_lapse_gets_its_pag
         node.stop()
 
 
+@pytest.mark.slow
 def test_the_65th_session_of_one_tenant_is_refused_while_another_tenant_attaches() -> None:
     node = ThreadedServer(auth_config(**{"shared_memory.segment_bytes": 64 * 1024}))  # the default caps
     channel = grpc.insecure_channel(node.target, options=[("grpc.use_local_subchannel_pool", 1)])
@@ -189,6 +191,7 @@ def test_the_65th_session_of_one_tenant_is_refused_while_another_tenant_attaches
         gc.collect()  # the sessions' segments are mapped here (the node is in this process) until collected
 
 
+@pytest.mark.slow
 def test_a_puts_pages_past_the_warm_part_of_the_put_segment_go_back_once_the_node_has_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from kvstore.client import KVStoreClient

@@ -157,6 +157,7 @@ def test_an_oversized_request_is_refused_before_it_is_read(node: ThreadedServer)
     assert_healthy(node)
 
 
+@pytest.mark.slow
 def test_a_client_killed_mid_call_leaves_the_node_healthy(node: ThreadedServer, tmp_path) -> None:
     script = tmp_path / "killed.py"
     script.write_text(f"""

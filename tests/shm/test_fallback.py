@@ -88,6 +88,7 @@ def test_a_handoff_socket_out_of_reach_is_used_over_grpc_and_tried_again_later(n
     assert sessions["grants_redeemed"] == 1  # the first session's grant was never redeemed; it lapses
 
 
+@pytest.mark.slow
 def test_the_client_can_be_told_to_use_grpc(node: ThreadedServer, monkeypatch: pytest.MonkeyPatch) -> None:
     with KVStoreClient(node.target, retries=0, shared_memory=False) as client:
         round_trip(client)

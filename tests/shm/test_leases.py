@@ -90,6 +90,7 @@ async def _held(pool: SharedPool) -> int:
     return pool.held_bytes
 
 
+@pytest.mark.slow
 def test_a_lease_not_released_expires_and_its_range_comes_back() -> None:
     node = ThreadedServer(make_config(**{"shared_memory.lease_s": 0.5}))
     try:

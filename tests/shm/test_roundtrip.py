@@ -206,6 +206,7 @@ def test_a_closed_client_leaves_no_segment_open(server: ThreadedServer) -> None:
     wait_until(lambda: not open_segments() & own, 30, "the session's segments closed on both sides")
 
 
+@pytest.mark.slow
 def test_the_embedded_store_fills_destinations_the_same_way() -> None:
     from kvstore.embedded import open_store
 

@@ -84,3 +84,28 @@ def test_the_node_takes_the_same_policy_names() -> None:
     for name, kind in (("default", AdaptivePolicy), ("slru", SegmentedLRUPolicy)):
         store = TieredStore([MemoryTier(1 << 20)], StoreConfig(policy=name))
         assert type(store.index.policies[0]) is kind and store.index.policies[0].capacity_bytes == 1 << 20
+
+
+def test_the_table_shows_capacities_as_given_explains_its_columns_and_progress_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.sim.cli import COLUMNS
+
+    code = main(["--trace", str(TRACES / "mooncake_synthetic_trace.jsonl"), "--policy", "lru",
+                 "--capacity", "5%,3GiB", "--disk-capacity", "25%", "--block-bytes", "512KiB", "--progress",
+                 "--json", str(tmp_path / "r.json")])
+    assert code == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    header = lines[0].split()
+    assert header[:5] == ["trace", "policy", "capacity", "blocks", "disk"]
+    rows = [line.split() for line in lines[1:3]]
+    assert [r[2] for r in rows] == ["5%", "3GiB"] and rows[1][3] == "6144"  # as given, then in blocks
+    assert rows[0][4].startswith("25%") and rows[0][5].startswith("(")  # the disk: as given (blocks)
+    for column, meaning in COLUMNS.items():  # every column explained under the table
+        assert any(line.strip().startswith(column) and meaning in line for line in lines[3:]), column
+    assert "simulate" in captured.err and "2/2" in captured.err  # the progress bar, on stderr
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [(r["capacity"], r["disk_capacity"]) for r in results] == [("5%", "25%"), ("3GiB", "25%")]
+    assert main(["--trace", str(TRACES / "mooncake_synthetic_trace.jsonl"), "--policy", "lru", "--capacity", "5%",
+                 "--no-legend"]) == 0
+    assert "gap_closed  (" not in capsys.readouterr().out

@@ -19,6 +19,8 @@ from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, default_map_size_bytes
 from kvstore.trace import TraceRequest, read_trace
 from tests.support.kvnode import KVNode
 
+pytestmark = pytest.mark.slow  # starts processes or servers, or takes seconds: outside `make test-fast`
+
 REPO = Path(__file__).resolve().parents[2]
 SYNTHETIC = REPO / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
 PAYLOAD_BYTES = 1024  # 1,152 encoded bytes

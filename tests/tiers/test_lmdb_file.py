@@ -33,6 +33,7 @@ def churned_environment(path, *, seed: int = 0, rounds: int = 40) -> dict[tuple[
     return held
 
 
+@pytest.mark.slow
 def test_a_clean_file_passes_and_salvage_reads_every_record_of_it(tmp_path) -> None:
     held = churned_environment(tmp_path)
     assert check_data_file(tmp_path / "data.mdb") == []
@@ -45,6 +46,7 @@ def test_a_clean_file_passes_and_salvage_reads_every_record_of_it(tmp_path) -> N
 
 
 @pytest.mark.parametrize("damage", ["truncate", "meta", "leaf", "garbage"])
+@pytest.mark.slow
 def test_damage_is_found_and_salvage_never_fails_on_it(tmp_path, damage: str) -> None:
     held = churned_environment(tmp_path)
     data_file = tmp_path / "data.mdb"

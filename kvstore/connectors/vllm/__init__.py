@@ -1,13 +1,15 @@
 """kvstore as a vLLM v1 KV connector: engines fetch prefix KV blocks from kvstore instead of recomputing prefill.
 
-Use (vLLM 0.32; ``docs/vllm.md`` documents every setting)::
+Use (vLLM 0.30 to 0.34, ``kvstore.connectors.vllm.versions``; ``docs/vllm.md`` documents every setting)::
 
-    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "kvstore.connectors.vllm", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"target": "127.0.0.1:50051"}}'
+    KVSTORE_TARGET=127.0.0.1:50051 vllm serve MODEL \
+        --kv-transfer-config '{"kv_connector": "KVStoreConnector", "kv_role": "kv_both"}'
 
-or ``LLM(..., kv_transfer_config=KVTransferConfig(...))`` with the same fields.
-Without ``target`` each worker keeps an embedded store in its own process.
+or ``LLM(..., kv_transfer_config=KVTransferConfig(...))`` with the same fields. The
+package's ``vllm.general_plugins`` entry point (``kvstore.connectors.vllm.plugin``)
+makes the name known to vLLM; other settings go in ``kv_connector_extra_config``
+(``target`` there overrides ``KVSTORE_TARGET``). Without either, each worker keeps
+an embedded store in its own process.
 
 :class:`KVStoreConnector` is thin: vLLM creates it once in the scheduler
 (``KVConnectorRole.SCHEDULER``, ``kvstore.connectors.vllm.scheduler``) and once
@@ -22,8 +24,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-SUPPORTED_VLLM = ">=0.32.0,<0.33"
-"""The vLLM releases the connector is tested with (0.32.0; 0.33 was not on PyPI when it was written)."""
+from kvstore.connectors.vllm.versions import SUPPORTED_VLLM  # the supported range; imports no vLLM
 
 _EXPORTS = {
     "KVStoreConnector": "kvstore.connectors.vllm.connector",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -15,6 +16,9 @@ from kvstore.keys import HashAlgorithm
 EXTRA_CONFIG = "kv_connector_extra_config"
 """Where the settings live in vLLM's ``KVTransferConfig``; error messages name keys under it."""
 
+TARGET_ENV = "KVSTORE_TARGET"
+"""The environment variable that gives ``target`` when ``kv_connector_extra_config`` has none."""
+
 
 @dataclass(frozen=True, slots=True)
 class VLLMConnectorConfig:
@@ -23,8 +27,8 @@ class VLLMConnectorConfig:
     Attributes:
         target: ``host:port`` of a ``kvstore serve`` node, or a comma-separated
             list of several (blocks are spread over them by rendezvous hashing,
-            ``kvstore.client``). Empty: every worker opens an embedded store in
-            its own process (an in-process offload tier).
+            ``kvstore.client``); :data:`TARGET_ENV` when not given. Empty: every
+            worker opens an embedded store in its own process (an in-process offload tier).
         config: a kvstore config file (TOML or YAML, ``docs/service.md``) whose
             ``store`` section configures the embedded store (memory capacity, an
             LMDB disk tier, Redis). Only without ``target``; ``KVSTORE_*``
@@ -126,7 +130,7 @@ class VLLMConnectorConfig:
         _require(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_cert_file",
                  "a client certificate and its key (tls_key_file) must be given together")
         _require(not (self.target == "" and (self.tls_ca_file or self.tls_cert_file or self.token_file)), "target",
-                 "TLS and token settings apply to kvstore nodes; name them in 'target'")
+                 "TLS and token settings apply to kvstore nodes; name them in 'target' (or KVSTORE_TARGET)")
         _require(self.kv_encoding in ("", *(e.value for e in Encoding)), "kv_encoding",
                  f"must be one of {[e.value for e in Encoding]} or '' (exact), got {self.kv_encoding!r}")
 
@@ -154,13 +158,20 @@ def _require(condition: bool, name: str, message: str) -> None:
         raise ConfigError(name, message)
 
 
-def parse_config(extra: Mapping[str, Any] | None) -> VLLMConnectorConfig:
+def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> VLLMConnectorConfig:
     """Check and type ``kv_connector_extra_config``: every key known, every value of its type and range.
 
-    ``target`` may also be a JSON list of ``host:port`` strings.
+    ``target`` may also be a JSON list of ``host:port`` strings. Without ``target``
+    the nodes come from the environment variable :data:`TARGET_ENV` when it is set
+    and not empty (so ``{"kv_connector": "KVStoreConnector", "kv_role": "kv_both"}``
+    is a whole setting), else each worker keeps an embedded store.
+
+    Args:
+        extra: ``kv_connector_extra_config``; ``None`` for none.
+        environ: where :data:`TARGET_ENV` is read; ``os.environ`` when ``None``.
 
     Raises:
-        ConfigError: naming ``kv_connector_extra_config.<key>``, for an unknown
+        ConfigError: naming ``kv_connector_extra_config.<key>`` (or :data:`TARGET_ENV`), for an unknown
             key (the message lists the known ones) or a bad value.
     """
     data = dict(extra or {})
@@ -172,4 +183,15 @@ def parse_config(extra: Mapping[str, Any] | None) -> VLLMConnectorConfig:
     for key in data:
         if key not in known:
             raise ConfigError(f"{EXTRA_CONFIG}.{key}", f"unknown key; the kvstore connector knows {known}")
-    return build(VLLMConnectorConfig, data, f"{EXTRA_CONFIG}.")
+    from_env = (os.environ if environ is None else environ).get(TARGET_ENV, "").strip()
+    if "target" in data or not from_env:
+        return build(VLLMConnectorConfig, data, f"{EXTRA_CONFIG}.")
+    try:
+        return build(VLLMConnectorConfig, {**data, "target": from_env}, f"{EXTRA_CONFIG}.")
+    except ConfigError as exc:
+        if exc.field == f"{EXTRA_CONFIG}.target":
+            raise ConfigError(TARGET_ENV, str(exc).split(": ", 1)[1]) from None
+        if exc.field == f"{EXTRA_CONFIG}.config":
+            raise ConfigError(exc.field, f"configures the embedded store, which is not used when {TARGET_ENV} "
+                                         f"({from_env!r}) names kvstore nodes; unset it, or drop 'config'") from None
+        raise

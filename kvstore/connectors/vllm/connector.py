@@ -13,7 +13,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.connectors.vllm.config import parse_config
 from kvstore.connectors.vllm.events import open_connector_events
@@ -22,7 +21,13 @@ from kvstore.connectors.vllm.layout import PageFormat, check_kv_cache_config, pa
 from kvstore.connectors.vllm.metrics import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.connectors.vllm.namespaces import RankInfo, model_identity
 from kvstore.connectors.vllm.scheduler import SchedulerSide
+from kvstore.connectors.vllm.versions import check_vllm_version
 from kvstore.connectors.vllm.worker import WorkerSide, open_worker_store
+
+try:  # vLLM 0.32 and later split the external hit by source; 0.30 and 0.31 never call the hook that does
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - vLLM < 0.32
+    CacheHitSource = None
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,15 +61,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         kv_cache_config: the engine's KV-cache groups.
 
     Raises:
+        UnsupportedVLLMError: on a vLLM outside ``SUPPORTED_VLLM`` (``kvstore.connectors.vllm.versions``).
         ConfigError: on an unknown setting or a bad value, naming the key.
         UnsupportedModelError: on a model whose KV cache the connector cannot
             restore exactly (hybrid, sliding-window, Mamba, cross-layer sharing,
             an unknown attention backend), naming the group or layer.
     """
 
-    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        warning = check_vllm_version()  # before anything else: outside the range, a clear error at engine start
+        if warning:
+            logger.warning(warning)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = parse_config(transfer.kv_connector_extra_config)

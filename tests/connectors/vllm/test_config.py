@@ -64,3 +64,23 @@ def test_the_bearer_token_comes_from_a_file_or_the_environment(tmp_path: Path) -
     assert config.bearer_token({}) is None
     with pytest.raises(ConfigError, match="cannot read"):
         parse_config({"target": "a:1", "token_file": str(tmp_path / "missing")}).bearer_token({})
+
+
+def test_without_a_target_the_nodes_come_from_kvstore_target() -> None:
+    env = {"KVSTORE_TARGET": "kv-0:50051,kv-1:50051"}
+    assert parse_config({}, environ=env).targets == ("kv-0:50051", "kv-1:50051")
+    assert parse_config(None, environ=env).targets == ("kv-0:50051", "kv-1:50051")
+    assert parse_config({"target": "a:1"}, environ=env).targets == ("a:1",)  # the setting wins
+    assert parse_config({}, environ={"KVSTORE_TARGET": " "}).embedded  # empty: an embedded store, as unset
+    assert parse_config({}, environ={}).embedded
+
+
+@pytest.mark.parametrize(("extra", "env", "key"), [
+    ({}, {"KVSTORE_TARGET": "a:1,,b:2"}, "KVSTORE_TARGET"),
+    ({"config": "kvstore.yaml"}, {"KVSTORE_TARGET": "a:1"}, "kv_connector_extra_config.config"),
+])
+def test_a_bad_kvstore_target_is_refused_naming_the_variable(extra: dict, env: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(extra, environ=env)
+    assert info.value.field == key
+    assert "KVSTORE_TARGET" in str(info.value)

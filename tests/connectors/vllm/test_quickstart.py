@@ -2,18 +2,21 @@
 
 The "On a CPU" block runs with bash in a temporary folder, this venv's ``bin``
 first on ``PATH`` (``python`` and ``kvstore`` are .venv-vllm's) and this checkout
-on ``PYTHONPATH``: it writes the model's config, starts ``kvstore serve`` and
-``python -m vllm.entrypoints.openai.api_server`` in the background, waits for the
-server, sends one completion and prints the node's stats. The block's own
-``curl -sf`` fails it on an HTTP error; here the completion must hold tokens and
-the node the prompt's full blocks, which only the connector puts there. Every
-process the block started is stopped after it. It uses the page's fixed ports
-(8000, 50051, 9400), as a user would.
+on ``PYTHONPATH``: it writes the model's config and a byte-level tokenizer, starts
+``kvstore serve`` and ``python -m vllm.entrypoints.openai.api_server`` in the
+background with the two-key setting (``KVStoreConnector`` known to vLLM by the
+package's entry point, the node from ``KVSTORE_TARGET``), sends the same prompt
+twice, and prints the completions' text, the connector's metrics and the node's
+table. The block's own ``curl -sf`` fails it on an HTTP error; here both
+completions must print, the second request must have loaded blocks from kvstore
+(``vllm:kvstore_loaded_tokens_total``), and the node must hold the prompt's
+blocks, which only the connector puts there. The venv must hold this checkout's
+entry point (``make setup-vllm`` installs it). Every process the block started is
+stopped after it. It uses the page's fixed ports (8000, 50051, 9400), as a user would.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -30,6 +33,11 @@ BLOCK_TIMEOUT_S = 600
 
 
 def test_the_cpu_quick_start_runs_as_written(tmp_path: Path) -> None:
+    from importlib.metadata import entry_points
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("kvstore") == "kvstore.connectors.vllm.plugin:register", (
+        "this venv's llm-kvstore predates its vLLM entry point: reinstall it (make setup-vllm)")
     block = block_at(ROOT / "docs" / "vllm.md", "On a CPU", kind="shell")
     assert block.mark == "tested-by" and block.note.startswith("tests/connectors/vllm/test_quickstart.py")
     assert "vllm.entrypoints.openai.api_server" in block.body and "--load-format dummy" in block.body
@@ -49,11 +57,13 @@ def test_the_cpu_quick_start_runs_as_written(tmp_path: Path) -> None:
         proc.wait(timeout=120)
     out, err = out_file.read_text(), err_file.read_text()
     assert proc.returncode == 0, f"{block.name} exited {proc.returncode}:\n{out[-3000:]}\n{err[-5000:]}"
-    decoder = json.JSONDecoder()  # stdout also holds the vLLM server's log lines: find the two documents
-    assert '{"id":"cmpl-' in out and '{\n  "tiers"' in out, out[-3000:]
-    completion, _ = decoder.raw_decode(out, out.index('{"id":"cmpl-'))
-    stats, _ = decoder.raw_decode(out, out.rindex('{\n  "tiers"'))
-    assert completion["choices"][0]["finish_reason"] in ("length", "stop"), completion
-    assert completion["usage"]["prompt_tokens"] == 299 and completion["usage"]["completion_tokens"] >= 1
-    (memory,) = [tier for tier in stats["tiers"] if tier["name"] == "memory"]
-    assert memory["blocks"] >= 1, stats  # the connector saved the prompt's full blocks
+    lines = out.splitlines()
+    assert any(line.startswith("first: '") for line in lines), out[-3000:]
+    assert any(line.startswith("second: '") for line in lines), out[-3000:]
+    metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:kvstore_")}
+    assert metrics["vllm:kvstore_lookup_tokens_total"] >= 512, out[-3000:]
+    assert metrics["vllm:kvstore_hit_tokens_total"] >= 384, out[-3000:]  # the second request: a kvstore hit
+    assert metrics["vllm:kvstore_loaded_tokens_total"] == metrics["vllm:kvstore_hit_tokens_total"]
+    (memory,) = [line.split() for line in lines if line.startswith("memory ")]
+    assert memory[1] == "up" and int(memory[2].replace(",", "")) >= 3, memory  # the connector saved the blocks
+    assert any(line.startswith("node 127.0.0.1:50051: prefix hit ratio ") for line in lines), out[-3000:]
