@@ -190,7 +190,7 @@ class TieredStore:
                     break
                 tail.append(shared if level is None else level)  # a local copy is the faster one
             located += bytes(tail)
-        return self._located(keys, located)
+        return self._located(namespace, keys, located)
 
     def locate_now(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> bytes | None:
         """:meth:`locate` with no await, for a store without a shared tier (the index alone answers); ``None``,
@@ -205,9 +205,9 @@ class TieredStore:
             return None
         self._check_open()
         keys = block_keys(namespace, block_hashes)
-        return self._located(keys, self.index.locate(keys))
+        return self._located(namespace, keys, self.index.locate(keys))
 
-    def _located(self, keys: list[BlockKey], located: bytes) -> bytes:
+    def _located(self, namespace: Namespace, keys: list[BlockKey], located: bytes) -> bytes:
         """Count a lookup's hits and misses, and record the prefix a put of the rest continues; returns ``located``."""
         self._lookup_hit_blocks += len(located)
         self._lookup_miss_blocks += len(keys) - len(located)
