@@ -11,8 +11,10 @@ loopback only:
   Every block's bytes follow from its hash, so every byte returned is checked against what was put;
 * one hostile client: stalled Gets on one connection, Lookups with 4 MB namespaces, malformed messages, a
   greedy tenant that puts until its quota refuses it, and the attackers of issue 39: a control-channel slowloris
-  (half-frames on 32 channels), a flood of idle handoff connections, and a replay hog (event-replay peers that
-  ask again and again and never read; each node publishes its KV events);
+  (half-frames on 32 channels), a flood of idle handoff connections, a replay hog (event-replay peers that
+  ask again and again and never read; each node publishes its KV events) and a poisoned-scale writer (int8_v2
+  blocks whose scales are NaN, Inf, huge or negative, checksums valid, over gRPC and shared memory; then a
+  read of what it put, which must find nothing and decode no non-finite value);
 * faults at fixed fractions of the run: Redis killed (SIGKILL) and restarted, one node stopped (SIGTERM) and
   restarted, another killed (SIGKILL) and restarted, then the same node on a full disk (writes past its data
   file's size fail with EFBIG, ``RLIMIT_FSIZE``) and with a corrupted LMDB leaf page. Node 0 is never
@@ -195,7 +197,7 @@ class Hostile(threading.Thread):
         while not self.stop.wait(2.0):
             node = self.rng.choice([n for n in self.nodes if n.is_running] or self.nodes)
             try:
-                kind = round_index % 7
+                kind = round_index % 8
                 round_index += 1
                 if kind == 0:
                     with KVStoreClient(node.target, timeout_s=20, retries=0, shared_memory=False) as kv:
@@ -234,6 +236,8 @@ class Hostile(threading.Thread):
                     replay = node.env["KVSTORE_EVENTS__REPLAY_ENDPOINT"]
                     self._count("replay hog", ReplayHog(replay, peers=4, requests_per_peer=50)
                                 .attack_for(node.pid, 2.0).codes)
+                elif kind == 7:
+                    self._poisoned_scales(node)
                 else:
                     with KVStoreClient(node.target, timeout_s=20, retries=0, shared_memory=False) as kv:
                         for _ in range(200):  # fresh blocks until the quota refuses one (it holds at most its quota)
@@ -246,6 +250,34 @@ class Hostile(threading.Thread):
                                 break
             except Exception as exc:  # noqa: BLE001 - a node down under a fault: next round
                 self._count("attack failed to start", {type(exc).__name__: 1})
+
+    def _poisoned_scales(self, node: Any) -> None:
+        """Put int8_v2 blocks with poisoned scales (valid checksums) both ways; read them back: nothing, or finite."""
+        import torch
+
+        from kvstore.client import KVStoreClient
+        from kvstore.encoding import Encoding
+        from kvstore.keys import Namespace, hash_blocks
+        from tests.support.poison import POISONS, poisoned, random_blocks
+
+        ns = Namespace(model="soak-poison", dtype="bfloat16", block_size=16, kv_encoding="int8_v2",
+                       cache_salt="poison")
+        for shared in (False, True):
+            with KVStoreClient(node.target, timeout_s=20, retries=0, shared_memory=shared) as kv:
+                for name, value in POISONS.items():
+                    hashes = hash_blocks(ns, [self.rng.randrange(1 << 30) for _ in range(16)])
+                    block = bytes(poisoned(Encoding.INT8_V2, value, random_blocks(1, seed=len(name))[0]))
+                    try:
+                        kv.put(ns, hashes, [block])
+                        self._count("poisoned scales Put", {"OK": 1})
+                    except Exception as exc:  # noqa: BLE001
+                        self._count("poisoned scales Put", {self.tally.error("hostile", exc).split()[-1]: 1})
+                    for tensor in kv.get_tensors(ns, hashes):
+                        finite = bool(torch.isfinite(tensor.float()).all())
+                        self._count("poisoned scales read back", {"finite" if finite else "NON-FINITE": 1})
+                        if not finite:
+                            with self.tally.lock:
+                                self.tally.wrong_blocks += 1
 
     def _count(self, what: str, codes: dict[str, int]) -> None:
         with self.tally.lock:

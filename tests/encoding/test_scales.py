@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import block_checksum, decode_block, decode_header, verify_block
+from kvstore.codec import decode_block, decode_header, verify_block
 from kvstore.config import DiskTierConfig, MemoryTierConfig, RedisTierConfig, StoreConfig
 from kvstore.embedded import EmbeddedStore
 from kvstore.encoding import Encoding, encode_lossy
@@ -24,38 +24,9 @@ from kvstore.encoding.spec import scales_plan
 from kvstore.errors import BadScalesError, InvalidArgumentError
 from kvstore.keys import block_key, hash_blocks
 from kvstore.validation import check_block
+from tests.support.poison import POISONS, SHAPE, poisoned, random_blocks, reseal
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 from tests.support.server import ThreadedServer, make_config, namespace
-
-SHAPE = (2, 2, 2, 16, 64)
-POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge": 3e38, "negative": -0.5}
-
-
-def _tensors(num_blocks: int, seed: int = 0) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(SHAPE, generator=generator).to(torch.bfloat16) for _ in range(num_blocks)]
-
-
-def _reseal(block: bytearray) -> bytearray:
-    """The block's checksum recomputed: what a writer that means the damage would send."""
-    head = struct.unpack_from("<H", block, 10)[0]  # header_nbytes (kvstore/codec.py)
-    struct.pack_into("<Q", block, 20, block_checksum(block[:head], block[head:]))
-    return block
-
-
-def poisoned(encoding: Encoding, value: float, x: torch.Tensor | None = None, index: int = 1) -> bytearray:
-    """A block of ``encoding`` whose ``index``-th scale (float32 row scale; the first layout's int4/int2: a
-    float16 scale) is ``value``, checksum valid."""
-    block = encode_lossy(_tensors(1)[0] if x is None else x, "kv", encoding)
-    header = decode_header(block)
-    start = header.header_nbytes
-    if encoding.grouped:
-        struct.pack_into("<e", block, start + 2 * index, value if abs(value) < 7e4 or value != value else
-                         (float("inf") if value > 0 else float("-inf")))
-    else:
-        struct.pack_into("<f", block, start + 4 * index, value)
-    return _reseal(block)
-
 
 @pytest.mark.parametrize("poison", list(POISONS), ids=list(POISONS))
 @pytest.mark.parametrize("encoding", list(Encoding), ids=lambda e: e.value)
@@ -63,7 +34,7 @@ def test_a_poisoned_scale_is_refused_by_the_block_check_and_never_decoded(encodi
     value, dtype = POISONS[poison], torch.bfloat16
     if encoding.grouped and poison == "huge":  # float16 scales: a finite one whose 15 steps overflow float16
         value, dtype = 6e4, torch.float16
-    block = poisoned(encoding, value, _tensors(1)[0].to(dtype))
+    block = poisoned(encoding, value, random_blocks(1)[0].to(dtype))
     header = verify_block(block)  # the checksum is valid: only the scales check sees it
     ns = namespace(dtype=str(dtype).removeprefix("torch."), kv_encoding=encoding.value)
     field = ("K scale" if encoding.grouped else "row scale")
@@ -102,7 +73,7 @@ def test_every_byte_of_the_codes_decodes_finite_under_the_largest_scale_allowed(
     elif not encoding.grouped:
         for row in range(SHAPE[0] * SHAPE[1] * SHAPE[2]):
             struct.pack_into("<f", block, start + 4 * row, 65504.0 / encoding.code_span * (1 - 2.0 ** -20))
-    _reseal(block)
+    reseal(block)
     check_scales(verify_block(block), block)
     assert bool(torch.isfinite(decode_block(block)).all())
 
@@ -117,7 +88,7 @@ def server() -> Iterator[ThreadedServer]:
 @pytest.mark.parametrize("path", ["embedded", "grpc", "shared-memory"])
 def test_every_put_path_refuses_a_poisoned_block_naming_the_field(server: ThreadedServer, path: str) -> None:
     ns = namespace(dtype="bfloat16", kv_encoding="int8_v2")
-    good = [encode_lossy(t, "kv", "int8_v2") for t in _tensors(3, seed=2)]
+    good = [encode_lossy(t, "kv", "int8_v2") for t in random_blocks(3, seed=2)]
     blocks = [good[0], poisoned(Encoding.INT8_V2, float("nan")), good[2]]
     hashes = hash_blocks(ns, range(48))
     if path == "embedded":
@@ -138,7 +109,7 @@ def test_a_block_poisoned_on_disk_is_a_miss(tmp_path: Path) -> None:
     """A block with a valid checksum whose scale was poisoned in data.mdb (as a node without the check might
     have stored it) is not served after a restart: the prefix stops before it, and no value is non-finite."""
     ns = namespace(dtype="bfloat16", kv_encoding="int8_v2")
-    tensors = _tensors(3, seed=3)
+    tensors = random_blocks(3, seed=3)
     hashes = hash_blocks(ns, range(48))
     config = StoreConfig(memory=MemoryTierConfig(capacity_bytes=16 << 20),
                          disk=DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=256 << 20))
@@ -154,7 +125,7 @@ def test_a_block_poisoned_on_disk_is_a_miss(tmp_path: Path) -> None:
             block = record[:-len(key)]
             start = decode_header(bytes(block)).header_nbytes
             struct.pack_into("<f", block, start + 4, float("inf"))
-            _reseal(block)
+            reseal(block)
             txn.put(key, bytes(block) + key)
     finally:
         env.close()
@@ -168,7 +139,7 @@ def test_a_block_poisoned_on_disk_is_a_miss(tmp_path: Path) -> None:
 
 def test_a_block_poisoned_in_redis_is_a_miss(redis_server: RedisProcess) -> None:  # noqa: F811
     ns = namespace(dtype="bfloat16", kv_encoding="int4_v2")
-    tensors = _tensors(2, seed=4)
+    tensors = random_blocks(2, seed=4)
     hashes = hash_blocks(ns, range(32))
 
     def config() -> StoreConfig:
@@ -185,7 +156,7 @@ def test_a_block_poisoned_in_redis_is_a_miss(redis_server: RedisProcess) -> None
     block = bytearray(client.get(target))
     start = decode_header(bytes(block)).header_nbytes
     struct.pack_into("<f", block, start, float("nan"))
-    client.set(target, bytes(_reseal(block)))
+    client.set(target, bytes(reseal(block)))
     with EmbeddedStore(config()) as reader:
         assert reader.get_tensors(ns, hashes) == []
         assert reader.get(ns, hashes) == []
