@@ -290,11 +290,11 @@ class BlockRead:
             task.add_done_callback(lambda _: self.close())
 
     def settle(self) -> None:
-        """Count the read and offer its promotions now, while it still holds its blocks: for a reader that holds
-        them long after (a same-host lease, until the client releases it). :meth:`close` still gives them back."""
+        """Count the read now, while it still holds its blocks: for a reader that holds them long after (a
+        same-host lease, until the client releases it). :meth:`close` gives them back and offers the promotions
+        (then, as for every read: a promotion's room is made by evicting others, ``kvstore.sim.model``)."""
         if not self._closed:
             self._reads.settle(self)
-            self._reads.promote(self)
 
     def close(self) -> None:
         """Give back what :meth:`open` took, count the read, and offer its promotions; a second call does nothing.

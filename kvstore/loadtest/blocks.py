@@ -47,7 +47,7 @@ PAYLOAD_DTYPE = "uint8"
 DEFAULT_PAYLOAD_BYTES = 63 * 1024
 """Default payload of one block, bytes: 63 KiB, so that with the 128-byte codec header an encoded
 block is 64,640 bytes: exactly one 64 KiB page of a page-pool memory tier (``MemoryTierConfig.page_bytes``),
-and 64,704 bytes of a node's heap tier (``HeapTier.footprint``)."""
+and 64,640 bytes of a node's shared pool too (``kvstore.shm.node.pool.footprint``)."""
 
 BLOCK_NDIM = Layout.KV.ndim
 _MIN_BLOCK_TOKENS = 3  # the word count and two words of an id below 2^64

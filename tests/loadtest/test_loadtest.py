@@ -12,7 +12,7 @@ import pytest
 from kvstore.loadtest import LoadTestConfig, client_target_keyword, compare_with_simulator, replay_loadtest
 from kvstore.loadtest.cli import main
 from kvstore.sim import simulate
-from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
+from kvstore.shm.node.pool import footprint
 from kvstore.trace import TraceRequest, read_trace, write_trace
 from tests.support.kvnode import KVNode, free_port
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test
 REPO = Path(__file__).resolve().parents[2]
 CONVERSATION = REPO / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
 PAYLOAD_BYTES = 1024  # 1 KiB payload: 1,152 encoded bytes
-FOOTPRINT_BYTES = 1152 + BLOCK_OVERHEAD_BYTES  # what one block takes in the node's memory (heap) tier
+FOOTPRINT_BYTES = footprint(1152)  # what one block takes in the node's memory tier (its shared pool)
 
 
 def _node(capacity_blocks: int) -> KVNode:

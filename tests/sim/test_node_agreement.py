@@ -14,7 +14,7 @@ import pytest
 from kvstore.loadtest import LoadTestConfig, replay_loadtest
 from kvstore.sim import NodeModel, simulate
 from kvstore.sim.agentic import AgenticConfig, generate_agentic
-from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
+from kvstore.shm.node.pool import footprint
 from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, default_map_size_bytes
 from kvstore.trace import TraceRequest, read_trace
 from tests.support.kvnode import KVNode
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # starts processes or servers, or takes seconds: 
 REPO = Path(__file__).resolve().parents[2]
 SYNTHETIC = REPO / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
 PAYLOAD_BYTES = 1024  # 1,152 encoded bytes
-MEMORY_FOOTPRINT_BYTES = 1152 + BLOCK_OVERHEAD_BYTES  # one block in the node's memory (heap) tier
+MEMORY_FOOTPRINT_BYTES = footprint(1152)  # one block in the node's memory tier (its shared pool)
 DISK_FOOTPRINT_BYTES = 4096 + RECORD_OVERHEAD_BYTES  # one block in LMDB: one 4 KiB overflow page and its records
 
 
@@ -48,7 +48,8 @@ def _replay(requests: list[TraceRequest], policy: str, capacity_blocks: int, dis
     with KVNode(memory_capacity=str(capacity_blocks * MEMORY_FOOTPRINT_BYTES), metrics=False,
                 extra_args=("--policy", policy), **disk) as node:  # type: ignore[arg-type]
         result = replay_loadtest(requests, LoadTestConfig(targets=(node.target,), payload_bytes=PAYLOAD_BYTES))
-    assert result.ok and result.num_requests == len(requests) and result.short_gets == 0
+    assert result.ok, result.errors
+    assert result.num_requests == len(requests) and result.short_gets == 0
     return result.hit_blocks, result.hit_blocks_per_tier
 
 

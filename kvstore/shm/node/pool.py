@@ -49,6 +49,7 @@ ranges (no locks); the copies of a put run where the caller runs them.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Awaitable, NamedTuple, Sequence
 
@@ -73,6 +74,11 @@ MIN_SLAB_BYTES = 1 << 20
 """The smallest size of a slab, bytes."""
 PAGE_BYTES = 4096
 """What a slab's touched bytes are rounded up to, bytes (a page)."""
+
+
+def footprint(nbytes: int) -> int:
+    """Bytes of the pool's capacity a block of ``nbytes`` takes: ``nbytes`` rounded up to :data:`ALIGNMENT`."""
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
 def slab_bytes_for(capacity_bytes: int) -> int:
@@ -150,6 +156,7 @@ class PoolCounts:
     slabs_made: int = 0
     slabs_retired: int = 0
     slabs_compacted: int = 0
+    touched_over_limit: int = 0
     staged_blocks: int = 0
     staged_adopted: int = 0
     staging_no_room: int = 0
@@ -238,8 +245,8 @@ class SharedPool:
     # -- accounting ---------------------------------------------------------------
 
     def footprint(self, nbytes: int) -> int:
-        """Bytes of capacity a value of ``nbytes`` takes: ``nbytes`` rounded up to :data:`ALIGNMENT`."""
-        return -(-nbytes // ALIGNMENT) * ALIGNMENT
+        """Bytes of capacity a value of ``nbytes`` takes: ``nbytes`` rounded up to :data:`ALIGNMENT` (:func:`footprint`)."""
+        return footprint(nbytes)
 
     @property
     def used_bytes(self) -> int:
@@ -266,6 +273,7 @@ class SharedPool:
         return {"corrupt_records": 0, "slabs": len(self._slabs), "slab_bytes": self._slab_total,
                 "slab_touched_bytes": self._touched, "slabs_made": self.counts.slabs_made,
                 "slabs_retired": self.counts.slabs_retired, "slabs_compacted": self.counts.slabs_compacted,
+                "touched_over_limit": self.counts.touched_over_limit,
                 "staged_blocks": self.counts.staged_blocks, "staged_adopted": self.counts.staged_adopted,
                 "staging_no_room": self.counts.staging_no_room}
 
@@ -275,14 +283,23 @@ class SharedPool:
         """The slab ``slab_id`` while it lives; ``None`` once retired (or never made)."""
         return self._slabs.get(slab_id)
 
-    def _allocate(self, tag: bytes, nbytes: int) -> tuple[Slab, int] | None:
+    def _allocate(self, tag: bytes, nbytes: int, *, strict: bool = True) -> tuple[Slab, int] | None:
         """A range of ``nbytes`` in a slab of namespace ``tag``, under the touched limit: in one of its slabs, else
-        in a new one; empty slabs of other namespaces are retired, and sparse ones compacted, to make room."""
+        in a new one; empty slabs of other namespaces are retired, and sparse ones compacted, to make room.
+
+        Args:
+            strict: ``False`` for a block the store has made room for (a put within the capacity): if the limit
+                still leaves no room (ranges pinned by leases, fragments), the slabs touch more than it
+                (``touched_over_limit`` counts these), rather than refusing a block the tier has room for.
+        """
         found = self._take(tag, nbytes)
         if found is None and self._retire_empty():
             found = self._take(tag, nbytes)
         if found is None and self._compact():
             found = self._take(tag, nbytes)
+        if found is None and not strict:
+            found = self._take(tag, nbytes, limit=sys.maxsize)
+            self.counts.touched_over_limit += 1
         return found
 
     def _take(self, tag: bytes, nbytes: int, *, limit: int | None = None) -> tuple[Slab, int] | None:
@@ -386,13 +403,17 @@ class SharedPool:
             sizes: each block's encoded length, bytes (> 0).
 
         Returns:
-            The staged ranges, or ``None`` (nothing reserved) when the pool has no room for them now: the put's
-            blocks are then copied as any other put's.
+            The staged ranges, or ``None`` (nothing reserved) when the pool has no room for them now, or the put
+            is over half the capacity (more than the tier would keep of it): the put's blocks are then copied as
+            any other put's.
 
         Raises:
             UnavailableError: if the pool is closed.
         """
         self._check_open()
+        if sum(self.footprint(n) for n in sizes) * 2 > (self.capacity_bytes or 0):
+            self.counts.staging_no_room += 1
+            return None
         taken: list[tuple[Slab, int]] = []
         for nbytes in sizes:
             found = self._allocate(tag, nbytes) if nbytes > 0 else None
@@ -524,7 +545,7 @@ class SharedPool:
                     self.counts.staged_adopted += 1
                     continue
                 nbytes = _nbytes(values[i])
-                found = self._allocate(keys[i][:NAMESPACE_TAG_BYTES], nbytes)
+                found = self._allocate(keys[i][:NAMESPACE_TAG_BYTES], nbytes, strict=False)
                 if found is None:
                     raise TierFullError(f"shared pool {self.name}: no room for a block of {nbytes} bytes "
                                         f"({self._touched} bytes of slabs touched, limit {self.touched_limit_bytes})")
