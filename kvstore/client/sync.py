@@ -18,6 +18,7 @@ from kvstore.client.calls import (
     _RETURNED,
     _UNARY,
     _Attempt,
+    _BulkLink,
     _Link,
     _Outcome,
     _Pause,
@@ -101,6 +102,8 @@ class KVStoreClient(_Client):
             return self._attempt(op)
         if type(op) is _Link:
             return self._links[op.node].ensure(op.timeout_s)  # type: ignore[union-attr]
+        if type(op) is _BulkLink:
+            return self._bulk_links[op.node].ensure(op.timeout_s)  # type: ignore[union-attr]
         if type(op) is _Slot:
             return self._acquire_slot()
         if type(op) is _Pause:

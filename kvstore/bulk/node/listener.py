@@ -1,0 +1,306 @@
+"""The node's bulk listener: connections that redeem grants and move their blocks, in threads of their own.
+
+Each connection is served by one thread, in blocking I/O: the bytes move in
+``sendmsg`` and ``recv_into`` system calls with the GIL released, and the
+store's event loop (which owns the leases, the pool and the index) is not
+held up by any of it. A Get's blocks are sent straight from the leased views
+(one ``sendmsg`` of them all; the lease is given back on the loop once the
+kernel has them). A Put's blocks are received straight into the pool ranges
+its ``BulkPut`` staged (or, without the shared pool, into memory allocated
+block by block as they arrive), each checked as soon as it is whole, while
+it is in cache; once every block arrived and passed, the store's put runs on
+the loop (:attr:`PutGrant.commit`) and its reply goes back.
+
+Bounds. At most ``bulk.max_connections`` connections at once (one more is
+closed at once: its client uses gRPC); a connection waits at most
+``bulk.idle_s`` for its next request; a transfer has ``5 s + bytes /
+bulk.min_bytes_per_s`` to end, so a peer that announces more than it sends, or
+reads slowly, holds its grant's lease or room, and its thread, for a bounded
+time; a Put holds at most the room its grant reserved under the grant budget.
+A transfer cut short (the peer gone, a reset, the deadline) stores nothing
+and ends the connection; the node goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import threading
+import time
+from typing import Any, Callable
+
+import grpc
+
+from kvstore.bulk.frames import MAGIC, REPLY, REQUEST, TransferCut, recv_exactly_into, send_all, transfer_s
+from kvstore.bulk.node.grants import GetGrant, GrantTable, PutGrant
+from kvstore.config import BulkConfig
+from kvstore.status import status_of
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_S = 5.0
+"""Longest a TLS handshake may take, seconds."""
+COMMIT_POLL_S = 1.0
+"""How often a thread waiting for a Put's store step checks whether the node is closing, seconds."""
+
+_OK = grpc.StatusCode.OK.value[0]
+
+
+class _End(Exception):
+    """The connection ends (its reply, if any, was sent)."""
+
+
+class BulkListener:
+    """One node's bulk listener (see the module docstring).
+
+    Args:
+        config: the ``bulk`` settings.
+        host: the bind address.
+        grants: the node's grant table.
+        loop: the store's event loop (Put commits run there).
+        ssl_context: a server-side TLS context, or ``None`` for plain TCP.
+        count: ``(method, code, start_s)`` counts one transfer in the node's metrics (called on the loop).
+
+    Attributes:
+        port: the bound port (after :meth:`start`).
+        connections: connections open now.
+        refused_connections, cut: connections refused past ``max_connections``; transfers cut short.
+    """
+
+    def __init__(self, config: BulkConfig, host: str, grants: GrantTable, loop: asyncio.AbstractEventLoop,
+                 ssl_context: ssl.SSLContext | None = None,
+                 count: Callable[[str, str, float], None] | None = None) -> None:
+        self.config = config
+        self.host = host
+        self.grants = grants
+        self._loop = loop
+        self._ssl = ssl_context
+        self._count = count
+        self.port = 0
+        self._sock: socket.socket | None = None
+        self._accepter: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, threading.Thread] = {}
+        self._closing = False
+        self.connections = 0
+        self.refused_connections = 0
+        self.cut = 0
+
+    def start(self) -> None:
+        """Bind and listen, then accept in a thread of its own.
+
+        Raises:
+            OSError: if the address cannot be bound.
+        """
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.config.port))
+            sock.listen(min(self.config.max_connections, socket.SOMAXCONN))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._accepter = threading.Thread(target=self._accept, name="kvstore-bulk-accept", daemon=True)
+        self._accepter.start()
+
+    def close(self) -> None:
+        """Stop accepting, cut every connection, and wait (briefly) for their threads."""
+        self._closing = True
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+            except OSError:
+                pass
+            sock.close()
+        with self._lock:
+            open_now = list(self._open.items())
+        for conn, _ in open_now:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for _, thread in open_now:
+            thread.join(timeout=COMMIT_POLL_S * 2)
+        if self._accepter is not None:
+            self._accepter.join(timeout=COMMIT_POLL_S * 2)
+
+    def counters(self) -> dict[str, int]:
+        """Connections and grants, since start (``kvstore stats`` and the metrics show them as ``bulk_*``)."""
+        grants = self.grants
+        return {"connections": self.connections, "connections_refused": self.refused_connections,
+                "transfers_cut": self.cut, "grants_issued": grants.issued, "grants_redeemed": grants.redeemed,
+                "grants_expired": grants.expired, "grants_refused": grants.refused,
+                "grants_outstanding": len(grants), "grant_held_bytes": grants.budget.held_bytes,
+                "grants_over_budget": grants.budget.refused}
+
+    # ------------------------------------------------------------------ connections
+
+    def _accept(self) -> None:
+        sock = self._sock
+        while not self._closing and sock is not None:
+            try:
+                conn, peer = sock.accept()
+            except OSError:
+                if self._closing:
+                    return
+                time.sleep(0.01)  # EMFILE and the like: the listener stays; the client retries or uses gRPC
+                continue
+            with self._lock:
+                full = len(self._open) >= self.config.max_connections
+                if not full:
+                    thread = threading.Thread(target=self._serve, args=(conn, peer), name="kvstore-bulk",
+                                              daemon=True)
+                    self._open[conn] = thread
+                    self.connections += 1
+            if full:
+                self.refused_connections += 1
+                conn.close()
+                continue
+            thread.start()
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        sock: socket.socket = conn
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                conn.settimeout(HANDSHAKE_S)
+                sock = self._ssl.wrap_socket(conn, server_side=True)
+            while not self._closing:
+                if not self._request(sock):
+                    return
+        except _End:
+            return
+        except TransferCut as cut:
+            self.cut += 1
+            logger.info("bulk transfer with %s cut short: %s", peer, cut)
+        except (OSError, ssl.SSLError) as exc:
+            logger.debug("bulk connection with %s ended: %s", peer, exc)
+        finally:
+            with self._lock:
+                self._open.pop(conn, None)
+                self.connections -= 1
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _request(self, sock: socket.socket) -> bool:
+        """Serve one request; ``False`` when the client closed the connection between requests."""
+        head = bytearray(REQUEST.size)
+        try:
+            recv_exactly_into(sock, memoryview(head), time.monotonic() + self.config.idle_s)
+        except TransferCut as cut:
+            if cut.done_bytes == 0:
+                return False  # closed, or idle past bulk.idle_s, between requests
+            raise
+        magic, token = REQUEST.unpack(head)
+        if magic != MAGIC:
+            self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT, "not a kvstore bulk request")
+        grant = self.grants.redeem(token)
+        if grant is None:
+            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, "the grant is unknown, used or expired")
+        start_s = time.perf_counter()
+        method = "BulkGetTransfer" if isinstance(grant, GetGrant) else "BulkPutTransfer"
+        code = "CANCELLED"
+        try:
+            if isinstance(grant, GetGrant):
+                self._send_get(sock, grant)
+            else:
+                assert isinstance(grant, PutGrant)
+                self._receive_put(sock, grant)
+            code = "OK"
+        except _Failed as failed:
+            code = failed.code.name
+            self._refuse(sock, failed.code, failed.message)
+        finally:
+            self.grants.finish(grant)
+            self._counted(method, code, start_s)
+        return True
+
+    def _send_get(self, sock: socket.socket, grant: GetGrant) -> None:
+        """Send a leased prefix: the reply head and every block in one ``sendmsg`` (no copy of them here)."""
+        deadline = time.monotonic() + transfer_s(grant.nbytes, self.config.min_bytes_per_s)
+        buffers = [memoryview(REPLY.pack(MAGIC, _OK, 0, grant.nbytes))]
+        buffers.extend(memoryview(block).cast("B") for block in grant.blocks)
+        send_all(sock, buffers, deadline)
+
+    def _receive_put(self, sock: socket.socket, grant: PutGrant) -> None:
+        """Receive a Put's blocks straight into their room, check each, store them, reply.
+
+        Raises:
+            TransferCut: if the blocks do not all arrive in time (nothing is stored).
+            _Failed: if a block fails its check, or the store's put fails (nothing is stored).
+        """
+        deadline = time.monotonic() + transfer_s(grant.nbytes, self.config.min_bytes_per_s)
+        blocks: list[Any] = []
+        for position, nbytes in enumerate(grant.sizes):
+            if grant.targets is not None:
+                target, block = memoryview(grant.targets[position]).cast("B"), grant.blocks[position]  # type: ignore[index]
+            else:  # the node's own memory, taken as the blocks arrive (never all at once from what was announced)
+                owned = bytearray(nbytes)
+                target, block = memoryview(owned), memoryview(owned).toreadonly()
+            recv_exactly_into(sock, target, deadline)
+            try:
+                grant.check(position, block)
+            except Exception as exc:  # noqa: BLE001 - a bad block ends the Put with its status
+                raise _Failed.of(exc) from None
+            blocks.append(block)
+        future = asyncio.run_coroutine_threadsafe(grant.commit(blocks), self._loop)
+        while True:
+            try:
+                reply = future.result(timeout=COMMIT_POLL_S)
+                break
+            except TimeoutError:
+                if self._closing:
+                    future.cancel()
+                    raise _End() from None
+            except Exception as exc:  # noqa: BLE001 - the store's refusal (quota, full) is the Put's status
+                raise _Failed.of(exc) from None
+        body = reply.SerializeToString()
+        send_all(sock, [memoryview(REPLY.pack(MAGIC, _OK, len(body), 0) + body)],
+                 time.monotonic() + transfer_s(0, self.config.min_bytes_per_s))
+
+    def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+        """Send a status other than OK, then end the connection.
+
+        Raises:
+            _End: always.
+        """
+        body = message.encode()[:4096]
+        try:
+            send_all(sock, [memoryview(REPLY.pack(MAGIC, code.value[0], len(body), 0) + body)],
+                     time.monotonic() + transfer_s(0, self.config.min_bytes_per_s))
+        except TransferCut:
+            pass
+        raise _End()
+
+    def _counted(self, method: str, code: str, start_s: float) -> None:
+        if self._count is None or self._loop.is_closed():
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._count, method, code, start_s)
+        except RuntimeError:
+            pass
+
+
+class _Failed(Exception):
+    """A transfer's status other than OK, to send before the connection ends."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def of(cls, exc: BaseException) -> _Failed:
+        """The status of a raised error (``kvstore.status.status_of``)."""
+        code, message = status_of(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("bulk Put failed", exc_info=exc)
+        return cls(code, message)
