@@ -473,8 +473,9 @@ class BulkConfig:
         max_connections: bulk connections at once; more are refused (the client uses gRPC).
         grant_s: seconds a grant may be redeemed in; an unredeemed Get grant's lease ends then.
         idle_s: seconds a connection may wait for its next grant before the node closes it.
-        min_bytes_per_s: the slowest a transfer may run: each has ``5 s + its bytes / this`` to finish, so a
-            peer that reads or sends slowly holds its lease or room for a bounded time.
+        min_bytes_per_s: the slowest a transfer may run: each has ``min_transfer_s + its bytes / this`` to
+            finish, so a peer that reads or sends slowly holds its lease or room, and a thread, for a bounded time.
+        min_transfer_s: what every transfer may take beside its bytes, seconds.
         tenant_grant_bytes: bytes one tenant's outstanding grants (leased Gets, Puts' room) may hold; past it,
             its calls use Get and Put.
         max_grant_bytes: the same over every tenant.
@@ -488,6 +489,7 @@ class BulkConfig:
     grant_s: float = 10.0
     idle_s: float = 60.0
     min_bytes_per_s: int = 64 * MiB
+    min_transfer_s: float = 5.0
     tenant_grant_bytes: int = 1 * GiB
     max_grant_bytes: int = 4 * GiB
 
@@ -497,6 +499,7 @@ class BulkConfig:
         _require(0 < self.grant_s < math.inf, "grant_s", "must be > 0 and finite")
         _require(0 < self.idle_s < math.inf, "idle_s", "must be > 0 and finite")
         _require(self.min_bytes_per_s > 0, "min_bytes_per_s", "must be > 0")
+        _require(0 < self.min_transfer_s < math.inf, "min_transfer_s", "must be > 0 and finite")
         _require(self.tenant_grant_bytes > 0, "tenant_grant_bytes", "must be > 0")
         _require(self.max_grant_bytes > 0, "max_grant_bytes", "must be > 0")
 

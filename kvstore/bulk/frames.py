@@ -37,7 +37,8 @@ IOV_MAX = 1024
 """The most buffers one ``sendmsg`` takes (Linux's ``IOV_MAX``)."""
 
 TRANSFER_BASE_S = 5.0
-"""Every transfer may take this long plus its bytes at the slowest rate allowed (``bulk.min_bytes_per_s``), s."""
+"""Every transfer may take this long plus its bytes at the slowest rate allowed (``bulk.min_bytes_per_s``), s
+(the default of ``bulk.min_transfer_s``)."""
 
 
 class TransferCut(Exception):
@@ -52,9 +53,9 @@ class TransferCut(Exception):
         self.done_bytes = done_bytes
 
 
-def transfer_s(nbytes: int, min_bytes_per_s: int) -> float:
-    """The time a transfer of ``nbytes`` may take: :data:`TRANSFER_BASE_S` plus ``nbytes`` at ``min_bytes_per_s``."""
-    return TRANSFER_BASE_S + nbytes / min_bytes_per_s
+def transfer_s(nbytes: int, min_bytes_per_s: int, base_s: float = TRANSFER_BASE_S) -> float:
+    """The time a transfer of ``nbytes`` may take: ``base_s`` plus ``nbytes`` at ``min_bytes_per_s``, seconds."""
+    return base_s + nbytes / min_bytes_per_s
 
 
 def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float) -> int:

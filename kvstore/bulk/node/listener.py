@@ -13,7 +13,7 @@ the loop (:attr:`PutGrant.commit`) and its reply goes back.
 
 Bounds. At most ``bulk.max_connections`` connections at once (one more is
 closed at once: its client uses gRPC); a connection waits at most
-``bulk.idle_s`` for its next request; a transfer has ``5 s + bytes /
+``bulk.idle_s`` for its next request; a transfer has ``bulk.min_transfer_s + bytes /
 bulk.min_bytes_per_s`` to end, so a peer that announces more than it sends, or
 reads slowly, holds its grant's lease or room, and its thread, for a bounded
 time; a Put holds at most the room its grant reserved under the grant budget.
@@ -181,6 +181,8 @@ class BulkListener:
             logger.info("bulk transfer with %s cut short: %s", peer, cut)
         except (OSError, ssl.SSLError) as exc:
             logger.debug("bulk connection with %s ended: %s", peer, exc)
+        except Exception:  # noqa: BLE001 - a defect ends this connection alone; the node goes on
+            logger.exception("bulk connection with %s failed", peer)
         finally:
             with self._lock:
                 self._open.pop(conn, None)
@@ -225,7 +227,7 @@ class BulkListener:
 
     def _send_get(self, sock: socket.socket, grant: GetGrant) -> None:
         """Send a leased prefix: the reply head and every block in one ``sendmsg`` (no copy of them here)."""
-        deadline = time.monotonic() + transfer_s(grant.nbytes, self.config.min_bytes_per_s)
+        deadline = time.monotonic() + self._transfer_s(grant.nbytes)
         buffers = [memoryview(REPLY.pack(MAGIC, _OK, 0, grant.nbytes))]
         buffers.extend(memoryview(block).cast("B") for block in grant.blocks)
         send_all(sock, buffers, deadline)
@@ -237,7 +239,7 @@ class BulkListener:
             TransferCut: if the blocks do not all arrive in time (nothing is stored).
             _Failed: if a block fails its check, or the store's put fails (nothing is stored).
         """
-        deadline = time.monotonic() + transfer_s(grant.nbytes, self.config.min_bytes_per_s)
+        deadline = time.monotonic() + self._transfer_s(grant.nbytes)
         blocks: list[Any] = []
         for position, nbytes in enumerate(grant.sizes):
             if grant.targets is not None:
@@ -264,7 +266,10 @@ class BulkListener:
                 raise _Failed.of(exc) from None
         body = reply.SerializeToString()
         send_all(sock, [memoryview(REPLY.pack(MAGIC, _OK, len(body), 0) + body)],
-                 time.monotonic() + transfer_s(0, self.config.min_bytes_per_s))
+                 time.monotonic() + self._transfer_s(0))
+
+    def _transfer_s(self, nbytes: int) -> float:
+        return transfer_s(nbytes, self.config.min_bytes_per_s, self.config.min_transfer_s)
 
     def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
         """Send a status other than OK, then end the connection.
@@ -275,7 +280,7 @@ class BulkListener:
         body = message.encode()[:4096]
         try:
             send_all(sock, [memoryview(REPLY.pack(MAGIC, code.value[0], len(body), 0) + body)],
-                     time.monotonic() + transfer_s(0, self.config.min_bytes_per_s))
+                     time.monotonic() + self._transfer_s(0))
         except TransferCut:
             pass
         raise _End()

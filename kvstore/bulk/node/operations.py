@@ -125,6 +125,7 @@ class BulkOperations:
                 if not began:
                     close()
                 raise
+            grant.finish()  # its budget back before the client has the reply (its next call may need it)
             return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
 
         grant = PutGrant(namespace.cache_salt, sizes, release,
