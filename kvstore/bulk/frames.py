@@ -1,14 +1,27 @@
 """The bulk connection's wire format, shared by the node's and the client's halves (``docs/scaleout.md``).
 
-A client sends a request, :data:`REQUEST`: the magic and a grant (what a
-``BulkGet`` or ``BulkPut`` call returned). A Put's blocks follow it at once,
-in the order and at the sizes its ``BulkPut`` named. The node answers with a
-reply head, :data:`REPLY`: the magic, a status code (gRPC's numbers), the
-length of a body (a status's details in UTF-8, or a Put's serialized
-``PutResponse``) and the length of the data that follow the body (a Get's
-blocks, one after another, as its ``BulkGetResponse`` sized them). After a
-reply whose code is not 0 the node closes the connection; after one that is,
-the connection takes the next request. Integers are little-endian.
+A client sends a request: its head, :data:`REQUEST` (the magic, its kind, the
+lengths of a token and a body), then the token and the body. Three kinds:
+
+* :data:`REDEEM`: the body is a grant (what a ``BulkGet`` or ``BulkPut`` call
+  on gRPC returned), no token;
+* :data:`GET` and :data:`PUT`: the call itself, on this connection: the body is
+  a serialized ``BulkGetRequest`` or ``BulkPutRequest`` and the token the
+  caller's ``authorization`` value (``Bearer ...``; empty without one). The
+  node admits and checks it as it would the gRPC call (the node's service, its
+  scope and checks), then serves the grant that call would have returned, at
+  once: one round trip instead of two.
+
+A Put's blocks follow its request at once, in the order and at the sizes its
+``BulkPutRequest`` named. The node answers with a reply head, :data:`REPLY`:
+the magic, a status code (gRPC's numbers), the length of a body and the length
+of the data that follow the body. A Get's body is its ``BulkGetResponse``
+(its blocks' sizes; no grant) and its data the blocks, one after another; a
+Put's body is its ``PutResponse``; a refusal's body is its details in UTF-8.
+A call the node's grant budget has no room for is answered OK with a
+``no_room`` body and no data. After a reply whose code is not 0, or a Put that
+was not received, the node closes the connection; otherwise the connection
+takes the next request. Integers are little-endian.
 """
 
 from __future__ import annotations
@@ -24,8 +37,14 @@ MAGIC = b"KVB1"
 GRANT_BYTES = 32
 """Length of a grant: random bytes from the OS CSPRNG (``secrets.token_bytes``)."""
 
-REQUEST = struct.Struct("<4s32s")
-"""A request: the magic, then the grant."""
+REQUEST = struct.Struct("<4sBxHI")
+"""A request's head: the magic, the kind, a zero byte, the token's length and the body's length (bytes)."""
+
+REDEEM, GET, PUT = 1, 2, 3
+"""The kinds of request: redeem a grant; a ``BulkGet``; a ``BulkPut``."""
+
+MAX_TOKEN_BYTES = 4096
+"""The longest token a request may carry, bytes."""
 
 REPLY = struct.Struct("<4sIIQ")
 """A reply head: the magic, the status code, the body's length, the data's length (bytes)."""

@@ -287,8 +287,7 @@ def _bulk_get(namespace: Namespace, block_hashes: Sequence[BlockHash],
 
     def make(link: BulkLink, endpoint: Endpoint) -> _Rpc:
         request = request_with_hashes(pb.BulkGetRequest, cached_namespace_pb(namespace), block_hashes)
-        return _Rpc(_UNARY, lambda channel: bulk_calls.get_blocks(link, endpoint, channel.stub.BulkGet, then,
-                                                                  channel.aio), request, _same)
+        return _Rpc(_UNARY, lambda channel: bulk_calls.get_blocks(link, endpoint, then, channel.aio), request, _same)
 
     return make
 
@@ -299,9 +298,8 @@ def _bulk_get_into(namespace: Namespace, block_hashes: Sequence[BlockHash], dest
 
     def make(link: BulkLink, endpoint: Endpoint) -> _Rpc:
         request = request_with_hashes(pb.BulkGetRequest, cached_namespace_pb(namespace), block_hashes)
-        return _Rpc(_UNARY, lambda channel: bulk_calls.get_into(link, endpoint, channel.stub.BulkGet, destinations,
-                                                                namespace.layout, verify, channel.aio),
-                    request, _same)
+        return _Rpc(_UNARY, lambda channel: bulk_calls.get_into(link, endpoint, destinations, namespace.layout, verify,
+                                                                channel.aio), request, _same)
 
     return make
 
@@ -364,8 +362,7 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
             request.priority = priority
         if retention_s is not None:
             request.retention_s = retention_s
-        return _Rpc(_UNARY, lambda channel: bulk_calls.put(link, endpoint, channel.stub.BulkPut, items, channel.aio),
-                    request, _same)
+        return _Rpc(_UNARY, lambda channel: bulk_calls.put(link, endpoint, items, channel.aio), request, _same)
 
     return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored), shared=shared, bulk=bulk)
 

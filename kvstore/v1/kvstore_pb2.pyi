@@ -336,11 +336,13 @@ class BulkPutRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ...) -> None: ...
 
 class BulkPutResponse(_message.Message):
-    __slots__ = ("grant", "grant_s", "no_room")
+    __slots__ = ("grant", "grant_s", "no_room", "stored")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     GRANT_S_FIELD_NUMBER: _ClassVar[int]
     NO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
     grant: bytes
     grant_s: float
     no_room: bool
-    def __init__(self, grant: _Optional[bytes] = ..., grant_s: _Optional[float] = ..., no_room: _Optional[bool] = ...) -> None: ...
+    stored: PutResponse
+    def __init__(self, grant: _Optional[bytes] = ..., grant_s: _Optional[float] = ..., no_room: _Optional[bool] = ..., stored: _Optional[_Union[PutResponse, _Mapping]] = ...) -> None: ...

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvstore.bulk.client.transfer import Refused, receive_into, reply_head, request
-from kvstore.bulk.frames import MAGIC, REPLY, REQUEST, TransferCut
+from kvstore.bulk.frames import MAGIC, REDEEM, REPLY, REQUEST, TransferCut
 from kvstore.bulk.node.setup import bulk_refusal
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.codec import encode_block
@@ -69,8 +69,9 @@ def bulk_port(stub: Any, metadata: Any = ()) -> int:
 
 
 def raw_request(port: int, grant: bytes, rest: bytes = b"") -> socket.socket:
+    """A connection that redeems ``grant`` (and sends ``rest`` after it)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(REQUEST.pack(MAGIC, grant) + rest)
+    sock.sendall(REQUEST.pack(MAGIC, REDEEM, 0, len(grant)) + grant + rest)
     return sock
 
 
@@ -281,7 +282,7 @@ def test_a_reader_that_stops_reading_is_cut_and_its_lease_given_back(node: Threa
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", bulk_port(stub)))
-        sock.sendall(REQUEST.pack(MAGIC, grant))  # and never reads
+        sock.sendall(REQUEST.pack(MAGIC, REDEEM, 0, len(grant)) + grant)  # and never reads
         wait_until(lambda: counters(node)["transfers_cut"] == 1, 30, "the stalled reader cut")
         sock.close()
     wait_until(lambda: held_nothing(node), 30, "the stalled reader's lease given back")
@@ -330,9 +331,10 @@ def test_a_corrupt_block_fails_the_put_with_its_status_and_stores_nothing(node: 
 _CLIENT_KILLED_MID_PUT = textwrap.dedent("""
     import socket, sys
     from pathlib import Path
-    from kvstore.bulk.frames import MAGIC, REQUEST
+    from kvstore.bulk.frames import MAGIC, REDEEM, REQUEST
     sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-    sock.sendall(REQUEST.pack(MAGIC, bytes.fromhex(sys.argv[2])) + Path(sys.argv[3]).read_bytes())
+    grant = bytes.fromhex(sys.argv[2])
+    sock.sendall(REQUEST.pack(MAGIC, REDEEM, 0, len(grant)) + grant + Path(sys.argv[3]).read_bytes())
     print("sent", flush=True)
     sys.stdin.read()  # until killed
 """)
@@ -381,7 +383,7 @@ def test_a_node_killed_mid_get_is_a_miss_for_the_blocks_not_complete() -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
             sock.connect(("127.0.0.1", bulk_port(stub)))
         deadline = time.monotonic() + 30
-        request(sock, reply.grant, deadline)
+        request(sock, REDEEM, reply.grant, deadline)
         reply_head(sock, deadline)
         into = [torch.zeros_like(t) for t in tensors]
         first = receive_into(sock, reply.sizes[:2], into, ns.layout, True, deadline)  # two blocks, then the kill

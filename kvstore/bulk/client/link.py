@@ -4,7 +4,8 @@ A :class:`BulkLink` per node asks the node once for its ``Capabilities``
 (on a gRPC channel of its own, with the client's credentials and token): a
 node that offers a bulk listener names its port (and host, or the host the
 client reached gRPC at). Connections are then opened as calls need them and
-kept for the next call (a few per node, idle ones reused last in, first out);
+kept for the next call (a few per node, idle ones reused last in, first out,
+for up to :data:`MAX_IDLE_S`);
 one that failed, or whose transfer was cut, is closed instead. A node that
 does not offer the path, or cannot be reached on it, leaves the link off
 (logged once), and its calls use Get and Put, with no error; a link that
@@ -37,6 +38,9 @@ RETRY_S = (1.0, 60.0)
 """First and longest pause before a link that failed tries again, seconds (doubling)."""
 MAX_IDLE_CONNECTIONS = 8
 """Idle connections kept per node for the next calls."""
+MAX_IDLE_S = 20.0
+"""An idle connection older than this is closed, not reused, seconds: well before the node closes it
+(``bulk.idle_s``, 60 s by default), so a call never finds it closed."""
 SOCKET_BUFFER_BYTES = 4 << 20
 """Send and receive buffer asked of each connection's socket, bytes (fewer wake-ups per transfer)."""
 
@@ -90,7 +94,7 @@ class BulkLink:
         self._ssl = ssl_context
         self._lock = threading.Lock()
         self._endpoint: Endpoint | None = None
-        self._idle: list[socket.socket] = []
+        self._idle: list[tuple[socket.socket, float]] = []  # idle connections and when each was given back
         self._retry_at = 0.0
         self._retry_s = RETRY_S[0]
         self._pid = os.getpid()
@@ -173,7 +177,7 @@ class BulkLink:
         with self._lock:
             self._off(reason, permanent=False)
             idle, self._idle = self._idle, []
-        for sock in idle:
+        for sock, _ in idle:
             _close(sock)
 
     # ------------------------------------------------------------------ connections
@@ -185,9 +189,18 @@ class BulkLink:
             OSError: if a new connection cannot be opened within ``timeout_s`` (at most
                 :data:`CONNECT_TIMEOUT_S`), or its TLS handshake fails.
         """
+        stale = []
         with self._lock:
-            if self._pid == os.getpid() and self._idle:
-                return self._idle.pop(), False
+            now = time.monotonic()
+            while self._pid == os.getpid() and self._idle:
+                sock, since = self._idle.pop()
+                if now - since < MAX_IDLE_S:
+                    for old in stale:
+                        _close(old)
+                    return sock, False
+                stale.append(sock)
+        for old in stale:
+            _close(old)
         sock = socket.create_connection((endpoint.host, endpoint.port),
                                         timeout=max(0.01, min(CONNECT_TIMEOUT_S, timeout_s)))
         try:
@@ -206,7 +219,7 @@ class BulkLink:
         """Keep a connection whose last transfer ended cleanly, for the next call (or close it past the pool)."""
         with self._lock:
             if not self._closed and self._pid == os.getpid() and len(self._idle) < MAX_IDLE_CONNECTIONS:
-                self._idle.append(sock)
+                self._idle.append((sock, time.monotonic()))
                 return
         _close(sock)
 
@@ -215,7 +228,7 @@ class BulkLink:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for sock in idle:
+        for sock, _ in idle:
             _close(sock)  # in a forked child, its copy only: no shutdown, the parent's connection goes on
 
 

@@ -70,13 +70,14 @@ class Received(NamedTuple):
     cut: TransferCut | None
 
 
-def request(sock: socket.socket, grant: bytes, deadline: float) -> None:
-    """Send a request naming ``grant`` (a Put's blocks follow it).
+def request(sock: socket.socket, kind: int, body: bytes, deadline: float, token: bytes = b"") -> None:
+    """Send a request (``kvstore.bulk.frames``): a grant to redeem (:data:`~kvstore.bulk.frames.REDEEM`), or a
+    serialized ``BulkGetRequest`` or ``BulkPutRequest`` with the caller's token; a Put's blocks follow it.
 
     Raises:
         TransferCut: if it cannot be sent.
     """
-    send_all(sock, [memoryview(REQUEST.pack(MAGIC, grant))], deadline)
+    send_all(sock, [memoryview(REQUEST.pack(MAGIC, kind, len(token), len(body)) + token + body)], deadline)
 
 
 def reply_head(sock: socket.socket, deadline: float) -> tuple[int, bytes, int]:
@@ -233,16 +234,16 @@ def send_put(sock: socket.socket, items: Sequence[Any], deadline: float) -> None
         send_all(sock, group, deadline)
 
 
-def put_reply(body: bytes) -> pb.PutResponse:
-    """A Put's reply body, parsed.
+def parse_reply(message_type: Any, body: bytes) -> Any:
+    """A reply body (a ``BulkGetResponse`` or ``BulkPutResponse``), parsed.
 
     Raises:
-        ConnectionError: if it is not a ``PutResponse``.
+        ConnectionError: if it is not one.
     """
     try:
-        return pb.PutResponse.FromString(body)
+        return message_type.FromString(body)
     except Exception as exc:  # noqa: BLE001 - a malformed reply is the connection's fault
-        raise ConnectionError(f"the bulk listener's Put reply is malformed: {exc}") from None
+        raise ConnectionError(f"the bulk listener's reply is malformed: {exc}") from None
 
 
 def _landing(destination: torch.Tensor) -> memoryview | None:

@@ -9,7 +9,12 @@ kernel has them). A Put's blocks are received straight into the pool ranges
 its ``BulkPut`` staged (or, without the shared pool, into memory allocated
 block by block as they arrive), each checked as soon as it is whole, while
 it is in cache; once every block arrived and passed, the store's put runs on
-the loop (:attr:`PutGrant.commit`) and its reply goes back.
+the loop (:attr:`PutGrant.commit`) and its reply goes back (a ``BulkPutResponse``
+whose ``stored`` is the ``PutResponse``).
+
+A request is a grant to redeem, or a ``BulkGet`` or ``BulkPut`` itself with
+the caller's token (``kvstore.bulk.frames``): that call runs on the loop
+through the node's service as gRPC's would, and its grant is redeemed at once.
 
 Bounds. At most ``bulk.max_connections`` connections at once (one more is
 closed at once: its client uses gRPC); a connection waits at most
@@ -33,13 +38,17 @@ from typing import Any, Callable
 
 import grpc
 
-from kvstore.bulk.frames import MAGIC, REPLY, REQUEST, TransferCut, recv_exactly_into, send_all, transfer_s
+from kvstore.bulk.frames import (GET, GRANT_BYTES, MAGIC, MAX_TOKEN_BYTES, PUT, REDEEM, REPLY, REQUEST, TransferCut,
+                                 recv_exactly_into, send_all, transfer_s)
 from kvstore.bulk.node.grants import GetGrant, GrantTable, PutGrant
 from kvstore.config import BulkConfig
 from kvstore.status import status_of
+from kvstore.v1 import kvstore_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+BODY_BUDGET_BYTES = 64 << 20
+"""Bytes of request bodies (and tokens) the node receives at once over every bulk connection; past it, refused."""
 HANDSHAKE_S = 5.0
 """Longest a TLS handshake may take, seconds."""
 COMMIT_POLL_S = 1.0
@@ -62,22 +71,32 @@ class BulkListener:
         loop: the store's event loop (Put commits run there).
         ssl_context: a server-side TLS context, or ``None`` for plain TCP.
         count: ``(method, code, start_s)`` counts one transfer in the node's metrics (called on the loop).
+        dispatch: ``(kind, token, body, peer) -> coroutine of (code, reply or details)``: runs a ``BulkGet`` or
+            ``BulkPut`` that came on a connection (``kvstore.bulk.node.operations.BulkOperations.dispatch``).
+        max_request_bytes: the longest request body, bytes (``server.max_message_bytes``, as gRPC's).
 
     Attributes:
         port: the bound port (after :meth:`start`).
         connections: connections open now.
         refused_connections, cut: connections refused past ``max_connections``; transfers cut short.
+        refused_bodies: requests refused because the budget of request bodies was spent.
     """
 
     def __init__(self, config: BulkConfig, host: str, grants: GrantTable, loop: asyncio.AbstractEventLoop,
                  ssl_context: ssl.SSLContext | None = None,
-                 count: Callable[[str, str, float], None] | None = None) -> None:
+                 count: Callable[[str, str, float], None] | None = None,
+                 dispatch: Callable[[int, bytes, bytes, str], Any] | None = None,
+                 max_request_bytes: int = 4 << 20) -> None:
         self.config = config
         self.host = host
         self.grants = grants
         self._loop = loop
         self._ssl = ssl_context
         self._count = count
+        self.dispatch = dispatch
+        self.max_request_bytes = max_request_bytes
+        self._body_bytes = 0
+        self.refused_bodies = 0
         self.port = 0
         self._sock: socket.socket | None = None
         self._accepter: threading.Thread | None = None
@@ -137,7 +156,7 @@ class BulkListener:
                 "transfers_cut": self.cut, "grants_issued": grants.issued, "grants_redeemed": grants.redeemed,
                 "grants_expired": grants.expired, "grants_refused": grants.refused,
                 "grants_outstanding": len(grants), "grant_held_bytes": grants.budget.held_bytes,
-                "grants_over_budget": grants.budget.refused}
+                "grants_over_budget": grants.budget.refused, "requests_refused": self.refused_bodies}
 
     # ------------------------------------------------------------------ connections
 
@@ -172,10 +191,12 @@ class BulkListener:
                 conn.settimeout(HANDSHAKE_S)
                 sock = self._ssl.wrap_socket(conn, server_side=True)
             while not self._closing:
-                if not self._request(sock):
+                if not self._request(sock, f"bulk:{peer[0]}:{peer[1]}"):
                     return
         except _End:
             return
+        except _Cut as cut:  # a request's body that did not arrive in time
+            logger.info("bulk request from %s not received: %s", peer, cut.cut)
         except TransferCut as cut:
             self.cut += 1
             logger.info("bulk transfer with %s cut short: %s", peer, cut)
@@ -192,7 +213,7 @@ class BulkListener:
             except OSError:
                 pass
 
-    def _request(self, sock: socket.socket) -> bool:
+    def _request(self, sock: socket.socket, peer: str) -> bool:
         """Serve one request; ``False`` when the client closed the connection between requests."""
         head = bytearray(REQUEST.size)
         try:
@@ -201,34 +222,97 @@ class BulkListener:
             if cut.done_bytes == 0:
                 return False  # closed, or idle past bulk.idle_s, between requests
             raise
-        magic, token = REQUEST.unpack(head)
-        if magic != MAGIC:
+        magic, kind, token_bytes, body_bytes = REQUEST.unpack(head)
+        if magic != MAGIC or kind not in (REDEEM, GET, PUT):
             self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT, "not a kvstore bulk request")
-        grant = self.grants.redeem(token)
-        if grant is None:
-            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, "the grant is unknown, used or expired")
+        if kind == REDEEM and (token_bytes or body_bytes != GRANT_BYTES):
+            self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT, f"a grant is {GRANT_BYTES} bytes and no token")
+        if token_bytes > MAX_TOKEN_BYTES or body_bytes > self.max_request_bytes:
+            self._refuse(sock, grpc.StatusCode.RESOURCE_EXHAUSTED, f"a request of {token_bytes} token bytes and "
+                         f"{body_bytes} body bytes is over {MAX_TOKEN_BYTES} and {self.max_request_bytes}")
+        token, body = self._body(sock, token_bytes, body_bytes)
         start_s = time.perf_counter()
+        method = "BulkGetTransfer" if kind == GET else "BulkPutTransfer" if kind == PUT else "BulkTransfer"
+        reply_body = b""
+        if kind == REDEEM:
+            grant = self.grants.redeem(body)
+            if grant is None:
+                self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, "the grant is unknown, used or expired")
+        else:  # the call itself, on the loop, through the node's service; then its grant, redeemed here at once
+            code, reply = self._call(kind, token, body, peer)
+            if code is not grpc.StatusCode.OK:
+                self._counted(method, code.name, start_s)
+                self._refuse(sock, code, reply)
+            grant = self.grants.redeem(reply.grant) if reply.grant else None
+            reply.ClearField("grant")
+            reply_body = reply.SerializeToString()
+            if grant is None:  # nothing to move: an empty prefix, or no room (the client uses Get or Put)
+                send_all(sock, [memoryview(REPLY.pack(MAGIC, _OK, len(reply_body), 0) + reply_body)],
+                         time.monotonic() + self._transfer_s(0))
+                if kind == PUT and reply.no_room:
+                    raise _End()  # its blocks are on their way: the connection is out of step
+                return True
         method = "BulkGetTransfer" if isinstance(grant, GetGrant) else "BulkPutTransfer"
-        code = "CANCELLED"
+        code_name = "CANCELLED"
         try:
             if isinstance(grant, GetGrant):
-                self._send_get(sock, grant)
+                self._send_get(sock, grant, reply_body)
             else:
                 assert isinstance(grant, PutGrant)
                 self._receive_put(sock, grant)
-            code = "OK"
+            code_name = "OK"
         except _Failed as failed:
-            code = failed.code.name
+            code_name = failed.code.name
             self._refuse(sock, failed.code, failed.message)
         finally:
             self.grants.finish(grant)
-            self._counted(method, code, start_s)
+            self._counted(method, code_name, start_s)
         return True
 
-    def _send_get(self, sock: socket.socket, grant: GetGrant) -> None:
-        """Send a leased prefix: the reply head and every block in one ``sendmsg`` (no copy of them here)."""
+    def _body(self, sock: socket.socket, token_bytes: int, body_bytes: int) -> tuple[bytes, bytes]:
+        """A request's token and body, read as they arrive under the node's budget of bodies and a time bound.
+
+        Raises:
+            _End: (after its reply) if the budget has no room, or they do not arrive in time.
+        """
+        nbytes = token_bytes + body_bytes
+        with self._lock:
+            if self._body_bytes + nbytes > BODY_BUDGET_BYTES:
+                full = True
+            else:
+                full = False
+                self._body_bytes += nbytes
+        if full:
+            self.refused_bodies += 1
+            self._refuse(sock, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"the node is receiving {BODY_BUDGET_BYTES} bytes of bulk requests at once; send again")
+        try:
+            data = bytearray(nbytes)
+            try:
+                recv_exactly_into(sock, memoryview(data), time.monotonic() + self.config.min_transfer_s)
+            except TransferCut as cut:
+                raise _Cut(cut) from None
+        finally:
+            with self._lock:
+                self._body_bytes -= nbytes
+        return bytes(data[:token_bytes]), bytes(data[token_bytes:])
+
+    def _call(self, kind: int, token: bytes, body: bytes, peer: str) -> tuple[grpc.StatusCode, Any]:
+        """Run a ``BulkGet`` or ``BulkPut`` on the store's loop: ``(OK, reply)`` or ``(code, details)``."""
+        assert self.dispatch is not None, "a listener serving calls needs dispatch"
+        future = asyncio.run_coroutine_threadsafe(self.dispatch(kind, token, body, peer), self._loop)
+        while True:
+            try:
+                return future.result(timeout=COMMIT_POLL_S)  # type: ignore[no-any-return]
+            except TimeoutError:
+                if self._closing:
+                    future.cancel()
+                    raise _End() from None
+
+    def _send_get(self, sock: socket.socket, grant: GetGrant, body: bytes) -> None:
+        """Send a leased prefix: the reply head, ``body``, and every block in one ``sendmsg`` (no copy of them)."""
         deadline = time.monotonic() + self._transfer_s(grant.nbytes)
-        buffers = [memoryview(REPLY.pack(MAGIC, _OK, 0, grant.nbytes))]
+        buffers = [memoryview(REPLY.pack(MAGIC, _OK, len(body), grant.nbytes) + body)]
         buffers.extend(memoryview(block).cast("B") for block in grant.blocks)
         send_all(sock, buffers, deadline)
 
@@ -264,7 +348,7 @@ class BulkListener:
                     raise _End() from None
             except Exception as exc:  # noqa: BLE001 - the store's refusal (quota, full) is the Put's status
                 raise _Failed.of(exc) from None
-        body = reply.SerializeToString()
+        body = pb.BulkPutResponse(stored=reply).SerializeToString()
         send_all(sock, [memoryview(REPLY.pack(MAGIC, _OK, len(body), 0) + body)],
                  time.monotonic() + self._transfer_s(0))
 
@@ -292,6 +376,14 @@ class BulkListener:
             self._loop.call_soon_threadsafe(self._count, method, code, start_s)
         except RuntimeError:
             pass
+
+
+class _Cut(Exception):
+    """A request's token and body did not arrive whole in time."""
+
+    def __init__(self, cut: TransferCut) -> None:
+        super().__init__(str(cut))
+        self.cut = cut
 
 
 class _Failed(Exception):

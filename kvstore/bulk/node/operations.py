@@ -1,7 +1,9 @@
 """The bulk path's control calls (``BulkGet``, ``BulkPut``): the node's checks, then a lease or room, then a grant.
 
-Each runs inside its transport's call scope (gRPC's ``KVStoreServicer._call``:
-the caller's token, an in-flight slot, the metrics, the status of an error)
+Each runs inside its transport's call scope (gRPC's ``KVStoreServicer._call``,
+or the node service's scope for a call that came on a bulk connection,
+:meth:`BulkOperations.dispatch`: the caller's token, an in-flight slot, the
+metrics, the status of an error)
 and checks what every other operation checks, through the node's service
 (:class:`~kvstore.shm.node.operations.NodeChecks`): the namespace's tenant
 against the caller's token, the hash algorithm and lengths, the request and
@@ -19,13 +21,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+import grpc
+
+from kvstore.bulk.frames import GET
 from kvstore.bulk.node.grants import GetGrant, GrantTable, PutGrant
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import block_key
 from kvstore.shm.node.operations import NodeChecks
 from kvstore.shm.node.pool import SharedPool
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.server.service import CallFailed
 from kvstore.validation import BlockChecker, CheckedBlocks
+from kvstore.wire import parse_request
+
+_AUTH_KEY = "authorization"
 
 
 class BulkOperations:
@@ -48,6 +57,34 @@ class BulkOperations:
         self.grants = grants
         self.pool = pool
         self.offer = offer
+
+    async def dispatch(self, kind: int, token: bytes, body: bytes, peer: str) -> tuple[grpc.StatusCode, Any]:
+        """Run a ``BulkGet`` or ``BulkPut`` that came on a bulk connection, as gRPC would run it.
+
+        The call is admitted by the node's service (:meth:`NodeService.scope`: the
+        token, an in-flight slot of ``peer``, the metrics, the status of an error),
+        and runs the operation gRPC runs.
+
+        Args:
+            kind: :data:`~kvstore.bulk.frames.GET` or :data:`~kvstore.bulk.frames.PUT`.
+            token: the caller's ``authorization`` value, UTF-8 (empty for none).
+            body: the serialized request.
+            peer: the connection its in-flight slot counts against.
+
+        Returns:
+            ``(OK, reply)``, or a status code and its details.
+        """
+        method = "BulkGet" if kind == GET else "BulkPut"
+        metadata = ((_AUTH_KEY, token.decode(errors="replace")),) if token else ()
+        try:
+            async with self._checks.scope(method, metadata, peer, None) as call:
+                if kind == GET:
+                    reply: Any = await self.get(call.principal, parse_request(pb.BulkGetRequest, body))
+                else:
+                    reply = await self.put(call.principal, parse_request(pb.BulkPutRequest, body))
+        except CallFailed as failed:
+            return failed.code, failed.message
+        return grpc.StatusCode.OK, reply
 
     async def get(self, principal: Any, request: pb.BulkGetRequest) -> pb.BulkGetResponse:
         """Lease the longest cached prefix of the request for one transfer; its sizes and grant.

@@ -78,7 +78,8 @@ def start_bulk(config: Config, service: NodeService) -> BulkListener | None:
     loop = asyncio.get_running_loop()
     grants = GrantTable(loop, bulk.grant_s, GrantBudget(bulk.tenant_grant_bytes, bulk.max_grant_bytes))
     tls = server_ssl_context(config) if config.security.tls_cert_file else None
-    listener = BulkListener(bulk, host, grants, loop, tls, service.count)
+    listener = BulkListener(bulk, host, grants, loop, tls, service.count,
+                            max_request_bytes=config.server.max_message_bytes)
     try:
         listener.start()
     except OSError as exc:
@@ -86,5 +87,6 @@ def start_bulk(config: Config, service: NodeService) -> BulkListener | None:
                                        "--bulk-port, or 0 for a free one") from exc
     pool = next((tier for tier in service.store.tiers if isinstance(tier, SharedPool)), None)
     service.bulk = BulkOperations(service, grants, pool, (bulk.advertise_host, listener.port, tls is not None))
+    listener.dispatch = service.bulk.dispatch
     logger.info("bulk path on %s:%d%s", host, listener.port, " (TLS)" if tls is not None else "")
     return listener
