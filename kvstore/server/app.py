@@ -311,7 +311,7 @@ class KVStoreServer:
         """End the same-host sessions and bulk connections, and remove the socket files this node made."""
         if self.bulk is not None:
             bulk, self.bulk = self.bulk, None
-            await asyncio.to_thread(bulk.close)
+            await bulk.close()
             bulk.grants.close()
         if self.shm is not None:
             await self.shm.close()

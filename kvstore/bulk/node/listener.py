@@ -1,64 +1,92 @@
-"""The node's bulk listener: connections that redeem grants and move their blocks, in threads of their own.
+"""The node's bulk listener: connections that carry ``BulkGet`` and ``BulkPut`` calls (or redeem grants) and their bytes.
 
-Each connection is served by one thread, in blocking I/O: the bytes move in
-``sendmsg`` and ``recv_into`` system calls with the GIL released, and the
-store's event loop (which owns the leases, the pool and the index) is not
-held up by any of it. A Get's blocks are sent straight from the leased views
-(one ``sendmsg`` of them all; the lease is given back on the loop once the
-kernel has them). A Put's blocks are received straight into the pool ranges
-its ``BulkPut`` staged (or, without the shared pool, into memory allocated
-block by block as they arrive), each checked as soon as it is whole, while
-it is in cache; once every block arrived and passed, the store's put runs on
-the loop (:attr:`PutGrant.commit`) and its reply goes back (a ``BulkPutResponse``
+A plain TCP connection is served on the store's event loop, so a call that
+came on it runs at once, with no hand-off between threads: a small transfer
+(under :data:`INLINE_BYTES`) moves there too, one ``sendmsg`` of the leased
+blocks or ``recv_into`` per block; a larger one moves in a worker thread in
+blocking I/O (the bytes in ``sendmsg`` and ``recv_into`` system calls with the
+GIL released), so the loop is not held up by it. A TLS connection is served in
+a thread of its own (Python's TLS has no non-blocking ``recv_into`` on the
+loop), whose calls run on the store's loop. Either way a Get's blocks are sent
+straight from the leased views (the lease is given back once the kernel has
+them), and a Put's blocks are received straight into the pool ranges its
+``BulkPut`` staged (or, without the shared pool, into memory allocated block
+by block as they arrive), each checked as soon as it is whole, while it is in
+cache; once every block arrived and passed, the store's put runs on the loop
+(:attr:`PutGrant.commit`) and its reply goes back (a ``BulkPutResponse``
 whose ``stored`` is the ``PutResponse``).
-
-A request is a grant to redeem, or a ``BulkGet`` or ``BulkPut`` itself with
-the caller's token (``kvstore.bulk.frames``): that call runs on the loop
-through the node's service as gRPC's would, and its grant is redeemed at once.
 
 Bounds. At most ``bulk.max_connections`` connections at once (one more is
 closed at once: its client uses gRPC); a connection waits at most
-``bulk.idle_s`` for its next request; a transfer has ``bulk.min_transfer_s + bytes /
+``bulk.idle_s`` for its next request; a request's token and body are read as
+they arrive, under a node-wide budget (:data:`BODY_BUDGET_BYTES`) and within
+``bulk.min_transfer_s``; a transfer has ``bulk.min_transfer_s + bytes /
 bulk.min_bytes_per_s`` to end, so a peer that announces more than it sends, or
-reads slowly, holds its grant's lease or room, and its thread, for a bounded
-time; a Put holds at most the room its grant reserved under the grant budget.
-A transfer cut short (the peer gone, a reset, the deadline) stores nothing
-and ends the connection; the node goes on.
+reads slowly, holds its grant's lease or room for a bounded time; a Put holds
+at most the room its grant reserved under the grant budget. A transfer cut
+short (the peer gone, a reset, the deadline) stores nothing and ends the
+connection; the node goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 
 from kvstore.bulk.frames import (GET, GRANT_BYTES, MAGIC, MAX_TOKEN_BYTES, PUT, REDEEM, REPLY, REQUEST, TransferCut,
                                  recv_exactly_into, send_all, transfer_s)
-from kvstore.bulk.node.grants import GetGrant, GrantTable, PutGrant
+from kvstore.bulk.node.grants import GetGrant, Grant, GrantTable, PutGrant
 from kvstore.config import BulkConfig
 from kvstore.status import status_of
 from kvstore.v1 import kvstore_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+INLINE_BYTES = 4 << 20
+"""A transfer under this many bytes moves on the loop; a larger one in a worker thread, bytes."""
 BODY_BUDGET_BYTES = 64 << 20
 """Bytes of request bodies (and tokens) the node receives at once over every bulk connection; past it, refused."""
 HANDSHAKE_S = 5.0
 """Longest a TLS handshake may take, seconds."""
-COMMIT_POLL_S = 1.0
-"""How often a thread waiting for a Put's store step checks whether the node is closing, seconds."""
 
 _OK = grpc.StatusCode.OK.value[0]
 
+Dispatch = Callable[[int, bytes, bytes, str], Awaitable[tuple[grpc.StatusCode, Any]]]
+"""``(kind, token, body, peer) -> (code, reply or details)``: a call that came on a connection, run on the loop."""
 
-class _End(Exception):
-    """The connection ends (its reply, if any, was sent)."""
+
+class _Refusal(Exception):
+    """The connection ends with this status (other than OK), sent first."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def of(cls, exc: BaseException) -> _Refusal:
+        """The status of a raised error (``kvstore.status.status_of``)."""
+        code, message = status_of(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("bulk Put failed", exc_info=exc)
+        return cls(code, message)
+
+    def frame(self) -> bytes:
+        """The reply that carries it."""
+        body = self.message.encode()[:4096]
+        return REPLY.pack(MAGIC, self.code.value[0], len(body), 0) + body
+
+
+class _Close(Exception):
+    """The connection ends now (its reply, if any, was sent)."""
 
 
 class BulkListener:
@@ -68,11 +96,11 @@ class BulkListener:
         config: the ``bulk`` settings.
         host: the bind address.
         grants: the node's grant table.
-        loop: the store's event loop (Put commits run there).
+        loop: the store's event loop.
         ssl_context: a server-side TLS context, or ``None`` for plain TCP.
         count: ``(method, code, start_s)`` counts one transfer in the node's metrics (called on the loop).
-        dispatch: ``(kind, token, body, peer) -> coroutine of (code, reply or details)``: runs a ``BulkGet`` or
-            ``BulkPut`` that came on a connection (``kvstore.bulk.node.operations.BulkOperations.dispatch``).
+        dispatch: runs a ``BulkGet`` or ``BulkPut`` that came on a connection (see :data:`Dispatch`;
+            ``kvstore.bulk.node.operations.BulkOperations.dispatch``).
         max_request_bytes: the longest request body, bytes (``server.max_message_bytes``, as gRPC's).
 
     Attributes:
@@ -84,8 +112,7 @@ class BulkListener:
 
     def __init__(self, config: BulkConfig, host: str, grants: GrantTable, loop: asyncio.AbstractEventLoop,
                  ssl_context: ssl.SSLContext | None = None,
-                 count: Callable[[str, str, float], None] | None = None,
-                 dispatch: Callable[[int, bytes, bytes, str], Any] | None = None,
+                 count: Callable[[str, str, float], None] | None = None, dispatch: Dispatch | None = None,
                  max_request_bytes: int = 4 << 20) -> None:
         self.config = config
         self.host = host
@@ -95,20 +122,21 @@ class BulkListener:
         self._count = count
         self.dispatch = dispatch
         self.max_request_bytes = max_request_bytes
-        self._body_bytes = 0
-        self.refused_bodies = 0
         self.port = 0
         self._sock: socket.socket | None = None
-        self._accepter: threading.Thread | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
-        self._open: dict[socket.socket, threading.Thread] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._threads: dict[socket.socket, threading.Thread] = {}
         self._closing = False
+        self._body_bytes = 0
         self.connections = 0
         self.refused_connections = 0
         self.cut = 0
+        self.refused_bodies = 0
 
     def start(self) -> None:
-        """Bind and listen, then accept in a thread of its own.
+        """Bind and listen, then accept on the loop (call it on the loop).
 
         Raises:
             OSError: if the address cannot be bound.
@@ -119,38 +147,38 @@ class BulkListener:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.host, self.config.port))
             sock.listen(min(self.config.max_connections, socket.SOMAXCONN))
+            sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
         self._sock = sock
         self.port = sock.getsockname()[1]
-        self._accepter = threading.Thread(target=self._accept, name="kvstore-bulk-accept", daemon=True)
-        self._accepter.start()
+        self._accepting = self._loop.create_task(self._accept(sock), name="kvstore-bulk-accept")
 
-    def close(self) -> None:
-        """Stop accepting, cut every connection, and wait (briefly) for their threads."""
+    async def close(self) -> None:
+        """Stop accepting, cut every connection, and wait (briefly) for them to end (on the loop)."""
         self._closing = True
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-            except OSError:
-                pass
-            sock.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         with self._lock:
-            open_now = list(self._open.items())
-        for conn, _ in open_now:
-            try:
+            threads = list(self._threads.items())
+        for conn, _ in threads:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for _, thread in open_now:
-            thread.join(timeout=COMMIT_POLL_S * 2)
-        if self._accepter is not None:
-            self._accepter.join(timeout=COMMIT_POLL_S * 2)
+        for _, thread in threads:
+            await asyncio.to_thread(thread.join, 2.0)
 
     def counters(self) -> dict[str, int]:
-        """Connections and grants, since start (``kvstore stats`` and the metrics show them as ``bulk_*``)."""
+        """Connections and grants, since start (the metrics show them as ``kvstore_bulk_*``)."""
         grants = self.grants
         return {"connections": self.connections, "connections_refused": self.refused_connections,
                 "transfers_cut": self.cut, "grants_issued": grants.issued, "grants_redeemed": grants.redeemed,
@@ -160,244 +188,331 @@ class BulkListener:
 
     # ------------------------------------------------------------------ connections
 
-    def _accept(self) -> None:
-        sock = self._sock
-        while not self._closing and sock is not None:
+    async def _accept(self, sock: socket.socket) -> None:
+        loop = self._loop
+        while not self._closing:
             try:
-                conn, peer = sock.accept()
-            except OSError:
-                if self._closing:
-                    return
-                time.sleep(0.01)  # EMFILE and the like: the listener stays; the client retries or uses gRPC
+                conn, peer = await loop.sock_accept(sock)
+            except OSError:  # EMFILE and the like: the listener stays; the client retries or uses gRPC
+                await asyncio.sleep(0.01)
                 continue
             with self._lock:
-                full = len(self._open) >= self.config.max_connections
+                full = self.connections >= self.config.max_connections
                 if not full:
-                    thread = threading.Thread(target=self._serve, args=(conn, peer), name="kvstore-bulk",
-                                              daemon=True)
-                    self._open[conn] = thread
                     self.connections += 1
             if full:
                 self.refused_connections += 1
                 conn.close()
                 continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            name = f"bulk:{peer[0]}:{peer[1]}"
+            if self._ssl is None:
+                conn.setblocking(False)
+                task = loop.create_task(self._serve(_LoopConnection(self, conn), name), name="kvstore-bulk")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                continue
+            thread = threading.Thread(target=self._serve_tls, args=(conn, name), name="kvstore-bulk-tls", daemon=True)
+            with self._lock:
+                self._threads[conn] = thread
             thread.start()
 
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
-        sock: socket.socket = conn
+    def _serve_tls(self, conn: socket.socket, name: str) -> None:
+        """Serve one TLS connection in this thread, on a loop of its own (its calls run on the store's loop)."""
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl is not None:
-                conn.settimeout(HANDSHAKE_S)
-                sock = self._ssl.wrap_socket(conn, server_side=True)
-            while not self._closing:
-                if not self._request(sock, f"bulk:{peer[0]}:{peer[1]}"):
-                    return
-        except _End:
-            return
-        except _Cut as cut:  # a request's body that did not arrive in time
-            logger.info("bulk request from %s not received: %s", peer, cut.cut)
-        except TransferCut as cut:
-            self.cut += 1
-            logger.info("bulk transfer with %s cut short: %s", peer, cut)
+            conn.settimeout(HANDSHAKE_S)
+            assert self._ssl is not None
+            sock = self._ssl.wrap_socket(conn, server_side=True)
         except (OSError, ssl.SSLError) as exc:
-            logger.debug("bulk connection with %s ended: %s", peer, exc)
-        except Exception:  # noqa: BLE001 - a defect ends this connection alone; the node goes on
-            logger.exception("bulk connection with %s failed", peer)
+            logger.info("bulk TLS handshake with %s failed: %s", name, exc)
+            with self._lock:
+                self._threads.pop(conn, None)
+                self.connections -= 1
+            conn.close()
+            return
+        try:
+            asyncio.run(self._serve(_ThreadConnection(self, sock), name))
         finally:
             with self._lock:
-                self._open.pop(conn, None)
-                self.connections -= 1
-            try:
-                sock.close()
-            except OSError:
-                pass
+                self._threads.pop(conn, None)
 
-    def _request(self, sock: socket.socket, peer: str) -> bool:
+    async def _serve(self, conn: _Connection, name: str) -> None:
+        """Serve one connection's requests until it ends (see the module docstring)."""
+        try:
+            while not self._closing:
+                if not await self._request(conn, name):
+                    return
+        except _Refusal as refusal:
+            with contextlib.suppress(TransferCut):
+                await conn.send([memoryview(refusal.frame())], time.monotonic() + self._transfer_s(0))
+        except _Close:
+            pass
+        except TransferCut as cut:
+            self.cut += 1
+            logger.info("bulk transfer with %s cut short: %s", name, cut)
+        except (OSError, ssl.SSLError) as exc:
+            logger.debug("bulk connection with %s ended: %s", name, exc)
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+        except Exception:  # noqa: BLE001 - a defect ends this connection alone; the node goes on
+            logger.exception("bulk connection with %s failed", name)
+        finally:
+            with self._lock:
+                self.connections -= 1
+            conn.close()
+
+    async def _request(self, conn: _Connection, name: str) -> bool:
         """Serve one request; ``False`` when the client closed the connection between requests."""
         head = bytearray(REQUEST.size)
         try:
-            recv_exactly_into(sock, memoryview(head), time.monotonic() + self.config.idle_s)
+            await conn.recv_into(memoryview(head), time.monotonic() + self.config.idle_s)
         except TransferCut as cut:
             if cut.done_bytes == 0:
                 return False  # closed, or idle past bulk.idle_s, between requests
             raise
         magic, kind, token_bytes, body_bytes = REQUEST.unpack(head)
         if magic != MAGIC or kind not in (REDEEM, GET, PUT):
-            self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT, "not a kvstore bulk request")
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "not a kvstore bulk request")
         if kind == REDEEM and (token_bytes or body_bytes != GRANT_BYTES):
-            self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT, f"a grant is {GRANT_BYTES} bytes and no token")
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"a grant is {GRANT_BYTES} bytes and no token")
         if token_bytes > MAX_TOKEN_BYTES or body_bytes > self.max_request_bytes:
-            self._refuse(sock, grpc.StatusCode.RESOURCE_EXHAUSTED, f"a request of {token_bytes} token bytes and "
-                         f"{body_bytes} body bytes is over {MAX_TOKEN_BYTES} and {self.max_request_bytes}")
-        token, body = self._body(sock, token_bytes, body_bytes)
+            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a request of {token_bytes} token bytes and "
+                           f"{body_bytes} body bytes is over {MAX_TOKEN_BYTES} and {self.max_request_bytes}")
+        token, body = await self._body(conn, token_bytes, body_bytes)
         start_s = time.perf_counter()
-        method = "BulkGetTransfer" if kind == GET else "BulkPutTransfer" if kind == PUT else "BulkTransfer"
         reply_body = b""
         if kind == REDEEM:
             grant = self.grants.redeem(body)
             if grant is None:
-                self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, "the grant is unknown, used or expired")
-        else:  # the call itself, on the loop, through the node's service; then its grant, redeemed here at once
-            code, reply = self._call(kind, token, body, peer)
+                raise _Refusal(grpc.StatusCode.PERMISSION_DENIED, "the grant is unknown, used or expired")
+        else:  # the call itself, on the store's loop, through the node's service; then its grant, redeemed at once
+            assert self.dispatch is not None, "a listener serving calls needs dispatch"
+            code, reply = await conn.on_store(self.dispatch(kind, token, body, name))
             if code is not grpc.StatusCode.OK:
-                self._counted(method, code.name, start_s)
-                self._refuse(sock, code, reply)
+                raise _Refusal(code, reply)
             grant = self.grants.redeem(reply.grant) if reply.grant else None
             reply.ClearField("grant")
             reply_body = reply.SerializeToString()
             if grant is None:  # nothing to move: an empty prefix, or no room (the client uses Get or Put)
-                send_all(sock, [memoryview(REPLY.pack(MAGIC, _OK, len(reply_body), 0) + reply_body)],
-                         time.monotonic() + self._transfer_s(0))
+                await conn.send([memoryview(REPLY.pack(MAGIC, _OK, len(reply_body), 0) + reply_body)],
+                                time.monotonic() + self._transfer_s(0))
                 if kind == PUT and reply.no_room:
-                    raise _End()  # its blocks are on their way: the connection is out of step
+                    raise _Close()  # its blocks are on their way: the connection is out of step
                 return True
         method = "BulkGetTransfer" if isinstance(grant, GetGrant) else "BulkPutTransfer"
         code_name = "CANCELLED"
         try:
             if isinstance(grant, GetGrant):
-                self._send_get(sock, grant, reply_body)
+                await self._send_get(conn, grant, reply_body)
             else:
                 assert isinstance(grant, PutGrant)
-                self._receive_put(sock, grant)
+                await self._receive_put(conn, grant)
             code_name = "OK"
-        except _Failed as failed:
-            code_name = failed.code.name
-            self._refuse(sock, failed.code, failed.message)
+        except _Refusal as refusal:
+            code_name = refusal.code.name
+            raise
         finally:
-            self.grants.finish(grant)
-            self._counted(method, code_name, start_s)
+            conn.finish(grant)
+            conn.count(method, code_name, start_s)
         return True
 
-    def _body(self, sock: socket.socket, token_bytes: int, body_bytes: int) -> tuple[bytes, bytes]:
+    async def _body(self, conn: _Connection, token_bytes: int, body_bytes: int) -> tuple[bytes, bytes]:
         """A request's token and body, read as they arrive under the node's budget of bodies and a time bound.
 
         Raises:
-            _End: (after its reply) if the budget has no room, or they do not arrive in time.
+            _Refusal: if the budget has no room.
+            _Close: if they do not arrive in time.
         """
         nbytes = token_bytes + body_bytes
+        if not nbytes:
+            return b"", b""
         with self._lock:
-            if self._body_bytes + nbytes > BODY_BUDGET_BYTES:
-                full = True
-            else:
-                full = False
+            full = self._body_bytes + nbytes > BODY_BUDGET_BYTES
+            if not full:
                 self._body_bytes += nbytes
         if full:
             self.refused_bodies += 1
-            self._refuse(sock, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"the node is receiving {BODY_BUDGET_BYTES} bytes of bulk requests at once; send again")
+            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"the node is receiving {BODY_BUDGET_BYTES} bytes of bulk requests at once; send again")
         try:
             data = bytearray(nbytes)
             try:
-                recv_exactly_into(sock, memoryview(data), time.monotonic() + self.config.min_transfer_s)
+                await conn.recv_into(memoryview(data), time.monotonic() + self.config.min_transfer_s)
             except TransferCut as cut:
-                raise _Cut(cut) from None
+                logger.info("bulk request not received: %s", cut)
+                raise _Close() from None
         finally:
             with self._lock:
                 self._body_bytes -= nbytes
         return bytes(data[:token_bytes]), bytes(data[token_bytes:])
 
-    def _call(self, kind: int, token: bytes, body: bytes, peer: str) -> tuple[grpc.StatusCode, Any]:
-        """Run a ``BulkGet`` or ``BulkPut`` on the store's loop: ``(OK, reply)`` or ``(code, details)``."""
-        assert self.dispatch is not None, "a listener serving calls needs dispatch"
-        future = asyncio.run_coroutine_threadsafe(self.dispatch(kind, token, body, peer), self._loop)
-        while True:
-            try:
-                return future.result(timeout=COMMIT_POLL_S)  # type: ignore[no-any-return]
-            except TimeoutError:
-                if self._closing:
-                    future.cancel()
-                    raise _End() from None
-
-    def _send_get(self, sock: socket.socket, grant: GetGrant, body: bytes) -> None:
-        """Send a leased prefix: the reply head, ``body``, and every block in one ``sendmsg`` (no copy of them)."""
-        deadline = time.monotonic() + self._transfer_s(grant.nbytes)
+    async def _send_get(self, conn: _Connection, grant: GetGrant, body: bytes) -> None:
+        """Send a leased prefix: the reply head, ``body``, and every block (one ``sendmsg``, no copy of them)."""
         buffers = [memoryview(REPLY.pack(MAGIC, _OK, len(body), grant.nbytes) + body)]
         buffers.extend(memoryview(block).cast("B") for block in grant.blocks)
-        send_all(sock, buffers, deadline)
+        await conn.send(buffers, time.monotonic() + self._transfer_s(grant.nbytes))
 
-    def _receive_put(self, sock: socket.socket, grant: PutGrant) -> None:
+    async def _receive_put(self, conn: _Connection, grant: PutGrant) -> None:
         """Receive a Put's blocks straight into their room, check each, store them, reply.
 
         Raises:
             TransferCut: if the blocks do not all arrive in time (nothing is stored).
-            _Failed: if a block fails its check, or the store's put fails (nothing is stored).
+            _Refusal: if a block fails its check, or the store's put fails (nothing is stored).
         """
         deadline = time.monotonic() + self._transfer_s(grant.nbytes)
-        blocks: list[Any] = []
-        for position, nbytes in enumerate(grant.sizes):
-            if grant.targets is not None:
-                target, block = memoryview(grant.targets[position]).cast("B"), grant.blocks[position]  # type: ignore[index]
-            else:  # the node's own memory, taken as the blocks arrive (never all at once from what was announced)
-                owned = bytearray(nbytes)
-                target, block = memoryview(owned), memoryview(owned).toreadonly()
-            recv_exactly_into(sock, target, deadline)
-            try:
-                grant.check(position, block)
-            except Exception as exc:  # noqa: BLE001 - a bad block ends the Put with its status
-                raise _Failed.of(exc) from None
-            blocks.append(block)
-        future = asyncio.run_coroutine_threadsafe(grant.commit(blocks), self._loop)
-        while True:
-            try:
-                reply = future.result(timeout=COMMIT_POLL_S)
-                break
-            except TimeoutError:
-                if self._closing:
-                    future.cancel()
-                    raise _End() from None
-            except Exception as exc:  # noqa: BLE001 - the store's refusal (quota, full) is the Put's status
-                raise _Failed.of(exc) from None
+        if grant.nbytes >= INLINE_BYTES:
+            blocks = await conn.blocking(_receive_blocks, grant, deadline)
+        else:
+            blocks = []
+            for position in range(len(grant.sizes)):
+                target, block = _landing(grant, position)
+                await conn.recv_into(target, deadline)
+                _check(grant, position, block)
+                blocks.append(block)
+        try:
+            reply = await conn.on_store(grant.commit(blocks))
+        except Exception as exc:  # noqa: BLE001 - the store's refusal (quota, full) is the Put's status
+            raise _Refusal.of(exc) from None
         body = pb.BulkPutResponse(stored=reply).SerializeToString()
-        send_all(sock, [memoryview(REPLY.pack(MAGIC, _OK, len(body), 0) + body)],
-                 time.monotonic() + self._transfer_s(0))
+        await conn.send([memoryview(REPLY.pack(MAGIC, _OK, len(body), 0) + body)],
+                        time.monotonic() + self._transfer_s(0))
 
     def _transfer_s(self, nbytes: int) -> float:
         return transfer_s(nbytes, self.config.min_bytes_per_s, self.config.min_transfer_s)
 
-    def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
-        """Send a status other than OK, then end the connection.
 
-        Raises:
-            _End: always.
-        """
-        body = message.encode()[:4096]
+class _Connection:
+    """One connection's I/O, as the request handling needs it (:class:`_LoopConnection`, :class:`_ThreadConnection`)."""
+
+    def __init__(self, listener: BulkListener, sock: socket.socket) -> None:
+        self.listener = listener
+        self.sock = sock
+
+    async def recv_into(self, view: memoryview, deadline: float) -> None:
+        """Fill ``view`` by ``deadline`` (:class:`TransferCut` if not)."""
+        raise NotImplementedError
+
+    async def send(self, buffers: list[memoryview], deadline: float) -> None:
+        """Send every buffer by ``deadline`` (:class:`TransferCut` if not)."""
+        raise NotImplementedError
+
+    async def blocking(self, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(sock, *args)`` in blocking I/O, off the store's loop."""
+        raise NotImplementedError
+
+    async def on_store(self, call: Awaitable[Any]) -> Any:
+        """``call`` run on the store's loop; its result."""
+        raise NotImplementedError
+
+    def finish(self, grant: Grant) -> None:
+        """Give back what a redeemed grant holds, on the store's loop."""
+        raise NotImplementedError
+
+    def count(self, method: str, code: str, start_s: float) -> None:
+        """Count one transfer in the node's metrics, on the store's loop."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _LoopConnection(_Connection):
+    """A plain TCP connection served on the store's loop; transfers of :data:`INLINE_BYTES` or more in a thread."""
+
+    async def recv_into(self, view: memoryview, deadline: float) -> None:
+        loop, got, nbytes = self.listener._loop, 0, view.nbytes
         try:
-            send_all(sock, [memoryview(REPLY.pack(MAGIC, code.value[0], len(body), 0) + body)],
-                     time.monotonic() + self._transfer_s(0))
-        except TransferCut:
-            pass
-        raise _End()
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                while got < nbytes:
+                    n = await loop.sock_recv_into(self.sock, view[got:] if got else view)
+                    if n == 0:
+                        raise TransferCut(f"the peer closed the connection after {got} of {nbytes} bytes", got)
+                    got += n
+        except TimeoutError:
+            raise TransferCut(f"{got} of {nbytes} bytes arrived in time", got) from None
+        except OSError as exc:
+            raise TransferCut(f"the connection failed after {got} of {nbytes} bytes: {exc}", got) from None
 
-    def _counted(self, method: str, code: str, start_s: float) -> None:
-        if self._count is None or self._loop.is_closed():
+    async def send(self, buffers: list[memoryview], deadline: float) -> None:
+        if sum(b.nbytes for b in buffers) >= INLINE_BYTES:
+            await self.blocking(send_all, buffers, deadline)
             return
+        loop = self.listener._loop
         try:
-            self._loop.call_soon_threadsafe(self._count, method, code, start_s)
-        except RuntimeError:
-            pass
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                for buffer in buffers:
+                    await loop.sock_sendall(self.sock, buffer)
+        except TimeoutError:
+            raise TransferCut("the reply was not sent before the deadline", 0) from None
+        except OSError as exc:
+            raise TransferCut(f"the connection failed while sending: {exc}", 0) from None
+
+    async def blocking(self, work: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return await asyncio.to_thread(work, self.sock, *args)
+        finally:
+            self.sock.setblocking(False)  # the loop's again
+
+    async def on_store(self, call: Awaitable[Any]) -> Any:
+        return await call
+
+    def finish(self, grant: Grant) -> None:
+        grant.finish()
+
+    def count(self, method: str, code: str, start_s: float) -> None:
+        if self.listener._count is not None:
+            self.listener._count(method, code, start_s)
 
 
-class _Cut(Exception):
-    """A request's token and body did not arrive whole in time."""
+class _ThreadConnection(_Connection):
+    """A TLS connection served in a thread of its own, on a loop of its own, in blocking I/O."""
 
-    def __init__(self, cut: TransferCut) -> None:
-        super().__init__(str(cut))
-        self.cut = cut
+    async def recv_into(self, view: memoryview, deadline: float) -> None:
+        recv_exactly_into(self.sock, view, deadline)
+
+    async def send(self, buffers: list[memoryview], deadline: float) -> None:
+        send_all(self.sock, buffers, deadline)
+
+    async def blocking(self, work: Callable[..., Any], *args: Any) -> Any:
+        return work(self.sock, *args)
+
+    async def on_store(self, call: Awaitable[Any]) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self.listener._loop))  # type: ignore
+
+    def finish(self, grant: Grant) -> None:
+        self.listener.grants.finish(grant)
+
+    def count(self, method: str, code: str, start_s: float) -> None:
+        listener = self.listener
+        if listener._count is not None and not listener._loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                listener._loop.call_soon_threadsafe(listener._count, method, code, start_s)
 
 
-class _Failed(Exception):
-    """A transfer's status other than OK, to send before the connection ends."""
+def _landing(grant: PutGrant, position: int) -> tuple[memoryview, Any]:
+    """Where block ``position`` of a Put is received (writable) and what the store is given (read-only): a staged
+    range of the pool, or memory of the node's own taken now (never all at once from what was announced)."""
+    if grant.targets is not None:
+        return memoryview(grant.targets[position]).cast("B"), grant.blocks[position]  # type: ignore[index]
+    owned = bytearray(grant.sizes[position])
+    return memoryview(owned), memoryview(owned).toreadonly()
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
-    @classmethod
-    def of(cls, exc: BaseException) -> _Failed:
-        """The status of a raised error (``kvstore.status.status_of``)."""
-        code, message = status_of(exc)
-        if code is grpc.StatusCode.INTERNAL:
-            logger.error("bulk Put failed", exc_info=exc)
-        return cls(code, message)
+def _check(grant: PutGrant, position: int, block: Any) -> None:
+    try:
+        grant.check(position, block)
+    except Exception as exc:  # noqa: BLE001 - a bad block ends the Put with its status
+        raise _Refusal.of(exc) from None
+
+
+def _receive_blocks(sock: socket.socket, grant: PutGrant, deadline: float) -> list[Any]:
+    """Receive and check a Put's blocks in blocking I/O (a worker thread, or a TLS connection's)."""
+    blocks = []
+    for position in range(len(grant.sizes)):
+        target, block = _landing(grant, position)
+        recv_exactly_into(sock, target, deadline)
+        _check(grant, position, block)
+        blocks.append(block)
+    return blocks
