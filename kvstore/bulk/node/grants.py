@@ -189,6 +189,16 @@ class GrantTable:
         self._loop.call_later(self.grant_s, self._expire, token)
         return token
 
+    def take(self, grant: Grant) -> bool:
+        """Charge ``grant`` to the budget for a transfer that starts now, on the connection its call came on (no
+        token: it is never in the table); ``False`` when the budget has no room. Run :meth:`finish` once it ended."""
+        if not self.budget.take(grant.tenant, grant.nbytes):
+            return False
+        grant._budget = self.budget
+        self.issued += 1
+        self.redeemed += 1
+        return True
+
     def redeem(self, token: bytes) -> Grant | None:
         """The grant ``token`` names, taken out of the table (any thread); ``None`` if it names none now (never
         issued, redeemed already, or expired). The caller runs :meth:`finish` once the transfer has ended."""

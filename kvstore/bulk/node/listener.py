@@ -59,8 +59,9 @@ HANDSHAKE_S = 5.0
 
 _OK = grpc.StatusCode.OK.value[0]
 
-Dispatch = Callable[[int, bytes, bytes, str], Awaitable[tuple[grpc.StatusCode, Any]]]
-"""``(kind, token, body, peer) -> (code, reply or details)``: a call that came on a connection, run on the loop."""
+Dispatch = Callable[[int, bytes, bytes, str], Awaitable[tuple[grpc.StatusCode, Any, "Grant | None"]]]
+"""``(kind, token, body, peer) -> (code, reply or details, grant)``: a call that came on a connection, run on the
+loop, with what it granted to transfer now."""
 
 
 class _Refusal(Exception):
@@ -288,11 +289,9 @@ class BulkListener:
                 raise _Refusal(grpc.StatusCode.PERMISSION_DENIED, "the grant is unknown, used or expired")
         else:  # the call itself, on the store's loop, through the node's service; then its grant, redeemed at once
             assert self.dispatch is not None, "a listener serving calls needs dispatch"
-            code, reply = await conn.on_store(self.dispatch(kind, token, body, name))
+            code, reply, grant = await conn.on_store(self.dispatch(kind, token, body, name))
             if code is not grpc.StatusCode.OK:
                 raise _Refusal(code, reply)
-            grant = self.grants.redeem(reply.grant) if reply.grant else None
-            reply.ClearField("grant")
             reply_body = reply.SerializeToString()
             if grant is None:  # nothing to move: an empty prefix, or no room (the client uses Get or Put)
                 await conn.send([memoryview(REPLY.pack(MAGIC, _OK, len(reply_body), 0) + reply_body)],

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import grpc
 
 from kvstore.bulk.frames import GET
-from kvstore.bulk.node.grants import GetGrant, GrantTable, PutGrant
+from kvstore.bulk.node.grants import GetGrant, Grant, GrantTable, PutGrant
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import block_key
 from kvstore.shm.node.operations import NodeChecks
@@ -58,7 +58,8 @@ class BulkOperations:
         self.pool = pool
         self.offer = offer
 
-    async def dispatch(self, kind: int, token: bytes, body: bytes, peer: str) -> tuple[grpc.StatusCode, Any]:
+    async def dispatch(self, kind: int, token: bytes, body: bytes, peer: str
+                       ) -> tuple[grpc.StatusCode, Any, Grant | None]:
         """Run a ``BulkGet`` or ``BulkPut`` that came on a bulk connection, as gRPC would run it.
 
         The call is admitted by the node's service (:meth:`NodeService.scope`: the
@@ -72,22 +73,37 @@ class BulkOperations:
             peer: the connection its in-flight slot counts against.
 
         Returns:
-            ``(OK, reply)``, or a status code and its details.
+            ``(OK, reply, grant)``: the reply (no grant token in it) and what it granted, to transfer now on the
+            same connection (``None``: nothing, or no room); or a status code, its details and ``None``.
         """
         method = "BulkGet" if kind == GET else "BulkPut"
         metadata = ((_AUTH_KEY, token.decode(errors="replace")),) if token else ()
+        held: list[Grant] = []
         try:
             async with self._checks.scope(method, metadata, peer, None) as call:
                 if kind == GET:
-                    reply: Any = await self.get(call.principal, parse_request(pb.BulkGetRequest, body))
+                    reply: Any = await self.get(call.principal, parse_request(pb.BulkGetRequest, body), held)
                 else:
-                    reply = await self.put(call.principal, parse_request(pb.BulkPutRequest, body))
+                    reply = await self.put(call.principal, parse_request(pb.BulkPutRequest, body), held)
         except CallFailed as failed:
-            return failed.code, failed.message
-        return grpc.StatusCode.OK, reply
+            for grant in held:
+                grant.finish()
+            return failed.code, failed.message, None
+        except BaseException:
+            for grant in held:
+                grant.finish()
+            raise
+        return grpc.StatusCode.OK, reply, held[0] if held else None
 
-    async def get(self, principal: Any, request: pb.BulkGetRequest) -> pb.BulkGetResponse:
+    async def get(self, principal: Any, request: pb.BulkGetRequest,
+                  held: list[Grant] | None = None) -> pb.BulkGetResponse:
         """Lease the longest cached prefix of the request for one transfer; its sizes and grant.
+
+        Args:
+            principal: the caller.
+            request: the request.
+            held: for a call that came on a bulk connection: the grant is put here, for that connection to
+                transfer at once, instead of a token into the reply (``None``: a token, for a gRPC call).
 
         Returns:
             The blocks' sizes and the grant; no grant for an empty prefix; ``no_room`` (nothing leased) when
@@ -107,14 +123,25 @@ class BulkOperations:
             read.close()
             return pb.BulkGetResponse()
         sizes = [memoryview(block).nbytes for block in blocks]
-        token = self.grants.issue(GetGrant(namespace.cache_salt, list(blocks), sizes, read.close))
+        grant = GetGrant(namespace.cache_salt, list(blocks), sizes, read.close)
+        token = self._grant(grant, held)
         if token is None:
             read.close()
             return pb.BulkGetResponse(no_room=True)
         return pb.BulkGetResponse(grant=token, sizes=sizes, grant_s=self.grants.grant_s)
 
-    async def put(self, principal: Any, request: pb.BulkPutRequest) -> pb.BulkPutResponse:
-        """Reserve room for a Put's blocks; the grant to send them with.
+    def _grant(self, grant: Grant, held: list[Grant] | None) -> bytes | None:
+        """A token for ``grant`` (``b""`` when it goes into ``held`` instead); ``None`` when the budget is full."""
+        if held is None:
+            return self.grants.issue(grant)
+        if not self.grants.take(grant):
+            return None
+        held.append(grant)
+        return b""
+
+    async def put(self, principal: Any, request: pb.BulkPutRequest,
+                  held: list[Grant] | None = None) -> pb.BulkPutResponse:
+        """Reserve room for a Put's blocks; the grant to send them with (``held``: as :meth:`get`).
 
         Raises:
             InvalidArgumentError: on mismatched counts, a bad hash or a block size of 0.
@@ -168,7 +195,7 @@ class BulkOperations:
         grant = PutGrant(namespace.cache_salt, sizes, release,
                          staging.targets if staging is not None else None,
                          staging.blocks if staging is not None else None, checker.check, commit)
-        token = self.grants.issue(grant)
+        token = self._grant(grant, held)
         if token is None:
             release()
             return pb.BulkPutResponse(no_room=True)
