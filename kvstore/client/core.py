@@ -289,11 +289,15 @@ class _Client:
         """Copy the blocks of the longest cached prefix into the caller's tensors; returns how many (an int).
 
         The Get for a connector's staging buffer, or a pinned host tensor: block
-        ``i`` of the prefix is copied into ``destinations[i]``, and the blocks
-        past the prefix are left as they were. Same host: the node copies the
-        blocks into this client's shared-memory segment, and they are copied
-        once from there into the destinations, with no intermediate ``bytes``.
-        Another host: over gRPC, once from the received messages.
+        ``i`` of the prefix is copied into ``destinations[i]``. Same host: the
+        blocks are copied once from the node's shared memory into the
+        destinations, with no intermediate ``bytes``. Another host: on the
+        node's bulk path each block is received straight into its destination
+        (a contiguous CPU tensor; any other is copied once from a buffer of its
+        own), else over gRPC, once from the received messages. The blocks past
+        the prefix are left as they were, except where a bulk transfer was cut
+        mid-block (the node went away): that block, which is not counted, may
+        be partly written.
 
         Args:
             namespace: namespace of the blocks.
