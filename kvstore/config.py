@@ -400,8 +400,8 @@ class SharedMemoryConfig:
     """The same-host data plane: block bytes through shared memory for clients on the node's host
     (``docs/shared-memory.md``; ``kvstore.shm``).
 
-    A client on another host, or one that cannot reach the handoff socket, uses
-    gRPC as before; so does every client when this is off.
+    A client on another host, or one that cannot reach the handoff socket, moves its
+    bytes on the bulk path (``bulk``), or over gRPC; so does every client when this is off.
 
     Attributes:
         enabled: offer the same-host path (on Linux; elsewhere it is off with a log line).

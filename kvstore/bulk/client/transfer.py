@@ -26,22 +26,20 @@ from __future__ import annotations
 import ctypes
 import socket
 import struct
-import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+import grpc
 
 from kvstore.blockcopy import Copied, TensorBlock, copy_block_into, tensor_blocks
 from kvstore.bulk.frames import MAGIC, MAX_BODY_BYTES, REPLY, REQUEST, TransferCut, recv_exactly_into, send_all
-from kvstore.codec import CHECKSUM_SPAN, ChecksumError, Layout, block_checksum, blank_header, dtype_name, header_nbytes
-from kvstore.errors import DestinationMismatchError, KVStoreError
+from kvstore.codec import CHECKSUM_SPAN, Layout, block_checksum, blank_header, dtype_name, header_nbytes
+from kvstore.errors import ChecksumError, DestinationMismatchError, KVStoreError
 from kvstore.status import error_of
-from kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
 
     from kvstore.api import Block, Buffer
-
-import grpc
 
 _CHECKSUM = struct.Struct("<Q")
 SEND_GROUP_BYTES = 1 << 20

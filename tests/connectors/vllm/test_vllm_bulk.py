@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import urllib.request
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
