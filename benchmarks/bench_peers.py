@@ -76,7 +76,10 @@ SYSTEMS: list[tuple[str, str, str, str]] = [
      "mooncake_drivers:MooncakeDriver"),
     ("mooncake-local", "Mooncake Store, its own local segment", "mooncake", "mooncake_drivers:MooncakeDriver"),
     ("lmcache-local", "LMCache `LocalCPUBackend` in process", "lmcache", "lmcache_drivers:LocalCPUDriver"),
-    ("kvstore-grpc", "**kvstore serve over gRPC (`shared_memory=False`)**", "main", "kvstore_drivers:ServeDriver"),
+    ("kvstore-grpc", "**kvstore serve over gRPC alone (`shared_memory=False, bulk=False`)**", "main",
+     "kvstore_drivers:ServeDriver"),
+    ("kvstore-bulk", "**kvstore serve across hosts: the bulk path (`shared_memory=False`)**", "main",
+     "kvstore_drivers:ServeDriver"),
     ("redis", "Redis, pipelined GET / SET (hiredis), plus the copy into the tensor", "main", "drivers:RedisDriver"),
     ("lmcache-server", "LMCache cache server (`LMCServerConnector`)", "lmcache", "lmcache_drivers:ServerDriver"),
     ("mooncake-tcp", "Mooncake Store over TCP, blocks in another process's segment", "mooncake",
@@ -85,15 +88,17 @@ SYSTEMS: list[tuple[str, str, str, str]] = [
 ]
 SAME_HOST = ("copy_", "kvstore-shm", "kvstore-grpc", "kvstore-embedded", "mooncake-shm", "mooncake-local",
              "lmcache-local")
-ACROSS = ("copy_", "raw-socket", "redis", "lmcache-server", "mooncake-tcp", "kvstore-grpc")
+ACROSS = ("copy_", "raw-socket", "redis", "lmcache-server", "mooncake-tcp", "kvstore-bulk", "kvstore-grpc")
 LABELS = {key: label for key, label, _, _ in SYSTEMS}
 NOTES = [
     "- Every system in a process of its own (`benchmarks/peers/worker.py`), which times each call with "
     "`time.perf_counter` around the call alone; its copies are single-threaded (`torch.set_num_threads(1)`) like the "
     "`copy_` baseline; the system's own threads run as they do.",
     "- kvstore: `get_into(ns, hashes, views)` / `put(ns, hashes, views)` / `delete`, of `KVStoreClient(target)` "
-    "(same host), `KVStoreClient(target, shared_memory=False)` (gRPC) and `kvstore.open_store(StoreConfig())` "
-    "(embedded); `kvstore serve --memory-capacity 1GiB` as a subprocess.",
+    "(same host), `KVStoreClient(target, shared_memory=False)` (the bulk path: a `BulkGet` / `BulkPut` on gRPC, "
+    "then the bytes on the node's bulk listener, docs/scaleout.md), `KVStoreClient(target, shared_memory=False, "
+    "bulk=False)` (gRPC alone) and `kvstore.open_store(StoreConfig())` (embedded); `kvstore serve --memory-capacity "
+    "1GiB` as a subprocess.",
     "- Mooncake Store 0.3.13.post1: `batch_get_into` / `batch_put_from` of registered buffers, "
     "`batch_remove(force=True)` after each Put's read-back; a `mooncake_master` per mode (RPC and metrics on "
     "127.0.0.1, P2P handshake, TCP protocol); shared memory: `setup_dummy` against a `mooncake_client` owning a "
@@ -157,9 +162,9 @@ def start_systems(keys: list[str], services: Services, python: dict[str, str], p
 def system_settings(key: str, services: Services, payload: Path, node_target: str | None,
                     redis_port: int | None) -> dict[str, Any]:
     """A system's driver settings, once the servers it needs are up."""
-    if key in ("kvstore-shm", "kvstore-grpc", "kvstore-shm-2"):
-        return {"target": node_target, "shared_memory": key != "kvstore-grpc",
-                "client": 2 if key == "kvstore-shm-2" else 1}
+    if key in ("kvstore-shm", "kvstore-grpc", "kvstore-shm-2", "kvstore-bulk"):
+        return {"target": node_target, "shared_memory": key not in ("kvstore-grpc", "kvstore-bulk"),
+                "bulk": key == "kvstore-bulk", "client": 2 if key == "kvstore-shm-2" else 1}
     if key == "redis":
         return {"port": redis_port}
     if key == "raw-socket":
@@ -221,6 +226,8 @@ def cpu_phase(workers: dict[str, Worker], node_pid: int, reps: int, gib_per_clie
     """
     count = max(1, round(gib_per_client * GiB / PREFIX_BYTES))
     runs: dict[str, list[dict[str, float]]] = {"one": [], "two": [], "grpc": [], "copy": []}
+    if "kvstore-bulk" in workers:
+        runs["bulk"] = []
     loop = {"cmd": "loop", "kind": "prefix", "count": count}
     for _ in range(reps):
         kinds = list(runs)
@@ -229,7 +236,8 @@ def cpu_phase(workers: dict[str, Worker], node_pid: int, reps: int, gib_per_clie
             if kind == "copy":
                 runs["copy"].append(workers["copy_"].call({"cmd": "copy_gib"}))
                 continue
-            clients = {"one": ["kvstore-shm"], "two": ["kvstore-shm", "kvstore-shm-2"], "grpc": ["kvstore-grpc"]}[kind]
+            clients = {"one": ["kvstore-shm"], "two": ["kvstore-shm", "kvstore-shm-2"], "grpc": ["kvstore-grpc"],
+                       "bulk": ["kvstore-bulk"]}[kind]
             before = node_cpu_s(node_pid)
             for key in clients:
                 workers[key].send(loop)
@@ -243,15 +251,20 @@ def cpu_phase(workers: dict[str, Worker], node_pid: int, reps: int, gib_per_clie
         return statistics.median(run[field] for run in runs[kind])
 
     copy_cpu = median("copy", "cpu_s_per_gib")
-    return {
+    kinds = [kind for kind in ("one", "two", "grpc", "bulk") if kind in runs]
+    figures = {
         "runs": runs, "gets_per_client": count, "copy_cpu_s_per_gib": copy_cpu,
-        "node_cpu_s_per_gib": {kind: median(kind, "cpu_s_per_gib") for kind in ("one", "two", "grpc")},
+        "node_cpu_s_per_gib": {kind: median(kind, "cpu_s_per_gib") for kind in kinds},
         "node_cpu_x_copy": median("two", "cpu_s_per_gib") / copy_cpu,
         "node_cpu_x_copy_one": median("one", "cpu_s_per_gib") / copy_cpu,
         "node_cpu_x_copy_grpc": median("grpc", "cpu_s_per_gib") / copy_cpu,
-        "gib_per_s": {kind: median(kind, "gib_per_s") for kind in ("one", "two", "grpc")},
+        "gib_per_s": {kind: median(kind, "gib_per_s") for kind in kinds},
         "two_vs_one": median("two", "gib_per_s") / median("one", "gib_per_s"),
     }
+    if "bulk" in runs:
+        figures["node_cpu_x_copy_bulk"] = median("bulk", "cpu_s_per_gib") / copy_cpu
+        figures["bulk_x_grpc"] = median("bulk", "cpu_s_per_gib") / median("grpc", "cpu_s_per_gib")
+    return figures
 
 
 def network_note() -> str:
@@ -329,7 +342,7 @@ def main() -> int:
     final_info: dict[str, Any] = {}
     failed: dict[str, str] = {}
     try:
-        node_target = node.start().target if {"kvstore-shm", "kvstore-grpc"} & set(keys) else None
+        node_target = node.start().target if {"kvstore-shm", "kvstore-grpc", "kvstore-bulk"} & set(keys) else None
         redis_port = redis_server.start().port if "redis" in keys else None
         cpu_phase_on = args.cpu_reps > 0 and {"kvstore-shm", "kvstore-grpc"} <= set(keys)
         workers = start_systems(keys + (["kvstore-shm-2"] if cpu_phase_on else []), services, python, payload,
@@ -418,6 +431,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| 1, same host | {per['one']:.3f} | {cpu['node_cpu_x_copy_one']:.2f} | {cpu['gib_per_s']['one']:.2f} |",
             f"| 2, same host | {per['two']:.3f} | {cpu['node_cpu_x_copy']:.2f} | {cpu['gib_per_s']['two']:.2f} |",
             f"| 1, gRPC | {per['grpc']:.3f} | {cpu['node_cpu_x_copy_grpc']:.2f} | {cpu['gib_per_s']['grpc']:.2f} |",
+            *([f"| 1, bulk path | {per['bulk']:.3f} | {cpu['node_cpu_x_copy_bulk']:.2f} | "
+               f"{cpu['gib_per_s']['bulk']:.2f} |"] if "bulk" in per else []),
             "", f"2 clients / 1: {cpu['two_vs_one']:.2f}× the aggregate throughput (two clients and the node share "
             f"{meta['cpus']} cores here).", ""]
     lines += ["## Goals (issues 38 and 40)", "", *report.goal_lines(result["goals"]), ""]

@@ -8,6 +8,7 @@ and the embedded store (from the tier's leased memory).
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
@@ -137,10 +138,29 @@ def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
         return header
     if header.payload_nbytes == 0:
         return header
+    if destination.device.type == "cpu" and destination.is_contiguous():  # a memcpy: no parallel region (below)
+        _memcpy_into(destination, memoryview(block).cast("B")[header.header_nbytes:header.nbytes])
+        return header
     if source is None:
         source = byte_view(block)
     destination.copy_(source[header.header_nbytes:header.nbytes].view(dtype).view(header.shape))
     return header
+
+
+def _memcpy_into(destination: torch.Tensor, payload: memoryview) -> None:
+    """Copy ``payload`` into a contiguous CPU tensor's memory with one single-threaded memcpy (numpy's).
+
+    Not ``Tensor.copy_``: for a block of a few hundred KiB torch opens an
+    OpenMP parallel region, whose threads wait for cores a busy host (a gRPC
+    client's own threads, other processes) does not give them: a Get into 96
+    tensors took 6 ms to 1.6 s that way on a loaded 2-core host, and 5-7 ms
+    with one thread (issue 40's slow mode of ``get_into``; ``benchmarks/results/bench_bulk.md``).
+    """
+    import numpy as np
+
+    nbytes = payload.nbytes
+    target = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(destination.data_ptr()))
+    np.copyto(target, np.frombuffer(payload, dtype=np.uint8))
 
 
 class Copied(NamedTuple):

@@ -129,6 +129,10 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
                             "clients connect to unix:///run/kvstore/kvstore.sock")
     serve.add_argument("--no-shared-memory", dest="shared_memory", action="store_false", default=None,
                        help="offer no same-host data plane: every client uses gRPC (shared_memory.enabled)")
+    serve.add_argument("--no-bulk", dest="bulk", action="store_false", default=None,
+                       help="offer no bulk path: remote clients' bytes ride in gRPC messages (bulk.enabled)")
+    serve.add_argument("--bulk-port", type=int,
+                       help="the bulk listener's TCP port; 0 picks a free one (bulk.port, default 0)")
     serve.add_argument("--metrics-port", type=int,
                        help="Prometheus port; 0 picks a free one, -1 disables (server.metrics_port, default 9400)")
     serve.add_argument("--events-endpoint", metavar="ZMQ",
@@ -214,6 +218,8 @@ def _serve(args: argparse.Namespace) -> int:
         "server.port": args.port,
         "server.unix_socket": args.unix_socket,
         "shared_memory.enabled": args.shared_memory,
+        "bulk.enabled": args.bulk,
+        "bulk.port": args.bulk_port,
         "server.metrics_port": args.metrics_port,
         "events.endpoint": args.events_endpoint,
         "server.log_level": args.log_level,

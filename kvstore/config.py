@@ -400,8 +400,8 @@ class SharedMemoryConfig:
     """The same-host data plane: block bytes through shared memory for clients on the node's host
     (``docs/shared-memory.md``; ``kvstore.shm``).
 
-    A client on another host, or one that cannot reach the handoff socket, uses
-    gRPC as before; so does every client when this is off.
+    A client on another host, or one that cannot reach the handoff socket, moves its
+    bytes on the bulk path (``bulk``), or over gRPC; so does every client when this is off.
 
     Attributes:
         enabled: offer the same-host path (on Linux; elsewhere it is off with a log line).
@@ -450,6 +450,58 @@ class SharedMemoryConfig:
         _require(0 <= self.release_after_s < math.inf, "release_after_s", "must be >= 0 and finite")
         _require(0 < self.lease_s < math.inf, "lease_s", "must be > 0 and finite")
         _require(0 < self.grant_s < math.inf, "grant_s", "must be > 0 and finite")
+
+
+@dataclass(frozen=True, slots=True)
+class BulkConfig:
+    """The bulk path: block bytes of remote clients on a plain socket, off gRPC (``docs/scaleout.md``; ``kvstore.bulk``).
+
+    A client calls ``BulkGet`` or ``BulkPut`` over gRPC, which checks its token,
+    tenant and limits, leases the prefix or reserves room for the Put, and
+    returns a one-time grant; the bytes then move on a connection to this
+    listener (``recv_into`` the caller's tensors, ``sendmsg`` from the leased
+    blocks). A client that cannot reach it uses Get and Put.
+
+    Attributes:
+        enabled: offer the bulk path.
+        host: the listener's bind address; empty: ``server.host``. Off loopback, a node with bearer tokens
+            offers it only over TLS (``security.tls_cert_file``: the listener then speaks TLS with the node's
+            certificate, and asks for client certificates when ``security.tls_client_ca_file`` is set).
+        port: its TCP port; 0 picks a free one (offered in ``Capabilities``; set one where only chosen ports
+            are reachable, e.g. a container's).
+        advertise_host: the host clients are told to connect to; empty: the host they reached gRPC at.
+        max_connections: bulk connections at once; more are refused (the client uses gRPC).
+        grant_s: seconds a grant may be redeemed in; an unredeemed Get grant's lease ends then.
+        idle_s: seconds a connection may wait for its next grant before the node closes it.
+        min_bytes_per_s: the slowest a transfer may run: each has ``min_transfer_s + its bytes / this`` to
+            finish, so a peer that reads or sends slowly holds its lease or room, and a thread, for a bounded time.
+        min_transfer_s: what every transfer may take beside its bytes, seconds.
+        tenant_grant_bytes: bytes one tenant's outstanding grants (leased Gets, Puts' room) may hold; past it,
+            its calls use Get and Put.
+        max_grant_bytes: the same over every tenant.
+    """
+
+    enabled: bool = True
+    host: str = ""
+    port: int = 0
+    advertise_host: str = ""
+    max_connections: int = 256
+    grant_s: float = 10.0
+    idle_s: float = 60.0
+    min_bytes_per_s: int = 64 * MiB
+    min_transfer_s: float = 5.0
+    tenant_grant_bytes: int = 1 * GiB
+    max_grant_bytes: int = 4 * GiB
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
+        _require(self.max_connections > 0, "max_connections", "must be > 0")
+        _require(0 < self.grant_s < math.inf, "grant_s", "must be > 0 and finite")
+        _require(0 < self.idle_s < math.inf, "idle_s", "must be > 0 and finite")
+        _require(self.min_bytes_per_s > 0, "min_bytes_per_s", "must be > 0")
+        _require(0 < self.min_transfer_s < math.inf, "min_transfer_s", "must be > 0 and finite")
+        _require(self.tenant_grant_bytes > 0, "tenant_grant_bytes", "must be > 0")
+        _require(self.max_grant_bytes > 0, "max_grant_bytes", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -516,6 +568,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
+    bulk: BulkConfig = field(default_factory=BulkConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
 
 
@@ -525,6 +578,7 @@ ENV_ALIASES: dict[str, str] = {
     "KVSTORE_PORT": "server.port",
     "KVSTORE_UNIX_SOCKET": "server.unix_socket",
     "KVSTORE_SHARED_MEMORY": "shared_memory.enabled",
+    "KVSTORE_BULK": "bulk.enabled",
     "KVSTORE_METRICS_PORT": "server.metrics_port",
     "KVSTORE_LOG_LEVEL": "server.log_level",
     "KVSTORE_MEMORY_CAPACITY": "store.memory.capacity_bytes",

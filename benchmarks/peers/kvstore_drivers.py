@@ -90,21 +90,23 @@ class KVStoreDriver(Driver):
 class ServeDriver(KVStoreDriver):
     """A client of ``kvstore serve``: the same-host path, or gRPC alone.
 
-    Settings: ``target``, ``shared_memory`` (the client's flag), ``client`` (a number
-    that gives each client process namespaces of its own).
+    Settings: ``target``, ``shared_memory`` and ``bulk`` (the client's flags; ``bulk`` off unless given), ``client``
+    (a number that gives each client process namespaces of its own).
     """
 
     def open(self) -> Any:
         """``KVStoreClient(target, shared_memory=...)``."""
         from kvstore import KVStoreClient
 
-        path = "shm" if self.settings["shared_memory"] else "grpc"
+        bulk = bool(self.settings.get("bulk", False))
+        path = "shm" if self.settings["shared_memory"] else "bulk" if bulk else "grpc"
         self.model = f"bench-peers-{path}-{self.settings.get('client', 0)}"
-        return KVStoreClient(self.settings["target"], timeout_s=120, shared_memory=bool(self.settings["shared_memory"]))
+        return KVStoreClient(self.settings["target"], timeout_s=120, shared_memory=bool(self.settings["shared_memory"]),
+                             bulk=bulk)
 
     def info(self) -> dict[str, Any]:
-        """The client's same-host state (``("attached",)`` when Gets go through shared memory)."""
-        return {"shared_memory": list(self.store.shared_memory())}
+        """The client's same-host and bulk states (``("attached",)``, ``("on",)`` when that path carries the bytes)."""
+        return {"shared_memory": list(self.store.shared_memory()), "bulk": list(self.store.bulk())}
 
 
 class EmbeddedDriver(KVStoreDriver):

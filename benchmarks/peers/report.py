@@ -102,6 +102,20 @@ def goals(summary: dict[str, Any], series: dict[str, list[float]], cpu: dict[str
     spread = max(grpc_series) / statistics.median(grpc_series) if grpc_series else None
     out.append(goal(f"kvstore get_into over gRPC: slowest of {len(grpc_series or [])} consecutive / their median",
                     spread, 2.0))
+    for column, heading in COLUMNS:  # issue 40's path: what a client on another host uses by default
+        value, detail = _versus(summary, "kvstore-bulk", REMOTE_PEERS, column)
+        out.append(goal(f"kvstore serve across hosts (bulk path) / fastest loopback-TCP peer, {heading}", value, 1.0,
+                        detail=detail))
+    for column, heading in COLUMNS[:2]:
+        value, detail = _versus(summary, "kvstore-bulk", ("raw-socket",), column)
+        out.append(goal(f"kvstore serve across hosts (bulk path) / raw socket, {heading} (moonshot)", value, 1.5,
+                        detail=detail))
+    bulk_series = series.get("kvstore-bulk")
+    spread = max(bulk_series) / statistics.median(bulk_series) if bulk_series else None
+    out.append(goal(f"kvstore get_into across hosts (bulk path): slowest of {len(bulk_series or [])} consecutive / "
+                    "their median", spread, 2.0))
+    out.append(goal("node CPU per GiB of remote Gets, bulk path / gRPC path (the same run)", cpu.get("bulk_x_grpc"),
+                    0.5))
     return out
 
 

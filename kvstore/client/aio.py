@@ -14,6 +14,7 @@ from kvstore.client.calls import (
     _RETURNED,
     _UNARY,
     _Attempt,
+    _BulkLink,
     _Link,
     _Outcome,
     _Pause,
@@ -71,6 +72,12 @@ class AsyncKVStoreClient(_Client):
             if session is not None or link.settled():
                 return session
             return await asyncio.to_thread(link.ensure, op.timeout_s)  # attaching blocks (a handoff, a Unix socket)
+        if type(op) is _BulkLink:
+            bulk_link = self._bulk_links[op.node]
+            assert bulk_link is not None
+            if bulk_link.settled():
+                return bulk_link.current()
+            return await asyncio.to_thread(bulk_link.ensure, op.timeout_s)  # a Capabilities call, once
         if type(op) is _Slot:
             return await self._acquire_slot()
         if type(op) is _Pause:

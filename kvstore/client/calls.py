@@ -18,6 +18,9 @@ from kvstore.keys import BlockHash, Namespace
 from kvstore.routing import Partition
 from kvstore.shm.frames import GET_SHARED, LOOKUP, PUT_SHARED
 from kvstore.shm.client.link import SharedSession
+from kvstore.bulk.client import calls as bulk_calls
+from kvstore.bulk.client.link import BulkLink, Endpoint
+from kvstore.bulk.client.transfer import put_sizes
 from kvstore.client.channel import TargetChannel
 from kvstore.wire import (
     BlockAssembler,
@@ -96,6 +99,8 @@ class _Rpc(NamedTuple):
         shared: for a call the same-host data plane can carry, ``session -> (rpc, done)`` making this
             attempt's part on it (``None`` when it cannot take this one: gRPC then); ``done`` (or ``None``)
             is called once the attempt's outcome is known (a Put's staged range is given back).
+        bulk: for a call the bulk path can carry (``kvstore.bulk``), ``(link, endpoint) -> rpc`` making this
+            attempt's part on it (a ``BulkGet`` or ``BulkPut`` whose method then moves the bytes).
     """
 
     kind: int
@@ -105,6 +110,7 @@ class _Rpc(NamedTuple):
     rescue: Callable[[grpc.RpcError], Any] | None = None
     wait_for_ready: bool = False
     shared: Callable[[SharedSession], tuple[_Rpc, Callable[[], None] | None] | None] | None = None
+    bulk: Callable[[BulkLink, Endpoint], _Rpc] | None = None
 
 
 class _Plan(NamedTuple):
@@ -142,6 +148,11 @@ class _Probe(NamedTuple):
 class _Link(NamedTuple):
     node: int  # the node's same-host session, attached first if it is time to try; the transport sends back it or None
     timeout_s: float  # the longest an attach may take (what is left of the call's deadline)
+
+
+class _BulkLink(NamedTuple):
+    node: int  # the node's bulk endpoint, asked for first if it is time to; the transport sends back it or None
+    timeout_s: float  # the longest asking may take (what is left of the call's deadline)
 
 
 _SLOT = _Slot()
@@ -257,16 +268,44 @@ def _lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> _
 def _get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
     num_blocks = len(block_hashes)
     return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes),
-                lambda: _assembler(num_blocks))
+                lambda: _assembler(num_blocks), bulk=_bulk_get(namespace, block_hashes, list))
 
 
 def _get_then(namespace: Namespace, block_hashes: Sequence[BlockHash], then: Callable[[list[Buffer]], Any],
               shared: Callable[[SharedSession, pb.GetSharedResponse, float], Any]) -> _Rpc:
-    """A Get over gRPC whose blocks go through ``then``, or on the same-host path through ``shared``."""
+    """A Get over gRPC or the bulk path whose blocks go through ``then``, or on the same-host path through ``shared``."""
     num_blocks = len(block_hashes)
     return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes),
                 lambda: _Then(_assembler(num_blocks), then),
-                shared=_shared_get(cached_namespace_pb(namespace), block_hashes, shared))
+                shared=_shared_get(cached_namespace_pb(namespace), block_hashes, shared),
+                bulk=_bulk_get(namespace, block_hashes, then))
+
+
+def _bulk_get(namespace: Namespace, block_hashes: Sequence[BlockHash],
+              then: Callable[[list[Buffer]], Any]) -> Callable[[BulkLink, Endpoint], _Rpc]:
+    """A Get on the bulk path whose blocks (each in a buffer of its own) go through ``then``."""
+
+    def make(link: BulkLink, endpoint: Endpoint) -> _Rpc:
+        request = request_with_hashes(pb.BulkGetRequest, cached_namespace_pb(namespace), block_hashes)
+        return _Rpc(_UNARY, lambda channel: bulk_calls.get_blocks(link, endpoint, then, channel.aio), request, _same)
+
+    return make
+
+
+def _bulk_get_into(namespace: Namespace, block_hashes: Sequence[BlockHash], destinations: Sequence[Any],
+                   verify: bool) -> Callable[[BulkLink, Endpoint], _Rpc]:
+    """A Get on the bulk path received straight into the caller's tensors (a :class:`Copied`)."""
+
+    def make(link: BulkLink, endpoint: Endpoint) -> _Rpc:
+        request = request_with_hashes(pb.BulkGetRequest, cached_namespace_pb(namespace), block_hashes)
+        return _Rpc(_UNARY, lambda channel: bulk_calls.get_into(link, endpoint, destinations, namespace.layout, verify,
+                                                                channel.aio), request, _same)
+
+    return make
+
+
+def _same(result: _T) -> _T:
+    return result
 
 
 def _shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
@@ -315,7 +354,17 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
         return (_Rpc(_UNARY, method, request, lambda reply: int(reply.num_stored)),
                 lambda: session.unstage(staged))
 
-    return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored), shared=shared)
+    def bulk(link: BulkLink, endpoint: Endpoint) -> _Rpc:
+        items, sizes = put_sizes(blocks, namespace.layout)
+        request = request_with_hashes(pb.BulkPutRequest, cached_namespace_pb(namespace), block_hashes)
+        request.sizes.extend(sizes)
+        if priority is not None:
+            request.priority = priority
+        if retention_s is not None:
+            request.retention_s = retention_s
+        return _Rpc(_UNARY, lambda channel: bulk_calls.put(link, endpoint, items, channel.aio), request, _same)
+
+    return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored), shared=shared, bulk=bulk)
 
 
 def _merge_copied(partition: Partition | None, results: list[Copied | None]) -> int:

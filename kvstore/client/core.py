@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import ssl
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
@@ -28,6 +29,7 @@ from kvstore.routing import (
     RendezvousRouter,
 )
 from kvstore.shm.client.link import BlockLease, SharedMemoryLink, SharedSession, UseGrpc
+from kvstore.bulk.client.link import BulkLink
 from kvstore.status import DeadlineExceededError, error_of
 from kvstore.validation import check_count, check_put, check_seconds
 from kvstore.wire import cached_namespace_pb, chunk_bytes_for, stats_from_pb
@@ -38,6 +40,7 @@ from kvstore.client.calls import (
     _UNARY,
     _UNCLEAR_CODES,
     _Attempt,
+    _BulkLink,
     _Link,
     _Pause,
     _Plan,
@@ -53,6 +56,7 @@ from kvstore.client.calls import (
     _health_name,
     _lookup_rpc,
     _merge_copied,
+    _bulk_get_into,
     _put_rpc,
     _shared_get,
     _stub,
@@ -151,6 +155,8 @@ class _Client:
         down_backoff_s: float = DEFAULT_DOWN_BACKOFF_S,
         max_down_backoff_s: float = DEFAULT_MAX_DOWN_BACKOFF_S,
         shared_memory: bool | None = None,
+        bulk: bool | None = None,
+        bulk_ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         settings = _Settings.check(
             timeout_s=timeout_s, max_inflight=max_inflight, retries=retries, backoff_s=backoff_s,
@@ -180,6 +186,13 @@ class _Client:
         self._links: tuple[SharedMemoryLink | None, ...] = tuple(
             SharedMemoryLink(t, credentials=credentials, metadata=self.metadata, options=channel_options)
             if shared_memory else None
+            for t in self.router.node_ids
+        )
+        if bulk is None:
+            bulk = os.environ.get("KVSTORE_BULK", "1").strip().lower() not in FALSE_WORDS
+        self._bulk_links: tuple[BulkLink | None, ...] = tuple(
+            BulkLink(t, credentials=credentials, metadata=self.metadata, options=channel_options,
+                     ssl_context=bulk_ssl_context) if bulk else None
             for t in self.router.node_ids
         )
         self._lock = threading.Lock()  # membership, across the synchronous client's threads
@@ -276,11 +289,15 @@ class _Client:
         """Copy the blocks of the longest cached prefix into the caller's tensors; returns how many (an int).
 
         The Get for a connector's staging buffer, or a pinned host tensor: block
-        ``i`` of the prefix is copied into ``destinations[i]``, and the blocks
-        past the prefix are left as they were. Same host: the node copies the
-        blocks into this client's shared-memory segment, and they are copied
-        once from there into the destinations, with no intermediate ``bytes``.
-        Another host: over gRPC, once from the received messages.
+        ``i`` of the prefix is copied into ``destinations[i]``. Same host: the
+        blocks are copied once from the node's shared memory into the
+        destinations, with no intermediate ``bytes``. Another host: on the
+        node's bulk path each block is received straight into its destination
+        (a contiguous CPU tensor; any other is copied once from a buffer of its
+        own), else over gRPC, once from the received messages. The blocks past
+        the prefix are left as they were, except where a bulk transfer was cut
+        mid-block (the node went away): that block, which is not counted, may
+        be partly written.
 
         Args:
             namespace: namespace of the blocks.
@@ -310,7 +327,8 @@ class _Client:
 
         def rpc(hashes: Sequence[BlockHash], targets: Sequence[Any]) -> _Rpc:
             return _get_then(namespace, hashes, lambda blocks: copy_into_destinations(blocks, targets, over_grpc),
-                             lambda session, reply, started: session.copy_into(reply, targets, shared, started))
+                             lambda session, reply, started: session.copy_into(reply, targets, shared, started)
+                             )._replace(bulk=_bulk_get_into(namespace, hashes, targets, over_grpc))
 
         return self._run(self._per_node(block_hashes, rpc, lambda partition: functools.partial(_merge_copied, partition),
                                         destinations, single=functools.partial(_merge_copied, None)))
@@ -453,10 +471,26 @@ class _Client:
                 states.append(link.reason or "unknown")
         return tuple(states)
 
+    def bulk(self) -> tuple[str, ...]:
+        """Per node, in router order: ``"on"`` (remote Gets and Puts move on the bulk path), ``"unknown"`` (not
+        asked yet), or why it is off (``"off"`` when this client was made with ``bulk=False``)."""
+        states = []
+        for link in self._bulk_links:
+            if link is None:
+                states.append("off")
+            elif link.current() is not None:
+                states.append("on")
+            else:
+                states.append(link.reason or "unknown")
+        return tuple(states)
+
     def _close_links(self) -> None:
         for link in self._links:
             if link is not None:
                 link.close()
+        for bulk_link in self._bulk_links:
+            if bulk_link is not None:
+                bulk_link.close()
 
     def nodes(self) -> tuple[NodeStatus, ...]:
         """A snapshot of each node's membership (up or down, failures, next probe), in router order."""
@@ -505,6 +539,7 @@ class _Client:
         """
         attempt = 0
         shared_tries = 0
+        bulk_link = self._bulk_links[node] if rpc.bulk is not None else None
         while True:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
@@ -515,13 +550,17 @@ class _Client:
                 made = None if session is None else rpc.shared(session)
                 if made is not None:
                     chosen, done = made
+            if chosen is rpc and bulk_link is not None:  # another host (or no session): the bulk path, if offered
+                endpoint = yield _BulkLink(node, remaining_s)
+                if endpoint is not None:
+                    chosen = rpc.bulk(bulk_link, endpoint)  # type: ignore[misc]
             clear = False  # whether the attempt's outcome is known (a staged range may be reused)
             try:
                 result = yield _Attempt(node, chosen, remaining_s)
                 clear = True
                 return result
-            except UseGrpc:  # the same-host path declined this call (no room now): the rest of it goes over gRPC
-                clear, shared_tries = True, _MAX_SHARED_TRIES
+            except UseGrpc:  # the same-host or bulk path declined this call (no room now): the rest goes over gRPC
+                clear, shared_tries, bulk_link = True, _MAX_SHARED_TRIES, None
                 continue
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from kvstore.client.calls import (
     _RETURNED,
     _UNARY,
     _Attempt,
+    _BulkLink,
     _Link,
     _Outcome,
     _Pause,
@@ -63,6 +64,12 @@ class KVStoreClient(_Client):
         probe_timeout_s: deadline of one health probe of a down node, seconds (capped at ``timeout_s``).
         down_backoff_s: how long a node stays down after its first failure before it is probed, seconds.
         max_down_backoff_s: cap of that backoff, which doubles per consecutive failure, seconds.
+        shared_memory: use a node's same-host data plane when it is on this host (``docs/shared-memory.md``);
+            ``None``: on unless ``KVSTORE_SHARED_MEMORY`` is a false word.
+        bulk: move Get and Put bytes on a node's bulk path when it offers one and the same-host plane does not
+            carry the call (``docs/scaleout.md``); ``None``: on unless ``KVSTORE_BULK`` is a false word.
+        bulk_ssl_context: the TLS context for a node whose bulk listener speaks TLS (``ssl.create_default_context
+            (cafile=...)``, with ``load_cert_chain`` for mutual TLS); without one such a node's calls use gRPC.
 
     Raises:
         InvalidArgumentError: on no target, both ``target`` and ``targets``, or an empty target;
@@ -101,6 +108,8 @@ class KVStoreClient(_Client):
             return self._attempt(op)
         if type(op) is _Link:
             return self._links[op.node].ensure(op.timeout_s)  # type: ignore[union-attr]
+        if type(op) is _BulkLink:
+            return self._bulk_links[op.node].ensure(op.timeout_s)  # type: ignore[union-attr]
         if type(op) is _Slot:
             return self._acquire_slot()
         if type(op) is _Pause:

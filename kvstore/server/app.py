@@ -42,6 +42,7 @@ from kvstore.store import TieredStore
 from kvstore.unix_sockets import SOCKET_MODE, claim_socket_path, remove_socket_path
 
 if TYPE_CHECKING:
+    from kvstore.bulk.node.listener import BulkListener
     from kvstore.server.tenants import TenantTags
     from kvstore.shm.node.plane import SharedMemoryNode
 
@@ -73,6 +74,7 @@ class KVStoreServer:
         admission: authenticates calls and limits them per connection
             (``kvstore.server.admission``; after :meth:`start`).
         shm: the same-host data plane (``kvstore.shm.node.plane``), ``None`` when off or unsupported (after :meth:`start`).
+        bulk: the bulk listener (``kvstore.bulk.node.listener``), ``None`` when off (after :meth:`start`).
 
     Raises:
         ConfigError: from :meth:`start`, on an unreadable TLS file or a malformed
@@ -97,6 +99,7 @@ class KVStoreServer:
         self.admission: Admission | None = None
         self._server: grpc.aio.Server | None = None
         self.shm: SharedMemoryNode | None = None
+        self.bulk: BulkListener | None = None
         self._unix_inode: int | None = None
         self.events: NodeEvents | None = None  # the KV event stream (``events.endpoint``), after :meth:`start`
         self.tenants: TenantTags | None = None  # the pairs tenant -> namespace (quota, event routes), after start
@@ -164,6 +167,9 @@ class KVStoreServer:
                 from kvstore.shm.node.operations import SameHostOperations
 
                 self.service.same_host = SameHostOperations(self.service, self.shm, CallFailed)
+            from kvstore.bulk.node.setup import start_bulk
+
+            self.bulk = start_bulk(self.config, self.service)
             self.servicer = KVStoreServicer(self.service)
             if self.events is not None:  # Capabilities tells clients (the vLLM connector) where the events are
                 publisher = self.events.publisher
@@ -202,6 +208,10 @@ class KVStoreServer:
             if server_cfg.metrics_port >= 0:
                 self.metrics.add_store(StoreCollector.on_loop(asyncio.get_running_loop(), self._store.stats))
                 self.metrics.add_budgets(self.service.replies, self.service.puts)
+                if self.bulk is not None:
+                    from kvstore.bulk.node.metrics import BulkCollector
+
+                    self.metrics.registry.register(BulkCollector(self.bulk.counters))  # plain ints: any thread
                 if self.shm is not None:
                     self.metrics.add_shared_memory(StoreCollector.on_loop(asyncio.get_running_loop(),  # type: ignore
                                                                           self.shm.counters))
@@ -216,6 +226,7 @@ class KVStoreServer:
             "serving",
             extra={"fields": {"host": server_cfg.host, "port": self.port, "unix_socket": server_cfg.unix_socket,
                               "shared_memory": self.shm.handoff_address if self.shm is not None else "",
+                              "bulk_port": self.bulk.port if self.bulk is not None else -1,
                               "metrics_port": self.metrics_port,
                               "events": self.events.publisher.endpoint if self.events is not None else "",
                               "tiers": self._store.tier_names, "tls": credentials is not None,
@@ -233,6 +244,8 @@ class KVStoreServer:
         await self.health.enter_graceful_shutdown()
         if self.servicer is not None:
             self.servicer.begin_shutdown()
+        if self.service is not None:
+            self.service.bulk = None  # no new grants; transfers of grants issued go on until the server stops
         if self.shm is not None:
             self.shm.begin_shutdown()  # sessions end: clients detach and use gRPC while the node drains
 
@@ -295,7 +308,11 @@ class KVStoreServer:
         self.metrics.stop_http()
 
     async def _close_listeners(self) -> None:
-        """End the same-host sessions and remove the socket files this node made."""
+        """End the same-host sessions and bulk connections, and remove the socket files this node made."""
+        if self.bulk is not None:
+            bulk, self.bulk = self.bulk, None
+            await bulk.close()
+            bulk.grants.close()
         if self.shm is not None:
             await self.shm.close()
         if self._unix_inode is not None:

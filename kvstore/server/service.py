@@ -46,6 +46,7 @@ from kvstore.wire import (
 )
 
 if TYPE_CHECKING:
+    from kvstore.bulk.node.operations import BulkOperations
     from kvstore.shm.node.operations import SameHostOperations
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class NodeService:
         chunk_bytes: the block bytes one Get reply message carries.
         same_host: the same-host operations (``kvstore.shm.node.operations``), ``None`` when the node offers
             no same-host data plane.
+        bulk: the bulk path's control calls (``kvstore.bulk.node.operations``), ``None`` when the node offers none.
         accepting: ``False`` once shutdown began (new calls get UNAVAILABLE).
     """
 
@@ -167,6 +169,7 @@ class NodeService:
         self.replies = ReplyBudget.from_config(config)
         self.puts = PutBudget.from_config(config)
         self.same_host: SameHostOperations | None = None
+        self.bulk: BulkOperations | None = None
         self.accepting = True
 
     # ------------------------------------------------------------------ checks

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from typing import Awaitable
 
     from kvstore.api import Buffer
+    from kvstore.bulk.node.operations import BulkOperations
     from kvstore.shm.node.operations import SameHostOperations
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 _sheds_aborts(self.GetShared), identity, pb.GetSharedResponse.SerializeToString),
             "PutShared": grpc.unary_unary_rpc_method_handler(
                 _sheds_aborts(self.PutShared), identity, pb.PutResponse.SerializeToString),
+            "BulkGet": grpc.unary_unary_rpc_method_handler(
+                _sheds_aborts(self.BulkGet), identity, pb.BulkGetResponse.SerializeToString),
+            "BulkPut": grpc.unary_unary_rpc_method_handler(
+                _sheds_aborts(self.BulkPut), identity, pb.BulkPutResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -340,8 +345,30 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if self.events_offer is not None:
                 (reply.events.endpoint, reply.events.replay_endpoint, reply.events.topic,
                  reply.events.authenticated) = self.events_offer
+            bulk = self.service.bulk
+            if bulk is not None and self.accepting:
+                reply.bulk.host, reply.bulk.port, reply.bulk.tls = bulk.offer
             return reply
         raise AssertionError("unreachable")
+
+    async def BulkGet(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.BulkGetResponse:
+        """Lease the longest cached prefix for the bulk listener to send: its sizes and a one-time grant
+        (``kvstore.bulk.node.operations``)."""
+        async with self._call("BulkGet", context) as call:
+            return await self._bulk().get(call.principal, parse_request(pb.BulkGetRequest, raw))
+        raise AssertionError("unreachable")
+
+    async def BulkPut(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.BulkPutResponse:
+        """Reserve room for a Put's blocks, which the client sends to the bulk listener under a one-time grant."""
+        async with self._call("BulkPut", context) as call:
+            return await self._bulk().put(call.principal, parse_request(pb.BulkPutRequest, raw))
+        raise AssertionError("unreachable")
+
+    def _bulk(self) -> BulkOperations:
+        bulk = self.service.bulk
+        if bulk is None or not self.accepting:
+            raise FailedPreconditionError("this node offers no bulk path; use Get and Put")
+        return bulk
 
     async def Attach(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """One client's session: the grant first, then the client's lease releases, until the stream ends.

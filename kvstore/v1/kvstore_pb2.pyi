@@ -202,12 +202,14 @@ class EventsOffer(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., topic: _Optional[str] = ..., authenticated: _Optional[bool] = ...) -> None: ...
 
 class CapabilitiesResponse(_message.Message):
-    __slots__ = ("shared_memory", "events")
+    __slots__ = ("shared_memory", "bulk", "events")
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     shared_memory: SharedMemoryOffer
+    bulk: BulkOffer
     events: EventsOffer
-    def __init__(self, shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., events: _Optional[_Union[EventsOffer, _Mapping]] = ...) -> None: ...
+    def __init__(self, shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., bulk: _Optional[_Union[BulkOffer, _Mapping]] = ..., events: _Optional[_Union[EventsOffer, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("release_lease_ids",)
@@ -288,3 +290,59 @@ class PutSharedRequest(_message.Message):
     offsets: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., session_id: _Optional[int] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BulkOffer(_message.Message):
+    __slots__ = ("port", "host", "tls")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    host: str
+    tls: bool
+    def __init__(self, port: _Optional[int] = ..., host: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class BulkGetRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BulkGetResponse(_message.Message):
+    __slots__ = ("grant", "sizes", "grant_s", "no_room")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    GRANT_S_FIELD_NUMBER: _ClassVar[int]
+    NO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    grant: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    grant_s: float
+    no_room: bool
+    def __init__(self, grant: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., grant_s: _Optional[float] = ..., no_room: _Optional[bool] = ...) -> None: ...
+
+class BulkPutRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "sizes", "priority", "retention_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    priority: int
+    retention_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ...) -> None: ...
+
+class BulkPutResponse(_message.Message):
+    __slots__ = ("grant", "grant_s", "no_room", "stored")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    GRANT_S_FIELD_NUMBER: _ClassVar[int]
+    NO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    grant: bytes
+    grant_s: float
+    no_room: bool
+    stored: PutResponse
+    def __init__(self, grant: _Optional[bytes] = ..., grant_s: _Optional[float] = ..., no_room: _Optional[bool] = ..., stored: _Optional[_Union[PutResponse, _Mapping]] = ...) -> None: ...

@@ -85,6 +85,16 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutSharedRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.BulkGet = channel.unary_unary(
+                '/kvstore.v1.KVStore/BulkGet',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.BulkGetRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BulkGetResponse.FromString,
+                _registered_method=True)
+        self.BulkPut = channel.unary_unary(
+                '/kvstore.v1.KVStore/BulkPut',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.BulkPutRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BulkPutResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -161,6 +171,20 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BulkGet(self, request, context):
+        """Lease a prefix for the bulk listener to send: its sizes and a one-time grant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BulkPut(self, request, context):
+        """Reserve room for a Put's blocks, sent to the bulk listener under a one-time grant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +237,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.PutShared,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutSharedRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'BulkGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.BulkGet,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BulkGetRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.BulkGetResponse.SerializeToString,
+            ),
+            'BulkPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.BulkPut,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BulkPutRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.BulkPutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +520,60 @@ class KVStore:
             '/kvstore.v1.KVStore/PutShared',
             kvstore_dot_v1_dot_kvstore__pb2.PutSharedRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BulkGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/BulkGet',
+            kvstore_dot_v1_dot_kvstore__pb2.BulkGetRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.BulkGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BulkPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/BulkPut',
+            kvstore_dot_v1_dot_kvstore__pb2.BulkPutRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.BulkPutResponse.FromString,
             options,
             channel_credentials,
             insecure,

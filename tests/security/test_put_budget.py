@@ -70,7 +70,7 @@ def test_stalled_puts_keep_the_node_within_its_put_budget_while_another_connecti
         calls = [put.future(_stalled_put(ns, h, b, hold), timeout=120) for h, b in zip(hashes, blocks)]
         wait_until(lambda: budget.num_waited >= 6, 60, "every stalled Put past the budget waiting before it reads on")
         assert budget.held_bytes() == 2 * len(blocks[0])  # the budget's two blocks, none of the waiting ones
-        with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False) as kv:
+        with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False, bulk=False) as kv:
             assert kv.put(good_ns, good_hashes, good_tensors) == 4  # another connection is served meanwhile
         for call in calls:
             call.cancel()

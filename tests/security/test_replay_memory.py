@@ -62,7 +62,7 @@ def fill_the_buffer(kvnode: KVNode) -> None:
     ns = sha_namespace("hog-victim")
     hashes, tensors = kv_blocks(ns, NUM_BLOCKS, num_layers=1, num_kv_heads=1, head_dim=8)
     blocks = encoded(ns, tensors)
-    with KVStoreClient(kvnode.target, retries=0, shared_memory=False) as kv:
+    with KVStoreClient(kvnode.target, retries=0, shared_memory=False, bulk=False) as kv:
         for _ in range(NUM_CYCLES):
             for step in (lambda: kv.put(ns, hashes, blocks), lambda: kv.delete(ns, hashes)):
                 before = count(kvnode, "batches")

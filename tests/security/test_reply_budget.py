@@ -124,7 +124,7 @@ def test_stalled_readers_keep_the_node_within_its_budget_while_another_connectio
     reply_bytes = 8 * (len(tensors[0].numpy().tobytes()) + 64)
     errors: list[BaseException] = []
     try:
-        with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False) as kv:
+        with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False, bulk=False) as kv:
             kv.put(stalled_ns, hashes, tensors)
             kv.put(good_ns, good_hashes, good_tensors)
             kv.get(stalled_ns, hashes)  # the node learns its replies' bytes per block: Gets are charged before they read
@@ -144,7 +144,7 @@ def test_stalled_readers_keep_the_node_within_its_budget_while_another_connectio
 
         def good() -> None:
             try:
-                with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False) as client:  # its own connection
+                with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False, bulk=False) as client:  # its own connection
                     for _ in range(20):
                         got = client.get_tensors(good_ns, good_hashes)
                         assert all(torch.equal(a, b) for a, b in zip(got, good_tensors))
@@ -161,7 +161,7 @@ def test_stalled_readers_keep_the_node_within_its_budget_while_another_connectio
             stream.cancel()
         channel.close()  # the stalled client goes: its bytes are released at once, and nothing waits
         wait_until(lambda: budget.held_bytes() == 0 and not budget._waiters, 30, "the stalled client's bytes released")
-        with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False) as client:
+        with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False, bulk=False) as client:
             assert client.lookup(stalled_ns, hashes).num_blocks == 8
     finally:
         server.stop()
@@ -173,7 +173,7 @@ def test_many_concurrent_gets_on_one_connection_all_complete_under_a_small_budge
     ns = Namespace("busy-model")
     hashes, tensors = kv_blocks(ns, 4, num_layers=8, num_kv_heads=8, head_dim=128)
     try:
-        with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False) as client:
+        with KVStoreClient(server.target, timeout_s=60, retries=0, shared_memory=False, bulk=False) as client:
             client.put(ns, hashes, tensors)
             results: list[bool] = []
 

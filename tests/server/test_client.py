@@ -143,7 +143,7 @@ def _check_get_reply(got: list, tensors: list[torch.Tensor], blocks: list[bytes]
 def test_get_lends_one_message_blocks_as_views_and_joins_larger_ones(server: ThreadedServer) -> None:
     ns = namespace()
     hashes, tensors, blocks = _small_and_large_blocks(ns)
-    with KVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False) as client:  # gRPC's messages
+    with KVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False, bulk=False) as client:  # gRPC's messages
         assert client.put(ns, hashes[:2], blocks[:2]) + client.put(ns, hashes[2:], blocks[2:]) == 3  # two shapes
         _check_get_reply(client.get(ns, hashes), tensors, blocks)
         for received, sent in zip(client.get_tensors(ns, hashes), tensors):
@@ -155,7 +155,7 @@ def test_get_lends_one_message_blocks_as_views_and_joins_larger_ones(server: Thr
 async def test_async_get_lends_one_message_blocks_as_views_and_joins_larger_ones(server: ThreadedServer) -> None:
     ns = namespace()
     hashes, tensors, blocks = _small_and_large_blocks(ns)
-    async with AsyncKVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False) as kv:
+    async with AsyncKVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False, bulk=False) as kv:
         assert await kv.put(ns, hashes[:2], blocks[:2]) + await kv.put(ns, hashes[2:], blocks[2:]) == 3
         _check_get_reply(await kv.get(ns, hashes), tensors, blocks)
         for received, sent in zip(await kv.get_tensors(ns, hashes), tensors):

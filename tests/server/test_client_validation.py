@@ -148,7 +148,7 @@ async def test_async_put_turns_a_failing_request_stream_into_an_error_not_a_canc
     hashes, _ = kv_blocks(ns, 1)
     not_bytes: Any = _Unsizable(b"\0" * 64)  # len() of it fails inside the request stream
     rpc = client_module._put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
-    async with AsyncKVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False) as kv:  # gRPC's Put
+    async with AsyncKVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False, bulk=False) as kv:  # gRPC's Put
         task = asyncio.ensure_future(kv._run(client_module._Plan({0: rpc}, client_module._first)))
         with pytest.raises(InvalidArgumentError, match="Put request"):
             await task
@@ -160,7 +160,7 @@ def test_put_turns_a_failing_request_stream_into_an_error(server: ThreadedServer
     hashes, _ = kv_blocks(ns, 1)
     not_bytes: Any = _Unsizable(b"\0" * 64)  # len() of it fails inside the request stream
     rpc = client_module._put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
-    with KVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False) as client:  # gRPC's Put
+    with KVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False, bulk=False) as client:  # gRPC's Put
         with pytest.raises(InvalidArgumentError, match="Put request"):
             client._run(client_module._Plan({0: rpc}, client_module._first))
 

@@ -35,7 +35,7 @@ def _stalled_gets(server: ThreadedServer, timeout: float | None) -> tuple[grpc.C
     """Gets of one 3 MiB block (one message) on a channel with a small receive window, never read."""
     ns = namespace(layout="mla", dtype="uint8", block_size=1)
     hashes = [b"\x07" * 16]
-    with KVStoreClient(server.target, retries=0, shared_memory=False) as kv:  # gRPC's Get: its last message
+    with KVStoreClient(server.target, retries=0, shared_memory=False, bulk=False) as kv:  # gRPC's Get: its last message
         kv.put(ns, hashes, [encode_block(torch.full((1, 1, 1, 3 * MiB), 7, dtype=torch.uint8), "mla")])
         assert len(kv.get(ns, hashes)) == 1  # the check Get: the block is served whole
     assert finished_calls(server, "Get", 1) == 1  # counted once sent: before the stalled Gets, not among them

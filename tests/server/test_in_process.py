@@ -27,7 +27,7 @@ def test_a_served_store_is_the_same_store_and_needs_its_token() -> None:
             with KVStoreClient(served.target, metadata=bearer_metadata("not-the-token"), retries=0) as stranger:
                 with pytest.raises(UnauthenticatedError):
                     stranger.lookup(ns, hashes)
-        with KVStoreClient(served.target, timeout_s=1.0, retries=0, shared_memory=False) as late:
+        with KVStoreClient(served.target, timeout_s=1.0, retries=0, shared_memory=False, bulk=False) as late:
             with pytest.raises(UnavailableError):  # closed: nothing listens there any more
                 late.lookup(ns, hashes)
         assert store.lookup(ns, hashes).num_blocks == 3  # closing the server left the store open

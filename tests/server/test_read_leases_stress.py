@@ -417,7 +417,7 @@ def test_multi_node_get_merges_views_and_joined_blocks_in_order(nodes: list[Thre
     sizes = [100, 2 * MiB, chunk - header, chunk - header + 1, 10, BLOCK, 1, MiB // 2, 5 * MiB // 2, 64]
     hashes = hashes_of(1, len(sizes))
     blocks = [mla_block(n, i) for i, n in enumerate(sizes)]
-    with KVStoreClient([n.target for n in nodes], retries=0, max_message_bytes=MESSAGE, shared_memory=False) as kv:
+    with KVStoreClient([n.target for n in nodes], retries=0, max_message_bytes=MESSAGE, shared_memory=False, bulk=False) as kv:
         # one put per block: blocks of different shapes never share a put (one namespace, one shape)
         assert sum(kv.put(ns, [h], [b]) for h, b in zip(hashes, blocks)) == len(blocks)
         got = kv.get(ns, hashes)

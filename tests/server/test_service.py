@@ -261,7 +261,7 @@ def test_metrics_move_with_traffic(fresh_server: ThreadedServer) -> None:
     assert before['kvstore_tier_capacity_bytes{tier="memory"}'] == 48 * MiB
     ns = namespace()
     hashes, tensors = kv_blocks(ns, 3)
-    with KVStoreClient(fresh_server.target, retries=0, shared_memory=False) as kv:  # the gRPC methods' counts
+    with KVStoreClient(fresh_server.target, retries=0, shared_memory=False, bulk=False) as kv:  # the gRPC methods' counts
         kv.put(ns, hashes, tensors)
         kv.get(ns, hashes)
         kv.lookup(ns, hashes)

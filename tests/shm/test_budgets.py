@@ -131,7 +131,7 @@ def test_a_tenant_that_fills_its_get_segments_and_lets_leases_lapse_gets_its_pag
     ns = sha_namespace("tenant-a")
     hashes = hash_blocks(ns, list(range(16 * 32)))
     try:
-        with client_of(node, TOKEN_A, shared_memory=False) as client:
+        with client_of(node, TOKEN_A, shared_memory=False, bulk=False) as client:
             client.put(ns, hashes, [_block(i) for i in range(32)])  # 32 blocks of 16 KiB
         before = shm.sessions.resident_bytes()
         hostile = [RawSession(node.target, A) for _ in range(4)]

@@ -90,7 +90,7 @@ def test_a_handoff_socket_out_of_reach_is_used_over_grpc_and_tried_again_later(n
 
 @pytest.mark.slow
 def test_the_client_can_be_told_to_use_grpc(node: ThreadedServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    with KVStoreClient(node.target, retries=0, shared_memory=False) as client:
+    with KVStoreClient(node.target, retries=0, shared_memory=False, bulk=False) as client:
         round_trip(client)
         assert client.shared_memory() == ("off",)
     monkeypatch.setenv("KVSTORE_SHARED_MEMORY", "0")

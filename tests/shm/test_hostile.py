@@ -47,7 +47,7 @@ def test_writing_into_the_put_segment_after_a_put_changes_nothing_stored(node: T
         reply = put_shared(hostile, namespace_to_pb(ns), hashes, [0], [len(good)])
         assert reply.num_stored == 1
         hostile.put.view[:len(good)] = bytes(len(good))  # after the node's copy: its own memory, now
-    with client_of(node, TOKEN_A, shared_memory=False) as client:
+    with client_of(node, TOKEN_A, shared_memory=False, bulk=False) as client:
         assert [bytes(b) for b in client.get(ns, hashes)] == [good]
 
 
@@ -88,7 +88,7 @@ def test_writing_during_the_nodes_copy_spoils_at_most_that_put(node: ThreadedSer
             stop.set()
             thread.join()
     assert grpc.StatusCode.INVALID_ARGUMENT in outcomes  # the node saw torn copies, and refused them
-    with client_of(node, TOKEN_A, shared_memory=False) as client:
+    with client_of(node, TOKEN_A, shared_memory=False, bulk=False) as client:
         assert [bytes(b) for b in client.get(ns, stored_hashes)] == [stored]  # never changed
         for got in client.get(ns, target):  # stored only if a copy validated: then it is the valid block
             assert bytes(got) == valid

@@ -87,7 +87,7 @@ def test_one_bad_block_in_a_batch_fails_the_whole_put_and_names_it(node: Threade
             put_shared(hostile, namespace_to_pb(ns), stored_hashes, offsets, sizes)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
     assert f"block {BAD}" in raised.value.details() and message in raised.value.details(), raised.value.details()
-    with client_of(node, TOKEN_A, shared_memory=False) as client:
+    with client_of(node, TOKEN_A, shared_memory=False, bulk=False) as client:
         assert client.lookup(ns, hashes).num_blocks == 0  # nothing of the bad put, not even the blocks before BAD
         assert [bytes(b) for b in client.get(ns, stored_hashes)] == stored
     assert_healthy(node)
@@ -130,7 +130,7 @@ def test_scribbling_over_one_block_of_a_batch_during_the_copy_spoils_at_most_tha
             stop.set()
             thread.join()
     assert any(outcome == grpc.StatusCode.INVALID_ARGUMENT for _, outcome in outcomes)  # torn copies were refused
-    with client_of(node, TOKEN_A, shared_memory=False) as client:
+    with client_of(node, TOKEN_A, shared_memory=False, bulk=False) as client:
         for hashes, outcome in outcomes:
             if outcome == NUM_BLOCKS:  # stored only if every copy validated: then they are the valid blocks
                 assert [bytes(b) for b in client.get(ns, hashes)] == blocks

@@ -177,5 +177,5 @@ def test_a_put_larger_than_the_put_segment_goes_over_grpc(small_node: ThreadedSe
         assert finished_calls(small_node, "PutShared", 1) == 1, client.shared_memory()  # why it went over gRPC
         assert client.put(ns, hashes[2:], tensors[2:]) == 4  # 1 MiB and headers: over gRPC
         assert finished_calls(small_node, "Put", 1) == 1
-        with KVStoreClient(small_node.target, retries=0, shared_memory=False) as over_grpc:
+        with KVStoreClient(small_node.target, retries=0, shared_memory=False, bulk=False) as over_grpc:
             assert [bytes(b) for b in client.get(ns, hashes)] == [bytes(b) for b in over_grpc.get(ns, hashes)]

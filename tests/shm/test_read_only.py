@@ -70,7 +70,7 @@ def test_a_nodes_sealed_get_segments_cannot_be_written_through_the_node_or_the_c
     hashes = hash_blocks(ns, list(range(16)))
     block = torch.randn(2, 2, 2, 16, 64, generator=torch.Generator().manual_seed(3)).to(torch.float16)
     try:
-        with client_of(node, TOKEN_A, shared_memory=False) as client:
+        with client_of(node, TOKEN_A, shared_memory=False, bulk=False) as client:
             client.put(ns, hashes, [block])
         with RawSession(node.target, A) as session:
             reply = session.stub.GetShared(pb.GetSharedRequest(

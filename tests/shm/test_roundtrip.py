@@ -32,7 +32,7 @@ def shm(server: ThreadedServer) -> Iterator[KVStoreClient]:
 
 @pytest.fixture(scope="module")
 def grpc_client(server: ThreadedServer) -> Iterator[KVStoreClient]:
-    with KVStoreClient(server.target, retries=0, shared_memory=False) as client:
+    with KVStoreClient(server.target, retries=0, shared_memory=False, bulk=False) as client:
         yield client
 
 
