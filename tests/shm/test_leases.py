@@ -172,7 +172,7 @@ def test_leases_in_place_count_against_the_tenant_budget() -> None:
 def test_a_put_larger_than_the_put_segment_goes_over_grpc(small_node: ThreadedServer) -> None:
     ns = namespace(block_size=256)
     hashes, tensors = blocks_of(ns, 6, fill=6)
-    with KVStoreClient(small_node.target, retries=0) as client:
+    with KVStoreClient(small_node.target, retries=0, bulk=False) as client:  # bulk=False: else the bulk path
         assert client.put(ns, hashes[:2], tensors[:2]) == 2  # 512 KiB: staged
         assert finished_calls(small_node, "PutShared", 1) == 1, client.shared_memory()  # why it went over gRPC
         assert client.put(ns, hashes[2:], tensors[2:]) == 4  # 1 MiB and headers: over gRPC
