@@ -44,16 +44,38 @@ TORCHVISION_DIR = "cpu-harness-torchvision"
 PAGE_SIZE = 16
 """SGLang's page size in these servers (``--page-size``): tokens per HiCache page, one kvstore block each."""
 VOCAB_SIZE = 512
-MODEL_SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32}
-"""The KV shape of :func:`write_qwen2`'s model: layers, KV heads, head dim (``hidden_size / num_attention_heads``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The size of a Qwen2 that :func:`write_qwen2` writes (vocab :data:`VOCAB_SIZE`, bf16)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per head, ``hidden_size / num_heads``."""
+        return self.hidden_size // self.num_heads
+
+
+TINY = ModelShape(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+"""The tests' model: 2 layers, 4 query heads and 2 KV heads of 32 channels (a 16-token page is 8 KiB)."""
+SMALL = ModelShape(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1408)
+"""A model whose prefill costs something on a CPU (11M parameters besides the embeddings; a page is 32 KiB), for
+benchmarks."""
 START_TIMEOUT_S = 600.0
 """Seconds a server may take to start (20 s on an idle 2-core machine; minutes on a busy shared one)."""
 REQUEST_TIMEOUT_S = 300.0
 """Seconds one HTTP request may take before the test calls it a hang."""
 
 
-def write_qwen2(path: Path, *, seed: int = 1) -> Path:
-    """A 2-layer Qwen2 (4 query heads, 2 KV heads of 32 dims, vocab 512) in bf16 with random weights, and a tokenizer.
+def write_qwen2(path: Path, *, seed: int = 1, shape: ModelShape = TINY) -> Path:
+    """A Qwen2 of ``shape`` (:data:`TINY`: 2 layers, 4 query heads, 2 KV heads of 32 dims) in bf16 with random
+    weights, vocab 512, and a tokenizer.
 
     The tokenizer is a byte-level BPE of 512 ids trained on generated words
     (SGLang's server loads one; the tests send token ids). Written once: a
@@ -65,8 +87,9 @@ def write_qwen2(path: Path, *, seed: int = 1) -> Path:
 
     if (path / "config.json").exists():
         return path
-    config = Qwen2Config(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=256, vocab_size=VOCAB_SIZE, max_position_embeddings=4096,
+    config = Qwen2Config(num_hidden_layers=shape.num_layers, hidden_size=shape.hidden_size,
+                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                         intermediate_size=shape.intermediate_size, vocab_size=VOCAB_SIZE, max_position_embeddings=4096,
                          initializer_range=0.2, torch_dtype="bfloat16", tie_word_embeddings=False,
                          use_sliding_window=False, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
@@ -151,18 +174,18 @@ def kvstore_config(target: str = "", **settings: Any) -> dict[str, Any]:
     return config | settings
 
 
-def _page_format(layout: str) -> Any:
+def _page_format(layout: str, shape: ModelShape) -> Any:
     import torch
 
     from kvstore.connectors.sglang.pages import page_format
     from tests.connectors.sglang.harness import mha_pool
 
-    pool = mha_pool(layout, torch.bfloat16, page_size=PAGE_SIZE, num_layers=MODEL_SHAPE["num_layers"],
-                    num_heads=MODEL_SHAPE["num_kv_heads"], head_dim=MODEL_SHAPE["head_dim"])
+    pool = mha_pool(layout, torch.bfloat16, page_size=PAGE_SIZE, num_layers=shape.num_layers,
+                    num_heads=shape.num_kv_heads, head_dim=shape.head_dim)
     return page_format(pool, False)
 
 
-def kvstore_namespace(model: Path, layout: str = "page_first", tenant: str = "") -> Any:
+def kvstore_namespace(model: Path, layout: str = "page_first", tenant: str = "", shape: ModelShape = TINY) -> Any:
     """The namespace kvstore's backend stores a :class:`SGLangServer`'s pages under (``docs/sglang.md``).
 
     Computed with the backend's own functions (``kvstore.connectors.sglang.pages``)
@@ -172,12 +195,12 @@ def kvstore_namespace(model: Path, layout: str = "page_first", tenant: str = "")
     from kvstore.connectors.sglang.pages import storage_namespace
     from tests.connectors.sglang.harness import storage_config
 
-    return storage_namespace(_page_format(layout), storage_config(model=str(model)), tenant=tenant)
+    return storage_namespace(_page_format(layout, shape), storage_config(model=str(model)), tenant=tenant)
 
 
-def kvstore_page_shape(layout: str = "page_first") -> tuple[int, ...]:
+def kvstore_page_shape(layout: str = "page_first", shape: ModelShape = TINY) -> tuple[int, ...]:
     """The kvstore block shape of one of a :class:`SGLangServer`'s pages (``pages.py``'s table)."""
-    return tuple(_page_format(layout).shape)
+    return tuple(_page_format(layout, shape).shape)
 
 
 def stored_pages(target: str, namespace: Any, token_ids: Sequence[int]) -> int:
@@ -260,11 +283,16 @@ class SGLangServer(OwnedProcess):
         return f"http://127.0.0.1:{self.port}"
 
     def command_line(self) -> list[str]:
-        """The ``launch_server`` argument vector (``docs/sglang.md``'s launch line, sized for a small CPU)."""
+        """The ``launch_server`` argument vector (``docs/sglang.md``'s launch line, sized for a small CPU).
+
+        ``--sleep-on-idle``: an idle SGLang scheduler otherwise polls without
+        pause and holds a core, one per server, which on two cores starves the
+        rest (another server starting, the node, the test).
+        """
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model), "--device", "cpu",
                 "--host", "127.0.0.1", "--port", str(self.port), "--page-size", str(PAGE_SIZE),
                 "--max-total-tokens", "4096", "--context-length", "2048", "--max-running-requests", "8",
-                "--skip-server-warmup"]
+                "--skip-server-warmup", "--sleep-on-idle"]
         if self.storage is not None:
             argv += ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-mem-layout", self.layout]
             if self.storage == "file":
@@ -370,15 +398,24 @@ class SGLangServer(OwnedProcess):
                           storage=int(details.get("storage") or 0),
                           storage_backend=str(details.get("storage_backend") or ""))
 
-    def flush_cache(self) -> None:
+    def flush_cache(self, timeout_s: float = 120.0) -> None:
         """Empty SGLang's device and host caches (``/flush_cache``); its storage tier keeps its pages.
 
+        SGLang refuses (400) while a request is still in its scheduler, which it
+        can be for a moment after the request's answer came back: the flush is
+        sent again until it is done, within ``timeout_s`` (a bound, not a timing check).
+
         Raises:
-            ServerError: if SGLang refused (it does while requests run) or failed.
+            ServerError: if SGLang still refused after ``timeout_s``, or failed.
         """
-        status, body = self._post("/flush_cache")
-        if status != 200:
-            raise ServerError(f"/flush_cache answered {status}: {body[:500]!r}\n{self.log_tail()}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status, body = self._post("/flush_cache")
+            if status == 200:
+                return
+            if status != 400 or time.monotonic() > deadline:
+                raise ServerError(f"/flush_cache answered {status}: {body[:500]!r}\n{self.log_tail()}")
+            time.sleep(0.05)  # SGLang offers nothing to wait on until its scheduler is idle
 
     def storage_calls(self) -> list[dict[str, Any]]:
         """Every storage call of kvstore's backend in the server so far, as it started and ended (``kvstore_sglang_probe``)."""

@@ -24,8 +24,8 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.connectors.sglang.pages import block_hashes
 from tests.connectors.sglang.server import (
-    PAGE_SIZE, SGLangServer, kvstore_config, kvstore_namespace, kvstore_page_shape, page_keys, prompt, stored_pages,
-    wait_stored, warm_page_hash)
+    PAGE_SIZE, SGLangServer, kvstore_config, kvstore_namespace, kvstore_page_shape, page_keys, prompt, wait_stored,
+    warm_page_hash)
 from tests.connectors.sglang.cpu_site.kvstore_sglang_cpu import ADAPTATIONS
 from tests.support.kvnode import KVNode
 from tests.support.waiting import wait_until
@@ -122,16 +122,27 @@ def _stored_then_flushed(server: SGLangServer, node: KVNode, model: Path, ids: l
     server.flush_cache()
 
 
+def _writes(server: SGLangServer, since: int) -> list[dict[str, Any]]:
+    return [r for r in server.storage_calls()[since:] if r["call"] == "batch_set_v1" and r["phase"] == "exit"]
+
+
 def _hits_again(server: SGLangServer, node: KVNode, model: Path, name: str, seeds: Any) -> None:
-    """Once the node answers again (and the backend's backoff is over), a fresh prompt is stored and read back."""
+    """Once the node answers again (and the backend's backoff is over), a fresh prompt is stored and read back.
+
+    A prompt whose backup the backend skipped or failed (its ``batch_set_v1``
+    stored fewer pages than it was given, as the probe shows) is given up for the
+    next one.
+    """
     def round_trip() -> bool:
         ids = prompt(PROMPT_TOKENS, next(seeds))
+        pages = len(page_keys(ids))
+        since = len(server.storage_calls())
         first = server.generate(ids)
-        if stored_pages(node.target, kvstore_namespace(model), ids) == 0:
-            try:
-                wait_stored_by(model, node, ids)
-            except AssertionError:
-                return False  # its backup fell in the backoff: another prompt
+        wait_until(lambda: sum(r["keys"] for r in _writes(server, since)) >= pages, WAIT_S,
+                   "SGLang backs the prompt's pages up", pause_s=0.2)
+        if any(r["result"] < r["keys"] for r in _writes(server, since)):
+            return False  # a write in the backoff, or one that failed: another prompt
+        wait_stored_by(model, node, ids)
         server.flush_cache()
         again = server.generate(ids)
         assert again.output_ids == first.output_ids

@@ -2,7 +2,8 @@
 
 This directory (``tests/connectors/sglang/cpu_site``) goes first on the
 ``PYTHONPATH`` of the SGLang server processes the harness starts
-(``tests/connectors/sglang/server.py``), and of no other process: Python
+(``tests/connectors/sglang/server.py``, or ``docs/sglang.md``'s CPU quick
+start), and of no other process: Python
 imports its ``sitecustomize`` at interpreter start, in the server's own
 process and in every scheduler and detokenizer process SGLang spawns (patching
 SGLang from the launching script does not reach those). A GPU runs SGLang
@@ -35,8 +36,9 @@ then runs its ``torch_native`` attention):
   index copies for the ``layer_first`` and ``page_first`` layouts when the
   device pool is on the CPU.
 
-Each adaptation is applied only where its check finds the defect, and each
-check's outcome is appended, one JSON line per check and process, to the file
+Each adaptation is applied only where its check finds the defect (the stand-in
+``sgl_kernel`` reports itself needed when SGLang imports it), and each check's
+outcome is appended, one JSON line per check and process, to the file
 named by ``KVSTORE_SGLANG_CPU_REPORT`` (when set):
 ``{"adaptation": ..., "needed": bool, "detail": ..., "pid": ...}``. The tests
 (``test_sglang_server.py``) fail when one was not needed, so a newer SGLang (or
