@@ -8,7 +8,7 @@ background, sends the prompt, waits for its pages in the node, flushes SGLang's
 cache and sends the prompt again. The block's ``curl -sf`` fails it on an HTTP
 error; here the second answer must say its prefix came from storage, with the
 first answer's tokens. Every process the block started is stopped after it. It
-uses the page's fixed ports (30000, 50051), as a user would.
+uses the page's fixed ports (30000, 50052: not the vLLM quick start's 50051), as a user would.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def test_the_cpu_quick_start_runs_as_written(tmp_path: Path) -> None:
                                 stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
     try:
         proc.wait(timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass  # reported below, with the block's output
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the node and the SGLang server (and its processes) the block left
@@ -49,7 +51,8 @@ def test_the_cpu_quick_start_runs_as_written(tmp_path: Path) -> None:
             pass
         proc.wait(timeout=120)
     out, err = out_file.read_text(), err_file.read_text()
-    assert proc.returncode == 0, f"{block.name} exited {proc.returncode}:\n{out[-3000:]}\n{err[-5000:]}"
+    assert proc.returncode == 0, (f"{block.name} exited {proc.returncode} (-9: still running after "
+                                  f"{BLOCK_TIMEOUT_S} s):\n{out[-3000:]}\n{err[-5000:]}")
     answers = [json.loads(line) for line in out.splitlines() if line.startswith('{"text":')]
     assert len(answers) == 2, out[-3000:]
     first, again = answers
