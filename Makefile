@@ -39,19 +39,28 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 setup-vllm: $(VLLM_VENV)/.installed
 
-# SGLang's HiCache backend (kvstore.connectors.sglang) is tested from a venv of its own. sglang 0.5.23 pins CUDA
-# torch 2.14.1 and CUDA-only kernels, so it goes in --no-deps beside the CPU torch, with what importing its HiCache
-# storage module needs (measured by importing it, docs/sglang.md). No torchvision: PyPI's builds need CUDA torch.
+# SGLang's HiCache backend (kvstore.connectors.sglang) is tested from a venv of its own, against SGLang's classes and
+# under real SGLang servers on CPU (tests/connectors/sglang/server.py). sglang 0.5.23 pins CUDA torch 2.14.1 and
+# CUDA-only kernels, so it goes in --no-deps beside the CPU torch, with what importing its HiCache storage module
+# needs (the first line) and what its server imports on CPU (the second); both measured by importing until it
+# imported (docs/sglang.md), with sglang's own pins. torchvision (SGLang's model configs import it) goes into a folder
+# of the venv that is not on its path: PyPI's builds are CUDA builds that do not import over the CPU torch, so only the
+# SGLang servers the tests start put it on their path, with the CPU test scaffolding that lets it import
+# (tests/connectors/sglang/cpu_site).
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY   := $(SGLANG_VENV)/bin/python
 SGLANG_DEPS := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm ipython \
-  aiohttp dill pyyaml triton==3.7.1 transformers==5.19.0 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1
+  aiohttp dill pyyaml triton==3.7.1 transformers==5.19.0 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 \
+  fastapi uvicorn uvloop python-multipart setproctitle einops gguf partial_json_parser compressed-tensors==0.18.0 \
+  openai==2.8.0 openai-harmony==0.0.4 xgrammar==0.2.7 soundfile==0.13.1
+SGLANG_TORCHVISION := torchvision==0.28.0
 $(SGLANG_VENV)/.installed: pyproject.toml
 	python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q --upgrade pip
 	$(SGLANG_PY) -m pip install -q $(TORCH_SPEC)
 	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23
 	$(SGLANG_PY) -m pip install -q $(SGLANG_DEPS) torch==2.13.0
+	$(SGLANG_PY) -m pip install -q --no-deps --target $(SGLANG_VENV)/cpu-harness-torchvision $(SGLANG_TORCHVISION)
 	$(SGLANG_PY) -m pip install -q -e '.[dev]'
 	touch $@
 
