@@ -112,11 +112,23 @@ class StoreStats:
             prefix hit ratio of the traffic is ``hit / (hit + miss)``; the tiers'
             ``hits`` and ``misses`` count only Gets, which connectors send for a
             looked-up prefix, so they rarely miss.
+        missed_blocks: blocks missed by cause (``kvstore.misses.CAUSES``): those of lookups, which sum to
+            ``lookup_miss_blocks``, and ``lease_lost``, the blocks gets asked for and did not get.
+        reuse_gap_counts: per bucket of ``kvstore.misses.REUSE_GAP_BUCKETS_S`` (then ``+Inf``), the missed blocks
+            requested that many seconds after their eviction: mass at short gaps says the cache is too small.
+        reuse_gap_sum_s: the sum of those gaps, seconds.
+        counters: node-wide counts of sessions and TTLs (``docs/agentic.md``): ``pinned_bytes``,
+            ``pins_refused_tier``, ``pins_refused_node``, ``pins_refused_tenant``, ``ttl_clamped``, ``sessions``,
+            ``cooled_chains``, ``bounded_puts``, ``miss_history_blocks``.
     """
 
     tiers: tuple[TierStats, ...]
     lookup_hit_blocks: int = 0
     lookup_miss_blocks: int = 0
+    missed_blocks: dict[str, int] = field(default_factory=dict)
+    reuse_gap_counts: tuple[int, ...] = ()
+    reuse_gap_sum_s: float = 0.0
+    counters: dict[str, int] = field(default_factory=dict)
 
     def tier(self, name: str) -> TierStats:
         """The stats of the tier called ``name``. Raises ``KeyError`` if there is none."""
@@ -155,7 +167,10 @@ class BlockClient(Protocol):
         ...
 
     def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[Buffer]:
-        """Encoded blocks of the longest cached prefix, in order; stops at the first miss (see :data:`Buffer`)."""
+        """Encoded blocks of the longest cached prefix, in order; stops at the first miss (see :data:`Buffer`).
+
+        ``lookup``, ``get`` and ``put`` also take the keywords ``session_id`` and ``ttl_s`` (``docs/agentic.md``).
+        """
         ...
 
     def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:

@@ -30,7 +30,9 @@ async def restore(index: Index, tiers: Sequence[Tier], shared: SharedTier | None
             if index.level_of(found.key) is not None:
                 stale.append(found.key)
                 continue
-            entry = index.place(found.key, found.meta.priority, found.meta.expires_at)
+            meta = found.meta  # a TTL that ran out while the node was down arrives unpinned (``Index.publish``)
+            entry = index.place(found.key, meta.priority, meta.expires_at, meta.ttl_s if meta.pinned_until else 0.0,
+                                meta.pinned_until)
             index.charge([entry], level, [tier.footprint(found.nbytes)])
             index.publish(entry)
         if stale:

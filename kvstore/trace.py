@@ -103,12 +103,16 @@ class TraceRequest:
         input_tokens: prompt length, tokens.
         output_tokens: generated length, tokens.
         block_ids: chained prefix-block ids of the prompt, head first; shape ``(num_blocks,)``.
+        session: the agentic session the request belongs to (``""``: none), as a client passes ``session_id``.
+        ttl_s: the cache-control TTL the request's blocks carry, seconds (0.0: none; ``docs/agentic.md``).
     """
 
     timestamp_s: float
     input_tokens: int
     output_tokens: int
     block_ids: tuple[int, ...]
+    session: str = ""
+    ttl_s: float = 0.0
 
 
 def _is_int(value: Any) -> bool:

@@ -159,6 +159,8 @@ class _Agent:
     waiting_for: int = 0  # subagents still running
     resume_at: float = 0.0
     walk: _Walk = field(default_factory=_Walk)
+    session: str = ""
+    subagents: int = 0  # subagents spawned so far, to name the next one's session
 
 
 class AgenticGenerator:
@@ -227,7 +229,8 @@ class AgenticGenerator:
         sequence = 0
         for _ in range(c.num_sessions):
             prefix = self._prefixes[rng.randrange(c.num_agent_types)]
-            agent = _Agent([*prefix, self._input(c.first_input_tokens)], self._log_uniform_int(*c.turns), prefix)
+            agent = _Agent([*prefix, self._input(c.first_input_tokens)], self._log_uniform_int(*c.turns), prefix,
+                           session=f"s{len(events)}")
             sequence += 1
             heapq.heappush(events, (rng.uniform(0.0, c.duration_s), sequence, agent))
         while events:
@@ -235,7 +238,7 @@ class AgenticGenerator:
             self._compact_if_needed(agent)
             tokens, ids = self._blocks(agent)
             output = max(1, int(self._lognormal(c.output_tokens, 0.7)))
-            yield TraceRequest(now, tokens, output, ids)
+            yield TraceRequest(now, tokens, output, ids, agent.session)
             agent.history.append((self._content(), output))
             agent.turns_left -= 1
             if agent.turns_left > 0 and agent.parent is None and rng.random() < c.subagent_prob:
@@ -244,9 +247,11 @@ class AgenticGenerator:
                 for _ in range(count):
                     fresh = rng.random() < c.subagent_fresh_prob
                     base = list(agent.prefix if fresh else agent.history)
+                    agent.subagents += 1
                     child = _Agent([*base, self._input(c.first_input_tokens)],
                                    self._log_uniform_int(*c.subagent_turns), agent.prefix, parent=agent,
-                                   walk=_Walk() if fresh else agent.walk.copy())
+                                   walk=_Walk() if fresh else agent.walk.copy(),
+                                   session=f"{agent.session}.{agent.subagents}")
                     sequence += 1
                     heapq.heappush(events, (now + self._lognormal(1.0, 0.5), sequence, child))
                 continue

@@ -26,7 +26,8 @@ and evicts in this order. ``docs/simulate.md`` explains why.
    freed tail first in vLLM.
 4. **Placing** blocks in a tier: the protected blocks resident in the tier are
    held (out of the eviction order, back as the most recent, tail first, after);
-   ``room`` is the capacity less the held blocks. The blocks go in batches of at
+   ``room`` is the capacity less the held blocks. A put's new blocks carry its
+   TTL, pinned tail first while the tier's cap on pinned blocks allows. The blocks go in batches of at
    most ``room``, tail first; for each batch the policy names victims for the
    batch (``victims``, the front of its order), the victims are
    evicted, and the batch is inserted tail first. Blocks no room is left for
@@ -45,7 +46,8 @@ from typing import Sequence
 
 from kvstore.continuations import Continuations
 from kvstore.errors import InvalidArgumentError
-from kvstore.policy import DEFAULT_PRIORITY, PriorityLRUPolicy, make_policy
+from kvstore.policy import DEFAULT_PRIORITY, PriorityLRUPolicy, make_policy, resolve_policy_name
+from kvstore.policy.sessions import SessionTracker
 
 
 @dataclass(slots=True)
@@ -59,35 +61,61 @@ class RequestHits:
 class NodeModel:
     """One node's local tiers, memory and an optional disk tier, replaying requests in the store's order.
 
+    Sessions and TTLs (``docs/agentic.md``) as the node has them: a request's TTL
+    pins the blocks its get hits and its put stores (``kvstore.policy.lru``), each
+    tier pinning at most ``max_pinned_fraction`` of its blocks (the node's
+    ``store.pins.max_tier_fraction``; its byte caps per node and tenant are not
+    modelled); with the ``session`` policy a :class:`SessionTracker` runs beside
+    the policies, fed at each lookup, whose clock is the count of lookups.
+
     Args:
-        policy: a name ``kvstore.policy.make_policy`` takes (``lru``, ``slru``, ``adaptive``, ``default``).
+        policy: a name ``kvstore.policy.make_policy`` takes (``lru``, ``slru``, ``adaptive``, ``session``,
+            ``default``).
         capacity_blocks: blocks the memory tier holds (> 0).
         disk_capacity_blocks: blocks the disk tier holds; 0 for no disk tier.
         default_priority: the tiers' default priority.
+        max_pinned_fraction: the share of a tier's blocks that may be pinned at once.
 
     Raises:
         InvalidArgumentError: on an unknown policy or a capacity out of range.
     """
 
     def __init__(self, policy: str, capacity_blocks: int, *, disk_capacity_blocks: int = 0,
-                 default_priority: int = DEFAULT_PRIORITY) -> None:
+                 default_priority: int = DEFAULT_PRIORITY, max_pinned_fraction: float = 0.5) -> None:
         if capacity_blocks <= 0 or disk_capacity_blocks < 0:
             raise InvalidArgumentError(f"capacities must be > 0 (memory) and >= 0 (disk) blocks, "
                                        f"got {capacity_blocks} and {disk_capacity_blocks}")
+        self.now = 0.0
         try:
             self.policies: list[PriorityLRUPolicy] = [
                 make_policy(policy, default_priority=default_priority, capacity_bytes=capacity_blocks,
-                            demotes=disk_capacity_blocks > 0)
+                            demotes=disk_capacity_blocks > 0, clock=self._clock)
             ]
             if disk_capacity_blocks > 0:
                 self.policies.append(make_policy(policy, default_priority=default_priority,
-                                                 capacity_bytes=disk_capacity_blocks))
+                                                 capacity_bytes=disk_capacity_blocks, clock=self._clock))
+            name = resolve_policy_name(policy)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
         self.capacities = [capacity_blocks, disk_capacity_blocks][: len(self.policies)]
+        self._max_pinned = [int(c * max_pinned_fraction) for c in self.capacities]
         self._continuations: Continuations[int] = Continuations()
+        self.sessions: SessionTracker[int] | None = (
+            SessionTracker(sum(self.capacities), self._cool) if name == "session" else None)
+        self.lookups = 0
         self.evicted_blocks = 0
         self.demoted_blocks = 0
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _cool(self, chain: Sequence[int]) -> None:
+        for policy in self.policies:
+            policy.cool(chain)
+
+    def _ttl_for(self, level: int, ttl_s: float) -> float:
+        """``ttl_s`` if tier ``level`` may pin one more block, else 0.0 (the node refuses the pin, not the block)."""
+        return ttl_s if ttl_s and self.policies[level].pinned_nbytes < self._max_pinned[level] else 0.0
 
     def tier_of(self, key: int) -> int | None:
         """The tier holding ``key`` (0 memory, 1 disk), or ``None``."""
@@ -97,24 +125,30 @@ class NodeModel:
         return None
 
     def request(self, blocks: Sequence[int], now: float = 0.0, priority: int | None = None,
-                expires_at: float = 0.0) -> RequestHits:
+                expires_at: float = 0.0, session: str = "", ttl_s: float = 0.0) -> RequestHits:
         """Replay one request (module docstring, steps 1-5) and return its hits.
 
         Args:
             blocks: the request's chained block ids, head first.
-            now: the request's time, seconds (for retention).
+            now: the request's time, seconds (for retention and TTLs).
             priority: the priority of its put (the tier's default when ``None``).
             expires_at: when that priority's retention ends (0.0 for none).
+            session: the session it names (``""``: none).
+            ttl_s: the TTL its get and put carry, seconds (0.0: none).
         """
+        self.now = now
+        self.lookups += 1
         hits = RequestHits()
         levels = self._lookup(blocks)
+        if session and self.sessions is not None:
+            self.sessions.request(session, blocks, self.lookups)
         h = len(levels)
         if h:
             hits.memory = levels.count(0)
             hits.disk = h - hits.memory
-            self._get(blocks[:h], levels, now)
+            self._get(blocks[:h], levels, now, ttl_s)
         if h < len(blocks):
-            self._put(blocks[h:], now, priority, expires_at)
+            self._put(blocks[h:], now, priority, expires_at, ttl_s, session)
         return hits
 
     def _lookup(self, blocks: Sequence[int]) -> list[int]:
@@ -132,41 +166,76 @@ class NodeModel:
         self._continuations.record(blocks, len(levels))
         return levels
 
-    def _get(self, prefix: Sequence[int], levels: list[int], now: float) -> None:
+    def _pin(self, level: int, keys: Sequence[int], ttl_s: float) -> None:
+        """Pin the resident ``keys`` of tier ``level`` with ``ttl_s``, tail first, while the tier's cap allows
+        (``Index.pin``)."""
+        policy, cap = self.policies[level], self._max_pinned[level]
+        for key in reversed(keys):
+            if key in policy and (policy.is_pinned(key) or policy.pinned_nbytes < cap):
+                policy.pin(key, ttl_s)
+
+    def _meta(self, policy: PriorityLRUPolicy, key: int) -> tuple[int, float, float, float]:
+        """What a block takes with it to another tier: priority, retention end, TTL and its end."""
+        return (policy.priority_of(key), policy.expiry_of(key), *policy.pin_of(key))
+
+    def _get(self, prefix: Sequence[int], levels: list[int], now: float, ttl_s: float = 0.0) -> None:
         policies = self.policies
         if 1 not in levels:
             policies[0].touch_many(prefix)
+            if ttl_s:
+                self._pin(0, prefix, ttl_s)
             return
         for i in range(len(prefix) - 1, -1, -1):
             policies[levels[i]].touch(prefix[i])
+        if ttl_s:
+            for level in (0, 1):
+                self._pin(level, [key for key, at in zip(prefix, levels) if at == level], ttl_s)
         disk = policies[1]
         moving = list(dict.fromkeys(key for key, level in zip(prefix, levels) if level == 1 and key in disk))
-        metas = {key: (disk.priority_of(key), disk.expiry_of(key)) for key in moving}
+        metas = {key: self._meta(disk, key) for key in moving}
         disk.hold_many(moving)  # held in the disk tier while they move, as the store's mover holds them
         try:
             self._place_in(0, moving, now, metas=metas, source=1)
         finally:  # those not moved return, tail first, as the index releases a batch
             disk.release_many([key for key in reversed(moving) if key in disk])
 
-    def _put(self, keys: Sequence[int], now: float, priority: int | None, expires_at: float) -> None:
+    def _put(self, keys: Sequence[int], now: float, priority: int | None, expires_at: float, ttl_s: float = 0.0,
+             session: str = "") -> None:
         policies = self.policies
         if len(policies) == 1:
             found = policies[0].contains_many(keys)
             if True in found:
-                policies[0].touch_many([key for key, hit in zip(keys, found) if hit])
+                resident = [key for key, hit in zip(keys, found) if hit]
+                policies[0].touch_many(resident)
+                if ttl_s:
+                    self._pin(0, resident, ttl_s)
                 fresh = list(dict.fromkeys(key for key, hit in zip(keys, found) if not hit))
             else:
                 fresh = list(dict.fromkeys(keys))
         else:
+            resident_at: list[list[int]] = [[], []]
             for i in range(len(keys) - 1, -1, -1):
                 level = self.tier_of(keys[i])
                 if level is not None:
                     policies[level].touch(keys[i])
+                    resident_at[level].append(keys[i])
+            if ttl_s:
+                for level, found_keys in enumerate(resident_at):
+                    self._pin(level, found_keys[::-1], ttl_s)
             fresh = list(dict.fromkeys(key for key in keys if self.tier_of(key) is None))
         if not fresh:
             return
         protect = self._continuations.pop(fresh[0])
-        meta = (policies[0].default_priority if priority is None else priority, expires_at)
+        sessions = self.sessions
+        if sessions is not None:
+            allowed = sessions.admissible(self.lookups) if session else None
+            if allowed is not None and len(fresh) > allowed:  # admission that fits the turnover: the head only
+                fresh = fresh[:allowed]
+                sessions.bounded_puts += 1
+            sessions.placed(self.lookups, len(fresh))
+            if not fresh:
+                return
+        meta = (policies[0].default_priority if priority is None else priority, expires_at, ttl_s)
         left = fresh
         for level in range(len(policies)):
             left = self._place_in(level, left, now, meta=meta, protect=protect)
@@ -183,17 +252,17 @@ class NodeModel:
                     if level is not None:
                         policies[level].touch(protect[i])
 
-    def _place_in(self, level: int, keys: list[int], now: float, *, meta: tuple[int, float] | None = None,
-                  metas: dict[int, tuple[int, float]] | None = None, source: int | None = None,
+    def _place_in(self, level: int, keys: list[int], now: float, *, meta: tuple[int, float, float] | None = None,
+                  metas: dict[int, tuple[int, float, float, float]] | None = None, source: int | None = None,
                   protect: Sequence[int] = ()) -> list[int]:
         """Step 4 for tier ``level``; returns the keys no room was left for, in order (all of them or none)."""
         policy = self.policies[level]
         capacity = self.capacities[level]
         protect = list(dict.fromkeys(protect))  # held once each, as the index holds a key
-        pinned = [key for key, hit in zip(protect, policy.contains_many(protect)) if hit] if protect else []
-        policy.hold_many(pinned)
+        held = [key for key, hit in zip(protect, policy.contains_many(protect)) if hit] if protect else []
+        policy.hold_many(held)
         try:
-            room = capacity - len(pinned)
+            room = capacity - len(held)
             if room <= 0:
                 return keys
             end = len(keys)
@@ -206,7 +275,13 @@ class NodeModel:
                         return keys[:end]  # cannot reserve its room, and the move gives up (its blocks dropped)
                     self._evict(level, victims, now)
                 if source is None and meta is not None:  # new blocks of a put: none is tracked here
-                    policy.insert_many(keys[start:end], 1, *meta)
+                    priority, expires_at, ttl_s = meta
+                    pins = max(0, self._max_pinned[level] - policy.pinned_nbytes) if ttl_s else 0
+                    cut = max(start, end - pins)  # pinned tail first, while the tier's cap allows (Index.publish)
+                    if cut < end:
+                        policy.insert_many(keys[cut:end], 1, priority, expires_at, ttl_s)
+                    if start < cut:
+                        policy.insert_many(keys[start:cut], 1, priority, expires_at)
                 else:
                     moved = []
                     for i in range(end - 1, start - 1, -1):
@@ -215,15 +290,15 @@ class NodeModel:
                             continue  # dropped from its source tier while it was being moved
                         if key in policy:
                             policy.remove(key)
-                        priority, expires_at = metas[key] if metas is not None else meta  # type: ignore[misc]
-                        policy.insert(key, 1, priority, expires_at)
+                        priority, expires_at, ttl_s, until = metas[key]  # type: ignore[index]  # moves: metas
+                        policy.insert(key, 1, priority, expires_at, self._ttl_for(level, ttl_s), until)
                         moved.append(key)
                     if source is not None and level < source:  # a promotion: the batch leaves its source now
                         self._leave(source, moved)
                 end = start
             return []
         finally:
-            policy.release_many(pinned[::-1])
+            policy.release_many(held[::-1])
 
     def _leave(self, level: int, keys: list[int]) -> None:
         """Keys promoted out of tier ``level``, their hold there given back (tiers are exclusive)."""
@@ -234,7 +309,7 @@ class NodeModel:
     def _evict(self, level: int, victims: list[int], now: float) -> None:
         policy = self.policies[level]
         if level + 1 < len(self.policies):
-            kept = {key: (policy.priority_of(key), policy.expiry_of(key)) for key in victims}
+            kept = {key: self._meta(policy, key) for key in victims}
             policy.hold_many(victims)  # claimed while they move out, as the index does; removed with them
             self._place_in(level + 1, victims, now, metas=kept, source=level)
             self.demoted_blocks += len(victims)

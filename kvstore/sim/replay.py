@@ -199,7 +199,7 @@ def simulate(
         per_request = []
         request_of = model.request
         for request in requests:
-            hits = request_of(request.block_ids, request.timestamp_s)
+            hits = request_of(request.block_ids, request.timestamp_s, None, 0.0, request.session, request.ttl_s)
             memory += hits.memory
             disk += hits.disk
             per_request.append(hits.memory + hits.disk)

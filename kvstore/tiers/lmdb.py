@@ -62,7 +62,7 @@ from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import DEFAULT_PRIORITY
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order, touch_meta
 # the public names are re-exported: kvstore.tiers.lmdb is their old home
 from kvstore.tiers.lmdb_records import (_PAGE_HEADER_BYTES, _RECORD_ERRORS, DISK_FILL_FRACTION, DISK_FORMAT, MAX_KEY_BYTES,
                                         MIN_FREE_BYTES, MIN_MAP_BYTES, RECORD_OVERHEAD_BYTES, _block_of, _lock_directory,
@@ -385,7 +385,7 @@ class LMDBTier:
             entries += [ResidentEntry(key, nbytes, BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0)) for key, nbytes in repairs]
         touched, set_aside = self._touched, self._set_aside
         return [
-            ResidentEntry(e.key, e.nbytes, BlockMeta(e.meta.priority, e.meta.expires_at, touched[e.key]))
+            ResidentEntry(e.key, e.nbytes, touch_meta(e.meta, touched[e.key]))
             if e.key in touched and touched[e.key] > e.meta.last_access
             else e
             for e in entries if e.key not in set_aside
@@ -580,7 +580,7 @@ class LMDBTier:
             parsed = _unpack_meta(txn.get(key, db=self._meta))
             if parsed is not None and parsed[0].last_access < when:
                 meta, nbytes = parsed
-                txn.put(key, _pack_meta(BlockMeta(meta.priority, meta.expires_at, when), nbytes), db=self._meta)
+                txn.put(key, _pack_meta(touch_meta(meta, when), nbytes), db=self._meta)
 
     def _transact(self, keys: list[BlockKey], apply: Callable[[lmdb.Transaction, int], int],
                   touched: Mapping[BlockKey, float]) -> list[BlockKey]:
