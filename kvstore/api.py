@@ -61,6 +61,7 @@ class TierStats:
         promotions: blocks copied from this tier into the top tier after a hit.
         corrupt_records: records that failed their checksum and were deleted.
         counters: further tier-specific counts (e.g. Redis ``errors``, ``skipped_writes``).
+        pinned_bytes: capacity bytes of its blocks whose TTL runs (``docs/agentic.md``); 0 for a shared tier.
         state: ``up`` or ``down`` for a tier that can be unreachable (the shared Redis tier: ``down``
             from a failed round trip, its first at start included, until one succeeds); ``""`` for the others.
         last_error: the tier's last failure, e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``; ``""`` if none.
@@ -80,6 +81,7 @@ class TierStats:
     counters: dict[str, int] = field(default_factory=dict)
     state: str = ""
     last_error: str = ""
+    pinned_bytes: int = 0
 
     @property
     def logical_ratio(self) -> float:

@@ -107,7 +107,7 @@ def store_stats(index: Index, tiers: Sequence[Tier], counts: Sequence[TierCounts
 
 def agentic_stats(stats: StoreStats, store: TieredStore) -> StoreStats:
     """``stats`` with the store's missed blocks by cause, reuse gaps, and the counts of its TTLs and sessions
-    (``StoreStats.counters``), and each local tier's pinned bytes (``TierStats.counters['pinned_bytes']``)."""
+    (``StoreStats.counters``), and each local tier's pinned bytes (``TierStats.pinned_bytes``)."""
     index = store.index
     refused = index.pins.refused
     counters = {
@@ -122,7 +122,7 @@ def agentic_stats(stats: StoreStats, store: TieredStore) -> StoreStats:
         "miss_history_blocks": len(index.history),
     }
     tiers = tuple(
-        dataclasses.replace(tier, counters={**tier.counters, "pinned_bytes": index.policies[level].pinned_nbytes})
+        dataclasses.replace(tier, pinned_bytes=index.policies[level].pinned_nbytes)
         if level < len(index.policies) else tier
         for level, tier in enumerate(stats.tiers))
     counts = store.misses.counts

@@ -17,6 +17,7 @@ from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.factory import open_async_store
+from kvstore.explain import BlockExplanation
 from kvstore.store import TieredStore
 
 if TYPE_CHECKING:
@@ -74,15 +75,24 @@ class EmbeddedStore:
             raise UnavailableError("the embedded store is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
-        """The longest cached prefix of ``block_hashes`` (see :meth:`TieredStore.lookup`)."""
-        return self._call(self._store.lookup(namespace, block_hashes))
+    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+               ttl_s: float | None = None, request_id: str | None = None) -> LookupResult:
+        """The longest cached prefix of ``block_hashes`` (see :meth:`TieredStore.lookup`; ``session_id``, ``ttl_s``
+        and ``request_id``: ``docs/agentic.md``)."""
+        return self._call(self._store.lookup(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s,
+                                             request_id=request_id))
 
-    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+            ttl_s: float | None = None) -> list[bytes]:
         """Encoded blocks of the longest cached prefix (see :meth:`TieredStore.get`)."""
-        return self._call(self._store.get(namespace, block_hashes))
+        return self._call(self._store.get(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s))
 
-    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
+    def explain(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[BlockExplanation]:
+        """Each block of a request: hit, or the cause of its miss (see :meth:`TieredStore.explain`)."""
+        return self._call(self._store.explain(namespace, block_hashes))
+
+    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                    ttl_s: float | None = None) -> list[torch.Tensor]:
         """Blocks of the longest cached prefix as CPU tensors of their own: copies, which the caller may write.
 
         Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
@@ -91,7 +101,7 @@ class EmbeddedStore:
         memory into its tensor, in the calling thread; a write into a tensor
         never reaches a stored block.
         """
-        read = self._store.read(namespace, block_hashes)
+        read = self._store.read(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s)
         blocks = self._call(read.open())
         try:
             return [decode_block(b, verify=False, copy=True) for b in blocks]
@@ -99,7 +109,8 @@ class EmbeddedStore:
             self._loop.call_soon_threadsafe(read.close)
 
     def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],
-                 destinations: Sequence[torch.Tensor], *, verify: bool | None = None) -> int:
+                 destinations: Sequence[torch.Tensor], *, verify: bool | None = None, session_id: str | None = None,
+                 ttl_s: float | None = None) -> int:
         """Copy the blocks of the longest cached prefix into the caller's tensors; returns how many.
 
         As :meth:`kvstore.client.KVStoreClient.get_into`: each block is copied
@@ -113,6 +124,8 @@ class EmbeddedStore:
                 (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``).
             verify: check each block's checksum first (``None``: no, as :meth:`get_tensors`: the tiers
                 validated the blocks on the way in).
+            session_id: the request's agentic session (``docs/agentic.md``).
+            ttl_s: a TTL to pin the blocks read with, seconds.
 
         Raises:
             InvalidArgumentError: if there is not one tensor per hash.
@@ -122,7 +135,7 @@ class EmbeddedStore:
         check_destinations(destinations, len(block_hashes))
 
         async def copy() -> int:
-            async with self._store.read(namespace, block_hashes) as blocks:
+            async with self._store.read(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s) as blocks:
                 copied = copy_into_destinations(blocks, destinations, bool(verify))
             if copied.error is not None:
                 raise copied.error
@@ -160,10 +173,14 @@ class EmbeddedStore:
         *,
         priority: int | None = None,
         retention_s: float | None = None,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
     ) -> int:
-        """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`)."""
+        """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`; ``session_id``
+        and ``ttl_s``: ``docs/agentic.md``)."""
         encoded = encode_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.encoding
-        return self._call(self._store.put(namespace, block_hashes, encoded, priority=priority, retention_s=retention_s))
+        return self._call(self._store.put(namespace, block_hashes, encoded, priority=priority, retention_s=retention_s,
+                                          session_id=session_id, ttl_s=ttl_s))
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier; returns how many were found."""

@@ -36,6 +36,12 @@ from kvstore.misses import (
     classify,
 )
 
+MAX_RECENT_REQUESTS = 4096
+"""Lookups a node remembers by their ``request_id``, for ``kvstore explain --request-id``."""
+
+MAX_RECENT_BLOCKS = 1 << 16
+"""Block hashes those remembered lookups keep at most (the oldest lookups are forgotten first past it)."""
+
 MAX_NAMESPACES = 4096
 """Namespaces a node remembers (the first put of each), the least recently stored to forgotten first."""
 
@@ -165,6 +171,8 @@ class MissLedger:
         self._tier_names = tuple(tier_names)
         self._policy = policy
         self._clock = clock
+        self._recent: OrderedDict[str, tuple[Namespace, list[bytes]]] = OrderedDict()
+        self._recent_blocks = 0
 
     def namespace_cause(self, namespace: Namespace, namespace_bytes: int) -> str:
         """What a block with no record of its own is in ``namespace``: ``other_namespace`` when the node never
@@ -180,14 +188,7 @@ class MissLedger:
         removals = self.history.get_many(keys)
         causes = classify(resident, removals, namespace_cause=self.namespace_cause(namespace, namespace_bytes),
                           shared_down=shared_down)
-        by_cause = self.counts.by_cause
-        for cause in causes:
-            by_cause[cause] += 1
-        if self.history.capacity:
-            now = self._clock()
-            for packed, cause in zip(removals, causes):
-                if packed is not None and cause in (EVICTED, EXPIRED, DROPPED):
-                    self.counts.add_gap(now - (packed >> 24))
+        self.counts.count(causes, removals, self._clock() if self.history.capacity else 0.0)
         return causes
 
     def get_missed(self, num_blocks: int) -> None:
@@ -252,3 +253,28 @@ class MissLedger:
     def snapshot(self) -> dict[str, int]:
         """Blocks missed per cause (every cause present)."""
         return {cause: self.counts.by_cause.get(cause, 0) for cause in CAUSES}
+
+    def near_namespace(self, namespace: Namespace, blocks: Sequence[BlockExplanation]) -> Namespace | None:
+        """For an explanation with ``other_namespace`` blocks, the near namespace the node holds blocks of."""
+        if not any(block.cause == OTHER_NAMESPACE for block in blocks):
+            return None
+        near = self.namespaces.nearest(namespace)
+        return near[0] if near is not None else None
+
+    def remember(self, request_id: str, namespace: Namespace, block_hashes: Sequence[bytes]) -> None:
+        """Keep a lookup's namespace and hashes under its ``request_id`` (bounded: :data:`MAX_RECENT_REQUESTS`,
+        :data:`MAX_RECENT_BLOCKS`)."""
+        recent = self._recent
+        old = recent.pop(request_id, None)
+        if old is not None:
+            self._recent_blocks -= len(old[1])
+        hashes = [bytes(h) for h in block_hashes][:MAX_RECENT_BLOCKS]
+        recent[request_id] = (namespace, hashes)
+        self._recent_blocks += len(hashes)
+        while len(recent) > MAX_RECENT_REQUESTS or self._recent_blocks > MAX_RECENT_BLOCKS:
+            _, (_, dropped) = recent.popitem(last=False)
+            self._recent_blocks -= len(dropped)
+
+    def recent(self, request_id: str) -> tuple[Namespace, list[bytes]] | None:
+        """The namespace and hashes of the last lookup named ``request_id``, if it is still remembered."""
+        return self._recent.get(request_id)

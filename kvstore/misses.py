@@ -31,8 +31,11 @@ counted in the index's bytes per block (``benchmarks/bench_index.py``).
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import bisect_left
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import repeat
 from typing import Generic, Hashable, Sequence, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -124,21 +127,37 @@ class MissHistory(Generic[K]):
     def record(self, key: K, cause: str, now_s: float, level: int = 0, priority: int = 0,
                shared: bool = False) -> None:
         """Remember that ``key`` was removed at ``now_s`` for ``cause`` (one of :data:`REMOVAL_CAUSES`)."""
-        if not self.capacity:
+        self.record_many([key], cause, now_s, level, [priority], shared)
+
+    def record_many(self, keys: Sequence[K], cause: str, now_s: float, level: int = 0,
+                    priorities: Sequence[int] | None = None, shared: bool = False) -> None:
+        """:meth:`record` each of ``keys``, removed together (``priorities``: each one's, 0 when not given)."""
+        if not self.capacity or not keys:
             return
         epochs = self._epochs
-        newest = epochs[-1]
-        if len(newest) >= self._epoch_size:
-            newest = []
-            epochs.append(newest)
-            self._first_s.append(int(now_s))
-            self._epoch += 1
-            if len(epochs) > EPOCHS:
-                self._drop(epochs.popleft(), self._epoch - EPOCHS)
-                self._first_s.popleft()
-        self._values[key] = (max(0, int(now_s)) << 24) | ((self._epoch & 0xFF) << 16) | ((priority & 0xFF) << 8) \
-            | ((level & 0x7) << 5) | (0x10 if shared else 0) | REMOVAL_CAUSES.index(cause)
-        newest.append(key)  # a key recorded again stays in its older generation's list too: skipped when it goes
+        start = 0
+        while start < len(keys):
+            newest = epochs[-1]
+            if len(newest) >= self._epoch_size:
+                newest = []
+                epochs.append(newest)
+                self._first_s.append(int(now_s))
+                self._epoch += 1
+                if len(epochs) > EPOCHS:
+                    self._drop(epochs.popleft(), self._epoch - EPOCHS)
+                    self._first_s.popleft()
+            end = min(len(keys), start + self._epoch_size - len(newest))
+            base = (max(0, int(now_s)) << 24) | ((self._epoch & 0xFF) << 16) | ((level & 0x7) << 5) \
+                | (0x10 if shared else 0) | REMOVAL_CAUSES.index(cause)
+            part = keys[start:end]
+            if priorities is None:
+                self._values.update(zip(part, repeat(base)))
+            elif len(part) > 1 and priorities.count(priorities[start]) == len(priorities) and start == 0:
+                self._values.update(zip(part, repeat(base | ((priorities[0] & 0xFF) << 8))))
+            else:
+                self._values.update(zip(part, [base | ((p & 0xFF) << 8) for p in priorities[start:end]]))
+            newest.extend(part)  # a key recorded again stays in its older generation's list: skipped when it goes
+            start = end
 
     def _drop(self, keys: list[K], epoch: int) -> None:
         """Forget the generation ``epoch`` (its ``keys``), but not the keys recorded again since."""
@@ -186,14 +205,31 @@ class MissCounts:
 
     def add_gap(self, gap_s: float) -> None:
         """Count one reuse gap of ``gap_s`` seconds."""
-        gap_s = max(0.0, gap_s)
-        for i, bound in enumerate(REUSE_GAP_BUCKETS_S):
-            if gap_s <= bound:
-                self.reuse_gap_counts[i] += 1
-                break
+        self.add_gaps([gap_s])
+
+    def add_gaps(self, gaps_s: Sequence[float]) -> None:
+        """Count reuse gaps, seconds (a negative one, a clock step, as 0)."""
+        counts = self.reuse_gap_counts
+        for bucket, num in Counter(map(partial(bisect_left, REUSE_GAP_BUCKETS_S), gaps_s)).items():
+            counts[bucket] += num
+        self.reuse_gap_sum_s += sum(max(0.0, gap) for gap in gaps_s)
+
+    def count(self, causes: Sequence[str], removals: Sequence[int | None], now_s: float) -> None:
+        """Count one lookup's missed blocks: their ``causes`` (:func:`classify`) and, for the evicted ones, the
+        gap since their removal (``removals``: their packed history records)."""
+        by_cause = self.by_cause
+        if len(causes) > 1 and causes.count(causes[0]) == len(causes):
+            by_cause[causes[0]] += len(causes)
         else:
-            self.reuse_gap_counts[-1] += 1
-        self.reuse_gap_sum_s += gap_s
+            for cause, num in Counter(causes).items():
+                by_cause[cause] += num
+        if causes and causes[0] in _GAP_CAUSES or any(cause in _GAP_CAUSES for cause in set(causes)):
+            self.add_gaps([now_s - (packed >> 24) for packed, cause in zip(removals, causes)
+                           if packed is not None and cause in _GAP_CAUSES])
+
+
+_GAP_CAUSES = frozenset((EVICTED, EXPIRED, DROPPED))
+"""The causes whose gap since the removal the reuse-gap histogram counts."""
 
 
 def classify(resident: Sequence[bool], removals: Sequence[int | None], *, namespace_cause: str = NEVER_STORED,
@@ -207,6 +243,8 @@ def classify(resident: Sequence[bool], removals: Sequence[int | None], *, namesp
             namespace was never stored here and a near one was.
         shared_down: whether the shared tier failed this lookup: a block that left for it is ``tier_unavailable``.
     """
+    if True not in resident and removals.count(None) == len(removals):  # the common case: all new
+        return [namespace_cause] * len(removals)
     causes = []
     for here, packed in zip(resident, removals):
         if here:

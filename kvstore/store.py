@@ -174,7 +174,7 @@ class TieredStore:
     # ------------------------------------------------------------------ lookup
 
     async def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
-                     ttl_s: float | None = None) -> LookupResult:
+                     ttl_s: float | None = None, request_id: str | None = None) -> LookupResult:
         """The longest cached prefix of ``block_hashes`` and the tier of each of its blocks.
 
         Lookup does not change recency; a following :meth:`get` does. Each block
@@ -187,16 +187,18 @@ class TieredStore:
                 policy learns from it.
             ttl_s: a cache-control TTL, seconds: the cached prefix is pinned with it until the get that follows
                 (which pins it again), so an eviction in between cannot take it. Clamped to ``store.pins.max_ttl_s``.
+            request_id: names the request, so that :meth:`explain_request` can explain it later (the last
+                lookups are kept, ``kvstore.explain.MAX_RECENT_REQUESTS``).
 
         Raises:
             InvalidArgumentError: on a hash of the wrong length, a bad session id or TTL.
             UnavailableError: if the store is closed.
         """
-        located = await self.locate(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s)
+        located = await self.locate(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s, request_id=request_id)
         return LookupResult.from_block_tiers(located, self._tier_names)
 
     async def locate(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
-                     ttl_s: float | None = None) -> bytes:
+                     ttl_s: float | None = None, request_id: str | None = None) -> bytes:
         """:meth:`lookup` in its compact form: the tier of each block of the longest cached prefix, as a byte.
 
         Returns:
@@ -237,6 +239,8 @@ class TieredStore:
             missed = keys[len(located):]
             self.misses.lookup_missed(namespace, missed, self.index.resident_many(missed),
                                       self.index.namespace_bytes(namespace.tag), shared_down)
+        if request_id:
+            self.misses.remember(check_session_id(request_id), namespace, block_hashes)
         return located
 
     # ------------------------------------------------------------------ get
@@ -415,6 +419,10 @@ class TieredStore:
         hit = levels.index(None) if None in levels else len(levels)
         return self.misses.explain(namespace, block_hashes, keys, levels, hit, self.index.namespace_bytes(namespace.tag),
                                    shared_down)
+
+    def recent_request(self, request_id: str) -> tuple[Namespace, list[bytes]] | None:
+        """The namespace and block hashes of the last lookup named ``request_id``, while it is remembered."""
+        return self.misses.recent(request_id)
 
     def clamp_ttl(self, ttl_s: float | None) -> float:
         """A request's TTL checked and clamped to ``store.pins.max_ttl_s`` (a clamp is counted, not refused).

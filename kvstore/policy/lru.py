@@ -196,6 +196,17 @@ class PriorityLRUPolicy:
         """Whether the TTL of ``key`` runs."""
         return key in self._pins
 
+    @property
+    def uniform_priority(self) -> int | None:
+        """The priority of every tracked key when all have the default one and none is pinned, else ``None``
+        (batch callers skip asking key by key)."""
+        return None if self._priority else self.default_priority
+
+    @property
+    def num_ran_out(self) -> int:
+        """Tracked keys whose TTL ran out (:meth:`ttl_ran_out`)."""
+        return len(self._ran_out)
+
     def ttl_ran_out(self, key: K) -> bool:
         """Whether ``key`` had a TTL that ran out (not one ended by :meth:`unpin` or :meth:`cool`)."""
         return key in self._ran_out

@@ -102,13 +102,17 @@ class _Shadow:
     answers one question: would that policy have hit this access?
     """
 
-    __slots__ = ("segments", "nbytes", "capacity_bytes", "_held")
+    __slots__ = ("segments", "nbytes", "capacity_bytes", "_held", "parked")
 
     def __init__(self, segments: _Segments, nbytes: int, capacity_bytes: int, held: set[Hashable]) -> None:
         self.segments = segments
         self.nbytes = nbytes
         self.capacity_bytes = capacity_bytes
         self._held = held
+        self.parked: OrderedDict[Hashable, int] = OrderedDict()
+        """Held keys met at probation's front while evicting, in their order there: they stay the shadow's, at its
+        front, until the tier releases a hold (:meth:`unpark`), so that evicting past them does not walk them again
+        (a put's held prefix: thousands of keys, once per new block before)."""
 
     def access(self, key: Hashable, nbytes: int) -> bool:
         """Record an access of ``key``; whether the shadow held it."""
@@ -124,31 +128,41 @@ class _Shadow:
         if key in protected:
             protected.move_to_end(key)
             return True
+        if self.parked and key in self.parked:
+            self.touch_parked(key)
+            return True
         probation[key] = nbytes
         self.nbytes += nbytes
         if self.nbytes > self.capacity_bytes:
-            victim, size = probation.popitem(last=False)  # the common case: one unpinned victim
-            self.nbytes -= size
-            if victim in self._held:
-                probation[victim] = size
-                probation.move_to_end(victim, last=False)
-                self.nbytes += size
-                self.trim()
-            elif self.nbytes > self.capacity_bytes:
-                self.trim()
+            self.trim()
         return False
 
+    def touch_parked(self, key: Hashable) -> None:
+        """An access of a parked key: where a touch puts a key of probation."""
+        self.segments.probation[key] = self.parked.pop(key)
+        self.segments.touch(key)
+
+    def unpark(self) -> None:
+        """Put the parked keys back at probation's front, in their order (a hold ended: one may be a victim now)."""
+        parked, probation = self.parked, self.segments.probation
+        for key, size in reversed(parked.items()):
+            probation[key] = size
+            probation.move_to_end(key, last=False)
+        parked.clear()
+
     def trim(self) -> None:
-        """Evict the shadow's own victims until it fits its capacity."""
-        probation, pins = self.segments.probation, self._held
+        """Evict the shadow's own victims until it fits its capacity; held keys met at probation's front are
+        parked (:attr:`parked`), so the order is the one skipping them in place gives."""
+        probation, pins, parked = self.segments.probation, self._held, self.parked
         while self.nbytes > self.capacity_bytes and probation:
-            key = next(iter(probation))
+            key, size = probation.popitem(last=False)
             if key in pins:
-                break
-            self.nbytes -= probation.pop(key)
+                parked[key] = size
+            else:
+                self.nbytes -= size
         if self.nbytes <= self.capacity_bytes:
             return
-        excess = self.nbytes - self.capacity_bytes  # held keys in the way: the general walk
+        excess = self.nbytes - self.capacity_bytes  # probation is held or parked: protected's front next
         chosen = []
         for key, size in self.segments.items():
             if key in pins:
@@ -413,6 +427,39 @@ class AdaptivePolicy(SegmentedLRUPolicy):
         self._tier_score, self._shadow_score = self._shadow_score, self._tier_score
         self.switches += 1
 
+    def release(self, key: K) -> None:
+        """End the hold of ``key`` (see :meth:`PriorityLRUPolicy.release`); the shadow's parked keys return."""
+        PriorityLRUPolicy.release(self, key)
+        if self._shadow.parked:
+            self._shadow.unpark()
+
+    def release_many(self, keys: Sequence[K]) -> None:
+        """:meth:`release` each of ``keys``, in order."""
+        for key in keys:
+            PriorityLRUPolicy.release(self, key)
+        if self._shadow.parked:
+            self._shadow.unpark()
+
+    def remove(self, key: K) -> int:
+        """Forget ``key`` (see :meth:`SegmentedLRUPolicy.remove`); a hold ends with it: the shadow's parked keys
+        return."""
+        nbytes = SegmentedLRUPolicy.remove(self, key)
+        if self._shadow.parked:
+            self._shadow.unpark()
+        return nbytes
+
+    def remove_many(self, keys: Sequence[K]) -> int:
+        """:meth:`remove` each of ``keys``; return the bytes freed."""
+        if self._held:
+            self._held.difference_update(keys)
+        if not self._all_default(keys):
+            nbytes = sum(SegmentedLRUPolicy.remove(self, key) for key in keys)
+        else:
+            nbytes = SegmentedLRUPolicy.remove_many(self, keys)
+        if self._shadow.parked:
+            self._shadow.unpark()
+        return nbytes
+
     def insert(self, key: K, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0,
                ttl_s: float = 0.0, until: float = 0.0) -> None:
         """Track ``key`` as a new block (see :meth:`PriorityLRUPolicy.insert` for arguments and errors)."""
@@ -497,6 +544,9 @@ class AdaptivePolicy(SegmentedLRUPolicy):
             elif key in shadow_q:
                 shadow_q.move_to_end(key)
                 shadow_score += size
+            elif shadow.parked and key in shadow.parked:
+                shadow.touch_parked(key)
+                shadow_score += size
             else:
                 shadow_p[key] = size
                 shadow.nbytes += size
@@ -504,8 +554,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
                     victim, victim_size = shadow_p.popitem(last=False)
                     shadow.nbytes -= victim_size
                     if victim in pins:
-                        shadow_p[victim] = victim_size
-                        shadow_p.move_to_end(victim, last=False)
+                        shadow.parked[victim] = victim_size
                         shadow.nbytes += victim_size
                         shadow.trim()
                     elif shadow.nbytes > capacity:

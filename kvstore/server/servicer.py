@@ -45,10 +45,12 @@ from kvstore.wire import (
     chunk_bytes_for,
     decode_hash_request,
     decode_put_request,
+    explanation_to_pb,
     identity,
     iter_block_chunks,
     lookup_to_pb,
     namespace_from_pb,
+    namespace_to_pb,
     parse_request,
     stats_to_pb,
 )
@@ -263,6 +265,8 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
                 _sheds_aborts(self.GetShared), identity, pb.GetSharedResponse.SerializeToString),
             "PutShared": grpc.unary_unary_rpc_method_handler(
                 _sheds_aborts(self.PutShared), identity, pb.PutResponse.SerializeToString),
+            "Explain": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Explain), identity,
+                                                           pb.ExplainResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -286,7 +290,9 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
             request = _hash_request(pb.LookupRequest, raw)
             namespace = self._namespace(request.namespace, call)
             hashes = self._hashes(request.block_hashes)
-            return lookup_to_pb(await self._store.locate(namespace, hashes), self._store.tier_names)
+            located = await self._store.locate(namespace, hashes, session_id=request.session_id,
+                                               ttl_s=request.ttl_s, request_id=request.request_id)
+            return lookup_to_pb(located, self._store.tier_names)
         raise AssertionError("unreachable")  # _call re-raises as an abort
 
     async def Get(self, raw: bytes | pb.GetRequest, context: grpc.aio.ServicerContext) -> bytes:
@@ -307,14 +313,14 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
         finds nothing returns an empty ``BlockChunk``, which carries no block.
         """
         async with self._call("Get", context) as call:
-            namespace_wire, hashes = (decode_hash_request(pb.GetRequest, raw) if type(raw) is bytes
-                                      else _hash_request(pb.GetRequest, raw))
+            namespace_wire, hashes, session_id, ttl_s, _ = (decode_hash_request(pb.GetRequest, raw) if type(raw) is bytes
+                                                            else _hash_request(pb.GetRequest, raw))
             namespace, hashes = self._namespace(namespace_wire, call), self._hashes(hashes)
             call.watch(self._watchdog)
             turn = call.reply_turn(self.replies, namespace.cache_salt, len(hashes))  # flow control: None, or wait
             if turn is not None:
                 await turn
-            read = self._store.read(namespace, hashes)
+            read = self._store.read(namespace, hashes, session_id=session_id, ttl_s=ttl_s)
             blocks = read.open_now()
             if blocks is None:
                 blocks = await read.open()
@@ -344,6 +350,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
             namespace: Namespace | None = None
             priority: int | None = None
             retention_s: float | None = None
+            session_id, ttl_s = "", 0.0
             hashes: list[bytes] = []
             assembler = BlockAssembler(self._config.store.max_block_bytes, self._max_hashes,
                                        self._config.limits.max_put_bytes)
@@ -358,6 +365,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
                             namespace = self._namespace(message.namespace.SerializeToString(), call)
                             priority = message.priority if message.HasField("priority") else None
                             retention_s = message.retention_s if message.HasField("retention_s") else None
+                            session_id, ttl_s = message.agent_session_id, message.ttl_s
                         elif message.HasField("namespace"):
                             raise InvalidArgumentError("only the first Put message may carry the namespace")
                         if message.block_hash:
@@ -379,7 +387,7 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
                 self._check_deadline(context)
                 with self._reserve(namespace, sum(len(b) for b in blocks)):
                     stored = await self._store.put(namespace, hashes, blocks, priority=priority,
-                                                   retention_s=retention_s)
+                                                   retention_s=retention_s, session_id=session_id, ttl_s=ttl_s)
                 return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
             finally:
                 if held:
@@ -401,6 +409,25 @@ class KVStoreServicer(SharedMemoryMethods, pb_grpc.KVStoreServicer):
             request = parse_request(pb.ClearRequest, raw)
             namespace = self._namespace(request.namespace.SerializeToString(), call)
             return pb.ClearResponse(num_deleted=await self._store.clear(namespace))
+        raise AssertionError("unreachable")
+
+    async def Explain(self, raw: bytes | pb.ExplainRequest, context: grpc.aio.ServicerContext) -> pb.ExplainResponse:
+        """Each block of a request, hit or the cause of its miss (``kvstore explain``); a ``request_id`` names a
+        recent Lookup's namespace and blocks (the token must cover its tenant)."""
+        async with self._call("Explain", context) as call:
+            request = parse_request(pb.ExplainRequest, raw)
+            if request.request_id:
+                found = self._store.recent_request(request.request_id)
+                if found is None:
+                    raise InvalidArgumentError(f"no recent Lookup named request_id {request.request_id!r} (the node "
+                                               f"keeps the last ones only)")
+                namespace = self._namespace(namespace_to_pb(found[0]).SerializeToString(), call)
+                hashes: Sequence[bytes] = found[1]
+            else:
+                namespace = self._namespace(request.namespace.SerializeToString(), call)
+                hashes = self._hashes(request.block_hashes)
+            blocks = await self._store.explain(namespace, hashes)
+            return explanation_to_pb(blocks, namespace, self._store.misses.near_namespace(namespace, blocks))
         raise AssertionError("unreachable")
 
     async def Stats(self, raw: bytes | pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
@@ -694,6 +721,8 @@ def _hash_request(message_type: type[Message], raw: bytes | Message) -> HashRequ
         InvalidArgumentError: if the bytes are not a well-formed ``message_type``.
     """
     if isinstance(raw, Message):
-        return HashRequest(raw.namespace.SerializeToString(), raw.block_hashes)  # type: ignore[attr-defined]
+        return HashRequest(raw.namespace.SerializeToString(), raw.block_hashes,  # type: ignore[attr-defined]
+                           getattr(raw, "agent_session_id", ""), getattr(raw, "ttl_s", 0.0),
+                           getattr(raw, "request_id", ""))
     return decode_hash_request(message_type, raw)  # type: ignore[arg-type]
 

@@ -122,7 +122,8 @@ class SharedMemoryMethods:
             shm = self._require_shm()
             namespace = self._namespace(request.namespace.SerializeToString(), call)  # type: ignore[operator]
             session = shm.session(request.session_id, call.principal)
-            read = self._store.read(namespace, self._hashes(request.block_hashes))  # type: ignore[attr-defined,operator]
+            read = self._store.read(namespace, self._hashes(request.block_hashes),  # type: ignore[attr-defined,operator]
+                                    session_id=request.agent_session_id, ttl_s=request.ttl_s)
             blocks = read.open_now()
             if blocks is None:
                 blocks = await read.open()
@@ -173,7 +174,8 @@ class SharedMemoryMethods:
             self._check_deadline(context)  # type: ignore[operator]
             with self._reserve(namespace, total_bytes):  # type: ignore[operator]
                 stored = await self._store.put(namespace, hashes, blocks,  # type: ignore[attr-defined]
-                                               priority=priority, retention_s=retention_s)
+                                               priority=priority, retention_s=retention_s,
+                                               session_id=request.agent_session_id, ttl_s=request.ttl_s)
             return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
         raise AssertionError("unreachable")
 

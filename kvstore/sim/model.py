@@ -46,6 +46,8 @@ from typing import Sequence
 
 from kvstore.continuations import Continuations
 from kvstore.errors import InvalidArgumentError
+from kvstore.misses import DEFAULT_HISTORY_BLOCKS, DROPPED, EVICTED, EXPIRED, NEVER_STORED, OTHER_NAMESPACE, \
+    MissCounts, MissHistory, classify
 from kvstore.policy import DEFAULT_PRIORITY, PriorityLRUPolicy, make_policy, resolve_policy_name
 from kvstore.policy.sessions import SessionTracker
 
@@ -68,6 +70,11 @@ class NodeModel:
     modelled); with the ``session`` policy a :class:`SessionTracker` runs beside
     the policies, fed at each lookup, whose clock is the count of lookups.
 
+    Misses are named as a node names them (``kvstore.misses``): the model keeps
+    the same bounded history of removals and counts each missed block of a lookup
+    by cause in :attr:`misses` (``lease_lost`` never happens here: a request is one
+    step; ``tier_unavailable`` neither: there is no shared tier).
+
     Args:
         policy: a name ``kvstore.policy.make_policy`` takes (``lru``, ``slru``, ``adaptive``, ``session``,
             ``default``).
@@ -75,13 +82,15 @@ class NodeModel:
         disk_capacity_blocks: blocks the disk tier holds; 0 for no disk tier.
         default_priority: the tiers' default priority.
         max_pinned_fraction: the share of a tier's blocks that may be pinned at once.
+        history_blocks: removals remembered to name misses (the node's ``store.miss_history_blocks``).
 
     Raises:
         InvalidArgumentError: on an unknown policy or a capacity out of range.
     """
 
     def __init__(self, policy: str, capacity_blocks: int, *, disk_capacity_blocks: int = 0,
-                 default_priority: int = DEFAULT_PRIORITY, max_pinned_fraction: float = 0.5) -> None:
+                 default_priority: int = DEFAULT_PRIORITY, max_pinned_fraction: float = 0.5,
+                 history_blocks: int = DEFAULT_HISTORY_BLOCKS) -> None:
         if capacity_blocks <= 0 or disk_capacity_blocks < 0:
             raise InvalidArgumentError(f"capacities must be > 0 (memory) and >= 0 (disk) blocks, "
                                        f"got {capacity_blocks} and {disk_capacity_blocks}")
@@ -105,6 +114,10 @@ class NodeModel:
         self.lookups = 0
         self.evicted_blocks = 0
         self.demoted_blocks = 0
+        self.history: MissHistory[int] = MissHistory(history_blocks)
+        self.misses = MissCounts()
+        """Blocks missed by cause, and reuse gaps (trace seconds)."""
+        self._namespaces: set[str] = set()  # namespaces put under
 
     def _clock(self) -> float:
         return self.now
@@ -125,7 +138,7 @@ class NodeModel:
         return None
 
     def request(self, blocks: Sequence[int], now: float = 0.0, priority: int | None = None,
-                expires_at: float = 0.0, session: str = "", ttl_s: float = 0.0) -> RequestHits:
+                expires_at: float = 0.0, session: str = "", ttl_s: float = 0.0, namespace: str = "") -> RequestHits:
         """Replay one request (module docstring, steps 1-5) and return its hits.
 
         Args:
@@ -135,21 +148,39 @@ class NodeModel:
             expires_at: when that priority's retention ends (0.0 for none).
             session: the session it names (``""``: none).
             ttl_s: the TTL its get and put carry, seconds (0.0: none).
+            namespace: the name of its namespace, for the misses' causes (a request in a namespace never put
+                under, while another was, misses ``other_namespace``); its ids must not collide with another's.
         """
         self.now = now
         self.lookups += 1
+        begin = getattr(self.policies[0], "begin_request", None)  # a simulator baseline's (``kvstore.sim.baselines``)
+        if begin is not None:
+            begin()
         hits = RequestHits()
         levels = self._lookup(blocks)
         if session and self.sessions is not None:
             self.sessions.request(session, blocks, self.lookups)
         h = len(levels)
+        if h < len(blocks):
+            self._count_misses(blocks[h:], namespace, now)
         if h:
             hits.memory = levels.count(0)
             hits.disk = h - hits.memory
             self._get(blocks[:h], levels, now, ttl_s)
         if h < len(blocks):
-            self._put(blocks[h:], now, priority, expires_at, ttl_s, session)
+            self._namespaces.add(namespace)
+            self._put(blocks[h:], now, priority, expires_at, ttl_s, session, h)
         return hits
+
+    def _count_misses(self, missed: Sequence[int], namespace: str, now: float) -> None:
+        """Each missed block's cause, as ``kvstore.explain.MissLedger.lookup_missed`` names it."""
+        resident = self.policies[0].contains_many(missed)
+        for policy in self.policies[1:]:
+            resident = [a or b for a, b in zip(resident, policy.contains_many(missed))]
+        removals = self.history.get_many(missed)
+        other = namespace not in self._namespaces and bool(self._namespaces)
+        causes = classify(resident, removals, namespace_cause=OTHER_NAMESPACE if other else NEVER_STORED)
+        self.misses.count(causes, removals, now)
 
     def _lookup(self, blocks: Sequence[int]) -> list[int]:
         policies = self.policies
@@ -200,7 +231,7 @@ class NodeModel:
             disk.release_many([key for key in reversed(moving) if key in disk])
 
     def _put(self, keys: Sequence[int], now: float, priority: int | None, expires_at: float, ttl_s: float = 0.0,
-             session: str = "") -> None:
+             session: str = "", depth: int = 0) -> None:
         policies = self.policies
         if len(policies) == 1:
             found = policies[0].contains_many(keys)
@@ -226,6 +257,9 @@ class NodeModel:
         if not fresh:
             return
         protect = self._continuations.pop(fresh[0])
+        admit = getattr(policies[0], "admit_put", None)  # a simulator baseline's gate (``kvstore.sim.baselines``)
+        if admit is not None and not admit(fresh, depth):
+            return
         sessions = self.sessions
         if sessions is not None:
             allowed = sessions.admissible(self.lookups) if session else None
@@ -308,11 +342,22 @@ class NodeModel:
 
     def _evict(self, level: int, victims: list[int], now: float) -> None:
         policy = self.policies[level]
+        history = self.history
         if level + 1 < len(self.policies):
             kept = {key: self._meta(policy, key) for key in victims}
             policy.hold_many(victims)  # claimed while they move out, as the index does; removed with them
-            self._place_in(level + 1, victims, now, metas=kept, source=level)
+            dropped = self._place_in(level + 1, victims, now, metas=kept, source=level)
             self.demoted_blocks += len(victims)
+            if history.capacity and dropped:
+                history.record_many(dropped, DROPPED, now, level, [kept[key][0] for key in dropped])
         else:
             self.evicted_blocks += len(victims)
+            if history.capacity:
+                expired = [key for key in victims if policy.ttl_ran_out(key)] if policy.num_ran_out else []
+                evicted = [key for key in victims if key not in set(expired)] if expired else victims
+                uniform = getattr(policy, "uniform_priority", 0)  # a baseline has no priorities
+                for part, cause in ((expired, EXPIRED), (evicted, EVICTED)):
+                    history.record_many(part, cause, now, level,
+                                        [uniform] * len(part) if uniform is not None else
+                                        list(map(policy.priority_of, part)))
         policy.remove_many(victims)
