@@ -143,7 +143,8 @@ class EmbeddedStore:
 
         return self._call(copy())
 
-    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> BlockLease:
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+             ttl_s: float | None = None) -> BlockLease:
         """The encoded blocks of the longest cached prefix in place, held until released (a :class:`BlockLease`).
 
         As :meth:`kvstore.client.KVStoreClient.read`: each block is a read-only
@@ -156,7 +157,7 @@ class EmbeddedStore:
             InvalidArgumentError: on a hash of the wrong length.
             UnavailableError: if the store is closed.
         """
-        read = self._store.read(namespace, block_hashes)
+        read = self._store.read(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s)
         blocks = self._call(read.open())
 
         def release() -> None:

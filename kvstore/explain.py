@@ -2,9 +2,9 @@
 
 ``kvstore.misses`` holds the causes and the history of removals (pure logic,
 shared with the simulator); this module is the store's use of them. A lookup's
-missed blocks are counted by cause (:meth:`MissLedger.lookup_missed`), a get's
-missing blocks as ``lease_lost`` (a connector gets only what its lookup found,
-so a block missing then was evicted in between), and :meth:`MissLedger.explain`
+missed blocks are counted by cause (:meth:`MissLedger.lookup_missed`); a get
+that falls short of a prefix a lookup had found counts its missing blocks as
+``lease_lost`` (evicted in between); and :meth:`MissLedger.explain`
 gives one request's blocks, hit or cause, in words and as data (``kvstore
 explain``, ``docs/agentic.md``).
 """
@@ -41,6 +41,9 @@ MAX_RECENT_REQUESTS = 4096
 
 MAX_RECENT_BLOCKS = 1 << 16
 """Block hashes those remembered lookups keep at most (the oldest lookups are forgotten first past it)."""
+
+MAX_PROMISED = 4096
+"""Cached prefixes lookups found, remembered by their last block, so that a get falling short of one counts."""
 
 MAX_NAMESPACES = 4096
 """Namespaces a node remembers (the first put of each), the least recently stored to forgotten first."""
@@ -173,6 +176,7 @@ class MissLedger:
         self._clock = clock
         self._recent: OrderedDict[str, tuple[Namespace, list[bytes]]] = OrderedDict()
         self._recent_blocks = 0
+        self._promised: OrderedDict[BlockKey, None] = OrderedDict()
 
     def namespace_cause(self, namespace: Namespace, namespace_bytes: int) -> str:
         """What a block with no record of its own is in ``namespace``: ``other_namespace`` when the node never
@@ -191,9 +195,19 @@ class MissLedger:
         self.counts.count(causes, removals, self._clock() if self.history.capacity else 0.0)
         return causes
 
-    def get_missed(self, num_blocks: int) -> None:
-        """Count ``num_blocks`` a get asked for and did not get (``lease_lost``)."""
-        if num_blocks > 0:
+    def promise(self, last_key: BlockKey) -> None:
+        """A lookup found a cached prefix ending at ``last_key``: a get of it that falls short lost a race."""
+        promised = self._promised
+        promised[last_key] = None
+        promised.move_to_end(last_key)
+        if len(promised) > MAX_PROMISED:
+            promised.popitem(last=False)
+
+    def get_missed(self, last_key: BlockKey | None, num_blocks: int) -> None:
+        """A get (whose last key is ``last_key``) did not return ``num_blocks`` of its blocks: counted as
+        ``lease_lost`` when a lookup had found them (:meth:`promise`); a get no lookup promised is no request of
+        its own (a connector that gets without a lookup looks up before its put, where misses are counted)."""
+        if num_blocks > 0 and last_key is not None and self._promised.pop(last_key, 0) is None:
             self.counts.by_cause[LEASE_LOST] += num_blocks
 
     def explain(self, namespace: Namespace, block_hashes: Sequence[bytes], keys: Sequence[BlockKey],

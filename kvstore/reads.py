@@ -10,7 +10,7 @@ from kvstore.config import StoreConfig
 from kvstore.counts import TierCounts, count_get
 from kvstore.explain import MissLedger
 from kvstore.index import Entry, Index, ReadStep
-from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
+from kvstore.keys import BlockHash, BlockKey, Namespace, block_key, block_keys
 from kvstore.mover import Mover
 from kvstore.tiers.base import Buffer, LeasingTier, SharedTier, Tier
 
@@ -184,8 +184,9 @@ class ReadPath:
                     counts.misses += 1
             read.top_misses = None
             read.num_returned = read.num_lent
-        if read.num_returned >= 0 and self.misses is not None:
-            self.misses.get_missed(len(read.block_hashes) - read.num_returned)
+        if read.num_returned >= 0 and self.misses is not None and read.num_returned < len(read.block_hashes):
+            self.misses.get_missed(block_key(read.namespace, read.block_hashes[-1]),
+                                   len(read.block_hashes) - read.num_returned)
         for release in read.releases:
             release()
         self._mover.release(read.held)

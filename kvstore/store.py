@@ -230,6 +230,8 @@ class TieredStore:
         self._lookup_miss_blocks += len(keys) - len(located)
         if 0 < len(located) < len(keys):  # the put of the rest protects this prefix (``put``)
             self._placement.continuations.record(keys, len(located))
+        if located:
+            self.misses.promise(keys[len(located) - 1])
         self._lookups += 1
         if session and self.sessions is not None:
             self.sessions.request(session, keys, self._lookups)

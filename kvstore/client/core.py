@@ -362,7 +362,8 @@ class _Client:
         return self._run(self._per_node(block_hashes, rpc, lambda partition: functools.partial(_merge_copied, partition),
                                         destinations, single=functools.partial(_merge_copied, None)))
 
-    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+             ttl_s: float | None = None) -> Any:
         """The encoded blocks of the longest cached prefix in place, until released (a :class:`BlockLease`).
 
         ``with client.read(ns, hashes) as blocks:`` (``with await ...`` on the
@@ -377,9 +378,10 @@ class _Client:
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
         check_block_hashes(namespace, block_hashes)
+        agent, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
 
         def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
-            return _get_then(namespace, hashes, lambda blocks: BlockLease(blocks, []), SharedSession.lease)
+            return _get_then(namespace, hashes, lambda blocks: BlockLease(blocks, []), SharedSession.lease, agent, ttl)
 
         def merge(partition: Partition) -> Callable[[list[Any]], BlockLease]:
             return lambda results: BlockLease.merge(
