@@ -157,11 +157,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _confirm_near(client: Any, namespace: Namespace | None, near: Namespace | None,
                   tokens: list[int] | None) -> dict[str, int] | None:
-    """With tokens and a near namespace: how many of the same tokens' blocks it holds (a lookup there)."""
+    """With tokens and a near namespace: how many of the same tokens' blocks it holds (an Explain there, which,
+    unlike a Lookup, counts nothing)."""
     if near is None or tokens is None or namespace is None:
         return None
     near_hashes = hash_blocks(near, tokens)
-    return {"blocks": len(near_hashes), "hit_blocks": client.lookup(near, near_hashes).num_blocks}
+    blocks, _, _ = client.explain(near, near_hashes)
+    return {"blocks": len(near_hashes), "hit_blocks": sum(block.hit for block in blocks)}
 
 
 def _namespace_dict(namespace: Namespace | None) -> dict[str, Any] | None:

@@ -148,7 +148,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        await shut_down(self._mover, self._tiers, self._shared)
+        await shut_down(self._mover, self._tiers, self._shared, self.index)
 
     async def __aenter__(self) -> TieredStore:
         await self.start()

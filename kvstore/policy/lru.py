@@ -400,12 +400,12 @@ class PriorityLRUPolicy:
 
         The ``session`` policy's dead chains (``kvstore.policy.sessions``).
         """
-        default = self._levels[self.default_priority]
-        present = [key for key, hit in zip(keys, map(default.__contains__, keys)) if hit]  # C loops
         if self._pins:
             pinned = [key for key in keys if key in self._pins and key not in self._out]
             if pinned:
                 self._unpin_to_front(pinned[::-1])
+        default = self._levels[self.default_priority]
+        present = [key for key, hit in zip(keys, map(default.__contains__, keys)) if hit]  # C loops
         others = self._priority
         if others:
             for key in keys:

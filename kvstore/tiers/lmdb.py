@@ -110,6 +110,9 @@ class LMDBTier:
             :func:`default_map_size_bytes` of the capacity when ``None``. A file
             already larger keeps its size (LMDB never shrinks one).
         num_reader_threads: threads that run read transactions.
+        compressor: compresses the blocks stored (``kvstore.tiers.compression``); none by default.
+        clock: the time of a get, wall-clock seconds: a block's recency, and its TTL's renewal, as a restart
+            finds them (the store's clock; ``time.time`` by default).
 
     Raises:
         InvalidArgumentError: on a negative capacity.
@@ -129,8 +132,10 @@ class LMDBTier:
         map_size_bytes: int | None = None,
         num_reader_threads: int = 4,
         compressor: Compressor | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._compressor = compressor or Compressor()  # blocks stored compressed (kvstore.tiers.compression)
+        self._clock = clock  # a get's time: the block's recency, and its TTL's renewal, across a restart
         if capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
@@ -291,7 +296,7 @@ class LMDBTier:
         if not keys:
             return []
         values, corrupt, unreadable = await self._run(self._readers, self._get_txn, list(keys), self._set_aside.copy())
-        now = time.time()
+        now = self._clock()
         for position, (key, value) in enumerate(zip(keys, values)):
             if value is not None:  # the keys of a read are a prefix in order: its head is the most recent
                 self._touched[key] = now - position * CHAIN_STEP_S
@@ -363,6 +368,32 @@ class LMDBTier:
         for key in keys:
             self._touched.pop(key, None)
         return self._write(self._delete_txn, list(keys), on_success=self._delete_failed)
+
+    async def set_pins(self, keys: Sequence[BlockKey], pins: Sequence[tuple[float, float]]) -> None:
+        """Record the TTL of blocks this tier holds, ``(ttl_s, pinned_until)`` each, in their meta records: a TTL
+        given to (or renewed on) a block after it was written here is what a restart restores
+        (``kvstore.lifecycle.shut_down``). A key not held is skipped.
+
+        Raises:
+            UnavailableError: if the tier is closed or LMDB fails other than on a record.
+        """
+        self._check_open()
+        if keys:
+            await self._write(self._pins_txn, list(keys), list(pins))
+
+    def _pins_txn(self, keys: list[BlockKey], pins: list[tuple[float, float]],
+                  touched: Mapping[BlockKey, float]) -> None:
+        def set_one(txn: lmdb.Transaction, i: int) -> int:
+            parsed = _unpack_meta(txn.get(keys[i], db=self._meta))
+            if parsed is not None:
+                meta, nbytes = parsed
+                ttl_s, until = pins[i]
+                last = max(meta.last_access, touched.get(keys[i], 0.0))
+                txn.put(keys[i], _pack_meta(BlockMeta(meta.priority, meta.expires_at, last, ttl_s, until), nbytes),
+                        db=self._meta)
+            return 0
+
+        self._transact(keys, set_one, touched)
 
     async def resident(self) -> list[ResidentEntry]:
         """Every block held, with its meta as of the last get; records that do not pair up are repaired or dropped.
