@@ -5,6 +5,12 @@ object, the eviction policy's entry (the store's index) and the memory tier's
 record of the block's pages. The page pool itself is allocated before the
 measurement starts and is not counted.
 
+A second row has the agentic features on (``docs/agentic.md``): the ``session``
+policy, a TTL on a tenth of the blocks, the session tracker holding the last
+chain of a session per thousand blocks (every block in one), and the history of
+removals full at ``store.miss_history_blocks`` (its default, 65,536 removed
+blocks, whose keys it keeps alive), all divided by the blocks cached.
+
 Run: python benchmarks/bench_index.py [num_blocks]
 Writes benchmarks/results/bench_index.{md,json}.
 """
@@ -18,7 +24,9 @@ import tracemalloc
 from pathlib import Path
 
 from kvstore.keys import Namespace, block_key, hash_blocks
-from kvstore.policy import PriorityLRUPolicy
+from kvstore.misses import DEFAULT_HISTORY_BLOCKS, EVICTED, MissHistory
+from kvstore.policy import PriorityLRUPolicy, make_policy
+from kvstore.policy.sessions import SessionTracker
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.memory import MemoryTier
 
@@ -56,9 +64,15 @@ def main() -> int:
     per_policy = (after_policy - after_keys) / num_blocks
     per_tier = (after_tier - after_policy) / num_blocks
     total = per_key + per_policy + per_tier
+    del policy
+    agentic = agentic_bytes(ns, keys, page)
+    agentic_total = per_key + agentic["policy"] + agentic["sessions"] + agentic["history"] + per_tier
     result = {
         "num_blocks": num_blocks, "key_bytes_per_block": per_key, "policy_bytes_per_block": per_policy,
         "memory_tier_bytes_per_block": per_tier, "total_bytes_per_block": total, "goal_bytes": GOAL_BYTES,
+        "agentic": {"session_policy_bytes_per_block": agentic["policy"],
+                    "session_tracker_bytes_per_block": agentic["sessions"],
+                    "miss_history_bytes_per_block": agentic["history"], "total_bytes_per_block": agentic_total},
     }
     text = "\n".join([
         "# Index overhead per cached block", "",
@@ -68,12 +82,51 @@ def main() -> int:
         f"| eviction policy entry (the store's index) | {per_policy:.0f} |",
         f"| memory tier page record | {per_tier:.0f} |",
         f"| **total** | **{total:.0f}** (goal <= {GOAL_BYTES}: {'met' if total <= GOAL_BYTES else 'MISSED'}) |",
+        "",
+        "With sessions, TTLs and the cause history on (the `session` policy, a TTL on a tenth of the blocks, one "
+        "tracked session per thousand blocks, the history of removals full at its default of "
+        f"{DEFAULT_HISTORY_BLOCKS:,}):",
+        "",
+        "| part | bytes per block |", "|---|---|",
+        f"| key object | {per_key:.0f} |",
+        f"| eviction policy entry (session policy, TTLs) | {agentic['policy']:.0f} |",
+        f"| session tracker (last chains) | {agentic['sessions']:.0f} |",
+        f"| history of removals (miss causes) | {agentic['history']:.0f} |",
+        f"| memory tier page record | {per_tier:.0f} |",
+        f"| **total** | **{agentic_total:.0f}** (goal <= {GOAL_BYTES}: "
+        f"{'met' if agentic_total <= GOAL_BYTES else 'MISSED'}) |",
     ]) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bench_index.md").write_text(text)
     (RESULTS / "bench_index.json").write_text(json.dumps(result, indent=2))
     return 0
+
+
+def agentic_bytes(ns: Namespace, keys: list[bytes], page: int) -> dict[str, float]:
+    """Bytes per block of the session policy with TTLs on a tenth of the blocks, of the session tracker, and of
+    a full history of removals (its keys are other blocks', kept alive by it), each measured alone."""
+    num_blocks = len(keys)
+    tracemalloc.start()
+    start = tracemalloc.get_traced_memory()[0]
+    policy = make_policy("session", capacity_bytes=num_blocks * page, clock=lambda: 0.0)
+    for i, key in enumerate(reversed(keys)):
+        policy.insert(key, page, ttl_s=300.0 if i % 10 == 0 else 0.0)
+    after_policy = tracemalloc.get_traced_memory()[0]
+    tracker: SessionTracker[bytes] = SessionTracker(num_blocks * page, lambda chain: None)
+    chain = 1000
+    for n in range(0, num_blocks, chain):
+        tracker.request(f"session-{n}", keys[n:n + chain], n)
+    after_tracker = tracemalloc.get_traced_memory()[0]
+    removed = [block_key(ns, h) for h in hash_blocks(ns, range(num_blocks, num_blocks + DEFAULT_HISTORY_BLOCKS))]
+    history: MissHistory[bytes] = MissHistory(DEFAULT_HISTORY_BLOCKS)
+    for start_at in range(0, len(removed), 4096):
+        history.record_many(removed[start_at:start_at + 4096], EVICTED, 1.7e9, 0, [35] * 4096)
+    del removed  # the history keeps its keys alive: counted
+    after_history = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"policy": (after_policy - start) / num_blocks, "sessions": (after_tracker - after_policy) / num_blocks,
+            "history": (after_history - after_tracker) / num_blocks}
 
 
 if __name__ == "__main__":

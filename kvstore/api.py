@@ -120,7 +120,8 @@ class StoreStats:
             requested that many seconds after their eviction: mass at short gaps says the cache is too small.
         reuse_gap_sum_s: the sum of those gaps, seconds.
         counters: node-wide counts of sessions and TTLs (``docs/agentic.md``): ``pinned_bytes``,
-            ``pins_refused_tier``, ``pins_refused_node``, ``pins_refused_tenant``, ``ttl_clamped``, ``sessions``,
+            ``pins_refused_tier``, ``pins_refused_node``, ``pins_refused_tenant``, ``pins_displaced``,
+            ``ttl_clamped``, ``sessions``,
             ``cooled_chains``, ``bounded_puts``, ``miss_history_blocks``.
     """
 

@@ -115,6 +115,7 @@ def agentic_stats(stats: StoreStats, store: TieredStore) -> StoreStats:
         "pins_refused_tier": refused.get("tier", 0),
         "pins_refused_node": refused.get("node", 0),
         "pins_refused_tenant": refused.get("tenant", 0),
+        "pins_displaced": index.pins.displaced,
         "ttl_clamped": store.ttl_clamped,
         "sessions": len(store.sessions) if store.sessions is not None else 0,
         "cooled_chains": store.sessions.cooled_chains if store.sessions is not None else 0,

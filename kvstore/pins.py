@@ -44,19 +44,31 @@ class Pins:
         self._capacities = capacities
         self.limits = limits
         self.refused: dict[str, int] = {}
+        self.displaced = 0
+        """Pins given up for newer ones over a tier's share (each call that did: a count of events)."""
         self.tenants: dict[bytes, str] = {}
 
     def allow(self, level: int, key: BlockKey, nbytes: int) -> bool:
-        """Whether ``nbytes`` more of ``key``'s may be pinned in tier ``level``; a refusal is counted."""
+        """Whether ``nbytes`` more of ``key``'s may be pinned in tier ``level``; a refusal is counted.
+
+        Over the tier's share the least recently used pins of the tier end first (counted as ``displaced``): the
+        share holds the most recently used pinned blocks. Over the node's or the tenant's bytes the new pin is
+        refused.
+        """
         limits, policies = self.limits, self._policies
         bound = ""
-        if policies[level].pinned_nbytes + nbytes > limits.max_tier_fraction * self._capacities[level]:
-            bound = "tier"
-        elif limits.max_bytes and self.pinned_bytes() + nbytes > limits.max_bytes:
+        if limits.max_bytes and self.pinned_bytes() + nbytes > limits.max_bytes:
             bound = "node"
         elif limits.max_tenant_bytes and self.tenant_bytes(self.tenants.get(key[:NAMESPACE_TAG_BYTES], "")) \
                 + nbytes > limits.max_tenant_bytes:
             bound = "tenant"
+        else:
+            excess = policies[level].pinned_nbytes + nbytes - int(limits.max_tier_fraction * self._capacities[level])
+            if excess > 0:
+                freed = policies[level].unpin_oldest(excess)
+                self.displaced += freed > 0
+                if freed < excess:
+                    bound = "tier"
         if bound:
             self.refused[bound] = self.refused.get(bound, 0) + 1
         return not bound

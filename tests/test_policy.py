@@ -399,3 +399,15 @@ def test_a_dead_chain_goes_to_the_front_tail_first_and_unpinned(name: str) -> No
     policy.hold("a")
     policy.cool(["a", "z"])  # a held key and an unknown one are skipped
     assert policy.victims(3) == ["e", "d", "c"]
+
+
+def test_unpinning_the_oldest_keeps_the_order_lru_would_have_under_one_ttl() -> None:
+    policy = make_policy("lru")
+    for key in "abcd":
+        policy.insert(key, 1, ttl_s=60.0)
+    policy.touch("a")
+    assert policy.unpin_oldest(2) == 2  # b and c, the least recently used pins
+    assert [policy.is_pinned(k) for k in "abcd"] == [True, False, False, True]
+    assert list(policy) == ["b", "c", "d", "a"]  # the eviction order is LRU's
+    policy.hold("d")
+    assert policy.unpin_oldest(5) == 2 and policy.pinned_nbytes == 0

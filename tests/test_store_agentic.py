@@ -43,8 +43,10 @@ def test_pins_over_a_bound_are_refused_as_pins_not_as_puts() -> None:
             assert (await store.lookup(NS, HASHES[:6])).num_blocks == 6
             stats = store.stats()
             footprint = store.tiers[0].footprint(len(BLOCKS[0]))
-            assert stats.tiers[0].pinned_bytes == 2 * footprint  # a quarter of 8 blocks
-            assert stats.counters["pins_refused_tier"] == 4
+            assert stats.tiers[0].pinned_bytes == 2 * footprint  # a quarter of 8 blocks: the last pinned keep theirs
+            assert stats.counters["pins_displaced"] == 4 and stats.counters["pins_refused_tier"] == 0
+            policy = store.index.policies[0]
+            assert [policy.is_pinned(block_key(NS, h)) for h in HASHES[:6]] == [True, True] + [False] * 4
             await store.put(NS, HASHES[6:7], BLOCKS[6:7], ttl_s=3600.0)  # over store.pins.max_ttl_s: clamped
             assert store.stats().counters["ttl_clamped"] == 1
 

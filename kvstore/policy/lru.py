@@ -259,6 +259,32 @@ class PriorityLRUPolicy:
         if key in self._pins:
             self._unpin_to_front([key])
 
+    def unpin_oldest(self, nbytes: int) -> int:
+        """End the TTLs of the least recently used pinned keys until ``nbytes`` are unpinned (a held key taken out
+        of the order is not met); each goes to the most recent end of its priority level, so that under one TTL
+        for every key the whole order stays LRU's. Returns the bytes unpinned (fewer than ``nbytes`` when the
+        pins left are out of the order).
+
+        A bounded share of pins (``store.pins.max_tier_fraction``) keeps the most recently used pinned keys.
+        """
+        run = self._levels[PIN_LEVEL]
+        freed, taken = 0, []
+        for key, size in run.items():
+            if freed >= nbytes:
+                break
+            taken.append(key)
+            freed += size
+        for key in taken:
+            level = self._pin_priority.pop(key, self.default_priority)
+            if level == self.default_priority:
+                del self._priority[key]
+            else:
+                self._priority[key] = level
+            size = run.pop(key)
+            self._forget_pin(key, size)
+            self._put_touched(key, size, False)
+        return freed
+
     def _move_pinned(self, key: K) -> None:
         run = self._levels[PIN_LEVEL]
         if key in run:

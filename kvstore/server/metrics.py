@@ -403,6 +403,8 @@ def agentic_families(stats: StoreStats | None) -> list[CounterMetricFamily | Gau
         ("session_cooled_chains", "Dead chains (compacted, or of finished subagents) moved to the front of eviction "
                                   "by the session policy."),
         ("session_bounded_puts", "Puts of a session whose new blocks the session policy's admission cut short."),
+        ("pins_displaced", "Pins a tier's share (store.pins.max_tier_fraction) ended, the least recently used "
+                           "first, for newer ones."),
     )}
     refused = CounterMetricFamily("kvstore_pins_refused", "Blocks stored without their TTL because a bound on pinned "
                                   "bytes refused it (store.pins), by bound.", labels=["bound"])
@@ -428,6 +430,7 @@ def agentic_families(stats: StoreStats | None) -> list[CounterMetricFamily | Gau
     counters["ttl_clamped"].add_metric([], node.get("ttl_clamped", 0))
     counters["session_cooled_chains"].add_metric([], node.get("cooled_chains", 0))
     counters["session_bounded_puts"].add_metric([], node.get("bounded_puts", 0))
+    counters["pins_displaced"].add_metric([], node.get("pins_displaced", 0))
     for bound in ("tier", "node", "tenant"):
         refused.add_metric([bound], node.get(f"pins_refused_{bound}", 0))
     gauges["pinned_bytes"].add_metric([], node.get("pinned_bytes", 0))

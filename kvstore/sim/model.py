@@ -126,9 +126,17 @@ class NodeModel:
         for policy in self.policies:
             policy.cool(chain)
 
+    def _allow_pin(self, level: int) -> bool:
+        """Whether tier ``level`` may pin one more block: over its share the least recently used pins end first,
+        as on a node (``kvstore.pins.Pins.allow``); refused only when those are held."""
+        policy = self.policies[level]
+        excess = policy.pinned_nbytes + 1 - self._max_pinned[level]
+        return excess <= 0 or policy.unpin_oldest(excess) >= excess
+
     def _ttl_for(self, level: int, ttl_s: float) -> float:
-        """``ttl_s`` if tier ``level`` may pin one more block, else 0.0 (the node refuses the pin, not the block)."""
-        return ttl_s if ttl_s and self.policies[level].pinned_nbytes < self._max_pinned[level] else 0.0
+        """``ttl_s`` if tier ``level`` may pin one more block (:meth:`_allow_pin`), else 0.0 (the node refuses the
+        pin, not the block)."""
+        return ttl_s if ttl_s and self._allow_pin(level) else 0.0
 
     def tier_of(self, key: int) -> int | None:
         """The tier holding ``key`` (0 memory, 1 disk), or ``None``."""
@@ -200,9 +208,9 @@ class NodeModel:
     def _pin(self, level: int, keys: Sequence[int], ttl_s: float) -> None:
         """Pin the resident ``keys`` of tier ``level`` with ``ttl_s``, tail first, while the tier's cap allows
         (``Index.pin``)."""
-        policy, cap = self.policies[level], self._max_pinned[level]
+        policy = self.policies[level]
         for key in reversed(keys):
-            if key in policy and (policy.is_pinned(key) or policy.pinned_nbytes < cap):
+            if key in policy and (policy.is_pinned(key) or self._allow_pin(level)):
                 policy.pin(key, ttl_s)
 
     def _meta(self, policy: PriorityLRUPolicy, key: int) -> tuple[int, float, float, float]:
@@ -310,12 +318,11 @@ class NodeModel:
                     self._evict(level, victims, now)
                 if source is None and meta is not None:  # new blocks of a put: none is tracked here
                     priority, expires_at, ttl_s = meta
-                    pins = max(0, self._max_pinned[level] - policy.pinned_nbytes) if ttl_s else 0
-                    cut = max(start, end - pins)  # pinned tail first, while the tier's cap allows (Index.publish)
-                    if cut < end:
-                        policy.insert_many(keys[cut:end], 1, priority, expires_at, ttl_s)
-                    if start < cut:
-                        policy.insert_many(keys[start:cut], 1, priority, expires_at)
+                    if not ttl_s:
+                        policy.insert_many(keys[start:end], 1, priority, expires_at)
+                    else:  # published tail first, each pinned as the tier's share allows (Index.publish)
+                        for key in reversed(keys[start:end]):
+                            policy.insert(key, 1, priority, expires_at, self._ttl_for(level, ttl_s))
                 else:
                     moved = []
                     for i in range(end - 1, start - 1, -1):

@@ -348,8 +348,8 @@ def _uniform_hash_request(message: bytes) -> HashRequest | None:
         tags = message[end::stride]  # protobuf's own order puts the agentic fields last: the hashes, then them
         count = len(tags) - len(tags.lstrip(_REQUEST_HASH_TAG))
         tail = end + count * stride
-        if count == 0 or message[end + 1:tail:stride] != bytes((width,)) * count:
-            return None
+        if count == 0 or tail >= size or message[end + 1:tail:stride] != bytes((width,)) * count:
+            return None  # not hashes, then agentic fields: protobuf decides
         found = _agentic(message, tail, size)
         if found is None:
             return None
