@@ -290,5 +290,10 @@ class MissLedger:
             self._recent_blocks -= len(dropped)
 
     def recent(self, request_id: str) -> tuple[Namespace, list[bytes]] | None:
-        """The namespace and hashes of the last lookup named ``request_id``, if it is still remembered."""
-        return self._recent.get(request_id)
+        """The namespace and hashes of the last lookup named ``request_id``, if it is still remembered; else of the
+        last one named ``request_id`` and a suffix (vLLM adds ``-<8 hex digits>`` to the ids it is given)."""
+        found = self._recent.get(request_id)
+        if found is None:
+            prefix = request_id + "-"
+            found = next((value for name, value in reversed(self._recent.items()) if name.startswith(prefix)), None)
+        return found

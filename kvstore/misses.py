@@ -36,7 +36,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
-from typing import Generic, Hashable, Sequence, TypeVar
+from operator import and_, rshift, sub
+from typing import Generic, Hashable, Iterable, Sequence, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
@@ -207,23 +208,28 @@ class MissCounts:
         """Count one reuse gap of ``gap_s`` seconds."""
         self.add_gaps([gap_s])
 
-    def add_gaps(self, gaps_s: Sequence[float]) -> None:
-        """Count reuse gaps, seconds (a negative one, a clock step, as 0)."""
+    def add_gaps(self, gaps_s: Iterable[float]) -> None:
+        """Count reuse gaps, seconds (a negative one, a clock step, in the first bucket). C loops only."""
+        gaps = gaps_s if isinstance(gaps_s, (list, tuple)) else list(gaps_s)
         counts = self.reuse_gap_counts
-        for bucket, num in Counter(map(partial(bisect_left, REUSE_GAP_BUCKETS_S), gaps_s)).items():
+        for bucket, num in Counter(map(partial(bisect_left, REUSE_GAP_BUCKETS_S), gaps)).items():
             counts[bucket] += num
-        self.reuse_gap_sum_s += sum(max(0.0, gap) for gap in gaps_s)
+        self.reuse_gap_sum_s += max(0.0, sum(gaps))
 
     def count(self, causes: Sequence[str], removals: Sequence[int | None], now_s: float) -> None:
-        """Count one lookup's missed blocks: their ``causes`` (:func:`classify`) and, for the evicted ones, the
-        gap since their removal (``removals``: their packed history records)."""
+        """Count one lookup's missed blocks: their ``causes`` (:func:`classify`) and, for the evicted, expired and
+        dropped ones, the gap since their removal (``removals``: their packed history records). C loops only, but
+        for a mixed lookup's gaps."""
         by_cause = self.by_cause
-        if len(causes) > 1 and causes.count(causes[0]) == len(causes):
-            by_cause[causes[0]] += len(causes)
-        else:
-            for cause, num in Counter(causes).items():
-                by_cause[cause] += num
-        if causes and causes[0] in _GAP_CAUSES or any(cause in _GAP_CAUSES for cause in set(causes)):
+        first = causes[0] if causes else None
+        if first is not None and causes.count(first) == len(causes):
+            by_cause[first] += len(causes)
+            if first in _GAP_CAUSES:  # every block a removal: all their gaps, in C loops
+                self.add_gaps(list(map(sub, repeat(now_s), map(rshift, removals, repeat(24)))))  # type: ignore[arg-type]
+            return
+        for cause, num in Counter(causes).items():
+            by_cause[cause] += num
+        if not _GAP_CAUSES.isdisjoint(causes):
             self.add_gaps([now_s - (packed >> 24) for packed, cause in zip(removals, causes)
                            if packed is not None and cause in _GAP_CAUSES])
 
@@ -243,8 +249,12 @@ def classify(resident: Sequence[bool], removals: Sequence[int | None], *, namesp
             namespace was never stored here and a near one was.
         shared_down: whether the shared tier failed this lookup: a block that left for it is ``tier_unavailable``.
     """
-    if True not in resident and removals.count(None) == len(removals):  # the common case: all new
-        return [namespace_cause] * len(removals)
+    if True not in resident:
+        if None not in removals:  # all removed: the evicted suffix of a chain, in C loops
+            if not shared_down:
+                return list(map(REMOVAL_CAUSES.__getitem__, map(and_, removals, repeat(0xF))))  # type: ignore[arg-type]
+        elif removals.count(None) == len(removals):  # the common case: all new
+            return [namespace_cause] * len(removals)
     causes = []
     for here, packed in zip(resident, removals):
         if here:
