@@ -186,14 +186,27 @@ class MissLedger:
             return NEVER_STORED
         return OTHER_NAMESPACE if self.namespaces.nearest(namespace) is not None else NEVER_STORED
 
-    def lookup_missed(self, namespace: Namespace, keys: Sequence[BlockKey], resident: Sequence[bool],
-                      namespace_bytes: int, shared_down: bool) -> list[str]:
-        """Count the missed blocks of one lookup (``keys``, from its first miss) by cause; returns the causes."""
+    def lookup_missed(self, namespace: Namespace, keys: Sequence[BlockKey],
+                      resident_many: Callable[[Sequence[BlockKey]], Sequence[bool]],
+                      namespace_bytes: Callable[[bytes], int], shared_down: bool) -> None:
+        """Count the missed blocks of one lookup (``keys``, from its first miss) by cause.
+
+        ``resident_many`` (whether a local tier holds each key) and ``namespace_bytes`` (bytes of a namespace tag)
+        are the index's, asked only when some key has no removal in the history (a key it holds is in no tier:
+        the history forgets a block stored again). The common cases cost one C pass: the tail of a chain
+        evicted together (one removal record, equal for every block) and a chain never seen.
+        """
         removals = self.history.get_many(keys)
-        causes = classify(resident, removals, namespace_cause=self.namespace_cause(namespace, namespace_bytes),
-                          shared_down=shared_down)
+        first = removals[0]
+        if first is not None and removals.count(first) == len(removals) and not (shared_down and first & 0x10):
+            self.counts.count_removal(first, len(removals), self._clock())
+            return
+        if None not in removals:
+            causes = classify(None, removals, shared_down=shared_down)
+        else:
+            causes = classify(resident_many(keys), removals, shared_down=shared_down,
+                              namespace_cause=self.namespace_cause(namespace, namespace_bytes(namespace.tag)))
         self.counts.count(causes, removals, self._clock() if self.history.capacity else 0.0)
-        return causes
 
     def promise(self, last_key: BlockKey) -> None:
         """A lookup found a cached prefix ending at ``last_key``: a get of it that falls short lost a race."""

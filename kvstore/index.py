@@ -190,6 +190,7 @@ class Index:
         self.logical = LogicalBytes(len(self.policies))  # blocks per tier and namespace, for logical bytes (stats)
         self.pins = Pins(self.policies, self.capacities, pin_limits or PinLimits())
         self.history: MissHistory[BlockKey] = MissHistory(history_blocks)
+        self._unremember = self.history.forget
 
     # ------------------------------------------------------------------ reading
 
@@ -514,6 +515,7 @@ class Index:
         if ttl_s and (entry.until and entry.until <= self._clock() or not self.pins.allow(level, key, entry.nbytes)):
             ttl_s = 0.0  # refused as a pin, not as a block
         self.policies[level].insert(key, entry.nbytes, entry.priority, entry.expires_at, ttl_s, entry.until)
+        self._unremember(key)  # stored again: its removal names nothing now (``MissHistory.forget``)
         self._add_tag_bytes(key, entry.nbytes)
         self.logical.added(level, key)
         entry.state = State.RESIDENT

@@ -168,6 +168,16 @@ class MissHistory(Generic[K]):
             if packed is not None and (packed >> 16) & 0xFF == mine:
                 del values[key]
 
+    def forget(self, key: K) -> None:
+        """A removed ``key`` stored again: its removal no longer names anything (so a key the history holds is in
+        no tier, and a lookup asks the tiers only about the keys it does not hold)."""
+        self._values.pop(key, None)
+
+    def forget_many(self, keys: Iterable[K]) -> None:
+        """:meth:`forget` each of ``keys`` (a C loop)."""
+        if self._values:
+            deque(map(self._values.pop, keys, repeat(None)), maxlen=0)
+
     def get_many(self, keys: Sequence[K]) -> list[int | None]:
         """The packed removal of each key (:meth:`Removal.unpack`), ``None`` where none is remembered."""
         return list(map(self._values.get, keys))
@@ -225,7 +235,7 @@ class MissCounts:
         if first is not None and causes.count(first) == len(causes):
             by_cause[first] += len(causes)
             if first in _GAP_CAUSES:  # every block a removal: all their gaps, in C loops
-                self.add_gaps(list(map(sub, repeat(now_s), map(rshift, removals, repeat(24)))))  # type: ignore[arg-type]
+                self._add_removed(removals, now_s)  # type: ignore[arg-type]
             return
         for cause, num in Counter(causes).items():
             by_cause[cause] += num
@@ -233,23 +243,45 @@ class MissCounts:
             self.add_gaps([now_s - (packed >> 24) for packed, cause in zip(removals, causes)
                            if packed is not None and cause in _GAP_CAUSES])
 
+    def count_removal(self, packed: int, num: int, now_s: float) -> None:
+        """Count ``num`` blocks missed with the same packed removal record (a chain's tail evicted together)."""
+        cause = REMOVAL_CAUSES[packed & 0xF]
+        self.by_cause[cause] += num
+        if cause in _GAP_CAUSES:
+            gap = now_s - (packed >> 24)
+            self.reuse_gap_counts[bisect_left(REUSE_GAP_BUCKETS_S, gap)] += num
+            self.reuse_gap_sum_s += max(0.0, num * gap)
+
+    def _add_removed(self, removals: Sequence[int], now_s: float) -> None:
+        """The gaps of removals that all count (no ``None``): one bucket when the newest and the oldest share it
+        (a chain's blocks go together), in a few C passes."""
+        num = len(removals)
+        newest = bisect_left(REUSE_GAP_BUCKETS_S, now_s - (max(removals) >> 24))  # the time is the high bits
+        if num > 1 and bisect_left(REUSE_GAP_BUCKETS_S, now_s - (min(removals) >> 24)) != newest:
+            self.add_gaps(list(map(sub, repeat(now_s), map(rshift, removals, repeat(24)))))
+            return
+        self.reuse_gap_counts[newest] += num
+        self.reuse_gap_sum_s += max(0.0, num * now_s - sum(map(rshift, removals, repeat(24))))
+
 
 _GAP_CAUSES = frozenset((EVICTED, EXPIRED, DROPPED))
 """The causes whose gap since the removal the reuse-gap histogram counts."""
 
 
-def classify(resident: Sequence[bool], removals: Sequence[int | None], *, namespace_cause: str = NEVER_STORED,
-             shared_down: bool = False) -> list[str]:
+def classify(resident: Sequence[bool] | None, removals: Sequence[int | None], *,
+             namespace_cause: str = NEVER_STORED, shared_down: bool = False) -> list[str]:
     """The cause of each missed block of a lookup, in order.
 
     Args:
-        resident: per missed block, whether a local tier holds it (it then comes after a missed block).
+        resident: per missed block, whether a local tier holds it (it then comes after a missed block); ``None``
+            when none does (every block with a removal: the history forgets a block stored again).
         removals: per missed block, its packed removal in the history (:meth:`MissHistory.get_many`), or ``None``.
         namespace_cause: what a block with no record is: ``never_stored``, or ``other_namespace`` when the
             namespace was never stored here and a near one was.
         shared_down: whether the shared tier failed this lookup: a block that left for it is ``tier_unavailable``.
     """
-    if True not in resident:
+    if resident is None or True not in resident:
+        resident = repeat(False)  # type: ignore[assignment]
         if None not in removals:  # all removed: the evicted suffix of a chain, in C loops
             if not shared_down:
                 return list(map(REMOVAL_CAUSES.__getitem__, map(and_, removals, repeat(0xF))))  # type: ignore[arg-type]

@@ -239,8 +239,8 @@ class TieredStore:
             self.index.pin(keys[:num_local], ttl)
         if len(located) < len(keys):
             missed = keys[len(located):]
-            self.misses.lookup_missed(namespace, missed, self.index.resident_many(missed),
-                                      self.index.namespace_bytes(namespace.tag), shared_down)
+            self.misses.lookup_missed(namespace, missed, self.index.resident_many, self.index.namespace_bytes,
+                                      shared_down)
         if request_id:
             self.misses.remember(check_session_id(request_id), namespace, block_hashes)
         return located

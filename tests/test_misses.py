@@ -78,3 +78,16 @@ def test_counts_sum_to_the_misses_and_histogram_the_reuse_gaps() -> None:
     assert counts.reuse_gap_sum_s == 3.0 and len(counts.reuse_gap_counts) == len(REUSE_GAP_BUCKETS_S) + 1
     counts.add_gaps([1e9])
     assert counts.reuse_gap_counts[-1] == 1  # +Inf
+
+
+def test_one_removal_for_many_blocks_counts_as_each_block_would() -> None:
+    history: MissHistory[int] = MissHistory(100)
+    history.record_many(list(range(10)), EVICTED, 100.0)
+    removals = history.get_many(list(range(10)))
+    one, each = MissCounts(), MissCounts()
+    one.count_removal(removals[0], 10, 107.0)  # type: ignore[arg-type]
+    each.count(classify(None, removals), removals, 107.0)
+    assert one == each and one.reuse_gap_counts[2] == 10
+    history.forget_many(range(5))
+    history.forget(7)
+    assert history.get_many([0, 5, 7]) == [None, removals[5], None]

@@ -180,3 +180,22 @@ def test_explain_names_every_cause_and_the_counts_sum_to_the_misses(tmp_path: Pa
             await store.close()
 
     run(go())
+
+
+def test_a_block_stored_again_after_its_eviction_is_no_longer_named_by_it() -> None:
+    async def go() -> None:
+        async with TieredStore([memory_tier(4)], StoreConfig()) as store:
+            await store.put(NS, HASHES[:4], BLOCKS[:4])
+            await store.put(NS, HASHES[4:8], BLOCKS[4:8])  # evicts the first chain
+            assert store.index.history.get(block_key(NS, HASHES[1])) is not None
+            await store.put(NS, HASHES[:4], BLOCKS[:4])  # stored again: the history forgets them
+            assert store.index.history.get(block_key(NS, HASHES[1])) is None
+            await store.delete(NS, HASHES[:1])
+            assert (await store.lookup(NS, HASHES[:4])).num_blocks == 0
+            by_cause = store.misses.counts.by_cause
+            assert by_cause["deleted"] == 1 and by_cause["after_miss"] == 3 and by_cause["evicted"] == 0
+            await store.put(NS, HASHES[8:12], BLOCKS[8:12])  # evicts the chain again, tail first
+            assert (await store.lookup(NS, HASHES[1:4])).num_blocks == 0
+            assert by_cause["evicted"] == 3 and store.misses.counts.reuse_gap_counts[0] == 3
+
+    run(go())

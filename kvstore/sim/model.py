@@ -182,12 +182,19 @@ class NodeModel:
 
     def _count_misses(self, missed: Sequence[int], namespace: str, now: float) -> None:
         """Each missed block's cause, as ``kvstore.explain.MissLedger.lookup_missed`` names it."""
-        resident = self.policies[0].contains_many(missed)
-        for policy in self.policies[1:]:
-            resident = [a or b for a, b in zip(resident, policy.contains_many(missed))]
         removals = self.history.get_many(missed)
-        other = namespace not in self._namespaces and bool(self._namespaces)
-        causes = classify(resident, removals, namespace_cause=OTHER_NAMESPACE if other else NEVER_STORED)
+        first = removals[0]
+        if first is not None and removals.count(first) == len(removals):  # a chain's tail evicted together
+            self.misses.count_removal(first, len(removals), now)
+            return
+        if None not in removals:  # a block the history holds is in no tier (forgotten when stored again)
+            causes = classify(None, removals)
+        else:
+            resident = self.policies[0].contains_many(missed)
+            for policy in self.policies[1:]:
+                resident = [a or b for a, b in zip(resident, policy.contains_many(missed))]
+            other = namespace not in self._namespaces and bool(self._namespaces)
+            causes = classify(resident, removals, namespace_cause=OTHER_NAMESPACE if other else NEVER_STORED)
         self.misses.count(causes, removals, now)
 
     def _lookup(self, blocks: Sequence[int]) -> list[int]:
@@ -318,6 +325,7 @@ class NodeModel:
                     self._evict(level, victims, now)
                 if source is None and meta is not None:  # new blocks of a put: none is tracked here
                     priority, expires_at, ttl_s = meta
+                    self.history.forget_many(keys[start:end])  # stored again (``Index.publish``)
                     if not ttl_s:
                         policy.insert_many(keys[start:end], 1, priority, expires_at)
                     else:  # published tail first, each pinned as the tier's share allows (Index.publish)
