@@ -115,6 +115,13 @@ class PriorityLRUPolicy:
 
     def hold_many(self, keys: Sequence[K]) -> None:
         """:meth:`hold` each of ``keys``. Raises ``KeyError`` as :meth:`hold` (the keys before it are held)."""
+        held = self._held
+        if held.isdisjoint(keys) and False not in self.contains_many(keys):  # C loops (a put's protected prefix)
+            before = len(held)
+            held.update(keys)
+            if len(held) == before + len(keys):
+                return
+            held.difference_update(keys)  # a key twice: hold them one by one, to raise where :meth:`hold` does
         for key in keys:
             self.hold(key)
 
@@ -129,6 +136,9 @@ class PriorityLRUPolicy:
 
     def release_many(self, keys: Sequence[K]) -> None:
         """:meth:`release` each of ``keys``, in order."""
+        if not self._out:  # no held key was taken out of the order: a release only ends a hold
+            self._held.difference_update(keys)
+            return
         for key in keys:
             self.release(key)
 

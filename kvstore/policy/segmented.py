@@ -435,8 +435,11 @@ class AdaptivePolicy(SegmentedLRUPolicy):
 
     def release_many(self, keys: Sequence[K]) -> None:
         """:meth:`release` each of ``keys``, in order."""
-        for key in keys:
-            PriorityLRUPolicy.release(self, key)
+        if not self._out:  # no held key was taken out of the order: a release only ends a hold
+            self._held.difference_update(keys)
+        else:
+            for key in keys:
+                PriorityLRUPolicy.release(self, key)
         if self._shadow.parked:
             self._shadow.unpark()
 
