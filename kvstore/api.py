@@ -62,6 +62,7 @@ class TierStats:
         promotions: blocks copied from this tier into the top tier after a hit.
         corrupt_records: records that failed their checksum and were deleted.
         counters: further tier-specific counts (e.g. Redis ``errors``, ``skipped_writes``).
+        pinned_bytes: capacity bytes of its blocks whose TTL runs (``docs/agentic.md``); 0 for a shared tier.
         state: ``up`` or ``down`` for a tier that can be unreachable (the shared Redis tier: ``down``
             from a failed round trip, its first at start included, until one succeeds); ``""`` for the others.
         last_error: the tier's last failure, e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``; ``""`` if none.
@@ -81,6 +82,7 @@ class TierStats:
     counters: dict[str, int] = field(default_factory=dict)
     state: str = ""
     last_error: str = ""
+    pinned_bytes: int = 0
 
     @property
     def logical_ratio(self) -> float:
@@ -116,12 +118,25 @@ class StoreStats:
             namespaces without a ``cache_salt``, else ``t-`` and 8 hex digits of the salt's SHA-256 (a salt
             may be a secret; ``kvstore.counts.tenant_label``), at most ``kvstore.counts.MAX_TENANTS`` of
             them and ``other`` for the rest. The node's own stats (``/metrics``); not sent by ``Stats``.
+        missed_blocks: blocks missed by cause (``kvstore.misses.CAUSES``): those of lookups, which sum to
+            ``lookup_miss_blocks``, and ``lease_lost``, the blocks gets asked for and did not get.
+        reuse_gap_counts: per bucket of ``kvstore.misses.REUSE_GAP_BUCKETS_S`` (then ``+Inf``), the missed blocks
+            requested that many seconds after their eviction: mass at short gaps says the cache is too small.
+        reuse_gap_sum_s: the sum of those gaps, seconds.
+        counters: node-wide counts of sessions and TTLs (``docs/agentic.md``): ``pinned_bytes``,
+            ``pins_refused_tier``, ``pins_refused_node``, ``pins_refused_tenant``, ``pins_displaced``,
+            ``ttl_clamped``, ``sessions``,
+            ``cooled_chains``, ``bounded_puts``, ``miss_history_blocks``.
     """
 
     tiers: tuple[TierStats, ...]
     lookup_hit_blocks: int = 0
     lookup_miss_blocks: int = 0
     lookup_blocks_by_tenant: dict[str, tuple[int, int]] = field(default_factory=dict)
+    missed_blocks: dict[str, int] = field(default_factory=dict)
+    reuse_gap_counts: tuple[int, ...] = ()
+    reuse_gap_sum_s: float = 0.0
+    counters: dict[str, int] = field(default_factory=dict)
 
     def tier(self, name: str) -> TierStats:
         """The stats of the tier called ``name``. Raises ``KeyError`` if there is none."""
@@ -160,7 +175,10 @@ class BlockClient(Protocol):
         ...
 
     def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[Buffer]:
-        """Encoded blocks of the longest cached prefix, in order; stops at the first miss (see :data:`Buffer`)."""
+        """Encoded blocks of the longest cached prefix, in order; stops at the first miss (see :data:`Buffer`).
+
+        ``lookup``, ``get`` and ``put`` also take the keywords ``session_id`` and ``ttl_s`` (``docs/agentic.md``).
+        """
         ...
 
     def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:

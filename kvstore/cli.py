@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kvstore.sim.cli", "kvstore.sim.trace_cli", "kvstore.loadtest.cli", "kvstore.demo.cli", "kvstore.events.cli",
+    "kvstore.explain_cli",
 )
 """Modules that add subcommands through ``register(subparsers)``."""
 
@@ -144,8 +145,9 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
     serve.add_argument("--disk-capacity", metavar="SIZE", help="disk tier size, e.g. 100GiB (store.disk.capacity_bytes)")
     serve.add_argument("--redis-url", metavar="URL", help="redis:// or rediss:// URL; enables the Redis tier")
     serve.add_argument("--policy", metavar="NAME",
-                       help="eviction policy of the local tiers: default, lru, slru or adaptive, as kvstore "
-                            "simulate --policy names them (store.policy, default: default = adaptive)")
+                       help="eviction policy of the local tiers: default, lru, slru, adaptive or session (agentic "
+                            "sessions: docs/agentic.md), as kvstore simulate --policy names them (store.policy, "
+                            "default: default = adaptive)")
     serve.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper,
                        help="server.log_level (default INFO)")
     serve.add_argument("--log-format", choices=("json", "text"), help="server.log_format (default json)")

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import yaml
 
 from kvstore.errors import ConfigError
+from kvstore.misses import DEFAULT_HISTORY_BLOCKS
 from kvstore.policy import DEFAULT_PRIORITY, POLICY_NAMES, resolve_policy_name
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -221,6 +222,31 @@ def redis_url_problem(url: str) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class PinsConfig:
+    """TTLs (pins): a block with a TTL is evicted only after every block without one until its TTL runs out,
+    counted from its last hit or put (``docs/agentic.md``). These bounds keep pins from filling a tier.
+
+    Attributes:
+        max_ttl_s: the longest TTL taken, seconds; a longer one is clamped to it and counted (``ttl_clamped``).
+        max_tier_fraction: the share of each local tier's capacity pinned blocks may take, ``(0, 1]``.
+        max_bytes: pinned bytes over every local tier; 0 for no bound beyond the tiers' shares.
+        max_tenant_bytes: pinned bytes of one tenant (``cache_salt``) over every local tier; 0 for none.
+            Pinned blocks count against the tenant's quota (``limits.tenant_quota_bytes``) as any other.
+    """
+
+    max_ttl_s: float = 3600.0
+    max_tier_fraction: float = 0.5
+    max_bytes: int = 0
+    max_tenant_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _require(0 < self.max_ttl_s <= 366 * 86400, "max_ttl_s", "must be > 0 and at most a year")
+        _require(0 < self.max_tier_fraction <= 1, "max_tier_fraction", "must be in (0, 1]")
+        _require(self.max_bytes >= 0, "max_bytes", "must be >= 0 (0 for no bound)")
+        _require(self.max_tenant_bytes >= 0, "max_tenant_bytes", "must be >= 0 (0 for no bound)")
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     """The tiered store: which tiers, and how blocks move between them.
 
@@ -234,8 +260,11 @@ class StoreConfig:
         max_block_bytes: the largest encoded block accepted, bytes.
         default_priority: priority of puts that name none, and after retention ends.
         policy: the eviction policy of every local tier: ``default`` (the node's default,
-            ``kvstore.policy.DEFAULT_POLICY``), ``lru``, ``slru`` or ``adaptive``; the names
-            ``kvstore simulate --policy`` takes (``docs/simulate.md``).
+            ``kvstore.policy.DEFAULT_POLICY``), ``lru``, ``slru``, ``adaptive`` or ``session``; the names
+            ``kvstore simulate --policy`` takes (``docs/simulate.md``, ``docs/agentic.md``).
+        pins: the bounds on TTLs.
+        miss_history_blocks: removals of blocks remembered to name the cause of a later miss
+            (``kvstore.misses``; about 100 bytes each); 0 remembers none.
     """
 
     memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
@@ -246,6 +275,8 @@ class StoreConfig:
     max_block_bytes: int = 64 * MiB
     default_priority: int = DEFAULT_PRIORITY
     policy: str = "default"
+    pins: PinsConfig = field(default_factory=PinsConfig)
+    miss_history_blocks: int = DEFAULT_HISTORY_BLOCKS
 
     def __post_init__(self) -> None:
         try:
@@ -256,6 +287,7 @@ class StoreConfig:
         _require(0 <= self.demote_min_priority <= 101, "demote_min_priority", "must be in [0, 101]")
         _require(0 <= self.default_priority <= 100, "default_priority", "must be in [0, 100]")
         _require(self.max_block_bytes > 0, "max_block_bytes", "must be > 0")
+        _require(self.miss_history_blocks >= 0, "miss_history_blocks", "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -11,6 +12,7 @@ from kvstore.tiers.base import Tier, tier_status
 
 if TYPE_CHECKING:
     from kvstore.index import Index
+    from kvstore.store import TieredStore
 
 
 @dataclass(slots=True)
@@ -154,3 +156,30 @@ def store_stats(index: Index, tiers: Sequence[Tier], counts: Sequence[TierCounts
         ))
     return StoreStats(tuple(result), lookup_hit_blocks, lookup_miss_blocks,
                       tenants.snapshot() if tenants is not None else {})
+
+
+def agentic_stats(stats: StoreStats, store: TieredStore) -> StoreStats:
+    """``stats`` with the store's missed blocks by cause, reuse gaps, and the counts of its TTLs and sessions
+    (``StoreStats.counters``), and each local tier's pinned bytes (``TierStats.pinned_bytes``)."""
+    index = store.index
+    refused = index.pins.refused
+    counters = {
+        "pinned_bytes": index.pins.pinned_bytes(),
+        "pins_refused_tier": refused.get("tier", 0),
+        "pins_refused_node": refused.get("node", 0),
+        "pins_refused_tenant": refused.get("tenant", 0),
+        "pins_displaced": index.pins.displaced,
+        "ttl_clamped": store.ttl_clamped,
+        "sessions": len(store.sessions) if store.sessions is not None else 0,
+        "cooled_chains": store.sessions.cooled_chains if store.sessions is not None else 0,
+        "bounded_puts": store.sessions.bounded_puts if store.sessions is not None else 0,
+        "miss_history_blocks": len(index.history),
+    }
+    tiers = tuple(
+        dataclasses.replace(tier, pinned_bytes=index.policies[level].pinned_nbytes)
+        if level < len(index.policies) else tier
+        for level, tier in enumerate(stats.tiers))
+    counts = store.misses.counts
+    return dataclasses.replace(stats, tiers=tiers, missed_blocks=store.misses.snapshot(),
+                               reuse_gap_counts=tuple(counts.reuse_gap_counts), reuse_gap_sum_s=counts.reuse_gap_sum_s,
+                               counters=counters)

@@ -18,6 +18,7 @@ from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.factory import open_async_store
+from kvstore.explain import BlockExplanation
 from kvstore.reads import BlockRead
 from kvstore.store import TieredStore
 
@@ -109,18 +110,29 @@ class EmbeddedStore:
             raise UnavailableError("the embedded store is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
-        """The longest cached prefix of ``block_hashes`` (see :meth:`TieredStore.lookup`)."""
-        located = self._run_now(lambda: self._store.locate_now(namespace, block_hashes))
-        if located is None:  # a shared tier to ask
-            return self._call(self._store.lookup(namespace, block_hashes))
+    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+               ttl_s: float | None = None, request_id: str | None = None) -> LookupResult:
+        """The longest cached prefix of ``block_hashes`` (see :meth:`TieredStore.lookup`; ``session_id``, ``ttl_s``
+        and ``request_id``: ``docs/agentic.md``)."""
+        located = None
+        if not (session_id or ttl_s or request_id):
+            located = self._run_now(lambda: self._store.locate_now(namespace, block_hashes))
+        if located is None:  # a shared tier to ask, or a session, TTL or request to note
+            return self._call(self._store.lookup(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s,
+                                                 request_id=request_id))
         return LookupResult.from_block_tiers(located, self._store.tier_names)
 
-    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+            ttl_s: float | None = None) -> list[bytes]:
         """Encoded blocks of the longest cached prefix (see :meth:`TieredStore.get`)."""
-        return self._call(self._store.get(namespace, block_hashes))
+        return self._call(self._store.get(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s))
 
-    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
+    def explain(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[BlockExplanation]:
+        """Each block of a request: hit, or the cause of its miss (see :meth:`TieredStore.explain`)."""
+        return self._call(self._store.explain(namespace, block_hashes))
+
+    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                    ttl_s: float | None = None) -> list[torch.Tensor]:
         """Blocks of the longest cached prefix as CPU tensors of their own: copies, which the caller may write.
 
         Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
@@ -129,7 +141,7 @@ class EmbeddedStore:
         memory into its tensor, in the calling thread; a write into a tensor
         never reaches a stored block.
         """
-        read = self._store.read(namespace, block_hashes)
+        read = self._store.read(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s)
         blocks = self._open(read)
         try:
             return [decode_block(b, verify=False, copy=True) for b in blocks]
@@ -137,7 +149,8 @@ class EmbeddedStore:
             self._close_read(read)
 
     def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],
-                 destinations: Sequence[torch.Tensor], *, verify: bool | None = None) -> int:
+                 destinations: Sequence[torch.Tensor], *, verify: bool | None = None, session_id: str | None = None,
+                 ttl_s: float | None = None) -> int:
         """Copy the blocks of the longest cached prefix into the caller's tensors; returns how many.
 
         As :meth:`kvstore.client.KVStoreClient.get_into`: each block is copied
@@ -151,6 +164,8 @@ class EmbeddedStore:
                 (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``).
             verify: check each block's checksum first (``None``: no, as :meth:`get_tensors`: the tiers
                 validated the blocks on the way in).
+            session_id: the request's agentic session (``docs/agentic.md``).
+            ttl_s: a TTL to pin the blocks read with, seconds.
 
         Raises:
             InvalidArgumentError: if there is not one tensor per hash.
@@ -158,7 +173,7 @@ class EmbeddedStore:
                 are copied).
         """
         check_destinations(destinations, len(block_hashes))
-        read = self._store.read(namespace, block_hashes)
+        read = self._store.read(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s)
         blocks = self._open(read)
         try:
             copied = copy_lent_into(blocks, destinations, bool(verify), read.pool, read.offsets)  # type: ignore[arg-type]
@@ -197,7 +212,8 @@ class EmbeddedStore:
                 raise UnavailableError("the embedded store is closed")
             return function()
 
-    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> BlockLease:
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+             ttl_s: float | None = None) -> BlockLease:
         """The encoded blocks of the longest cached prefix in place, held until released (a :class:`BlockLease`).
 
         As :meth:`kvstore.client.KVStoreClient.read`: each block is a read-only
@@ -210,7 +226,7 @@ class EmbeddedStore:
             InvalidArgumentError: on a hash of the wrong length.
             UnavailableError: if the store is closed.
         """
-        read = self._store.read(namespace, block_hashes)
+        read = self._store.read(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s)
         blocks = self._open(read)
 
         def release() -> None:
@@ -226,8 +242,11 @@ class EmbeddedStore:
         *,
         priority: int | None = None,
         retention_s: float | None = None,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
     ) -> int:
-        """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`).
+        """Store blocks (bytes or tensors); returns how many were new (see :meth:`TieredStore.put`; ``session_id``
+        and ``ttl_s``: ``docs/agentic.md``).
 
         A tensor is encoded where the store keeps it: into the memory tier's pool, one copy of its payload and
         its checksum taken there (``kvstore.blockcopy.TensorBlock``); into ``bytes`` for any other tier. A
@@ -240,7 +259,8 @@ class EmbeddedStore:
         """
         staged = tensor_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.encoding
         return self._call(self._store.put(namespace, block_hashes, staged,  # type: ignore[arg-type]
-                                          priority=priority, retention_s=retention_s))
+                                          priority=priority, retention_s=retention_s, session_id=session_id,
+                                          ttl_s=ttl_s))
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks from every tier; returns how many were found."""

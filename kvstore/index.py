@@ -40,11 +40,14 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass
+from operator import or_
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from kvstore.charges import NamespaceCharges
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.logical import LogicalBytes
+from kvstore.misses import DELETED, EVICTED, EXPIRED, LOST, MissHistory
+from kvstore.pins import PinLimits, Pins
 from kvstore.policy import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -79,6 +82,8 @@ class Entry:
         state: see :class:`State`.
         priority: retention priority of a ``PLACING`` entry, ``[0, 100]``.
         expires_at: when that priority reverts to the default (0.0: never), the store's clock.
+        ttl_s: the TTL a ``PLACING`` entry is pinned with once published (0.0: none), seconds.
+        until: when that TTL runs out, for a block moved between tiers (0.0: from its publication).
         done: a placing entry's future, made for the first concurrent put that waits for it (:meth:`wait`).
         ended: whether a placement has ended (published or discarded).
         owns_record: for a retired entry, whether its record is still in its tier, to be deleted
@@ -86,11 +91,12 @@ class Entry:
             block's record goes at once (the tier keeps what a reader leased valid).
     """
 
-    __slots__ = ("key", "level", "nbytes", "block_nbytes", "readers", "state", "priority", "expires_at", "done",
+    __slots__ = ("key", "level", "nbytes", "block_nbytes", "readers", "state", "priority", "expires_at", "ttl_s", "until",
+                 "done",
                  "ended", "owns_record")
 
     def __init__(self, key: BlockKey, level: int, nbytes: int, state: State,
-                 priority: int = 0, expires_at: float = 0.0) -> None:
+                 priority: int = 0, expires_at: float = 0.0, ttl_s: float = 0.0, until: float = 0.0) -> None:
         self.key = key
         self.level = level
         self.nbytes = nbytes
@@ -99,6 +105,8 @@ class Entry:
         self.state = state
         self.priority = priority
         self.expires_at = expires_at
+        self.ttl_s = ttl_s
+        self.until = until
         self.done: asyncio.Future[Exception | None] | None = None
         self.ended = False
         self.owns_record = False
@@ -167,11 +175,13 @@ class Index:
             (``LeasingTier.held_bytes``: pages a lease still holds); they count as used.
         charge: bytes a block of a given length (as put) counts for in its namespace's
             :meth:`namespace_bytes`, whatever tier holds it (``kvstore.charges``); the length when ``None``.
+        pin_limits: the bounds on pinned bytes.
+        history_blocks: removals remembered to name misses (``kvstore.misses``, ``store.miss_history_blocks``).
     """
 
     def __init__(self, policies: Sequence[EvictionPolicy], capacities: Sequence[int], clock: Callable[[], float],
-                 held_bytes: Sequence[Callable[[], int] | None] = (), charge: Callable[[int], int] | None = None
-                 ) -> None:
+                 held_bytes: Sequence[Callable[[], int] | None] = (), charge: Callable[[int], int] | None = None, *,
+                 pin_limits: PinLimits | None = None, history_blocks: int = 0) -> None:
         self.policies = list(policies)
         self.capacities = list(capacities)
         self._clock = clock
@@ -186,6 +196,9 @@ class Index:
         self._namespace_generations: dict[bytes, int] = {}
         self.observer: StoreObserver | None = None  # told of every change of residency (``kvstore.events``)
         self.logical = LogicalBytes(len(self.policies))  # blocks per tier and namespace, for logical bytes (stats)
+        self.pins = Pins(self.policies, self.capacities, pin_limits or PinLimits())
+        self.history: MissHistory[BlockKey] = MissHistory(history_blocks)
+        self._unremember = self.history.forget
 
     # ------------------------------------------------------------------ reading
 
@@ -217,6 +230,16 @@ class Index:
                 break
             levels.append(hits.index(True))
         return bytes(levels)
+
+    def resident_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether some local tier holds each key (C loops per tier: a lookup's missed blocks)."""
+        policies = self.policies
+        if not policies:
+            return [False] * len(keys)
+        found = policies[0].contains_many(keys)
+        for policy in policies[1:]:
+            found = list(map(or_, found, policy.contains_many(keys)))
+        return found
 
     def levels_of(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """The local tier of every key (not just a prefix), ``None`` where none holds it."""
@@ -298,7 +321,7 @@ class Index:
     # ------------------------------------------------------------------ the steps of puts and reads
 
     def prepare_put(self, keys: Sequence[BlockKey], priority: int, expires_at: float, *,
-                    touch: bool = True) -> PutStep:
+                    touch: bool = True, ttl_s: float = 0.0) -> PutStep:
         """A put's prepare step: a ``PLACING`` entry for each key in no tier and no placement, nothing for the others.
 
         Args:
@@ -306,6 +329,8 @@ class Index:
             priority: retention priority of the new blocks, ``[0, 100]``.
             expires_at: when it reverts to the default (0.0: never), the store's clock.
             touch: count the keys already resident as accessed (a put again is a use), tail first.
+            ttl_s: the put's TTL (0.0: none): its new blocks are pinned with it once published, and with ``touch``
+                the resident ones now (:meth:`pin`).
 
         Returns:
             A :class:`PutStep`. Its entries count against a tier's room once the
@@ -314,6 +339,8 @@ class Index:
         """
         if touch:
             self.touch(keys)
+            if ttl_s:
+                self.pin(keys, ttl_s)
         positions: list[int] = []
         entries: list[Entry] = []
         waits: list[Entry] = []
@@ -324,7 +351,7 @@ class Index:
             placing = self._placing.get(key)
             if placing is None:
                 positions.append(i)
-                entries.append(self.place(key, priority, expires_at))
+                entries.append(self.place(key, priority, expires_at, ttl_s))
                 continue
             waits.append(placing)
             if not self.is_current(placing):
@@ -385,9 +412,10 @@ class Index:
         return ReadStep(levels, list(local), wanted, held, generation)
 
     def complete_read(self, step: ReadStep, keys: Sequence[BlockKey], hit: int,
-                      lost: Sequence[Entry]) -> dict[int, list[BlockKey]]:
+                      lost: Sequence[Entry], ttl_s: float = 0.0) -> dict[int, list[BlockKey]]:
         """A read's complete step: forget the ``lost`` blocks (held ones their tier could not serve, or served unfit),
-        those still current, and count the ``hit`` blocks of the prefix served as accessed, tail first.
+        those still current, and count the ``hit`` blocks of the prefix served as accessed, tail first (pinned
+        with ``ttl_s`` when it is set: :meth:`pin`).
 
         Returns:
             The records of the lost blocks to delete, by tier. The references
@@ -398,7 +426,22 @@ class Index:
             if self.is_current(entry) and self.forget(entry.level, entry.key, reason="lost"):
                 records.setdefault(entry.level, []).append(entry.key)
         self.touch(keys[:hit], step.levels[:hit])
+        if ttl_s:
+            self.pin(keys[:hit], ttl_s)
         return records
+
+    # ------------------------------------------------------------------ TTLs (pins) and sessions
+
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> None:
+        """Give the resident ``keys`` (head first) a TTL of ``ttl_s`` seconds from now, tail first, each while
+        :attr:`pins` allows; a key already pinned just takes the new TTL."""
+        self.pins.pin(keys, ttl_s, self.level_of)
+
+    def cool(self, chain: Sequence[BlockKey]) -> None:
+        """A dead chain (head first, ``kvstore.policy.sessions``): its resident blocks go to the front of their
+        tiers' eviction order, tail first, unpinned."""
+        for policy in self.policies:
+            policy.cool(chain)
 
     # ------------------------------------------------------------------ room
 
@@ -441,13 +484,14 @@ class Index:
 
     # ------------------------------------------------------------------ placing and publishing
 
-    def place(self, key: BlockKey, priority: int, expires_at: float) -> Entry:
+    def place(self, key: BlockKey, priority: int, expires_at: float, ttl_s: float = 0.0, until: float = 0.0) -> Entry:
         """Start writing ``key``: a ``PLACING`` entry, which a concurrent put of the key waits for.
 
-        It counts against a tier's room once :meth:`charge` names the tier.
+        It counts against a tier's room once :meth:`charge` names the tier. With ``ttl_s`` it is pinned when
+        published, until ``until`` (a moved block's own end) or for ``ttl_s`` from then.
         """
         assert key not in self._placing, key
-        entry = Entry(key, -1, 0, State.PLACING, priority, expires_at)
+        entry = Entry(key, -1, 0, State.PLACING, priority, expires_at, ttl_s, until)
         self._placing[key] = entry
         return entry
 
@@ -476,7 +520,11 @@ class Index:
             return False
         level, key = entry.level, entry.key
         assert level >= 0 and self.level_of(key) is None, (entry, self.level_of(key))  # a move retires its source first
-        self.policies[level].insert(key, entry.nbytes, entry.priority, entry.expires_at)
+        ttl_s = entry.ttl_s
+        if ttl_s and (entry.until and entry.until <= self._clock() or not self.pins.allow(level, key, entry.nbytes)):
+            ttl_s = 0.0  # refused as a pin, not as a block
+        self.policies[level].insert(key, entry.nbytes, entry.priority, entry.expires_at, ttl_s, entry.until)
+        self._unremember(key)  # stored again: its removal names nothing now (``MissHistory.forget``)
         self.charges.added(key, entry.block_nbytes)
         self.logical.added(level, key)
         entry.state = State.RESIDENT
@@ -556,7 +604,8 @@ class Index:
 
     # ------------------------------------------------------------------ removing
 
-    def forget(self, level: int, key: BlockKey, *, keep_record: bool = False, reason: str = "evicted") -> bool:
+    def forget(self, level: int, key: BlockKey, *, keep_record: bool = False, reason: str = "evicted",
+               cause: str | None = None) -> bool:
         """Remove the resident block ``key`` from tier ``level``; whether the caller deletes its record now.
 
         A block with references is retired. With ``keep_record`` (a block moved
@@ -564,6 +613,10 @@ class Index:
         goes, for readers still reading it there (:meth:`release`); otherwise (a
         delete) the record goes now, and the tier keeps what a reader leased
         (its ``held_bytes``).
+
+        The removal is remembered in :attr:`history` (to name a later miss), as ``cause`` when given (``dropped``,
+        or ``shared`` for one that left for the shared tier), else by ``reason``: ``evicted`` (``expired`` if its
+        TTL had run out), ``lost``, ``deleted`` or ``cleared``; a block ``moved`` to another tier is not.
         """
         policy = self.policies[level]
         if key not in policy:
@@ -571,6 +624,8 @@ class Index:
         entry = self._held[level].pop(key, None)
         nbytes = policy.size_of(key) if entry is None else entry.nbytes
         self._unclaim(level, key, nbytes)
+        if reason != "moved" and self.history.capacity:
+            self._remember(level, key, policy, reason, cause)
         policy.remove(key)  # held or not: a hold ends with the block
         self.charges.removed(key)
         self.logical.removed(level, key)
@@ -584,11 +639,20 @@ class Index:
             self._retired_bytes[level] += entry.nbytes
         return not keep_record
 
-    def retire(self, entry: Entry, reason: str = "evicted") -> None:
+    def _remember(self, level: int, key: BlockKey, policy: EvictionPolicy, reason: str, cause: str | None) -> None:
+        """Record a removal in :attr:`history` (see :meth:`forget`)."""
+        shared = cause == "shared"
+        if cause is None or shared:
+            cause = {"evicted": EVICTED, "lost": LOST}.get(reason, DELETED)
+            if cause == EVICTED and policy.ttl_ran_out(key):
+                cause = EXPIRED
+        self.history.record(key, cause, self._clock(), level, policy.priority_of(key), shared)
+
+    def retire(self, entry: Entry, reason: str = "evicted", cause: str | None = None) -> None:
         """Remove a held resident entry that the mover has moved out (or dropped); its record goes with the last
-        reference (:meth:`release`), so readers still reading it in this tier finish."""
+        reference (:meth:`release`), so readers still reading it in this tier finish. ``cause``: as :meth:`forget`."""
         if entry.state is State.RESIDENT and self._held[entry.level].get(entry.key) is entry:
-            self.forget(entry.level, entry.key, keep_record=True, reason=reason)
+            self.forget(entry.level, entry.key, keep_record=True, reason=reason, cause=cause)
 
     def delete(self, keys: Iterable[BlockKey], reason: str = "deleted") -> tuple[dict[int, list[BlockKey]], int]:
         """Remove ``keys`` from every tier and every placement under way.

@@ -30,7 +30,9 @@ async def restore(index: Index, tiers: Sequence[Tier], shared: SharedTier | None
             if index.level_of(found.key) is not None:
                 stale.append(found.key)
                 continue
-            entry = index.place(found.key, found.meta.priority, found.meta.expires_at)
+            meta = found.meta  # a TTL that ran out while the node was down arrives unpinned (``Index.publish``)
+            entry = index.place(found.key, meta.priority, meta.expires_at, meta.ttl_s if meta.pinned_until else 0.0,
+                                meta.pinned_until)
             entry.block_nbytes = found.block_nbytes or found.nbytes  # its length as put (a frame's block's)
             index.charge([entry], level, [tier.footprint(found.nbytes)])
             index.publish(entry)
@@ -41,6 +43,22 @@ async def restore(index: Index, tiers: Sequence[Tier], shared: SharedTier | None
             logger.info("tier %s: restored %d blocks (%d bytes)", tier.name, len(policy), policy.nbytes)
     await learn_logical_sizes(index, tiers)
     await check_at_start(shared)  # a shared tier that is down at start is named in a warning now
+
+
+async def keep_pins(index: Index, tiers: Sequence[Tier]) -> None:
+    """Write each persistent tier's running TTLs into its records (a TTL given to, or renewed on, a block after it
+    was written there), so that a restart restores them (``docs/agentic.md``). Logged, never raised."""
+    for level, tier in enumerate(tiers):
+        set_pins = getattr(tier, "set_pins", None)
+        if not tier.persistent or set_pins is None:
+            continue
+        policy = index.policies[level]
+        keys = [key for key in policy if policy.is_pinned(key)]
+        if keys:
+            try:
+                await set_pins(keys, [policy.pin_of(key) for key in keys])
+            except Exception:  # noqa: BLE001 - closing: the rest still closes
+                logger.exception("recording the TTLs of tier %s on close failed", tier.name)
 
 
 async def learn_logical_sizes(index: Index, tiers: Sequence[Tier]) -> None:
@@ -59,8 +77,9 @@ async def learn_logical_sizes(index: Index, tiers: Sequence[Tier]) -> None:
             index.logical.learn([key], [block])
 
 
-async def shut_down(mover: Mover, tiers: Sequence[Tier], shared: SharedTier | None) -> None:
-    """Finish the work in flight, copy each volatile tier into the persistent tier below it, and close every tier.
+async def shut_down(mover: Mover, tiers: Sequence[Tier], shared: SharedTier | None, index: Index | None = None) -> None:
+    """Finish the work in flight, copy each volatile tier into the persistent tier below it, record the TTLs the
+    persistent tiers' blocks have now, and close every tier.
 
     Failures are logged, and the rest still closes.
     """
@@ -72,6 +91,8 @@ async def shut_down(mover: Mover, tiers: Sequence[Tier], shared: SharedTier | No
                 await mover.flush(level, persistent)
             except Exception:
                 logger.exception("demoting tier %s on close failed", tier.name)
+    if index is not None:
+        await keep_pins(index, tiers)
     await mover.close()
     for tier in [*tiers, *([shared] if shared else [])]:
         try:

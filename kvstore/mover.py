@@ -33,12 +33,17 @@ from kvstore.blockcopy import encoded_values
 from kvstore.errors import ResourceExhaustedError, UnavailableError
 from kvstore.index import Entry, Index, NoRoomError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
+from kvstore.misses import DROPPED
+from kvstore.policy import EvictionPolicy
 from kvstore.counts import TierCounts, count
 from kvstore.ratelog import WARNING_INTERVAL_S, RateLimitedLog
 from kvstore.tiers.base import (CHAIN_STEP_S, BlockMeta, CompressingTier, SharedTier, TensorWritingTier, Tier,
                                 TierFullError)
 
 logger = logging.getLogger(__name__)
+
+SHARED = "shared"
+"""The history's cause of a block that left the last local tier for the shared tier (``Index.forget``)."""
 
 MAX_QUEUED_BYTES = 256 << 20
 """Bytes of block values the background queue may hold; offers beyond it are dropped (and counted)."""
@@ -78,6 +83,12 @@ class _Sweep:
 
 
 _Job = _Promotion | _WriteThrough | _Sweep
+
+
+def block_meta(meta: tuple[int, float, float, float], last_access: float) -> BlockMeta:
+    """The :class:`BlockMeta` a tier stores for a block moved with ``meta`` (:meth:`Mover.meta_of`)."""
+    priority, expires_at, ttl_s, until = meta
+    return BlockMeta(priority, expires_at, last_access, ttl_s, until)
 
 
 async def _nothing() -> None:
@@ -389,7 +400,8 @@ class Mover:
             demote = [e for e in sources if policy.priority_of(e.key) >= self._floor]
         keep = {id(e) for e in demote}
         generations = self.shared_generations([e.key for e in demote]) if not below else None  # as claimed
-        await self._retire([e for e in sources if id(e) not in keep])
+        under_floor = below or (self._write_back and level == len(self._tiers) - 1)  # dropped though a tier is below
+        await self._retire([e for e in sources if id(e) not in keep], DROPPED if under_floor else None)
         self._counts[level].evictions += len(victims)
         if demote:
             await self._demote(level, demote, level + 1 if below else None, generations=generations)
@@ -401,7 +413,7 @@ class Mover:
         the store) those below the floor go only into free room."""
         index = self._index
         policy = index.policies[level]
-        metas = {e.key: (policy.priority_of(e.key), policy.expiry_of(e.key)) for e in sources}
+        metas = {e.key: self.meta_of(policy, e.key) for e in sources}
         try:
             values = await self._tiers[level].get([e.key for e in sources])
         except UnavailableError as exc:
@@ -410,13 +422,21 @@ class Mover:
         found = [(e, v) for e, v in zip(sources, values) if v is not None and index.is_current(e)]
         now = self._clock()
         if target is None:
-            await self._demote_to_shared(found, metas, now, generations or {})
+            shared = await self._demote_to_shared(found, metas, now, generations or {})
+            await self._retire([e for e in sources if e.key in shared], SHARED)  # it left for the shared tier
         else:
             await self._demote_to(level, found, metas, target, now, flush)
-        await self._retire(sources)  # moved, or given up on: out of this tier either way
+        await self._retire(sources, DROPPED)  # given up on (the moved ones are gone already): out of this tier
 
-    async def _demote_to(self, level: int, found: list[tuple[Entry, bytes]], metas: dict[BlockKey, tuple[int, float]],
-                         target: int, now: float, flush: bool) -> None:
+    @staticmethod
+    def meta_of(policy: EvictionPolicy, key: BlockKey) -> tuple[int, float, float, float]:
+        """What a block takes with it to another tier: its priority, retention end, TTL and the TTL's end (a TTL
+        survives demotion and promotion; ``docs/agentic.md``)."""
+        return (policy.priority_of(key), policy.expiry_of(key), *policy.pin_of(key))
+
+    async def _demote_to(self, level: int, found: list[tuple[Entry, bytes]],
+                         metas: dict[BlockKey, tuple[int, float, float, float]], target: int, now: float,
+                         flush: bool) -> None:
         index = self._index
         tier = self._tiers[target]
         capacity = tier.capacity_bytes or 0
@@ -429,7 +449,7 @@ class Mover:
         placing = [index.place(e.key, *metas[e.key]) for e, _ in found]
         try:
             published = await self.place(target, placing, [v for _, v in found],
-                                         [BlockMeta(*metas[e.key], now) for e, _ in found], [e for e, _ in found])
+                                         [block_meta(metas[e.key], now) for e, _ in found], [e for e, _ in found])
         except (ResourceExhaustedError, UnavailableError) as exc:  # the victims are dropped; the put goes on
             self._dropped(level, "no_room" if isinstance(exc, ResourceExhaustedError) else "unavailable",
                           len(found), exc)
@@ -448,15 +468,18 @@ class Mover:
         self._warnings.warning(f"refused:{level}:{reason}", "put of %d blocks refused by tier %s (%s): %s",
                                num_blocks, self._tiers[level].name, reason, exc)
 
-    async def _demote_to_shared(self, found: list[tuple[Entry, bytes]], metas: dict[BlockKey, tuple[int, float]],
-                                now: float, generations: dict[bytes, int]) -> None:
+    async def _demote_to_shared(self, found: list[tuple[Entry, bytes]],
+                                metas: dict[BlockKey, tuple[int, float, float, float]], now: float,
+                                generations: dict[bytes, int]) -> set[BlockKey]:
+        """Write-back: copy ``found`` into the shared tier; returns the keys it stored."""
         found = [(e, v) for e, v in found if self._index.is_current(e)]  # not deleted meanwhile
         if not found or self._shared is None:
-            return
+            return set()
         keys = [e.key for e, _ in found]
-        stored = await self.write_shared(keys, [v for _, v in found], [BlockMeta(*metas[k], now) for k in keys],
+        stored = await self.write_shared(keys, [v for _, v in found], [block_meta(metas[k], now) for k in keys],
                                          generations)
         self._counts[-1].demotions += sum(stored)
+        return {key for key, ok in zip(keys, stored) if ok}
 
     def shared_generations(self, keys: Sequence[BlockKey]) -> dict[bytes, int]:
         """The shared tier's generation of each namespace among ``keys`` now: what a copy prepared now writes under."""
@@ -485,17 +508,18 @@ class Mover:
         writes = self._shared_writes
         return list({id(writes[k]): writes[k] for k in keys if k in writes}.values())
 
-    async def _retire(self, entries: Sequence[Entry]) -> None:
+    async def _retire(self, entries: Sequence[Entry], cause: str | None = None) -> None:
         """Take the mover's claimed sources out of their tier, give back its references, and delete the records
-        no reader still holds, before returning: that is the room the caller waits for."""
+        no reader still holds, before returning: that is the room the caller waits for. ``cause``: what the history
+        remembers of those still current (``Index.forget``; ``None``: evicted)."""
         index = self._index
         for entry in entries:
             if index.is_current(entry):
-                index.retire(entry)
+                index.retire(entry, cause=cause)
         for level, keys in self._released(entries).items():
             await self._delete(self._tiers[level], keys)
 
-    def _fit_flush(self, found: list[tuple[Entry, bytes]], metas: dict[BlockKey, tuple[int, float]],
+    def _fit_flush(self, found: list[tuple[Entry, bytes]], metas: dict[BlockKey, tuple[int, float, float, float]],
                    target: int) -> list[tuple[Entry, bytes]]:
         """Of the blocks a close flushes into tier ``target`` (in eviction order): every one at or above the floor,
         then those below it, most valuable first, that fit the room left free."""
@@ -639,14 +663,14 @@ class Mover:
         values = [job.values[i] for i in wanted]
         now = self._clock()
         if source is None:
-            metas = [(self._default_priority, 0.0)] * len(keys)
+            metas: list[tuple[int, float, float, float]] = [(self._default_priority, 0.0, 0.0, 0.0)] * len(keys)
             held: list[Entry] = []
         else:
             policy = index.policies[source]
-            metas = [(policy.priority_of(k), policy.expiry_of(k)) for k in keys]
+            metas = [self.meta_of(policy, k) for k in keys]
             held = [index.hold(source, key) for key in keys]
         placing = [index.place(key, *meta) for key, meta in zip(keys, metas)]
-        block_metas = [BlockMeta(*meta, now - i * CHAIN_STEP_S) for i, meta in enumerate(metas)]
+        block_metas = [block_meta(meta, now - i * CHAIN_STEP_S) for i, meta in enumerate(metas)]
         try:
             published = await self.place(0, placing, values, block_metas, held if source is not None else None)
         except (ResourceExhaustedError, UnavailableError) as exc:  # the top tier is in use: a promotion is an offer

@@ -12,9 +12,11 @@ from kvstore.codec import check_one_shape
 from kvstore.config import StoreConfig
 from kvstore.continuations import Continuations
 from kvstore.errors import ResourceExhaustedError
-from kvstore.index import Entry, Index
+from kvstore.explain import MissLedger
+from kvstore.index import Entry, Index, PutStep
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey, Namespace
 from kvstore.mover import Mover
+from kvstore.policy.sessions import SessionTracker
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, SharedTier, Tier
 from kvstore.validation import CheckedBlocks, check_blocks, check_counts, check_priority, check_retention_s
 
@@ -45,10 +47,14 @@ class Placement:
         self._default_priority = config.default_priority
         self._clock = clock
         self.continuations: Continuations[BlockKey] = Continuations()
+        self.sessions: SessionTracker[BlockKey] | None = None  # the ``session`` policy's (``TieredStore``)
+        self.misses: MissLedger | None = None  # learns each namespace put under (``TieredStore``)
 
     def admit(self, namespace: Namespace, keys: Sequence[BlockKey], blocks: Sequence[Buffer], priority: int | None,
-              retention_s: float | None) -> BlockMeta:
+              retention_s: float | None, ttl_s: float = 0.0) -> BlockMeta:
         """Validate a put (``kvstore.validation``) before anything is stored; returns the blocks' metadata.
+
+        ``ttl_s``: the put's TTL, checked and clamped by the store (``TieredStore.clamp_ttl``).
 
         Raises:
             InvalidArgumentError: on a block that does not decode or fit the namespace, or a bad priority or retention.
@@ -59,7 +65,7 @@ class Placement:
         priority = self._default_priority if checked is None else checked
         retention_s = check_retention_s(retention_s)
         now = self._clock()
-        meta = BlockMeta(priority, now + retention_s if retention_s else 0.0, now)
+        meta = BlockMeta(priority, now + retention_s if retention_s else 0.0, now, ttl_s, now + ttl_s if ttl_s else 0.0)
         check_blocks(namespace, blocks, self._max_block_bytes)
         fits: set[int] = set()
         for position, block in enumerate(blocks):
@@ -74,16 +80,21 @@ class Placement:
                 raise exc
         if not _one_kind(blocks):
             check_one_shape(blocks)
+        if self.misses is not None:
+            self.misses.namespaces.learn(namespace)
+        self._index.pins.tenants.setdefault(namespace.tag, namespace.cache_salt)
         return meta
 
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], meta: BlockMeta,
-                  check_open: Callable[[], None]) -> int:
+                  check_open: Callable[[], None], session: str = "", lookups: int = 0) -> int:
         """An admitted put's steps: prepare (``Index.prepare_put``), the I/O and complete (:meth:`place`), for
         every block in no tier; a block another put is placing is waited for, and one whose placement a delete
         retired is placed again once that placement has ended. Returns how many blocks this put stored.
 
         A put that continues a prefix a Get is still promoting first waits for the promotion, and then
         ``check_open``. Once prepared, each placement runs to its end even if the caller is cancelled.
+        Under the ``session`` policy a put of a ``session`` keeps only the head of its new blocks that
+        :meth:`SessionTracker.admissible` allows at lookup number ``lookups``.
         """
         index = self._index
         first_new = next((key for key in keys if index.level_of(key) is None), None)
@@ -98,7 +109,9 @@ class Placement:
         first = True
         while pending:
             order = list(pending)
-            step = index.prepare_put(order, meta.priority, meta.expires_at, touch=first)
+            step = index.prepare_put(order, meta.priority, meta.expires_at, touch=first, ttl_s=meta.ttl_s)
+            if first and step.entries and self.sessions is not None:
+                self._admit_session(step, [pending[order[i]] for i in step.positions], session, lookups)
             first = False
             if step.entries:
                 values = [pending[order[i]] if owned else _owned(pending[order[i]]) for i in step.positions]
@@ -113,6 +126,26 @@ class Placement:
                     raise error
             pending = {key: pending[key] for key in again}
         return num_new
+
+    def _admit_session(self, step: PutStep, values: Sequence[Buffer], session: str, lookups: int) -> None:
+        """Under the ``session`` policy: keep the head of a session's new blocks that fits what the turnover admits,
+        abandon the rest (not stored), and count what is placed (``kvstore.policy.sessions``)."""
+        sessions = self.sessions
+        assert sessions is not None
+        top = self._tiers[0] if self._tiers else None
+        sizes = [top.footprint(len(value)) if top is not None else len(value) for value in values]
+        allowed = sessions.admissible(lookups) if session else None
+        keep = len(sizes)
+        if allowed is not None and sum(sizes) > allowed:
+            total, keep = 0, 0
+            while keep < len(sizes) and total + sizes[keep] <= allowed:
+                total += sizes[keep]
+                keep += 1
+            for entry in step.entries[keep:]:
+                self._index.abandon(entry)
+            del step.entries[keep:], step.positions[keep:]
+            sessions.bounded_puts += 1
+        sessions.placed(lookups, sum(sizes[:keep]))
 
     def _fits_somewhere(self, nbytes: int) -> bool:
         if self._shared is not None and not self._write_through:

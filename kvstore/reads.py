@@ -8,8 +8,9 @@ from typing import Callable, Sequence
 
 from kvstore.config import StoreConfig
 from kvstore.counts import TierCounts, count_get
+from kvstore.explain import MissLedger
 from kvstore.index import Entry, Index, ReadStep
-from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
+from kvstore.keys import BlockHash, BlockKey, Namespace, block_key, block_keys
 from kvstore.mover import Mover
 from kvstore.tiers.base import Buffer, LeasingTier, SharedTier, Tier
 
@@ -45,6 +46,7 @@ class ReadPath:
         self._fits = fits
         self._check_open = check_open
         self._is_closed = is_closed
+        self.misses: MissLedger | None = None  # counts the blocks a get did not return (``TieredStore``)
 
     def open_now(self, read: BlockRead) -> list[Buffer] | None:
         """A read's prepare, I/O and complete with no await: the top tier lends the whole cached prefix.
@@ -79,6 +81,8 @@ class ReadPath:
             read.releases = [lease.release]
         for key in reversed(keys):  # tail first: the head ends most recent
             top.touch(key)
+        if read.ttl_s:
+            self._index.pin(keys, read.ttl_s)
         read.num_lent = len(keys)
         read.framed = lease.framed
         read.places = lease.places
@@ -152,7 +156,8 @@ class ReadPath:
         if places is not None:
             read.places = places[:hit]
         count_get(self._counts, [len(self._tiers) if s is None else s for s in sources[:hit]], len(keys))
-        for level, records in index.complete_read(step, keys, hit, lost).items():
+        read.num_returned = hit
+        for level, records in index.complete_read(step, keys, hit, lost, read.ttl_s).items():
             self._mover.discard(level, records)
         if self._promote_on_hit and self._tiers:
             read.promotions = self._promotions(keys, sources[:hit], values, step.generation)
@@ -189,6 +194,11 @@ class ReadPath:
                 for counts in self._counts:
                     counts.misses += 1
             read.top_misses = None
+            read.num_returned = read.num_lent
+        if read.num_returned >= 0 and self.misses is not None and read.num_returned < len(read.block_hashes):
+            self.misses.get_missed(block_key(read.namespace, read.block_hashes[-1]),
+                                   len(read.block_hashes) - read.num_returned)
+        read.num_returned = -1  # counted: a later settle or close counts nothing again
 
     def close(self, read: BlockRead) -> None:
         """A read's last step: count a lent read, give back its leases and references, offer its promotions."""
@@ -234,10 +244,12 @@ class BlockRead:
         num_lent: the blocks of a read the top tier lent whole.
         top_misses: for such a read, until it is closed, whether it asked for
             more blocks than were cached (its counts are made then); else ``None``.
+        ttl_s: a TTL to pin the blocks read with (0.0: none; ``TieredStore.read``).
+        num_returned: blocks it returned, once known (-1 before): the rest count as missed when it closes.
     """
 
     __slots__ = ("_reads", "namespace", "block_hashes", "lend", "held", "releases", "promotions", "framed",
-                 "places", "pool", "offsets", "num_lent", "top_misses", "_closed")
+                 "places", "pool", "offsets", "num_lent", "top_misses", "ttl_s", "num_returned", "_closed")
 
     def __init__(self, reads: ReadPath, namespace: Namespace, block_hashes: Sequence[BlockHash], lend: bool) -> None:
         self._reads = reads
@@ -253,6 +265,8 @@ class BlockRead:
         self.offsets: list[int] | None = None
         self.num_lent = 0
         self.top_misses: bool | None = None
+        self.ttl_s = 0.0
+        self.num_returned = -1
         self._closed = False
 
     async def open(self) -> list[Buffer]:

@@ -33,18 +33,21 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore.api import LookupResult, StoreStats
 from kvstore.config import StoreConfig
-from kvstore.counts import TenantLookups, TierCounts, count_lookup, store_stats
+from kvstore.counts import TenantLookups, TierCounts, agentic_stats, count_lookup, store_stats
 from kvstore.errors import UnavailableError
+from kvstore.explain import BlockExplanation, MissLedger
 from kvstore.index import Index
-from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
+from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.lifecycle import restore, shut_down
 from kvstore.mover import Mover
+from kvstore.pins import PinLimits
 from kvstore.placement import Placement
-from kvstore.policy import make_policy
+from kvstore.policy import make_policy, resolve_policy_name
+from kvstore.policy.sessions import SessionTracker
 from kvstore.reads import BlockRead, ReadPath
 from kvstore.removal import Removal
 from kvstore.tiers.base import LeasingTier, SharedTier, Tier
-from kvstore.validation import fits_namespace
+from kvstore.validation import check_session_id, check_ttl_s, fits_namespace
 
 if TYPE_CHECKING:
     from kvstore.events.log import StoreObserver
@@ -85,11 +88,15 @@ class TieredStore:
         lenders = [tier if isinstance(tier, LeasingTier) else None for tier in self._tiers]
         self._tier_names = tuple(t.name for t in self._tiers) + ((shared.name,) if shared is not None else ())
         policies = [make_policy(self.config.policy, default_priority=self.config.default_priority,
-                                capacity_bytes=tier.capacity_bytes or 0, demotes=level + 1 < len(self._tiers))
+                                capacity_bytes=tier.capacity_bytes or 0, demotes=level + 1 < len(self._tiers),
+                                clock=clock, pin_group=_tag_of)
                     for level, tier in enumerate(self._tiers)]
+        pins = self.config.pins
         self.index = Index(policies, [tier.capacity_bytes or 0 for tier in self._tiers], clock,
                            [(lambda t=lender: t.held_bytes) if lender is not None else None for lender in lenders],
-                           charge=self.charge_of)
+                           charge=self.charge_of,
+                           pin_limits=PinLimits(pins.max_tier_fraction, pins.max_bytes, pins.max_tenant_bytes),
+                           history_blocks=self.config.miss_history_blocks)
         if events is not None:
             events.bind(tuple(t.name for t in self._tiers))
             self.index.observer = events
@@ -106,6 +113,18 @@ class TieredStore:
         self._lookup_miss_blocks = 0
         self._tenant_lookups = TenantLookups()
         self._closed = False
+        self._lookups = 0  # the sessions' clock (``kvstore.policy.sessions``)
+        self.sessions: SessionTracker[bytes] | None = None
+        """The sessions of the ``session`` policy (``None`` with any other policy)."""
+        if resolve_policy_name(self.config.policy) == "session":
+            self.sessions = SessionTracker(sum(self.index.capacities), self.index.cool)
+            self._placement.sessions = self.sessions
+        self.misses = MissLedger(self.index.history, self._tier_names, resolve_policy_name(self.config.policy))
+        """Blocks missed by cause, the namespaces seen, and :meth:`explain` (``kvstore.explain``)."""
+        self._placement.misses = self.misses
+        self._reads.misses = self.misses
+        self.ttl_clamped = 0
+        """TTLs over ``store.pins.max_ttl_s`` taken at that maximum."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,7 +150,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        await shut_down(self._mover, self._tiers, self._shared)
+        await shut_down(self._mover, self._tiers, self._shared, self.index)
 
     async def __aenter__(self) -> TieredStore:
         await self.start()
@@ -156,18 +175,32 @@ class TieredStore:
 
     # ------------------------------------------------------------------ lookup
 
-    async def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> LookupResult:
+    async def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                     ttl_s: float | None = None, request_id: str | None = None) -> LookupResult:
         """The longest cached prefix of ``block_hashes`` and the tier of each of its blocks.
 
-        Lookup does not change recency; a following :meth:`get` does.
+        Lookup does not change recency; a following :meth:`get` does. Each block
+        past the prefix is counted as missed, with its cause (:attr:`misses`).
+
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: chained hashes, in prefix order.
+            session_id: the agentic session the request belongs to (``docs/agentic.md``); the ``session``
+                policy learns from it.
+            ttl_s: a cache-control TTL, seconds: the cached prefix is pinned with it until the get that follows
+                (which pins it again), so an eviction in between cannot take it. Clamped to ``store.pins.max_ttl_s``.
+            request_id: names the request, so that :meth:`explain_request` can explain it later (the last
+                lookups are kept, ``kvstore.explain.MAX_RECENT_REQUESTS``).
 
         Raises:
-            InvalidArgumentError: on a hash of the wrong length.
+            InvalidArgumentError: on a hash of the wrong length, a bad session id or TTL.
             UnavailableError: if the store is closed.
         """
-        return LookupResult.from_block_tiers(await self.locate(namespace, block_hashes), self._tier_names)
+        located = await self.locate(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s, request_id=request_id)
+        return LookupResult.from_block_tiers(located, self._tier_names)
 
-    async def locate(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> bytes:
+    async def locate(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                     ttl_s: float | None = None, request_id: str | None = None) -> bytes:
         """:meth:`lookup` in its compact form: the tier of each block of the longest cached prefix, as a byte.
 
         Returns:
@@ -176,12 +209,16 @@ class TieredStore:
             is (``LookupResponse.block_tiers``).
 
         Raises:
-            InvalidArgumentError: on a hash of the wrong length.
+            InvalidArgumentError: on a hash of the wrong length, a bad session id or TTL.
             UnavailableError: if the store is closed.
         """
         self._check_open()
         keys = block_keys(namespace, block_hashes)
+        session = check_session_id(session_id) if session_id else ""
+        ttl = self.clamp_ttl(ttl_s) if ttl_s else 0.0
         located = self.index.locate(keys)
+        num_local = len(located)
+        shared_down = False
         if self._shared is not None and len(located) < len(keys):
             rest = keys[len(located):]  # past the local prefix a block may be in Redis and the next one local again
             shared, tail = len(self._tiers), bytearray()
@@ -190,12 +227,14 @@ class TieredStore:
                     break
                 tail.append(shared if level is None else level)  # a local copy is the faster one
             located += bytes(tail)
-        return self._located(namespace, keys, located)
+            shared_down = getattr(self._shared, "state", "") == "down"
+        return self._located(namespace, block_hashes, keys, located, session=session, ttl=ttl, num_local=num_local,
+                             shared_down=shared_down, request_id=request_id)
 
     def locate_now(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> bytes | None:
         """:meth:`locate` with no await, for a store without a shared tier (the index alone answers); ``None``,
         with nothing done, for a store with one (await :meth:`locate`). The embedded store's lookup: one plain
-        callback on the loop instead of a coroutine.
+        callback on the loop instead of a coroutine. No session, TTL or request id (those take :meth:`locate`).
 
         Raises:
             InvalidArgumentError: on a hash of the wrong length.
@@ -205,35 +244,62 @@ class TieredStore:
             return None
         self._check_open()
         keys = block_keys(namespace, block_hashes)
-        return self._located(namespace, keys, self.index.locate(keys))
+        located = self.index.locate(keys)
+        return self._located(namespace, block_hashes, keys, located, num_local=len(located))
 
-    def _located(self, namespace: Namespace, keys: list[BlockKey], located: bytes) -> bytes:
-        """Count a lookup's hits and misses, and record the prefix a put of the rest continues; returns ``located``."""
+    def _located(self, namespace: Namespace, block_hashes: Sequence[BlockHash], keys: list[BlockKey], located: bytes,
+                 *, session: str = "", ttl: float = 0.0, num_local: int = 0, shared_down: bool = False,
+                 request_id: str | None = None) -> bytes:
+        """Count a lookup's hits and misses (by cause), record the prefix a put of the rest continues, note its
+        session, pin its local prefix for ``ttl`` and remember ``request_id``; returns ``located``."""
         self._lookup_hit_blocks += len(located)
         self._lookup_miss_blocks += len(keys) - len(located)
         count_lookup(self._counts, len(keys) - len(located))
         self._tenant_lookups.count(namespace.cache_salt, len(located), len(keys) - len(located))
         if 0 < len(located) < len(keys):  # the put of the rest protects this prefix (``put``)
             self._placement.continuations.record(keys, len(located))
+        if located:
+            self.misses.promise(keys[len(located) - 1])
+        self._lookups += 1
+        if session and self.sessions is not None:
+            self.sessions.request(session, keys, self._lookups)
+        if ttl and num_local:
+            self.index.pin(keys[:num_local], ttl)
+        if len(located) < len(keys):
+            missed = keys[len(located):]
+            self.misses.lookup_missed(namespace, missed, self.index.resident_many, self.index.namespace_bytes,
+                                      shared_down)
+        if request_id:
+            self.misses.remember(check_session_id(request_id), namespace, block_hashes)
         return located
 
     # ------------------------------------------------------------------ get
 
-    async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+    async def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                  ttl_s: float | None = None) -> list[bytes]:
         """Encoded blocks of the longest cached prefix, in order, stopping at the first miss; copies the caller owns.
 
         A block its tier turns out not to have (deleted behind the store's back,
         corrupt, unreadable) ends the prefix there and is forgotten. Lower-tier
         hits are promoted to the top tier in the background when ``promote_on_hit`` is set.
+        Blocks asked for and not returned count as missed (``lease_lost``: a get follows a lookup).
+
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: chained hashes, in prefix order.
+            session_id: the request's session (accepted for symmetry; the lookup is where it counts).
+            ttl_s: a cache-control TTL, seconds: the blocks returned are pinned with it, from now (a hit renews
+                a TTL in any case: the block's own).
 
         Raises:
-            InvalidArgumentError: on a hash of the wrong length.
+            InvalidArgumentError: on a hash of the wrong length, a bad session id or TTL.
             UnavailableError: if the store is closed.
         """
-        async with self.read(namespace, block_hashes, lend=False) as blocks:
+        async with self.read(namespace, block_hashes, lend=False, session_id=session_id, ttl_s=ttl_s) as blocks:
             return blocks  # type: ignore[return-value]  # without lending, every block is bytes
 
-    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, lend: bool = True) -> BlockRead:
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, lend: bool = True,
+             session_id: str | None = None, ttl_s: float | None = None) -> BlockRead:
         """The blocks of the longest cached prefix, held for the body of ``async with store.read(...) as blocks``.
 
         While the body runs, the prefix holds references, so eviction cannot
@@ -246,16 +312,23 @@ class TieredStore:
             namespace: namespace of the blocks.
             block_hashes: chained hashes, in prefix order.
             lend: ``False`` to copy every block (what :meth:`get` returns).
+            session_id: as :meth:`get`.
+            ttl_s: as :meth:`get`.
 
         Returns:
             A :class:`BlockRead`, whose ``async with`` yields the blocks, ``bytes``
             or ``memoryview``, in order up to the first miss.
 
         Raises:
-            InvalidArgumentError: (on entering) on a hash of the wrong length.
+            InvalidArgumentError: on a bad session id or TTL; (on entering) on a hash of the wrong length.
             UnavailableError: (on entering) if the store is closed.
         """
-        return BlockRead(self._reads, namespace, block_hashes, lend)
+        if session_id:
+            check_session_id(session_id)
+        read = BlockRead(self._reads, namespace, block_hashes, lend)
+        if ttl_s:
+            read.ttl_s = self.clamp_ttl(ttl_s)
+        return read
 
     # ------------------------------------------------------------------ put
 
@@ -267,6 +340,8 @@ class TieredStore:
         *,
         priority: int | None = None,
         retention_s: float | None = None,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
     ) -> int:
         """Store encoded blocks in the top tier they fit; returns how many were newly stored.
 
@@ -289,19 +364,27 @@ class TieredStore:
                 dtype, layout and block size.
             priority: retention priority in ``[0, 100]``; the configured default when ``None``.
             retention_s: seconds the priority holds before it reverts to the default.
+            session_id: the agentic session the blocks belong to; under the ``session`` policy a put of a
+                session stores only as many new blocks as the tiers' turnover lets survive until the session
+                comes back (``kvstore.policy.sessions``), the head first.
+            ttl_s: a cache-control TTL, seconds: the blocks are pinned, evicted only after every block without
+                one, until it runs out, counted from their last hit or put (``docs/agentic.md``). Clamped to
+                ``store.pins.max_ttl_s`` (and counted); over the bounds on pinned bytes a block is stored unpinned.
 
         Raises:
             InvalidArgumentError: on a malformed hash, a block that fails to decode
                 (a ``CodecError`` naming the cause), a block that does not match
-                the namespace, or a bad priority or retention.
+                the namespace, or a bad priority, retention, session id or TTL.
             ResourceExhaustedError: on a block over ``max_block_bytes`` or larger than
                 every tier, or when nothing can be evicted to make room.
             UnavailableError: if the store is closed.
         """
         self._check_open()
         keys = block_keys(namespace, block_hashes)
-        meta = self._placement.admit(namespace, keys, blocks, priority, retention_s)
-        return await self._placement.put(keys, blocks, meta, self._check_open)
+        session = check_session_id(session_id) if session_id else ""
+        ttl = self.clamp_ttl(ttl_s) if ttl_s else 0.0
+        meta = self._placement.admit(namespace, keys, blocks, priority, retention_s, ttl)
+        return await self._placement.put(keys, blocks, meta, self._check_open, session, self._lookups)
 
     # ------------------------------------------------------------------ delete and clear
 
@@ -338,9 +421,51 @@ class TieredStore:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> StoreStats:
-        """Blocks, bytes, capacity and event counts of every tier, fastest first; blocks hit and missed by lookups."""
-        return store_stats(self.index, self.tiers, self._counts, self._lookup_hit_blocks, self._lookup_miss_blocks,
-                           self._tenant_lookups)
+        """Blocks, bytes, capacity and event counts of every tier, fastest first; blocks hit and missed by lookups,
+        and the missed blocks by cause."""
+        stats = store_stats(self.index, self.tiers, self._counts, self._lookup_hit_blocks, self._lookup_miss_blocks,
+                            self._tenant_lookups)
+        return agentic_stats(stats, self)
+
+    async def explain(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[BlockExplanation]:
+        """Each block of a request, head first: a hit (and its tier), or the cause of its miss with what the node
+        knows of it (``kvstore explain``). Changes nothing: no recency, no count.
+
+        Raises:
+            InvalidArgumentError: on a hash of the wrong length.
+            UnavailableError: if the store is closed.
+        """
+        self._check_open()
+        keys = block_keys(namespace, block_hashes)
+        levels: list[int | None] = list(self.index.levels_of(keys))
+        shared_down = False
+        if self._shared is not None:
+            missing = [i for i, level in enumerate(levels) if level is None]
+            if missing:
+                found = await self._shared.contains([keys[i] for i in missing])
+                for i, hit in zip(missing, found):
+                    if hit:
+                        levels[i] = len(self._tiers)
+            shared_down = getattr(self._shared, "state", "") == "down"
+        hit = levels.index(None) if None in levels else len(levels)
+        return self.misses.explain(namespace, block_hashes, keys, levels, hit, self.index.namespace_bytes(namespace.tag),
+                                   shared_down)
+
+    def recent_request(self, request_id: str) -> tuple[Namespace, list[bytes]] | None:
+        """The namespace and block hashes of the last lookup named ``request_id``, while it is remembered."""
+        return self.misses.recent(request_id)
+
+    def clamp_ttl(self, ttl_s: float | None) -> float:
+        """A request's TTL checked and clamped to ``store.pins.max_ttl_s`` (a clamp is counted, not refused).
+
+        Raises:
+            InvalidArgumentError: on a TTL that is not a finite number of seconds >= 0.
+        """
+        ttl = check_ttl_s(ttl_s)
+        if ttl > self.config.pins.max_ttl_s:
+            self.ttl_clamped += 1
+            return self.config.pins.max_ttl_s
+        return ttl
 
     def namespace_bytes(self, tag: bytes) -> int:
         """Charged bytes of the blocks of one namespace (by its :attr:`Namespace.tag`) in local tiers: each block
@@ -357,3 +482,8 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise UnavailableError("the store is closed")
+
+
+def _tag_of(key: bytes) -> bytes:
+    """A tier key's namespace tag: what pinned bytes are counted by (tenant bounds)."""
+    return key[:NAMESPACE_TAG_BYTES]

@@ -30,9 +30,11 @@ length in tokens, and ``blocks`` the chained prefix-block ids: non-negative
 integers, or strings of hexadecimal digits (an optional ``0x`` prefix), e.g. the
 hex of a ``kvstore.keys.BlockHash``; a hex string and the integer of the same
 value are the same block. The block size is the reader's business (the
-simulator's ``block_tokens``); ``tokens`` is not checked against it. Other keys
-are ignored, so a line can carry more fields. :func:`write_trace` writes this
-format with integer ids.
+simulator's ``block_tokens``); ``tokens`` is not checked against it. Optional:
+``session`` (the agentic session, a string), ``ttl_s`` (its cache-control TTL,
+seconds) and ``namespace`` (a label: requests of another label are in another
+namespace; ``docs/agentic.md``). Other keys are ignored, so a line can carry
+more fields. :func:`write_trace` writes this format with integer ids.
 
 **Agentic sessions** (``format="weka"``): the kv-cache-tester format of agentic
 coding sessions (``callanjfox/kv-cache-tester``, ``trace_replay_tester.py``):
@@ -103,12 +105,20 @@ class TraceRequest:
         input_tokens: prompt length, tokens.
         output_tokens: generated length, tokens.
         block_ids: chained prefix-block ids of the prompt, head first; shape ``(num_blocks,)``.
+        session: the agentic session the request belongs to (``""``: none), as a client passes ``session_id``.
+        ttl_s: the cache-control TTL the request's blocks carry, seconds (0.0: none; ``docs/agentic.md``).
+        namespace: a label of the namespace the request is in (``""``: the replay's own); requests in another
+            label's namespace share no block with it (``kvstore loadtest`` changes the namespace's revision to the
+            label, the simulator keeps their ids apart).
     """
 
     timestamp_s: float
     input_tokens: int
     output_tokens: int
     block_ids: tuple[int, ...]
+    session: str = ""
+    ttl_s: float = 0.0
+    namespace: str = ""
 
 
 def _is_int(value: Any) -> bool:
@@ -174,12 +184,28 @@ def _parse_mooncake(obj: dict[str, Any], fail: Any, block_tokens: int = MOONCAKE
     return TraceRequest(timestamp_ms / 1000.0, input_tokens, output_tokens, block_ids)
 
 
+def _label(obj: dict[str, Any], name: str, fail: Any) -> str:
+    value = obj.get(name, "")
+    if not isinstance(value, str) or len(value) > 256:
+        fail(f"{name!r} must be a string of at most 256 characters, got {value!r}")
+    return value
+
+
+def _ttl(obj: dict[str, Any], fail: Any) -> float:
+    if "ttl_s" not in obj:
+        return 0.0
+    return _time(obj, "ttl_s", fail)
+
+
 def _parse_generic(obj: dict[str, Any], fail: Any, block_tokens: int = 0) -> TraceRequest:
     return TraceRequest(
         _time(obj, "t_s", fail),
         _count(obj, "tokens", fail),
         _count(obj, "output_tokens", fail, default=0),
         _ids(obj, "blocks", fail, allow_hex=True),
+        _label(obj, "session", fail),
+        _ttl(obj, fail),
+        _label(obj, "namespace", fail),
     )
 
 
@@ -295,8 +321,11 @@ class Session:
     prefix_tokens: int
 
 
-def read_session(path: str | os.PathLike[str]) -> Session:
+def read_session(path: str | os.PathLike[str], ttl_s: float = 0.0) -> Session:
     """Read one agentic session file (module docstring); nested subagents' requests are merged in by time.
+
+    Each request names its session (:attr:`TraceRequest.session`): the file's ``session_id`` if it has one, else
+    the file's stem, and ``<session>.<n>`` for its ``n``-th subagent; ``ttl_s`` is given to every request.
 
     Raises:
         TraceFormatError: naming the file and the request (``requests[3].requests[0]``) at fault.
@@ -321,8 +350,9 @@ def read_session(path: str | os.PathLike[str]) -> Session:
     if scope not in ("local", "global"):
         raise TraceFormatError(path, 0, f"'hash_id_scope' must be 'local' or 'global', got {scope!r}")
     found: list[tuple[float, int, TraceRequest]] = []
+    subagents = [0]
 
-    def walk(requests: list[Any], start_s: float, where: str) -> None:
+    def walk(requests: list[Any], start_s: float, where: str, session: str) -> None:
         for index, obj in enumerate(requests):
             here = f"{where}[{index}]"
             fail = fail_at(here)
@@ -332,22 +362,25 @@ def read_session(path: str | os.PathLike[str]) -> Session:
             if obj.get("type") == "subagent":
                 if not isinstance(obj.get("requests"), list):
                     fail("a subagent needs a 'requests' list")
-                walk(obj["requests"], t_s, f"{here}.requests")
+                subagents[0] += 1
+                walk(obj["requests"], t_s, f"{here}.requests", f"{session}.{subagents[0]}")
                 continue
             input_tokens = _count(obj, "in", fail)
             block_ids = _ids(obj, "hash_ids", fail, allow_hex=False)
             _check_block_count(len(block_ids), input_tokens, block_tokens, ("hash_ids", "in"), fail)
-            request = TraceRequest(t_s, input_tokens, _count(obj, "out", fail, default=0), block_ids)
+            request = TraceRequest(t_s, input_tokens, _count(obj, "out", fail, default=0), block_ids, session,
+                                   ttl_s)
             found.append((t_s, len(found), request))
 
-    walk(doc["requests"], 0.0, "requests")
+    name = doc.get("session_id") if isinstance(doc.get("session_id"), str) else Path(path).stem
+    walk(doc["requests"], 0.0, "requests", name[:200])
     found.sort(key=lambda item: (item[0], item[1]))
     prefix = sum(v for v in (doc.get("tool_tokens"), doc.get("system_tokens")) if _is_int(v) and v > 0)
     return Session(tuple(r for _, _, r in found), block_tokens, scope == "local", prefix)
 
 
 def merge_sessions(paths: Sequence[str | os.PathLike[str]], *, stagger_s: float = 0.0,
-                   shared_prefix_fraction: float = 0.0) -> list[TraceRequest]:
+                   shared_prefix_fraction: float = 0.0, ttl_s: float = 0.0) -> list[TraceRequest]:
     """One workload from several agentic session files: their requests interleaved by time.
 
     Session ``i`` (in the order given) starts ``i * stagger_s`` seconds in. Ids
@@ -363,6 +396,7 @@ def merge_sessions(paths: Sequence[str | os.PathLike[str]], *, stagger_s: float 
             and tool prefix (``tool_tokens + system_tokens``, in whole blocks) that
             all sessions share, as kv-cache-tester's ``--warm-prefix-pct`` assumes
             of one agent's tool definitions: those first blocks get common ids.
+        ttl_s: a TTL every request carries (0.0: none).
 
     Raises:
         InvalidArgumentError: on a bad ``stagger_s`` or fraction, no file, or
@@ -370,15 +404,15 @@ def merge_sessions(paths: Sequence[str | os.PathLike[str]], *, stagger_s: float 
         TraceFormatError: for a bad session file.
         OSError: if a file cannot be read.
     """
-    if not stagger_s >= 0 or not 0.0 <= shared_prefix_fraction <= 1.0:
-        raise InvalidArgumentError("stagger_s must be >= 0 and shared_prefix_fraction in [0, 1]")
+    if not stagger_s >= 0 or not 0.0 <= shared_prefix_fraction <= 1.0 or not 0 <= ttl_s < math.inf:
+        raise InvalidArgumentError("stagger_s must be >= 0, shared_prefix_fraction in [0, 1] and ttl_s >= 0")
     if not paths:
         raise InvalidArgumentError("give at least one session file")
     ids: dict[tuple[int, int], int] = {}
     merged: list[tuple[float, int, int, TraceRequest]] = []
     block_tokens = None
     for index, path in enumerate(paths):
-        session = read_session(path)
+        session = read_session(path, ttl_s)
         if block_tokens is None:
             block_tokens = session.block_tokens
         elif session.block_tokens != block_tokens:
@@ -394,7 +428,7 @@ def merge_sessions(paths: Sequence[str | os.PathLike[str]], *, stagger_s: float 
             )
             merged.append((request.timestamp_s + offset_s, index, order,
                            TraceRequest(request.timestamp_s + offset_s, request.input_tokens,
-                                        request.output_tokens, renamed)))
+                                        request.output_tokens, renamed, f"{index}:{request.session}", ttl_s)))
     merged.sort(key=lambda item: item[:3])
     return [request for *_, request in merged]
 
@@ -411,12 +445,16 @@ def write_trace(path: str | os.PathLike[str], requests: Iterable[TraceRequest]) 
     count = 0
     with open(Path(path), "w", encoding="utf-8") as handle:
         for request in requests:
-            line = {
+            line: dict[str, Any] = {
                 "t_s": request.timestamp_s,
                 "tokens": request.input_tokens,
                 "output_tokens": request.output_tokens,
                 "blocks": list(request.block_ids),
             }
+            for name, value in (("session", request.session), ("ttl_s", request.ttl_s),
+                                ("namespace", request.namespace)):
+                if value:
+                    line[name] = value
             handle.write(json.dumps(line, separators=(",", ":")) + "\n")
             count += 1
     return count

@@ -131,6 +131,42 @@ def check_retention_s(retention_s: float | None) -> float | None:
     return seconds
 
 
+MAX_SESSION_ID_BYTES = 256
+"""The longest session id taken, UTF-8 bytes (vLLM's and SGLang's ids are UUIDs or short names)."""
+
+
+def check_ttl_s(ttl_s: float | None) -> float:
+    """A cache-control TTL as a ``float`` of seconds: a finite number ``>= 0``; ``None`` and 0 mean none (0.0).
+
+    Raises:
+        InvalidArgumentError: otherwise (also on a string, NaN or infinity).
+    """
+    if ttl_s is None:
+        return 0.0
+    try:
+        seconds = float(ttl_s) if not isinstance(ttl_s, (str, bytes, bytearray, bool)) else math.nan
+    except (TypeError, ValueError, OverflowError):
+        seconds = math.nan
+    if not 0 <= seconds < math.inf:
+        raise InvalidArgumentError(f"ttl_s must be a finite number of seconds >= 0, got {ttl_s!r}")
+    return seconds
+
+
+def check_session_id(session_id: str | None) -> str:
+    """A session id as a ``str`` (``""`` for none): at most :data:`MAX_SESSION_ID_BYTES` UTF-8 bytes.
+
+    Raises:
+        InvalidArgumentError: on a non-string or an id over the limit.
+    """
+    if session_id is None:
+        return ""
+    if not isinstance(session_id, str):
+        raise InvalidArgumentError(f"session_id must be a string, got {type(session_id).__name__}")
+    if len(session_id) > MAX_SESSION_ID_BYTES or len(session_id.encode("utf-8")) > MAX_SESSION_ID_BYTES:
+        raise InvalidArgumentError(f"session_id is over {MAX_SESSION_ID_BYTES} bytes")
+    return session_id
+
+
 def check_block(namespace: Namespace, position: int, block: object, max_block_bytes: int) -> BlockHeader:
     """Check one encoded block of a put: bytes-like, within ``max_block_bytes``, intact, of the namespace, and (a
     lossy block) with its scales in range (``kvstore.encoding.scales``: finite, non-negative, never decoding

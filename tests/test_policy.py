@@ -328,3 +328,87 @@ def test_a_removed_key_stored_again_is_not_held(name: str) -> None:
     policy.hold("a")  # a new block: held anew
     policy.release("a")
     assert "a" in policy.victims(20)
+
+
+# ---------------------------------------------------------------------- TTLs (pins) and dead chains
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_ttl_holds_a_block_back_until_it_runs_out_from_its_last_touch(name: str) -> None:
+    clock = _Clock()
+    policy = make_policy(name, capacity_bytes=100, clock=clock)
+    policy.insert("pinned", 10, ttl_s=5.0)  # runs until 5
+    for key in "abc":
+        policy.insert(key, 10)
+    assert policy.victims(40, now=1.0) == ["a", "b", "c", "pinned"]  # evicted only after every block without one
+    clock.now = 4.0
+    policy.touch("pinned")  # a hit: it runs until 9 now
+    assert policy.pin_of("pinned") == (5.0, 9.0) and policy.pinned_nbytes == 10
+    assert policy.victims(10, now=6.0) == ["a"]
+    assert policy.victims(10, now=9.0) == ["pinned"]  # ran out: the next victim of its priority, not deleted
+    assert "pinned" in policy and not policy.is_pinned("pinned") and policy.ttl_ran_out("pinned")
+    assert policy.pinned_nbytes == 0 and policy.nbytes == 40
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_ttls_that_run_out_go_to_the_front_of_their_priority_tail_first(name: str) -> None:
+    clock = _Clock()
+    policy = make_policy(name, capacity_bytes=100, clock=clock)
+    policy.insert("x", 10)
+    policy.insert_many(["head", "mid", "tail"], 10, ttl_s=5.0)  # a chain, pinned tail first
+    policy.insert("kept", 10, priority=80, ttl_s=50.0)
+    assert policy.priority_of("kept") == 80 and policy.is_pinned("kept")
+    policy.expire(6.0)
+    assert list(policy)[:4] == ["tail", "mid", "head", "x"]  # the chain's tail is the next victim
+    assert list(policy)[-1] == "kept"
+    policy.expire(60.0)
+    assert policy.priority_of("kept") == 80 and list(policy)[-1] == "kept"  # back at its own priority
+
+
+def test_pinned_bytes_are_counted_by_group_and_forgotten_with_their_keys() -> None:
+    policy = make_policy("lru", pin_group=lambda key: key[0])
+    policy.insert("a1", 10, ttl_s=9.0)
+    policy.insert("a2", 10, ttl_s=9.0)
+    policy.insert("b1", 5)
+    policy.pin("b1", 9.0)
+    assert policy.pinned_nbytes_of("a") == 20 and policy.pinned_nbytes_of("b") == 5 and policy.pinned_nbytes == 25
+    policy.remove("a1")
+    policy.unpin("b1")
+    assert policy.pinned_nbytes == 10 and policy.pinned_nbytes_of("b") == 0
+    assert list(policy) == ["b1", "a2"]  # unpinned: the front of its priority
+    with pytest.raises(ValueError):
+        policy.insert("c", 1, ttl_s=-1.0)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_dead_chain_goes_to_the_front_tail_first_and_unpinned(name: str) -> None:
+    policy = make_policy(name, capacity_bytes=100)
+    for key in "abcdef":
+        policy.insert(key, 1)
+    policy.pin("d", 100.0)
+    policy.touch("b")
+    policy.cool(["c", "d", "e"])  # head first: e, the tail, ends frontmost
+    assert list(policy)[:3] == ["e", "d", "c"] and not policy.is_pinned("d")
+    policy.hold("a")
+    policy.cool(["a", "z"])  # a held key and an unknown one are skipped
+    assert policy.victims(3) == ["e", "d", "c"]
+
+
+def test_unpinning_the_oldest_keeps_the_order_lru_would_have_under_one_ttl() -> None:
+    policy = make_policy("lru")
+    for key in "abcd":
+        policy.insert(key, 1, ttl_s=60.0)
+    policy.touch("a")
+    assert policy.unpin_oldest(2) == 2  # b and c, the least recently used pins
+    assert [policy.is_pinned(k) for k in "abcd"] == [True, False, False, True]
+    assert list(policy) == ["b", "c", "d", "a"]  # the eviction order is LRU's
+    policy.hold("d")
+    assert policy.unpin_oldest(5) == 2 and policy.pinned_nbytes == 0

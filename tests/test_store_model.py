@@ -18,6 +18,11 @@ step, an operation does nothing; after it, it runs to its end, as a delete or a 
 draws which prepared step completes next, and deletes, clears and evictions between them, and every complete step is checked against a dict model: a stale
 placement publishes nothing, and a read returns exactly the prefix resident when it was prepared, up to its first
 lost block, with the still-current lost blocks forgotten.
+
+``AgenticStoreModel`` runs the same rules with TTLs and sessions in the mix, on a clock the test moves: a pinned
+block is never a victim while an unpinned one of its tier is not in use; a get renews the TTLs it hits; a TTL that
+ran out is gone once the tier expires them; and a restart (memory flushed to disk, the index rebuilt from LMDB)
+keeps every TTL still running.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from kvstore.config import StoreConfig
+from kvstore.config import PinsConfig, StoreConfig
 from kvstore.errors import ResourceExhaustedError
 from kvstore.index import Entry, Index, PutStep, ReadStep
 from kvstore.keys import block_key
@@ -484,6 +489,99 @@ class IndexStepsModel(RuleBasedStateMachine):
             assert all(index.used_bytes(level) == index.policies[level].nbytes for level in (0, 1))
 
 
+class AgenticStoreModel(StoreModel):
+    """:class:`StoreModel` with TTLs, sessions and a clock the test moves (the ``session`` policy, every pin allowed)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+        super().__init__()
+
+    def open(self) -> TieredStore:
+        config = StoreConfig(policy="session", pins=PinsConfig(max_tier_fraction=1.0))
+        store = TieredStore([memory_tier(3), LMDBTier(self.path / "disk", 5 * disk_footprint(), clock=self.clock)],
+                            config, clock=self.clock)
+        self.run(store.start())
+        store.index.reserve = self._checked_reserve(store)  # type: ignore[method-assign]
+        return store
+
+    def clock(self) -> float:
+        return self.now
+
+    @staticmethod
+    def _checked_reserve(store: TieredStore):  # type: ignore[no-untyped-def]
+        """The index's ``reserve``, checking the victims it claims: a pinned one only once no unpinned block of the
+        tier is left out of use (the claimed victims are held by then)."""
+        reserve = store.index.reserve
+
+        def checked(level: int, nbytes: int) -> list[bytes]:
+            victims = reserve(level, nbytes)
+            policy = store.index.policies[level]
+            if any(policy.is_pinned(key) for key in victims):
+                others = [key for key in policy if not policy.is_pinned(key) and not policy.is_held(key)]
+                assert not others, f"a pinned block was a victim while {len(others)} unpinned ones were not"
+            return victims
+
+        return checked
+
+    @rule(run=runs, ttl=st.sampled_from([None, 5.0, 50.0]), session=st.sampled_from([None, "a", "b"]))
+    def put_with_ttl(self, run: tuple[int, int], ttl: float | None, session: str | None) -> None:
+        i, j = run
+        keys = [block_key(NS, h) for h in HASHES[i:j]]
+        bounded = self.store.sessions.bounded_puts
+        try:
+            self.run(self.store.put(NS, HASHES[i:j], BLOCKS[i:j], ttl_s=ttl, session_id=session))
+        except ResourceExhaustedError:
+            self._unknown(keys)
+            return
+        if self.store.sessions.bounded_puts > bounded:
+            self._unknown(keys)  # the session policy stored the head of them only
+        else:
+            self._put_done(keys)
+
+    @rule(run=runs, ttl=st.sampled_from([None, 20.0]), session=st.sampled_from([None, "a", "b"]))
+    def get_with_ttl(self, run: tuple[int, int], ttl: float | None, session: str | None) -> None:
+        i, j = run
+        self.run(self.store.lookup(NS, HASHES[i:j], session_id=session))
+        got = self.run(self.store.get(NS, HASHES[i:j], ttl_s=ttl))
+        index = self.store.index
+        for h in HASHES[i:i + len(got)]:
+            key = block_key(NS, h)
+            level = index.level_of(key)
+            if level is None:
+                continue  # promoted and evicted again by then: no longer cached
+            ttl_s, until = index.policies[level].pin_of(key)
+            if ttl_s and index.held(level, key) is None:
+                assert until == self.now + ttl_s, "a hit did not renew the TTL from its time"
+
+    @rule(seconds=st.sampled_from([1.0, 10.0, 60.0]))
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    @rule()
+    def restart(self) -> None:
+        """A restart keeps every TTL still running, with its end, for the blocks it keeps."""
+        self.run(self.store.drain())
+        before = {key: policy.pin_of(key) for policy in self.store.index.policies for key in policy
+                  if policy.is_pinned(key) and policy.pin_of(key)[1] > self.now}
+        super().restart()
+        for key, (ttl_s, until) in before.items():
+            level = self.store.index.level_of(key)
+            if level is not None:
+                assert self.store.index.policies[level].pin_of(key) == (ttl_s, until), "a restart lost a TTL"
+
+    @invariant()
+    def pins_are_evicted_last_and_expire(self) -> None:
+        if self.store is None:
+            return
+        for policy in self.store.index.policies:
+            policy.expire(self.now)
+            order = list(policy)
+            pinned = [policy.is_pinned(key) for key in order if not policy.is_held(key)]
+            assert pinned == sorted(pinned), "an unpinned block comes after a pinned one in the eviction order"
+            assert all(policy.pin_of(key)[1] > self.now for key in order if policy.is_pinned(key)), \
+                "a TTL that ran out is still pinned"
+
+
 MODEL_SETTINGS = settings(max_examples=int(os.environ.get("KVSTORE_MODEL_EXAMPLES", "25")), stateful_step_count=25,
                           deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -491,6 +589,10 @@ MODEL_SETTINGS = settings(max_examples=int(os.environ.get("KVSTORE_MODEL_EXAMPLE
 
 def test_memory_and_disk_agree_with_the_model() -> None:
     run_state_machine_as_test(StoreModel, settings=MODEL_SETTINGS)
+
+
+def test_ttls_and_sessions_agree_with_the_model() -> None:
+    run_state_machine_as_test(AgenticStoreModel, settings=MODEL_SETTINGS)
 
 
 @pytest.mark.slow

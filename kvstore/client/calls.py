@@ -252,9 +252,17 @@ def _unknown_service(exc: grpc.RpcError) -> str:
     raise exc
 
 
-def _lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
-    """A Lookup: over a same-host session's control channels where it has them, else over gRPC."""
+def _lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash], session_id: str = "", ttl_s: float = 0.0,
+                request_id: str = "") -> _Rpc:
+    """A Lookup: over a same-host session's control channels where it has them, else over gRPC (with the agentic
+    fields, ``docs/agentic.md``)."""
     request = request_with_hashes(pb.LookupRequest, namespace, block_hashes)
+    if session_id:
+        request.agent_session_id = session_id
+    if ttl_s:
+        request.ttl_s = ttl_s
+    if request_id:
+        request.request_id = request_id
 
     def shared(session: SharedSession) -> tuple[_Rpc, None] | None:
         if session.control is None:
@@ -265,39 +273,52 @@ def _lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> _
     return _Rpc(_UNARY, _stub("Lookup"), request, lookup_from_pb, shared=shared)
 
 
-def _get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
+def _get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], session_id: str = "",
+             ttl_s: float = 0.0) -> _Rpc:
     num_blocks = len(block_hashes)
-    return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes),
-                lambda: _assembler(num_blocks), bulk=_bulk_get(namespace, block_hashes, list))
+    return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes, session_id, ttl_s),
+                lambda: _assembler(num_blocks), bulk=_bulk_get(namespace, block_hashes, list, session_id, ttl_s))
 
 
 def _get_then(namespace: Namespace, block_hashes: Sequence[BlockHash], then: Callable[[list[Buffer]], Any],
-              shared: Callable[[SharedSession, pb.GetSharedResponse, float], Any]) -> _Rpc:
+              shared: Callable[[SharedSession, pb.GetSharedResponse, float], Any], session_id: str = "",
+              ttl_s: float = 0.0) -> _Rpc:
     """A Get over gRPC or the bulk path whose blocks go through ``then``, or on the same-host path through ``shared``."""
     num_blocks = len(block_hashes)
-    return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes),
+    return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes, session_id, ttl_s),
                 lambda: _Then(_assembler(num_blocks), then),
-                shared=_shared_get(cached_namespace_pb(namespace), block_hashes, shared),
-                bulk=_bulk_get(namespace, block_hashes, then))
+                shared=_shared_get(cached_namespace_pb(namespace), block_hashes, shared, session_id, ttl_s),
+                bulk=_bulk_get(namespace, block_hashes, then, session_id, ttl_s))
 
 
-def _bulk_get(namespace: Namespace, block_hashes: Sequence[BlockHash],
-              then: Callable[[list[Buffer]], Any]) -> Callable[[BulkLink, Endpoint], _Rpc]:
+def _bulk_get_request(namespace: Namespace, block_hashes: Sequence[BlockHash], session_id: str,
+                      ttl_s: float) -> pb.BulkGetRequest:
+    """A BulkGet's request, with the agentic fields (``docs/agentic.md``)."""
+    request = request_with_hashes(pb.BulkGetRequest, cached_namespace_pb(namespace), block_hashes)
+    if session_id:
+        request.agent_session_id = session_id
+    if ttl_s:
+        request.ttl_s = ttl_s
+    return request
+
+
+def _bulk_get(namespace: Namespace, block_hashes: Sequence[BlockHash], then: Callable[[list[Buffer]], Any],
+              session_id: str = "", ttl_s: float = 0.0) -> Callable[[BulkLink, Endpoint], _Rpc]:
     """A Get on the bulk path whose blocks (each in a buffer of its own) go through ``then``."""
 
     def make(link: BulkLink, endpoint: Endpoint) -> _Rpc:
-        request = request_with_hashes(pb.BulkGetRequest, cached_namespace_pb(namespace), block_hashes)
+        request = _bulk_get_request(namespace, block_hashes, session_id, ttl_s)
         return _Rpc(_UNARY, lambda channel: bulk_calls.get_blocks(link, endpoint, then, channel.aio), request, _same)
 
     return make
 
 
 def _bulk_get_into(namespace: Namespace, block_hashes: Sequence[BlockHash], destinations: Sequence[Any],
-                   verify: bool) -> Callable[[BulkLink, Endpoint], _Rpc]:
+                   verify: bool, session_id: str = "", ttl_s: float = 0.0) -> Callable[[BulkLink, Endpoint], _Rpc]:
     """A Get on the bulk path received straight into the caller's tensors (a :class:`Copied`)."""
 
     def make(link: BulkLink, endpoint: Endpoint) -> _Rpc:
-        request = request_with_hashes(pb.BulkGetRequest, cached_namespace_pb(namespace), block_hashes)
+        request = _bulk_get_request(namespace, block_hashes, session_id, ttl_s)
         return _Rpc(_UNARY, lambda channel: bulk_calls.get_into(link, endpoint, destinations, namespace.layout, verify,
                                                                 channel.aio), request, _same)
 
@@ -309,13 +330,18 @@ def _same(result: _T) -> _T:
 
 
 def _shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
-                use: Callable[[SharedSession, pb.GetSharedResponse, float], Any]) -> Callable[[SharedSession], Any]:
+                use: Callable[[SharedSession, pb.GetSharedResponse, float], Any], session_id: str = "",
+                ttl_s: float = 0.0) -> Callable[[SharedSession], Any]:
     """A GetShared on a session, whose reply (and the time it was asked for) goes through ``use``."""
 
     def make(session: SharedSession) -> tuple[_Rpc, None]:
         request = request_with_hashes(pb.GetSharedRequest, namespace, block_hashes)
         request.session_id = session.session_id
         request.in_place = session.in_place
+        if session_id:
+            request.agent_session_id = session_id
+        if ttl_s:
+            request.ttl_s = ttl_s
         started = time.monotonic()
         method = _control_or(session, GET_SHARED, pb.GetSharedResponse, _get_shared_call)
         return _Rpc(_UNARY, method, request, lambda reply: use(session, reply, started)), None
@@ -324,7 +350,7 @@ def _shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
 
 
 def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Sequence[Block], chunk_bytes: int,
-             priority: int | None, retention_s: float | None) -> _Rpc:
+             priority: int | None, retention_s: float | None, session_id: str = "", ttl_s: float = 0.0) -> _Rpc:
     """A Put: over gRPC, its blocks encoded once on the first attempt; on the same-host path, staged straight
     from the caller's memory (their dtypes and shapes were checked beforehand: encoding cannot fail)."""
     encoded: list[list[bytes]] = []
@@ -333,7 +359,7 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
         if not encoded:
             encoded.append(encode_blocks(blocks, namespace.layout))
         yield from put_requests(namespace, block_hashes, encoded[0], chunk_bytes, priority=priority,
-                                retention_s=retention_s)
+                                retention_s=retention_s, session_id=session_id, ttl_s=ttl_s)
 
     def requests() -> _RequestStream:
         return _RequestStream(messages())
@@ -350,6 +376,10 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
             request.priority = priority
         if retention_s is not None:
             request.retention_s = retention_s
+        if session_id:
+            request.agent_session_id = session_id
+        if ttl_s:
+            request.ttl_s = ttl_s
         method = _control_or(session, PUT_SHARED, pb.PutResponse, _put_shared_call)
         return (_Rpc(_UNARY, method, request, lambda reply: int(reply.num_stored)),
                 lambda: session.unstage(staged))
@@ -362,6 +392,10 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
             request.priority = priority
         if retention_s is not None:
             request.retention_s = retention_s
+        if session_id:
+            request.agent_session_id = session_id
+        if ttl_s:
+            request.ttl_s = ttl_s
         return _Rpc(_UNARY, lambda channel: bulk_calls.put(link, endpoint, items, channel.aio), request, _same)
 
     return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored), shared=shared, bulk=bulk)

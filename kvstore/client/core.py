@@ -31,8 +31,8 @@ from kvstore.routing import (
 from kvstore.shm.client.link import BlockLease, SharedMemoryLink, SharedSession, UseGrpc
 from kvstore.bulk.client.link import BulkLink
 from kvstore.status import DeadlineExceededError, error_of
-from kvstore.validation import check_count, check_put, check_seconds
-from kvstore.wire import cached_namespace_pb, chunk_bytes_for, stats_from_pb
+from kvstore.validation import check_count, check_put, check_seconds, check_session_id, check_ttl_s
+from kvstore.wire import cached_namespace_pb, chunk_bytes_for, explanation_from_pb, stats_from_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.calls import (
     _MAX_SHARED_TRIES,
@@ -208,25 +208,60 @@ class _Client:
 
     # ------------------------------------------------------------------ the API
 
-    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+    def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+               ttl_s: float | None = None, request_id: str | None = None) -> Any:
         """The longest cached prefix of ``block_hashes`` and the tier of each of its blocks (a :class:`LookupResult`).
 
         With several nodes, each owner is asked for its own hashes in parallel and
         the answers are merged (see the module docstring); a down node's blocks are misses.
 
+        Args:
+            namespace: namespace of the blocks.
+            block_hashes: chained hashes, in prefix order.
+            session_id: the request's agentic session (``docs/agentic.md``).
+            ttl_s: a TTL pinning the cached prefix until the get that follows, seconds.
+            request_id: a name for the request, for :meth:`explain` later.
+
         Raises:
-            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
+            InvalidArgumentError: on a malformed hash or namespace, too many hashes, or a bad session id or TTL.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
         check_block_hashes(namespace, block_hashes)
+        session, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
+        request = check_session_id(request_id)
         ns = cached_namespace_pb(namespace)
         if self._single:
-            return self._run(_Plan({0: _lookup_rpc(ns, block_hashes)}, _first))
+            return self._run(_Plan({0: _lookup_rpc(ns, block_hashes, session, ttl, request)}, _first))
         partition = self.router.split(block_hashes)
-        return self._run(_Plan({j: _lookup_rpc(ns, partition.sub_list(j, block_hashes))
+        return self._run(_Plan({j: _lookup_rpc(ns, partition.sub_list(j, block_hashes), session, ttl, request)
                                 for j in partition.nodes_with_blocks()}, partition.merge_lookup))
 
-    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+    def explain(self, namespace: Namespace | None, block_hashes: Sequence[BlockHash] = (), *,
+                request_id: str | None = None) -> Any:
+        """Each block of a request on its node: a hit, or the cause of its miss (``kvstore explain``).
+
+        Returns:
+            ``(blocks, namespace, near)``: a list of :class:`~kvstore.explain.BlockExplanation`, the
+            namespace explained (a ``request_id``'s own), and the near namespace the node holds blocks of
+            when some missed as ``other_namespace`` (else ``None``).
+
+        Raises:
+            InvalidArgumentError: with several targets (explain one node at a time), on a malformed hash, or an
+                unknown ``request_id``.
+            UnavailableError: if the node cannot be reached; UNIMPLEMENTED from a node before Explain.
+        """
+        if not self._single:
+            raise InvalidArgumentError("explain asks one node: give the client one target")
+        request = pb.ExplainRequest(request_id=check_session_id(request_id))
+        if namespace is not None:
+            check_block_hashes(namespace, block_hashes)
+            request.namespace.CopyFrom(cached_namespace_pb(namespace))
+            request.block_hashes.extend(bytes(h) for h in block_hashes)
+        rpc = _Rpc(_UNARY, _stub("Explain"), request, explanation_from_pb)
+        return self._run(_Plan({0: rpc}, _first))
+
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+            ttl_s: float | None = None) -> Any:
         """Encoded blocks of the longest cached prefix, in order; stops at the first miss (a list of :data:`Buffer`).
 
         A block that arrived in one message (up to ``max_message_bytes`` less
@@ -235,18 +270,23 @@ class _Client:
         With several nodes, the owners are asked in parallel and their blocks
         merged in order up to the first miss (a down node's blocks are misses).
 
+        ``session_id`` and ``ttl_s`` (``docs/agentic.md``): the request's agentic session, and a TTL (seconds)
+        that pins the blocks returned, from now.
+
         Raises:
-            InvalidArgumentError: on a malformed hash or namespace, or too many hashes.
+            InvalidArgumentError: on a malformed hash or namespace, too many hashes, or a bad session id or TTL.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
-        return self._run(self._get_plan(namespace, block_hashes))
+        return self._run(self._get_plan(namespace, block_hashes, check_session_id(session_id), check_ttl_s(ttl_s)))
 
-    def _get_plan(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> _Plan:
+    def _get_plan(self, namespace: Namespace, block_hashes: Sequence[BlockHash], session_id: str = "",
+                  ttl_s: float = 0.0) -> _Plan:
         check_block_hashes(namespace, block_hashes)
 
         def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
-            return _get_rpc(namespace, hashes)._replace(
-                shared=_shared_get(cached_namespace_pb(namespace), hashes, SharedSession.take_bytes))
+            return _get_rpc(namespace, hashes, session_id, ttl_s)._replace(
+                shared=_shared_get(cached_namespace_pb(namespace), hashes, SharedSession.take_bytes, session_id,
+                                   ttl_s))
 
         return self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks)
 
@@ -260,7 +300,8 @@ class _Client:
         return _Plan({j: rpc(partition.sub_list(j, block_hashes), *(partition.sub_list(j, items) for items in per_block))
                       for j in partition.nodes_with_blocks()}, merge(partition))
 
-    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+    def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                    ttl_s: float | None = None) -> Any:
         """Like :meth:`get`, decoded (checksums verified) into CPU tensors.
 
         Each is ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``kv``) or
@@ -274,18 +315,20 @@ class _Client:
             CodecError: if a received block fails to decode.
         """
         check_block_hashes(namespace, block_hashes)
+        session_id, ttl_s = check_session_id(session_id), check_ttl_s(ttl_s)
 
         def decode(blocks: list[Buffer]) -> list[Any]:
             return [decode_block(b, copy=False) for b in blocks]
 
         def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
             return _get_then(namespace, hashes, decode,
-                             lambda session, reply, started: session.take_tensors(reply, True, started))
+                             lambda session, reply, started: session.take_tensors(reply, True, started), session_id,
+                             ttl_s)
 
         return self._run(self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks))
 
     def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash], destinations: Sequence[torch.Tensor],
-                 *, verify: bool | None = None) -> Any:
+                 *, verify: bool | None = None, session_id: str | None = None, ttl_s: float | None = None) -> Any:
         """Copy the blocks of the longest cached prefix into the caller's tensors; returns how many (an int).
 
         The Get for a connector's staging buffer, or a pinned host tensor: block
@@ -309,6 +352,8 @@ class _Client:
                 crossed a network is checked (gRPC), what the node copied into shared
                 memory from blocks it validated at put time is not (as the embedded
                 store does not check its own memory).
+            session_id: the request's agentic session (``docs/agentic.md``).
+            ttl_s: a TTL pinning the blocks read, seconds.
 
         Returns:
             Blocks copied: the prefix length (the first miss ends it).
@@ -324,16 +369,18 @@ class _Client:
         check_destinations(destinations, len(block_hashes))
         over_grpc = True if verify is None else bool(verify)
         shared = False if verify is None else bool(verify)
+        agent, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
 
         def rpc(hashes: Sequence[BlockHash], targets: Sequence[Any]) -> _Rpc:
             return _get_then(namespace, hashes, lambda blocks: copy_into_destinations(blocks, targets, over_grpc),
-                             lambda session, reply, started: session.copy_into(reply, targets, shared, started)
-                             )._replace(bulk=_bulk_get_into(namespace, hashes, targets, over_grpc))
+                             lambda session, reply, started: session.copy_into(reply, targets, shared, started),
+                             agent, ttl)._replace(bulk=_bulk_get_into(namespace, hashes, targets, over_grpc, agent, ttl))
 
         return self._run(self._per_node(block_hashes, rpc, lambda partition: functools.partial(_merge_copied, partition),
                                         destinations, single=functools.partial(_merge_copied, None)))
 
-    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+             ttl_s: float | None = None) -> Any:
         """The encoded blocks of the longest cached prefix in place, until released (a :class:`BlockLease`).
 
         ``with client.read(ns, hashes) as blocks:`` (``with await ...`` on the
@@ -348,9 +395,10 @@ class _Client:
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
         check_block_hashes(namespace, block_hashes)
+        agent, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
 
         def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
-            return _get_then(namespace, hashes, lambda blocks: BlockLease(blocks, []), SharedSession.lease)
+            return _get_then(namespace, hashes, lambda blocks: BlockLease(blocks, []), SharedSession.lease, agent, ttl)
 
         def merge(partition: Partition) -> Callable[[list[Any]], BlockLease]:
             return lambda results: BlockLease.merge(
@@ -366,6 +414,8 @@ class _Client:
         *,
         priority: int | None = None,
         retention_s: float | None = None,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
     ) -> Any:
         """Store blocks (encoded bytes or tensors), each on its owner; returns how many were newly stored (an int).
 
@@ -381,6 +431,9 @@ class _Client:
                 (``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for ``kv``).
             priority: retention priority, an integer in ``[0, 100]``; the node's default when ``None``.
             retention_s: seconds (>= 0, ``inf`` for ever) the priority holds before it reverts to the default.
+            session_id: the blocks' agentic session (``docs/agentic.md``).
+            ttl_s: a TTL, seconds: the blocks are evicted only after every block without one until it runs out,
+                counted from their last hit or put (the node clamps it to its maximum).
 
         Raises:
             InvalidArgumentError: at the call, on a namespace that is not a :class:`Namespace`,
@@ -392,11 +445,12 @@ class _Client:
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
         priority, retention_s = check_put(namespace, block_hashes, blocks, priority, retention_s)
+        session, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
         blocks = blocks_for_put(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
         blocks = encode_for_put(blocks, namespace)  # a lossy namespace's tensors, encoded here (kvstore.encoding)
 
         def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> _Rpc:
-            return _put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s)
+            return _put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s, session, ttl)
 
         return self._run(self._per_node(block_hashes, rpc, lambda partition: _total, blocks))
 

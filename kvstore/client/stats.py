@@ -32,13 +32,27 @@ def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
                 acc[f] = -1 if f == "blocks" and (value < 0 or acc[f] < 0) else acc[f] + value
             for key, count in tier.counters.items():
                 acc["counters"][key] = acc["counters"].get(key, 0) + count
+    gaps = [stats.reuse_gap_counts for stats in node_stats if stats.reuse_gap_counts]
     return StoreStats(tuple(TierStats(name=name, **fields) for name, fields in merged.items()),
                       sum(stats.lookup_hit_blocks for stats in node_stats),
-                      sum(stats.lookup_miss_blocks for stats in node_stats))
+                      sum(stats.lookup_miss_blocks for stats in node_stats),
+                      _sum_maps([stats.missed_blocks for stats in node_stats]),
+                      tuple(map(sum, zip(*gaps))) if gaps else (),
+                      sum(stats.reuse_gap_sum_s for stats in node_stats),
+                      _sum_maps([stats.counters for stats in node_stats]))
+
+
+def _sum_maps(maps: Sequence[dict[str, int]]) -> dict[str, int]:
+    """Key-by-key sums of counts (``StoreStats.missed_blocks``, ``counters``)."""
+    out: dict[str, int] = {}
+    for counts in maps:
+        for key, count in counts.items():
+            out[key] = out.get(key, 0) + count
+    return out
 
 
 _TIER_FIELDS = ("blocks", "bytes", "capacity_bytes", "logical_bytes", "hits", "misses", "evictions", "demotions", "promotions",
-                "corrupt_records")
+                "corrupt_records", "pinned_bytes")
 
 
 def _merge_health(statuses: Sequence[str | None]) -> str:

@@ -75,6 +75,7 @@ class _Snapshot:
 
     token_ids: list[int]
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    agentic: dict[str, Any] = field(default_factory=dict)  # the save's session_id and ttl_s, where set
 
 
 class HFConnector:
@@ -113,6 +114,8 @@ class HFConnector:
         retention_s: seconds saved blocks keep ``priority``, ``None`` for no limit.
         kv_encoding: lossy KV encoding of the saved blocks (see :func:`model_namespace`); loads hand
             back the model's dtype.
+        ttl_s: a TTL of every block saved and loaded, seconds (``docs/agentic.md``); ``None`` for none. Each
+            call may name its own, and its ``session_id``.
 
     Raises:
         InvalidArgumentError: on a model without a cache keyword or model id,
@@ -134,6 +137,7 @@ class HFConnector:
         priority: int | None = None,
         retention_s: float | None = None,
         kv_encoding: str = "",
+        ttl_s: float | None = None,
     ) -> None:
         if load_timeout_s <= 0:
             raise InvalidArgumentError(f"load_timeout_s must be > 0, got {load_timeout_s}")
@@ -153,6 +157,7 @@ class HFConnector:
         self.load_timeout_s = load_timeout_s
         self._priority = priority
         self._retention_s = retention_s
+        self._ttl_s = ttl_s
         self._dtype: torch.dtype = model.dtype
         self._device: torch.device = next(model.parameters()).device
         self._stats = ConnectorStats()
@@ -202,7 +207,17 @@ class HFConnector:
             limit = min(limit, (self.shape.sliding_window - 1) // self.block_size)
         return max(limit, 0)
 
-    def load(self, token_ids: TokenIds) -> LoadResult:
+    def _agentic(self, session_id: str | None, ttl_s: float | None) -> dict[str, Any]:
+        """The ``session_id`` and ``ttl_s`` keywords of a store call: the call's, else the connector's TTL."""
+        extra: dict[str, Any] = {}
+        if session_id:
+            extra["session_id"] = session_id
+        ttl = self._ttl_s if ttl_s is None else ttl_s
+        if ttl:
+            extra["ttl_s"] = ttl
+        return extra
+
+    def load(self, token_ids: TokenIds, *, session_id: str | None = None, ttl_s: float | None = None) -> LoadResult:
         """Fetch the longest cached prefix of a prompt and build a cache from it.
 
         At most ``(len(prompt) - 1) // block_size`` blocks are used, so at least one
@@ -210,6 +225,8 @@ class HFConnector:
 
         Args:
             token_ids: the prompt, ``[num_tokens]`` or ``[1, num_tokens]``.
+            session_id: the request's agentic session (``docs/agentic.md``).
+            ttl_s: a TTL renewing the blocks loaded, seconds (the connector's when ``None``).
 
         Returns:
             The cache and how many tokens it covers; an empty cache with
@@ -228,7 +245,7 @@ class HFConnector:
         if num_blocks:
             hashes = hash_blocks(self.namespace, ids[: num_blocks * self.block_size])
             try:
-                future = self._load_pool.submit(self._fetch, hashes)
+                future = self._load_pool.submit(self._fetch, hashes, self._agentic(session_id, ttl_s))
                 kv, num_loaded = future.result(timeout=self.load_timeout_s)
             except concurrent.futures.TimeoutError:
                 future.cancel()
@@ -253,7 +270,7 @@ class HFConnector:
             self._stats.num_load_failures += int(fell_back)
         return LoadResult(cache, num_cached, time.perf_counter() - started, fell_back)
 
-    def _fetch(self, hashes: Sequence[BlockHash]) -> tuple[torch.Tensor, int]:
+    def _fetch(self, hashes: Sequence[BlockHash], agentic: dict[str, Any] | None = None) -> tuple[torch.Tensor, int]:
         """The cached prefix of ``hashes`` copied into one new ``[num_layers, 2, num_kv_heads, tokens, head_dim]``
         tensor of the model's dtype and device, and how many blocks it holds.
 
@@ -268,13 +285,14 @@ class HFConnector:
                          dtype=self._dtype, device=self._device)
         views = [kv[:, :, :, i * bs:(i + 1) * bs] for i in range(len(hashes))]
         get_into = getattr(self._client, "get_into", None)
+        extra = agentic or {}
         if get_into is None:
-            blocks = self._valid_prefix(list(self._client.get_tensors(self.namespace, hashes))[: len(hashes)])
+            blocks = self._valid_prefix(list(self._client.get_tensors(self.namespace, hashes, **extra))[: len(hashes)])
             for view, block in zip(views, blocks):
                 view.copy_(block)
             return kv, len(blocks)
         try:
-            return kv, int(get_into(self.namespace, hashes, views))
+            return kv, int(get_into(self.namespace, hashes, views, **extra))
         except DestinationMismatchError as exc:
             logger.warning("dropping fetched block %s onward: %s", exc.num_blocks, exc)
             with self._lock:
@@ -294,17 +312,20 @@ class HFConnector:
                 return blocks[:i]
         return blocks
 
-    def snapshot(self, token_ids: TokenIds, cache: Any) -> _Snapshot:
-        """References to the KV of ``token_ids`` in ``cache``, cheap enough for the critical path.
+    def snapshot(self, token_ids: TokenIds, cache: Any, *, session_id: str | None = None,
+                 ttl_s: float | None = None) -> _Snapshot:
+        """References to the KV of ``token_ids`` in ``cache``, cheap enough for the critical path (and the
+        session and TTL its save carries).
 
         Raises:
             InvalidArgumentError: on a batch > 1 or malformed ids.
         """
         ids = _token_list(token_ids)
         layers = [(layer.keys, layer.values) for layer in cache.layers]
-        return _Snapshot(ids, layers)
+        return _Snapshot(ids, layers, self._agentic(session_id, ttl_s))
 
-    def save(self, token_ids: TokenIds, cache: Any, *, background: bool = True) -> concurrent.futures.Future[int]:
+    def save(self, token_ids: TokenIds, cache: Any, *, background: bool = True, session_id: str | None = None,
+             ttl_s: float | None = None) -> concurrent.futures.Future[int]:
         """Store the full blocks of ``token_ids`` whose KV ``cache`` holds; a partial last block is not stored.
 
         The cache must hold exactly the KV of ``token_ids`` (``cache.get_seq_length()
@@ -316,6 +337,8 @@ class HFConnector:
             cache: a ``DynamicCache`` after prefill (or decoding).
             background: save on the connector's save thread (returns at once);
                 ``False`` saves before returning.
+            session_id: the request's agentic session (``docs/agentic.md``).
+            ttl_s: a TTL of the blocks saved, seconds (the connector's when ``None``).
 
         Returns:
             A future of the number of blocks newly stored (0 after a logged failure).
@@ -323,7 +346,7 @@ class HFConnector:
         Raises:
             InvalidArgumentError: on a batch > 1 or malformed ids.
         """
-        snap = self.snapshot(token_ids, cache)
+        snap = self.snapshot(token_ids, cache, session_id=session_id, ttl_s=ttl_s)
         return self._submit_save(snap, background)
 
     def _submit_save(self, snap: _Snapshot, background: bool) -> concurrent.futures.Future[int]:
@@ -368,7 +391,7 @@ class HFConnector:
                              None if keys is None else list(keys.shape), num_tokens)
                 return 0
         hashes = hash_blocks(self.namespace, snap.token_ids[:num_tokens])
-        first = self._client.lookup(self.namespace, hashes).num_blocks
+        first = self._client.lookup(self.namespace, hashes, **snap.agentic).num_blocks
         if first >= num_blocks:
             return 0
         with torch.no_grad():
@@ -378,7 +401,8 @@ class HFConnector:
             ).to("cpu")
             blocks = [kv[:, :, :, i * bs : (i + 1) * bs].contiguous() for i in range(num_blocks - first)]
         return self._client.put(
-            self.namespace, hashes[first:], blocks, priority=self._priority, retention_s=self._retention_s
+            self.namespace, hashes[first:], blocks, priority=self._priority, retention_s=self._retention_s,
+            **snap.agentic,
         )
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -455,6 +479,8 @@ class HFConnector:
         save: bool = True,
         save_generated: bool = False,
         eos_token_id: int | None = None,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
     ) -> GenerationResult:
         """Greedy generation with prefix reuse: load → prefill the suffix → decode → save in the background.
 
@@ -470,6 +496,8 @@ class HFConnector:
             save_generated: after decoding, also save the blocks of prompt plus
                 generated tokens (all but the last, whose KV is never computed).
             eos_token_id: stop after this token.
+            session_id: the request's agentic session (``docs/agentic.md``): its load and saves name it.
+            ttl_s: a TTL of the blocks it loads and saves, seconds (the connector's when ``None``).
 
         Returns:
             The tokens, TTFT and hit counts.
@@ -483,7 +511,7 @@ class HFConnector:
         ids = _token_list(token_ids)
         started = time.perf_counter()
         if use_store:
-            loaded = self.load(ids)
+            loaded = self.load(ids, session_id=session_id, ttl_s=ttl_s)
         else:
             loaded = LoadResult(self.new_cache(), 0, 0.0)
         prefill_started = time.perf_counter()
@@ -491,11 +519,12 @@ class HFConnector:
         first = int(logits.argmax())
         first_at = time.perf_counter()
         if use_store and save:
-            self._submit_save(self.snapshot(ids, cache), background=True)
+            self._submit_save(self.snapshot(ids, cache, session_id=session_id, ttl_s=ttl_s), background=True)
         tokens = self.decode(first, cache, max_new_tokens, eos_token_id)
         finished = time.perf_counter()
         if use_store and save_generated and len(tokens) > 1:
-            self._submit_save(self.snapshot(ids + tokens[:-1], cache), background=True)
+            self._submit_save(self.snapshot(ids + tokens[:-1], cache, session_id=session_id, ttl_s=ttl_s),
+                              background=True)
         return GenerationResult(
             token_ids=tuple(tokens),
             num_prompt_tokens=len(ids),

@@ -19,6 +19,7 @@ from kvstore.data import bundled_trace
 from kvstore.encoding.spec import encoded_fraction, encoding_of
 from kvstore.errors import ConfigError, InvalidArgumentError, KVStoreError
 from kvstore.loadtest.blocks import DEFAULT_MODEL, DEFAULT_PAYLOAD_BYTES
+from kvstore.misses import DEFAULT_HISTORY_BLOCKS
 from kvstore.loadtest.runner import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_TARGET,
@@ -143,6 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "simulation has the same (default: none)")
     parser.add_argument("--sim-policy", default="default",
                         help="policy of the simulation, the node's --policy (default: default)")
+    parser.add_argument("--sim-history-blocks", type=int, default=DEFAULT_HISTORY_BLOCKS, metavar="N",
+                        help="removals the simulation remembers to name misses: the node's "
+                             f"store.miss_history_blocks (default: {DEFAULT_HISTORY_BLOCKS})")
+    parser.add_argument("--ttl-scale", type=_positive_float, default=1.0, metavar="X",
+                        help="multiply the trace's TTLs by X before sending them: 1/speedup keeps an open "
+                             "loop's TTLs as the trace has them (default: 1)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="live progress bar on stderr (default: only on a terminal)")
     parser.add_argument("--legend", action=argparse.BooleanOptionalAction, default=None,
@@ -248,6 +255,7 @@ def config_from_args(args: argparse.Namespace, connection: Connection | None = N
         window_s=args.window,
         timeout_s=args.timeout,
         verify=args.verify,
+        ttl_scale=getattr(args, "ttl_scale", 1.0),
     )
 
 
@@ -296,6 +304,10 @@ def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = N
     rows.append(("errors", f"{result.num_errors}" + (f" ({errors})" if errors else "")))
     rows.append(("byte mismatches", str(result.byte_mismatches)))
     rows.append(("short gets", str(result.short_gets)))
+    if result.missed_blocks:
+        named = sum(result.missed_blocks.values())
+        rows.append(("misses by cause", ", ".join(f"{c}={n}" for c, n in result.missed_blocks.items() if n) or "-"))
+        rows.append(("causes named", f"{named} of {result.num_blocks - result.hit_blocks} missed blocks"))
     if comparison is not None:
         capacity = "inf" if comparison["capacity_blocks"] is None else comparison["capacity_blocks"]
         disk = f" + disk {comparison['disk_capacity_blocks']}" if comparison["disk_capacity_blocks"] else ""
@@ -304,6 +316,10 @@ def format_summary(result: LoadTestResult, comparison: dict[str, Any] | None = N
                                   f"loadtest - sim = {comparison['hit_ratio_diff']:+.4f}"))
         if comparison.get("capacity_source", "given") != "given":
             rows.append(("sim capacity", comparison["capacity_source"]))
+        if comparison.get("sim_missed_blocks"):
+            same = "the same" if comparison.get("causes_agree") else "NOT the same"
+            rows.append(("simulator causes", ", ".join(f"{c}={n}" for c, n in comparison["sim_missed_blocks"].items()
+                                                       if n) + f" ({same} as the node's)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -369,7 +385,8 @@ def run(args: argparse.Namespace) -> int:
             if sys.stderr.isatty():
                 print("kvstore loadtest: simulating the replayed requests ...", file=sys.stderr, flush=True)
             comparison = compare_with_simulator(requests, result, sim_capacity, policy=args.sim_policy,
-                                                disk_capacity_blocks=sim_disk)
+                                                disk_capacity_blocks=sim_disk,
+                                                history_blocks=args.sim_history_blocks)
             comparison["capacity_source"] = source
         except InvalidArgumentError as exc:
             print(f"kvstore loadtest: error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from kvstore.errors import InvalidArgumentError
 from kvstore.loadtest.runner import LoadTestResult
+from kvstore.misses import DEFAULT_HISTORY_BLOCKS
 from kvstore.sim import simulate
 from kvstore.trace import TraceRequest
 
@@ -27,6 +28,7 @@ def compare_with_simulator(
     *,
     policy: str = "default",
     disk_capacity_blocks: int = 0,
+    history_blocks: int = DEFAULT_HISTORY_BLOCKS,
 ) -> dict[str, Any]:
     """Simulate the requests the load test started and set the two hit ratios side by side.
 
@@ -39,20 +41,25 @@ def compare_with_simulator(
         disk_capacity_blocks: blocks of the node's disk tier (its capacity over one block's
             footprint); 0 for none. Without it a disk-backed node is compared with a
             memory-only simulation.
+        history_blocks: removals the simulation remembers to name misses (the node's
+            ``store.miss_history_blocks``).
 
     Returns:
         ``{"policy", "capacity_blocks", "num_requests", "sim_hit_ratio",
         "sim_token_hit_ratio", "loadtest_hit_ratio", "hit_ratio_diff",
-        "hit_ratio_ratio", "sim_hit_blocks", "loadtest_hit_blocks"}``; the diff
-        is load test minus simulator, the ratio load test over simulator
-        (``None`` when the simulator's is 0).
+        "hit_ratio_ratio", "sim_hit_blocks", "loadtest_hit_blocks", "sim_missed_blocks",
+        "loadtest_missed_blocks", "causes_agree"}``; the diff is load test minus simulator, the ratio load test
+        over simulator (``None`` when the simulator's is 0); the missed blocks by cause of each (the node's from
+        its stats), and whether they are the same cause by cause.
 
     Raises:
         InvalidArgumentError: from :func:`kvstore.sim.simulate` on a bad policy or capacity.
     """
     replayed = list(requests[: result.num_issued])
     sim = simulate(replayed, policy, capacity_blocks, disk_capacity_blocks=disk_capacity_blocks,
-                   block_tokens=result.namespace.block_size)
+                   block_tokens=result.namespace.block_size, history_blocks=history_blocks)
+    node_causes = {cause: count for cause, count in result.missed_blocks.items() if count}
+    sim_causes = {cause: count for cause, count in sim.missed_blocks.items() if count}
     return {
         "policy": policy,
         "capacity_blocks": capacity_blocks,
@@ -65,6 +72,9 @@ def compare_with_simulator(
         "loadtest_hit_blocks": result.hit_blocks,
         "hit_ratio_diff": result.hit_ratio - sim.hit_ratio,
         "hit_ratio_ratio": result.hit_ratio / sim.hit_ratio if sim.hit_ratio else None,
+        "sim_missed_blocks": dict(sim.missed_blocks),
+        "loadtest_missed_blocks": dict(result.missed_blocks),
+        "causes_agree": bool(result.missed_blocks) and node_causes == sim_causes,
     }
 
 

@@ -12,6 +12,14 @@ Per request, in the namespace of :func:`kvstore.loadtest.blocks.loadtest_namespa
    counts them as accessed, so all blocks of the request count as accessed,
    which is the replay model of ``kvstore.sim``.
 
+A request's agentic session and TTL (``TraceRequest.session``, ``ttl_s``;
+``docs/agentic.md``) go with its lookup, get and put, the TTL times
+``ttl_scale``; a request of another namespace label (``TraceRequest.namespace``)
+is replayed under the namespace whose revision is the label. The node's missed
+blocks by cause over the run (its stats before and after) come with the result:
+with one worker they sum to the blocks the run missed, and ``kvstore simulate``
+names the same causes on the same trace.
+
 Hit ratio = hit blocks / requested blocks over the requests that completed, as
 in ``kvstore.sim``; token hit ratio likewise (``min(hits * block_tokens,
 input_tokens)`` per request). A failed call ends its request, which then counts
@@ -84,6 +92,8 @@ class LoadTestConfig:
         window_s: length of the time windows of the hit ratio over time, seconds.
         timeout_s: deadline of each call, seconds.
         verify: compare every got block with its expected bytes.
+        ttl_scale: what a request's TTL is multiplied by before it is sent (trace seconds to wall seconds:
+            ``1 / speedup`` keeps an open loop's TTLs as the trace has them).
 
     Raises:
         InvalidArgumentError: on a value out of range, ``block_tokens`` below 3, or a
@@ -105,6 +115,7 @@ class LoadTestConfig:
     window_s: float = DEFAULT_WINDOW_S
     timeout_s: float = DEFAULT_TIMEOUT_S
     verify: bool = True
+    ttl_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -118,6 +129,7 @@ class LoadTestConfig:
             (self.duration_s is None or self.duration_s > 0, f"duration_s must be > 0, got {self.duration_s}"),
             (self.window_s > 0, f"window_s must be > 0, got {self.window_s}"),
             (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
+            (0 < self.ttl_scale < float("inf"), f"ttl_scale must be a number > 0, got {self.ttl_scale}"),
         )
         for ok, message in checks:
             if not ok:
@@ -177,6 +189,8 @@ class LoadTestResult:
         stop_reason: ``trace_end``, ``max_requests`` or ``duration``.
         server_stats: the nodes' tier stats at the end (``kvstore stats``), or ``None``
             if they could not be read.
+        missed_blocks: the nodes' missed blocks by cause over the run (their stats' ``missed_blocks``, after less
+            before; ``kvstore.misses``); empty if the stats could not be read.
         latency_samples_s: raw latencies per operation, seconds (for the CDF plots; not in :meth:`to_dict`).
     """
 
@@ -207,6 +221,7 @@ class LoadTestResult:
     stop_reason: str
     server_stats: dict[str, Any] | None = None
     latency_samples_s: dict[str, list[float]] = field(default_factory=dict, repr=False, compare=False)
+    missed_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_ratio(self) -> float:
@@ -280,6 +295,8 @@ class LoadTestResult:
             "stop_reason": self.stop_reason,
             "windows": self.windows,
             "server_stats": self.server_stats,
+            "missed_blocks": dict(self.missed_blocks),
+            "num_missed_blocks": self.num_blocks - self.hit_blocks,
         }
 
 
@@ -376,6 +393,8 @@ class _Replayer:
         self.stopped_by_duration = False
         self.lags_s: list[float] = []
         self._mismatches_logged = 0
+        self._namespaces: dict[str, Namespace] = {}
+        self._payload_factories: dict[str, PayloadFactory] = {}
 
     def past_deadline(self) -> bool:
         if time.perf_counter() >= self.deadline:
@@ -383,37 +402,52 @@ class _Replayer:
             return True
         return False
 
+    def _namespace_of(self, label: str) -> Namespace:
+        """The namespace of a request's namespace label: the replay's own, or one whose revision is the label."""
+        if not label:
+            return self.namespace
+        found = self._namespaces.get(label)
+        if found is None:
+            found = self._namespaces[label] = dataclasses.replace(self.namespace, revision=label[:128])
+        return found
+
     async def replay_one(self, index: int, request: TraceRequest) -> None:
         """Lookup, get and verify, put; record the outcome."""
         outcome = RequestOutcome(index, len(request.block_ids), request.input_tokens)
-        client, namespace = self.client, self.namespace
+        client, namespace = self.client, self._namespace_of(request.namespace)
+        agentic: dict[str, Any] = {}
+        if request.session:
+            agentic["session_id"] = request.session
+        if request.ttl_s:
+            agentic["ttl_s"] = request.ttl_s * self.config.ttl_scale
         hashes = trace_block_hashes(namespace, request.block_ids)
         begin = time.perf_counter()
         op = "lookup"
         try:
             if hashes:
-                found = await client.lookup(namespace, hashes)
+                found = await client.lookup(namespace, hashes, **agentic)
                 outcome.lookup_s = time.perf_counter() - begin
                 hit = min(found.num_blocks, len(hashes))
                 if hit:
                     op = "get"
                     t = time.perf_counter()
-                    blocks = await client.get(namespace, hashes[:hit])
+                    blocks = await client.get(namespace, hashes[:hit], **agentic)
                     outcome.get_s = time.perf_counter() - t
                     outcome.bytes_read = sum(len(b) for b in blocks)
                     if len(blocks) < hit:
                         outcome.short_get = True
                         hit = len(blocks)
                     if self.config.verify:
-                        outcome.mismatches = self._count_mismatches(index, hashes, blocks[:hit])
+                        outcome.mismatches = self._count_mismatches(index, hashes, blocks[:hit], namespace)
                 outcome.hit_blocks = hit
                 outcome.hit_tiers = tuple(found.tiers[:hit])
                 missing = hashes[hit:]
                 if missing:
                     op = "put"
-                    encoded = [self.payloads.encoded(h) for h in missing]
+                    payloads = self._payloads_of(namespace)
+                    encoded = [payloads.encoded(h) for h in missing]
                     t = time.perf_counter()
-                    outcome.stored_blocks = await client.put(namespace, missing, encoded)
+                    outcome.stored_blocks = await client.put(namespace, missing, encoded, **agentic)
                     outcome.put_s = time.perf_counter() - t
                     outcome.put_blocks = len(missing)
                     outcome.bytes_written = sum(len(b) for b in encoded)
@@ -428,15 +462,26 @@ class _Replayer:
         self.recorder.add(outcome)
         self.progress.update(self.recorder, outcome.finished_at_s)
 
-    def _count_mismatches(self, index: int, hashes: Sequence[bytes], blocks: Sequence[bytes]) -> int:
+    def _payloads_of(self, namespace: Namespace) -> PayloadFactory:
+        if namespace is self.namespace:
+            return self.payloads
+        found = self._payload_factories.get(namespace.revision)
+        if found is None:
+            found = self._payload_factories[namespace.revision] = PayloadFactory(
+                namespace, self.config.payload_bytes, seed=self.config.seed)
+        return found
+
+    def _count_mismatches(self, index: int, hashes: Sequence[bytes], blocks: Sequence[bytes],
+                          namespace: Namespace | None = None) -> int:
         mismatches = 0
+        payloads = self._payloads_of(namespace or self.namespace)
         for position, (block_hash, block) in enumerate(zip(hashes, blocks)):
-            if block != self.payloads.encoded(block_hash):
+            if block != payloads.encoded(block_hash):
                 mismatches += 1
                 if self._mismatches_logged < _MAX_LOGGED_MISMATCHES:
                     self._mismatches_logged += 1
                     logger.warning("request %d block %d (%s): got %d bytes that differ from the expected %d",
-                                   index, position, block_hash.hex(), len(block), self.payloads.encoded_bytes)
+                                   index, position, block_hash.hex(), len(block), payloads.encoded_bytes)
         return mismatches
 
     async def closed_loop(self, requests: Sequence[TraceRequest]) -> None:
@@ -525,7 +570,9 @@ async def run_loadtest(
     bar = _Progress(len(requests), progress, progress_file)
     replayer = _Replayer(client, config, namespace, payloads, recorder, bar)
     logger.info("replaying %d requests against %s (%s loop)", len(requests), ", ".join(client_targets), config.mode)
+    before: dict[str, Any] | None = None
     try:
+        before = await _server_stats(client)
         if config.mode == "open":
             await replayer.open_loop(requests)
         else:
@@ -570,7 +617,16 @@ async def run_loadtest(
         stop_reason=stop_reason,
         server_stats=server_stats,
         latency_samples_s={name: list(values) for name, values in recorder.latencies_s.items()},
+        missed_blocks=_missed_over_run(before, server_stats),
     )
+
+
+def _missed_over_run(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, int]:
+    """The nodes' missed blocks by cause from ``before`` to ``after`` (their stats); empty without both."""
+    if before is None or after is None:
+        return {}
+    start = before.get("missed_blocks") or {}
+    return {cause: int(count) - int(start.get(cause, 0)) for cause, count in (after.get("missed_blocks") or {}).items()}
 
 
 async def _server_stats(client: Any) -> dict[str, Any] | None:

@@ -28,19 +28,23 @@ recent and the tail is evicted first.
 
 from __future__ import annotations
 
-from kvstore.policy.base import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, EvictionPolicy, check_priority
+from typing import Callable, Hashable
+
+from kvstore.policy.base import DEFAULT_PRIORITY, MAX_PRIORITY, MAX_TTL_S, MIN_PRIORITY, PIN_LEVEL, EvictionPolicy, \
+    check_priority, check_ttl
 from kvstore.policy.lru import LRUPolicy, PriorityLRUPolicy
 from kvstore.policy.segmented import PROTECTED_FRACTION, SCORE_HALF_LIFE_TURNOVERS, SWITCH_MARGIN, AdaptivePolicy, \
-    SegmentedLRUPolicy
+    SegmentedLRUPolicy, SessionPolicy
 
-__all__ = ["DEFAULT_POLICY", "DEFAULT_PRIORITY", "MAX_PRIORITY", "MIN_PRIORITY", "POLICY_NAMES", "PROTECTED_FRACTION",
-           "SCORE_HALF_LIFE_TURNOVERS", "SWITCH_MARGIN", "AdaptivePolicy", "EvictionPolicy", "LRUPolicy",
-           "PriorityLRUPolicy", "SegmentedLRUPolicy", "check_priority", "make_policy", "resolve_policy_name"]
+__all__ = ["DEFAULT_POLICY", "DEFAULT_PRIORITY", "MAX_PRIORITY", "MAX_TTL_S", "MIN_PRIORITY", "PIN_LEVEL",
+           "POLICY_NAMES", "PROTECTED_FRACTION", "SCORE_HALF_LIFE_TURNOVERS", "SWITCH_MARGIN", "AdaptivePolicy",
+           "EvictionPolicy", "LRUPolicy", "PriorityLRUPolicy", "SegmentedLRUPolicy", "SessionPolicy", "check_priority", "check_ttl",
+           "make_policy", "resolve_policy_name"]
 
 DEFAULT_POLICY = "adaptive"
 """The policy a node runs when its config names none, and what ``default`` means."""
 
-POLICY_NAMES = ("lru", "slru", "adaptive")
+POLICY_NAMES = ("lru", "slru", "adaptive", "session")
 """Names of the online policies, as ``kvstore serve --policy`` and ``kvstore simulate --policy`` take them."""
 
 
@@ -58,12 +62,14 @@ def resolve_policy_name(name: str) -> str:
 
 
 def make_policy(name: str, *, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0,
-                demotes: bool = False) -> PriorityLRUPolicy:
+                demotes: bool = False, clock: Callable[[], float] | None = None,
+                pin_group: Callable[[Hashable], Hashable] | None = None) -> PriorityLRUPolicy:
     """A new, empty eviction policy for one tier.
 
     Args:
         name: ``lru`` (:class:`PriorityLRUPolicy`), ``slru`` (:class:`SegmentedLRUPolicy`),
-            ``adaptive`` (:class:`AdaptivePolicy`) or ``default`` (:data:`DEFAULT_POLICY`).
+            ``adaptive`` (:class:`AdaptivePolicy`), ``session`` (:class:`SessionPolicy`, with the store's
+            :class:`~kvstore.policy.sessions.SessionTracker`) or ``default`` (:data:`DEFAULT_POLICY`).
         default_priority: priority of blocks inserted without one, and after retention ends.
         capacity_bytes: the tier's capacity, bytes (the segmented policies size their segments by it).
         demotes: whether the tier's victims are demoted into a local tier below it. The adaptive
@@ -76,7 +82,9 @@ def make_policy(name: str, *, default_priority: int = DEFAULT_PRIORITY, capacity
     """
     name = resolve_policy_name(name)
     if name == "lru" or (name == "adaptive" and demotes):
-        return PriorityLRUPolicy(default_priority)
+        return PriorityLRUPolicy(default_priority, clock=clock, pin_group=pin_group)
     if name == "slru":
-        return SegmentedLRUPolicy(default_priority, capacity_bytes)
-    return AdaptivePolicy(default_priority, capacity_bytes)
+        return SegmentedLRUPolicy(default_priority, capacity_bytes, clock=clock, pin_group=pin_group)
+    if name == "session":
+        return SessionPolicy(default_priority, 0 if demotes else capacity_bytes, clock=clock, pin_group=pin_group)
+    return AdaptivePolicy(default_priority, capacity_bytes, clock=clock, pin_group=pin_group)

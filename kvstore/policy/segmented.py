@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from itertools import repeat
 from operator import or_
-from typing import Hashable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
-from kvstore.policy.base import DEFAULT_PRIORITY, K
+from kvstore.policy.base import DEFAULT_PRIORITY, PIN_LEVEL, K, check_ttl
 from kvstore.policy.lru import PriorityLRUPolicy
 
 PROTECTED_FRACTION = 0.25
@@ -102,13 +102,17 @@ class _Shadow:
     answers one question: would that policy have hit this access?
     """
 
-    __slots__ = ("segments", "nbytes", "capacity_bytes", "_held")
+    __slots__ = ("segments", "nbytes", "capacity_bytes", "_held", "parked")
 
     def __init__(self, segments: _Segments, nbytes: int, capacity_bytes: int, held: set[Hashable]) -> None:
         self.segments = segments
         self.nbytes = nbytes
         self.capacity_bytes = capacity_bytes
         self._held = held
+        self.parked: OrderedDict[Hashable, int] = OrderedDict()
+        """Held keys met at probation's front while evicting, in their order there: they stay the shadow's, at its
+        front, until the tier releases a hold (:meth:`unpark`), so that evicting past them does not walk them again
+        (a put's held prefix: thousands of keys, once per new block before)."""
 
     def access(self, key: Hashable, nbytes: int) -> bool:
         """Record an access of ``key``; whether the shadow held it."""
@@ -124,31 +128,41 @@ class _Shadow:
         if key in protected:
             protected.move_to_end(key)
             return True
+        if self.parked and key in self.parked:
+            self.touch_parked(key)
+            return True
         probation[key] = nbytes
         self.nbytes += nbytes
         if self.nbytes > self.capacity_bytes:
-            victim, size = probation.popitem(last=False)  # the common case: one unpinned victim
-            self.nbytes -= size
-            if victim in self._held:
-                probation[victim] = size
-                probation.move_to_end(victim, last=False)
-                self.nbytes += size
-                self.trim()
-            elif self.nbytes > self.capacity_bytes:
-                self.trim()
+            self.trim()
         return False
 
+    def touch_parked(self, key: Hashable) -> None:
+        """An access of a parked key: where a touch puts a key of probation."""
+        self.segments.probation[key] = self.parked.pop(key)
+        self.segments.touch(key)
+
+    def unpark(self) -> None:
+        """Put the parked keys back at probation's front, in their order (a hold ended: one may be a victim now)."""
+        parked, probation = self.parked, self.segments.probation
+        for key, size in reversed(parked.items()):
+            probation[key] = size
+            probation.move_to_end(key, last=False)
+        parked.clear()
+
     def trim(self) -> None:
-        """Evict the shadow's own victims until it fits its capacity."""
-        probation, pins = self.segments.probation, self._held
+        """Evict the shadow's own victims until it fits its capacity; held keys met at probation's front are
+        parked (:attr:`parked`), so the order is the one skipping them in place gives."""
+        probation, pins, parked = self.segments.probation, self._held, self.parked
         while self.nbytes > self.capacity_bytes and probation:
-            key = next(iter(probation))
+            key, size = probation.popitem(last=False)
             if key in pins:
-                break
-            self.nbytes -= probation.pop(key)
+                parked[key] = size
+            else:
+                self.nbytes -= size
         if self.nbytes <= self.capacity_bytes:
             return
-        excess = self.nbytes - self.capacity_bytes  # held keys in the way: the general walk
+        excess = self.nbytes - self.capacity_bytes  # probation is held or parked: protected's front next
         chosen = []
         for key, size in self.segments.items():
             if key in pins:
@@ -175,6 +189,8 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
         default_priority: the priority a block reverts to when its retention expires.
         capacity_bytes: the tier's capacity, bytes; it sizes the protected segment.
         protected_fraction: the protected segment's bound, a fraction of ``capacity_bytes``.
+        clock: the time TTLs run on (see :class:`PriorityLRUPolicy`).
+        pin_group: what pinned bytes are counted by (see :class:`PriorityLRUPolicy`).
 
     Raises:
         ValueError: on a bad priority, a negative capacity or a fraction outside ``[0, 1]``.
@@ -183,8 +199,9 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
     __slots__ = ("_segments", "capacity_bytes")
 
     def __init__(self, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0,
-                 protected_fraction: float | None = PROTECTED_FRACTION) -> None:
-        super().__init__(default_priority)
+                 protected_fraction: float | None = PROTECTED_FRACTION, *,
+                 clock: Callable[[], float] | None = None, pin_group: Callable[[K], Hashable] | None = None) -> None:
+        super().__init__(default_priority, clock=clock, pin_group=pin_group)
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if protected_fraction is not None and not 0.0 <= protected_fraction <= 1.0:
@@ -256,7 +273,9 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
         """:meth:`remove` each of ``keys``; return the bytes freed."""
         if self._held:
             self._held.difference_update(keys)
-        if self._priority or self._any_out(keys):
+        if self._ran_out:
+            self._ran_out.difference_update(keys)
+        if not self._all_default(keys):
             return sum(map(self.remove, keys))
         segments = self._segments
         sizes = list(map(segments.probation.pop, keys, repeat(None)))  # a C loop
@@ -267,6 +286,17 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
                     if size is not None:
                         segments.protected_bytes -= size
         return self._forget_sizes(sizes)
+
+    def cool(self, keys: Sequence[K]) -> None:
+        """:meth:`PriorityLRUPolicy.cool`; keys of the protected segment go to probation's front."""
+        protected = self._segments.protected
+        if protected:
+            for key in keys:
+                size = protected.pop(key, None)
+                if size is not None:
+                    self._segments.protected_bytes -= size
+                    self._segments.probation[key] = size
+        super().cool(keys)
 
     def size_of(self, key: K) -> int:
         """Bytes of ``key``. Raises ``KeyError`` if it is not tracked."""
@@ -285,17 +315,18 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
         out = self._out.pop(key, None)
         if out is not None:
             self._put_touched(key, *out)
-            return
-        priority = self._priority.get(key)
-        if priority is None:
+            priority = self._priority.get(key)
+        elif (priority := self._priority.get(key)) is None:
             self._segments.touch(key)
         else:
             self._levels[priority].move_to_end(key)
+        if priority == PIN_LEVEL:
+            self._refresh(key)
 
     def touch_many(self, keys: Sequence[K]) -> None:
         """:meth:`touch` each of ``keys`` (head first) tail first. Raises ``KeyError`` if one is not tracked."""
         segments = self._segments
-        if segments.target is None and not self._priority and not self._any_out(keys):  # plain LRU: one C loop
+        if segments.target is None and self._all_default(keys):  # plain LRU: one C loop
             deque(map(segments.probation.move_to_end, reversed(keys)), 0)
             return
         for key in reversed(keys):
@@ -347,8 +378,9 @@ class AdaptivePolicy(SegmentedLRUPolicy):
 
     __slots__ = ("_shadow", "_lru_mode", "_tier_score", "_shadow_score", "_accessed", "_decay", "switches")
 
-    def __init__(self, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0) -> None:
-        super().__init__(default_priority, capacity_bytes, None)
+    def __init__(self, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0, *,
+                 clock: Callable[[], float] | None = None, pin_group: Callable[[K], Hashable] | None = None) -> None:
+        super().__init__(default_priority, capacity_bytes, None, clock=clock, pin_group=pin_group)
         self._lru_mode = True
         self._shadow = _Shadow(_Segments(int(capacity_bytes * PROTECTED_FRACTION)), 0, capacity_bytes, self._held)
         self._tier_score = 0.0
@@ -395,23 +427,63 @@ class AdaptivePolicy(SegmentedLRUPolicy):
         self._tier_score, self._shadow_score = self._shadow_score, self._tier_score
         self.switches += 1
 
-    def insert(self, key: K, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0) -> None:
+    def release(self, key: K) -> None:
+        """End the hold of ``key`` (see :meth:`PriorityLRUPolicy.release`); the shadow's parked keys return."""
+        PriorityLRUPolicy.release(self, key)
+        if self._shadow.parked:
+            self._shadow.unpark()
+
+    def release_many(self, keys: Sequence[K]) -> None:
+        """:meth:`release` each of ``keys``, in order."""
+        if not self._out:  # no held key was taken out of the order: a release only ends a hold
+            self._held.difference_update(keys)
+        else:
+            for key in keys:
+                PriorityLRUPolicy.release(self, key)
+        if self._shadow.parked:
+            self._shadow.unpark()
+
+    def remove(self, key: K) -> int:
+        """Forget ``key`` (see :meth:`SegmentedLRUPolicy.remove`); a hold ends with it: the shadow's parked keys
+        return."""
+        nbytes = SegmentedLRUPolicy.remove(self, key)
+        if self._shadow.parked:
+            self._shadow.unpark()
+        return nbytes
+
+    def remove_many(self, keys: Sequence[K]) -> int:
+        """:meth:`remove` each of ``keys``; return the bytes freed."""
+        if self._held:
+            self._held.difference_update(keys)
+        if not self._all_default(keys):
+            nbytes = sum(SegmentedLRUPolicy.remove(self, key) for key in keys)
+        else:
+            nbytes = SegmentedLRUPolicy.remove_many(self, keys)
+        if self._shadow.parked:
+            self._shadow.unpark()
+        return nbytes
+
+    def insert(self, key: K, nbytes: int, priority: int = DEFAULT_PRIORITY, expires_at: float = 0.0,
+               ttl_s: float = 0.0, until: float = 0.0) -> None:
         """Track ``key`` as a new block (see :meth:`PriorityLRUPolicy.insert` for arguments and errors)."""
-        super().insert(key, nbytes, priority, expires_at)
+        super().insert(key, nbytes, priority, expires_at, ttl_s, until)
         self._access(key, nbytes, False)
 
     def touch(self, key: K) -> None:
-        """Record a use (a hit) of ``key``. Raises ``KeyError`` if unknown."""
+        """Record a use (a hit) of ``key``; a pinned key's TTL runs again from now. Raises ``KeyError`` if unknown."""
         out = self._out.pop(key, None)
         if out is not None:  # a held key taken out of the order: back where a touch puts it
             self._put_touched(key, *out)
             nbytes = out[0]
+            priority = self._priority.get(key)
         elif (priority := self._priority.get(key)) is None:
             nbytes = self._segments.touch(key)
         else:
             level = self._levels[priority]
             level.move_to_end(key)
             nbytes = level[key]
+        if priority == PIN_LEVEL:
+            self._refresh(key)
         self._access(key, nbytes, True)
 
     def touch_many(self, keys: Sequence[K]) -> None:
@@ -420,23 +492,24 @@ class AdaptivePolicy(SegmentedLRUPolicy):
         Raises:
             KeyError: if a key is not tracked (the keys before it, tail first, are touched).
         """
-        if self._priority or self.capacity_bytes <= 0 or self._any_out(keys):
+        if self.capacity_bytes <= 0 or not self._all_default(keys):
             for key in reversed(keys):
                 self.touch(key)
             return
         self._run(reversed(keys), True, 0)
 
     def insert_many(self, keys: Sequence[K], nbytes: int, priority: int = DEFAULT_PRIORITY,
-                    expires_at: float = 0.0) -> None:
+                    expires_at: float = 0.0, ttl_s: float = 0.0) -> None:
         """:meth:`insert` each of ``keys`` (head first) tail first; the same as one call per key, only faster.
 
         Raises:
             ValueError: as :meth:`insert`; nothing is inserted then.
         """
         self._check_batch(keys, nbytes, priority)
-        if priority != self.default_priority or self.capacity_bytes <= 0:
+        check_ttl(ttl_s)
+        if priority != self.default_priority or self.capacity_bytes <= 0 or ttl_s:
             for key in reversed(keys):
-                self.insert(key, nbytes, priority, expires_at)
+                self.insert(key, nbytes, priority, expires_at, ttl_s)
             return
         self._run(reversed(keys), False, self._intern(nbytes))
 
@@ -474,6 +547,9 @@ class AdaptivePolicy(SegmentedLRUPolicy):
             elif key in shadow_q:
                 shadow_q.move_to_end(key)
                 shadow_score += size
+            elif shadow.parked and key in shadow.parked:
+                shadow.touch_parked(key)
+                shadow_score += size
             else:
                 shadow_p[key] = size
                 shadow.nbytes += size
@@ -481,8 +557,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
                     victim, victim_size = shadow_p.popitem(last=False)
                     shadow.nbytes -= victim_size
                     if victim in pins:
-                        shadow_p[victim] = victim_size
-                        shadow_p.move_to_end(victim, last=False)
+                        shadow.parked[victim] = victim_size
                         shadow.nbytes += victim_size
                         shadow.trim()
                     elif shadow.nbytes > capacity:
@@ -502,3 +577,19 @@ class AdaptivePolicy(SegmentedLRUPolicy):
         self._nbytes += added * size
         self._count += added
         self._accessed, self._tier_score, self._shadow_score = accessed, tier_score, shadow_score
+
+
+class SessionPolicy(AdaptivePolicy):
+    """The ``session`` policy of one tier: the adaptive policy's order, with the store's sessions on top.
+
+    The session mechanisms work across tiers, in
+    :class:`~kvstore.policy.sessions.SessionTracker`, which the store and the
+    simulator run beside the tiers' policies when the policy is ``session``: they
+    move dead chains to the front of this order (:meth:`cool`) and bound what a
+    put admits. Traffic that names no session gets exactly the adaptive policy,
+    the default's (``docs/agentic.md``).
+
+    Args: as :class:`AdaptivePolicy`.
+    """
+
+    __slots__ = ()

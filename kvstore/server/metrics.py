@@ -46,6 +46,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvstore.api import StoreStats
+from kvstore.misses import REUSE_GAP_BUCKETS_S
 
 if TYPE_CHECKING:
     from kvstore.server.budget import ByteBudget
@@ -100,7 +101,7 @@ class StoreCollector(Collector):
     def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
         """The families, empty, so that a filtered scrape finds them and registering never calls the store."""
         gauges, counters, events, lookups, up, tenants = self._families()
-        return [*gauges.values(), *counters.values(), events, lookups, up, tenants]
+        return [*gauges.values(), *counters.values(), events, lookups, up, tenants, *agentic_families(None)]
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """Yield one family per stat, labelled by tier (called by ``prometheus_client`` on scrape)."""
@@ -129,6 +130,7 @@ class StoreCollector(Collector):
         yield lookups
         yield up
         yield tenants
+        yield from agentic_families(stats)
 
     @staticmethod
     def _families() -> tuple[dict[str, GaugeMetricFamily], dict[str, CounterMetricFamily], CounterMetricFamily,
@@ -138,6 +140,8 @@ class StoreCollector(Collector):
         gauges = {
             "blocks": GaugeMetricFamily("kvstore_tier_blocks", "Blocks resident in the tier (-1: unknown).",
                                         labels=["tier"]),
+            "pinned_bytes": GaugeMetricFamily("kvstore_tier_pinned_bytes", "Capacity bytes of the tier's blocks whose "
+                                              "TTL runs (docs/agentic.md).", labels=["tier"]),
             "bytes": GaugeMetricFamily("kvstore_tier_bytes", "Capacity bytes the tier's blocks occupy.",
                                        labels=["tier"]),
             "capacity_bytes": GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity of the tier, bytes.",
@@ -399,3 +403,51 @@ class ServiceMetrics:
         if self._http_thread is not None:
             self._http_thread.join(timeout=5)
             self._http_thread = None
+
+
+def agentic_families(stats: StoreStats | None) -> list[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+    """The families of missed blocks by cause, reuse gaps, TTLs and sessions (``docs/agentic.md``), filled from
+    ``stats`` (empty for ``None``)."""
+    missed = CounterMetricFamily(
+        "kvstore_missed_blocks", "Blocks lookups missed (and gets did not return after their lookup: lease_lost), by "
+        "cause; they sum to the misses (docs/agentic.md).", labels=["cause"])
+    bounds = [*(str(bound) for bound in REUSE_GAP_BUCKETS_S), "+Inf"]
+    counters = {name: CounterMetricFamily(f"kvstore_{name}", text) for name, text in (
+        ("ttl_clamped", "TTLs over store.pins.max_ttl_s taken at that maximum."),
+        ("session_cooled_chains", "Dead chains (compacted, or of finished subagents) moved to the front of eviction "
+                                  "by the session policy."),
+        ("session_bounded_puts", "Puts of a session whose new blocks the session policy's admission cut short."),
+        ("pins_displaced", "Pins a tier's share (store.pins.max_tier_fraction) ended, the least recently used "
+                           "first, for newer ones."),
+    )}
+    refused = CounterMetricFamily("kvstore_pins_refused", "Blocks stored without their TTL because a bound on pinned "
+                                  "bytes refused it (store.pins), by bound.", labels=["bound"])
+    gauges = {name: GaugeMetricFamily(f"kvstore_{name}", text) for name, text in (
+        ("pinned_bytes", "Capacity bytes of the blocks whose TTL runs, over every local tier."),
+        ("sessions", "Agentic sessions the session policy tracks."),
+        ("miss_history_blocks", "Removals remembered to name the cause of a later miss (store.miss_history_blocks)."),
+    )}
+    if stats is None:
+        gap = HistogramMetricFamily("kvstore_reuse_gap_seconds", "Seconds from a block's eviction to the next request "
+                                    "for it (mass at short gaps: the cache is too small).")
+        return [missed, gap, *counters.values(), refused, *gauges.values()]
+    for cause, count in sorted(stats.missed_blocks.items()):
+        missed.add_metric([cause], count)
+    cumulative, total = [], 0
+    for bound, count in zip(bounds, stats.reuse_gap_counts or [0] * len(bounds)):
+        total += count
+        cumulative.append((bound, total))
+    gap = HistogramMetricFamily("kvstore_reuse_gap_seconds", "Seconds from a block's eviction to the next request "
+                                "for it (mass at short gaps: the cache is too small).", buckets=cumulative,
+                                sum_value=stats.reuse_gap_sum_s)
+    node = stats.counters
+    counters["ttl_clamped"].add_metric([], node.get("ttl_clamped", 0))
+    counters["session_cooled_chains"].add_metric([], node.get("cooled_chains", 0))
+    counters["session_bounded_puts"].add_metric([], node.get("bounded_puts", 0))
+    counters["pins_displaced"].add_metric([], node.get("pins_displaced", 0))
+    for bound in ("tier", "node", "tenant"):
+        refused.add_metric([bound], node.get(f"pins_refused_{bound}", 0))
+    gauges["pinned_bytes"].add_metric([], node.get("pinned_bytes", 0))
+    gauges["sessions"].add_metric([], node.get("sessions", 0))
+    gauges["miss_history_blocks"].add_metric([], node.get("miss_history_blocks", 0))
+    return [missed, gap, *counters.values(), refused, *gauges.values()]

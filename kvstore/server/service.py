@@ -39,8 +39,10 @@ from kvstore.wire import (
     MAX_NAMESPACE_WIRE_BYTES,
     HashRequest,
     chunk_bytes_for,
+    explanation_to_pb,
     lookup_to_pb,
     namespace_from_pb,
+    namespace_to_pb,
     parse_request,
     stats_to_pb,
 )
@@ -250,7 +252,29 @@ class NodeService:
         """The longest cached prefix of a Lookup request's hashes, and each block's tier."""
         namespace = self.namespace(request.namespace, principal)
         hashes = self.hashes(request.block_hashes)
-        return lookup_to_pb(await self.store.locate(namespace, hashes), self.store.tier_names)
+        located = await self.store.locate(namespace, hashes, session_id=request.session_id, ttl_s=request.ttl_s,
+                                          request_id=request.request_id)
+        return lookup_to_pb(located, self.store.tier_names)
+
+    async def explain(self, principal: Principal | None, request: pb.ExplainRequest) -> pb.ExplainResponse:
+        """Each block of a request, hit or the cause of its miss (``kvstore explain``); a ``request_id`` names a
+        recent Lookup's namespace and blocks (the caller's token must cover its tenant).
+
+        Raises:
+            InvalidArgumentError: on a ``request_id`` the node does not remember, or a malformed namespace or hash.
+        """
+        if request.request_id:
+            found = self.store.recent_request(request.request_id)
+            if found is None:
+                raise InvalidArgumentError(f"no recent Lookup named request_id {request.request_id!r} (the node "
+                                           f"keeps the last ones only)")
+            namespace = self.namespace(namespace_to_pb(found[0]).SerializeToString(), principal)
+            hashes: Sequence[bytes] = found[1]
+        else:
+            namespace = self.namespace(request.namespace.SerializeToString(), principal)
+            hashes = self.hashes(request.block_hashes)
+        blocks = await self.store.explain(namespace, hashes)
+        return explanation_to_pb(blocks, namespace, self.store.misses.near_namespace(namespace, blocks))
 
     async def delete(self, principal: Principal | None, request: HashRequest) -> pb.DeleteResponse:
         """Delete a Delete request's blocks from every tier."""

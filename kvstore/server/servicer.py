@@ -186,6 +186,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 _sheds_aborts(self.BulkGet), identity, pb.BulkGetResponse.SerializeToString),
             "BulkPut": grpc.unary_unary_rpc_method_handler(
                 _sheds_aborts(self.BulkPut), identity, pb.BulkPutResponse.SerializeToString),
+            "Explain": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Explain), identity,
+                                                           pb.ExplainResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -227,14 +229,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finds nothing returns an empty ``BlockChunk``, which carries no block.
         """
         async with self._call("Get", context) as call:
-            namespace_wire, hashes = (decode_hash_request(pb.GetRequest, raw) if type(raw) is bytes
-                                      else _hash_request(pb.GetRequest, raw))
+            namespace_wire, hashes, session_id, ttl_s, _ = (decode_hash_request(pb.GetRequest, raw) if type(raw) is bytes
+                                                            else _hash_request(pb.GetRequest, raw))
             namespace, hashes = self.service.namespace(namespace_wire, call.principal), self.service.hashes(hashes)
             call.watch(self._watchdog)
             turn = call.reply_turn(self.replies, namespace.cache_salt, len(hashes))  # flow control: None, or wait
             if turn is not None:
                 await turn
-            read = self._store.read(namespace, hashes)
+            read = self._store.read(namespace, hashes, session_id=session_id, ttl_s=ttl_s)
             blocks = read.open_now()
             if blocks is None:
                 blocks = await read.open()
@@ -264,6 +266,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             namespace: Namespace | None = None
             priority: int | None = None
             retention_s: float | None = None
+            session_id, ttl_s = "", 0.0
             hashes: list[bytes] = []
             assembler = BlockAssembler(self._config.store.max_block_bytes, self._max_hashes,
                                        self._config.limits.max_put_bytes)
@@ -279,6 +282,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                                                call.principal)
                             priority = message.priority if message.HasField("priority") else None
                             retention_s = message.retention_s if message.HasField("retention_s") else None
+                            session_id, ttl_s = message.agent_session_id, message.ttl_s
                         elif message.HasField("namespace"):
                             raise InvalidArgumentError("only the first Put message may carry the namespace")
                         if message.block_hash:
@@ -300,7 +304,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 self.service.check_deadline(context.time_remaining())
                 with self.service.reserve(namespace, sum(len(b) for b in blocks)):
                     stored = await self._store.put(namespace, hashes, blocks, priority=priority,
-                                                   retention_s=retention_s)
+                                                   retention_s=retention_s, session_id=session_id, ttl_s=ttl_s)
                 return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
             finally:
                 if held:
@@ -317,6 +321,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """Delete every block of one namespace (the token must cover its tenant)."""
         async with self._call("Clear", context) as call:
             return await self.service.clear(call.principal, parse_request(pb.ClearRequest, raw))
+        raise AssertionError("unreachable")
+
+    async def Explain(self, raw: bytes | pb.ExplainRequest, context: grpc.aio.ServicerContext) -> pb.ExplainResponse:
+        """Each block of a request, hit or the cause of its miss (``kvstore explain``); a ``request_id`` names a
+        recent Lookup's namespace and blocks (the token must cover its tenant)."""
+        async with self._call("Explain", context) as call:
+            return await self.service.explain(call.principal, parse_request(pb.ExplainRequest, raw))
         raise AssertionError("unreachable")
 
     async def Stats(self, raw: bytes | pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
@@ -631,6 +642,8 @@ def _hash_request(message_type: type[Message], raw: bytes | Message) -> HashRequ
         InvalidArgumentError: if the bytes are not a well-formed ``message_type``.
     """
     if isinstance(raw, Message):
-        return HashRequest(raw.namespace.SerializeToString(), raw.block_hashes)  # type: ignore[attr-defined]
+        return HashRequest(raw.namespace.SerializeToString(), raw.block_hashes,  # type: ignore[attr-defined]
+                           getattr(raw, "agent_session_id", ""), getattr(raw, "ttl_s", 0.0),
+                           getattr(raw, "request_id", ""))
     return decode_hash_request(message_type, raw)  # type: ignore[arg-type]
 

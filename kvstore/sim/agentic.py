@@ -22,6 +22,9 @@ size, from a seed, with the knobs in :class:`AgenticConfig`:
   spawn none of their own (as in Claude Code).
 * **Compaction.** A history over ``max_context_tokens`` is compacted: the next
   request is the system prefix plus a fresh summary, so a new chain begins.
+* **Sessions and TTLs.** Each request names its session (``s<n>``, and
+  ``s<n>.<k>`` for its ``k``-th subagent), as a client passes ``session_id``,
+  and carries ``ttl_s`` when one is set (``docs/agentic.md``).
 
 Blocks are ``block_tokens`` tokens (64 by default, as the kv-cache-tester
 traces), and a request names only its full blocks (``floor(tokens /
@@ -74,6 +77,9 @@ class AgenticConfig:
         summary_tokens: tokens of the summary a compaction leaves.
         block_tokens: tokens per block.
         seed: the seed of every random choice.
+        ttl_s: the cache-control TTL every request carries, seconds (0.0: none; Anthropic's prompt cache keeps
+            5 minutes, 300.0); ``subagent_ttl_s`` for a subagent's requests.
+        subagent_ttl_s: a subagent's TTL (``None``: ``ttl_s``).
     """
 
     num_sessions: int = 60
@@ -96,6 +102,8 @@ class AgenticConfig:
     summary_tokens: int = 6_000
     block_tokens: int = AGENTIC_BLOCK_TOKENS
     seed: int = 0
+    ttl_s: float = 0.0
+    subagent_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -112,6 +120,8 @@ class AgenticConfig:
             (self.max_context_tokens > self.prefix_tokens[1] + self.summary_tokens,
              "max_context_tokens must exceed the largest prefix plus summary_tokens"),
             (self.block_tokens >= 1, "block_tokens must be >= 1"),
+            (0 <= self.ttl_s < math.inf and (self.subagent_ttl_s is None or 0 <= self.subagent_ttl_s < math.inf),
+             "ttl_s and subagent_ttl_s must be finite numbers of seconds >= 0"),
         )
         for ok, message in checks:
             if not ok:
@@ -159,6 +169,8 @@ class _Agent:
     waiting_for: int = 0  # subagents still running
     resume_at: float = 0.0
     walk: _Walk = field(default_factory=_Walk)
+    session: str = ""
+    subagents: int = 0  # subagents spawned so far, to name the next one's session
 
 
 class AgenticGenerator:
@@ -227,7 +239,8 @@ class AgenticGenerator:
         sequence = 0
         for _ in range(c.num_sessions):
             prefix = self._prefixes[rng.randrange(c.num_agent_types)]
-            agent = _Agent([*prefix, self._input(c.first_input_tokens)], self._log_uniform_int(*c.turns), prefix)
+            agent = _Agent([*prefix, self._input(c.first_input_tokens)], self._log_uniform_int(*c.turns), prefix,
+                           session=f"s{len(events)}")
             sequence += 1
             heapq.heappush(events, (rng.uniform(0.0, c.duration_s), sequence, agent))
         while events:
@@ -235,7 +248,8 @@ class AgenticGenerator:
             self._compact_if_needed(agent)
             tokens, ids = self._blocks(agent)
             output = max(1, int(self._lognormal(c.output_tokens, 0.7)))
-            yield TraceRequest(now, tokens, output, ids)
+            ttl = c.ttl_s if agent.parent is None or c.subagent_ttl_s is None else c.subagent_ttl_s
+            yield TraceRequest(now, tokens, output, ids, agent.session, ttl)
             agent.history.append((self._content(), output))
             agent.turns_left -= 1
             if agent.turns_left > 0 and agent.parent is None and rng.random() < c.subagent_prob:
@@ -244,9 +258,11 @@ class AgenticGenerator:
                 for _ in range(count):
                     fresh = rng.random() < c.subagent_fresh_prob
                     base = list(agent.prefix if fresh else agent.history)
+                    agent.subagents += 1
                     child = _Agent([*base, self._input(c.first_input_tokens)],
                                    self._log_uniform_int(*c.subagent_turns), agent.prefix, parent=agent,
-                                   walk=_Walk() if fresh else agent.walk.copy())
+                                   walk=_Walk() if fresh else agent.walk.copy(),
+                                   session=f"{agent.session}.{agent.subagents}")
                     sequence += 1
                     heapq.heappush(events, (now + self._lognormal(1.0, 0.5), sequence, child))
                 continue

@@ -13,13 +13,16 @@ except the last block of a prompt, which holds only the tokens the prompt has.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvstore.errors import InvalidArgumentError
+from kvstore.misses import DEFAULT_HISTORY_BLOCKS
 from kvstore.policy import DEFAULT_POLICY, POLICY_NAMES
+from kvstore.sim.baselines import ARCPolicy, SAEPolicy
 from kvstore.sim.belady import belady_bound
 from kvstore.sim.model import NodeModel
 from kvstore.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -29,8 +32,12 @@ logger = logging.getLogger(__name__)
 BOUND = "belady"
 """The name of the offline bound (MIN with bypass) among the simulator's policies."""
 
-POLICIES = (*POLICY_NAMES, BOUND)
-"""Policy names the simulator takes: the node's online policies and the offline bound (and ``default``)."""
+BASELINES = ("arc", "sae")
+"""Online policies the simulator compares with that no node runs (``kvstore.sim.baselines``): memory only."""
+
+POLICIES = (*POLICY_NAMES, *BASELINES, BOUND)
+"""Policy names the simulator takes: the node's online policies, the baselines and the offline bound (and
+``default``)."""
 
 
 def resolve(policy: str) -> str:
@@ -67,6 +74,9 @@ class SimResult:
         elapsed_s: wall time of the replay itself (not of counting distinct blocks), seconds.
         bound_exact: for ``belady``, whether the bound is the exact optimum (the
             trace has the chain property; ``kvstore.sim.belady``); ``None`` otherwise.
+        missed_blocks: the missed blocks by cause (``kvstore.misses``), as a node names them; empty for the
+            bound and an infinite cache.
+        cpu_s: CPU time of the replay, seconds (the speed figures' clock: the machine may be shared).
     """
 
     policy: str
@@ -83,6 +93,8 @@ class SimResult:
     demoted_blocks: int
     elapsed_s: float = field(compare=False)
     bound_exact: bool | None = None
+    missed_blocks: dict[str, int] = field(default_factory=dict, compare=False)
+    cpu_s: float = field(default=0.0, compare=False)
 
     @property
     def hit_ratio(self) -> float:
@@ -124,8 +136,27 @@ class SimResult:
             "tier_hit_ratios": list(self.tier_hit_ratios),
             "elapsed_s": self.elapsed_s,
             "accesses_per_s": self.accesses_per_s,
+            "cpu_s": self.cpu_s,
             "bound_exact": self.bound_exact,
+            "missed_blocks": dict(self.missed_blocks),
         }
+
+
+def apart_by_namespace(requests: Sequence[TraceRequest]) -> Sequence[TraceRequest]:
+    """``requests`` with the block ids of each namespace label (:attr:`TraceRequest.namespace`) kept apart: ids of
+    a label other than ``""`` are renumbered past every id of the trace, in order of first use, as a node keys
+    blocks of different namespaces apart. The trace as it is when it names no namespace."""
+    if not any(r.namespace for r in requests):
+        return requests
+    start = max((max(r.block_ids) for r in requests if r.block_ids), default=0) + 1
+    ids: dict[tuple[str, int], int] = {}
+    out = []
+    for r in requests:
+        if r.namespace:
+            renamed = tuple(ids.setdefault((r.namespace, key), start + len(ids)) for key in r.block_ids)
+            r = dataclasses.replace(r, block_ids=renamed)
+        out.append(r)
+    return out
 
 
 def _prefix_hits_infinite(requests: Sequence[TraceRequest]) -> list[int]:
@@ -149,6 +180,7 @@ def simulate(
     *,
     disk_capacity_blocks: int = 0,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    history_blocks: int = DEFAULT_HISTORY_BLOCKS,
 ) -> SimResult:
     """Replay ``requests`` through one policy and count prefix hits.
 
@@ -160,6 +192,7 @@ def simulate(
         disk_capacity_blocks: blocks of a disk tier below it; 0 for none. Ignored
             when ``capacity_blocks`` is ``None``. For ``belady`` the two add up.
         block_tokens: tokens per block, for the token hit ratio.
+        history_blocks: removals the model remembers to name misses (the node's ``store.miss_history_blocks``).
 
     Returns:
         The counts and ratios of the replay.
@@ -177,10 +210,15 @@ def simulate(
         raise InvalidArgumentError(f"block_tokens must be > 0, got {block_tokens}")
     if capacity_blocks is None:
         disk_capacity_blocks = 0
+    if name in BASELINES and disk_capacity_blocks:
+        raise InvalidArgumentError(f"the {name} baseline is simulated over a memory tier only")
+    requests = apart_by_namespace(requests)
     chains = [r.block_ids for r in requests]
     evicted = demoted = 0
     exact: bool | None = None
+    missed: dict[str, int] = {}
     started = time.perf_counter()
+    started_cpu = time.process_time()
     if capacity_blocks is None:
         per_request = _prefix_hits_infinite(requests)
         per_tier: tuple[int, ...] = (sum(per_request),)
@@ -193,19 +231,25 @@ def simulate(
         per_request = [0] * len(requests)
         per_tier = (0,)
     else:
-        model = NodeModel(name, capacity_blocks or disk_capacity_blocks,
-                          disk_capacity_blocks=disk_capacity_blocks if capacity_blocks else 0)
+        model = NodeModel("lru" if name in BASELINES else name, capacity_blocks or disk_capacity_blocks,
+                          disk_capacity_blocks=disk_capacity_blocks if capacity_blocks else 0,
+                          history_blocks=history_blocks)
+        if name in BASELINES:
+            model.policies[0] = (ARCPolicy if name == "arc" else SAEPolicy)(capacity_blocks)  # type: ignore[assignment]
         memory = disk = 0
         per_request = []
         request_of = model.request
         for request in requests:
-            hits = request_of(request.block_ids, request.timestamp_s)
+            hits = request_of(request.block_ids, request.timestamp_s, None, 0.0, request.session, request.ttl_s,
+                              request.namespace)
             memory += hits.memory
             disk += hits.disk
             per_request.append(hits.memory + hits.disk)
         per_tier = (memory, disk) if len(model.policies) > 1 else (memory,)
         evicted, demoted = model.evicted_blocks, model.demoted_blocks
+        missed = dict(model.misses.by_cause)
     elapsed_s = time.perf_counter() - started
+    cpu_s = time.process_time() - started_cpu
     hit_blocks = sum(per_tier)
     hit_tokens = sum(min(h * block_tokens, r.input_tokens) for h, r in zip(per_request, requests))
     result = SimResult(
@@ -223,6 +267,8 @@ def simulate(
         demoted_blocks=demoted,
         elapsed_s=elapsed_s,
         bound_exact=exact,
+        missed_blocks=missed,
+        cpu_s=cpu_s,
     )
     logger.debug("simulated %s at %s blocks: hit ratio %.4f in %.2f s",
                  name, capacity_blocks, result.hit_ratio, result.elapsed_s)

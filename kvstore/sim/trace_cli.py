@@ -16,6 +16,7 @@ examples:
   kvstore trace convert sessions/*.json -o agentic.jsonl                 # kv-cache-tester sessions, all at t=0
   kvstore trace convert sessions/*.json -o agentic.jsonl --stagger 30 --shared-prefix 0.5
   kvstore trace generate -o synthetic_agentic.jsonl --sessions 100 --seed 1
+  kvstore trace generate -o agentic_ttl.jsonl --ttl 300                   # every request with a 5-minute TTL
   kvstore simulate --trace agentic.jsonl --block-tokens 64 --capacity 1%,5%,25%
 """
 
@@ -42,6 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     convert.add_argument("-o", "--output", required=True, metavar="PATH.jsonl")
     convert.add_argument("--stagger", type=float, default=0.0, metavar="SECONDS",
                          help="seconds between the starts of consecutive sessions (default: 0, all at once)")
+    convert.add_argument("--ttl", type=float, default=0.0, metavar="SECONDS",
+                         help="a cache-control TTL every request carries (default: none; docs/agentic.md)")
     convert.add_argument("--shared-prefix", type=float, default=0.0, metavar="FRACTION",
                          help="fraction of each session's tool and system prefix that all sessions share "
                               "(kv-cache-tester's --warm-prefix-pct; default: 0)")
@@ -62,6 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     generate.add_argument("--subagent-prob", type=float, default=defaults.subagent_prob)
     generate.add_argument("--block-tokens", type=int, default=defaults.block_tokens)
     generate.add_argument("--seed", type=int, default=defaults.seed)
+    generate.add_argument("--ttl", type=float, default=defaults.ttl_s, metavar="SECONDS",
+                          help="the cache-control TTL every request carries (default: none; docs/agentic.md)")
     generate.set_defaults(func=_generate)
     return parser
 
@@ -69,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _convert(args: argparse.Namespace) -> int:
     try:
         requests = merge_sessions([Path(p) for p in args.sessions], stagger_s=args.stagger,
-                                  shared_prefix_fraction=args.shared_prefix)
+                                  shared_prefix_fraction=args.shared_prefix, ttl_s=args.ttl)
         count = write_trace(args.output, requests)
     except (InvalidArgumentError, OSError) as exc:
         print(f"kvstore trace convert: error: {exc}", file=sys.stderr)
@@ -82,7 +87,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         config = AgenticConfig(num_sessions=args.sessions, duration_s=args.duration,
                                num_agent_types=args.agent_types, subagent_prob=args.subagent_prob,
-                               block_tokens=args.block_tokens, seed=args.seed)
+                               block_tokens=args.block_tokens, seed=args.seed, ttl_s=args.ttl)
         count = write_trace(args.output, generate_agentic(config))
     except (InvalidArgumentError, OSError) as exc:
         print(f"kvstore trace generate: error: {exc}", file=sys.stderr)

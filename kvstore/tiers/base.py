@@ -21,11 +21,21 @@ class BlockMeta:
         expires_at: wall-clock time (``time.time()``, seconds) when the priority
             reverts to the default; 0.0 for none.
         last_access: wall-clock time of the last put or get, seconds.
+        ttl_s: the block's TTL (a pin, ``docs/agentic.md``), seconds; 0.0 for none.
+        pinned_until: wall-clock time when that TTL runs out unless a hit renews it, seconds; 0.0 for none.
     """
 
     priority: int = DEFAULT_PRIORITY
     expires_at: float = 0.0
     last_access: float = 0.0
+    ttl_s: float = 0.0
+    pinned_until: float = 0.0
+
+
+def touch_meta(meta: BlockMeta, when: float) -> BlockMeta:
+    """``meta`` of a block read at ``when``: its last access then, and its TTL (if any) renewed from then."""
+    return BlockMeta(meta.priority, meta.expires_at, when, meta.ttl_s,
+                     max(meta.pinned_until, when + meta.ttl_s) if meta.ttl_s > 0 else 0.0)
 
 
 CHAIN_STEP_S = 1e-6

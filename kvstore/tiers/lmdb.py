@@ -62,7 +62,7 @@ from kvstore.config import DiskTierConfig
 from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import DEFAULT_PRIORITY
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order, touch_meta
 # the public names are re-exported: kvstore.tiers.lmdb is their old home
 from kvstore.tiers.lmdb_records import (_PAGE_HEADER_BYTES, _RECORD_ERRORS, DISK_FILL_FRACTION, DISK_FORMAT, MAX_KEY_BYTES,
                                         MIN_FREE_BYTES, MIN_MAP_BYTES, RECORD_OVERHEAD_BYTES, _block_of, _lock_directory,
@@ -110,6 +110,9 @@ class LMDBTier:
             :func:`default_map_size_bytes` of the capacity when ``None``. A file
             already larger keeps its size (LMDB never shrinks one).
         num_reader_threads: threads that run read transactions.
+        compressor: compresses the blocks stored (``kvstore.tiers.compression``); none by default.
+        clock: the time of a get, wall-clock seconds: a block's recency, and its TTL's renewal, as a restart
+            finds them (the store's clock; ``time.time`` by default).
 
     Raises:
         InvalidArgumentError: on a negative capacity.
@@ -129,8 +132,10 @@ class LMDBTier:
         map_size_bytes: int | None = None,
         num_reader_threads: int = 4,
         compressor: Compressor | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._compressor = compressor or Compressor()  # blocks stored compressed (kvstore.tiers.compression)
+        self._clock = clock  # a get's time: the block's recency, and its TTL's renewal, across a restart
         if capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
@@ -291,7 +296,7 @@ class LMDBTier:
         if not keys:
             return []
         values, corrupt, unreadable = await self._run(self._readers, self._get_txn, list(keys), self._set_aside.copy())
-        now = time.time()
+        now = self._clock()
         for position, (key, value) in enumerate(zip(keys, values)):
             if value is not None:  # the keys of a read are a prefix in order: its head is the most recent
                 self._touched[key] = now - position * CHAIN_STEP_S
@@ -364,6 +369,32 @@ class LMDBTier:
             self._touched.pop(key, None)
         return self._write(self._delete_txn, list(keys), on_success=self._delete_failed)
 
+    async def set_pins(self, keys: Sequence[BlockKey], pins: Sequence[tuple[float, float]]) -> None:
+        """Record the TTL of blocks this tier holds, ``(ttl_s, pinned_until)`` each, in their meta records: a TTL
+        given to (or renewed on) a block after it was written here is what a restart restores
+        (``kvstore.lifecycle.shut_down``). A key not held is skipped.
+
+        Raises:
+            UnavailableError: if the tier is closed or LMDB fails other than on a record.
+        """
+        self._check_open()
+        if keys:
+            await self._write(self._pins_txn, list(keys), list(pins))
+
+    def _pins_txn(self, keys: list[BlockKey], pins: list[tuple[float, float]],
+                  touched: Mapping[BlockKey, float]) -> None:
+        def set_one(txn: lmdb.Transaction, i: int) -> int:
+            parsed = _unpack_meta(txn.get(keys[i], db=self._meta))
+            if parsed is not None:
+                meta, nbytes = parsed
+                ttl_s, until = pins[i]
+                last = max(meta.last_access, touched.get(keys[i], 0.0))
+                txn.put(keys[i], _pack_meta(BlockMeta(meta.priority, meta.expires_at, last, ttl_s, until), nbytes),
+                        db=self._meta)
+            return 0
+
+        self._transact(keys, set_one, touched)
+
     async def resident(self) -> list[ResidentEntry]:
         """Every block held, with its meta as of the last get; records that do not pair up are repaired or dropped.
 
@@ -388,8 +419,7 @@ class LMDBTier:
             entries += [ResidentEntry(key, nbytes, BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0)) for key, nbytes in repairs]
         touched, set_aside = self._touched, self._set_aside
         return [
-            ResidentEntry(e.key, e.nbytes, BlockMeta(e.meta.priority, e.meta.expires_at, touched[e.key]),
-                          e.block_nbytes)
+            ResidentEntry(e.key, e.nbytes, touch_meta(e.meta, touched[e.key]), e.block_nbytes)
             if e.key in touched and touched[e.key] > e.meta.last_access
             else e
             for e in entries if e.key not in set_aside
@@ -584,7 +614,7 @@ class LMDBTier:
             parsed = _unpack_meta(txn.get(key, db=self._meta))
             if parsed is not None and parsed[0].last_access < when:
                 meta, nbytes = parsed
-                txn.put(key, _pack_meta(BlockMeta(meta.priority, meta.expires_at, when), nbytes), db=self._meta)
+                txn.put(key, _pack_meta(touch_meta(meta, when), nbytes), db=self._meta)
 
     def _transact(self, keys: list[BlockKey], apply: Callable[[lmdb.Transaction, int], int],
                   touched: Mapping[BlockKey, float]) -> list[BlockKey]:

@@ -9,7 +9,10 @@ disk format :data:`DISK_FORMAT`:
   does not end with the key asked for, never another block;
 * sub-database ``meta``: key -> ``<BddQ`` little-endian struct of 25 bytes:
   priority (u8), expires_at (f64, ``time.time()`` seconds, 0 for none),
-  last_access (f64, seconds), nbytes (u64, length of the block);
+  last_access (f64, seconds), nbytes (u64, length of the block); a block with a
+  TTL (``docs/agentic.md``) has 16 bytes more, ``<dd``: ttl_s (f64, seconds) and
+  pinned_until (f64, ``time.time()`` seconds), so a restart keeps the TTL (a
+  release before TTLs reads such a record as a lost meta, and keeps the block);
 * sub-database ``info``: ``format`` -> the disk format, ``b"2"``.
 """
 
@@ -171,18 +174,24 @@ def _lock_directory(path: str) -> int:
     return fd
 
 
+_PIN = struct.Struct("<dd")
+"""ttl_s f64, pinned_until f64: what a ``meta`` record of a block with a TTL has after :data:`_META`."""
+
+
 def _pack_meta(meta: BlockMeta, nbytes: int) -> bytes:
-    return _META.pack(meta.priority, meta.expires_at, meta.last_access, nbytes)
+    packed = _META.pack(meta.priority, meta.expires_at, meta.last_access, nbytes)
+    return packed + _PIN.pack(meta.ttl_s, meta.pinned_until) if meta.ttl_s > 0 else packed
 
 
 def _unpack_meta(raw: bytes | memoryview | None) -> tuple[BlockMeta, int] | None:
     """The meta and nbytes of a ``meta`` record, or ``None`` for a missing or malformed one."""
-    if raw is None or len(raw) != _META.size:
+    if raw is None or len(raw) not in (_META.size, _META.size + _PIN.size):
         return None
-    priority, expires_at, last_access, nbytes = _META.unpack(raw)
+    priority, expires_at, last_access, nbytes = _META.unpack_from(raw)
     if priority > MAX_PRIORITY:
         return None
-    return BlockMeta(priority, expires_at, last_access), nbytes
+    ttl_s, pinned_until = _PIN.unpack_from(raw, _META.size) if len(raw) > _META.size else (0.0, 0.0)
+    return BlockMeta(priority, expires_at, last_access, ttl_s, pinned_until), nbytes
 
 
 def _block_of(key: bytes, record: bytes | memoryview) -> bytes:

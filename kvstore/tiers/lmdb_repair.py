@@ -102,7 +102,7 @@ def _salvage_into(data_file: str, directory: str, map_size_bytes: int) -> tuple[
     Returns:
         Blocks copied, and records that were found but dropped (unverifiable, or of disk format 1).
     """
-    metas = {record.key: record.value for record in salvage_records(data_file, {b"meta"})}  # 25 bytes each
+    metas = {record.key: record.value for record in salvage_records(data_file, {b"meta"})}  # 25 bytes each (41 with a TTL)
     kept = found = 0
     env = lmdb.open(directory, map_size=map_size_bytes, max_dbs=3, sync=True, metasync=True)
     try:

@@ -307,7 +307,8 @@ class RedisTier:
         nothing is written under its key); a full server's "OOM command not
         allowed" refuses that key (``oom_rejected``); while Redis fails, the
         rest of the batch is skipped. Priorities in ``metas`` are not stored:
-        Redis evicts by its own ``maxmemory-policy``. Never raises
+        Redis evicts by its own ``maxmemory-policy``; a TTL in ``metas`` longer than
+        ``ttl_s`` sets its key's expiry (``PX``) to the TTL's end. Never raises
         :class:`~kvstore.tiers.base.TierFullError`.
 
         Args:
@@ -347,10 +348,11 @@ class RedisTier:
         sizes = [len(value) for value in values if len(value) <= limit_bytes]
         if sizes:
             self._value_bytes_hint = max(self._value_bytes_hint, max(sizes))
+        expiries = self._expiries(metas)
         for tag, positions in groups.items():
             items = [i for i in positions if len(values[i]) <= limit_bytes]
             generation = written_under[tag]
-            failure, seen = await self._set_chunks(items, keys, values, generation, tag, stored)
+            failure, seen = await self._set_chunks(items, keys, values, generation, tag, stored, expiries)
             if failure is not None:
                 break
             if self._stale(tag, generation, seen):  # cleared meanwhile (or before, on another node): not readable
@@ -365,16 +367,28 @@ class RedisTier:
         self._counts["skipped_writes"] += len(keys) - num_written
         return stored
 
+    def _expiries(self, metas: Sequence[BlockMeta]) -> list[int | None] | None:
+        """Per block, its key's ``PX``, where a TTL outlasts ``ttl_s``: a key lives at least as long as its block's
+        TTL (``docs/agentic.md``: Redis has no pins, but its expiry must not end a TTL early). ``None`` when every
+        key takes ``ttl_s``'s (or none, without one: a key without expiry outlives any TTL)."""
+        if self._px_ms is None or not any(meta.pinned_until for meta in metas):
+            return None
+        now = time.time()
+        return [max(self._px_ms, round((meta.pinned_until - now) * 1000)) for meta in metas]
+
     async def _set_chunks(self, items: list[int], keys: Sequence[BlockKey], values: Sequence[bytes],
-                          generation: int, tag: bytes, stored: list[bool]) -> tuple[_RoundTripFailed | None, int | None]:
+                          generation: int, tag: bytes, stored: list[bool], expiries: list[int | None] | None = None
+                          ) -> tuple[_RoundTripFailed | None, int | None]:
         """``SET`` ``values[i]`` for each of ``items`` under ``generation``, in chunks, the namespace's generation
-        read beside the last; marks ``stored``. Returns the failure, if any, and the generation seen."""
+        read beside the last; marks ``stored``. Returns the failure, if any, and the generation seen. ``expiries``:
+        each block's ``PX`` (:meth:`_expiries`), else ``ttl_s``'s."""
         chunks = _chunks_by_bytes([len(values[i]) for i in items], CHUNK_BYTES)
         seen: int | None = None
         for n, chunk in enumerate(chunks):
             batch = [items[j] for j in chunk]
             work = set_many(self._client, [self.redis_key(keys[i], generation) for i in batch],
-                            [values[i] for i in batch], self._px_ms)
+                            [values[i] for i in batch],
+                            self._px_ms if expiries is None else [expiries[i] for i in batch])
             try:
                 if n == len(chunks) - 1:
                     replies, seen = await self._round_trip(_both(work, self._read_generation(tag)), self._op_bound_s)

@@ -138,11 +138,14 @@ async def mget(client: Any, cluster: bool, names: list[str]) -> list[bytes | Non
     return await client.mget(names)
 
 
-async def set_many(client: Any, names: list[str], values: list[bytes], px_ms: int | None) -> list[Any]:
-    """A non-transactional pipeline of ``SET name value [PX px_ms]``; the replies, error replies among them."""
+async def set_many(client: Any, names: list[str], values: list[bytes],
+                   px_ms: int | None | Sequence[int | None]) -> list[Any]:
+    """A non-transactional pipeline of ``SET name value [PX px_ms]`` (one ``px_ms`` for all, or one per name); the
+    replies, error replies among them."""
     pipe = client.pipeline(transaction=False)
-    for name, value in zip(names, values):
-        pipe.set(name, value, px=px_ms)
+    each = px_ms if isinstance(px_ms, (list, tuple)) else [px_ms] * len(names)
+    for name, value, px in zip(names, values, each):
+        pipe.set(name, value, px=px)
     return await pipe.execute(raise_on_error=False)
 
 

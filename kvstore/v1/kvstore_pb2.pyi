@@ -33,12 +33,18 @@ class Namespace(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., hash_algorithm: _Optional[str] = ..., kv_encoding: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes")
+    __slots__ = ("namespace", "block_hashes", "agent_session_id", "ttl_s", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    agent_session_id: str
+    ttl_s: float
+    request_id: str
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., agent_session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_blocks", "tier_names", "block_tiers")
@@ -51,12 +57,16 @@ class LookupResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., tier_names: _Optional[_Iterable[str]] = ..., block_tiers: _Optional[bytes] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes")
+    __slots__ = ("namespace", "block_hashes", "agent_session_id", "ttl_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    agent_session_id: str
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., agent_session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
     __slots__ = ("offset", "total_bytes", "data", "last")
@@ -71,7 +81,7 @@ class BlockChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("namespace", "priority", "retention_s", "block_hash", "total_bytes", "block_index", "offset", "data")
+    __slots__ = ("namespace", "priority", "retention_s", "block_hash", "total_bytes", "block_index", "offset", "data", "agent_session_id", "ttl_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RETENTION_S_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +90,8 @@ class PutRequest(_message.Message):
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     priority: int
     retention_s: float
@@ -88,7 +100,9 @@ class PutRequest(_message.Message):
     block_index: int
     offset: int
     data: bytes
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ..., block_hash: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    agent_session_id: str
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ..., block_hash: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., agent_session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("num_stored", "num_blocks")
@@ -129,7 +143,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions", "corrupt_records", "counters", "state", "last_error", "logical_bytes")
+    __slots__ = ("name", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions", "corrupt_records", "counters", "state", "last_error", "logical_bytes", "pinned_bytes")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +165,7 @@ class TierStats(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     blocks: int
     bytes: int
@@ -165,17 +180,84 @@ class TierStats(_message.Message):
     state: str
     last_error: str
     logical_bytes: int
-    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., logical_bytes: _Optional[int] = ...) -> None: ...
+    pinned_bytes: int
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., logical_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "lookup_hit_blocks", "lookup_miss_blocks")
+    __slots__ = ("tiers", "lookup_hit_blocks", "lookup_miss_blocks", "missed_blocks", "reuse_gap_counts", "reuse_gap_sum_s", "counters")
+    class MissedBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_GAP_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_GAP_SUM_S_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     lookup_hit_blocks: int
     lookup_miss_blocks: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ...) -> None: ...
+    missed_blocks: _containers.ScalarMap[str, int]
+    reuse_gap_counts: _containers.RepeatedScalarFieldContainer[int]
+    reuse_gap_sum_s: float
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., missed_blocks: _Optional[_Mapping[str, int]] = ..., reuse_gap_counts: _Optional[_Iterable[int]] = ..., reuse_gap_sum_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "request_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    request_id: str
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class BlockExplanation(_message.Message):
+    __slots__ = ("position", "hit", "tier", "cause", "detail", "removed_s", "removed_from", "priority", "namespace_fields", "block_hash")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_S_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FROM_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    hit: bool
+    tier: str
+    cause: str
+    detail: str
+    removed_s: float
+    removed_from: str
+    priority: int
+    namespace_fields: _containers.RepeatedScalarFieldContainer[str]
+    block_hash: bytes
+    def __init__(self, position: _Optional[int] = ..., hit: _Optional[bool] = ..., tier: _Optional[str] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., removed_s: _Optional[float] = ..., removed_from: _Optional[str] = ..., priority: _Optional[int] = ..., namespace_fields: _Optional[_Iterable[str]] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("blocks", "near_namespace", "namespace")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEAR_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockExplanation]
+    near_namespace: Namespace
+    namespace: Namespace
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockExplanation, _Mapping]]] = ..., near_namespace: _Optional[_Union[Namespace, _Mapping]] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ...) -> None: ...
 
 class CapabilitiesRequest(_message.Message):
     __slots__ = ()
@@ -234,16 +316,20 @@ class AttachReply(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., grant: _Optional[bytes] = ..., get_segment_bytes: _Optional[int] = ..., put_segment_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., grant_s: _Optional[float] = ...) -> None: ...
 
 class GetSharedRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "session_id", "in_place")
+    __slots__ = ("namespace", "block_hashes", "session_id", "in_place", "agent_session_id", "ttl_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: int
     in_place: bool
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[int] = ..., in_place: _Optional[bool] = ...) -> None: ...
+    agent_session_id: str
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[int] = ..., in_place: _Optional[bool] = ..., agent_session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class SlabOffer(_message.Message):
     __slots__ = ("slab_id", "nbytes", "touched")
@@ -274,7 +360,7 @@ class GetSharedResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., no_room: _Optional[bool] = ..., slabs: _Optional[_Iterable[int]] = ..., new_slabs: _Optional[_Iterable[_Union[SlabOffer, _Mapping]]] = ..., retired_slabs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutSharedRequest(_message.Message):
-    __slots__ = ("namespace", "session_id", "priority", "retention_s", "block_hashes", "offsets", "sizes")
+    __slots__ = ("namespace", "session_id", "priority", "retention_s", "block_hashes", "offsets", "sizes", "agent_session_id", "ttl_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +368,8 @@ class PutSharedRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     session_id: int
     priority: int
@@ -289,7 +377,9 @@ class PutSharedRequest(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., session_id: _Optional[int] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    agent_session_id: str
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., session_id: _Optional[int] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., agent_session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class BulkOffer(_message.Message):
     __slots__ = ("port", "host", "tls")
@@ -302,12 +392,16 @@ class BulkOffer(_message.Message):
     def __init__(self, port: _Optional[int] = ..., host: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class BulkGetRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes")
+    __slots__ = ("namespace", "block_hashes", "agent_session_id", "ttl_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    agent_session_id: str
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., agent_session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class BulkGetResponse(_message.Message):
     __slots__ = ("grant", "sizes", "grant_s", "no_room")
@@ -322,18 +416,22 @@ class BulkGetResponse(_message.Message):
     def __init__(self, grant: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., grant_s: _Optional[float] = ..., no_room: _Optional[bool] = ...) -> None: ...
 
 class BulkPutRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "sizes", "priority", "retention_s")
+    __slots__ = ("namespace", "block_hashes", "sizes", "priority", "retention_s", "agent_session_id", "ttl_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RETENTION_S_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     priority: int
     retention_s: float
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ...) -> None: ...
+    agent_session_id: str
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., retention_s: _Optional[float] = ..., agent_session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class BulkPutResponse(_message.Message):
     __slots__ = ("grant", "grant_s", "no_room", "stored")

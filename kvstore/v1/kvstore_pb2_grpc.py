@@ -95,6 +95,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.BulkPutRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BulkPutResponse.FromString,
                 _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/kvstore.v1.KVStore/Explain',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -185,6 +190,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """Each block of a request: a hit, or the cause of its miss (an older node answers UNIMPLEMENTED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +259,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.BulkPut,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BulkPutRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.BulkPutResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ExplainRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +591,33 @@ class KVStore:
             '/kvstore.v1.KVStore/BulkPut',
             kvstore_dot_v1_dot_kvstore__pb2.BulkPutRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.BulkPutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Explain',
+            kvstore_dot_v1_dot_kvstore__pb2.ExplainRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

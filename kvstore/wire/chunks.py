@@ -201,6 +201,8 @@ def put_requests(
     *,
     priority: int | None = None,
     retention_s: float | None = None,
+    session_id: str = "",
+    ttl_s: float = 0.0,
 ) -> Iterator[bytes]:
     """The serialized client-streaming messages of one Put, lazily: namespace first, then every block's chunks.
 
@@ -211,6 +213,8 @@ def put_requests(
         chunk_bytes: largest data field of one message, bytes.
         priority: retention priority, or ``None`` for the server's default.
         retention_s: seconds the priority holds, or ``None``.
+        session_id: the blocks' agentic session (``""``: none; ``docs/agentic.md``).
+        ttl_s: their TTL, seconds (0.0: none).
 
     Yields:
         ``PutRequest`` messages, serialized (send them with :func:`identity`).
@@ -229,6 +233,10 @@ def put_requests(
                     head.priority = priority
                 if retention_s is not None:
                     head.retention_s = retention_s
+                if session_id:
+                    head.agent_session_id = session_id
+                if ttl_s:
+                    head.ttl_s = ttl_s
                 first = False
             yield encode_with_data(head.SerializeToString(), _PUT_DATA_FIELD, data)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import struct
 from typing import NamedTuple, Sequence, TypeVar
 
 import grpc
@@ -11,6 +12,7 @@ import numpy as np
 from kvstore.api import LookupResult, StoreStats, TierStats
 from kvstore.codec import Layout, dtype_name
 from kvstore.errors import InvalidArgumentError
+from kvstore.explain import BlockExplanation
 from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, PackedHashes
 from kvstore.status import RemoteError
 from kvstore.v1 import kvstore_pb2 as pb
@@ -122,11 +124,16 @@ def stats_to_pb(stats: StoreStats) -> pb.StatsResponse:
                 logical_bytes=t.logical_bytes, hits=t.hits, misses=t.misses, evictions=t.evictions,
                 demotions=t.demotions, promotions=t.promotions,
                 corrupt_records=t.corrupt_records, counters=t.counters, state=t.state, last_error=t.last_error,
+                pinned_bytes=t.pinned_bytes,
             )
             for t in stats.tiers
         ],
         lookup_hit_blocks=stats.lookup_hit_blocks,
         lookup_miss_blocks=stats.lookup_miss_blocks,
+        missed_blocks=stats.missed_blocks,
+        reuse_gap_counts=stats.reuse_gap_counts,
+        reuse_gap_sum_s=stats.reuse_gap_sum_s,
+        counters=stats.counters,
     )
 
 
@@ -139,12 +146,45 @@ def stats_from_pb(message: pb.StatsResponse) -> StoreStats:
                 logical_bytes=t.logical_bytes, hits=t.hits, misses=t.misses, evictions=t.evictions,
                 demotions=t.demotions, promotions=t.promotions,
                 corrupt_records=t.corrupt_records, counters=dict(t.counters), state=t.state, last_error=t.last_error,
+                pinned_bytes=t.pinned_bytes,
             )
             for t in message.tiers
         ),
         message.lookup_hit_blocks,
         message.lookup_miss_blocks,
+        dict(message.missed_blocks),
+        tuple(message.reuse_gap_counts),
+        message.reuse_gap_sum_s,
+        dict(message.counters),
     )
+
+
+def explanation_to_pb(blocks: Sequence[BlockExplanation], namespace: Namespace,
+                      near: Namespace | None) -> pb.ExplainResponse:
+    """The wire reply of an Explain (``kvstore.explain``)."""
+    reply = pb.ExplainResponse(
+        blocks=[pb.BlockExplanation(position=b.position, hit=b.hit, tier=b.tier, cause=b.cause, detail=b.detail,
+                                    removed_s=b.removed_s, removed_from=b.removed_from, priority=b.priority,
+                                    namespace_fields=list(b.other_namespace), block_hash=bytes.fromhex(b.block_hash))
+                for b in blocks],
+        namespace=namespace_to_pb(namespace))
+    if near is not None:
+        reply.near_namespace.CopyFrom(namespace_to_pb(near))
+    return reply
+
+
+def explanation_from_pb(message: pb.ExplainResponse) -> tuple[list[BlockExplanation], Namespace | None,
+                                                                Namespace | None]:
+    """The blocks, the namespace explained and the near namespace (if any) of an Explain reply.
+
+    Raises:
+        InvalidArgumentError: on a malformed namespace in the reply.
+    """
+    blocks = [BlockExplanation(b.position, b.block_hash.hex(), b.hit, b.tier, b.cause, b.detail, b.removed_s,
+                               b.removed_from, b.priority, tuple(b.namespace_fields)) for b in message.blocks]
+    namespace = namespace_from_pb(message.namespace) if message.HasField("namespace") else None
+    near = namespace_from_pb(message.near_namespace) if message.HasField("near_namespace") else None
+    return blocks, namespace, near
 
 
 _R = TypeVar("_R", pb.GetRequest, pb.LookupRequest, pb.DeleteRequest)
@@ -178,10 +218,67 @@ class HashRequest(NamedTuple):
     Attributes:
         namespace: the serialized ``Namespace`` message, as it came (a cache key; parse it once).
         block_hashes: the block hashes: ``bytes`` each, a list or :class:`~kvstore.keys.PackedHashes`.
+        session_id: a Lookup's or Get's ``agent_session_id`` (``""``: none).
+        ttl_s: a Lookup's or Get's ``ttl_s`` (0.0: none).
+        request_id: a Lookup's ``request_id`` (``""``: none).
     """
 
     namespace: bytes
     block_hashes: Sequence[bytes]
+    session_id: str = ""
+    ttl_s: float = 0.0
+    request_id: str = ""
+
+
+_SESSION_TAG = _tag(3, 2)  # LookupRequest / GetRequest agent_session_id
+_TTL_TAG = _tag(4, 1)  # ttl_s, a double
+_REQUEST_ID_TAG = _tag(5, 2)  # LookupRequest request_id
+_DOUBLE = struct.Struct("<d")
+
+
+def agentic_fields(session_id: str = "", ttl_s: float = 0.0, request_id: str = "") -> bytes:
+    """The serialized ``agent_session_id``, ``ttl_s`` and ``request_id`` fields of a Lookup or Get (empty when
+    none is set). kvstore's clients put them before the namespace, where :func:`decode_hash_request` reads them
+    without protobuf (protobuf takes fields in any order)."""
+    parts = []
+    if session_id:
+        data = session_id.encode("utf-8")
+        parts += [_SESSION_TAG, _varint(len(data)), data]
+    if ttl_s:
+        parts += [_TTL_TAG, _DOUBLE.pack(ttl_s)]
+    if request_id:
+        data = request_id.encode("utf-8")
+        parts += [_REQUEST_ID_TAG, _varint(len(data)), data]
+    return b"".join(parts)
+
+
+def _agentic(message: bytes, pos: int, end: int) -> tuple[str, float, str] | None:
+    """The agentic fields serialized in ``message[pos:end]``, ``None`` if anything else is there."""
+    session, ttl, request_id = "", 0.0, ""
+    view = memoryview(message)
+    try:
+        while pos < end:
+            tag = message[pos]
+            if tag == _TTL_TAG[0]:
+                if pos + 9 > end:
+                    return None
+                ttl = _DOUBLE.unpack_from(message, pos + 1)[0]
+                pos += 9
+                continue
+            if tag not in (_SESSION_TAG[0], _REQUEST_ID_TAG[0]):
+                return None
+            length, start = _read_varint(view, pos + 1)
+            if start + length > end:
+                return None
+            text = bytes(view[start:start + length]).decode("utf-8")
+            if tag == _SESSION_TAG[0]:
+                session = text
+            else:
+                request_id = text
+            pos = start + length
+    except (InvalidArgumentError, UnicodeDecodeError):
+        return None
+    return session, ttl, request_id
 
 
 _NUMPY_MIN_HASHES = 16
@@ -210,26 +307,37 @@ def decode_hash_request(message_type: type[_R], message: bytes) -> HashRequest:
     if fast is not None:
         return fast
     request = parse_request(message_type, message)
-    return HashRequest(request.namespace.SerializeToString(), request.block_hashes)
+    return HashRequest(request.namespace.SerializeToString(), request.block_hashes,
+                       getattr(request, "agent_session_id", ""), getattr(request, "ttl_s", 0.0),
+                       getattr(request, "request_id", ""))
 
 
 def _uniform_hash_request(message: bytes) -> HashRequest | None:
-    """:func:`decode_hash_request` of ``namespace, hash, hash, ...`` with hashes of one length; ``None`` otherwise."""
+    """:func:`decode_hash_request` of ``[agentic fields], namespace, hash, hash, ..., [agentic fields]`` with
+    hashes of one length; ``None`` otherwise."""
     size = len(message)
-    if size < 2 or message[0] != _NAMESPACE_TAG_BYTE:
+    head = 0
+    agentic = ("", 0.0, "")
+    if size and message[0] != _NAMESPACE_TAG_BYTE:  # the agentic fields first, as kvstore's clients send them
+        ns_at = message.find(_NAMESPACE_TAG_BYTE.to_bytes(1, "little"))
+        found = _agentic(message, 0, ns_at) if ns_at > 0 else None
+        if found is None:
+            return None
+        agentic, head = found, ns_at
+    if size < head + 2 or message[head] != _NAMESPACE_TAG_BYTE:
         return None
-    if message[1] < 0x80:  # a namespace under 128 bytes: its length is one byte
-        length, start = message[1], 2
+    if message[head + 1] < 0x80:  # a namespace under 128 bytes: its length is one byte
+        length, start = message[head + 1], head + 2
     else:
         try:
-            length, start = _read_varint(memoryview(message), 1)
+            length, start = _read_varint(memoryview(message), head + 1)
         except InvalidArgumentError:
             return None
-        if start > 6:  # a length over 5 bytes long: protobuf refuses it, and so must this
+        if start > head + 6:  # a length over 5 bytes long: protobuf refuses it, and so must this
             return None
     end = start + length
     if end == size:
-        return HashRequest(message[start:end], [])
+        return HashRequest(message[start:end], [], *agentic)
     if end + 2 > size or message[end] != _HASH_TAG_BYTE or not 0 < message[end + 1] < 0x80:
         return None
     width = message[end + 1]
@@ -237,14 +345,23 @@ def _uniform_hash_request(message: bytes) -> HashRequest | None:
     count, rest = divmod(size - end, stride)
     # every field is a hash field of the same length, so the fields line up at ``stride``: checked, in C
     if rest or message[end::stride] != _REQUEST_HASH_TAG * count or message[end + 1::stride] != bytes((width,)) * count:
-        return None
+        tags = message[end::stride]  # protobuf's own order puts the agentic fields last: the hashes, then them
+        count = len(tags) - len(tags.lstrip(_REQUEST_HASH_TAG))
+        tail = end + count * stride
+        if count == 0 or tail >= size or message[end + 1:tail:stride] != bytes((width,)) * count:
+            return None  # not hashes, then agentic fields: protobuf decides
+        found = _agentic(message, tail, size)
+        if found is None:
+            return None
+        agentic, size = found, tail
     hashes: Sequence[bytes]
     if count < _NUMPY_MIN_HASHES:
         hashes = [message[pos: pos + width] for pos in range(end + 2, size, stride)]
     else:  # no object per hash: block_keys makes the keys from the packed hashes in C
-        fields = np.frombuffer(message, dtype=np.dtype([("head", "V2"), ("hash", f"V{width}")]), offset=end)
+        fields = np.frombuffer(message, dtype=np.dtype([("head", "V2"), ("hash", f"V{width}")]), offset=end,
+                               count=count)
         hashes = PackedHashes(fields["hash"].tobytes(), width)
-    return HashRequest(message[start:end], hashes)
+    return HashRequest(message[start:end], hashes, *agentic)
 
 
 _HAND_CODED_MAX_HASHES = 32
@@ -267,23 +384,29 @@ def _namespace_field(namespace: Namespace) -> bytes:
     return b"".join((_REQUEST_NAMESPACE_TAG, _varint(len(wire)), wire))
 
 
-def encode_get_request(namespace: Namespace, block_hashes: Sequence[bytes]) -> bytes:
+def encode_get_request(namespace: Namespace, block_hashes: Sequence[bytes], session_id: str = "",
+                       ttl_s: float = 0.0) -> bytes:
     """A serialized ``GetRequest``, its namespace cached per namespace.
 
     A client sends one per Get. Up to :data:`_HAND_CODED_MAX_HASHES` hashes
     (the usual Get) it is written by hand, about 2 µs instead of 8 µs through
     protobuf; longer lists go through protobuf, whose C loop is then faster.
+    The agentic fields, when set, go first (:func:`agentic_fields`).
 
     Args:
         namespace: the namespace of every hash.
         block_hashes: bytes-like block hashes; lengths are checked by the server.
+        session_id: the request's agentic session (``""``: none).
+        ttl_s: its TTL, seconds (0.0: none).
 
     Raises:
         TypeError: if a hash is not bytes-like.
     """
+    prefix = agentic_fields(session_id, ttl_s) if session_id or ttl_s else b""
     if len(block_hashes) > _HAND_CODED_MAX_HASHES:
-        return request_with_hashes(pb.GetRequest, cached_namespace_pb(namespace), block_hashes).SerializeToString()
-    head = _namespace_field(namespace)
+        return prefix + request_with_hashes(pb.GetRequest, cached_namespace_pb(namespace),
+                                            block_hashes).SerializeToString()
+    head = prefix + _namespace_field(namespace)
     lengths = set(map(len, block_hashes))
     if len(lengths) == 1:
         separator = _REQUEST_HASH_TAG + _varint(lengths.pop())

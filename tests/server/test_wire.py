@@ -386,7 +386,8 @@ def test_the_three_hash_requests_number_their_fields_alike() -> None:
     """``decode_hash_request`` reads Lookup, Get and Delete requests with one layout."""
     numbers = {(m.DESCRIPTOR.fields_by_name["namespace"].number, m.DESCRIPTOR.fields_by_name["block_hashes"].number)
                for m in (pb.LookupRequest, pb.GetRequest, pb.DeleteRequest)}
-    assert numbers == {(1, 2)} and set(pb.GetRequest.DESCRIPTOR.fields_by_name) == {"namespace", "block_hashes"}
+    assert numbers == {(1, 2)} and set(pb.GetRequest.DESCRIPTOR.fields_by_name) == {
+        "namespace", "block_hashes", "agent_session_id", "ttl_s"}  # the agentic fields: read beside the hashes
 
 
 @pytest.mark.parametrize("length_bytes", range(1, 11))

@@ -7,6 +7,7 @@ touches, inserts and evictions per request shows up here as a different count.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,25 @@ def test_memory_and_disk_agree_on_long_agentic_prefixes(tmp_path: Path) -> None:
     sim = simulate(requests, "default", capacity, disk_capacity_blocks=disk)
     hits, _ = _replay(requests, "default", capacity, disk, tmp_path)
     assert abs(hits - sim.hit_blocks) <= 0.01 * sim.num_blocks
+
+
+def _relabelled(requests: list[TraceRequest], every: int) -> list[TraceRequest]:
+    """Every ``every``-th request in another namespace (a changed revision): its blocks miss as other_namespace
+    until that namespace is stored under."""
+    return [dataclasses.replace(r, namespace="v2") if i % every == every - 1 else r for i, r in enumerate(requests)]
+
+
+@pytest.mark.parametrize(("trace", "policy"), [("agentic", "session"), ("agentic", "lru"), ("synthetic", "session")])
+def test_miss_causes_are_the_same_on_the_node_and_in_the_simulator(trace: str, policy: str, tmp_path: Path) -> None:
+    make, capacity, _ = CASES[trace]
+    requests = _relabelled(make(), 7)
+    sim = simulate(requests, policy, capacity, history_blocks=500)
+    with KVNode(memory_capacity=str(capacity * MEMORY_FOOTPRINT_BYTES), metrics=False,
+                extra_args=("--policy", policy), env={"KVSTORE_STORE__MISS_HISTORY_BLOCKS": "500"}) as node:
+        result = replay_loadtest(requests, LoadTestConfig(targets=(node.target,), payload_bytes=PAYLOAD_BYTES))
+    assert result.ok and result.short_gets == 0
+    assert result.hit_blocks == sim.hit_blocks
+    node_causes = {cause: n for cause, n in result.missed_blocks.items() if n}
+    assert node_causes == {cause: n for cause, n in sim.missed_blocks.items() if n}
+    assert sum(node_causes.values()) == result.num_blocks - result.hit_blocks  # every missed block has a cause
+    assert {"never_stored", "evicted", "other_namespace"} <= set(node_causes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -122,8 +124,11 @@ def test_reads_an_agentic_session_with_a_subagent(tmp_path: Path) -> None:
     assert [(r.timestamp_s, r.input_tokens, r.output_tokens, r.block_ids) for r in session.requests] == [
         (0.0, 200, 10, (1, 2, 3)), (5.0, 130, 4, (1, 2, 7)), (12.0, 300, 20, (1, 2, 3, 4)),
         (14.0, 200, 4, (1, 2, 7, 8))]  # the subagent's second request: 5 + 9 s
+    assert [r.session for r in session.requests] == ["s", "s.1", "s", "s.1"]  # the file's stem, its subagent's
     assert read_trace(path) == list(session.requests)  # auto-detected, pretty-printed or not
-    assert read_trace(_write_session(tmp_path / "one.json", SESSION, pretty=False)) == list(session.requests)
+    one = read_trace(_write_session(tmp_path / "one.json", SESSION, pretty=False))
+    assert [dataclasses.replace(r, session="") for r in one] == [dataclasses.replace(r, session="")
+                                                                 for r in session.requests]
     assert read_trace(path, "weka") == list(session.requests)
 
 

@@ -115,7 +115,8 @@ class BulkOperations:
         """
         checks = self._checks
         namespace = checks.namespace(request.namespace.SerializeToString(), principal)
-        read = checks.store.read(namespace, checks.hashes(request.block_hashes))
+        read = checks.store.read(namespace, checks.hashes(request.block_hashes), session_id=request.agent_session_id,
+                                ttl_s=request.ttl_s)
         blocks = read.open_now()
         if blocks is None:
             blocks = await read.open()
@@ -184,7 +185,8 @@ class BulkOperations:
                     began = True
                     stored = await _store_then(
                         checks.store.put(namespace, hashes, CheckedBlocks(blocks, checker), priority=priority,
-                                         retention_s=retention_s), close)
+                                         retention_s=retention_s, session_id=request.agent_session_id,
+                                         ttl_s=request.ttl_s), close)
             except BaseException:
                 if not began:
                     close()

@@ -34,6 +34,9 @@ class SGLangStorageConfig:
         priority: retention priority of stored pages, 0..100 (TensorRT-LLM's semantics);
             the node's default when unset.
         retention_s: seconds the priority holds before it reverts to the default; for ever when unset.
+        ttl_s: a TTL of every page stored, seconds (``docs/agentic.md``): evicted only after every page without
+            one until it runs out, counted from the last hit or put; none when unset. A call's
+            ``extra_info`` (``{"kvstore": {"session_id": ..., "ttl_s": ...}}``) sets its own.
         tenant: the namespace's ``cache_salt``: engines of different tenants never
             share pages, and a node with tokens refuses a tenant the token does not cover.
         model_id: the model's name in the namespace; SGLang's ``model_name`` (``--model-path``)
@@ -57,6 +60,7 @@ class SGLangStorageConfig:
     timeout_s: float = 2.0
     priority: int | None = None
     retention_s: float | None = None
+    ttl_s: float | None = None
     tenant: str = ""
     model_id: str | None = None
     down_backoff_s: float = 5.0
@@ -74,6 +78,7 @@ class SGLangStorageConfig:
         _require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", "must be a number > 0")
         _require(self.priority is None or 0 <= self.priority <= 100, "priority", "must be in [0, 100]")
         _require(self.retention_s is None or self.retention_s >= 0, "retention_s", "must be >= 0")
+        _require(self.ttl_s is None or 0 <= self.ttl_s < math.inf, "ttl_s", "must be a finite number >= 0")
         _require(self.model_id is None or bool(self.model_id), "model_id", "must not be empty")
         _require(math.isfinite(self.down_backoff_s) and self.down_backoff_s >= 0, "down_backoff_s",
                  "must be a number >= 0")

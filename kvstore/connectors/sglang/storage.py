@@ -136,7 +136,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         try:
             for start in range(0, len(hashes), MAX_PAGES_PER_CALL):
                 chunk = hashes[start:start + MAX_PAGES_PER_CALL]
-                num = self.store.lookup(self.namespace, chunk).num_blocks
+                num = self.store.lookup(self.namespace, chunk, **self._agentic(extra_info, ttl=False)).num_blocks
                 found += num
                 if num < len(chunk):
                     break
@@ -169,9 +169,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 chunk = starts[first:first + MAX_PAGES_PER_CALL]
                 if fmt.native:
                     num = self.store.get_into(self.namespace, hashes[first:first + len(chunk)],
-                                              [page_view(self.mem_pool_host, fmt, s) for s in chunk])
+                                              [page_view(self.mem_pool_host, fmt, s) for s in chunk],
+                                              **self._agentic(extra_info))
                 else:
-                    num = self._get_flat(hashes[first:first + len(chunk)], chunk)
+                    num = self._get_flat(hashes[first:first + len(chunk)], chunk, self._agentic(extra_info))
                 copied += num
                 if num < len(chunk):
                     break
@@ -203,7 +204,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             pages = [page_view(self.mem_pool_host, fmt, s) for s in starts]
         else:
             pages = [self.mem_pool_host.get_data_page(s, flat=True).view(fmt.shape) for s in starts]
-        return [self._put(keys, pages)] * len(keys)
+        return [self._put(keys, pages, self._agentic(extra_info))] * len(keys)
 
     # ------------------------------------------------------------------ the older, copying interface
 
@@ -232,7 +233,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             hashes = block_hashes(keys)
             for first in range(0, len(keys), MAX_PAGES_PER_CALL):
                 chunk = views[first:first + MAX_PAGES_PER_CALL]
-                num = self.store.get_into(self.namespace, hashes[first:first + len(chunk)], chunk)
+                num = self.store.get_into(self.namespace, hashes[first:first + len(chunk)], chunk,
+                                          **self._agentic(None))
                 copied += num
                 if num < len(chunk):
                     break
@@ -264,7 +266,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             logger.error("kvstore HiCache backend: a page does not have %d elements of %s: %s",
                          self._page_numel(), self.page_format.shape, exc)
             return False
-        return self._put(keys, pages)
+        return self._put(keys, pages, self._agentic(None))
 
     def exists(self, key: str) -> bool:
         """Whether the page of ``key`` is stored (``False`` on a failure)."""
@@ -350,22 +352,41 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return None
         return host_indices[0:num_pages * size:size].tolist()
 
-    def _get_flat(self, hashes: Sequence[bytes], starts: Sequence[int]) -> int:
+    def _get_flat(self, hashes: Sequence[bytes], starts: Sequence[int], agentic: dict[str, Any]) -> int:
         pool, shape = self.mem_pool_host, self.page_format.shape
         pages = [pool.get_dummy_flat_data_page() for _ in starts]
-        num = self.store.get_into(self.namespace, list(hashes), [p.view(shape) for p in pages])
+        num = self.store.get_into(self.namespace, list(hashes), [p.view(shape) for p in pages], **agentic)
         for start, page in zip(starts[:num], pages[:num]):
             pool.set_from_flat_data_page(start, page)
         return num
 
-    def _put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> bool:
+    def _agentic(self, extra_info: Any, *, ttl: bool = True) -> dict[str, Any]:
+        """The ``session_id`` and ``ttl_s`` keywords of a store call (``docs/agentic.md``): the call's own, from
+        ``extra_info`` (SGLang's ``HiCacheStorageExtraInfo.extra_info``, or a dict, holding ``{"kvstore":
+        {"session_id": ..., "ttl_s": ...}}``), else the configured ``ttl_s``; only those set. A bad value is
+        logged and dropped (never raised into SGLang's storage threads)."""
+        info = getattr(extra_info, "extra_info", extra_info)
+        options = info.get("kvstore", info) if isinstance(info, dict) else {}
+        extra: dict[str, Any] = {}
+        session = options.get("session_id") if isinstance(options, dict) else None
+        if isinstance(session, str) and session:
+            extra["session_id"] = session
+        ttl_s = options.get("ttl_s", self.config.ttl_s) if isinstance(options, dict) else self.config.ttl_s
+        if ttl and ttl_s:
+            if isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool) and 0 < ttl_s < float("inf"):
+                extra["ttl_s"] = float(ttl_s)
+            else:
+                logger.warning("kvstore HiCache backend: ttl_s %r ignored (seconds > 0)", ttl_s)
+        return extra
+
+    def _put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], agentic: dict[str, Any]) -> bool:
         started = time.perf_counter()
         hashes = block_hashes(keys)
         try:
             for first in range(0, len(keys), MAX_PAGES_PER_CALL):
                 self.store.put(self.namespace, hashes[first:first + MAX_PAGES_PER_CALL],
                                list(pages[first:first + MAX_PAGES_PER_CALL]), priority=self.config.priority,
-                               retention_s=self.config.retention_s)
+                               retention_s=self.config.retention_s, **agentic)
         except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
             self._failed("put", exc, 0)
             return False

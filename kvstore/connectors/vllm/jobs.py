@@ -31,6 +31,8 @@ class LoadJob:
             prefix cache already holds: they are fetched but not written.
         block_ids: the vLLM blocks to fill, in token order, from the first token
             past ``skip_tokens``; every one lies in exactly one kvstore block.
+        session_id: the request's agentic session (``docs/agentic.md``); ``""`` for none.
+        ttl_s: the TTL its blocks are read with, seconds (0.0: none).
     """
 
     req_id: str
@@ -39,6 +41,8 @@ class LoadJob:
     hashes: dict[RankKey, list[bytes]]
     skip_tokens: int
     block_ids: list[int]
+    session_id: str = ""
+    ttl_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -53,6 +57,8 @@ class SaveJob:
             size / vLLM block size`` per kvstore block).
         at_finish: a save planned by ``request_finished``: vLLM keeps the blocks
             until the worker reports the request in ``finished_sending``.
+        session_id: the request's agentic session (``docs/agentic.md``); ``""`` for none.
+        ttl_s: the TTL its blocks are put with, seconds (0.0: none).
     """
 
     req_id: str
@@ -60,6 +66,8 @@ class SaveJob:
     hashes: dict[RankKey, list[bytes]]
     block_ids: list[int]
     at_finish: bool = False
+    session_id: str = ""
+    ttl_s: float = 0.0
 
 
 @dataclass

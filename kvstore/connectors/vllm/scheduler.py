@@ -23,7 +23,11 @@ Roles: a ``kv_producer`` never looks up (it only saves), a ``kv_consumer``
 never saves, ``kv_both`` does both. One request can opt out of either with
 ``kv_transfer_params={"kvstore": {"load": false, "save": false}}`` (vLLM passes
 ``SamplingParams.extra_args["kv_transfer_params"]`` to the connector): a prompt
-that must not be cached, or a reference run that must not read the cache. A lookup that fails or times out is a miss
+that must not be cached, or a reference run that must not read the cache. It can
+name its agentic session and a TTL, ``{"kvstore": {"session_id": "...", "ttl_s": 300}}``
+(or ``"5m"``; vLLM's own ``Request.session_id`` when the option is absent): its
+lookup, loads and saves carry them (``docs/agentic.md``). Every lookup names the
+vLLM request id, so ``kvstore explain --request-id`` can say why it missed. A lookup that fails or times out is a miss
 (vLLM computes the prompt), and the store is then left alone for a backoff.
 Requests given as prompt embeddings are neither looked up nor saved (their
 token ids are placeholders).
@@ -61,23 +65,83 @@ TIER_SOURCES = {"memory": "host", "disk": "disk"}
 
 
 REQUEST_PARAMS_KEY = "kvstore"
-"""The key of the connector's per-request options in ``kv_transfer_params``: ``{"load": bool, "save": bool}``."""
+"""The key of the connector's per-request options in ``kv_transfer_params``: ``{"load": bool, "save": bool,
+"session_id": str, "ttl_s": seconds or "5m"/"1h"}`` (``docs/agentic.md``)."""
+
+REQUEST_OPTIONS = ("load", "save", "session_id", "ttl_s")
+"""The options a request may set under :data:`REQUEST_PARAMS_KEY`."""
 
 
-def request_options(request: Any) -> tuple[bool, bool]:
-    """``(load, save)`` of a request: both ``True`` unless its ``kv_transfer_params["kvstore"]`` turns one off.
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """A request's own options (``kv_transfer_params["kvstore"]``).
 
-    Unknown options are logged and ignored (a request cannot be refused from here).
+    Attributes:
+        load: whether the request may load from kvstore.
+        save: whether it may save.
+        session_id: its agentic session: the option's, else vLLM's own ``Request.session_id`` where the version
+            passes one; ``""`` for none.
+        ttl_s: its cache-control TTL, seconds (0.0: none): its blocks are pinned when saved and renewed when loaded.
+    """
+
+    load: bool = True
+    save: bool = True
+    session_id: str = ""
+    ttl_s: float = 0.0
+
+
+def parse_ttl(value: Any) -> float:
+    """A TTL option as seconds: a number, or a string of a number and a unit (``"300"``, ``"300s"``, ``"5m"``,
+    ``"1h"``, as Anthropic's and Dynamo's ``cache_control`` write it).
+
+    Raises:
+        ValueError: on anything else, or a TTL that is not a finite number >= 0.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a TTL: {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
+        text = value.strip().lower()
+        scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(text[-1])
+        seconds = float(text[:-1] if scale else text) * (scale or 1.0)
+    else:
+        raise ValueError(f"not a TTL: {value!r}")
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"a TTL must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
+
+
+def request_options(request: Any) -> RequestOptions:
+    """A request's :class:`RequestOptions`: everything on unless its ``kv_transfer_params["kvstore"]`` says otherwise.
+
+    Unknown options and bad values are logged and ignored (a request cannot be refused from here).
     """
     params = getattr(request, "kv_transfer_params", None) or {}
     options = params.get(REQUEST_PARAMS_KEY) if isinstance(params, dict) else None
+    own_session = getattr(request, "session_id", None)  # vLLM's own, where the version has one
+    session = own_session if isinstance(own_session, str) else ""
     if not isinstance(options, dict):
-        return True, True
-    unknown = set(options) - {"load", "save"}
+        return RequestOptions(session_id=session)
+    where = getattr(request, "request_id", "?")
+    unknown = set(options) - set(REQUEST_OPTIONS)
     if unknown:
-        logger.warning("request %s: unknown kv_transfer_params.%s options %s ignored (known: load, save)",
-                       getattr(request, "request_id", "?"), REQUEST_PARAMS_KEY, sorted(unknown))
-    return bool(options.get("load", True)), bool(options.get("save", True))
+        logger.warning("request %s: unknown kv_transfer_params.%s options %s ignored (known: %s)",
+                       where, REQUEST_PARAMS_KEY, sorted(unknown), ", ".join(REQUEST_OPTIONS))
+    given = options.get("session_id")
+    if given is not None:
+        if isinstance(given, str) and len(given.encode("utf-8")) <= 256:
+            session = given
+        else:
+            logger.warning("request %s: kv_transfer_params.%s.session_id must be a string of at most 256 bytes; "
+                           "ignored", where, REQUEST_PARAMS_KEY)
+    ttl_s = 0.0
+    if options.get("ttl_s") is not None:
+        try:
+            ttl_s = parse_ttl(options["ttl_s"])
+        except ValueError as exc:
+            logger.warning("request %s: kv_transfer_params.%s.ttl_s ignored: %s", where, REQUEST_PARAMS_KEY, exc)
+    return RequestOptions(bool(options.get("load", True)), bool(options.get("save", True)), session, ttl_s)
 
 
 @dataclass(slots=True)
@@ -96,6 +160,10 @@ class _RequestState:
     lookup: tuple[int, int, tuple[str, ...]] | None = None
     """``(local tokens, external tokens, tiers of the hit blocks)`` of the last lookup."""
     load_job: LoadJob | None = None
+    session_id: str = ""
+    """The request's agentic session (``RequestOptions``)."""
+    ttl_s: float = 0.0
+    """Its TTL, seconds."""
 
 
 class SchedulerSide:
@@ -169,9 +237,10 @@ class SchedulerSide:
                                             hash_algorithm=self._hash_algorithm, cache_salt=tenant.cache_salt,
                                             adapter=tenant.adapter, kv_encoding=self.config.kv_encoding)
                           for rank in self.ranks]
-            load, save = request_options(request)
+            options = request_options(request)
             state = _RequestState(request, RequestKeys(namespaces, request_spans(request)), tenant,
-                                  load=load and self.load, save=save and self.save)
+                                  load=options.load and self.load, save=options.save and self.save,
+                                  session_id=options.session_id, ttl_s=options.ttl_s)
             self._requests[request.request_id] = state
         return state
 
@@ -211,7 +280,7 @@ class SchedulerSide:
         started = time.monotonic()
         hashes = state.keys.hashes(request.all_token_ids, max_blocks)
         try:
-            results = [self._clients[(r.pp_rank, r.tp_rank)].lookup(namespace, chain[first:])
+            results = [self._lookup(self._clients[(r.pp_rank, r.tp_rank)], namespace, chain[first:], state)
                        for r, namespace, chain in zip(self.ranks, state.keys.namespaces, hashes)]
         except (KVStoreError, TimeoutError, OSError) as exc:
             self.health.failed("lookup", exc)
@@ -228,6 +297,16 @@ class SchedulerSide:
         self.stats.add("hit_tokens", hit.num_blocks * self.block_size)
         state.lookup = (num_computed_tokens, num_tokens, hit.tiers)
         return num_tokens, self.config.load_async
+
+    @staticmethod
+    def _lookup(client: BlockClient, namespace: Any, hashes: list[Any], state: _RequestState) -> LookupResult:
+        """One Lookup, naming the request (``kvstore explain --request-id``) and its session and TTL when set."""
+        extra: dict[str, Any] = {"request_id": str(state.request.request_id)[:256]}
+        if state.session_id:
+            extra["session_id"] = state.session_id
+        if state.ttl_s:
+            extra["ttl_s"] = state.ttl_s
+        return client.lookup(namespace, hashes, **extra)  # type: ignore[call-arg]
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """The external tokens of the request's last lookup by vLLM's ``CacheHitSource`` value (``host``, ``disk``, ...)."""
@@ -277,7 +356,8 @@ class SchedulerSide:
             state.load_job = LoadJob(req_id=request.request_id, tenant=state.tenant, first_block=first_block,
                                      hashes={}, skip_tokens=0,
                                      block_ids=list(block_ids[local // self.vllm_block_size:
-                                                              -(-end // self.vllm_block_size)]))
+                                                              -(-end // self.vllm_block_size)]),
+                                     session_id=state.session_id, ttl_s=state.ttl_s)
             return
         hashes = state.keys.hashes(request.all_token_ids, end_block)
         state.load_job = LoadJob(
@@ -286,6 +366,7 @@ class SchedulerSide:
                     for r, chain in zip(self.ranks, hashes)},
             skip_tokens=local - first_block * self.block_size,
             block_ids=list(block_ids[local // self.vllm_block_size: end // self.vllm_block_size]),
+            session_id=state.session_id, ttl_s=state.ttl_s,
         )
         state.saved_blocks = max(state.saved_blocks, end_block)
 
@@ -333,6 +414,7 @@ class SchedulerSide:
             hashes={(r.pp_rank, r.tp_rank): [bytes(h) for h in chain[first:end_block]]
                     for r, chain in zip(self.ranks, hashes)},
             block_ids=list(block_ids[first * ratio: end_block * ratio]), at_finish=at_finish,
+            session_id=state.session_id, ttl_s=state.ttl_s,
         )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:

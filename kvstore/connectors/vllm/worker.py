@@ -86,6 +86,7 @@ class _Put:
     hashes: list[bytes]
     blocks: torch.Tensor
     nbytes: int
+    agentic: dict[str, Any] = field(default_factory=dict)  # session_id and ttl_s, where the request set them
 
 
 @dataclass(slots=True)
@@ -127,6 +128,17 @@ class _AsyncLoad:
 class _Delete:
     namespace: Namespace
     hashes: list[bytes]
+
+
+def agentic(session_id: str, ttl_s: float) -> dict[str, Any]:
+    """The keywords of a store call that carry a request's session and TTL, only those it set
+    (``docs/agentic.md``)."""
+    extra: dict[str, Any] = {}
+    if session_id:
+        extra["session_id"] = session_id
+    if ttl_s:
+        extra["ttl_s"] = ttl_s
+    return extra
 
 
 class WorkerSide:
@@ -342,7 +354,7 @@ class WorkerSide:
         namespace, hashes = self.namespace(job.tenant), job.hashes[self.rank]
         read = getattr(self.client, "read", None) if self.paged.device.type == "cpu" else None
         if read is not None:
-            lease = read(namespace, hashes)
+            lease = read(namespace, hashes, **agentic(job.session_id, job.ttl_s))
             try:
                 return _Leased(lease, view_leased(lease, self.paged.page_format, self._block_shape))
             except BaseException:
@@ -353,12 +365,13 @@ class WorkerSide:
     def _fetch_copied(self, job: LoadJob, namespace: Namespace, hashes: list[bytes]) -> list[Buffer] | _Staged:
         """The job's blocks copied into a staging tensor when the client has ``get_into``, else encoded buffers."""
         get_into = getattr(self.client, "get_into", None)
+        extra = agentic(job.session_id, job.ttl_s)
         if get_into is None:
-            return self.client.get(namespace, hashes)
+            return self.client.get(namespace, hashes, **extra)
         staging = torch.empty((len(hashes), *self._block_shape), dtype=self._block_dtype,
                               pin_memory=self.paged.device.type == "cuda")
         try:
-            num_blocks = get_into(namespace, hashes, list(staging))  # checksums checked as the client checks them
+            num_blocks = get_into(namespace, hashes, list(staging), **extra)  # checksums: as the client checks them
         except DestinationMismatchError as exc:
             return _Staged(staging[:exc.num_blocks], f"not of this worker's page format ({exc})")
         except CodecError:  # a corrupt block: fetch the encoded blocks to find which (rare: blocks are checked at put)
@@ -491,7 +504,7 @@ class WorkerSide:
                     self._count(save_failed_blocks=len(hashes))
                     continue
                 self._pending_bytes += nbytes
-            self._tasks.put(_Put(self.namespace(job.tenant), hashes, blocks, nbytes))
+            self._tasks.put(_Put(self.namespace(job.tenant), hashes, blocks, nbytes, agentic(job.session_id, job.ttl_s)))
 
     def _save_loop(self) -> None:
         while (task := self._tasks.get()) is not None:
@@ -504,7 +517,7 @@ class WorkerSide:
                     self._count(save_failed_blocks=len(task.hashes))
                     continue
                 self.client.put(task.namespace, task.hashes, list(task.blocks), priority=self.config.priority,
-                                retention_s=self.config.retention_s)
+                                retention_s=self.config.retention_s, **task.agentic)
                 self.health.succeeded()
                 self._count(saved_blocks=len(task.hashes), saved_tokens=len(task.hashes) * self.block_size)
                 self._observe("save_seconds", time.monotonic() - started)

@@ -172,7 +172,8 @@ class SameHostOperations:
         checks = self._checks
         namespace = checks.namespace(request.namespace.SerializeToString(), principal)
         session = self._session(request.session_id, principal)
-        read = checks.store.read(namespace, checks.hashes(request.block_hashes))
+        read = checks.store.read(namespace, checks.hashes(request.block_hashes), session_id=request.agent_session_id,
+                                ttl_s=request.ttl_s)
         blocks = read.open_now()
         if blocks is None:
             blocks = await read.open()
@@ -221,7 +222,9 @@ class SameHostOperations:
             with checks.reserve(namespace, total_bytes):
                 began = True  # from here on the copies are freed when the store's put has ended (_store_then)
                 stored = await _store_then(checks.store.put(namespace, hashes, CheckedBlocks(copies.blocks, checker),
-                                                            priority=priority, retention_s=retention_s),
+                                                            priority=priority, retention_s=retention_s,
+                                                            session_id=request.agent_session_id,
+                                                            ttl_s=request.ttl_s),
                                            copies.close)
         except BaseException:
             if not began:

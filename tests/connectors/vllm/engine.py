@@ -20,7 +20,8 @@ def _generate(llm: Any, conn: Any, cmd: dict[str, Any]) -> list[list[int]]:
     """Run prompts to completion through the engine's step loop; optionally pause after some finish.
 
     ``cmd["prompts"]``: dicts with ``tokens`` and optional ``salt``, ``lora``
-    (``[name, id, path]``), ``load``, ``save``, ``max_tokens``. With
+    (``[name, id, path]``), ``load``, ``save``, ``session_id``, ``ttl_s`` (the last four go in
+    ``kv_transfer_params["kvstore"]``), ``max_tokens``. With
     ``pause_after=k``, the loop stops stepping once ``k`` requests have
     finished, sends ``{"paused": k}`` and waits for any message before going on.
 
@@ -40,7 +41,7 @@ def _generate(llm: Any, conn: Any, cmd: dict[str, Any]) -> list[list[int]]:
     engine = llm.llm_engine
     ids = []
     for i, prompt in enumerate(cmd["prompts"]):
-        options = {k: prompt[k] for k in ("load", "save") if k in prompt}
+        options = {k: prompt[k] for k in ("load", "save", "session_id", "ttl_s") if k in prompt}
         extra = {"kv_transfer_params": {"kvstore": options}} if options else None
         params = SamplingParams(max_tokens=prompt.get("max_tokens", cmd.get("max_tokens", 16)), temperature=0.0,
                                 ignore_eos=True, extra_args=extra)

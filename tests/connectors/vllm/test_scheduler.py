@@ -181,7 +181,7 @@ def test_a_failed_lookup_is_a_miss_and_the_store_is_left_alone_for_a_while(store
     calls = []
 
     class Down:
-        def lookup(self, namespace: Any, hashes: Any) -> Any:
+        def lookup(self, namespace: Any, hashes: Any, **agentic: Any) -> Any:
             calls.append(len(hashes))
             raise UnavailableError("node down")
 
