@@ -200,6 +200,11 @@ class ReadPath:
                                    len(read.block_hashes) - read.num_returned)
         read.num_returned = -1  # counted: a later settle or close counts nothing again
 
+    def unhold(self, read: BlockRead) -> None:
+        """Give back a read's references on its index entries (once), keeping its tiers' leases."""
+        held, read.held = read.held, []
+        self._mover.release(held)
+
     def close(self, read: BlockRead) -> None:
         """A read's last step: count a lent read, give back its leases and references, offer its promotions."""
         self.settle(read)
@@ -304,11 +309,16 @@ class BlockRead:
             task.add_done_callback(lambda _: self.close())
 
     def settle(self) -> None:
-        """Count the read now, while it still holds its blocks: for a reader that holds them long after (a
-        same-host lease, until the client releases it). :meth:`close` gives them back and offers the promotions
-        (then, as for every read: a promotion's room is made by evicting others, ``kvstore.sim.model``)."""
+        """Count the read, let go of its blocks in the index, and offer its promotions now, keeping the tiers'
+        leases of its values: for a reader that holds them long after (a same-host lease, until the client
+        releases it, on a stream of its own). Its blocks may then be evicted, demoted or deleted as though the
+        read had ended (as ``kvstore.sim.model`` replays it, and before the client's next request); the values
+        it was lent stay valid until :meth:`close` gives the leases back (a pool keeps a leased range of a
+        block gone until then, ``kvstore.shm.node.pool``)."""
         if not self._closed:
             self._reads.settle(self)
+            self._reads.unhold(self)
+            self._reads.promote(self)
 
     def close(self) -> None:
         """Give back what :meth:`open` took, count the read, and offer its promotions; a second call does nothing.

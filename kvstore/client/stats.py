@@ -36,10 +36,10 @@ def merge_store_stats(node_stats: Sequence[StoreStats]) -> StoreStats:
     return StoreStats(tuple(TierStats(name=name, **fields) for name, fields in merged.items()),
                       sum(stats.lookup_hit_blocks for stats in node_stats),
                       sum(stats.lookup_miss_blocks for stats in node_stats),
-                      _sum_maps([stats.missed_blocks for stats in node_stats]),
-                      tuple(map(sum, zip(*gaps))) if gaps else (),
-                      sum(stats.reuse_gap_sum_s for stats in node_stats),
-                      _sum_maps([stats.counters for stats in node_stats]))
+                      missed_blocks=_sum_maps([stats.missed_blocks for stats in node_stats]),
+                      reuse_gap_counts=tuple(map(sum, zip(*gaps))) if gaps else (),
+                      reuse_gap_sum_s=sum(stats.reuse_gap_sum_s for stats in node_stats),
+                      counters=_sum_maps([stats.counters for stats in node_stats]))
 
 
 def _sum_maps(maps: Sequence[dict[str, int]]) -> dict[str, int]:

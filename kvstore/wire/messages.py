@@ -152,10 +152,10 @@ def stats_from_pb(message: pb.StatsResponse) -> StoreStats:
         ),
         message.lookup_hit_blocks,
         message.lookup_miss_blocks,
-        dict(message.missed_blocks),
-        tuple(message.reuse_gap_counts),
-        message.reuse_gap_sum_s,
-        dict(message.counters),
+        missed_blocks=dict(message.missed_blocks),
+        reuse_gap_counts=tuple(message.reuse_gap_counts),
+        reuse_gap_sum_s=message.reuse_gap_sum_s,
+        counters=dict(message.counters),
     )
 
 

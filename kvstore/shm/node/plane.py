@@ -310,7 +310,7 @@ class SharedMemoryNode:
             lease.on_end = None
             read.close()
         else:
-            read.settle()  # counted now; the pool blocks stay held, and lower-tier hits are promoted, at the lease's end
+            read.settle()  # counted, its blocks let go and promotions offered now: the pool keeps their ranges leased
         reply = pb.GetSharedResponse(lease_id=lease.lease_id, offsets=offsets, sizes=sizes)
         if pooled_bytes:
             reply.slabs.extend(slabs)
