@@ -35,14 +35,14 @@ from kvstore.loadtest import LoadTestConfig, replay_loadtest  # noqa: E402
 from kvstore.loadtest.blocks import trace_block_hashes  # noqa: E402
 from kvstore.sim import simulate  # noqa: E402
 from kvstore.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
-from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES  # noqa: E402
+from kvstore.shm.node.pool import footprint  # noqa: E402
 from kvstore.trace import TraceRequest  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
 from tests.support.redis import RedisProcess  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PAYLOAD_BYTES = 1024
-FOOTPRINT = 1152 + BLOCK_OVERHEAD_BYTES  # one encoded block in the node's memory (heap) tier
+FOOTPRINT = footprint(1152)  # one encoded block in the node's memory tier (its shared pool)
 CAPACITY_BLOCKS = 200
 HISTORY_BLOCKS = 60
 
