@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from kvstore.loadtest import LoadTestConfig, compare_with_simulator, replay_loadtest  # noqa: E402
 from kvstore.loadtest.blocks import PayloadFactory, loadtest_namespace  # noqa: E402
 from kvstore.loadtest.plot import plot_hit_ratio, plot_latency_cdf  # noqa: E402
-from kvstore.tiers.heap import HeapTier  # noqa: E402
+from kvstore.shm.node.pool import footprint  # noqa: E402
 from kvstore.trace import read_trace  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
 
@@ -48,8 +48,8 @@ RUNS = (  # (name, payload bytes, requests or None for all)
 
 
 def footprint_bytes(encoded_bytes: int) -> int:
-    """Capacity one encoded block takes in the memory tier of ``kvstore serve`` (the heap tier)."""
-    return HeapTier(0).footprint(encoded_bytes)
+    """Capacity one encoded block takes in the memory tier of ``kvstore serve`` (its shared pool)."""
+    return footprint(encoded_bytes)
 
 
 def run_one(name: str, payload_bytes: int, num_requests: int | None, requests: list[Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.loadtest import LoadTestConfig, compare_with_simulator, replay_loadtest  # noqa: E402
 from kvstore.loadtest.blocks import PayloadFactory, loadtest_namespace  # noqa: E402
-from kvstore.tiers.heap import HeapTier  # noqa: E402
+from kvstore.shm.node.pool import footprint  # noqa: E402
 from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, default_map_size_bytes  # noqa: E402
 from kvstore.trace import read_trace  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
@@ -57,7 +57,7 @@ def main() -> int:
     if recorded is not None and recorded["rows"][0]["requests"] != (args.requests or recorded["rows"][0]["requests"]):
         raise SystemExit("--disk-only: --requests differs from the recorded rows'")
     encoded = PayloadFactory(loadtest_namespace(), PAYLOAD_BYTES).encoded_bytes
-    memory_footprint = HeapTier(0).footprint(encoded)
+    memory_footprint = footprint(encoded)  # the node's memory tier: its shared pool
     disk_footprint = -(-(encoded + 16) // 4096) * 4096 + RECORD_OVERHEAD_BYTES  # LMDBTier.footprint
     load_before = os.getloadavg()
     started = time.perf_counter()
