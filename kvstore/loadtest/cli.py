@@ -274,7 +274,10 @@ SUMMARY_LEGEND = {
     "byte mismatches": "blocks whose bytes differed from what was put (must be 0)",
     "short gets": "gets that returned fewer blocks than their lookup found (evicted in between)",
     "simulator": "kvstore simulate on the same requests: its hit ratio, and the load test's minus it",
+    "misses by cause": "the nodes' missed blocks over the run, by cause (kvstore.misses; docs/agentic.md)",
+    "causes named": "missed blocks the nodes named a cause for / missed blocks (equal with one worker)",
     "sim capacity": "with --sim-capacity node: the node's capacity over one block's footprint, per tier",
+    "simulator causes": "the simulator's missed blocks by cause, and whether they are the node's",
 }
 """What the summary's rows mean (printed under it with --legend)."""
 
