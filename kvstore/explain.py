@@ -105,6 +105,8 @@ class NamespaceRegistry:
             near = [name for name in fields if name != "tp_rank"]
             if near and len(near) <= MAX_NEAR_DIFFERENCES and (best is None or len(fields) < len(best[1])):
                 best = (other, fields)
+        if len(self._near) >= self._capacity:  # a verdict per namespace asked about: bounded as the namespaces are
+            self._near.clear()
         self._near[tag] = best
         return best
 
