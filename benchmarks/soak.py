@@ -27,7 +27,7 @@ after warm-up (goal: within 5%); p50 and p99 latency per operation and data path
 
 Usage::
 
-    flock /tmp/heavy.lock nice -n 10 python benchmarks/soak.py [--minutes 10] [--nodes 3] [--workers 4]
+    python benchmarks/soak.py [--minutes 10] [--nodes 3] [--workers 4]
 """
 
 from __future__ import annotations
@@ -479,7 +479,7 @@ def report(args: argparse.Namespace, tally: Tally, samples: list[dict[str, Any]]
     lines = [
         "# Soak: nodes over one Redis, honest and hostile clients, faults on a schedule",
         "",
-        f"Command: `flock /tmp/heavy.lock nice -n 10 {command}` ({meta['cpus']} CPUs shared with other jobs, Python "
+        f"Command: `{command}` ({meta['cpus']} CPUs shared with other jobs, Python "
         f"{meta['python']}, load average {meta['load_average_before'][0]} before, {meta['load_average_after'][0]} "
         f"after). {args.nodes} nodes (32 MiB memory, 192 MiB LMDB, one Redis of 256 MiB maxmemory, a 160 MiB "
         f"tenant quota), {args.workers} honest clients (even ones over shared memory, odd over gRPC), one hostile; "
