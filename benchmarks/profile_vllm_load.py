@@ -206,7 +206,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], nbytes: int,
     lines = [
         "# profile_vllm_load: where a kvstore hit's time goes in the vLLM connector",
         "",
-        f"Command (repo root, from `.venv-vllm`, under `flock /tmp/heavy.lock`): `{command}`",
+        f"Command (repo root, from `.venv-vllm`): `{command}`",
         "",
         f"{num_blocks} blocks of {BLOCK} tokens ({args.cached_tokens} cached tokens of a {args.prompt_tokens}-token "
         f"prompt), {LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} channels, {args.dtype}: {nbytes / 2**20:.0f} MiB. "
