@@ -88,7 +88,8 @@ def _timeout_s(text: str) -> float:
     return value
 
 
-def _add_target(parser: argparse.ArgumentParser) -> None:
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add a client subcommand's ``--target``, ``--timeout`` and connection (TLS, token) flags to ``parser``."""
     parser.add_argument("--target", type=target_argument, default=DEFAULT_TARGET, metavar="HOST:PORT",
                         help=f"address of the node; a bare HOST means HOST:50051 (default {DEFAULT_TARGET})")
     parser.add_argument("--timeout", type=_timeout_s, default=5.0, metavar="SECONDS",
@@ -187,7 +188,7 @@ def build_parser(extra_modules: Sequence[str] = SUBCOMMAND_MODULES) -> argparse.
         description="Ask a node for its grpc.health.v1 status; exit 0 if SERVING, 1 otherwise.",
         epilog=_HEALTH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_target(health)
+    add_target_arguments(health)
     health.add_argument("--service", default="", help="service to check; empty for the whole server (default)")
     health.set_defaults(func=_health)
 
@@ -240,8 +241,9 @@ def _serve(args: argparse.Namespace) -> int:
     return run(config)
 
 
-def _client(command: str, args: argparse.Namespace) -> KVStoreClient | None:
-    """A client of ``--target`` with ``--timeout`` and no retries; ``None`` (the error printed) on a bad flag."""
+def client_from_args(command: str, args: argparse.Namespace) -> KVStoreClient | None:
+    """A client of ``--target`` with ``--timeout`` and no retries (the flags of :func:`add_target_arguments`);
+    ``None``, the error printed under ``kvstore COMMAND``, on a bad flag."""
     from kvstore.client import KVStoreClient
     from kvstore.connection import Connection
     from kvstore.errors import ConfigError, InvalidArgumentError
@@ -316,7 +318,7 @@ def _health(args: argparse.Namespace) -> int:
     cannot be reached, printed as UNREACHABLE on stderr); 2 on a bad flag."""
     from kvstore.errors import KVStoreError, UnavailableError
 
-    client = _client("health", args)
+    client = client_from_args("health", args)
     if client is None:
         return 2
     with client:

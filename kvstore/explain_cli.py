@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser.
     """
-    from kvstore.cli import _add_target
+    from kvstore.cli import add_target_arguments
 
     parser = subparsers.add_parser(
         "explain", help="why the blocks of one request hit or missed on a node, block by block",
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "Lookup named), whether each is cached and, where it is not, why: the cause of the miss, in words "
                     "and as JSON.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_target(parser)
+    add_target_arguments(parser)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--tokens", metavar="IDS", help="token ids, comma-separated (hashed here, full blocks only)")
     what.add_argument("--tokens-file", metavar="PATH", help="a JSON list of token ids")
@@ -114,7 +114,7 @@ def summarize(blocks: Sequence[BlockExplanation]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``explain``; print the blocks. Returns 0, 1 if the node fails the call, or 2 on bad input."""
-    from kvstore.cli import _client
+    from kvstore.cli import client_from_args
     from kvstore.errors import KVStoreError
 
     try:
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, KVStoreError) as exc:
         print(f"kvstore explain: error: {exc}", file=sys.stderr)
         return 2
-    client = _client("explain", args)
+    client = client_from_args("explain", args)
     if client is None:
         return 2
     with client:
