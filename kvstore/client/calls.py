@@ -372,14 +372,7 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
         request.session_id = session.session_id
         request.offsets.extend(staged.offsets)
         request.sizes.extend(staged.sizes)
-        if priority is not None:
-            request.priority = priority
-        if retention_s is not None:
-            request.retention_s = retention_s
-        if session_id:
-            request.agent_session_id = session_id
-        if ttl_s:
-            request.ttl_s = ttl_s
+        _put_options(request, priority, retention_s, session_id, ttl_s)
         method = _control_or(session, PUT_SHARED, pb.PutResponse, _put_shared_call)
         return (_Rpc(_UNARY, method, request, lambda reply: int(reply.num_stored)),
                 lambda: session.unstage(staged))
@@ -388,17 +381,23 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
         items, sizes = put_sizes(blocks, namespace.layout)
         request = request_with_hashes(pb.BulkPutRequest, cached_namespace_pb(namespace), block_hashes)
         request.sizes.extend(sizes)
-        if priority is not None:
-            request.priority = priority
-        if retention_s is not None:
-            request.retention_s = retention_s
-        if session_id:
-            request.agent_session_id = session_id
-        if ttl_s:
-            request.ttl_s = ttl_s
+        _put_options(request, priority, retention_s, session_id, ttl_s)
         return _Rpc(_UNARY, lambda channel: bulk_calls.put(link, endpoint, items, channel.aio), request, _same)
 
     return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored), shared=shared, bulk=bulk)
+
+
+def _put_options(request: Any, priority: int | None, retention_s: float | None, session_id: str,
+                 ttl_s: float) -> None:
+    """Set a PutShared's or BulkPut's optional fields: priority, retention, and the agentic session and TTL."""
+    if priority is not None:
+        request.priority = priority
+    if retention_s is not None:
+        request.retention_s = retention_s
+    if session_id:
+        request.agent_session_id = session_id
+    if ttl_s:
+        request.ttl_s = ttl_s
 
 
 def _merge_copied(partition: Partition | None, results: list[Copied | None]) -> int:

@@ -18,7 +18,6 @@ checked, are stored as a ``PutShared``'s are: the tenant quota reserved, one
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Callable
 
 import grpc
@@ -27,7 +26,7 @@ from kvstore.bulk.frames import GET
 from kvstore.bulk.node.grants import GetGrant, Grant, GrantTable, PutGrant
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import block_key
-from kvstore.shm.node.operations import NodeChecks
+from kvstore.shm.node.operations import NodeChecks, store_then
 from kvstore.shm.node.pool import SharedPool
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.server.service import CallFailed
@@ -183,7 +182,7 @@ class BulkOperations:
             try:
                 with checks.reserve(namespace, total_bytes):
                     began = True
-                    stored = await _store_then(
+                    stored = await store_then(
                         checks.store.put(namespace, hashes, CheckedBlocks(blocks, checker), priority=priority,
                                          retention_s=retention_s, session_id=request.agent_session_id,
                                          ttl_s=request.ttl_s), close)
@@ -202,20 +201,6 @@ class BulkOperations:
             release()
             return pb.BulkPutResponse(no_room=True)
         return pb.BulkPutResponse(grant=token, grant_s=self.grants.grant_s)
-
-
-async def _store_then(put: Any, then: Callable[[], None]) -> int:
-    """Await a store put; run ``then`` once it has ended, also when the caller is cancelled first (a put runs to
-    its end, so what it reads must stay until then)."""
-    task = asyncio.ensure_future(put)
-    try:
-        return await asyncio.shield(task)  # type: ignore[no-any-return]
-    except asyncio.CancelledError:
-        task.add_done_callback(lambda t: (t.cancelled() or t.exception(), then()))
-        raise
-    finally:
-        if task.done():
-            then()
 
 
 def _nothing() -> None:

@@ -220,8 +220,8 @@ class SameHostOperations:
         try:
             checks.check_deadline(time_remaining())
             with checks.reserve(namespace, total_bytes):
-                began = True  # from here on the copies are freed when the store's put has ended (_store_then)
-                stored = await _store_then(checks.store.put(namespace, hashes, CheckedBlocks(copies.blocks, checker),
+                began = True  # from here on the copies are freed when the store's put has ended (store_then)
+                stored = await store_then(checks.store.put(namespace, hashes, CheckedBlocks(copies.blocks, checker),
                                                             priority=priority, retention_s=retention_s,
                                                             session_id=request.agent_session_id,
                                                             ttl_s=request.ttl_s),
@@ -275,9 +275,9 @@ class SameHostOperations:
         return grpc.StatusCode.OK.value[0], reply.SerializeToString(), fds
 
 
-async def _store_then(put: Any, then: Callable[[], None]) -> int:
+async def store_then(put: Any, then: Callable[[], None]) -> int:
     """Await a store put; run ``then`` once it has ended, also when the caller is cancelled first (a put runs to
-    its end, so what it reads must stay until then)."""
+    its end, so what it reads must stay until then). Same-host and bulk Puts free their staged ranges with it."""
     task = asyncio.ensure_future(put)
     try:
         return await asyncio.shield(task)  # type: ignore[no-any-return]
