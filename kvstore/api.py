@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence, Union, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from kvstore.blocklease import BlockLease
+
 from kvstore.keys import BlockHash, Namespace
 
 
@@ -200,6 +202,17 @@ class BlockClient(Protocol):
         another host from the gRPC messages; each block is copied once.
         Raises ``DestinationMismatchError`` at a block that does not fit its
         destination (the blocks before it are copied: its ``num_blocks``).
+        """
+        ...
+
+    def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> BlockLease:
+        """The encoded blocks of the longest cached prefix in place, held until released (a ``BlockLease``).
+
+        ``with store.read(ns, hashes) as blocks:``: each block is a read-only view
+        (of the tier's memory, the same-host shared segment, or the received
+        gRPC messages), which nothing overwrites until the lease is released or
+        runs out (``BlockLease.expires_at``). The fastest Get a connector can
+        make when it copies the blocks itself.
         """
         ...
 

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
-
-if TYPE_CHECKING:
-    from kvstore.api import Buffer
+from typing import Callable, Sequence
 
 
 class BlockLease:
@@ -34,7 +31,7 @@ class BlockLease:
 
     __slots__ = ("blocks", "expires_at", "checked", "offsets", "_releases")
 
-    def __init__(self, blocks: list[Buffer], releases: list[Callable[[], None]], expires_at: float = math.inf, *,
+    def __init__(self, blocks: list[bytes | memoryview], releases: list[Callable[[], None]], expires_at: float = math.inf, *,
                  checked: bool = False, offsets: list[int] | None = None) -> None:
         self.blocks = blocks
         self.expires_at = expires_at
@@ -43,7 +40,7 @@ class BlockLease:
         self._releases = releases
 
     @classmethod
-    def merge(cls, blocks: list[Buffer], leases: Sequence[BlockLease | None]) -> BlockLease:
+    def merge(cls, blocks: list[bytes | memoryview], leases: Sequence[BlockLease | None]) -> BlockLease:
         """One lease of the merged blocks of several nodes' leases (checked only if every one is; no offsets)."""
         held = [lease for lease in leases if lease is not None]
         return cls(blocks, [r for lease in held for r in lease._releases],
@@ -60,7 +57,7 @@ class BlockLease:
         for release in releases:
             release()
 
-    def __enter__(self) -> list[Buffer]:
+    def __enter__(self) -> list[bytes | memoryview]:
         return self.blocks
 
     def __exit__(self, *exc: object) -> None:
