@@ -649,22 +649,18 @@ _LINKS: weakref.WeakSet[SharedMemoryLink] = weakref.WeakSet()
 
 
 _GRPC_FORK_SUPPORT = os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "").lower() in ("1", "true", "yes")
-"""Whether gRPC Python's fork support is on (it parks its threads before a fork). gRPC has no public call that
-says: it reads ``GRPC_ENABLE_FORK_SUPPORT`` (its documented switch, ``doc/fork_support.md``) once, when it is
-imported (above, as ``grpc``), and takes ``1``, ``true`` or ``yes`` in any case as on (grpcio 1.85: what
-``grpc._cython.cygrpc.is_fork_support_enabled()`` answers for each value); so this reads it at the same moment."""
-
-
-def _grpc_fork_support_on() -> bool:
-    """Whether gRPC Python's fork support is on (:data:`_GRPC_FORK_SUPPORT`)."""
-    return _GRPC_FORK_SUPPORT
+"""Whether gRPC Python's fork support is on (it parks its threads before a fork). No public gRPC call says so
+(only the private ``grpc._cython.cygrpc.is_fork_support_enabled()``); gRPC reads its documented switch
+``GRPC_ENABLE_FORK_SUPPORT`` (``doc/fork_support.md``) once, when ``grpc`` is imported (just above), and takes
+``1``, ``true`` or ``yes`` in any case as on (checked against grpcio 1.85 for each value), so this reads it likewise,
+right after that import."""
 
 
 def _before_fork() -> None:
     """``os.register_at_fork`` hook: with gRPC's fork support off, end this process's sessions first
     (:meth:`SharedMemoryLink.end_for_fork`)."""
     links = list(_LINKS)
-    if links and not _grpc_fork_support_on():
+    if links and not _GRPC_FORK_SUPPORT:
         for link in links:
             link.end_for_fork()
 
