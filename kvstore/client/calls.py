@@ -1,18 +1,27 @@
 """The builders of each kvstore method's parts (:class:`~kvstore.client.plan.Rpc`), and the merges of the nodes'
-results: what ``kvstore.client.core`` puts in its plans (``kvstore.client.plan``)."""
+results: what ``kvstore.client.core`` puts in its plans (``kvstore.client.plan``).
+
+A part carries each path it can take: gRPC (its request and reply), the
+same-host data plane (:attr:`~kvstore.client.plan.Rpc.shared`: the attempt's
+part rewritten for a session) and the bulk path (:attr:`~kvstore.client.plan.Rpc.bulk`).
+A Get is one builder, :func:`get_rpc`, whatever its blocks become: a
+:class:`Delivery` says that once per medium (:data:`AS_BYTES`,
+:data:`AS_TENSORS`, :data:`AS_LEASE`, :class:`IntoTensors`).
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from kvstore.api import Block, Buffer
-from kvstore.blockcopy import Copied
-from kvstore.codec import encode_blocks
+from kvstore.blocklease import BlockLease
+from kvstore.blockcopy import Copied, copy_into_destinations
+from kvstore.codec import decode_block, encode_blocks
 from kvstore.errors import DestinationMismatchError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.routing import Partition
@@ -32,6 +41,9 @@ from kvstore.wire import (
     request_with_hashes,
 )
 from kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
 
 _T = TypeVar("_T")
 
@@ -152,37 +164,136 @@ def lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash], sessi
     return Rpc(UNARY, stub("Lookup"), request, lookup_from_pb, shared=shared)
 
 
-def get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], session_id: str = "",
-             ttl_s: float = 0.0) -> Rpc:
-    """A Get over gRPC or the bulk path whose result is the blocks (a list of :data:`~kvstore.api.Buffer`).
+class Delivery(Protocol):
+    """What a Get makes of its blocks, on each path they can come by: one handler per medium.
 
-    The same-host path is added by the caller (:attr:`Rpc.shared`, :func:`shared_get`); ``session_id`` and
-    ``ttl_s`` are the agentic fields (``docs/agentic.md``).
+    The blocks come assembled from gRPC's messages (read-only views of them),
+    received from the bulk path (each in a buffer of its own), or in place on
+    the same-host path (a ``GetSharedResponse`` naming where they lie under
+    the node's lease). :data:`AS_BYTES`, :data:`AS_TENSORS`, :data:`AS_LEASE`
+    and :class:`IntoTensors` are the client's.
     """
-    num_blocks = len(block_hashes)
-    return Rpc(REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes, session_id, ttl_s),
-               lambda: _assembler(num_blocks), bulk=_bulk_get(namespace, block_hashes, list, session_id, ttl_s))
+
+    def received(self, blocks: list[Buffer]) -> Any:
+        """The result of blocks that came over gRPC or the bulk path, in prefix order."""
+        ...
+
+    def shared(self, session: SharedSession, reply: pb.GetSharedResponse, started: float) -> Any:
+        """The result of a same-host reply (``started``: the ``time.monotonic()`` the request was made at).
+
+        Raises:
+            UseGrpc: when the blocks cannot be used (no room, the lease ran out): the Get goes over gRPC.
+        """
+        ...
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        """The bulk path's call of this Get (``aio``: made by the asyncio client)."""
+        ...
 
 
-def get_then(namespace: Namespace, block_hashes: Sequence[BlockHash], then: Callable[[list[Buffer]], Any],
-              shared: Callable[[SharedSession, pb.GetSharedResponse, float], Any], session_id: str = "",
-              ttl_s: float = 0.0) -> Rpc:
-    """A Get over gRPC or the bulk path whose blocks go through ``then``, or on the same-host path through ``shared``.
+class _AsBytes:
+    """The blocks as they are: gRPC's views, or ``bytes`` copied once from shared memory (:meth:`ClientCore.get`)."""
+
+    __slots__ = ()
+
+    def received(self, blocks: list[Buffer]) -> list[Buffer]:
+        return blocks
+
+    shared = staticmethod(SharedSession.take_bytes)  # the method itself: no call in between on the hot path
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        return bulk_calls.get_blocks(link, endpoint, list, aio)
+
+
+class _AsTensors:
+    """The blocks decoded into CPU tensors, checksums verified (:meth:`ClientCore.get_tensors`)."""
+
+    __slots__ = ()
+
+    def received(self, blocks: list[Buffer]) -> list[torch.Tensor]:
+        return [decode_block(b, copy=False) for b in blocks]
+
+    def shared(self, session: SharedSession, reply: pb.GetSharedResponse, started: float) -> list[torch.Tensor]:
+        return session.take_tensors(reply, True, started)
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        return bulk_calls.get_blocks(link, endpoint, self.received, aio)
+
+
+class _AsLease:
+    """The blocks in place under a lease (:meth:`ClientCore.read`): received buffers need no lease."""
+
+    __slots__ = ()
+
+    def received(self, blocks: list[Buffer]) -> BlockLease:
+        return BlockLease(blocks, [])
+
+    shared = staticmethod(SharedSession.lease)
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        return bulk_calls.get_blocks(link, endpoint, self.received, aio)
+
+
+AS_BYTES: Delivery = _AsBytes()
+"""A Get's blocks as a list of :data:`~kvstore.api.Buffer` (gRPC's assembled list itself, with no wrapper)."""
+AS_TENSORS: Delivery = _AsTensors()
+"""A Get's blocks as a list of CPU tensors (``decode_block``, checksums verified)."""
+AS_LEASE: Delivery = _AsLease()
+"""A Get's blocks as a :class:`~kvstore.blocklease.BlockLease`."""
+
+
+class IntoTensors:
+    """A Get's blocks copied into the caller's tensors (:meth:`ClientCore.get_into`); the result a :class:`Copied`.
+
+    Args:
+        destinations: one tensor per hash of the node's part.
+        verify_received: check the checksums of what came over gRPC or the bulk path.
+        verify_shared: check the checksums of what the node wrote in shared memory.
+        layout: the namespace's layout (``kv`` or ``mla``), for the bulk path's checks.
+    """
+
+    __slots__ = ("destinations", "verify_received", "verify_shared", "layout")
+
+    def __init__(self, destinations: Sequence[torch.Tensor], verify_received: bool, verify_shared: bool,
+                 layout: str) -> None:
+        self.destinations = destinations
+        self.verify_received = verify_received
+        self.verify_shared = verify_shared
+        self.layout = layout
+
+    def received(self, blocks: list[Buffer]) -> Copied:
+        """Copy received blocks into the destinations (:func:`~kvstore.blockcopy.copy_into_destinations`)."""
+        return copy_into_destinations(blocks, self.destinations, self.verify_received)
+
+    def shared(self, session: SharedSession, reply: pb.GetSharedResponse, started: float) -> Copied:
+        """Copy a same-host reply's blocks into the destinations (:meth:`SharedSession.copy_into`)."""
+        return session.copy_into(reply, self.destinations, self.verify_shared, started)
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        """The bulk path's Get, each block received straight into its destination."""
+        return bulk_calls.get_into(link, endpoint, self.destinations, self.layout, self.verify_received, aio)
+
+
+def get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], delivery: Delivery, session_id: str = "",
+            ttl_s: float = 0.0) -> Rpc:
+    """A Get, on whichever path carries it (same host, bulk, gRPC), whose blocks go through ``delivery``.
 
     Args:
         namespace: namespace of the blocks.
         block_hashes: the node's hashes, in prefix order.
-        then: ``blocks -> result``, for the blocks received (over gRPC, views of the messages; over the bulk
-            path, buffers of their own).
-        shared: ``(session, reply, started) -> result`` for a ``GetSharedResponse`` (``started``: the
-            ``time.monotonic()`` the request was made).
+        delivery: what the blocks become (:data:`AS_BYTES`, :data:`AS_TENSORS`, :data:`AS_LEASE`,
+            :class:`IntoTensors`).
         session_id, ttl_s: the agentic fields (``docs/agentic.md``).
     """
     num_blocks = len(block_hashes)
-    return Rpc(REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes, session_id, ttl_s),
-               lambda: _Then(_assembler(num_blocks), then),
-               shared=shared_get(cached_namespace_pb(namespace), block_hashes, shared, session_id, ttl_s),
-               bulk=_bulk_get(namespace, block_hashes, then, session_id, ttl_s))
+    if delivery is AS_BYTES:  # the assembler's list is the result
+        read: Callable[[], Any] = lambda: _assembler(num_blocks)  # noqa: E731
+    else:
+        received = delivery.received
+        read = lambda: _Then(_assembler(num_blocks), received)  # noqa: E731
+    return Rpc(REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes, session_id, ttl_s), read,
+               shared=_shared_get(cached_namespace_pb(namespace), block_hashes, delivery.shared, session_id, ttl_s),
+               bulk=_bulk_get(namespace, block_hashes, delivery, session_id, ttl_s))
 
 
 def _bulk_get_request(namespace: Namespace, block_hashes: Sequence[BlockHash], session_id: str,
@@ -196,33 +307,13 @@ def _bulk_get_request(namespace: Namespace, block_hashes: Sequence[BlockHash], s
     return request
 
 
-def _bulk_get(namespace: Namespace, block_hashes: Sequence[BlockHash], then: Callable[[list[Buffer]], Any],
-              session_id: str = "", ttl_s: float = 0.0) -> Callable[[BulkLink, Endpoint], Rpc]:
-    """A Get on the bulk path whose blocks (each in a buffer of its own) go through ``then``."""
+def _bulk_get(namespace: Namespace, block_hashes: Sequence[BlockHash], delivery: Delivery, session_id: str,
+              ttl_s: float) -> Callable[[BulkLink, Endpoint], Rpc]:
+    """The :attr:`Rpc.bulk` of a Get: its bulk call, whose blocks go through ``delivery``."""
 
     def make(link: BulkLink, endpoint: Endpoint) -> Rpc:
         request = _bulk_get_request(namespace, block_hashes, session_id, ttl_s)
-        return Rpc(UNARY, lambda channel: bulk_calls.get_blocks(link, endpoint, then, channel.aio), request, _same)
-
-    return make
-
-
-def bulk_get_into(namespace: Namespace, block_hashes: Sequence[BlockHash], destinations: Sequence[Any],
-                   verify: bool, session_id: str = "", ttl_s: float = 0.0) -> Callable[[BulkLink, Endpoint], Rpc]:
-    """The :attr:`Rpc.bulk` of a Get received straight into the caller's tensors (its result a :class:`Copied`).
-
-    Args:
-        namespace: namespace of the blocks.
-        block_hashes: the node's hashes, in prefix order.
-        destinations: one tensor per hash.
-        verify: check each block's checksum.
-        session_id, ttl_s: the agentic fields (``docs/agentic.md``).
-    """
-
-    def make(link: BulkLink, endpoint: Endpoint) -> Rpc:
-        request = _bulk_get_request(namespace, block_hashes, session_id, ttl_s)
-        return Rpc(UNARY, lambda channel: bulk_calls.get_into(link, endpoint, destinations, namespace.layout, verify,
-                                                               channel.aio), request, _same)
+        return Rpc(UNARY, lambda channel: delivery.bulk(link, endpoint, channel.aio), request, _same)
 
     return make
 
@@ -231,18 +322,11 @@ def _same(result: _T) -> _T:
     return result
 
 
-def shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
-                use: Callable[[SharedSession, pb.GetSharedResponse, float], Any], session_id: str = "",
-                ttl_s: float = 0.0) -> Callable[[SharedSession], Any]:
+def _shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
+                use: Callable[[SharedSession, pb.GetSharedResponse, float], Any], session_id: str,
+                ttl_s: float) -> Callable[[SharedSession], tuple[Rpc, None]]:
     """The :attr:`Rpc.shared` of a Get: a GetShared on a session, whose reply (and the ``time.monotonic()`` it was
-    asked at) goes through ``use``.
-
-    Args:
-        namespace: the namespace's message (:func:`kvstore.wire.cached_namespace_pb`).
-        block_hashes: the node's hashes, in prefix order.
-        use: ``(session, reply, started) -> result`` (e.g. :meth:`SharedSession.take_bytes`).
-        session_id, ttl_s: the agentic fields (``docs/agentic.md``).
-    """
+    asked at) goes through ``use``."""
 
     def make(session: SharedSession) -> tuple[Rpc, None]:
         request = request_with_hashes(pb.GetSharedRequest, namespace, block_hashes)

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, NoReturn, Sequence
 import grpc
 from grpc_health.v1 import health_pb2
 
-from kvstore.api import Block, Buffer, StoreStats
-from kvstore.blockcopy import blocks_for_put, check_destinations, copy_into_destinations
-from kvstore.codec import decode_block
+from kvstore.api import Block, StoreStats
+from kvstore.blockcopy import blocks_for_put, check_destinations
 from kvstore.encoding import encode_for_put
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockHash, Namespace, check_block_hashes
@@ -29,26 +28,27 @@ from kvstore.routing import (
     RendezvousRouter,
 )
 from kvstore.blocklease import BlockLease
-from kvstore.shm.client.link import SharedMemoryLink, SharedSession, UseGrpc
+from kvstore.shm.client.link import SharedMemoryLink, UseGrpc
 from kvstore.bulk.client.link import BulkLink
 from kvstore.status import DeadlineExceededError, error_of
 from kvstore.validation import check_count, check_put, check_seconds, check_session_id, check_ttl_s
 from kvstore.wire import cached_namespace_pb, chunk_bytes_for, explanation_from_pb, stats_from_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.calls import (
+    AS_BYTES,
+    AS_LEASE,
+    AS_TENSORS,
     MAX_SHARED_TRIES,
     UNCLEAR_CODES,
-    bulk_get_into,
+    IntoTensors,
     delete_rpc,
     first,
     get_rpc,
-    get_then,
     health_method,
     health_name,
     lookup_rpc,
     merge_copied,
     put_rpc,
-    shared_get,
     stub,
     total,
     unknown_service,
@@ -282,9 +282,7 @@ class ClientCore:
         check_block_hashes(namespace, block_hashes)
 
         def rpc(hashes: Sequence[BlockHash]) -> Rpc:
-            return get_rpc(namespace, hashes, session_id, ttl_s)._replace(
-                shared=shared_get(cached_namespace_pb(namespace), hashes, SharedSession.take_bytes, session_id,
-                                   ttl_s))
+            return get_rpc(namespace, hashes, AS_BYTES, session_id, ttl_s)
 
         return self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks)
 
@@ -315,13 +313,8 @@ class ClientCore:
         check_block_hashes(namespace, block_hashes)
         session_id, ttl_s = check_session_id(session_id), check_ttl_s(ttl_s)
 
-        def decode(blocks: list[Buffer]) -> list[Any]:
-            return [decode_block(b, copy=False) for b in blocks]
-
         def rpc(hashes: Sequence[BlockHash]) -> Rpc:
-            return get_then(namespace, hashes, decode,
-                             lambda session, reply, started: session.take_tensors(reply, True, started), session_id,
-                             ttl_s)
+            return get_rpc(namespace, hashes, AS_TENSORS, session_id, ttl_s)
 
         return self.execute(self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks))
 
@@ -370,9 +363,7 @@ class ClientCore:
         agent, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
 
         def rpc(hashes: Sequence[BlockHash], targets: Sequence[Any]) -> Rpc:
-            return get_then(namespace, hashes, lambda blocks: copy_into_destinations(blocks, targets, over_grpc),
-                             lambda session, reply, started: session.copy_into(reply, targets, shared, started),
-                             agent, ttl)._replace(bulk=bulk_get_into(namespace, hashes, targets, over_grpc, agent, ttl))
+            return get_rpc(namespace, hashes, IntoTensors(targets, over_grpc, shared, namespace.layout), agent, ttl)
 
         return self.execute(self._per_node(block_hashes, rpc, lambda partition: functools.partial(merge_copied, partition),
                                         destinations, single=functools.partial(merge_copied, None)))
@@ -396,7 +387,7 @@ class ClientCore:
         agent, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
 
         def rpc(hashes: Sequence[BlockHash]) -> Rpc:
-            return get_then(namespace, hashes, lambda blocks: BlockLease(blocks, []), SharedSession.lease, agent, ttl)
+            return get_rpc(namespace, hashes, AS_LEASE, agent, ttl)
 
         def merge(partition: Partition) -> Callable[[list[Any]], BlockLease]:
             return lambda results: BlockLease.merge(

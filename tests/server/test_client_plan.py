@@ -7,10 +7,12 @@ from typing import Any, Iterator
 import pytest
 
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
-from kvstore.client.calls import first, total
+from kvstore.client.calls import AS_BYTES, AS_LEASE, AS_TENSORS, IntoTensors, first, total
+from kvstore.codec import encode_block
 from kvstore.client.plan import RETURNED, SLOT, Attempt, Outcome, Pause, Plan, RequestStream, Rpc, Slot, Step, Transport
 from kvstore.client.stats import merge_health
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from tests.support.server import kv_blocks, namespace
 
 
 def _drive(step: Step[Any], answers: dict[type, Any]) -> tuple[Any, list[Any]]:
@@ -92,3 +94,20 @@ def test_both_clients_are_transports() -> None:
     transports: list[type[Transport]] = [KVStoreClient, AsyncKVStoreClient]  # checked by mypy, called here
     for client_type in transports:
         assert callable(client_type.execute)
+
+
+def test_each_delivery_makes_its_result_of_received_blocks() -> None:
+    import torch
+
+    ns = namespace()
+    _, tensors = kv_blocks(ns, 2)
+    blocks: list[bytes | memoryview] = [encode_block(t) for t in tensors]
+    assert AS_BYTES.received(blocks) is blocks  # the assembler's list itself
+    decoded = AS_TENSORS.received(blocks)
+    assert all(torch.equal(a, b) for a, b in zip(decoded, tensors))
+    lease = AS_LEASE.received(blocks)
+    with lease as held:
+        assert held is blocks and lease.expires_at == float("inf") and not lease.checked
+    destinations = [torch.zeros_like(t) for t in tensors]
+    copied = IntoTensors(destinations, True, False, ns.layout).received(blocks)
+    assert copied.num_copied == 2 and all(torch.equal(a, b) for a, b in zip(destinations, tensors))
