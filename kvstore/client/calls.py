@@ -49,9 +49,9 @@ _T = TypeVar("_T")
 
 _NO_BLOCK_LIMIT = sys.maxsize
 
+
 def _assembler(num_blocks: int) -> BlockAssembler:
     return BlockAssembler(_NO_BLOCK_LIMIT, max(1, num_blocks), copy=False)  # one-chunk blocks stay views
-
 
 
 def stub(name: str) -> Callable[[TargetChannel], Any]:

@@ -157,7 +157,7 @@ class Slot(NamedTuple):
 
 
 class Probe(NamedTuple):
-    """Start a health probe of the down node ``node_id`` in the background (the client's ``_probe`` step)."""
+    """Start a health probe of the down node ``node_id`` in the background (a step of the client's own)."""
 
     node_id: str
 
