@@ -161,7 +161,7 @@ def main() -> int:
             return [*line[:at], str(Path(__file__).resolve()), "--serve-timed", *line[at + 2:]]
 
     client_timers = Timers()
-    client_timers.wrap(client_core._Client, "put", "client: put (all below, and the node)")
+    client_timers.wrap(client_core.ClientCore, "put", "client: put (all below, and the node)")
     client_timers.wrap(client_core, "blocks_for_put", "client: blocks_for_put (type, dtype, shape checks)")
     client_timers.wrap(client_core, "check_put", "client: check_put (hashes, priority)")
     client_timers.wrap(SharedSession, "stage", "client: stage (copy + header + checksum)")
