@@ -14,7 +14,9 @@ from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
 from kvstore.security import bearer_metadata
 from kvstore.status import DeadlineExceededError
-from kvstore.server.limits import InflightLimiter, StreamWatchdog, TenantQuota
+from kvstore.server.inflight import InflightLimiter
+from kvstore.server.quota import TenantQuota
+from kvstore.server.watchdog import StreamWatchdog
 from kvstore.wire import namespace_to_pb, put_requests
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
