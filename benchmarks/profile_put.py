@@ -143,7 +143,7 @@ def main() -> int:
     from kvstore.client import KVStoreClient
     from kvstore.client import core as client_core
     from kvstore.keys import Namespace
-    from kvstore.server.app import tune_malloc
+    from kvstore.server.process import tune_malloc
     from kvstore.shm.client.control import ControlChannels
     from kvstore.shm.client.link import SharedSession
     from tests.support.kvnode import KVNode

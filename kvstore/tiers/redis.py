@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import redis.exceptions as rexc
 from redis.utils import HIREDIS_AVAILABLE
@@ -54,6 +54,8 @@ class RedisTier:
     Args:
         cfg: the ``store.redis`` config section; ``cfg.url`` must be set.
         name: tier name in stats and metrics.
+        breaker_clock: monotonic time of the circuit breaker, seconds (``breaker_reset_s`` runs on it);
+            ``time.monotonic`` unless a test injects one.
 
     Attributes:
         name: tier name.
@@ -73,7 +75,8 @@ class RedisTier:
     capacity_bytes: int | None = None
     persistent = False
 
-    def __init__(self, cfg: RedisTierConfig, *, name: str = "redis") -> None:
+    def __init__(self, cfg: RedisTierConfig, *, name: str = "redis",
+                 breaker_clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.cfg = cfg
         self.mode = cfg.mode
@@ -83,7 +86,7 @@ class RedisTier:
         self._prefix = cfg.prefix
         self._px_ms = max(1, round(cfg.ttl_s * 1000)) if cfg.ttl_s > 0 else None
         self._op_bound_s = 2 * (cfg.connect_timeout_s + 2 * cfg.socket_timeout_s)
-        self._breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
+        self._breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, clock=breaker_clock)
         self._client: Any = self._make_client()
         self._client_stale = False
         self._old_clients: set[asyncio.Task[None]] = set()
