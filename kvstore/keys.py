@@ -33,8 +33,7 @@ from typing import Iterable, Iterator, NewType, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.codec import DTYPES, Layout, dtype_name
-from kvstore.encoding.spec import encoding_of
+from kvstore.blockformat import DTYPES, Layout, dtype_name, encoding_of
 from kvstore.errors import InvalidArgumentError, UnknownDtypeError
 
 BlockHash = NewType("BlockHash", bytes)

@@ -12,7 +12,16 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Sequence
 
-from kvstore.codec import BlockHeader, Layout, _check_shape, dtype_name, encode_header, header_nbytes
+from kvstore.blockformat import (
+    BlockHeader,
+    Layout,
+    check_shape,
+    decode_header,
+    dtype_name,
+    encode_header,
+    header_nbytes,
+    torch_dtype,
+)
 from kvstore.encoding.spec import Encoding, PayloadPlan, check_encodable, encoding_of, payload_plan
 from kvstore.errors import InvalidArgumentError, UnknownDtypeError
 
@@ -65,7 +74,7 @@ def encode_lossy(block: torch.Tensor, layout: Layout | str, encoding: Encoding |
     if name not in ENCODABLE_DTYPES:
         raise UnknownDtypeError(f"{lossy.value} encodes {', '.join(ENCODABLE_DTYPES)} blocks, got {name}")
     shape = tuple(int(d) for d in block.shape)
-    _check_shape(layout, shape)
+    check_shape(layout, shape)
     group = check_encodable(lossy, layout.value, shape)
     plan = payload_plan(lossy, layout.value, shape, group)
     head = header_nbytes(len(shape), encoded=True)
@@ -93,8 +102,6 @@ def decode_payload(buf: bytes | bytearray | memoryview, header: BlockHeader) -> 
         A tensor of ``header.dtype`` and ``header.shape``.
     """
     import torch
-
-    from kvstore.codec import torch_dtype
 
     out = torch.empty(header.shape, dtype=torch_dtype(header.dtype))
     decode_block_into(buf, header, out)
@@ -191,3 +198,27 @@ def encode_for_put(blocks: Sequence[object], namespace: Namespace) -> list[objec
     import torch
 
     return [encode_lossy(b, namespace.layout, encoding) if isinstance(b, torch.Tensor) else b for b in blocks]
+
+
+def warm_up(encoding: Encoding | str, dtype: torch.dtype | None = None, layout: str = "kv") -> None:
+    """Compile (or load from numba's cache) the CPU kernels ``encoding`` runs for blocks of ``dtype`` (``None``:
+    bfloat16): an encode and decodes of a tiny block, from writable and read-only memory, as the put and get
+    paths hold it.
+
+    numba compiles a kernel on its first call in a process, which takes seconds on a cold cache: a connector
+    calls this when it starts, so that the first load does not spend them inside its timeout. A no-op for
+    encodings without CPU kernels, or without numba.
+    """
+    import torch
+
+    from kvstore.encoding.dispatch import FAST_ENCODINGS, fast_kernels
+
+    lossy = encoding if isinstance(encoding, Encoding) else encoding_of(encoding)
+    if lossy not in FAST_ENCODINGS or fast_kernels() is None:
+        return
+    dtype = torch.bfloat16 if dtype is None else dtype
+    shape = (1, 2, 1, 2, 8) if layout == "kv" else (1, 1, 2, 8)
+    block = encode_lossy(torch.zeros(shape, dtype=dtype), layout, lossy)
+    header = decode_header(block)
+    for source in (block, bytes(block)):
+        decode_block_into(source, header, torch.empty(shape, dtype=dtype))

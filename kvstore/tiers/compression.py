@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from kvstore.codec import DTYPES, MAGIC
+from kvstore.blockformat import DTYPES, MAGIC
 from kvstore.errors import CodecError, InvalidArgumentError
 
 FRAME_MAGIC = b"KVZ\x01"

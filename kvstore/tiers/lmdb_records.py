@@ -29,7 +29,7 @@ from typing import Any
 import lmdb
 
 from kvstore.tiers.compression import block_nbytes, unpack
-from kvstore.codec import verify_block
+from kvstore.blockformat import verify_block
 from kvstore.errors import CodecError, ConfigError, UnavailableError
 from kvstore.policy import MAX_PRIORITY
 from kvstore.keys import BlockKey

@@ -55,7 +55,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 import torch
 
 from kvstore.blockcopy import TensorBlock, encode_batch_into
-from kvstore.codec import ALIGNMENT
+from kvstore.blockformat import ALIGNMENT
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey

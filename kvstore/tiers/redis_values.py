@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvstore.codec import verify_block
+from kvstore.blockformat import verify_block
 from kvstore.errors import CodecError, UnsupportedVersionError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 

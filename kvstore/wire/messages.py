@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.codec import Layout, dtype_name
+from kvstore.blockformat import Layout, dtype_name
 from kvstore.errors import InvalidArgumentError
 from kvstore.explain import BlockExplanation
 from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, PackedHashes
