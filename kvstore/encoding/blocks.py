@@ -22,7 +22,15 @@ from kvstore.blockformat import (
     header_nbytes,
     torch_dtype,
 )
-from kvstore.encoding.spec import Encoding, PayloadPlan, check_encodable, encoding_of, payload_plan
+from kvstore.encoding.spec import (
+    Encoding,
+    PayloadPlan,
+    ScalesPlan,
+    check_encodable,
+    encoding_of,
+    payload_plan,
+    scales_plan,
+)
 from kvstore.errors import InvalidArgumentError, UnknownDtypeError
 
 if TYPE_CHECKING:
@@ -160,7 +168,6 @@ def read_scales(buf: bytes | bytearray | memoryview, header: BlockHeader) -> tor
     raw = bytearray(memoryview(buf).cast("B")[header.header_nbytes:header.header_nbytes + plan.scales_nbytes])
     if encoding.version == 2:
         from kvstore.encoding.kernels_v2 import STEP_TABLE
-        from kvstore.encoding.spec import scales_plan
 
         sp = scales_plan(encoding, header.layout.value, header.shape)
         rows = torch.frombuffer(raw, dtype=torch.float32, count=sp.rows)
@@ -170,20 +177,20 @@ def read_scales(buf: bytes | bytearray | memoryview, header: BlockHeader) -> tor
     return torch.frombuffer(raw, dtype=dtype)
 
 
-def _group_scales(rows: torch.Tensor, steps: torch.Tensor, sp: object, header: BlockHeader) -> torch.Tensor:
+def _group_scales(rows: torch.Tensor, steps: torch.Tensor, sp: ScalesPlan, header: BlockHeader) -> torch.Tensor:
     """Each layout-2 group's row scale ``S``, in the steps' order (keys' groups, then values')."""
     import torch
 
     if header.layout is Layout.KV:
         num_layers, _, num_heads = header.shape[:3]
         by_row = rows.view(num_layers, 2, num_heads)
-        keys = by_row[:, 0].reshape(-1).repeat_interleave(sp.key_groups // (num_layers * num_heads))  # type: ignore[attr-defined]
-        values = by_row[:, 1].reshape(-1).repeat_interleave(sp.value_groups // (num_layers * num_heads))  # type: ignore[attr-defined]
+        keys = by_row[:, 0].reshape(-1).repeat_interleave(sp.key_groups // (num_layers * num_heads))
+        values = by_row[:, 1].reshape(-1).repeat_interleave(sp.value_groups // (num_layers * num_heads))
         return torch.cat((keys, values))
-    return rows.repeat_interleave(sp.key_groups // header.shape[0])  # type: ignore[attr-defined]
+    return rows.repeat_interleave(sp.key_groups // header.shape[0])
 
 
-def encode_for_put(blocks: Sequence[object], namespace: Namespace) -> list[object]:
+def encode_for_put(blocks: Sequence[object], namespace: Namespace) -> Sequence[object]:
     """The blocks of a put, each tensor encoded under the namespace's ``kv_encoding``; without one, ``blocks``.
 
     Encoded bytes pass through (the node checks that their encoding is the
@@ -194,7 +201,7 @@ def encode_for_put(blocks: Sequence[object], namespace: Namespace) -> list[objec
     """
     encoding = encoding_of(getattr(namespace, "kv_encoding", ""))
     if encoding is None:
-        return blocks  # type: ignore[return-value]
+        return blocks
     import torch
 
     return [encode_lossy(b, namespace.layout, encoding) if isinstance(b, torch.Tensor) else b for b in blocks]

@@ -64,10 +64,24 @@ from kvstore.keys import BlockKey
 from kvstore.policy import DEFAULT_PRIORITY
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order, touch_meta
 # the public names are re-exported: kvstore.tiers.lmdb is their old home
-from kvstore.tiers.lmdb_records import (_PAGE_HEADER_BYTES, _RECORD_ERRORS, DISK_FILL_FRACTION, DISK_FORMAT, MAX_KEY_BYTES,
-                                        MIN_FREE_BYTES, MIN_MAP_BYTES, RECORD_OVERHEAD_BYTES, _block_of, _lock_directory,
-                                        _pack_meta, _unpack_meta, default_map_size_bytes, prepare_directory, scan_records,
-                                        usable_bytes)
+from kvstore.tiers.lmdb_records import (
+    DISK_FILL_FRACTION,
+    DISK_FORMAT,
+    MAX_KEY_BYTES,
+    MIN_FREE_BYTES,
+    MIN_MAP_BYTES,
+    PAGE_HEADER_BYTES,
+    RECORD_ERRORS,
+    RECORD_OVERHEAD_BYTES,
+    block_of_record,
+    default_map_size_bytes,
+    lock_directory,
+    pack_meta,
+    prepare_directory,
+    scan_records,
+    unpack_meta,
+    usable_bytes,
+)
 from kvstore.tiers.lmdb_repair import check_and_repair, drop_other_format, repair
 
 logger = logging.getLogger(__name__)
@@ -149,7 +163,7 @@ class LMDBTier:
         if free_bytes < MIN_FREE_BYTES:  # LMDB maps its files: growing one on a full disk is a SIGBUS, not an error
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {free_bytes} bytes free on its "
                                    f"filesystem, fewer than {MIN_FREE_BYTES}")
-        self._lock_fd = _lock_directory(self.path)
+        self._lock_fd = lock_directory(self.path)
         self._corrupt_records = 0
         self._unreadable_records = 0
         self._repaired_records = 0
@@ -158,7 +172,7 @@ class LMDBTier:
             self._prepare_file()
             try:
                 self._open_environment()
-            except _RECORD_ERRORS as exc:  # the file passed the check, and LMDB refuses it all the same
+            except RECORD_ERRORS as exc:  # the file passed the check, and LMDB refuses it all the same
                 if hasattr(self, "_env"):
                     self._env.close()
                 self._repair([f"LMDB refused to open it: {exc}"])
@@ -239,7 +253,7 @@ class LMDBTier:
         ``ceil((nbytes + 40 + 16) / page_bytes)`` pages, plus
         :data:`RECORD_OVERHEAD_BYTES` for its leaf nodes in ``blocks`` and ``meta``.
         """
-        pages = -(-(nbytes + MAX_KEY_BYTES + _PAGE_HEADER_BYTES) // self.page_bytes)
+        pages = -(-(nbytes + MAX_KEY_BYTES + PAGE_HEADER_BYTES) // self.page_bytes)
         return pages * self.page_bytes + RECORD_OVERHEAD_BYTES
 
     @property
@@ -384,12 +398,12 @@ class LMDBTier:
     def _pins_txn(self, keys: list[BlockKey], pins: list[tuple[float, float]],
                   touched: Mapping[BlockKey, float]) -> None:
         def set_one(txn: lmdb.Transaction, i: int) -> int:
-            parsed = _unpack_meta(txn.get(keys[i], db=self._meta))
+            parsed = unpack_meta(txn.get(keys[i], db=self._meta))
             if parsed is not None:
                 meta, nbytes = parsed
                 ttl_s, until = pins[i]
                 last = max(meta.last_access, touched.get(keys[i], 0.0))
-                txn.put(keys[i], _pack_meta(BlockMeta(meta.priority, meta.expires_at, last, ttl_s, until), nbytes),
+                txn.put(keys[i], pack_meta(BlockMeta(meta.priority, meta.expires_at, last, ttl_s, until), nbytes),
                         db=self._meta)
             return 0
 
@@ -514,7 +528,7 @@ class LMDBTier:
         used = 0
         with self._env.begin(db=self._meta, buffers=True) as txn:
             for _, raw in txn.cursor():
-                parsed = _unpack_meta(raw)
+                parsed = unpack_meta(raw)
                 if parsed is not None:
                     used += self.footprint(parsed[1])
         return used
@@ -523,14 +537,14 @@ class LMDBTier:
         try:
             with self._env.begin(db=self._blocks, buffers=True) as txn:
                 return [txn.get(key) is not None for key in keys]
-        except _RECORD_ERRORS:
+        except RECORD_ERRORS:
             pass
         found = []
         for key in keys:  # a damaged page on the way to one of them: each alone
             try:
                 with self._env.begin(db=self._blocks, buffers=True) as txn:
                     found.append(txn.get(key) is not None)
-            except _RECORD_ERRORS:
+            except RECORD_ERRORS:
                 found.append(False)
         return found
 
@@ -541,7 +555,7 @@ class LMDBTier:
         try:
             with self._env.begin(db=self._blocks, buffers=True) as txn:
                 return [None if key in set_aside else self._read(txn, key, corrupt) for key in keys], corrupt, []
-        except _RECORD_ERRORS as exc:  # a damaged page on the way to some record: read each alone
+        except RECORD_ERRORS as exc:  # a damaged page on the way to some record: read each alone
             logger.warning("disk tier %s: a read of %s blocks failed (%s); reading each alone", self.name, len(keys), exc)
         values: list[bytes | None] = []
         corrupt, unreadable = [], []
@@ -552,7 +566,7 @@ class LMDBTier:
             try:
                 with self._env.begin(db=self._blocks, buffers=True) as txn:
                     values.append(self._read(txn, key, corrupt))
-            except _RECORD_ERRORS as exc:
+            except RECORD_ERRORS as exc:
                 logger.warning("disk tier %s: block %s cannot be read: %s", self.name, key.hex(), exc)
                 unreadable.append(key)
                 values.append(None)
@@ -564,7 +578,7 @@ class LMDBTier:
         if record is None:
             return None
         try:
-            return _block_of(key, record)
+            return block_of_record(key, record)
         except CodecError as exc:
             logger.warning("disk tier %s: corrupt block %s: %s", self.name, key.hex(), exc)
             corrupt.append(key)
@@ -585,7 +599,7 @@ class LMDBTier:
                 return self._remove(txn, key)
             key, nbytes = repairs[i - len(unique)]
             held = self._held_nbytes(txn, key)
-            txn.put(key, _pack_meta(BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), nbytes), db=self._meta)
+            txn.put(key, pack_meta(BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), nbytes), db=self._meta)
             return self.footprint(nbytes) - (0 if held is None else self.footprint(held))
 
         failed = set(self._transact(keys, fix_one, touched))
@@ -597,7 +611,7 @@ class LMDBTier:
 
     def _held_nbytes(self, txn: lmdb.Transaction, key: BlockKey) -> int | None:
         """nbytes the accounting counts for ``key``: from its meta record, ``None`` if it has none."""
-        parsed = _unpack_meta(txn.get(key, db=self._meta))
+        parsed = unpack_meta(txn.get(key, db=self._meta))
         return None if parsed is None else parsed[1]
 
     def _remove(self, txn: lmdb.Transaction, key: BlockKey) -> int:
@@ -611,10 +625,10 @@ class LMDBTier:
         for key, when in touched.items():
             if key in skip:
                 continue
-            parsed = _unpack_meta(txn.get(key, db=self._meta))
+            parsed = unpack_meta(txn.get(key, db=self._meta))
             if parsed is not None and parsed[0].last_access < when:
                 meta, nbytes = parsed
-                txn.put(key, _pack_meta(touch_meta(meta, when), nbytes), db=self._meta)
+                txn.put(key, pack_meta(touch_meta(meta, when), nbytes), db=self._meta)
 
     def _transact(self, keys: list[BlockKey], apply: Callable[[lmdb.Transaction, int], int],
                   touched: Mapping[BlockKey, float]) -> list[BlockKey]:
@@ -633,7 +647,7 @@ class LMDBTier:
             with self._env.begin(write=True, buffers=True) as txn:
                 delta = sum(apply(txn, i) for i in range(len(keys)))
                 self._flush_touched(txn, touched, skip=set(keys))
-        except _RECORD_ERRORS as exc:
+        except RECORD_ERRORS as exc:
             logger.warning("disk tier %s: a write of %s blocks failed (%s); writing each alone", self.name, len(keys), exc)
         else:
             self._used_bytes += delta
@@ -643,7 +657,7 @@ class LMDBTier:
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
                     delta = apply(txn, i)
-            except (*_RECORD_ERRORS, TierFullError, lmdb.MapFullError) as exc:
+            except (*RECORD_ERRORS, TierFullError, lmdb.MapFullError) as exc:
                 logger.warning("disk tier %s: block %s cannot be written: %s", self.name, key.hex(), exc)
                 failed.append(key)
             else:
@@ -652,7 +666,7 @@ class LMDBTier:
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
                     self._flush_touched(txn, {key: when})
-            except _RECORD_ERRORS:
+            except RECORD_ERRORS:
                 pass
         return failed
 
@@ -674,7 +688,7 @@ class LMDBTier:
                                     f"{capacity - self._used_bytes - pending[0]} of {capacity} free")
             pending[0] += delta
             txn.put(key, b"".join((value, key)), db=self._blocks)  # the block, then its key (module docstring)
-            txn.put(key, _pack_meta(meta, nbytes), db=self._meta)
+            txn.put(key, pack_meta(meta, nbytes), db=self._meta)
             return delta
 
         try:
@@ -702,7 +716,7 @@ class LMDBTier:
             if record is None:
                 return 0
             try:
-                _block_of(key, record)
+                block_of_record(key, record)
                 return 0  # replaced by a good block since it was read
             except CodecError:
                 pass

@@ -33,12 +33,34 @@ from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.logical import block_logical_nbytes
 from kvstore.tiers.base import BlockMeta, ResidentEntry
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
-from kvstore.tiers.redis_connection import (_UNREACHABLE, _both, _RoundTripFailed, check_url, config_get_max_bulk_len,
-                                            make_client, mget, pipelined, read_password, redacted_url, scan, set_many)
+from kvstore.tiers.redis_connection import (
+    UNREACHABLE_ERRORS,
+    RoundTripFailed,
+    await_both,
+    check_url,
+    config_get_max_bulk_len,
+    make_client,
+    mget,
+    pipelined,
+    read_password,
+    redacted_url,
+    scan,
+    set_many,
+)
 # CHUNK_BYTES and the other sizes are re-exported from their old home
-from kvstore.tiers.redis_values import (_CORRUPT, _FOREIGN, CHUNK_BYTES, DEFAULT_PROTO_MAX_BULK_LEN, DEFAULT_VALUE_BYTES_HINT,
-                                        SCAN_COUNT, VERIFY_OFFLOAD_BYTES, _by_namespace, _chunks_by_bytes, _generation_of,
-                                        _verify_all)
+from kvstore.tiers.redis_values import (
+    CHUNK_BYTES,
+    CORRUPT,
+    DEFAULT_PROTO_MAX_BULK_LEN,
+    DEFAULT_VALUE_BYTES_HINT,
+    FOREIGN,
+    SCAN_COUNT,
+    VERIFY_OFFLOAD_BYTES,
+    chunks_by_bytes,
+    generation_of,
+    positions_by_namespace,
+    verify_all,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -191,19 +213,19 @@ class RedisTier:
         if not self._admit():
             return found
         try:
-            for tag, positions in _by_namespace(keys).items():
+            for tag, positions in positions_by_namespace(keys).items():
                 for _ in range(2):  # once more if the namespace turns out to have moved on (cleared elsewhere)
                     generation = self.generation(tag)
                     names = [self.redis_key(keys[i], generation) for i in positions]
                     replies, seen = await self._round_trip(
-                        _both(pipelined(self._client, "exists", names), self._read_generation(tag)),
+                        await_both(pipelined(self._client, "exists", names), self._read_generation(tag)),
                         self._op_bound_s)
                     if not self._stale(tag, generation, seen):
                         break
                 self._count_reply_errors(replies)
                 for i, reply in zip(positions, replies):
                     found[i] = isinstance(reply, int) and reply > 0
-        except _RoundTripFailed as exc:
+        except RoundTripFailed as exc:
             self._on_failure(exc)
             return [False] * len(keys)
         self._on_success()
@@ -224,9 +246,9 @@ class RedisTier:
         results: list[bytes | None] = [None] * len(keys)
         if not keys or not self._admit():
             return results
-        failure: _RoundTripFailed | None = None
+        failure: RoundTripFailed | None = None
         corrupt: list[str] = []
-        for tag, positions in _by_namespace(keys).items():
+        for tag, positions in positions_by_namespace(keys).items():
             for _ in range(2):  # once more if the namespace turns out to have moved on (cleared elsewhere)
                 generation = self.generation(tag)
                 names = [self.redis_key(keys[i], generation) for i in positions]
@@ -246,7 +268,7 @@ class RedisTier:
         return results
 
     async def _mget_chunks(self, names: list[str], tag: bytes
-                           ) -> tuple[list[bytes | None], list[int], int | None, _RoundTripFailed | None]:
+                           ) -> tuple[list[bytes | None], list[int], int | None, RoundTripFailed | None]:
         """``MGET`` of ``names`` in chunks, the namespace's generation read beside the first.
 
         A chunk of at least :data:`VERIFY_OFFLOAD_BYTES` is checksummed in a
@@ -259,18 +281,18 @@ class RedisTier:
         values: list[bytes | None] = [None] * len(names)
         per_chunk = max(1, CHUNK_BYTES // self._value_bytes_hint)
         seen: int | None = None
-        failure: _RoundTripFailed | None = None
+        failure: RoundTripFailed | None = None
         verdicts: list[tuple[int, Awaitable[list[int]] | list[int]]] = []
         for start in range(0, len(names), per_chunk):
             chunk = names[start:start + per_chunk]
             try:
                 if start == 0:
                     fetched, seen = await self._round_trip(
-                        _both(mget(self._client, self.cfg.cluster, chunk), self._read_generation(tag)),
+                        await_both(mget(self._client, self.cfg.cluster, chunk), self._read_generation(tag)),
                         self._op_bound_s)
                 else:
                     fetched = await self._round_trip(mget(self._client, self.cfg.cluster, chunk), self._op_bound_s)
-            except _RoundTripFailed as exc:
+            except RoundTripFailed as exc:
                 failure = exc
                 break
             sizes = [len(v) for v in fetched if v is not None]
@@ -279,16 +301,16 @@ class RedisTier:
             fetched = [None if v is None else unpack_or_keep(v) for v in fetched]  # frames: their blocks
             values[start:start + len(chunk)] = fetched
             if sum(sizes) >= VERIFY_OFFLOAD_BYTES:  # checksum in a thread while the next chunk arrives
-                verdicts.append((start, asyncio.ensure_future(asyncio.to_thread(_verify_all, fetched))))
+                verdicts.append((start, asyncio.ensure_future(asyncio.to_thread(verify_all, fetched))))
             else:
-                verdicts.append((start, _verify_all(fetched)))
+                verdicts.append((start, verify_all(fetched)))
         corrupt: list[int] = []
         for start, verdict in verdicts:
             found = verdict if isinstance(verdict, list) else await verdict
             for j, outcome in enumerate(found):
-                if outcome == _CORRUPT:
+                if outcome == CORRUPT:
                     corrupt.append(start + j)
-                elif outcome == _FOREIGN:  # a miss, left for the node of the release that wrote it
+                elif outcome == FOREIGN:  # a miss, left for the node of the release that wrote it
                     values[start + j] = None
                     self._counts["foreign_records"] += 1
         return values, corrupt, seen, failure
@@ -329,15 +351,15 @@ class RedisTier:
             return stored
         logical = [block_logical_nbytes(value) for value in values]  # for the counters, before compression
         values = await pack_all(self._compressor, values)  # compressed where that saves (kvstore.tiers.compression)
-        groups = _by_namespace(keys)
+        groups = positions_by_namespace(keys)
         written_under = {tag: (generations or {}).get(tag, self.generation(tag)) for tag in groups}  # before any await
         if not self._admit():
             self._counts["skipped_writes"] += len(keys)
             return stored
-        failure: _RoundTripFailed | None = None
+        failure: RoundTripFailed | None = None
         try:
             limit_bytes = await self._max_value_bytes()
-        except _RoundTripFailed as exc:
+        except RoundTripFailed as exc:
             self._on_failure(exc)
             self._counts["skipped_writes"] += len(keys)
             return stored
@@ -378,11 +400,11 @@ class RedisTier:
 
     async def _set_chunks(self, items: list[int], keys: Sequence[BlockKey], values: Sequence[bytes],
                           generation: int, tag: bytes, stored: list[bool], expiries: list[int | None] | None = None
-                          ) -> tuple[_RoundTripFailed | None, int | None]:
+                          ) -> tuple[RoundTripFailed | None, int | None]:
         """``SET`` ``values[i]`` for each of ``items`` under ``generation``, in chunks, the namespace's generation
         read beside the last; marks ``stored``. Returns the failure, if any, and the generation seen. ``expiries``:
         each block's ``PX`` (:meth:`_expiries`), else ``ttl_s``'s."""
-        chunks = _chunks_by_bytes([len(values[i]) for i in items], CHUNK_BYTES)
+        chunks = chunks_by_bytes([len(values[i]) for i in items], CHUNK_BYTES)
         seen: int | None = None
         for n, chunk in enumerate(chunks):
             batch = [items[j] for j in chunk]
@@ -391,10 +413,10 @@ class RedisTier:
                             self._px_ms if expiries is None else [expiries[i] for i in batch])
             try:
                 if n == len(chunks) - 1:
-                    replies, seen = await self._round_trip(_both(work, self._read_generation(tag)), self._op_bound_s)
+                    replies, seen = await self._round_trip(await_both(work, self._read_generation(tag)), self._op_bound_s)
                 else:
                     replies = await self._round_trip(work, self._op_bound_s)
-            except _RoundTripFailed as exc:
+            except RoundTripFailed as exc:
                 return exc, seen
             for i, reply in zip(batch, replies):
                 stored[i] = reply is True
@@ -413,7 +435,7 @@ class RedisTier:
             return
         try:
             await self._unlink([self.redis_key(k) for k in keys])
-        except _RoundTripFailed as exc:
+        except RoundTripFailed as exc:
             self._on_failure(exc)
         else:
             self._on_success()
@@ -452,7 +474,7 @@ class RedisTier:
         self._refresh_client()
         try:
             ok = await self._round_trip(self._client.ping(), self._op_bound_s)
-        except _RoundTripFailed as exc:
+        except RoundTripFailed as exc:
             self._on_failure(exc)
             return False
         self._on_success()
@@ -501,7 +523,7 @@ class RedisTier:
                 f"{self.last_error or 'none'}); its blocks of the namespace were not cleared: retry once it answers")
         try:
             generation = int(await self._round_trip(self._client.incr(self.generation_key(tag)), self._op_bound_s))
-        except _RoundTripFailed as exc:
+        except RoundTripFailed as exc:
             self._on_failure(exc)
             raise UnavailableError(f"redis tier {self.name}: clearing namespace {tag.hex()} in Redis at "
                                    f"{self._redacted_url()} failed: {exc}") from exc
@@ -539,12 +561,12 @@ class RedisTier:
                 while True:
                     cursor, names = await self._round_trip(scan(self._client, node, cursor, pattern, SCAN_COUNT),
                                                            self._op_bound_s)
-                    old = [name for name in names if _generation_of(name) < generation]
+                    old = [name for name in names if generation_of(name) < generation]
                     if old:
                         num_removed += sum(r for r in await self._unlink(old) if isinstance(r, int))
                     if cursor == 0:
                         break
-        except _RoundTripFailed as exc:
+        except RoundTripFailed as exc:
             self._on_failure(exc)
             logger.warning("redis tier %s: sweeping %s stopped after %d keys: %s", self.name, pattern, num_removed,
                            exc)
@@ -575,7 +597,7 @@ class RedisTier:
         if names:
             try:
                 await self._unlink(names)
-            except _RoundTripFailed as exc:
+            except RoundTripFailed as exc:
                 self._on_failure(exc)
 
     # -- internals ------------------------------------------------------------------------
@@ -592,7 +614,7 @@ class RedisTier:
         self._refresh_client()
         return True
 
-    def _on_outcome(self, failure: _RoundTripFailed | None) -> None:
+    def _on_outcome(self, failure: RoundTripFailed | None) -> None:
         if failure is None:
             self._on_success()
         else:
@@ -604,7 +626,7 @@ class RedisTier:
         self._breaker.record_success()
         self.state = "up"
 
-    def _on_failure(self, failure: _RoundTripFailed) -> None:
+    def _on_failure(self, failure: RoundTripFailed) -> None:
         self.state = "down"
         self.last_error = f"{failure} (at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})"
         if self.cfg.cluster:
@@ -638,7 +660,7 @@ class RedisTier:
             logger.debug("redis tier %s: closing a client: %s", self.name, exc)
 
     async def _round_trip(self, work: Awaitable[_T], bound_s: float) -> _T:
-        """Await one round trip under ``bound_s`` seconds; every error becomes :class:`_RoundTripFailed`, counted."""
+        """Await one round trip under ``bound_s`` seconds; every error becomes :class:`RoundTripFailed`, counted."""
         try:
             return await asyncio.wait_for(work, bound_s)
         except rexc.ResponseError as exc:
@@ -647,7 +669,7 @@ class RedisTier:
             # A whole-command error reply (e.g. NOAUTH, NOPERM): the server is up.
             logger.warning("redis tier %s: error reply: %s", self.name, exc)
             return self._failed(exc, unreachable=False)
-        except _UNREACHABLE as exc:
+        except UNREACHABLE_ERRORS as exc:
             if isinstance(exc, (asyncio.TimeoutError, rexc.TimeoutError)):
                 self._counts["timeouts"] += 1
             logger.debug("redis tier %s: %s: %s", self.name, type(exc).__name__, exc)
@@ -658,13 +680,13 @@ class RedisTier:
 
     def _failed(self, exc: Exception, *, unreachable: bool) -> Any:
         self._counts["errors"] += 1
-        raise _RoundTripFailed(f"{type(exc).__name__}: {exc}", unreachable=unreachable) from exc
+        raise RoundTripFailed(f"{type(exc).__name__}: {exc}", unreachable=unreachable) from exc
 
     async def _unlink(self, names: Sequence[str | bytes]) -> list[Any]:
         """Pipelined ``UNLINK`` of ``names``; error replies are counted, a failed round trip raises.
 
         Raises:
-            _RoundTripFailed: if the round trip failed.
+            RoundTripFailed: if the round trip failed.
         """
         replies = await self._round_trip(pipelined(self._client, "unlink", names), self._op_bound_s)
         self._count_reply_errors(replies)
@@ -686,7 +708,7 @@ class RedisTier:
                        ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
         try:
             await self._unlink(names)
-        except _RoundTripFailed as exc:
+        except RoundTripFailed as exc:
             self._on_failure(exc)
 
     async def _max_value_bytes(self) -> int:

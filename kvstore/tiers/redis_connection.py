@@ -19,7 +19,7 @@ from kvstore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_UNREACHABLE = (
+UNREACHABLE_ERRORS = (
     rexc.ConnectionError,  # includes AuthenticationError, BusyLoadingError, MaxConnectionsError
     rexc.TimeoutError,
     rexc.ClusterError,  # includes ClusterDownError, MasterDownError
@@ -30,8 +30,9 @@ _UNREACHABLE = (
 """Errors that mean the server could not be reached or answered nothing useful: they count against the breaker."""
 
 
-class _RoundTripFailed(Exception):
-    """Internal: one round trip failed; it never leaves the tier.
+class RoundTripFailed(Exception):
+    """One round trip to Redis failed: what the connection helpers raise, and the tier turns into a miss or an
+    ``UnavailableError``; it never leaves the tier.
 
     Attributes:
         unreachable: whether it counts against the breaker (a connection error or
@@ -47,7 +48,7 @@ _A = TypeVar("_A")
 _B = TypeVar("_B")
 
 
-async def _both(first: Awaitable[_A], second: Awaitable[_B]) -> tuple[_A, _B]:
+async def await_both(first: Awaitable[_A], second: Awaitable[_B]) -> tuple[_A, _B]:
     """Await two commands sent at once (on two connections, or nodes); raises the first one's error, if any,
     after both have ended."""
     a, b = await asyncio.gather(first, second, return_exceptions=True)
