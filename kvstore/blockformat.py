@@ -130,8 +130,8 @@ _LAYOUT_CODES = {Layout.KV: 1, Layout.MLA: 2}
 _CODE_TO_LAYOUT = {code: layout for layout, code in _LAYOUT_CODES.items()}
 
 
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """Return the codec name of a torch dtype or dtype name.
+def dtype_name(dtype: torch.dtype | str | object) -> str:
+    """Return the codec name of a torch dtype or dtype name (anything else is an unknown dtype).
 
     Raises:
         UnknownDtypeError: if the codec has no code for it.

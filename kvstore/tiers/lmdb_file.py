@@ -212,7 +212,7 @@ def check_data_file(path: str | os.PathLike[str]) -> list[str]:
     return problems
 
 
-def page_nodes(page: bytes, pgno: int, page_bytes: int, what: str) -> tuple[list[tuple[bytes, int, object]], bool]:
+def page_nodes(page: bytes, pgno: int, page_bytes: int, what: str) -> tuple[list[tuple[bytes, int, bytes | int]], bool]:
     """The nodes of a branch or leaf page: ``(key, flags, data)`` (leaf; ``data`` is the value, or for a big node its
     size and overflow page as 12 bytes) or ``(key, 0, child page)`` (branch); and whether it is a leaf.
 
@@ -229,7 +229,7 @@ def page_nodes(page: bytes, pgno: int, page_bytes: int, what: str) -> tuple[list
         raise DamagedFile(f"{what}: free space from {lower} to {upper}")
     num_keys = (lower - PAGE_HEADER_BYTES) >> 1
     is_leaf = kind == P_LEAF
-    nodes: list[tuple[bytes, int, object]] = []
+    nodes: list[tuple[bytes, int, bytes | int]] = []
     for offset in struct.unpack_from(f"<{num_keys}H", page, PAGE_HEADER_BYTES):
         if offset % 2 or offset < upper or offset + NODE_HEADER_BYTES > page_bytes:
             raise DamagedFile(f"{what}: a node at offset {offset}")
@@ -313,15 +313,15 @@ def _salvage_tree(file: PageFile, snapshot: Snapshot, tree: TreeRecord, *, main:
         except DamagedFile:
             continue
         if not is_leaf:
-            stack.extend((child, depth + 1) for _, _, child in reversed(nodes))  # type: ignore[misc]
+            stack.extend((child, depth + 1) for _, _, child in reversed(nodes) if isinstance(child, int))
             continue
         for key, flags, data in nodes:
-            if main != bool(flags & F_SUBDATA) or flags & ~(F_BIGDATA | F_SUBDATA):
+            if not isinstance(data, bytes) or main != bool(flags & F_SUBDATA) or flags & ~(F_BIGDATA | F_SUBDATA):
                 continue
             if not flags & F_BIGDATA:
-                yield key, data  # type: ignore[misc]
+                yield key, data
                 continue
-            size, first = struct.unpack("<IQ", data)  # type: ignore[arg-type]
+            size, first = struct.unpack("<IQ", data)
             try:
                 head = file.read(first * page_bytes, _OVERFLOW.size, f"page {first}")
                 self_pgno, _, page_flags, num_pages = _OVERFLOW.unpack(head)

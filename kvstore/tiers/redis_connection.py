@@ -52,10 +52,11 @@ async def await_both(first: Awaitable[_A], second: Awaitable[_B]) -> tuple[_A, _
     """Await two commands sent at once (on two connections, or nodes); raises the first one's error, if any,
     after both have ended."""
     a, b = await asyncio.gather(first, second, return_exceptions=True)
-    for outcome in (a, b):
-        if isinstance(outcome, BaseException):
-            raise outcome
-    return a, b  # type: ignore[return-value]
+    if isinstance(a, BaseException):
+        raise a
+    if isinstance(b, BaseException):
+        raise b
+    return a, b
 
 
 def check_url(cfg: RedisTierConfig) -> str:
@@ -185,7 +186,9 @@ async def config_get_max_bulk_len(client: Any, cluster: bool, name: str) -> int 
         logger.info("redis tier %s: cannot read proto-max-bulk-len (%s); assuming 512 MiB", name, exc)
         return None
     value = reply.get("proto-max-bulk-len", reply.get(b"proto-max-bulk-len")) if isinstance(reply, dict) else None
+    if value is None:
+        return None
     try:
-        return int(value)  # type: ignore[arg-type]
+        return int(value)
     except (TypeError, ValueError):
         return None
