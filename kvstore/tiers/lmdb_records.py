@@ -239,8 +239,8 @@ def scan_records(env: lmdb.Environment, blocks_db: Any, meta_db: Any, frames: bo
     junk: list[BlockKey] = []
     repairs: list[tuple[BlockKey, int]] = []
     with env.begin(buffers=True) as txn:
-        for key, raw in txn.cursor(db=meta_db):
-            key = BlockKey(bytes(key))
+        for raw_key, raw in txn.cursor(db=meta_db):
+            key = BlockKey(bytes(raw_key))
             parsed = unpack_meta(raw)
             record = txn.get(key, db=blocks_db)
             if parsed is not None and record is not None and len(record) == parsed[1] + len(key):
@@ -250,9 +250,9 @@ def scan_records(env: lmdb.Environment, blocks_db: Any, meta_db: Any, frames: bo
                 repairs.append((key, len(record) - len(key)))
             else:
                 junk.append(key)
-        for key, record in txn.cursor(db=blocks_db):
-            if txn.get(key, db=meta_db) is None:
-                key = BlockKey(bytes(key))
+        for raw_key, record in txn.cursor(db=blocks_db):
+            if txn.get(raw_key, db=meta_db) is None:
+                key = BlockKey(bytes(raw_key))
                 if _ends_with(record, key):
                     repairs.append((key, len(record) - len(key)))
                 else:

@@ -166,9 +166,9 @@ def drop_other_format(env: lmdb.Environment, blocks_db: Any, meta_db: Any, info_
         num_records = txn.stat(blocks_db)["entries"] + txn.stat(meta_db)["entries"]
         if found is None and not num_records:
             txn.put(b"format", DISK_FORMAT, db=info_db)
-            return
+            return False
     if found == DISK_FORMAT:
-        return
+        return False
     env.close()
     if found is None:  # format 1: blocks of codec version 1, which this build does not read
         logger.warning("disk tier %s at %s holds %s records of disk format 1 (codec version 1 blocks, whose "

@@ -135,9 +135,8 @@ def make_client(cfg: RedisTierConfig, scheme: str, password: str) -> Any:
 
 async def mget(client: Any, cluster: bool, names: list[str]) -> list[bytes | None]:
     """``MGET`` of ``names`` (in a cluster ``mget_nonatomic``: one ``MGET`` per slot, pipelined per node)."""
-    if cluster:
-        return await client.mget_nonatomic(names)
-    return await client.mget(names)
+    values: list[bytes | None] = await (client.mget_nonatomic(names) if cluster else client.mget(names))
+    return values
 
 
 async def set_many(client: Any, names: list[str], values: list[bytes],
@@ -148,7 +147,8 @@ async def set_many(client: Any, names: list[str], values: list[bytes],
     each = px_ms if isinstance(px_ms, (list, tuple)) else [px_ms] * len(names)
     for name, value, px in zip(names, values, each):
         pipe.set(name, value, px=px)
-    return await pipe.execute(raise_on_error=False)
+    replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies
 
 
 async def pipelined(client: Any, command: str, names: Sequence[str | bytes]) -> list[Any]:
@@ -156,7 +156,8 @@ async def pipelined(client: Any, command: str, names: Sequence[str | bytes]) -> 
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.execute_command(command.upper(), name)
-    return await pipe.execute(raise_on_error=False)
+    replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies
 
 
 async def scan(client: Any, node: Any, cursor: int, pattern: str, count: int) -> tuple[int, list[bytes]]:
