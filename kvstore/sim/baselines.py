@@ -45,11 +45,34 @@ class _Baseline:
     def __init__(self) -> None:
         self._held: set[Hashable] = set()
 
+    def hold(self, key: Hashable) -> None:
+        """No victim until :meth:`release` (the store's index holds what it reads and moves)."""
+        self._held.add(key)
+
+    def release(self, key: Hashable) -> None:
+        """End a hold."""
+        self._held.discard(key)
+
     def hold_many(self, keys: Sequence[Hashable]) -> None:
         self._held.update(keys)
 
     def release_many(self, keys: Sequence[Hashable]) -> None:
         self._held.difference_update(keys)
+
+    def expire(self, now: float) -> int:
+        """Nothing to expire: a baseline keeps no retention."""
+        return 0
+
+    def unpin(self, key: Hashable) -> None:
+        """Baselines take no TTLs."""
+
+    def unpin_oldest(self, nbytes: int) -> int:
+        """Nothing is pinned."""
+        return 0
+
+    def pinned_nbytes_of(self, group: Hashable) -> int:
+        """Nothing is pinned."""
+        return 0
 
     def contains_many(self, keys: Sequence[Hashable]) -> list[bool]:
         return list(map(self.__contains__, keys))
