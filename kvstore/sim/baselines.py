@@ -3,7 +3,7 @@
 * **ARC** (Megiddo and Modha, "ARC: a self-tuning, low overhead replacement
   cache", FAST 2003): a recency list ``T1`` and a frequency list ``T2``, their
   ghosts ``B1`` and ``B2`` (keys only), and a target size ``p`` of ``T1`` that a
-  ghost hit moves. Here over the node's replay model (``kvstore.sim.model``),
+  ghost hit moves. Here in the memory tier of the simulated store (``kvstore.sim.node``),
   so a chain's blocks are inserted and touched tail first as on a node.
 * **SAE** (session-aware eviction, vLLM pull request 50422, as its description
   publishes it): the blocks one request stores form a *session*; the worst
@@ -38,7 +38,7 @@ SAE_GHOST_EVERY = 500
 
 
 class _Baseline:
-    """What the replay model asks of every policy, for a baseline without priorities, retention or TTLs."""
+    """What the store's index asks of every policy, for a baseline without priorities, retention or TTLs."""
 
     default_priority = DEFAULT_PRIORITY
 
@@ -246,7 +246,8 @@ class _Group:
 class SAEPolicy(_Baseline):
     """vLLM's session-aware eviction as published (module docstring), for ``kvstore simulate --policy sae``.
 
-    The replay model calls :meth:`begin_request` once per request and :meth:`admit_put` before a put's new blocks.
+    The simulated node (``kvstore.sim.node``) calls :meth:`begin_request` once per request and :meth:`admit_put`
+    before a put's new blocks.
 
     Args:
         capacity: blocks the tier holds (ghosts: as many sessions at most).

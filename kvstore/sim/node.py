@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -37,6 +38,17 @@ SIM_MODEL = "kvstore-simulate"
 
 _BLOCK_TOKENS = 16  # tokens per simulated block: any size does, each block is one unit of capacity
 _HASH_BYTES = 16  # xxh3-128: a trace block id, little-endian, is its block hash
+
+
+_QUIET_LOGGERS = ("kvstore.mover",)
+"""Loggers whose warnings a simulation expects (a demotion that finds no room) and keeps to itself."""
+
+
+class _BelowError(logging.Filter):
+    """Lets through only records of ``ERROR`` and above."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
 
 
 @dataclass(slots=True)
@@ -95,7 +107,7 @@ class SimNode:
             raise InvalidArgumentError(str(exc)) from None
         tiers: list[Tier] = [LendingMetadataTier(capacity_blocks, name="memory")]
         if disk_capacity_blocks:
-            tiers.append(MetadataTier(disk_capacity_blocks, name="disk"))
+            tiers.append(MetadataTier(disk_capacity_blocks, name="disk", yields=True))
         self.now = 0.0
         self._loop = asyncio.new_event_loop()
         self.store = TieredStore(tiers, config, clock=self._clock)
@@ -108,6 +120,9 @@ class SimNode:
         self._namespace = Namespace(model=SIM_MODEL, dtype="uint8", layout=Layout.KV.value, block_size=_BLOCK_TOKENS)
         self._namespaces: dict[str, tuple[Namespace, BlockChecker]] = {}
         self._block = _placeholder_block(self._namespace)
+        self._quiet = _BelowError()
+        for name in _QUIET_LOGGERS:
+            logging.getLogger(name).addFilter(self._quiet)
         self._loop.run_until_complete(self.store.start())
         self._closed = False
 
@@ -213,8 +228,10 @@ class SimNode:
             read = store.read(namespace, hashes[:hit], session_id=session_id, ttl_s=ttl)
             if read.open_now() is None:  # as the service's Get: the top tier lends the whole prefix, or it awaits
                 await read.open()
+            read.settle()  # as the same-host Get: counted, let go in the index, promotions offered; still leased
+            asyncio.get_running_loop().call_soon(read.close)
+            await store.drain()  # its promotions run while the lease is held
             read.close()
-            await store.drain()  # its promotions end before the next call, as on a node
         if hit < len(hashes):
             rest = hashes[hit:]
             if self._admit is not None:  # a baseline's gate: a put it refuses is not made at all
@@ -237,6 +254,8 @@ class SimNode:
             self._loop.run_until_complete(self.store.close())
         finally:
             self._loop.close()
+            for name in _QUIET_LOGGERS:
+                logging.getLogger(name).removeFilter(self._quiet)
 
     def __enter__(self) -> SimNode:
         return self

@@ -1,8 +1,8 @@
-"""Replay a trace through the node's model (``kvstore.sim.model``) or the offline bound, and count prefix hits.
+"""Replay a trace through the store itself (``kvstore.sim.node``) or the offline bound, and count prefix hits.
 
-Requests are served in file order. Online policies run in :class:`NodeModel`,
-the store's own per-request order of touches, inserts and evictions, with the
-store's policy code (``kvstore.policy``); ``belady`` is the offline bound
+Requests are served in file order. Online policies run in :class:`SimNode`,
+the store's own ``TieredStore`` over metadata-only tiers, so every touch,
+insert and eviction is the store's; ``belady`` is the offline bound
 (``kvstore.sim.belady``); a capacity of ``None`` is an infinite cache.
 
 Hit ratio = hit blocks / requested blocks over the whole trace. Token hit ratio
@@ -187,12 +187,12 @@ def simulate(
     Args:
         requests: the trace, in replay order.
         policy: an online policy (``lru``, ``slru``, ``adaptive``, ``default``), run in
-            :class:`~kvstore.sim.model.NodeModel`, or ``belady``, the offline bound.
+            :class:`~kvstore.sim.node.SimNode`, or ``belady``, the offline bound.
         capacity_blocks: blocks the memory tier holds; ``None`` for infinite.
         disk_capacity_blocks: blocks of a disk tier below it; 0 for none. Ignored
             when ``capacity_blocks`` is ``None``. For ``belady`` the two add up.
         block_tokens: tokens per block, for the token hit ratio.
-        history_blocks: removals the model remembers to name misses (the node's ``store.miss_history_blocks``).
+        history_blocks: removals the store remembers to name misses (the node's ``store.miss_history_blocks``).
 
     Returns:
         The counts and ratios of the replay.

@@ -9,11 +9,12 @@ memory tier does (``kvstore.tiers.base.LeasingTier``), so that a read takes the 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Awaitable, Sequence
 
 from kvstore.errors import InvalidArgumentError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierLease
+from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease
 
 
 async def _nothing() -> None:
@@ -30,6 +31,8 @@ class MetadataTier:
     Args:
         capacity_blocks: blocks the tier holds (its ``capacity_bytes``, in units of one block).
         name: the tier's name in stats (``memory``, ``disk``).
+        yields: whether a get or put lets the event loop turn once before it returns, as a tier whose I/O runs
+            in a thread does (LMDB's): what else the loop has ready runs then.
 
     Raises:
         InvalidArgumentError: on a negative capacity.
@@ -37,9 +40,10 @@ class MetadataTier:
 
     persistent = False  # nothing to restore: the simulator never restarts a store
 
-    def __init__(self, capacity_blocks: int, *, name: str) -> None:
+    def __init__(self, capacity_blocks: int, *, name: str, yields: bool = False) -> None:
         if capacity_blocks < 0:
             raise InvalidArgumentError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        self._yields = yields
         self.name = name
         self.capacity_bytes: int | None = capacity_blocks
         self._values: dict[BlockKey, Buffer] = {}
@@ -55,11 +59,15 @@ class MetadataTier:
 
     async def get(self, keys: Sequence[BlockKey]) -> list[Buffer | None]:
         """The placeholder of each key held, ``None`` for the others."""
+        if self._yields:
+            await asyncio.sleep(0)
         get = self._values.get
         return [get(key) for key in keys]
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[Buffer], metas: Sequence[BlockMeta]) -> list[bool]:
         """Hold each key (its value kept as the placeholder, not copied); always stored."""
+        if self._yields:
+            await asyncio.sleep(0)
         self._values.update(zip(keys, values))
         return [True] * len(keys)
 
@@ -89,16 +97,71 @@ class MetadataTier:
 class LendingMetadataTier(MetadataTier):
     """A :class:`MetadataTier` that lends its blocks (a :class:`~kvstore.tiers.base.LeasingTier`) as the node's
     memory tier does: views of memory it reuses (``lends_references`` ``False``), so the store holds what it reads
-    from it until the read ends."""
+    from it until the read ends. As there, a block deleted while a lease holds it keeps its unit of capacity
+    (:attr:`held_bytes`) until the lease is released, and a put that finds no unit free raises
+    :class:`~kvstore.tiers.base.TierFullError`."""
 
     lends_references = False
 
+    def __init__(self, capacity_blocks: int, *, name: str) -> None:
+        super().__init__(capacity_blocks, name=name)
+        self._leased: dict[BlockKey, list[int]] = {}  # per key resident and leased: [leases, retired]
+        self._num_zombies = 0  # blocks deleted or replaced while leased
+
     @property
     def held_bytes(self) -> int:
-        """Always 0: no block outlives its deletion here."""
-        return 0
+        """Units of blocks deleted or replaced that a lease still holds (freed at its release)."""
+        return self._num_zombies
+
+    async def put(self, keys: Sequence[BlockKey], values: Sequence[Buffer], metas: Sequence[BlockMeta]) -> list[bool]:
+        """As :meth:`MetadataTier.put`, within the units free.
+
+        Raises:
+            TierFullError: if the units not held or leased cannot take the new keys.
+        """
+        held = self._values
+        new = len({key for key in keys if key not in held})
+        if len(held) + self._num_zombies + new > (self.capacity_bytes or 0):
+            raise TierFullError(f"tier {self.name}: no unit free for {new} blocks")
+        if self._leased:
+            for key in keys:
+                self._retire(key)
+        return await super().put(keys, values, metas)
+
+    def delete(self, keys: Sequence[BlockKey]) -> Awaitable[None]:
+        """Forget each key; one a lease holds keeps its unit until the lease is released."""
+        if self._leased:
+            for key in keys:
+                self._retire(key)
+        return super().delete(keys)
+
+    def _retire(self, key: BlockKey) -> None:
+        record = self._leased.pop(key, None)
+        if record is not None:
+            record[1] = 1
+            self._num_zombies += 1
 
     def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
-        """The placeholder of each key (``None`` for one not held), with a release that does nothing."""
+        """The placeholder of each key (``None`` for one not held), each held key leased until the release."""
         get = self._values.get
-        return TierLease([get(key) for key in keys], _no_release)
+        values = [get(key) for key in keys]
+        leased = self._leased
+        records = []
+        for key, value in zip(keys, values):
+            if value is not None:
+                record = leased.get(key)
+                if record is None:
+                    record = leased[key] = [0, 0]
+                record[0] += 1
+                records.append((key, record))
+
+        def release() -> None:
+            for key, record in records:
+                record[0] -= 1
+                if not record[0]:
+                    if record[1]:
+                        self._num_zombies -= 1
+                    elif leased.get(key) is record:
+                        del leased[key]
+
+        return TierLease(values, release)
