@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from kvstore.codec import Layout, encode_header
 from kvstore.config import PinsConfig, StoreConfig
 from kvstore.errors import InvalidArgumentError
-from kvstore.keys import BlockKey, Namespace, block_keys
+from kvstore.keys import BlockHash, BlockKey, Namespace, block_keys
 from kvstore.misses import DEFAULT_HISTORY_BLOCKS, MissCounts
 from kvstore.policy import DEFAULT_PRIORITY, EvictionPolicy, resolve_policy_name
 from kvstore.store import TieredStore
@@ -159,8 +159,8 @@ class SimNode:
         return self.store.index.level_of(self.key_of(block_id, namespace))
 
     @staticmethod
-    def _hash(block_id: int) -> bytes:
-        return block_id.to_bytes(_HASH_BYTES, "little")
+    def _hash(block_id: int) -> BlockHash:
+        return BlockHash(block_id.to_bytes(_HASH_BYTES, "little"))
 
     def _namespace_of(self, label: str) -> tuple[Namespace, BlockChecker]:
         """The namespace of a request's label (its ``revision``, as the load test names it) and its block checker."""
@@ -216,7 +216,7 @@ class SimNode:
         if self._begin is not None:
             self._begin()
         namespace, checker = self._namespace_of(label)
-        hashes = [block_id.to_bytes(_HASH_BYTES, "little") for block_id in blocks]
+        hashes = [BlockHash(block_id.to_bytes(_HASH_BYTES, "little")) for block_id in blocks]
         session_id = session or None
         ttl = ttl_s or None
         located = await store.locate(namespace, hashes, session_id=session_id, ttl_s=ttl)

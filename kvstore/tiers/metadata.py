@@ -2,9 +2,11 @@
 
 A :class:`MetadataTier` is a bounded local tier whose every block takes one unit of capacity, whatever its length,
 so a capacity is a number of blocks. It stores no value: a get returns one shared placeholder (the value the first
-put of the key gave, not copied) for each key it holds. Every method is a coroutine that never waits, so the store
-over it never leaves the event loop for I/O. :class:`LendingMetadataTier` also lends its blocks, as the node's
-memory tier does (``kvstore.tiers.base.LeasingTier``), so that a read takes the path it takes on a node.
+put of the key gave, not copied) for each key it holds. No method waits for anything; a tier built with ``yields``
+lets the event loop turn once per get and put, where a tier whose I/O runs in a thread would (LMDB's).
+:class:`LendingMetadataTier` also lends its blocks, as the node's memory tier does
+(``kvstore.tiers.base.LeasingTier``), so that a read takes the path it takes on a node, and a block a lease holds
+keeps its capacity until the release.
 """
 
 from __future__ import annotations
@@ -12,16 +14,13 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Sequence
 
+from kvstore.api import Buffer
 from kvstore.errors import InvalidArgumentError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease
+from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError, TierLease
 
 
 async def _nothing() -> None:
-    return None
-
-
-def _no_release() -> None:
     return None
 
 
@@ -46,7 +45,7 @@ class MetadataTier:
         self._yields = yields
         self.name = name
         self.capacity_bytes: int | None = capacity_blocks
-        self._values: dict[BlockKey, Buffer] = {}
+        self._values: dict[BlockKey, bytes] = {}
 
     def footprint(self, nbytes: int) -> int:
         """One unit of capacity, whatever ``nbytes``."""
@@ -57,14 +56,14 @@ class MetadataTier:
         values = self._values
         return [key in values for key in keys]
 
-    async def get(self, keys: Sequence[BlockKey]) -> list[Buffer | None]:
+    async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """The placeholder of each key held, ``None`` for the others."""
         if self._yields:
             await asyncio.sleep(0)
         get = self._values.get
         return [get(key) for key in keys]
 
-    async def put(self, keys: Sequence[BlockKey], values: Sequence[Buffer], metas: Sequence[BlockMeta]) -> list[bool]:
+    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
         """Hold each key (its value kept as the placeholder, not copied); always stored."""
         if self._yields:
             await asyncio.sleep(0)
@@ -113,7 +112,7 @@ class LendingMetadataTier(MetadataTier):
         """Units of blocks deleted or replaced that a lease still holds (freed at its release)."""
         return self._num_zombies
 
-    async def put(self, keys: Sequence[BlockKey], values: Sequence[Buffer], metas: Sequence[BlockMeta]) -> list[bool]:
+    async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
         """As :meth:`MetadataTier.put`, within the units free.
 
         Raises:
@@ -144,7 +143,7 @@ class LendingMetadataTier(MetadataTier):
     def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
         """The placeholder of each key (``None`` for one not held), each held key leased until the release."""
         get = self._values.get
-        values = [get(key) for key in keys]
+        values: list[Buffer | None] = [get(key) for key in keys]
         leased = self._leased
         records = []
         for key, value in zip(keys, values):

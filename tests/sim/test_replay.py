@@ -50,8 +50,8 @@ def test_synthetic_reference_figures(synthetic: list[TraceRequest]) -> None:
     assert simulate(synthetic, "lru", None).hit_ratio == pytest.approx(0.6396, abs=0.002)
     assert simulate(synthetic, "lru", 5859).hit_ratio == pytest.approx(0.309, abs=0.002)
     # 1 %, 5 %, 25 % of the distinct blocks: the floor holds, within 0.5 % of LRU; at 1 % within 1 %: the node
-    # counts 4,609 hit blocks for the default and 4,644 for LRU there (the simulator the same; the replay model it
-    # replaced counted the default's reads without the holds a node's Get takes, and passed 0.5 %)
+    # counts 4,609 hit blocks for the default and 4,644 for LRU there, as the simulator does (the replay model the
+    # simulator replaced counted more for the default, and passed 0.5 %)
     for capacity, floor in ((439, 0.99), (2196, 0.995), (10981, 0.995)):
         lru = simulate(synthetic, "lru", capacity).hit_ratio
         assert simulate(synthetic, "default", capacity).hit_ratio >= lru * floor
