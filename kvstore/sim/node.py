@@ -8,10 +8,12 @@ only which keys they hold (``kvstore.tiers.metadata``), each block one unit of c
 of blocks.
 
 One request, with trace block ids ``b[0..n)`` (head first), is what a load-test worker sends a node
-(``kvstore.loadtest.runner``): a lookup of ``b``, a get of the cached prefix ``b[0..h)`` (read as the service's Get
-reads, closed before the next call), and a put of ``b[h..n)``. The clock is the trace's: a request runs at its
-timestamp. Between two calls the store's background work is drained (a promotion of the get's disk hits ends
-before the put), as the node's ends while the client waits for a reply; ``docs/simulate.md`` explains the order.
+(``kvstore.loadtest.runner``): a lookup of ``b``, a get of the cached prefix ``b[0..h)``, and a put of ``b[h..n)``.
+The get reads as the same-host Get does: settled at once (its promotions offered), the memory blocks it lent still
+leased, and the lease released at the promotion's first disk I/O (the disk tier lets the loop turn there, as LMDB's
+thread does). The clock is the trace's: a request runs at its timestamp. Between two calls the store's background
+work is drained (a promotion of the get's disk hits ends before the put), as the node's ends while the client waits
+for a reply; ``docs/simulate.md`` explains the order.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvstore.policy import DEFAULT_PRIORITY, EvictionPolicy, resolve_policy_name
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier
 from kvstore.tiers.metadata import LendingMetadataTier, MetadataTier
+from kvstore.trace import TraceRequest
 from kvstore.validation import BlockChecker, CheckedBlocks
 
 SIM_MODEL = "kvstore-simulate"
@@ -194,9 +197,9 @@ class SimNode:
         return self._loop.run_until_complete(self._request(blocks, now, priority, expires_at, session, ttl_s,
                                                            namespace))
 
-    def replay(self, requests: Sequence[Any]) -> list[RequestHits]:
-        """Replay trace requests (``kvstore.trace.TraceRequest``: ``block_ids``, ``timestamp_s``, ``session``,
-        ``ttl_s``, ``namespace``) in order, in one run of the loop; each request's hits.
+    def replay(self, requests: Sequence[TraceRequest]) -> list[RequestHits]:
+        """Replay trace requests in order (each as :meth:`request`, with its time, session, TTL and namespace
+        label), in one run of the loop; each request's hits.
 
         Raises:
             InvalidArgumentError: as :meth:`request`.
@@ -205,7 +208,7 @@ class SimNode:
             raise InvalidArgumentError("the simulated node is closed")
         return self._loop.run_until_complete(self._replay(requests))
 
-    async def _replay(self, requests: Sequence[Any]) -> list[RequestHits]:
+    async def _replay(self, requests: Sequence[TraceRequest]) -> list[RequestHits]:
         one = self._request
         return [await one(r.block_ids, r.timestamp_s, None, 0.0, r.session, r.ttl_s, r.namespace) for r in requests]
 
@@ -229,8 +232,10 @@ class SimNode:
             if read.open_now() is None:  # as the service's Get: the top tier lends the whole prefix, or it awaits
                 await read.open()
             read.settle()  # as the same-host Get: counted, let go in the index, promotions offered; still leased
+            # the lease is released where the loop next turns: a promotion's first disk I/O, as a client's release
+            # lands on a node while LMDB's thread works (at once when nothing is promoted); the promotion ends first
             asyncio.get_running_loop().call_soon(read.close)
-            await store.drain()  # its promotions run while the lease is held
+            await store.drain()
             read.close()
         if hit < len(hashes):
             rest = hashes[hit:]
