@@ -122,7 +122,8 @@ def main() -> int:
         indent=2) + "\n")
     text = (f"# Simulator speed: the replay model (before) and the store itself (after)\n\n"
             f"Command: `{command}`. The first {args.requests:,} requests of the conversation trace "
-            f"({int(samples[(POLICIES[0], 'after')][0]['num_blocks']):,} block accesses) at {capacity:,} blocks (5 % of their distinct blocks), "
+            f"({int(samples[(POLICIES[0], 'after')][0]['num_blocks']):,} block accesses) at {capacity:,} blocks "
+            f"(5 % of their distinct blocks), "
             f"memory only; the two simulators in two processes taking turns, the median CPU time of "
             f"{args.rounds} rounds each. Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
             f"(1 min), on 2 cores shared with other work; {wall_s:.0f} s in all.\n\n" + "\n".join(lines) + "\n")
