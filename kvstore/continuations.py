@@ -7,7 +7,7 @@ prefix in recency, and evict the request's head before its tail. A
 continuation remembers, under the first block the put will start at, the
 prefix the lookup found; the put that starts there pins that prefix while it
 makes room, and touches it again once its blocks are in, so the chain ends
-ordered tail first (``kvstore.store``; ``kvstore.sim.model`` replays the same).
+ordered tail first (``kvstore.store``, which the simulator runs: ``kvstore.sim.node``).
 """
 
 from __future__ import annotations

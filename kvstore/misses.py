@@ -24,7 +24,7 @@ cause               meaning
 =================== ==========================================================================================
 
 :class:`MissHistory` is pure logic over any hashable key, so the simulator
-(``kvstore.sim.model``) keeps the same history and names the same causes as a
+(``kvstore.sim.node``, the store over metadata-only tiers) keeps the same history and names the same causes as a
 node. Its memory is bounded by ``capacity`` entries (``store.miss_history_blocks``),
 counted in the index's bytes per block (``benchmarks/bench_index.py``).
 """

@@ -574,7 +574,7 @@ class Mover:
         """The promotions queued or running now that carry any of ``keys``; each is done once its copy ended.
 
         A put that continues a prefix a Get is still promoting waits for them, so that it makes its room after
-        the promotion made its own, as ``kvstore.sim.model`` replays (``TieredStore.put``).
+        the promotion made its own (``TieredStore.put``; the simulator runs the same, ``kvstore.sim.node``).
         """
         promoting = self._promoting
         if not promoting:

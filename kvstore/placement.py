@@ -161,7 +161,7 @@ class Placement:
         ``protect``: the cached prefix this put continues (``kvstore.continuations``, recorded by the lookup). It
         is held while room is made, so the new blocks cannot push out their own head, and touched again, tail
         first, once they are in, so the whole chain ends ordered tail (least recent) to head, as a request's
-        blocks are freed tail first in vLLM. ``kvstore.sim.model`` replays exactly this order.
+        blocks are freed tail first in vLLM. The simulator runs this code itself (``kvstore.sim.node``).
 
         The write-through belongs to the placement, not to the caller: a put failed part-way has still published
         blocks, and the last local tier drops its victims, counting on the shared tier's copy. It is offered

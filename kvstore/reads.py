@@ -312,7 +312,7 @@ class BlockRead:
         """Count the read, let go of its blocks in the index, and offer its promotions now, keeping the tiers'
         leases of its values: for a reader that holds them long after (a same-host lease, until the client
         releases it, on a stream of its own). Its blocks may then be evicted, demoted or deleted as though the
-        read had ended (as ``kvstore.sim.model`` replays it, and before the client's next request); the values
+        read had ended (as ``kvstore.sim.node`` replays it, and before the client's next request); the values
         it was lent stay valid until :meth:`close` gives the leases back (a pool keeps a leased range of a
         block gone until then, ``kvstore.shm.node.pool``)."""
         if not self._closed:

@@ -355,7 +355,7 @@ class TieredStore:
         new block is the one after that prefix) protects the prefix while it
         makes room and touches it again after (``kvstore.placement``); if a Get
         is still promoting that prefix, the put first waits for the promotion
-        (``kvstore.sim.model`` replays the same order, ``docs/simulate.md``).
+        (the simulator runs this store itself, ``kvstore.sim.node``, ``docs/simulate.md``).
 
         Args:
             namespace: namespace of the blocks.

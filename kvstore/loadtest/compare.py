@@ -1,7 +1,7 @@
 """Compare a load test with ``kvstore simulate`` on the same requests: the hit ratios should agree.
 
-The simulator replays the trace in file order through the node's replay model
-(``kvstore.sim.model``) with the node's policy, at capacities counted in blocks.
+The simulator replays the trace in file order through the store itself over
+metadata-only tiers (``kvstore.sim.node``) with the node's policy, at capacities counted in blocks.
 A load test with one closed-loop worker replays the same order against a node
 whose memory tier holds ``capacity_blocks`` blocks (its capacity divided by the
 tier's footprint of one encoded block) and whose disk tier, if any, holds

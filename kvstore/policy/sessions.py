@@ -91,7 +91,7 @@ class SessionTracker(Generic[K]):
     Args:
         capacity_bytes: the local tiers' capacity, bytes (blocks, in the simulator): what one turnover places.
         cool: called with each dead chain (head first) to move its resident blocks to the front of the eviction
-            order, tail first (``Index.cool``, ``NodeModel``'s own).
+            order, tail first (``Index.cool``).
     """
 
     def __init__(self, capacity_bytes: int, cool: Callable[[Sequence[K]], None]) -> None:

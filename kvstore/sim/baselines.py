@@ -3,7 +3,7 @@
 * **ARC** (Megiddo and Modha, "ARC: a self-tuning, low overhead replacement
   cache", FAST 2003): a recency list ``T1`` and a frequency list ``T2``, their
   ghosts ``B1`` and ``B2`` (keys only), and a target size ``p`` of ``T1`` that a
-  ghost hit moves. Here over the node's replay model (``kvstore.sim.model``),
+  ghost hit moves. Here in the memory tier of the simulated store (``kvstore.sim.node``),
   so a chain's blocks are inserted and touched tail first as on a node.
 * **SAE** (session-aware eviction, vLLM pull request 50422, as its description
   publishes it): the blocks one request stores form a *session*; the worst
@@ -38,18 +38,41 @@ SAE_GHOST_EVERY = 500
 
 
 class _Baseline:
-    """What the replay model asks of every policy, for a baseline without priorities, retention or TTLs."""
+    """What the store's index asks of every policy, for a baseline without priorities, retention or TTLs."""
 
     default_priority = DEFAULT_PRIORITY
 
     def __init__(self) -> None:
         self._held: set[Hashable] = set()
 
+    def hold(self, key: Hashable) -> None:
+        """No victim until :meth:`release` (the store's index holds what it reads and moves)."""
+        self._held.add(key)
+
+    def release(self, key: Hashable) -> None:
+        """End a hold."""
+        self._held.discard(key)
+
     def hold_many(self, keys: Sequence[Hashable]) -> None:
         self._held.update(keys)
 
     def release_many(self, keys: Sequence[Hashable]) -> None:
         self._held.difference_update(keys)
+
+    def expire(self, now: float) -> int:
+        """Nothing to expire: a baseline keeps no retention."""
+        return 0
+
+    def unpin(self, key: Hashable) -> None:
+        """Baselines take no TTLs."""
+
+    def unpin_oldest(self, nbytes: int) -> int:
+        """Nothing is pinned."""
+        return 0
+
+    def pinned_nbytes_of(self, group: Hashable) -> int:
+        """Nothing is pinned."""
+        return 0
 
     def contains_many(self, keys: Sequence[Hashable]) -> list[bool]:
         return list(map(self.__contains__, keys))
@@ -223,7 +246,8 @@ class _Group:
 class SAEPolicy(_Baseline):
     """vLLM's session-aware eviction as published (module docstring), for ``kvstore simulate --policy sae``.
 
-    The replay model calls :meth:`begin_request` once per request and :meth:`admit_put` before a put's new blocks.
+    The simulated node (``kvstore.sim.node``) calls :meth:`begin_request` once per request and :meth:`admit_put`
+    before a put's new blocks.
 
     Args:
         capacity: blocks the tier holds (ghosts: as many sessions at most).

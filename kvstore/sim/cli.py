@@ -32,7 +32,7 @@ _EPILOG = """\
 capacities are block counts (5859), percentages of the trace's distinct blocks (5%),
 sizes (3GiB; divided by --block-bytes) or inf. Policies: lru, slru, adaptive, default
 (what a node runs by default: adaptive) and belady (the offline bound, MIN with bypass).
-The replay model is the node's own; docs/simulate.md explains it. A progress bar runs
+The replay runs the node's own store over tiers that keep no bytes; docs/simulate.md explains it. A progress bar runs
 on stderr on a terminal (--no-progress hides it); the table's columns are explained
 under it (--no-legend hides that).
 examples:
@@ -210,7 +210,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "simulate",
         help="replay request traces through eviction policies and report prefix hit ratios",
         description=("Replay request traces (Mooncake or generic JSONL, or agentic session files; see "
-                     "kvstore.trace) through the node's replay model with its own eviction policies, and "
+                     "kvstore.trace) through the node's own store and eviction policies, over tiers that keep no bytes, and "
                      "through the offline bound, and report the prefix hit ratio at each capacity. A request "
                      "hits the longest prefix of its blocks that is resident."),
         epilog=_EPILOG,

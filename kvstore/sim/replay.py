@@ -1,8 +1,8 @@
-"""Replay a trace through the node's model (``kvstore.sim.model``) or the offline bound, and count prefix hits.
+"""Replay a trace through the store itself (``kvstore.sim.node``) or the offline bound, and count prefix hits.
 
-Requests are served in file order. Online policies run in :class:`NodeModel`,
-the store's own per-request order of touches, inserts and evictions, with the
-store's policy code (``kvstore.policy``); ``belady`` is the offline bound
+Requests are served in file order. Online policies run in :class:`SimNode`,
+the store's own ``TieredStore`` over metadata-only tiers, so every touch,
+insert and eviction is the store's; ``belady`` is the offline bound
 (``kvstore.sim.belady``); a capacity of ``None`` is an infinite cache.
 
 Hit ratio = hit blocks / requested blocks over the whole trace. Token hit ratio
@@ -24,7 +24,7 @@ from kvstore.misses import DEFAULT_HISTORY_BLOCKS
 from kvstore.policy import DEFAULT_POLICY, POLICY_NAMES
 from kvstore.sim.baselines import ARCPolicy, SAEPolicy
 from kvstore.sim.belady import belady_bound
-from kvstore.sim.model import NodeModel
+from kvstore.sim.node import SimNode
 from kvstore.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -187,12 +187,12 @@ def simulate(
     Args:
         requests: the trace, in replay order.
         policy: an online policy (``lru``, ``slru``, ``adaptive``, ``default``), run in
-            :class:`~kvstore.sim.model.NodeModel`, or ``belady``, the offline bound.
+            :class:`~kvstore.sim.node.SimNode`, or ``belady``, the offline bound.
         capacity_blocks: blocks the memory tier holds; ``None`` for infinite.
         disk_capacity_blocks: blocks of a disk tier below it; 0 for none. Ignored
             when ``capacity_blocks`` is ``None``. For ``belady`` the two add up.
         block_tokens: tokens per block, for the token hit ratio.
-        history_blocks: removals the model remembers to name misses (the node's ``store.miss_history_blocks``).
+        history_blocks: removals the store remembers to name misses (the node's ``store.miss_history_blocks``).
 
     Returns:
         The counts and ratios of the replay.
@@ -231,23 +231,19 @@ def simulate(
         per_request = [0] * len(requests)
         per_tier = (0,)
     else:
-        model = NodeModel("lru" if name in BASELINES else name, capacity_blocks or disk_capacity_blocks,
-                          disk_capacity_blocks=disk_capacity_blocks if capacity_blocks else 0,
-                          history_blocks=history_blocks)
+        top = None
         if name in BASELINES:
-            model.policies[0] = (ARCPolicy if name == "arc" else SAEPolicy)(capacity_blocks)  # type: ignore[assignment]
-        memory = disk = 0
-        per_request = []
-        request_of = model.request
-        for request in requests:
-            hits = request_of(request.block_ids, request.timestamp_s, None, 0.0, request.session, request.ttl_s,
-                              request.namespace)
-            memory += hits.memory
-            disk += hits.disk
-            per_request.append(hits.memory + hits.disk)
-        per_tier = (memory, disk) if len(model.policies) > 1 else (memory,)
-        evicted, demoted = model.evicted_blocks, model.demoted_blocks
-        missed = dict(model.misses.by_cause)
+            top = (ARCPolicy if name == "arc" else SAEPolicy)(capacity_blocks)
+        with SimNode("lru" if name in BASELINES else name, capacity_blocks or disk_capacity_blocks,
+                     disk_capacity_blocks=disk_capacity_blocks if capacity_blocks else 0,
+                     history_blocks=history_blocks, top_policy=top) as node:
+            per_hits = node.replay(requests)
+            memory = sum(h.memory for h in per_hits)
+            disk = sum(h.disk for h in per_hits)
+            per_request = [h.memory + h.disk for h in per_hits]
+            per_tier = (memory, disk) if len(node.policies) > 1 else (memory,)
+            evicted, demoted = node.evicted_blocks, node.demoted_blocks
+            missed = dict(node.misses.by_cause)
     elapsed_s = time.perf_counter() - started
     cpu_s = time.process_time() - started_cpu
     hit_blocks = sum(per_tier)

@@ -1,8 +1,9 @@
 """The simulator predicts a real node exactly: ``kvstore loadtest`` (one worker) against ``kvstore serve`` and
 ``kvstore simulate`` count the same hits, for every policy, in memory and in memory plus disk.
 
-This guards the replay model (``kvstore.sim.model``, ``docs/simulate.md``): a change to the store's order of
-touches, inserts and evictions per request shows up here as a different count.
+The simulator runs the store itself over metadata-only tiers (``kvstore.sim.node``, ``docs/simulate.md``), so
+what this guards is the rest: the tiers' capacities in blocks, and the order of a client's calls and of the
+node's background work between them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.loadtest import LoadTestConfig, replay_loadtest
-from kvstore.sim import NodeModel, simulate
+from kvstore.sim import SimNode, simulate
 from kvstore.sim.agentic import AgenticConfig, generate_agentic
 from kvstore.shm.node.pool import footprint
 from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, default_map_size_bytes
@@ -65,11 +66,11 @@ CASES = {  # trace, memory blocks, disk blocks: evictions on most requests, and 
 def test_memory_tier_hit_counts_are_equal(trace: str, policy: str, tmp_path: Path) -> None:
     make, capacity, _ = CASES[trace]
     requests = make()
-    model = NodeModel(policy, capacity)
-    for request in requests:
-        model.request(request.block_ids)
-    if policy == "default":
-        assert model.policies[0].switches >= 1  # type: ignore[attr-defined]  # the adaptive policy swapped
+    with SimNode(policy, capacity) as node:
+        for request in requests:
+            node.request(request.block_ids)
+        if policy == "default":
+            assert node.policies[0].switches >= 1  # type: ignore[attr-defined]  # the adaptive policy swapped
     sim = simulate(requests, policy, capacity)
     assert sim.hit_blocks > 100
     assert sim.hit_blocks != simulate(requests, "slru" if policy == "lru" else "lru", capacity).hit_blocks
