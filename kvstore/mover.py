@@ -116,14 +116,15 @@ class Mover:
         fail (issue 32: concurrent puts were refused while demotions ran).
 
         Raises:
-            ResourceExhaustedError: if the rest is held by reads, with no eviction in flight to wait for.
+            ResourceExhaustedError: if the rest is held (references) by reads, with no eviction in flight to wait
+                for.
         """
         while True:
             try:
                 return self._index.reserve(level, nbytes)
             except NoRoomError:
                 if not await self._evictions_ended(level):
-                    raise ResourceExhaustedError(self._no_room(level, nbytes, "the rest is leased by reads in flight")
+                    raise ResourceExhaustedError(self._no_room(level, nbytes, "the rest is held by reads in flight")
                                                  ) from None
 
     async def _evictions_ended(self, level: int) -> bool:

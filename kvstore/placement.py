@@ -229,7 +229,7 @@ class Placement:
         """Write blocks into tier ``level`` with the protected blocks resident there held, so no victim; the room
         is the tier's capacity less theirs. Returns the positions of the blocks that room cannot take, for the
         next tier: all of them (one of them is larger than the room), those not yet written when the tier could
-        not make room (the rest leased; only where a tier is below), or none.
+        not make room (the rest held by reads; only where a tier is below), or none.
 
         Raises:
             ResourceExhaustedError: if the last local tier cannot make room (counted and logged).

@@ -244,8 +244,8 @@ class BlockRead:
         namespace: namespace of the blocks.
         block_hashes: the hashes asked for, in prefix order.
         lend: whether a tier that lends may return views (``False``: copies).
-        held: the index entries this read holds references on, once entered.
-        releases: the tier leases to give back, once entered.
+        held: once entered, the index entries it holds references on (``Index.hold``).
+        releases: once entered, the release of each tier lease it took (:meth:`TierLease.release`).
         promotions: lower-tier hits to offer the mover on leaving.
         framed: once entered, per block, its stored framed value (the server's
             value encoding, e.g. a ready Get reply) where the top tier holds one

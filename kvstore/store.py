@@ -18,6 +18,15 @@ synchronous steps (``Index.prepare_put`` / ``complete_put``, ``prepare_read`` /
   retires entries at once, so a copy still in flight loses here, ``Index.is_current``)
   and gives back the references.
 
+Four words, one meaning each. A **reference** (``Index.hold`` / ``Index.release``,
+``Entry.readers``) keeps an indexed block out of its tier's eviction order while
+an operation reads or moves it. A **lease** (``LeasingTier.lease``,
+``TierLease.release``) is a tier's loan of its own memory, valid until given
+back, even after the block left the index. A **pin** (``Index.pin``,
+``kvstore.pins``) is a cache-control TTL: a pinned block is evicted only after
+every unpinned one. A put **protects** the cached prefix it continues
+(``kvstore.continuations``) by holding references on it while it makes room.
+
 This module is the facade; each job is a module of its own: puts in
 ``kvstore.placement`` (admission, the steps, and each block into the first tier
 it fits), reads in ``kvstore.reads``, deletes and clears in ``kvstore.removal``,
