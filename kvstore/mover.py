@@ -124,7 +124,7 @@ class Mover:
                 return self._index.reserve(level, nbytes)
             except NoRoomError:
                 if not await self._evictions_ended(level):
-                    raise ResourceExhaustedError(self._no_room(level, nbytes, "the rest is held by reads in flight")
+                    raise ResourceExhaustedError(self._no_room(level, nbytes, "the rest is leased by reads in flight")
                                                  ) from None
 
     async def _evictions_ended(self, level: int) -> bool:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from kvstore.api import LookupResult, StoreStats
+from kvstore.api import Buffer, LookupResult, StoreStats
 from kvstore.config import StoreConfig
 from kvstore.copies import CopyQueue
 from kvstore.counts import TenantLookups, TierCounts, agentic_stats, count_lookup, store_stats
@@ -354,7 +354,7 @@ class TieredStore:
         self,
         namespace: Namespace,
         block_hashes: Sequence[BlockHash],
-        blocks: Sequence[bytes],
+        blocks: Sequence[Buffer],
         *,
         priority: int | None = None,
         retention_s: float | None = None,
