@@ -5,7 +5,7 @@ mode) where a tier cannot take them."""
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 from kvstore.api import Buffer
 from kvstore.blockcopy import TensorBlock, encoded_values
@@ -61,7 +61,7 @@ class Placement:
         self.sessions: SessionTracker[BlockKey] | None = None  # the ``session`` policy's (``TieredStore``)
         self.misses: MissLedger | None = None  # learns each namespace put under (``TieredStore``)
 
-    def admit(self, namespace: Namespace, keys: Sequence[BlockKey], blocks: Sequence[Buffer], priority: int | None,
+    def admit(self, namespace: Namespace, keys: Sequence[BlockKey], blocks: Sequence[PutValue], priority: int | None,
               retention_s: float | None, ttl_s: float = 0.0) -> BlockMeta:
         """Validate a put (``kvstore.validation``) before anything is stored; returns the blocks' metadata.
 
@@ -90,13 +90,13 @@ class Placement:
                     self._mover.refused(0, "too_large", len(blocks), exc)
                 raise exc
         if not _one_kind(blocks):
-            check_one_shape(blocks)
+            check_one_shape(cast("Sequence[Buffer]", blocks))  # a TensorBlock too: it has the ``shape`` compared
         if self.misses is not None:
             self.misses.namespaces.learn(namespace)
         self._index.pins.tenants.setdefault(namespace.tag, namespace.cache_salt)
         return meta
 
-    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], meta: BlockMeta,
+    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[PutValue], meta: BlockMeta,
                   check_open: Callable[[], None], session: str = "", lookups: int = 0) -> int:
         """An admitted put's steps: prepare (``Index.prepare_put``), the I/O and complete (:meth:`place`), for
         every block in no tier; a block another put is placing is waited for, and one whose placement a delete
@@ -138,7 +138,7 @@ class Placement:
             pending = {key: pending[key] for key in again}
         return num_new
 
-    def _admit_session(self, step: PutStep, values: Sequence[Buffer], session: str, lookups: int) -> None:
+    def _admit_session(self, step: PutStep, values: Sequence[PutValue], session: str, lookups: int) -> None:
         """Under the ``session`` policy: keep the head of a session's new blocks that fits what the turnover admits,
         abandon the rest (not stored), and count what is placed (``kvstore.policy.sessions``)."""
         sessions = self.sessions

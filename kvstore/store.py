@@ -40,9 +40,9 @@ so nothing needs a lock.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
-from kvstore.api import Buffer, LookupResult, StoreStats
+from kvstore.api import LookupResult, StoreStats
 from kvstore.config import StoreConfig
 from kvstore.copies import CopyQueue
 from kvstore.counts import TenantLookups, TierCounts, agentic_stats, count_lookup, store_stats
@@ -51,7 +51,7 @@ from kvstore.explain import BlockExplanation, MissLedger
 from kvstore.index import Index
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
 from kvstore.lifecycle import drain, restore, shut_down
-from kvstore.mover import Mover
+from kvstore.mover import Mover, PutValue
 from kvstore.pins import PinLimits
 from kvstore.placement import Placement
 from kvstore.policy import make_policy, resolve_policy_name
@@ -314,7 +314,7 @@ class TieredStore:
             UnavailableError: if the store is closed.
         """
         async with self.read(namespace, block_hashes, lend=False, session_id=session_id, ttl_s=ttl_s) as blocks:
-            return blocks  # type: ignore[return-value]  # without lending, every block is bytes
+            return cast("list[bytes]", blocks)  # without lending, every block is bytes
 
     def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, lend: bool = True,
              session_id: str | None = None, ttl_s: float | None = None) -> BlockRead:
@@ -354,7 +354,7 @@ class TieredStore:
         self,
         namespace: Namespace,
         block_hashes: Sequence[BlockHash],
-        blocks: Sequence[Buffer],
+        blocks: Sequence[PutValue],
         *,
         priority: int | None = None,
         retention_s: float | None = None,
@@ -379,7 +379,8 @@ class TieredStore:
             namespace: namespace of the blocks.
             block_hashes: one chained hash per block.
             blocks: encoded blocks (``kvstore.codec``), matching the namespace's
-                dtype, layout and block size.
+                dtype, layout and block size; or tensors not yet encoded
+                (:class:`~kvstore.blockcopy.TensorBlock`, what the embedded store puts).
             priority: retention priority in ``[0, 100]``; the configured default when ``None``.
             retention_s: seconds the priority holds before it reverts to the default.
             session_id: the agentic session the blocks belong to; under the ``session`` policy a put of a
