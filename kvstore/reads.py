@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from kvstore.api import Buffer
 from kvstore.config import StoreConfig
@@ -134,7 +134,7 @@ class ReadPath:
             by_level.setdefault(entry.level, []).append(i)
         batches = [self._read_tier(level, [keys[i] for i in positions], read) for level, positions in by_level.items()]
         results = [await batches[0]] if len(batches) == 1 else await asyncio.gather(*batches)
-        places: list[object] | None = None
+        places: list[Any] | None = None
         for positions, (tier_values, lent_places) in zip(by_level.values(), results):
             for i, value in zip(positions, tier_values):
                 found[i] = value
@@ -175,7 +175,7 @@ class ReadPath:
         return values
 
     async def _read_tier(self, level: int, keys: list[BlockKey], read: BlockRead
-                         ) -> tuple[Sequence[Buffer | None], list[object] | None]:
+                         ) -> tuple[Sequence[Buffer | None], list[Any] | None]:
         """One tier's values of ``keys``: lent views where ``read`` may take them and the tier lends, else copies;
         and where the tier lent them, their places in memory other processes map (:attr:`TierLease.places`)."""
         lender = self._lenders[level]
@@ -280,7 +280,7 @@ class BlockRead:
         self.releases: list[Callable[[], None]] = []
         self.promotions: list[tuple[int | None, list[BlockKey], list[bytes], int]] = []
         self.framed: list[bytes | None] | None = None
-        self.places: list[object] | None = None
+        self.places: list[Any] | None = None
         self.pool: torch.Tensor | None = None
         self.offsets: list[int] | None = None
         self.num_lent = 0
