@@ -147,7 +147,8 @@ class TieredStore:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Rebuild the index from what persistent tiers hold (e.g. LMDB after a restart), and start the background copies.
+        """Rebuild the index from what persistent tiers hold (e.g. LMDB after a restart), and start the background
+        copies (``kvstore.copies``).
 
         Entries are inserted oldest access first, so the eviction order survives
         the restart. A block held by two tiers (a crash mid-move) stays in the upper one.

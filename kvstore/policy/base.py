@@ -70,6 +70,9 @@ class EvictionPolicy(Protocol[K]):
     def is_pinned(self, key: K) -> bool:
         """Whether the TTL of ``key`` runs."""
 
+    def unpin_oldest(self, nbytes: int) -> int:
+        """End the TTLs of the least recently used pinned keys until ``nbytes`` are unpinned; the bytes unpinned."""
+
     def ttl_ran_out(self, key: K) -> bool:
         """Whether ``key``'s TTL ran out while it stayed tracked."""
 

@@ -22,7 +22,8 @@ import functools
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Iterable, Callable, NoReturn, Protocol, Sequence, TypeVar, cast
+from typing import (TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterable, NoReturn, Protocol, Sequence, TypeVar,
+                    cast)
 
 import grpc
 
@@ -77,7 +78,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 """``kvstore.v1.KVStore``: the service name for health checks and reflection."""
 
 
-class _ReplyLostFilter(logging.Filter):
+class ReplyLostFilter(logging.Filter):
     """Reads grpc.aio's ERROR about a reply the client went away from as what it is: a call the client ended.
 
     A unary handler's reply (a Get's last message, see
@@ -112,7 +113,9 @@ class _ReplyLostFilter(logging.Filter):
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
-_REPLY_LOST = _ReplyLostFilter()
+REPLY_LOST = ReplyLostFilter()
+"""The one filter :meth:`KVStoreServicer.add_to_server` installs on grpc.aio's logger (its
+:attr:`~ReplyLostFilter.tasks` are the calls whose reply was lost)."""
 _GRPC_AIO_LOGGER = "grpc._cython.cygrpc"  # the logger of grpc.aio's server (its Cython module)
 
 
@@ -164,7 +167,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         client has its reply. On the wire the two are the same: a stream of
         messages, then the status. That batch runs after the handler, so a
         client that goes away while it waits is seen through grpc.aio's log
-        (:class:`_ReplyLostFilter`, installed here).
+        (:class:`ReplyLostFilter`, installed here).
         """
         handlers = {
             "Lookup": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Lookup), identity,
@@ -196,8 +199,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
         grpc_logger = logging.getLogger(_GRPC_AIO_LOGGER)
-        if _REPLY_LOST not in grpc_logger.filters:
-            grpc_logger.addFilter(_REPLY_LOST)
+        if REPLY_LOST not in grpc_logger.filters:
+            grpc_logger.addFilter(REPLY_LOST)
 
     def begin_shutdown(self) -> None:
         """Refuse every new call with UNAVAILABLE; calls already running go on."""
@@ -308,8 +311,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     return pb.PutResponse(num_stored=0, num_blocks=0)
                 self.service.check_deadline(context.time_remaining())
                 with self.service.reserve(namespace, sum(len(b) for b in blocks)):
-                    stored = await self._store.put(namespace, cast("list[BlockHash]", hashes), blocks, priority=priority,
-                                                   retention_s=retention_s, session_id=session_id, ttl_s=ttl_s)
+                    stored = await self._store.put(namespace, cast("list[BlockHash]", hashes), blocks,
+                                                   priority=priority, retention_s=retention_s, session_id=session_id,
+                                                   ttl_s=ttl_s)
                 return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
             finally:
                 if held:
@@ -655,7 +659,7 @@ class GrpcCall:
         ends, however it ends: a reply stalled by a client that stopped reading
         holds its slot until the call's deadline or connection ends it. A reply
         lost that way counts as CANCELLED or DEADLINE_EXCEEDED when grpc.aio
-        logged it (:class:`_ReplyLostFilter`) or the deadline has passed. When
+        logged it (:class:`ReplyLostFilter`) or the deadline has passed. When
         grpc.aio learns of a cancellation before the batch fails, it logs
         nothing, and such a call counts as OK.
         """
@@ -665,7 +669,7 @@ class GrpcCall:
             servicer.admission.release(self._ticket)
         self._end_reply()
         code = "OK"
-        if task in _REPLY_LOST.tasks or _call_ended(context):  # the reply was lost: the client ended the call
+        if task in REPLY_LOST.tasks or _call_ended(context):  # the reply was lost: the client ended the call
             remaining = context.time_remaining()
             code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
         if servicer.metrics is not None:

@@ -115,10 +115,10 @@ async def test_a_reply_grpc_reports_lost_is_counted_as_ended_by_the_client() -> 
         metrics = ServiceMetrics()
 
     lost = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, __file__, 0,
-                             f"{servicer_module._ReplyLostFilter.PREFIX}Get]", None, None)
+                             f"{servicer_module.ReplyLostFilter.PREFIX}Get]", None, None)
 
     async def call_whose_reply_is_lost(remaining: float | None) -> None:
-        servicer_module._REPLY_LOST.filter(lost)  # the record grpc.aio logs inside the call's task
+        servicer_module.REPLY_LOST.filter(lost)  # the record grpc.aio logs inside the call's task
         call = servicer_module.GrpcCall(Servicer(), "Get", Context(remaining))  # type: ignore[arg-type]
         call._start_s = 0.0
         asyncio.current_task().add_done_callback(call._finish)  # type: ignore[union-attr]

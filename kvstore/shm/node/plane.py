@@ -26,7 +26,7 @@ import logging
 import os
 import resource
 import socket
-from typing import Any, Callable, Coroutine, Hashable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
