@@ -7,7 +7,7 @@ import os
 import selectors
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar, cast
 
 from kvstore.api import Block, Buffer, LookupResult, StoreStats
 from kvstore.blockcopy import check_destinations, copy_lent_into, tensor_blocks
@@ -176,7 +176,8 @@ class EmbeddedStore:
         read = self._store.read(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s)
         blocks = self._open(read)
         try:
-            copied = copy_lent_into(blocks, destinations, bool(verify), read.pool, read.offsets)
+            pool = cast("torch.Tensor | None", read.pool)  # a tier's page pool is a tensor (``TierLease.pool``)
+            copied = copy_lent_into(blocks, destinations, bool(verify), pool, read.offsets)
         finally:
             self._close_read(read)
         if copied.error is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 from kvstore.api import Buffer
 from kvstore.config import StoreConfig
@@ -16,9 +16,6 @@ from kvstore.keys import BlockHash, BlockKey, Namespace, block_key, block_keys
 from kvstore.records import Records
 from kvstore.tasks import Tasks
 from kvstore.tiers.base import LeasingTier, SharedTier, Tier
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +93,7 @@ class ReadPath:
         read.num_lent = len(keys)
         read.framed = lease.framed
         read.places = lease.places
-        read.pool = cast("torch.Tensor | None", lease.pool)  # the tier's page pool: a tensor (``TierLease.pool``)
-        read.offsets = lease.offsets
+        read.pool, read.offsets = lease.pool, lease.offsets
         return cast("list[Buffer]", lease.values)  # no None: checked above
 
     async def open(self, read: BlockRead) -> list[Buffer]:
@@ -281,7 +277,7 @@ class BlockRead:
         self.promotions: list[tuple[int | None, list[BlockKey], list[bytes], int]] = []
         self.framed: list[bytes | None] | None = None
         self.places: list[Any] | None = None
-        self.pool: torch.Tensor | None = None
+        self.pool: object | None = None
         self.offsets: list[int] | None = None
         self.num_lent = 0
         self.top_misses: bool | None = None
