@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from kvstore.api import StoreStats, TierStats
+from kvstore.explain import MissLedger
+from kvstore.index import Index
+from kvstore.keys import BlockKey
+from kvstore.policy.sessions import SessionTracker
 from kvstore.tiers.base import Tier, tier_status
-
-if TYPE_CHECKING:
-    from kvstore.index import Index
-    from kvstore.store import TieredStore
 
 
 @dataclass(slots=True)
@@ -130,6 +130,7 @@ def store_stats(index: Index, tiers: Sequence[Tier], counts: Sequence[TierCounts
     result = []
     for level, (tier, tier_counts) in enumerate(zip(tiers, counts)):
         extra = dict(tier.counters())
+        status = tier_status(tier)
         local = level < len(index.policies)
         if local:
             extra["lost_records"] = tier_counts.lost_records
@@ -152,16 +153,25 @@ def store_stats(index: Index, tiers: Sequence[Tier], counts: Sequence[TierCounts
             promotions=tier_counts.promotions,
             corrupt_records=extra.pop("corrupt_records", 0) + tier_counts.mismatched,
             counters=extra,
-            **tier_status(tier),
+            state=status.get("state", ""),
+            last_error=status.get("last_error", ""),
         ))
     return StoreStats(tuple(result), lookup_hit_blocks, lookup_miss_blocks,
                       tenants.snapshot() if tenants is not None else {})
 
 
-def agentic_stats(stats: StoreStats, store: TieredStore) -> StoreStats:
-    """``stats`` with the store's missed blocks by cause, reuse gaps, and the counts of its TTLs and sessions
-    (``StoreStats.counters``), and each local tier's pinned bytes (``TierStats.pinned_bytes``)."""
-    index = store.index
+def agentic_stats(stats: StoreStats, index: Index, misses: MissLedger, sessions: SessionTracker[BlockKey] | None,
+                  ttl_clamped: int) -> StoreStats:
+    """``stats`` with the missed blocks by cause and reuse gaps of ``misses``, and the counts of the TTLs and
+    sessions (``StoreStats.counters``), and each local tier's pinned bytes (``TierStats.pinned_bytes``).
+
+    Args:
+        stats: what :func:`store_stats` made.
+        index: the store's index (its pins, history and policies).
+        misses: the store's :class:`~kvstore.explain.MissLedger`.
+        sessions: the ``session`` policy's tracker, or ``None`` under another policy.
+        ttl_clamped: TTLs taken at ``store.pins.max_ttl_s`` (``TieredStore.ttl_clamped``).
+    """
     refused = index.pins.refused
     counters = {
         "pinned_bytes": index.pins.pinned_bytes(),
@@ -169,17 +179,17 @@ def agentic_stats(stats: StoreStats, store: TieredStore) -> StoreStats:
         "pins_refused_node": refused.get("node", 0),
         "pins_refused_tenant": refused.get("tenant", 0),
         "pins_displaced": index.pins.displaced,
-        "ttl_clamped": store.ttl_clamped,
-        "sessions": len(store.sessions) if store.sessions is not None else 0,
-        "cooled_chains": store.sessions.cooled_chains if store.sessions is not None else 0,
-        "bounded_puts": store.sessions.bounded_puts if store.sessions is not None else 0,
+        "ttl_clamped": ttl_clamped,
+        "sessions": len(sessions) if sessions is not None else 0,
+        "cooled_chains": sessions.cooled_chains if sessions is not None else 0,
+        "bounded_puts": sessions.bounded_puts if sessions is not None else 0,
         "miss_history_blocks": len(index.history),
     }
     tiers = tuple(
         dataclasses.replace(tier, pinned_bytes=index.policies[level].pinned_nbytes)
         if level < len(index.policies) else tier
         for level, tier in enumerate(stats.tiers))
-    counts = store.misses.counts
-    return dataclasses.replace(stats, tiers=tiers, missed_blocks=store.misses.snapshot(),
+    counts = misses.counts
+    return dataclasses.replace(stats, tiers=tiers, missed_blocks=misses.snapshot(),
                                reuse_gap_counts=tuple(counts.reuse_gap_counts), reuse_gap_sum_s=counts.reuse_gap_sum_s,
                                counters=counters)

@@ -7,7 +7,7 @@ import os
 import selectors
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar, cast
 
 from kvstore.api import Block, Buffer, LookupResult, StoreStats
 from kvstore.blockcopy import check_destinations, copy_lent_into, tensor_blocks
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-class _ParkingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _ParkingSelector(selectors.DefaultSelector):
     """The embedded store's loop's selector: the loop thread holds the store's lock except while it waits here.
 
     So a caller thread that takes the lock finds the loop parked (waiting for
@@ -176,7 +176,8 @@ class EmbeddedStore:
         read = self._store.read(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s)
         blocks = self._open(read)
         try:
-            copied = copy_lent_into(blocks, destinations, bool(verify), read.pool, read.offsets)  # type: ignore[arg-type]
+            pool = cast("torch.Tensor | None", read.pool)  # a tier's page pool is a tensor (``TierLease.pool``)
+            copied = copy_lent_into(blocks, destinations, bool(verify), pool, read.offsets)
         finally:
             self._close_read(read)
         if copied.error is not None:
@@ -258,7 +259,7 @@ class EmbeddedStore:
             As :meth:`TieredStore.put` otherwise.
         """
         staged = tensor_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.encoding
-        return self._call(self._store.put(namespace, block_hashes, staged,  # type: ignore[arg-type]
+        return self._call(self._store.put(namespace, block_hashes, staged,
                                           priority=priority, retention_s=retention_s, session_id=session_id,
                                           ttl_s=ttl_s))
 

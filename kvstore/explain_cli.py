@@ -145,10 +145,11 @@ def run(args: argparse.Namespace) -> int:
                           "near_namespace": _namespace_dict(near), "near": confirm}, indent=2))
         return 0
     print("\n".join(summarize(blocks)))
-    if near is not None and (explained or namespace) is not None:
-        fields = differing_fields(explained or namespace, near)  # type: ignore[arg-type]
+    asked = explained or namespace
+    if near is not None and asked is not None:
+        fields = differing_fields(asked, near)
         print(f"a near namespace holds blocks here; it differs in {', '.join(fields)}: "
-              + ", ".join(f"{name} {getattr(near, name)!r} (this request: {getattr(explained or namespace, name)!r})"
+              + ", ".join(f"{name} {getattr(near, name)!r} (this request: {getattr(asked, name)!r})"
                           for name in fields))
         if confirm is not None:
             print(f"the same tokens under it: {confirm['hit_blocks']} of {confirm['blocks']} blocks cached")

@@ -179,7 +179,8 @@ class Index:
         history_blocks: removals remembered to name misses (``kvstore.misses``, ``store.miss_history_blocks``).
     """
 
-    def __init__(self, policies: Sequence[EvictionPolicy], capacities: Sequence[int], clock: Callable[[], float],
+    def __init__(self, policies: Sequence[EvictionPolicy[BlockKey]], capacities: Sequence[int],
+                 clock: Callable[[], float],
                  held_bytes: Sequence[Callable[[], int] | None] = (), charge: Callable[[int], int] | None = None, *,
                  pin_limits: PinLimits | None = None, history_blocks: int = 0) -> None:
         self.policies = list(policies)
@@ -400,16 +401,21 @@ class Index:
                 local prefix is located too (past a block in the shared tier the
                 next may be local again), and those in no local tier are asked of it.
         """
-        levels: list[int | None] = list(self.locate(keys))
-        local: Sequence[int] = range(len(levels))
+        located = self.locate(keys)
+        levels: list[int | None] = list(located)
+        local = list(range(len(located)))
+        held = [self.hold(level, key) for level, key in zip(located, keys)]
         wanted: list[int] = []
-        if shared and len(levels) < len(keys):
-            levels += self.levels_of(keys[len(levels):])
-            local = [i for i, level in enumerate(levels) if level is not None]
-            wanted = [i for i, level in enumerate(levels) if level is None]
-        held = [self.hold(levels[i], keys[i]) for i in local]  # type: ignore[arg-type]  # local: not None
+        if shared and len(located) < len(keys):
+            for i, level in enumerate(self.levels_of(keys[len(located):]), len(located)):
+                levels.append(level)
+                if level is None:
+                    wanted.append(i)
+                else:
+                    local.append(i)
+                    held.append(self.hold(level, keys[i]))
         generation = self.namespace_generation(keys[0][:NAMESPACE_TAG_BYTES]) if keys else 0
-        return ReadStep(levels, list(local), wanted, held, generation)
+        return ReadStep(levels, local, wanted, held, generation)
 
     def complete_read(self, step: ReadStep, keys: Sequence[BlockKey], hit: int,
                       lost: Sequence[Entry], ttl_s: float = 0.0) -> dict[int, list[BlockKey]]:
@@ -591,6 +597,16 @@ class Index:
         self._retired_bytes[entry.level] -= entry.nbytes
         return self.record_unneeded(entry)
 
+    def release_all(self, entries: Sequence[Entry]) -> dict[int, list[BlockKey]]:
+        """:meth:`release` of one reference on each of ``entries``, tail first (blocks held head first return
+        with the head the most recent); returns the records whose last reference this was, by tier, for the
+        caller to delete (``kvstore.records``)."""
+        records: dict[int, list[BlockKey]] = {}
+        for entry in reversed(entries):
+            if self.release(entry):
+                records.setdefault(entry.level, []).append(entry.key)
+        return records
+
     def record_unneeded(self, entry: Entry) -> bool:
         """Whether the record a gone entry leaves in its tier should be deleted: not if a newer entry of the key
         lives in that tier (resident or being written), whose record it is, or will be, by the tier's write order."""
@@ -639,7 +655,8 @@ class Index:
             self._retired_bytes[level] += entry.nbytes
         return not keep_record
 
-    def _remember(self, level: int, key: BlockKey, policy: EvictionPolicy, reason: str, cause: str | None) -> None:
+    def _remember(self, level: int, key: BlockKey, policy: EvictionPolicy[BlockKey], reason: str,
+                  cause: str | None) -> None:
         """Record a removal in :attr:`history` (see :meth:`forget`)."""
         shared = cause == "shared"
         if cause is None or shared:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+from kvstore.copies import CopyQueue
 from kvstore.index import Index
 from kvstore.mover import Mover
+from kvstore.tasks import Tasks
 from kvstore.tiers.base import SharedTier, Tier, check_at_start
 
 logger = logging.getLogger(__name__)
@@ -77,13 +79,22 @@ async def learn_logical_sizes(index: Index, tiers: Sequence[Tier]) -> None:
             index.logical.learn([key], [block])
 
 
-async def shut_down(mover: Mover, tiers: Sequence[Tier], shared: SharedTier | None, index: Index | None = None) -> None:
+async def drain(tasks: Tasks, copies: CopyQueue) -> None:
+    """Wait until no operation, record delete or background copy is in flight, and the copy queue is empty
+    (each may start the other: a put offers a write-through, a promotion deletes the records it moved)."""
+    while tasks or copies.busy:
+        await tasks.wait()
+        await copies.wait_idle()
+
+
+async def shut_down(tasks: Tasks, copies: CopyQueue, mover: Mover, tiers: Sequence[Tier], shared: SharedTier | None,
+                    index: Index | None = None) -> None:
     """Finish the work in flight, copy each volatile tier into the persistent tier below it, record the TTLs the
     persistent tiers' blocks have now, and close every tier.
 
     Failures are logged, and the rest still closes.
     """
-    await mover.drain()  # puts in flight (a cancelled put's too) publish before memory is copied down
+    await drain(tasks, copies)  # puts in flight (a cancelled put's too) publish before memory is copied down
     for level, tier in enumerate(tiers[:-1]):
         persistent = next((i for i in range(level + 1, len(tiers)) if tiers[i].persistent), None)
         if not tier.persistent and persistent is not None:
@@ -93,7 +104,8 @@ async def shut_down(mover: Mover, tiers: Sequence[Tier], shared: SharedTier | No
                 logger.exception("demoting tier %s on close failed", tier.name)
     if index is not None:
         await keep_pins(index, tiers)
-    await mover.close()
+    await drain(tasks, copies)  # the flush's own record deletes and copies
+    await copies.close()
     for tier in [*tiers, *([shared] if shared else [])]:
         try:
             await tier.close()

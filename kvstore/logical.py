@@ -24,7 +24,7 @@ from typing import Sequence
 from kvstore.blockcopy import TensorBlock
 from kvstore.codec import decode_header
 from kvstore.errors import CodecError
-from kvstore.keys import NAMESPACE_TAG_BYTES
+from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 
 
 def block_logical_nbytes(block: bytes | memoryview) -> int:
@@ -48,9 +48,9 @@ class LogicalBytes:
     def __init__(self, num_levels: int) -> None:
         self._blocks: list[dict[bytes, int]] = [{} for _ in range(num_levels)]
         self._per_block: dict[bytes, int] = {}
-        self._sample: dict[bytes, tuple[int, bytes]] = {}  # tags of unknown size: (a tier, a key) to read one from
+        self._sample: dict[bytes, tuple[int, BlockKey]] = {}  # tags of unknown size: (a tier, a key) to read one from
 
-    def added(self, level: int, key: bytes) -> None:
+    def added(self, level: int, key: BlockKey) -> None:
         """A block became resident in tier ``level``."""
         tag = key[:NAMESPACE_TAG_BYTES]
         blocks = self._blocks[level]
@@ -70,7 +70,7 @@ class LogicalBytes:
             if tag in self._sample and self._sample[tag][0] == level:
                 del self._sample[tag]
 
-    def learn(self, keys: Sequence[bytes], blocks: Sequence[bytes | memoryview]) -> None:
+    def learn(self, keys: Sequence[bytes], blocks: Sequence[bytes | memoryview | TensorBlock]) -> None:
         """Learn the logical bytes per block of each namespace of ``keys`` not yet known, from its block's header.
 
         A block whose header does not parse teaches nothing (the store refuses it elsewhere).
@@ -81,13 +81,13 @@ class LogicalBytes:
             if tag in per_block:
                 continue
             try:
-                header = block.header if type(block) is TensorBlock else decode_header(block)
+                header = block.header if isinstance(block, TensorBlock) else decode_header(block)
                 per_block[tag] = header.logical_nbytes
             except CodecError:
                 continue
             self._sample.pop(tag, None)
 
-    def unknown(self) -> list[tuple[int, bytes]]:
+    def unknown(self) -> list[tuple[int, BlockKey]]:
         """``(tier, key)`` of one resident block of each namespace whose size is not known yet (after a restart):
         reading it and passing it to :meth:`learn` makes the namespace's logical bytes known."""
         return list(self._sample.values())

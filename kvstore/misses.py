@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
 from operator import and_, rshift, sub
-from typing import Generic, Hashable, Iterable, Sequence, TypeVar
+from typing import Generic, Hashable, Iterable, Sequence, TypeVar, cast
 
 K = TypeVar("K", bound=Hashable)
 
@@ -235,7 +235,7 @@ class MissCounts:
         if first is not None and causes.count(first) == len(causes):
             by_cause[first] += len(causes)
             if first in _GAP_CAUSES:  # every block a removal: all their gaps, in C loops
-                self._add_removed(removals, now_s)  # type: ignore[arg-type]
+                self._add_removed(cast("Sequence[int]", removals), now_s)  # each a removal: no None
             return
         for cause, num in Counter(causes).items():
             by_cause[cause] += num
@@ -280,15 +280,17 @@ def classify(resident: Sequence[bool] | None, removals: Sequence[int | None], *,
             namespace was never stored here and a near one was.
         shared_down: whether the shared tier failed this lookup: a block that left for it is ``tier_unavailable``.
     """
+    here_flags: Iterable[bool] = () if resident is None else resident
     if resident is None or True not in resident:
-        resident = repeat(False)  # type: ignore[assignment]
+        here_flags = repeat(False)
         if None not in removals:  # all removed: the evicted suffix of a chain, in C loops
             if not shared_down:
-                return list(map(REMOVAL_CAUSES.__getitem__, map(and_, removals, repeat(0xF))))  # type: ignore[arg-type]
+                removed = cast("Sequence[int]", removals)  # no None: checked
+                return list(map(REMOVAL_CAUSES.__getitem__, map(and_, removed, repeat(0xF))))
         elif removals.count(None) == len(removals):  # the common case: all new
             return [namespace_cause] * len(removals)
     causes = []
-    for here, packed in zip(resident, removals):
+    for here, packed in zip(here_flags, removals):
         if here:
             causes.append(AFTER_MISS)
         elif packed is None:

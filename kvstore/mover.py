@@ -1,193 +1,99 @@
-"""The mover: every copy of blocks between tiers, and the store's one background task.
+"""The mover: every copy of blocks between a store's tiers that makes room, and the copies into the shared tier.
 
-Two kinds of work come to it:
-
-* **Room.** A write into a tier that is full first claims victims there
-  (:meth:`kvstore.index.Index.reserve`) and awaits :meth:`Mover.make_room`. Each
-  victim at or above ``demote_min_priority`` is demoted: copied into the next
-  local tier (which may need room of its own: the mover moves its victims
-  first), or into the shared tier from the last local one in ``write_back``
-  mode; the rest are dropped. A victim stays resident, and readable, until its
-  copy is published below. A put thus never writes into a tier other than its own.
-* **Background copies**, offered to a queue that one task drains in order:
-  promotions of lower-tier hits into the top tier, write-through copies of new
-  blocks into the shared tier, and the removal of a cleared namespace's old
-  generation from the shared tier. The queue is bounded in bytes
-  (:data:`MAX_QUEUED_BYTES`); an offer beyond it is dropped and counted
-  (``copies_dropped``), as a cache may.
+A write into a tier that is full first claims victims there
+(:meth:`kvstore.index.Index.reserve`) and awaits :meth:`Mover.make_room`. Each
+victim at or above ``demote_min_priority`` is demoted: copied into the next
+local tier (which may need room of its own: the mover moves its victims
+first), or into the shared tier from the last local one in ``write_back``
+mode; the rest are dropped. A victim stays resident, and readable, until its
+copy is published below. A put thus never writes into a tier other than its own.
 
 Every copy is prepare -> I/O -> complete (``kvstore.index``): the source and
 target entries are checked at the complete step, so a copy whose block was
 deleted or cleared meanwhile publishes nothing and discards what it wrote.
+The background copies (promotions, write-through) are queued in
+``kvstore.copies``, which writes through :meth:`Mover.place` and
+:meth:`Mover.write_shared` too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Callable, Sequence, cast
 
-from kvstore.blockcopy import encoded_values
+from kvstore.api import Buffer
+from kvstore.blockcopy import TensorBlock, encoded_values
+from kvstore.counts import TierCounts, count
 from kvstore.errors import ResourceExhaustedError, UnavailableError
 from kvstore.index import Entry, Index, NoRoomError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.misses import DROPPED
 from kvstore.policy import EvictionPolicy
-from kvstore.counts import TierCounts, count
 from kvstore.ratelog import WARNING_INTERVAL_S, RateLimitedLog
-from kvstore.tiers.base import (CHAIN_STEP_S, BlockMeta, CompressingTier, SharedTier, TensorWritingTier, Tier,
-                                TierFullError)
+from kvstore.records import Records
+from kvstore.tiers.base import BlockMeta, CompressingTier, SharedTier, TensorWritingTier, Tier, TierFullError
 
 logger = logging.getLogger(__name__)
 
 SHARED = "shared"
 """The history's cause of a block that left the last local tier for the shared tier (``Index.forget``)."""
 
-MAX_QUEUED_BYTES = 256 << 20
-"""Bytes of block values the background queue may hold; offers beyond it are dropped (and counted)."""
+BlockMove = tuple[int, float, float, float]
+"""What a block takes with it to another tier (:meth:`Mover.meta_of`): its priority, retention end, TTL and the
+TTL's end."""
 
 
-@dataclass(slots=True)
-class _Promotion:
-    source: int | None  # a local tier, or None for the shared tier
-    keys: list[BlockKey]
-    values: list[bytes]
-    generation: int  # the namespace generation the values were read under (shared source)
-    nbytes: int = field(default=0)
-    done: asyncio.Future[None] | None = None  # set once the promotion ended (``Mover.promotions_of``)
-    all_keys: list[BlockKey] = field(default_factory=list)  # the keys offered (a delete may drop some from keys)
-
-    def __post_init__(self) -> None:
-        self.all_keys = list(self.keys)
-
-
-@dataclass(slots=True)
-class _WriteThrough:
-    keys: list[BlockKey]
-    values: list[bytes]
-    metas: list[BlockMeta]
-    generation: int  # the namespace's local generation (clears on this store) when the put was prepared
-    shared_generation: int  # and the shared tier's
-    nbytes: int = field(default=0)
-
-
-@dataclass(slots=True)
-class _Sweep:
-    tag: bytes
-    generation: int
-    nbytes: int = field(default=0)
-    keys: tuple[BlockKey, ...] = ()  # a sweep carries no blocks (every job has keys and values)
-    values: tuple[bytes, ...] = ()
-
-
-_Job = _Promotion | _WriteThrough | _Sweep
-
-
-def block_meta(meta: tuple[int, float, float, float], last_access: float) -> BlockMeta:
+def block_meta(meta: BlockMove, last_access: float) -> BlockMeta:
     """The :class:`BlockMeta` a tier stores for a block moved with ``meta`` (:meth:`Mover.meta_of`)."""
     priority, expires_at, ttl_s, until = meta
     return BlockMeta(priority, expires_at, last_access, ttl_s, until)
 
 
-async def _nothing() -> None:
-    return None
+PutValue = Buffer | TensorBlock
+"""A block as a put or a move hands it to the mover: encoded (``bytes``, or a view of memory that outlives the
+write), or a put's tensor not yet encoded (:class:`~kvstore.blockcopy.TensorBlock`, for a
+:class:`~kvstore.tiers.base.TensorWritingTier`; any other tier gets it encoded)."""
 
 
-async def _quietly(pending: Awaitable[None], tier: Tier, num_keys: int) -> None:
-    try:
-        await pending
-    except UnavailableError as exc:  # failing: the record is left, as after a crash
-        logger.warning("deleting %d records from tier %s failed: %s", num_keys, tier.name, exc)
+def as_stored(values: Sequence[PutValue]) -> Sequence[bytes]:
+    """``values`` as :class:`~kvstore.tiers.base.Tier` declares a put's (``bytes``). Every tier takes any buffer,
+    and a :class:`~kvstore.tiers.base.TensorWritingTier` a :class:`~kvstore.blockcopy.TensorBlock` too; the mover
+    hands each only what it takes (:meth:`Mover.place`), and says so here, once."""
+    return cast("Sequence[bytes]", values)
 
 
 class Mover:
-    """Moves blocks between a store's tiers (see the module docstring); one per store, on its event loop.
+    """Moves blocks between a store's tiers to make room (see the module docstring); one per store, on its loop.
 
     Args:
         index: the store's index.
         tiers: the local tiers, fastest first.
         shared: the shared tier (Redis), or ``None``.
         counts: one :class:`TierCounts` per tier, the shared one last; the mover counts into them.
+        records: deletes the records of blocks moved out (:class:`~kvstore.records.Records`).
         demote_min_priority: victims below this priority are dropped, not demoted.
         write_back: whether the last local tier demotes into the shared tier.
-        default_priority: priority of blocks promoted out of the shared tier (it keeps none).
         clock: the store's clock, seconds.
     """
 
-    def __init__(self, index: Index, tiers: Sequence[Tier], shared: SharedTier | None, counts: Sequence[TierCounts], *,
-                 demote_min_priority: int, write_back: bool, default_priority: int,
+    def __init__(self, index: Index, tiers: Sequence[Tier], shared: SharedTier | None, counts: Sequence[TierCounts],
+                 records: Records, *, demote_min_priority: int, write_back: bool,
                  clock: Callable[[], float]) -> None:
         self._index = index
         self._tiers = list(tiers)
         self._shared = shared
         self._counts = list(counts)
+        self._records = records
         self._floor = demote_min_priority
         self._write_back = write_back and shared is not None
-        self._default_priority = default_priority
         self._clock = clock
-        self._queue: collections.deque[_Job] = collections.deque()
-        self._queued_bytes = 0
-        self._wakeup = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._worker: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Future[object]] = set()  # operations and record deletes in flight
         self._shared_writes: dict[BlockKey, asyncio.Future[None]] = {}  # keys on their way into the shared tier
-        self._promoting: dict[BlockKey, asyncio.Future[None]] = {}  # keys of queued or running promotions
         self._evicting: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]  # evictions in flight, by tier
         # what each tier's put takes, asked once (a Protocol's isinstance costs tens of microseconds)
         self._packers = [tier if isinstance(tier, CompressingTier) else None for tier in self._tiers]
         self._tensor_writers = [isinstance(tier, TensorWritingTier) for tier in self._tiers]
         self._warnings = RateLimitedLog(logger, WARNING_INTERVAL_S)
-        self._closed = False
-
-    # ------------------------------------------------------------------ lifecycle
-
-    def start(self) -> None:
-        """Start the background task (on the running loop)."""
-        if self._worker is None:
-            self._worker = asyncio.get_running_loop().create_task(self._drain_queue(), name="kvstore-mover")
-
-    async def drain(self) -> None:
-        """Wait until no operation, record delete or background copy is in flight, and the queue is empty."""
-        while self._tasks or self._queue or not self._idle.is_set():
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self._queue or not self._idle.is_set():
-                await self._idle.wait()
-
-    async def close(self) -> None:
-        """Finish the queued work, then stop the background task."""
-        await self.drain()
-        self._closed = True
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-        for done in self._promoting.values():  # never run: nothing waits on them any more
-            if not done.done():
-                done.set_result(None)
-        self._promoting.clear()
-
-    def run(self, work: Awaitable[object]) -> asyncio.Future[object]:
-        """Run ``work`` (an operation's I/O and complete step) to its end even if its caller is cancelled.
-
-        The caller awaits ``asyncio.shield`` of the returned task; :meth:`drain` waits for it.
-        """
-        return self.adopt(asyncio.ensure_future(work))
-
-    def adopt(self, task: asyncio.Future[object]) -> asyncio.Future[object]:
-        """Let :meth:`drain` wait for ``task`` (a read whose caller went away while its I/O ran)."""
-        if not task.done():
-            self._tasks.add(task)
-            task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Future[object]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            task.exception()  # observed: its caller (if any) got it; a task without one is logged by it
 
     # ------------------------------------------------------------------ room
 
@@ -210,7 +116,8 @@ class Mover:
         fail (issue 32: concurrent puts were refused while demotions ran).
 
         Raises:
-            ResourceExhaustedError: if the rest is held by reads, with no eviction in flight to wait for.
+            ResourceExhaustedError: if the rest is held (references) by reads, with no eviction in flight to wait
+                for.
         """
         while True:
             try:
@@ -235,7 +142,7 @@ class Mover:
                 f"({self._index.used_bytes(level)} in use), {why}; raise the tier's capacity "
                 f"(store.{tier.name}.capacity_bytes), or put fewer or smaller blocks per call")
 
-    async def place(self, level: int, entries: list[Entry], values: Sequence[bytes], metas: Sequence[BlockMeta],
+    async def place(self, level: int, entries: list[Entry], values: Sequence[PutValue], metas: Sequence[BlockMeta],
                     sources: Sequence[Entry] | None = None, *, room: int | None = None,
                     declined: list[int] | None = None) -> list[BlockKey]:
         """Write placing ``entries`` into tier ``level`` and publish those still current; returns the keys published.
@@ -268,7 +175,7 @@ class Mover:
                 values = encoded_values(values)
             packer = self._packers[level]
             if packer is not None:  # its room is what it stores
-                values = await packer.pack_values(values)
+                values = await packer.pack_values(as_stored(values))
             sizes = [tier.footprint(len(v)) for v in values]
             capacity = tier.capacity_bytes or 0
             room = capacity if room is None else room
@@ -309,7 +216,7 @@ class Mover:
             raise
         return published
 
-    async def _write(self, level: int, entries: list[Entry], values: Sequence[bytes], metas: Sequence[BlockMeta],
+    async def _write(self, level: int, entries: list[Entry], values: Sequence[PutValue], metas: Sequence[BlockMeta],
                      victims: list[BlockKey]) -> list[bool]:
         """The I/O of one batch: move its victims out, then write it into tier ``level``; whether each was stored.
 
@@ -322,7 +229,7 @@ class Mover:
         keys = [entry.key for entry in entries]
         while True:
             try:
-                return await tier.put(keys, values, metas)
+                return await tier.put(keys, as_stored(values), metas)
             except TierFullError:
                 # the room the index promised frees as the evictions in flight end (their victims' pages are
                 # the tier's until their moves end): wait for them, then write again
@@ -333,24 +240,9 @@ class Mover:
         more = await self.reserve(level, nbytes)
         await self.make_room(level, more)
         try:
-            return await tier.put(keys, values, metas)
+            return await tier.put(keys, as_stored(values), metas)
         except TierFullError as exc:
             raise ResourceExhaustedError(self._no_room(level, nbytes, f"the tier is full ({exc})")) from exc
-
-    def discard(self, level: int, keys: list[BlockKey]) -> None:
-        """Delete records the index no longer accounts for (stale writes, retired blocks): now, finished in the
-        background (:meth:`drain` waits for it)."""
-        if keys:
-            self.run(self._delete(self._tiers[level], keys))
-
-    def _delete(self, tier: Tier, keys: list[BlockKey]) -> Awaitable[None]:
-        """Call ``tier.delete(keys)`` now (it takes effect at the call); the awaitable reports no tier failure."""
-        try:
-            pending = tier.delete(keys)
-        except UnavailableError as exc:  # closed: the record is left, as after a crash
-            logger.warning("deleting %d records from tier %s failed: %s", len(keys), tier.name, exc)
-            return _nothing()
-        return _quietly(pending, tier, len(keys))
 
     def settle(self, entries: Sequence[Entry], written: Sequence[bool],
                sources: Sequence[Entry] | None = None) -> list[BlockKey]:
@@ -361,22 +253,8 @@ class Mover:
         """
         published, stale = self._index.complete_put(entries, written, sources)
         if stale:
-            self.discard(entries[0].level, stale)
+            self._records.discard(entries[0].level, stale)
         return published
-
-    def release(self, entries: Sequence[Entry]) -> None:
-        """Give back references; records of retired entries whose last reference this was are deleted (soon)."""
-        for level, keys in self._released(entries).items():
-            self.discard(level, keys)
-
-    def _released(self, entries: Sequence[Entry]) -> dict[int, list[BlockKey]]:
-        """Give back references; returns the records whose last reference this was, by tier, for the caller to delete."""
-        index = self._index
-        gone: dict[int, list[BlockKey]] = {}
-        for entry in reversed(entries):  # tail first: blocks held head first return with the head the most recent
-            if index.release(entry):
-                gone.setdefault(entry.level, []).append(entry.key)
-        return gone
 
     async def _evict(self, level: int, victims: list[BlockKey]) -> None:
         """Move claimed victims out of tier ``level``: demote those at or above the floor where there is a tier
@@ -429,13 +307,13 @@ class Mover:
         await self._retire(sources, DROPPED)  # given up on (the moved ones are gone already): out of this tier
 
     @staticmethod
-    def meta_of(policy: EvictionPolicy, key: BlockKey) -> tuple[int, float, float, float]:
+    def meta_of(policy: EvictionPolicy[BlockKey], key: BlockKey) -> BlockMove:
         """What a block takes with it to another tier: its priority, retention end, TTL and the TTL's end (a TTL
         survives demotion and promotion; ``docs/agentic.md``)."""
         return (policy.priority_of(key), policy.expiry_of(key), *policy.pin_of(key))
 
     async def _demote_to(self, level: int, found: list[tuple[Entry, bytes]],
-                         metas: dict[BlockKey, tuple[int, float, float, float]], target: int, now: float,
+                         metas: dict[BlockKey, BlockMove], target: int, now: float,
                          flush: bool) -> None:
         index = self._index
         tier = self._tiers[target]
@@ -469,7 +347,7 @@ class Mover:
                                num_blocks, self._tiers[level].name, reason, exc)
 
     async def _demote_to_shared(self, found: list[tuple[Entry, bytes]],
-                                metas: dict[BlockKey, tuple[int, float, float, float]], now: float,
+                                metas: dict[BlockKey, BlockMove], now: float,
                                 generations: dict[bytes, int]) -> set[BlockKey]:
         """Write-back: copy ``found`` into the shared tier; returns the keys it stored."""
         found = [(e, v) for e, v in found if self._index.is_current(e)]  # not deleted meanwhile
@@ -488,15 +366,17 @@ class Mover:
             return {}
         return {key[:NAMESPACE_TAG_BYTES]: shared.generation(key[:NAMESPACE_TAG_BYTES]) for key in keys}
 
-    async def write_shared(self, keys: list[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta],
+    async def write_shared(self, keys: list[BlockKey], values: Sequence[Buffer], metas: Sequence[BlockMeta],
                            generations: dict[bytes, int]) -> list[bool]:
         """Every copy into the shared tier: under ``generations``, and registered while it is on its way, so that
-        a delete of its keys sends its unlink after it (:meth:`wait_shared_writes`)."""
+        a delete of its keys sends its unlink after it (:meth:`shared_writes_of`). Only for a store with one."""
+        shared = self._shared
+        assert shared is not None, "no shared tier to write into"
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for key in keys:
             self._shared_writes[key] = done
         try:
-            return await self._shared.put(keys, values, metas, generations=generations)  # type: ignore[union-attr]
+            return await shared.put(keys, as_stored(values), metas, generations=generations)
         finally:
             for key in keys:
                 if self._shared_writes.get(key) is done:
@@ -516,10 +396,10 @@ class Mover:
         for entry in entries:
             if index.is_current(entry):
                 index.retire(entry, cause=cause)
-        for level, keys in self._released(entries).items():
-            await self._delete(self._tiers[level], keys)
+        for level, keys in index.release_all(entries).items():
+            await self._records.delete(level, keys)
 
-    def _fit_flush(self, found: list[tuple[Entry, bytes]], metas: dict[BlockKey, tuple[int, float, float, float]],
+    def _fit_flush(self, found: list[tuple[Entry, bytes]], metas: dict[BlockKey, BlockMove],
                    target: int) -> list[tuple[Entry, bytes]]:
         """Of the blocks a close flushes into tier ``target`` (in eviction order): every one at or above the floor,
         then those below it, most valuable first, that fit the room left free."""
@@ -545,151 +425,3 @@ class Mover:
         self._counts[level].evictions += len(sources)  # each leaves the tier: demoted (and counted so), or dropped
         if sources:
             await self._demote(level, sources, target, flush=True)
-
-    # ------------------------------------------------------------------ background copies
-
-    def offer(self, job: _Job) -> bool:
-        """Queue a background copy; ``False`` (and counted) if the queue is full or the mover closed."""
-        job.nbytes = sum(map(len, job.values))
-        if self._closed or (job.nbytes and self._queued_bytes + job.nbytes > MAX_QUEUED_BYTES):
-            target = 0 if isinstance(job, _Promotion) else -1
-            self._counts[target].copies_dropped += len(job.keys)
-            return False
-        self._queue.append(job)
-        self._queued_bytes += job.nbytes
-        self._idle.clear()
-        self._wakeup.set()
-        return True
-
-    def promote(self, source: int | None, keys: list[BlockKey], values: list[bytes], generation: int = 0) -> None:
-        """Offer to copy hits from tier ``source`` (``None``: the shared tier, read under namespace ``generation``)
-        into the top tier; the source keeps no copy, except the shared tier."""
-        job = _Promotion(source, keys, values, generation)
-        if self.offer(job):
-            job.done = asyncio.get_running_loop().create_future()
-            for key in keys:
-                self._promoting[key] = job.done
-
-    def promotions_of(self, keys: Sequence[BlockKey]) -> list[asyncio.Future[None]]:
-        """The promotions queued or running now that carry any of ``keys``; each is done once its copy ended.
-
-        A put that continues a prefix a Get is still promoting waits for them, so that it makes its room after
-        the promotion made its own (``TieredStore.put``; the simulator runs the same, ``kvstore.sim.node``).
-        """
-        promoting = self._promoting
-        if not promoting:
-            return []
-        return list({id(promoting[k]): promoting[k] for k in keys if k in promoting}.values())
-
-    def _promotion_ended(self, job: _Promotion) -> None:
-        if job.done is None:
-            return
-        for key in job.all_keys:
-            if self._promoting.get(key) is job.done:
-                del self._promoting[key]
-        job.done.set_result(None)
-
-    def write_through(self, keys: list[BlockKey], values: list[bytes], metas: list[BlockMeta], generation: int,
-                      shared_generation: int) -> None:
-        """Offer to copy new blocks into the shared tier under ``shared_generation``, unless this store clears their
-        namespace first (its local ``generation`` changes). A value that is a view (of memory the put lends only
-        until it ends, e.g. a range of the shared pool) is copied here, since the job outlives the put."""
-        values = [v if type(v) is bytes else bytes(v) for v in values]
-        self.offer(_WriteThrough(keys, values, metas, generation, shared_generation))
-
-    def sweep(self, tag: bytes, generation: int) -> None:
-        """Offer to remove a cleared namespace's keys of generations before ``generation`` from the shared tier."""
-        self.offer(_Sweep(tag, generation))
-
-    def forget_queued(self, keys: set[BlockKey] | None = None, tag: bytes | None = None) -> None:
-        """Drop queued copies of ``keys``, or of every block of the namespace ``tag`` (a delete or clear)."""
-        def wanted(key: BlockKey) -> bool:
-            return not (key in keys if keys is not None else key.startswith(tag))  # type: ignore[arg-type]
-
-        for job in self._queue:
-            if isinstance(job, _Sweep):
-                continue
-            kept = [i for i, key in enumerate(job.keys) if wanted(key)]
-            if len(kept) < len(job.keys):
-                job.keys = [job.keys[i] for i in kept]
-                job.values = [job.values[i] for i in kept]
-                if isinstance(job, _WriteThrough):
-                    job.metas = [job.metas[i] for i in kept]
-
-    async def _drain_queue(self) -> None:
-        while True:
-            if not self._queue:
-                self._idle.set()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            job = self._queue.popleft()
-            try:
-                if isinstance(job, _Promotion):
-                    await self._promote(job)
-                elif isinstance(job, _WriteThrough):
-                    await self._write_through(job)
-                else:
-                    await self._sweep(job)
-            except asyncio.CancelledError:
-                raise
-            except UnavailableError as exc:  # a tier down or closed: expected, and counted by the tier
-                logger.warning("background copy stopped: %s", exc)
-            except Exception:
-                logger.exception("background copy failed")
-            finally:
-                self._queued_bytes -= job.nbytes
-                if isinstance(job, _Promotion):
-                    self._promotion_ended(job)
-
-    async def _promote(self, job: _Promotion) -> None:
-        index = self._index
-        if not self._tiers or not job.keys:
-            return
-        source = job.source
-        tag = job.keys[0][:NAMESPACE_TAG_BYTES]
-        if source is None and index.cleared_since(tag, job.generation):
-            return  # cleared since the read: the values are of the old generation
-        wanted = [i for i, key in enumerate(job.keys)
-                  if index.placing(key) is None and index.level_of(key) == source
-                  and (source is None or not index.leaving(source, key))]
-        if not wanted:
-            return
-        top = self._tiers[0]
-        wanted = [i for i in wanted if top.footprint(len(job.values[i])) <= (top.capacity_bytes or 0)]
-        if not wanted:
-            return
-        keys = [job.keys[i] for i in wanted]
-        values = [job.values[i] for i in wanted]
-        now = self._clock()
-        if source is None:
-            metas: list[tuple[int, float, float, float]] = [(self._default_priority, 0.0, 0.0, 0.0)] * len(keys)
-            held: list[Entry] = []
-        else:
-            policy = index.policies[source]
-            metas = [self.meta_of(policy, k) for k in keys]
-            held = [index.hold(source, key) for key in keys]
-        placing = [index.place(key, *meta) for key, meta in zip(keys, metas)]
-        block_metas = [block_meta(meta, now - i * CHAIN_STEP_S) for i, meta in enumerate(metas)]
-        try:
-            published = await self.place(0, placing, values, block_metas, held if source is not None else None)
-        except (ResourceExhaustedError, UnavailableError) as exc:  # the top tier is in use: a promotion is an offer
-            logger.debug("promotion into %s stopped: %s", top.name, exc)
-            published = []
-        finally:
-            self.release(held)
-        # a promoted block the top tier evicted again while the rest were written went back down: not moved
-        moved = [key for key in published if key in index.policies[0]]
-        self._counts[len(self._tiers) if source is None else source].promotions += len(moved)
-
-    async def _write_through(self, job: _WriteThrough) -> None:
-        if self._shared is None or not job.keys:
-            return
-        tag = job.keys[0][:NAMESPACE_TAG_BYTES]
-        if self._index.cleared_since(tag, job.generation):
-            return  # cleared here since the put: the clear wins (and one elsewhere: the old generation is written)
-        await self.write_shared(job.keys, job.values, job.metas, {tag: job.shared_generation})
-
-    async def _sweep(self, job: _Sweep) -> None:
-        if self._shared is not None:
-            await self._shared.sweep_namespace(job.tag, job.generation)

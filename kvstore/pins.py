@@ -39,7 +39,8 @@ class Pins:
         tenants: namespace tag -> tenant (``cache_salt``), as puts name them (``Placement.admit``).
     """
 
-    def __init__(self, policies: Sequence[EvictionPolicy], capacities: Sequence[int], limits: PinLimits) -> None:
+    def __init__(self, policies: Sequence[EvictionPolicy[BlockKey]], capacities: Sequence[int],
+                 limits: PinLimits) -> None:
         self._policies = policies
         self._capacities = capacities
         self.limits = limits

@@ -5,19 +5,23 @@ mode) where a tier cannot take them."""
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
+from kvstore.api import Buffer
 from kvstore.blockcopy import TensorBlock, encoded_values
 from kvstore.codec import check_one_shape
 from kvstore.config import StoreConfig
 from kvstore.continuations import Continuations
+from kvstore.copies import CopyQueue
 from kvstore.errors import ResourceExhaustedError
 from kvstore.explain import MissLedger
 from kvstore.index import Entry, Index, PutStep
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey, Namespace
-from kvstore.mover import Mover
+from kvstore.mover import Mover, PutValue
+from kvstore.records import Records
+from kvstore.tasks import Tasks
 from kvstore.policy.sessions import SessionTracker
-from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, Buffer, SharedTier, Tier
+from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, SharedTier, Tier
 from kvstore.validation import CheckedBlocks, check_blocks, check_counts, check_priority, check_retention_s
 
 
@@ -29,6 +33,9 @@ class Placement:
         tiers: its local tiers, fastest first.
         shared: its shared tier, or ``None``.
         mover: its mover, which writes each batch and moves its victims out.
+        copies: its background copies (write-through, and the promotions a put waits for).
+        tasks: its tasks in flight (a prepared put runs to its end in one).
+        records: deletes the records the references of a protected prefix kept.
         config: the store's config (``max_block_bytes``, ``default_priority``, ``redis.mode``).
         clock: the store's clock, seconds.
 
@@ -37,11 +44,15 @@ class Placement:
     """
 
     def __init__(self, index: Index, tiers: Sequence[Tier], shared: SharedTier | None, mover: Mover,
-                 config: StoreConfig, clock: Callable[[], float]) -> None:
+                 copies: CopyQueue, tasks: Tasks, records: Records, config: StoreConfig,
+                 clock: Callable[[], float]) -> None:
         self._index = index
         self._tiers = list(tiers)
         self._shared = shared
         self._mover = mover
+        self._copies = copies
+        self._tasks = tasks
+        self._records = records
         self._write_through = shared is not None and config.redis.mode == "write_through"
         self._max_block_bytes = config.max_block_bytes
         self._default_priority = config.default_priority
@@ -50,7 +61,7 @@ class Placement:
         self.sessions: SessionTracker[BlockKey] | None = None  # the ``session`` policy's (``TieredStore``)
         self.misses: MissLedger | None = None  # learns each namespace put under (``TieredStore``)
 
-    def admit(self, namespace: Namespace, keys: Sequence[BlockKey], blocks: Sequence[Buffer], priority: int | None,
+    def admit(self, namespace: Namespace, keys: Sequence[BlockKey], blocks: Sequence[PutValue], priority: int | None,
               retention_s: float | None, ttl_s: float = 0.0) -> BlockMeta:
         """Validate a put (``kvstore.validation``) before anything is stored; returns the blocks' metadata.
 
@@ -79,13 +90,13 @@ class Placement:
                     self._mover.refused(0, "too_large", len(blocks), exc)
                 raise exc
         if not _one_kind(blocks):
-            check_one_shape(blocks)
+            check_one_shape(cast("Sequence[Buffer]", blocks))  # a TensorBlock too: it has the ``shape`` compared
         if self.misses is not None:
             self.misses.namespaces.learn(namespace)
         self._index.pins.tenants.setdefault(namespace.tag, namespace.cache_salt)
         return meta
 
-    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], meta: BlockMeta,
+    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[PutValue], meta: BlockMeta,
                   check_open: Callable[[], None], session: str = "", lookups: int = 0) -> int:
         """An admitted put's steps: prepare (``Index.prepare_put``), the I/O and complete (:meth:`place`), for
         every block in no tier; a block another put is placing is waited for, and one whose placement a delete
@@ -99,7 +110,7 @@ class Placement:
         index = self._index
         first_new = next((key for key in keys if index.level_of(key) is None), None)
         protect = self.continuations.pop(first_new) if first_new is not None else ()
-        promoting = self._mover.promotions_of(protect)
+        promoting = self._copies.promotions_of(protect)
         if promoting:  # the Get before this put is still promoting its prefix: this put continues that prefix
             await asyncio.wait(promoting)
             check_open()
@@ -117,7 +128,7 @@ class Placement:
                 values = [pending[order[i]] if owned else _owned(pending[order[i]]) for i in step.positions]
                 generations = (step.generation,
                                self._mover.shared_generations(keys[:1]).get(keys[0][:NAMESPACE_TAG_BYTES], 0))
-                await asyncio.shield(self._mover.run(self.place(step.entries, values, meta, generations, protect)))
+                await asyncio.shield(self._tasks.run(self.place(step.entries, values, meta, generations, protect)))
                 num_new += len(step.entries)
             again = {order[i] for i in step.again}
             for entry in step.waits:
@@ -127,7 +138,7 @@ class Placement:
             pending = {key: pending[key] for key in again}
         return num_new
 
-    def _admit_session(self, step: PutStep, values: Sequence[Buffer], session: str, lookups: int) -> None:
+    def _admit_session(self, step: PutStep, values: Sequence[PutValue], session: str, lookups: int) -> None:
         """Under the ``session`` policy: keep the head of a session's new blocks that fits what the turnover admits,
         abandon the rest (not stored), and count what is placed (``kvstore.policy.sessions``)."""
         sessions = self.sessions
@@ -152,7 +163,7 @@ class Placement:
             return True
         return self.first_fit(nbytes) is not None
 
-    async def place(self, entries: list[Entry], values: list[bytes], meta: BlockMeta,
+    async def place(self, entries: list[Entry], values: list[PutValue], meta: BlockMeta,
                      generations: tuple[int, int], protect: Sequence[BlockKey] = ()) -> None:
         """A put's I/O and complete step: each block into the first local tier it fits, in batches that fit the
         tier at once, tail first, so a head written last evicts the tail; blocks that fit no local tier go to the
@@ -172,7 +183,7 @@ class Placement:
         if self._write_through:
             live = [i for i, entry in enumerate(entries) if self._index.is_current(entry)]  # not deleted meanwhile
             if live:
-                self._mover.write_through([entries[i].key for i in live], encoded_values([values[i] for i in live]),
+                self._copies.write_through([entries[i].key for i in live], encoded_values([values[i] for i in live]),
                                           [meta] * len(live), *generations)  # queued: outlives the put
         try:
             by_level: dict[int | None, list[int]] = {}
@@ -191,7 +202,7 @@ class Placement:
                     self._index.abandon(entry, exc if isinstance(exc, Exception) else None)
             raise
 
-    async def _place_down(self, level: int | None, entries: list[Entry], values: list[bytes],
+    async def _place_down(self, level: int | None, entries: list[Entry], values: list[PutValue],
                           metas: list[BlockMeta], protect: Sequence[BlockKey], shared_generation: int) -> None:
         """Blocks into local tier ``level``; those the protected prefix leaves no room for there go on to the next
         tier they fit, and past the last one to the shared tier in ``write_back`` mode, or nowhere (not stored;
@@ -213,12 +224,12 @@ class Placement:
             await self._place_down(target, [entries[i] for i in positions], [values[i] for i in positions],
                                    [metas[i] for i in positions], protect, shared_generation)
 
-    async def _place_in(self, level: int, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
+    async def _place_in(self, level: int, entries: list[Entry], values: list[PutValue], metas: list[BlockMeta],
                         protect: Sequence[BlockKey] = ()) -> list[int]:
         """Write blocks into tier ``level`` with the protected blocks resident there held, so no victim; the room
         is the tier's capacity less theirs. Returns the positions of the blocks that room cannot take, for the
         next tier: all of them (one of them is larger than the room), those not yet written when the tier could
-        not make room (the rest leased; only where a tier is below), or none.
+        not make room (the rest held by reads; only where a tier is below), or none.
 
         Raises:
             ResourceExhaustedError: if the last local tier cannot make room (counted and logged).
@@ -240,9 +251,9 @@ class Placement:
             self._mover.refused(level, "no_room", len(entries), exc)
             raise
         finally:
-            self._mover.release(held)
+            self._records.discard_all(index.release_all(held))
 
-    async def _spill(self, entries: list[Entry], values: list[bytes], metas: list[BlockMeta],
+    async def _spill(self, entries: list[Entry], values: list[PutValue], metas: list[BlockMeta],
                      generation: int) -> None:
         """Blocks that fit no local tier, in ``write_back`` mode: straight into the shared tier."""
         live = [i for i, entry in enumerate(entries) if self._index.is_current(entry)]  # not deleted meanwhile
@@ -279,7 +290,7 @@ def _owned(block: Buffer | TensorBlock) -> bytes | memoryview | TensorBlock:
     :class:`~kvstore.blockcopy.TensorBlock` as it is (the embedded store's caller waits for the put, and what
     outlives it is encoded first), else a copy. (A same-host Put's blocks are the node's own copies,
     ``kvstore.validation.CheckedBlocks``: taken as they are.)"""
-    if type(block) is bytes or type(block) is TensorBlock:
+    if type(block) is bytes or isinstance(block, TensorBlock):
         return block
     if isinstance(block, memoryview) and block.readonly and type(block.obj) is bytes and block.c_contiguous:
         return block
@@ -293,4 +304,4 @@ def _one_kind(blocks: Sequence[object]) -> bool:
     if type(first) is not TensorBlock:
         return False
     header = first.header
-    return all(type(block) is TensorBlock and block.header is header for block in blocks)  # type: ignore[union-attr]
+    return all(type(block) is TensorBlock and block.header is header for block in blocks)

@@ -4,27 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
+from kvstore.api import Buffer
 from kvstore.config import StoreConfig
+from kvstore.copies import CopyQueue
 from kvstore.counts import TierCounts, count_get
 from kvstore.explain import MissLedger
 from kvstore.index import Entry, Index, ReadStep
 from kvstore.keys import BlockHash, BlockKey, Namespace, block_key, block_keys
-from kvstore.mover import Mover
-from kvstore.tiers.base import Buffer, LeasingTier, SharedTier, Tier
+from kvstore.records import Records
+from kvstore.tasks import Tasks
+from kvstore.tiers.base import LeasingTier, SharedTier, Tier
 
 logger = logging.getLogger(__name__)
 
 
 class ReadPath:
-    """Every read of one store: what the store's ``get`` and ``read`` run, over its index, tiers and mover.
+    """Every read of one store: what the store's ``get`` and ``read`` run, over its index and tiers.
 
     Args:
         index: the store's index.
         tiers: its local tiers, fastest first.
         shared: its shared tier, or ``None``.
-        mover: its mover (promotions, and deleting records a read found lost).
+        tasks: its tasks in flight (a read whose caller went away finishes in one).
+        records: deletes the records a read found lost, and those its references kept.
+        copies: its background copies (promotions).
         counts: its tier counts (the shared tier's last).
         config: its config (``promote_on_hit``).
         fits: whether a block read from a persistent tier fits its namespace (``validation.fits_namespace``).
@@ -32,15 +37,17 @@ class ReadPath:
         is_closed: whether the store is closed (a read closed after it offers no promotions).
     """
 
-    def __init__(self, index: Index, tiers: Sequence[Tier], shared: SharedTier | None, mover: Mover,
-                 counts: Sequence[TierCounts], config: StoreConfig,
+    def __init__(self, index: Index, tiers: Sequence[Tier], shared: SharedTier | None, tasks: Tasks,
+                 records: Records, copies: CopyQueue, counts: Sequence[TierCounts], config: StoreConfig,
                  fits: Callable[[Namespace, BlockKey, Buffer, str], bool], check_open: Callable[[], None],
                  is_closed: Callable[[], bool]) -> None:
         self._index = index
         self._tiers = list(tiers)
         self._shared = shared
         self._lenders = [tier if isinstance(tier, LeasingTier) else None for tier in self._tiers]
-        self._mover = mover
+        self._tasks = tasks
+        self._records = records
+        self._copies = copies
         self._counts = counts
         self._promote_on_hit = config.promote_on_hit
         self._fits = fits
@@ -87,7 +94,7 @@ class ReadPath:
         read.framed = lease.framed
         read.places = lease.places
         read.pool, read.offsets = lease.pool, lease.offsets
-        return lease.values  # type: ignore[return-value]  # no None: checked above
+        return cast("list[Buffer]", lease.values)  # no None: checked above
 
     async def open(self, read: BlockRead) -> list[Buffer]:
         """A read's prepare; its I/O and complete step run in a task of their own (:meth:`_read_prefix`)."""
@@ -101,7 +108,7 @@ class ReadPath:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:  # the I/O goes on, so that its complete step runs; then the read closes
-            self._mover.adopt(task)
+            self._tasks.adopt(task)
             read.abandon(task)
             raise
 
@@ -111,20 +118,21 @@ class ReadPath:
         found: list[Buffer | None] = [None] * len(sources)
         if step.wanted:  # the shared tier first: local blocks past its first miss would be read for nothing
             shared = self._shared
+            assert shared is not None  # blocks are wanted of it only where there is one
             wanted = step.wanted
-            for i, value in zip(wanted, await shared.get([keys[i] for i in wanted])):  # type: ignore[union-attr]
-                if value is None or not self._fits(read.namespace, keys[i], value, shared.name):  # type: ignore[union-attr]
+            for i, shared_value in zip(wanted, await shared.get([keys[i] for i in wanted])):
+                if shared_value is None or not self._fits(read.namespace, keys[i], shared_value, shared.name):
                     local = [j for j in local if j < i]
                     break
-                found[i] = value
+                found[i] = shared_value
         by_level: dict[int, list[int]] = {}
-        for i in local:
-            by_level.setdefault(sources[i], []).append(i)  # type: ignore[arg-type]
+        for i, entry in zip(local, step.held):  # held: one per local position, in order
+            by_level.setdefault(entry.level, []).append(i)
         batches = [self._read_tier(level, [keys[i] for i in positions], read) for level, positions in by_level.items()]
         results = [await batches[0]] if len(batches) == 1 else await asyncio.gather(*batches)
-        places: list[object] | None = None
-        for positions, (values, lent_places) in zip(by_level.values(), results):
-            for i, value in zip(positions, values):
+        places: list[Any] | None = None
+        for positions, (tier_values, lent_places) in zip(by_level.values(), results):
+            for i, value in zip(positions, tier_values):
                 found[i] = value
             if lent_places is not None:
                 places = places if places is not None else [None] * len(sources)
@@ -152,19 +160,18 @@ class ReadPath:
                 continue
             lost.append(entry)
         hit = found.index(None) if None in found else len(found)
-        values: list[Buffer] = found[:hit]  # type: ignore[assignment]
+        values = cast("list[Buffer]", found[:hit])  # no None before the first miss
         if places is not None:
             read.places = places[:hit]
         count_get(self._counts, [len(self._tiers) if s is None else s for s in sources[:hit]], len(keys))
         read.num_returned = hit
-        for level, records in index.complete_read(step, keys, hit, lost, read.ttl_s).items():
-            self._mover.discard(level, records)
+        self._records.discard_all(index.complete_read(step, keys, hit, lost, read.ttl_s))
         if self._promote_on_hit and self._tiers:
             read.promotions = self._promotions(keys, sources[:hit], values, step.generation)
         return values
 
     async def _read_tier(self, level: int, keys: list[BlockKey], read: BlockRead
-                         ) -> tuple[Sequence[Buffer | None], list[object] | None]:
+                         ) -> tuple[Sequence[Buffer | None], list[Any] | None]:
         """One tier's values of ``keys``: lent views where ``read`` may take them and the tier lends, else copies;
         and where the tier lent them, their places in memory other processes map (:attr:`TierLease.places`)."""
         lender = self._lenders[level]
@@ -203,14 +210,14 @@ class ReadPath:
     def unhold(self, read: BlockRead) -> None:
         """Give back a read's references on its index entries (once), keeping its tiers' leases."""
         held, read.held = read.held, []
-        self._mover.release(held)
+        self._release(held)
 
     def close(self, read: BlockRead) -> None:
         """A read's last step: count a lent read, give back its leases and references, offer its promotions."""
         self.settle(read)
         for release in read.releases:
             release()
-        self._mover.release(read.held)
+        self._release(read.held)
         self.promote(read)
 
     def promote(self, read: BlockRead) -> None:
@@ -218,7 +225,11 @@ class ReadPath:
         promotions, read.promotions = read.promotions, []
         if not self._is_closed():  # once released, so that the promotion's room is made by evicting others
             for source, keys, values, generation in promotions:
-                self._mover.promote(source, keys, values, generation)
+                self._copies.promote(source, keys, values, generation)
+
+    def _release(self, held: Sequence[Entry]) -> None:
+        """Give back a read's references on index entries; the records whose last reference this was go (soon)."""
+        self._records.discard_all(self._index.release_all(held))
 
 
 class BlockRead:
@@ -233,8 +244,8 @@ class BlockRead:
         namespace: namespace of the blocks.
         block_hashes: the hashes asked for, in prefix order.
         lend: whether a tier that lends may return views (``False``: copies).
-        held: the index entries this read holds references on, once entered.
-        releases: the tier leases to give back, once entered.
+        held: once entered, the index entries it holds references on (``Index.hold``).
+        releases: once entered, the release of each tier lease it took (:meth:`TierLease.release`).
         promotions: lower-tier hits to offer the mover on leaving.
         framed: once entered, per block, its stored framed value (the server's
             value encoding, e.g. a ready Get reply) where the top tier holds one
@@ -265,7 +276,7 @@ class BlockRead:
         self.releases: list[Callable[[], None]] = []
         self.promotions: list[tuple[int | None, list[BlockKey], list[bytes], int]] = []
         self.framed: list[bytes | None] | None = None
-        self.places: list[object] | None = None
+        self.places: list[Any] | None = None
         self.pool: object | None = None
         self.offsets: list[int] | None = None
         self.num_lent = 0
@@ -301,7 +312,7 @@ class BlockRead:
         """
         return self._reads.open_now(self)
 
-    def abandon(self, task: asyncio.Future[object]) -> None:
+    def abandon(self, task: asyncio.Future[list[Buffer]]) -> None:
         """The caller was cancelled while the read's I/O ran: close the read once that I/O has ended."""
         if task.done():
             self.close()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Sequence
 
+from kvstore.copies import CopyQueue
 from kvstore.index import Index
 from kvstore.keys import BlockKey
 from kvstore.mover import Mover
+from kvstore.tasks import Tasks
 from kvstore.tiers.base import SharedTier, Tier
 
 
@@ -25,14 +27,19 @@ class Removal:
         index: the store's index.
         tiers: its local tiers, fastest first.
         shared: its shared tier, or ``None``.
-        mover: its mover (queued copies, copies on their way, and the shared tier's sweep).
+        mover: its mover (the copies into the shared tier on their way).
+        copies: its background copies (queued copies, and the shared tier's sweep).
+        tasks: its tasks in flight (a delete or clear runs to its end in one).
     """
 
-    def __init__(self, index: Index, tiers: Sequence[Tier], shared: SharedTier | None, mover: Mover) -> None:
+    def __init__(self, index: Index, tiers: Sequence[Tier], shared: SharedTier | None, mover: Mover,
+                 copies: CopyQueue, tasks: Tasks) -> None:
         self._index = index
         self._tiers = list(tiers)
         self._shared = shared
         self._mover = mover
+        self._copies = copies
+        self._tasks = tasks
 
     async def delete(self, keys: list[BlockKey]) -> int:
         """Delete ``keys`` from every tier (the shared tier's copies best effort); returns how many were local.
@@ -41,9 +48,9 @@ class Removal:
         """
         records, found = self._index.delete(keys)
         deleting = self._delete_records(records)  # in the same step: a put made after this call is not deleted
-        self._mover.forget_queued(keys=set(keys))
+        self._copies.forget_queued(keys=set(keys))
         copies = self._mover.shared_writes_of(keys)  # copies of them into the shared tier on their way now
-        await asyncio.shield(self._mover.run(self._delete_everywhere(deleting, keys if self._shared else None,
+        await asyncio.shield(self._tasks.run(self._delete_everywhere(deleting, keys if self._shared else None,
                                                                      copies)))
         return found
 
@@ -57,15 +64,15 @@ class Removal:
         """
         records, found = self._index.clear(tag)
         deleting = self._delete_records(records)
-        self._mover.forget_queued(tag=tag)
-        await asyncio.shield(self._mover.run(self._clear(deleting, tag)))
+        self._copies.forget_queued(tag=tag)
+        await asyncio.shield(self._tasks.run(self._clear(deleting, tag)))
         return found
 
     async def _clear(self, deleting: list[Awaitable[None]], tag: bytes) -> None:
         await self._delete_everywhere(deleting, None)
         if self._shared is not None:
             generation = await self._shared.clear_namespace(tag)
-            self._mover.sweep(tag, generation)
+            self._copies.sweep(tag, generation)
 
     def _delete_records(self, records: dict[int, list[BlockKey]]) -> list[Awaitable[None]]:
         """Delete records from their local tiers now (each takes effect at the call); returns what to await."""
@@ -82,6 +89,8 @@ class Removal:
             await asyncio.gather(*work)
 
     async def _delete_shared(self, keys: list[BlockKey], copies: Sequence[asyncio.Future[None]]) -> None:
+        shared = self._shared
+        assert shared is not None  # only called with keys for it
         if copies:
             await asyncio.gather(*copies)
-        await self._shared.delete(keys)  # type: ignore[union-attr]
+        await shared.delete(keys)

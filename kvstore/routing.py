@@ -168,7 +168,8 @@ class RendezvousRouter:
         digest = xxhash.xxh3_64_intdigest
         weights = np.array([[digest(h, seed) for h in block_hashes] for seed in self._seeds], dtype=np.uint64)
         # argmax picks the first of equal weights: the smallest node id, as node_ids is sorted
-        return weights.argmax(axis=0).tolist()  # type: ignore[no-any-return]
+        owners: list[int] = weights.argmax(axis=0).tolist()
+        return owners
 
     def owner(self, block_hash: bytes) -> str:
         """The id of the node that owns ``block_hash``."""

@@ -1,4 +1,4 @@
-"""The tiered store: the API over the index (``kvstore.index``) and the mover (``kvstore.mover``).
+"""The tiered store: the API over the index (``kvstore.index``) and the parts that move bytes (``kvstore.mover``).
 
 Tiers are ordered fastest first. Each bounded local tier (memory, disk) has an
 eviction policy in the index, and a block lives in exactly one local tier (tiers
@@ -18,34 +18,48 @@ synchronous steps (``Index.prepare_put`` / ``complete_put``, ``prepare_read`` /
   retires entries at once, so a copy still in flight loses here, ``Index.is_current``)
   and gives back the references.
 
+Four words, one meaning each. A **reference** (``Index.hold`` / ``Index.release``,
+``Entry.readers``) keeps an indexed block out of its tier's eviction order while
+an operation reads or moves it. A **lease** (``LeasingTier.lease``,
+``TierLease.release``) is a tier's loan of its own memory, valid until given
+back, even after the block left the index. A **pin** (``Index.pin``,
+``kvstore.pins``) is a cache-control TTL: a pinned block is evicted only after
+every unpinned one. A put **protects** the cached prefix it continues
+(``kvstore.continuations``) by holding references on it while it makes room.
+
 This module is the facade; each job is a module of its own: puts in
 ``kvstore.placement`` (admission, the steps, and each block into the first tier
 it fits), reads in ``kvstore.reads``, deletes and clears in ``kvstore.removal``,
-start and close in ``kvstore.lifecycle``, every copy between tiers in
-``kvstore.mover``, counts in ``kvstore.counts``. All of it runs on one asyncio
-loop, which owns the index, so nothing needs a lock.
+start and close in ``kvstore.lifecycle``, the copies that make room in
+``kvstore.mover``, the background copies in ``kvstore.copies``, the tasks in
+flight in ``kvstore.tasks``, record deletes in ``kvstore.records``, counts in
+``kvstore.counts``. All of it runs on one asyncio loop, which owns the index,
+so nothing needs a lock.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 from kvstore.api import LookupResult, StoreStats
 from kvstore.config import StoreConfig
+from kvstore.copies import CopyQueue
 from kvstore.counts import TenantLookups, TierCounts, agentic_stats, count_lookup, store_stats
 from kvstore.errors import UnavailableError
 from kvstore.explain import BlockExplanation, MissLedger
 from kvstore.index import Index
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockHash, BlockKey, Namespace, block_keys
-from kvstore.lifecycle import restore, shut_down
-from kvstore.mover import Mover
+from kvstore.lifecycle import drain, restore, shut_down
+from kvstore.mover import Mover, PutValue
 from kvstore.pins import PinLimits
 from kvstore.placement import Placement
 from kvstore.policy import make_policy, resolve_policy_name
 from kvstore.policy.sessions import SessionTracker
 from kvstore.reads import BlockRead, ReadPath
+from kvstore.records import Records
 from kvstore.removal import Removal
+from kvstore.tasks import Tasks
 from kvstore.tiers.base import LeasingTier, SharedTier, Tier
 from kvstore.validation import check_session_id, check_ttl_s, fits_namespace
 
@@ -93,7 +107,7 @@ class TieredStore:
                     for level, tier in enumerate(self._tiers)]
         pins = self.config.pins
         self.index = Index(policies, [tier.capacity_bytes or 0 for tier in self._tiers], clock,
-                           [(lambda t=lender: t.held_bytes) if lender is not None else None for lender in lenders],
+                           [_held_bytes(lender) if lender is not None else None for lender in lenders],
                            charge=self.charge_of,
                            pin_limits=PinLimits(pins.max_tier_fraction, pins.max_bytes, pins.max_tenant_bytes),
                            history_blocks=self.config.miss_history_blocks)
@@ -102,19 +116,23 @@ class TieredStore:
             self.index.observer = events
         self._counts = [TierCounts() for _ in self._tier_names]
         write_back = shared is not None and self.config.redis.mode != "write_through"
-        self._mover = Mover(self.index, self._tiers, shared, self._counts,
-                            demote_min_priority=self.config.demote_min_priority, write_back=write_back,
-                            default_priority=self.config.default_priority, clock=clock)
-        self._placement = Placement(self.index, self._tiers, shared, self._mover, self.config, clock)
-        self._reads = ReadPath(self.index, self._tiers, shared, self._mover, self._counts, self.config,
-                               fits_namespace, self._check_open, lambda: self._closed)
-        self._removal = Removal(self.index, self._tiers, shared, self._mover)
+        self._tasks = Tasks()
+        records = Records(self._tiers, self._tasks)
+        self._mover = Mover(self.index, self._tiers, shared, self._counts, records,
+                            demote_min_priority=self.config.demote_min_priority, write_back=write_back, clock=clock)
+        self._copies = CopyQueue(self.index, self._tiers, shared, self._mover, records, self._counts,
+                                 default_priority=self.config.default_priority, clock=clock)
+        self._placement = Placement(self.index, self._tiers, shared, self._mover, self._copies, self._tasks, records,
+                                    self.config, clock)
+        self._reads = ReadPath(self.index, self._tiers, shared, self._tasks, records, self._copies, self._counts,
+                               self.config, fits_namespace, self._check_open, lambda: self._closed)
+        self._removal = Removal(self.index, self._tiers, shared, self._mover, self._copies, self._tasks)
         self._lookup_hit_blocks = 0
         self._lookup_miss_blocks = 0
         self._tenant_lookups = TenantLookups()
         self._closed = False
         self._lookups = 0  # the sessions' clock (``kvstore.policy.sessions``)
-        self.sessions: SessionTracker[bytes] | None = None
+        self.sessions: SessionTracker[BlockKey] | None = None
         """The sessions of the ``session`` policy (``None`` with any other policy)."""
         if resolve_policy_name(self.config.policy) == "session":
             self.sessions = SessionTracker(sum(self.index.capacities), self.index.cool)
@@ -129,13 +147,14 @@ class TieredStore:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Rebuild the index from what persistent tiers hold (e.g. LMDB after a restart), and start the mover.
+        """Rebuild the index from what persistent tiers hold (e.g. LMDB after a restart), and start the background
+        copies (``kvstore.copies``).
 
         Entries are inserted oldest access first, so the eviction order survives
         the restart. A block held by two tiers (a crash mid-move) stays in the upper one.
         """
         await restore(self.index, self._tiers, self._shared)
-        self._mover.start()
+        self._copies.start()
 
     async def close(self) -> None:
         """Stop taking calls, finish the work in flight, demote volatile tiers, and close every tier.
@@ -150,7 +169,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        await shut_down(self._mover, self._tiers, self._shared, self.index)
+        await shut_down(self._tasks, self._copies, self._mover, self._tiers, self._shared, self.index)
 
     async def __aenter__(self) -> TieredStore:
         await self.start()
@@ -161,7 +180,7 @@ class TieredStore:
 
     async def drain(self) -> None:
         """Wait until the operations in flight and the mover's background copies have finished (tests, shutdown)."""
-        await self._mover.drain()
+        await drain(self._tasks, self._copies)
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -296,7 +315,7 @@ class TieredStore:
             UnavailableError: if the store is closed.
         """
         async with self.read(namespace, block_hashes, lend=False, session_id=session_id, ttl_s=ttl_s) as blocks:
-            return blocks  # type: ignore[return-value]  # without lending, every block is bytes
+            return cast("list[bytes]", blocks)  # without lending, every block is bytes
 
     def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, lend: bool = True,
              session_id: str | None = None, ttl_s: float | None = None) -> BlockRead:
@@ -336,7 +355,7 @@ class TieredStore:
         self,
         namespace: Namespace,
         block_hashes: Sequence[BlockHash],
-        blocks: Sequence[bytes],
+        blocks: Sequence[PutValue],
         *,
         priority: int | None = None,
         retention_s: float | None = None,
@@ -361,7 +380,8 @@ class TieredStore:
             namespace: namespace of the blocks.
             block_hashes: one chained hash per block.
             blocks: encoded blocks (``kvstore.codec``), matching the namespace's
-                dtype, layout and block size.
+                dtype, layout and block size; or tensors not yet encoded
+                (:class:`~kvstore.blockcopy.TensorBlock`, what the embedded store puts).
             priority: retention priority in ``[0, 100]``; the configured default when ``None``.
             retention_s: seconds the priority holds before it reverts to the default.
             session_id: the agentic session the blocks belong to; under the ``session`` policy a put of a
@@ -425,7 +445,7 @@ class TieredStore:
         and the missed blocks by cause."""
         stats = store_stats(self.index, self.tiers, self._counts, self._lookup_hit_blocks, self._lookup_miss_blocks,
                             self._tenant_lookups)
-        return agentic_stats(stats, self)
+        return agentic_stats(stats, self.index, self.misses, self.sessions, self.ttl_clamped)
 
     async def explain(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[BlockExplanation]:
         """Each block of a request, head first: a hit (and its tier), or the cause of its miss with what the node
@@ -443,8 +463,8 @@ class TieredStore:
             missing = [i for i, level in enumerate(levels) if level is None]
             if missing:
                 found = await self._shared.contains([keys[i] for i in missing])
-                for i, hit in zip(missing, found):
-                    if hit:
+                for i, in_shared in zip(missing, found):
+                    if in_shared:
                         levels[i] = len(self._tiers)
             shared_down = getattr(self._shared, "state", "") == "down"
         hit = levels.index(None) if None in levels else len(levels)
@@ -482,6 +502,11 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise UnavailableError("the store is closed")
+
+
+def _held_bytes(lender: LeasingTier) -> Callable[[], int]:
+    """What the index asks for a lending tier's ``held_bytes`` (read each time: it changes as leases end)."""
+    return lambda: lender.held_bytes
 
 
 def _tag_of(key: bytes) -> bytes:

@@ -8,7 +8,7 @@ import numbers
 import operator
 from typing import Sequence
 
-from kvstore.api import Block
+from kvstore.api import Block, Buffer
 from kvstore.blockcopy import TensorBlock
 from kvstore.codec import BlockHeader, Layout, LikeBlocks, decode_header, verify_block
 from kvstore.encoding.scales import check_scales
@@ -310,7 +310,7 @@ def namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
     return ""
 
 
-def fits_namespace(namespace: Namespace, key: BlockKey, block: Block, tier_name: str) -> bool:
+def fits_namespace(namespace: Namespace, key: BlockKey, block: Buffer, tier_name: str) -> bool:
     """Whether a block read from a tier that outlives this process (disk, Redis) has the namespace's dtype,
     layout and block size, and (a lossy block) its scales in range; a block that does not is logged (a
     warning), for the store to count as a miss.

@@ -99,10 +99,10 @@ def _run(args: argparse.Namespace) -> int:
                     if subscriber.num_missed > missed:  # a hole no replay could fill: what we knew is unsure
                         view.reset()
                         missed = subscriber.num_missed
-                    view.apply(batch)  # type: ignore[arg-type]
+                    view.apply(batch)
                     if not args.summary:
-                        for event in batch.events:  # type: ignore[attr-defined]
-                            print(json.dumps(event_json(seq, batch.ts, event)), flush=True)  # type: ignore[attr-defined]
+                        for event in batch.events:
+                            print(json.dumps(event_json(seq, batch.ts, event)), flush=True)
                 if args.summary and args.every and time.monotonic() - last_summary >= args.every:
                     last_summary = time.monotonic()
                     summary()

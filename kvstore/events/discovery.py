@@ -84,7 +84,7 @@ def discover_events(target: str, *, credentials: grpc.ChannelCredentials | None 
             reply = pb_grpc.KVStoreStub(channel).Capabilities(pb.CapabilitiesRequest(), timeout=timeout_s,
                                                               metadata=tuple(metadata))
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return None
             raise
     finally:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urlsplit
 
+import msgspec
 import zmq
 
 from kvstore.errors import ConfigError
@@ -175,6 +176,8 @@ class EventPublisher:
                  access: EventAccess | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._log = log
         self.settings = settings
+        self._wake_recv: int | None = None  # the pipe the log wakes the thread by, once open (until closed)
+        self._wake_send: int | None = None
         self._access = access
         self._own_context = access is not None
         self._ctx = zmq.Context() if access is not None else (context or zmq.Context.instance())
@@ -215,9 +218,10 @@ class EventPublisher:
             raise
         # the log wakes the thread through a pipe (written from the store's loop only: one os.write, far cheaper
         # there than a ZMQ send), so an idle publisher sleeps instead of polling, and takes no GIL time from the store
-        self._wake_recv, self._wake_send = os.pipe()
-        os.set_blocking(self._wake_recv, False)
-        os.set_blocking(self._wake_send, False)
+        wake_recv, wake_send = os.pipe()
+        os.set_blocking(wake_recv, False)
+        os.set_blocking(wake_send, False)
+        self._wake_recv, self._wake_send = wake_recv, wake_send
         log.set_waker(self._wake)
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
         self._thread.start()
@@ -269,7 +273,7 @@ class EventPublisher:
         self._close_sockets()
 
     def _wake(self) -> None:
-        fd = getattr(self, "_wake_send", None)
+        fd = self._wake_send
         if fd is None:  # closed (a closed fd's number may belong to another file by now)
             return
         try:
@@ -284,8 +288,8 @@ class EventPublisher:
                 sock.close(linger=0)
         if self._own_context:
             self._ctx.term()
-        fds = (getattr(self, "_wake_send", None), getattr(self, "_wake_recv", None))
-        self._wake_send = self._wake_recv = None  # type: ignore[assignment]
+        fds = (self._wake_send, self._wake_recv)
+        self._wake_send = self._wake_recv = None
         for fd in fds:
             if fd is not None:
                 os.close(fd)
@@ -296,14 +300,16 @@ class EventPublisher:
         pack = encoder()
         idle_ms = 200  # how often an idle publisher checks whether it is closing
         busy_ms = 10  # how often replays whose peers' queues are full try again
+        wake = self._wake_recv
+        assert wake is not None  # opened before the thread starts, closed after it ends
         poller = zmq.Poller()
-        poller.register(self._wake_recv, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         poller.register(self._pub, zmq.POLLIN)  # (un)subscriptions: read (and, with access, routed)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         if self._zap is not None:
             poller.register(self._zap, zmq.POLLIN)
-        replays = self._replays
+        replays, zap, access = self._replays, self._zap, self._access
         while True:
             stopping = self._stop.is_set()
             while self._publish(pack):  # everything the log holds, in batches
@@ -314,10 +320,10 @@ class EventPublisher:
                 if replays is not None:
                     replays.pump()
                 ready = dict(poller.poll(busy_ms if replays is not None and replays.pending else idle_ms))
-                if self._zap is not None and ready.get(self._zap):
-                    self._access.answer(self._zap)  # type: ignore[union-attr]
-                if ready.get(self._wake_recv):
-                    self._drain_wakes()
+                if zap is not None and access is not None and ready.get(zap):  # a ZAP socket only with access
+                    access.answer(zap)
+                if ready.get(wake):
+                    self._drain_wakes(wake)
                     self._stop.wait(self.settings.interval_s)  # let the batch fill: fewer, larger batches
                 if ready.get(self._pub):
                     self._subscriptions()
@@ -329,9 +335,10 @@ class EventPublisher:
             except Exception:  # noqa: BLE001 - the thread must outlive one bad request
                 logger.exception("serving a subscriber or a replay failed")
 
-    def _drain_wakes(self) -> None:
+    @staticmethod
+    def _drain_wakes(wake: int) -> None:
         try:
-            while os.read(self._wake_recv, 4096):
+            while os.read(wake, 4096):
                 pass
         except BlockingIOError:  # empty
             pass
@@ -359,7 +366,7 @@ class EventPublisher:
             if stream is not None and self.streams[stream].topic.startswith(data[1:]):
                 pub.setsockopt(zmq.SUBSCRIBE, self.streams[stream].topic)
 
-    def _publish(self, pack: object) -> bool:
+    def _publish(self, pack: msgspec.msgpack.Encoder) -> bool:
         """Send one batch of what the log holds to each stream it concerns; whether there was one."""
         routed = self._log.take_routed(self.settings.max_batch_events)
         if not routed:
@@ -371,7 +378,7 @@ class EventPublisher:
                 [event for route, event in routed if route == EVERY_STREAM or route in tenants]
             if not events:
                 continue
-            payload = pack.encode(KVEventBatch(ts=ts, events=events))  # type: ignore[attr-defined]
+            payload = pack.encode(KVEventBatch(ts=ts, events=events))
             frame = zmq.Frame(payload)  # one message, shared by every send of it, live and replayed
             seq = stream.append(frame, len(payload))
             self._send(stream.topic, seq, frame)

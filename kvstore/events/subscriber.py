@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Callable
+from typing import Callable, Generic, cast
+
+from typing_extensions import TypeVar  # a TypeVar with a default (PEP 696; typing's has one from 3.13)
 
 import msgspec
 import zmq
@@ -27,11 +29,15 @@ from kvstore.events.schema import (
 )
 
 
+Batch = TypeVar("Batch", default=KVEventBatch)
+"""What an :class:`EventSubscriber` yields: what its ``decode`` makes, a :class:`KVEventBatch` by default."""
+
+
 class EventStreamError(KVStoreError):
     """The replay socket refused a request (its error marker's message), or a batch could not be decoded."""
 
 
-class EventSubscriber:
+class EventSubscriber(Generic[Batch]):
     """Follows one publisher: yields its batches in sequence order, replaying what the live stream dropped.
 
     Args:
@@ -53,7 +59,7 @@ class EventSubscriber:
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "kvstore",
-                 from_seq: int | None = 0, decode: Callable[[bytes], object] | None = None, rcvhwm: int = 100_000,
+                 from_seq: int | None = 0, decode: Callable[[bytes], Batch] | None = None, rcvhwm: int = 100_000,
                  replay_timeout_s: float = 5.0, context: zmq.Context | None = None,
                  token: str | None = None) -> None:
         self._ctx = context or zmq.Context.instance()
@@ -66,7 +72,8 @@ class EventSubscriber:
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
-        self._decode = decode or decoder().decode
+        # without ``decode`` Batch is KVEventBatch (its default), which the default decoder makes
+        self._decode = decode if decode is not None else cast("Callable[[bytes], Batch]", decoder().decode)
         self._expected: int | None = None
         self._from_seq = from_seq
         self._replay_timeout_s = replay_timeout_s
@@ -77,13 +84,13 @@ class EventSubscriber:
         """Close the sockets."""
         self._sub.close(linger=0)
 
-    def __enter__(self) -> EventSubscriber:
+    def __enter__(self) -> EventSubscriber[Batch]:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def receive(self, timeout_s: float = 1.0) -> list[tuple[int, object]]:
+    def receive(self, timeout_s: float = 1.0) -> list[tuple[int, Batch]]:
         """The next batches in sequence order, ``(seq, batch)``; empty if none came within ``timeout_s``.
 
         A gap in the live stream is filled from the replay socket; what it no
@@ -94,7 +101,7 @@ class EventSubscriber:
             EventStreamError: if a batch does not decode, or the replay socket answered with an error.
             TimeoutError: if the replay socket did not answer within ``replay_timeout_s``.
         """
-        out: list[tuple[int, object]] = []
+        out: list[tuple[int, Batch]] = []
         if self._expected is None and self._from_seq is not None and self._replay_endpoint is not None:
             out += self.replay(self._from_seq, self._replay_timeout_s)
             self._expected = out[-1][0] + 1 if out else self._from_seq
@@ -114,7 +121,7 @@ class EventSubscriber:
             self._expected = seq + 1
         return out
 
-    def replay(self, start_seq: int, timeout_s: float = 1.0) -> list[tuple[int, object]]:
+    def replay(self, start_seq: int, timeout_s: float = 1.0) -> list[tuple[int, Batch]]:
         """Every batch the publisher buffers from ``start_seq`` on, ``(seq, batch)`` in order.
 
         Raises:
@@ -147,7 +154,7 @@ class EventSubscriber:
         finally:
             sock.close(linger=0)
 
-    def _decode_one(self, payload: bytes) -> object:
+    def _decode_one(self, payload: bytes) -> Batch:
         try:
             return self._decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -203,5 +210,5 @@ def wait_for(subscriber: EventSubscriber, view: TierView, condition: Callable[[]
         if left <= 0:
             return False
         for _, batch in subscriber.receive(min(left, 0.2)):
-            view.apply(batch)  # type: ignore[arg-type]
+            view.apply(batch)
     return True

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Callable, Hashable
 
 from kvstore.policy.base import DEFAULT_PRIORITY, MAX_PRIORITY, MAX_TTL_S, MIN_PRIORITY, PIN_LEVEL, EvictionPolicy, \
-    check_priority, check_ttl
+    K, check_priority, check_ttl
 from kvstore.policy.lru import LRUPolicy, PriorityLRUPolicy
 from kvstore.policy.segmented import PROTECTED_FRACTION, SCORE_HALF_LIFE_TURNOVERS, SWITCH_MARGIN, AdaptivePolicy, \
     SegmentedLRUPolicy, SessionPolicy
@@ -63,7 +63,7 @@ def resolve_policy_name(name: str) -> str:
 
 def make_policy(name: str, *, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0,
                 demotes: bool = False, clock: Callable[[], float] | None = None,
-                pin_group: Callable[[Hashable], Hashable] | None = None) -> PriorityLRUPolicy[Hashable]:
+                pin_group: Callable[[K], Hashable] | None = None) -> PriorityLRUPolicy[K]:
     """A new, empty eviction policy for one tier.
 
     Args:

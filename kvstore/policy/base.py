@@ -67,6 +67,12 @@ class EvictionPolicy(Protocol[K]):
     def pinned_nbytes_of(self, group: Hashable) -> int:
         """Bytes of the pinned keys of one pin group (the store's: a namespace tag)."""
 
+    def is_pinned(self, key: K) -> bool:
+        """Whether the TTL of ``key`` runs."""
+
+    def unpin_oldest(self, nbytes: int) -> int:
+        """End the TTLs of the least recently used pinned keys until ``nbytes`` are unpinned; the bytes unpinned."""
+
     def ttl_ran_out(self, key: K) -> bool:
         """Whether ``key``'s TTL ran out while it stayed tracked."""
 

@@ -50,4 +50,5 @@ class NodeHealth(health.aio.HealthServicer):
             for name, state in states.items():
                 await self.set(TIER_SERVICE_PREFIX + name, _SERVING if state == "up" else _NOT_SERVING)
             await self.set(TIERS_SERVICE, _SERVING if all(s == "up" for s in states.values()) else _NOT_SERVING)
-        return await super().Check(request, context)  # type: ignore[no-any-return]
+        response: health_pb2.HealthCheckResponse = await super().Check(request, context)
+        return response

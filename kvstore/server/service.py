@@ -19,16 +19,17 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence, cast
 
 import grpc
 
 from kvstore.config import Config
 from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
-from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace
+from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, BlockHash, HashAlgorithm, Namespace
 from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
 from kvstore.server.budgets import PutBudget, ReplyBudget
+from kvstore.server.failure import CallFailed
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.quota import TenantQuota
 from kvstore.server.tenants import TenantTags
@@ -46,6 +47,8 @@ from kvstore.wire import (
     parse_request,
     stats_to_pb,
 )
+
+__all__ = ["CallFailed", "CallScope", "NamespaceCache", "NodeService"]
 
 if TYPE_CHECKING:
     from kvstore.bulk.node.operations import BulkOperations
@@ -106,20 +109,6 @@ class NamespaceCache:
         while self.nbytes > self.max_bytes and self._entries:
             old, _ = self._entries.popitem(last=False)
             self.nbytes -= self.entry_bytes(old)
-
-
-class CallFailed(Exception):
-    """A call ended with a status other than OK (:meth:`NodeService.scope`): what its transport sends back.
-
-    Attributes:
-        code: the gRPC status code.
-        message: its details.
-    """
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
 
 
 class NodeService:
@@ -214,8 +203,9 @@ class NodeService:
             self.namespaces.put(wire, namespace)
         return namespace
 
-    def hashes(self, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
-        """``block_hashes``, once there are no more than ``limits.max_hashes_per_request``.
+    def hashes(self, block_hashes: Sequence[bytes]) -> Sequence[BlockHash]:
+        """``block_hashes`` as the store takes them, once there are no more than ``limits.max_hashes_per_request``
+        (the store checks each one's length).
 
         Raises:
             InvalidArgumentError: if there are more.
@@ -223,7 +213,7 @@ class NodeService:
         if len(block_hashes) > self.max_hashes:
             raise InvalidArgumentError(
                 f"{len(block_hashes)} block hashes is over max_hashes_per_request={self.max_hashes}; split the request")
-        return block_hashes
+        return cast("Sequence[BlockHash]", block_hashes)  # a request's hashes are block hashes (a NewType of bytes)
 
     def reserve(self, namespace: Namespace, incoming_bytes: int) -> contextlib.AbstractContextManager[None]:
         """Hold ``incoming_bytes`` of the namespace's tenant quota while a put stores them (without a quota: note
@@ -269,7 +259,7 @@ class NodeService:
                 raise InvalidArgumentError(f"no recent Lookup named request_id {request.request_id!r} (the node "
                                            f"keeps the last ones only)")
             namespace = self.namespace(namespace_to_pb(found[0]).SerializeToString(), principal)
-            hashes: Sequence[bytes] = found[1]
+            hashes: Sequence[BlockHash] = cast("list[BlockHash]", found[1])  # a Lookup's, checked then
         else:
             namespace = self.namespace(request.namespace.SerializeToString(), principal)
             hashes = self.hashes(request.block_hashes)
@@ -346,10 +336,11 @@ class CallScope:
         try:
             if not service.accepting:
                 raise UnavailableError("the server is shutting down")
-            self._ticket = service.admission.admit_call(self._method, self._metadata, self._peer)
+            ticket = service.admission.admit_call(self._method, self._metadata, self._peer)
         except KVStoreError as exc:
             self._fail(exc)
-        self.principal = self._ticket.principal  # type: ignore[union-attr]
+        self._ticket = ticket
+        self.principal = ticket.principal
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -372,7 +363,7 @@ class CallScope:
         self._fail(exc)
         return False
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> NoReturn:
         status, message = status_of(exc)
         if status is grpc.StatusCode.INTERNAL:
             logger.error("%s failed", self._method, exc_info=exc,

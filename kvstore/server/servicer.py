@@ -22,19 +22,21 @@ import functools
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, AsyncIterator, Sequence, TypeVar
+from typing import (TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterable, NoReturn, Protocol, Sequence, TypeVar,
+                    cast)
 
 import grpc
 
 from google.protobuf.message import Message
 
 from kvstore.errors import InvalidArgumentError, UnavailableError
-from kvstore.keys import Namespace, block_key
-from kvstore.server.admission import Ticket
+from kvstore.keys import BlockHash, Namespace, block_key
+from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
 from kvstore.status import FailedPreconditionError, status_of
 from kvstore.server.budgets import ReplyBudget
 from kvstore.server.watchdog import StreamWatch, StreamWatchdog
+from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.service import NodeService
 from kvstore.wire import (
     BlockAssembler,
@@ -49,15 +51,15 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from typing import Awaitable
-
     from kvstore.api import Buffer
     from kvstore.bulk.node.operations import BulkOperations
     from kvstore.shm.node.operations import SameHostOperations
 
 logger = logging.getLogger(__name__)
 
-_H = TypeVar("_H")
+_Request = TypeVar("_Request")
+_Reply = TypeVar("_Reply")
+_HashMessage = TypeVar("_HashMessage", pb.GetRequest, pb.LookupRequest, pb.DeleteRequest)
 
 DEADLINE_SLACK_S = 0.05
 """A call its client ended this close to the deadline (seconds) is counted as DEADLINE_EXCEEDED, not CANCELLED.
@@ -77,7 +79,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 """``kvstore.v1.KVStore``: the service name for health checks and reflection."""
 
 
-class _ReplyLostFilter(logging.Filter):
+class ReplyLostFilter(logging.Filter):
     """Reads grpc.aio's ERROR about a reply the client went away from as what it is: a call the client ended.
 
     A unary handler's reply (a Get's last message, see
@@ -88,7 +90,7 @@ class _ReplyLostFilter(logging.Filter):
     at ERROR with a traceback, unless it already knows the client is gone. On
     this service's methods the record becomes one DEBUG line, and the call's
     task is noted in :attr:`tasks`, so that the call is counted as CANCELLED
-    or DEADLINE_EXCEEDED rather than OK (``_Call._finish``).
+    or DEADLINE_EXCEEDED rather than OK (``GrpcCall._finish``).
     """
 
     PREFIX = f"ExecuteBatchError raised in core by servicer method [/{SERVICE_NAME}/"
@@ -112,7 +114,9 @@ class _ReplyLostFilter(logging.Filter):
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
-_REPLY_LOST = _ReplyLostFilter()
+REPLY_LOST = ReplyLostFilter()
+"""The one filter :meth:`KVStoreServicer.add_to_server` installs on grpc.aio's logger (its
+:attr:`~ReplyLostFilter.tasks` are the calls whose reply was lost)."""
 _GRPC_AIO_LOGGER = "grpc._cython.cygrpc"  # the logger of grpc.aio's server (its Cython module)
 
 
@@ -124,6 +128,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     Attributes:
         service: as given.
+        admission: the service's (``NodeService.admission``): admits each call.
+        metrics: the service's, where each call is counted (``None``: none).
+        replies: the service's budget of Get replies in flight.
         events_offer: the node's KV event stream, ``(endpoint, replay_endpoint, topic, authenticated)`` as
             bound (``docs/events.md``), offered in Capabilities; ``None`` when it publishes none.
     """
@@ -132,7 +139,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.service = service
         self._store = service.store
         self._config = service.config
-        self._metrics = service.metrics
+        self.metrics: ServiceMetrics | None = service.metrics
         self._chunk_bytes = service.chunk_bytes
         self._max_hashes = service.max_hashes
         self._watchdog = StreamWatchdog(service.config.limits.max_stream_s)
@@ -161,7 +168,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         client has its reply. On the wire the two are the same: a stream of
         messages, then the status. That batch runs after the handler, so a
         client that goes away while it waits is seen through grpc.aio's log
-        (:class:`_ReplyLostFilter`, installed here).
+        (:class:`ReplyLostFilter`, installed here).
         """
         handlers = {
             "Lookup": grpc.unary_unary_rpc_method_handler(_sheds_aborts(self.Lookup), identity,
@@ -193,8 +200,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
         grpc_logger = logging.getLogger(_GRPC_AIO_LOGGER)
-        if _REPLY_LOST not in grpc_logger.filters:
-            grpc_logger.addFilter(_REPLY_LOST)
+        if REPLY_LOST not in grpc_logger.filters:
+            grpc_logger.addFilter(REPLY_LOST)
 
     def begin_shutdown(self) -> None:
         """Refuse every new call with UNAVAILABLE; calls already running go on."""
@@ -243,11 +250,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 blocks = await read.open()
             call.charge_reply(blocks)
             try:
-                messages = read.framed  # blocks the heap tier holds framed as this reply: sent as stored
-                if messages is None or None in messages:
-                    messages = iter_block_chunks(blocks, self._chunk_bytes, messages)  # type: ignore[assignment]
+                framed = read.framed  # blocks the heap tier holds framed as this reply: sent as stored
+                messages: Iterable[bytes] = (iter_block_chunks(blocks, self._chunk_bytes, framed)
+                                             if framed is None or None in framed
+                                             else cast("list[bytes]", framed))  # no None: checked
                 last = None
-                for message in messages:  # type: ignore[union-attr]
+                for message in messages:
                     if last is not None:
                         await context.write(last)
                     last = message
@@ -304,8 +312,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     return pb.PutResponse(num_stored=0, num_blocks=0)
                 self.service.check_deadline(context.time_remaining())
                 with self.service.reserve(namespace, sum(len(b) for b in blocks)):
-                    stored = await self._store.put(namespace, hashes, blocks, priority=priority,
-                                                   retention_s=retention_s, session_id=session_id, ttl_s=ttl_s)
+                    stored = await self._store.put(namespace, cast("list[BlockHash]", hashes), blocks,
+                                                   priority=priority, retention_s=retention_s, session_id=session_id,
+                                                   ttl_s=ttl_s)
                 return pb.PutResponse(num_stored=stored, num_blocks=len(blocks))
             finally:
                 if held:
@@ -417,12 +426,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     # ------------------------------------------------------------------ helpers
 
-    def _call(self, method: str, context: grpc.aio.ServicerContext) -> _Call:
-        """The scope of one call (``async with self._call(...) as call``): see :class:`_Call`."""
-        return _Call(self, method, context)
+    def _call(self, method: str, context: grpc.aio.ServicerContext) -> GrpcCall:
+        """The scope of one call (``async with self._call(...) as call``): see :class:`GrpcCall`."""
+        return GrpcCall(self, method, context)
 
-    async def _fail(self, method: str, context: grpc.aio.ServicerContext, exc: BaseException, start_s: float) -> None:
+    async def fail(self, method: str, context: grpc.aio.ServicerContext, exc: BaseException,
+                   start_s: float) -> NoReturn:
         """End a call with the status of ``exc``: log it, count it, then abort (which raises).
+
+        Args:
+            method: the call's method, as counted (``Get``).
+            context: the call's.
+            exc: what ended it (``kvstore.status.status_of`` maps it).
+            start_s: when it began, ``time.perf_counter()`` seconds.
 
         Raises:
             grpc.aio.AbortError: (through ``context.abort``) carrying the mapped status.
@@ -433,12 +449,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             logger.error("%s failed", method, exc_info=exc, extra={"fields": {"method": method, "code": code}})
         else:
             logger.debug("%s %s: %s", method, code, message)
-        if self._metrics is not None:  # before the abort sends the status: a client never sees it uncounted
-            self._metrics.observe(method, code, time.perf_counter() - start_s)
+        if self.metrics is not None:  # before the abort sends the status: a client never sees it uncounted
+            self.metrics.observe(method, code, time.perf_counter() - start_s)
         await context.abort(status, message)
+        raise AssertionError("context.abort returned")  # it raises
 
 
-def _sheds_aborts(handler: _H) -> _H:
+def _sheds_aborts(handler: Callable[[_Request, grpc.aio.ServicerContext], Awaitable[_Reply]]
+                  ) -> Callable[[_Request, grpc.aio.ServicerContext], Awaitable[_Reply]]:
     """``handler`` as registered with gRPC: an abort leaves it holding none of the call's frames.
 
     grpc.aio keeps an abort's exception on the call's state, which the frames
@@ -449,19 +467,55 @@ def _sheds_aborts(handler: _H) -> _H:
     in, and the frames go as soon as the call ends (``tests/security/test_hostile_clients.py``).
     """
     @functools.wraps(handler)
-    async def handle(request: object, context: grpc.aio.ServicerContext) -> object:
+    async def handle(request: _Request, context: grpc.aio.ServicerContext) -> _Reply:
         try:
-            return await handler(request, context)  # type: ignore[operator]
+            return await handler(request, context)
         except grpc.aio.AbortError as abort:
             abort.__traceback__ = abort.__context__ = abort.__cause__ = None
             del request, context
             raise
 
-    return handle  # type: ignore[return-value]
+    return handle
 
 
-class _Call:
-    """One call of the servicer, from admission to its status: ``async with servicer._call(method, context)``.
+class _ReplyCharge:
+    """What a Get's reply is charged under a :class:`~kvstore.server.limits.ReplyBudget`, until the call ends."""
+
+    __slots__ = ("budget", "peer", "tenant", "nbytes")
+
+    def __init__(self, budget: ReplyBudget, peer: str, tenant: str, nbytes: int) -> None:
+        self.budget = budget
+        self.peer = peer
+        self.tenant = tenant
+        self.nbytes = nbytes
+
+
+class CallHost(Protocol):
+    """What a :class:`GrpcCall` needs of the servicer it runs in (:class:`KVStoreServicer` is one)."""
+
+    @property
+    def accepting(self) -> bool:
+        """``False`` once shutdown began (new calls get UNAVAILABLE)."""
+        ...
+
+    @property
+    def admission(self) -> Admission:
+        """Admits each call (token, in-flight slot) and takes its slot back."""
+        ...
+
+    @property
+    def metrics(self) -> ServiceMetrics | None:
+        """Where each call is counted, ``None`` for nowhere."""
+        ...
+
+    async def fail(self, method: str, context: grpc.aio.ServicerContext, exc: BaseException,
+                   start_s: float) -> NoReturn:
+        """End a call with the status of ``exc`` (logged, counted, then ``context.abort``, which raises)."""
+        ...
+
+
+class GrpcCall:
+    """One gRPC call, from admission to its status: ``async with servicer._call(method, context) as call``.
 
     On entry it refuses the call while shutting down (UNAVAILABLE) and admits it
     (``kvstore.server.admission``: token, in-flight slot); on exit it releases
@@ -474,24 +528,31 @@ class _Call:
     A plain class rather than ``contextlib.asynccontextmanager``: this runs on
     every call, and a generator-based manager costs a few microseconds more.
 
+    Args:
+        servicer: the servicer the call runs in (:class:`CallHost`).
+        method: the call's method, as counted (``Get``).
+        context: the call's grpc.aio context.
+
     Attributes:
+        method: as given.
+        context: as given.
         principal: the caller (``None`` without authentication), once admitted.
     """
 
-    __slots__ = ("_servicer", "_method", "_context", "_start_s", "_ticket", "_watch", "principal", "_reply")
+    __slots__ = ("_servicer", "method", "context", "_start_s", "_ticket", "_watch", "principal", "_reply")
 
-    def __init__(self, servicer: KVStoreServicer, method: str, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, servicer: CallHost, method: str, context: grpc.aio.ServicerContext) -> None:
         self._servicer = servicer
-        self._method = method
-        self._context = context
+        self.method = method
+        self.context = context
         self._ticket: Ticket | None = None
         self._watch: StreamWatch | None = None
         self.principal: Principal | None = None
-        self._reply: list | None = None  # [budget, peer, tenant, bytes charged] of a Get under a ReplyBudget
+        self._reply: _ReplyCharge | None = None  # what a Get under a ReplyBudget is charged
 
     def peer(self) -> str:
         """The call's client connection (what per-connection limits count by)."""
-        return self._ticket.peer if self._ticket is not None and self._ticket.peer else self._context.peer()
+        return self._ticket.peer if self._ticket is not None and self._ticket.peer else self.context.peer()
 
     def reply_turn(self, budget: ReplyBudget, tenant: str, num_blocks: int) -> Awaitable[None] | None:
         """Take a Get's turn under ``budget`` (``kvstore.server.budgets.ReplyBudget``): ``None`` when admitted
@@ -499,26 +560,26 @@ class _Call:
         peer = self.peer()
         estimate = budget.estimate(num_blocks)
         if budget.admit(peer, tenant, estimate):
-            self._reply = [budget, peer, tenant, estimate]
+            self._reply = _ReplyCharge(budget, peer, tenant, estimate)
             return None
         return self._wait_reply(budget, peer, tenant, estimate)
 
     async def _wait_reply(self, budget: ReplyBudget, peer: str, tenant: str, estimate: int) -> None:
         await budget.wait(peer, tenant, estimate)
-        self._reply = [budget, peer, tenant, estimate]
+        self._reply = _ReplyCharge(budget, peer, tenant, estimate)
 
     def charge_reply(self, blocks: Sequence[Buffer]) -> None:
         """Charge the reply's real size (its blocks') instead of the estimate of :meth:`reply_turn`."""
         reply = self._reply
         if reply is not None:
             nbytes = sum(memoryview(block).nbytes for block in blocks)
-            reply[0].settle(reply[1], reply[2], reply[3], nbytes, len(blocks))
-            reply[3] = nbytes
+            reply.budget.settle(reply.peer, reply.tenant, reply.nbytes, nbytes, len(blocks))
+            reply.nbytes = nbytes
 
     def _end_reply(self) -> None:
         reply, self._reply = self._reply, None
         if reply is not None:
-            reply[0].release(reply[1], reply[2], reply[3])
+            reply.budget.release(reply.peer, reply.tenant, reply.nbytes)
 
     def give_back_slot(self) -> None:
         """Give the call's in-flight slot back now, for the rest of a long-lived call (a same-host session's
@@ -535,18 +596,19 @@ class _Call:
         without a scope of its own on every Get, and started at the call's
         first wait (:meth:`StreamWatch.open_soon`), off the way to its first message.
         """
-        self._watch = watchdog.watch(self._method).open_soon()
+        self._watch = watchdog.watch(self.method).open_soon()
 
-    async def __aenter__(self) -> _Call:
+    async def __aenter__(self) -> GrpcCall:
         self._start_s = time.perf_counter()
         servicer = self._servicer
         try:
             if not servicer.accepting:
                 raise UnavailableError("the server is shutting down")
-            self._ticket = servicer.admission.admit(self._method, self._context)
+            ticket = servicer.admission.admit(self.method, self.context)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes a status
-            await servicer._fail(self._method, self._context, exc, self._start_s)
-        self.principal = self._ticket.principal  # type: ignore[union-attr]
+            await servicer.fail(self.method, self.context, exc, self._start_s)
+        self._ticket = ticket
+        self.principal = ticket.principal
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -557,28 +619,30 @@ class _Call:
             exc.__suppress_context__ = True
         cancelled = isinstance(exc, asyncio.CancelledError)
         ended = cancelled or isinstance(exc, grpc.aio.InternalError) or (
-            not isinstance(exc, grpc.aio.AbortError) and _call_ended(self._context))
+            not isinstance(exc, grpc.aio.AbortError) and _call_ended(self.context))
         if exc is None and not ended:
             # the reply's last message and the status go out in one batch once this returns (a unary handler's,
             # see KVStoreServicer.add_to_server): the slot is given back and the call counted when gRPC is done
             # with them, off the client's way, so a client that stops reading keeps its connection's slots. On
             # the task, not context.add_done_callback: grpc.aio never clears a context's callbacks, which made
-            # every call cyclic garbage (_Call -> context -> its callbacks -> _Call); asyncio drops a task's
-            asyncio.current_task().add_done_callback(self._finish)  # type: ignore[union-attr]
+            # every call cyclic garbage (GrpcCall -> context -> its callbacks -> GrpcCall); asyncio drops a task's
+            task = asyncio.current_task()
+            assert task is not None  # a call runs in its own task
+            task.add_done_callback(self._finish)
             return False
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
         self._end_reply()
-        metrics = servicer._metrics
+        metrics = servicer.metrics
         if ended:
             # the client went away or its deadline passed: grpc.aio cancels the handler, or a write on the
             # finished call fails (grpc.aio.InternalError: ExecuteBatchError, before the context knows the
             # call is cancelled), or the handler ends unaware; either way the client has its status
-            remaining = self._context.time_remaining()
+            remaining = self.context.time_remaining()
             code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
-            logger.debug("%s %s", self._method, code)
+            logger.debug("%s %s", self.method, code)
             if metrics is not None:
-                metrics.observe(self._method, code, time.perf_counter() - self._start_s)
+                metrics.observe(self.method, code, time.perf_counter() - self._start_s)
             if cancelled or not (exc is None or isinstance(exc, Exception)):
                 return False  # cancellation (or a KeyboardInterrupt) goes on
             # a call already over, whether the handler ended normally or by an error (a failed write, a deadline
@@ -587,8 +651,7 @@ class _Call:
             raise asyncio.CancelledError(f"the call ended first ({code})") from exc
         if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
             return False  # already aborted with its status; or a BaseException (KeyboardInterrupt) to propagate
-        await servicer._fail(self._method, self._context, exc, self._start_s)
-        return False
+        await servicer.fail(self.method, self.context, exc, self._start_s)
 
     def _finish(self, task: asyncio.Task[object]) -> None:
         """The end of a call that succeeded, once gRPC has sent its reply and status: its in-flight slot back, its count.
@@ -597,21 +660,21 @@ class _Call:
         ends, however it ends: a reply stalled by a client that stopped reading
         holds its slot until the call's deadline or connection ends it. A reply
         lost that way counts as CANCELLED or DEADLINE_EXCEEDED when grpc.aio
-        logged it (:class:`_ReplyLostFilter`) or the deadline has passed. When
+        logged it (:class:`ReplyLostFilter`) or the deadline has passed. When
         grpc.aio learns of a cancellation before the batch fails, it logs
         nothing, and such a call counts as OK.
         """
         servicer = self._servicer
-        context = self._context
+        context = self.context
         if self._ticket is not None:
             servicer.admission.release(self._ticket)
         self._end_reply()
         code = "OK"
-        if task in _REPLY_LOST.tasks or _call_ended(context):  # the reply was lost: the client ended the call
+        if task in REPLY_LOST.tasks or _call_ended(context):  # the reply was lost: the client ended the call
             remaining = context.time_remaining()
             code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
-        if servicer._metrics is not None:
-            servicer._metrics.observe(self._method, code, time.perf_counter() - self._start_s)
+        if servicer.metrics is not None:
+            servicer.metrics.observe(self.method, code, time.perf_counter() - self._start_s)
 
 
 async def _await_cancellation(context: grpc.aio.ServicerContext) -> None:
@@ -634,7 +697,7 @@ def _call_ended(context: grpc.aio.ServicerContext) -> bool:
     return remaining is not None and remaining <= 0
 
 
-def _hash_request(message_type: type[Message], raw: bytes | Message) -> HashRequest:
+def _hash_request(message_type: type[_HashMessage], raw: bytes | _HashMessage) -> HashRequest:
     """A Lookup, Get or Delete request received as bytes (:func:`~kvstore.wire.decode_hash_request`).
 
     A message passes through, for direct calls.
@@ -643,8 +706,8 @@ def _hash_request(message_type: type[Message], raw: bytes | Message) -> HashRequ
         InvalidArgumentError: if the bytes are not a well-formed ``message_type``.
     """
     if isinstance(raw, Message):
-        return HashRequest(raw.namespace.SerializeToString(), raw.block_hashes,  # type: ignore[attr-defined]
+        return HashRequest(raw.namespace.SerializeToString(), raw.block_hashes,
                            getattr(raw, "agent_session_id", ""), getattr(raw, "ttl_s", 0.0),
                            getattr(raw, "request_id", ""))
-    return decode_hash_request(message_type, raw)  # type: ignore[arg-type]
+    return decode_hash_request(message_type, raw)
 

@@ -1,7 +1,7 @@
 """A Get stream whose client deadline passes mid-stream is counted as DEADLINE_EXCEEDED, not INTERNAL.
 
 Regression: grpc.aio may fail the handler's ``context.write`` with ``ExecuteBatchError`` rather than
-cancel it; ``_Call.__aexit__`` now asks the context whether the call ended before mapping an error.
+cancel it; ``GrpcCall.__aexit__`` now asks the context whether the call ended before mapping an error.
 """
 import threading
 import time

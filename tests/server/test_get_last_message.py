@@ -1,7 +1,7 @@
 """The unary-registered Get, whose last message leaves with the status, when its client goes away; ``add_reply``.
 
 The last message of a Get is no longer written by the handler: it goes out in
-grpc.aio's own final batch, after the handler (and ``_Call``) returned. A
+grpc.aio's own final batch, after the handler (and ``GrpcCall``) returned. A
 client that cancels, or whose deadline passes, while that message waits on
 flow control must still be counted as CANCELLED / DEADLINE_EXCEEDED and must
 not make gRPC log an ERROR.
@@ -87,7 +87,7 @@ def test_a_get_ended_by_its_client_while_its_last_message_waits_is_counted_as_su
         # A Get whose failed batch grpc.aio reports (its log record, which the node turns into DEBUG) counts as
         # CANCELLED or DEADLINE_EXCEEDED (a deadline the node sees a little late, since it runs from the request's
         # arrival, reads as the client's cancellation). One whose close grpc.aio saw first is dropped without a
-        # word, and counts as OK (``_Call._finish``): which comes first is up to gRPC's core, not the test.
+        # word, and counts as OK (``GrpcCall._finish``): which comes first is up to gRPC's core, not the test.
         assert {re.search(r'code="(\w+)"', k).group(1) for k in counts} <= {code, "CANCELLED", "OK"}  # type: ignore[union-attr]
         assert sum(counts.values()) == NUM_STALLED + 1  # each stalled Get once, and the check Get
     finally:
@@ -112,21 +112,21 @@ async def test_a_reply_grpc_reports_lost_is_counted_as_ended_by_the_client() -> 
 
     class Servicer:
         admission = type("Admission", (), {"release": staticmethod(lambda ticket: None)})()
-        _metrics = ServiceMetrics()
+        metrics = ServiceMetrics()
 
     lost = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, __file__, 0,
-                             f"{servicer_module._ReplyLostFilter.PREFIX}Get]", None, None)
+                             f"{servicer_module.ReplyLostFilter.PREFIX}Get]", None, None)
 
     async def call_whose_reply_is_lost(remaining: float | None) -> None:
-        servicer_module._REPLY_LOST.filter(lost)  # the record grpc.aio logs inside the call's task
-        call = servicer_module._Call(Servicer(), "Get", Context(remaining))  # type: ignore[arg-type]
+        servicer_module.REPLY_LOST.filter(lost)  # the record grpc.aio logs inside the call's task
+        call = servicer_module.GrpcCall(Servicer(), "Get", Context(remaining))  # type: ignore[arg-type]
         call._start_s = 0.0
         asyncio.current_task().add_done_callback(call._finish)  # type: ignore[union-attr]
 
     await asyncio.ensure_future(call_whose_reply_is_lost(None))
     await asyncio.ensure_future(call_whose_reply_is_lost(0.0))
     await asyncio.sleep(0)  # the done callbacks run on the next turn
-    counts = dict(Servicer._metrics.calls._calls)
+    counts = dict(Servicer.metrics.calls._calls)
     assert counts == {("Get", "CANCELLED"): 1, ("Get", "DEADLINE_EXCEEDED"): 1}
     assert lost.levelno == logging.DEBUG
 

@@ -37,7 +37,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Coroutine
 
 import grpc
 
@@ -59,7 +59,7 @@ HANDSHAKE_S = 5.0
 
 _OK = grpc.StatusCode.OK.value[0]
 
-Dispatch = Callable[[int, bytes, bytes, str], Awaitable[tuple[grpc.StatusCode, Any, "Grant | None"]]]
+Dispatch = Callable[[int, bytes, bytes, str], Coroutine[Any, Any, tuple[grpc.StatusCode, Any, "Grant | None"]]]
 """``(kind, token, body, peer) -> (code, reply or details, grant)``: a call that came on a connection, run on the
 loop, with what it granted to transfer now."""
 
@@ -400,7 +400,7 @@ class _Connection:
         """``work(sock, *args)`` in blocking I/O, off the store's loop."""
         raise NotImplementedError
 
-    async def on_store(self, call: Awaitable[Any]) -> Any:
+    async def on_store(self, call: Coroutine[Any, Any, Any]) -> Any:
         """``call`` run on the store's loop; its result."""
         raise NotImplementedError
 
@@ -454,7 +454,7 @@ class _LoopConnection(_Connection):
         finally:
             self.sock.setblocking(False)  # the loop's again
 
-    async def on_store(self, call: Awaitable[Any]) -> Any:
+    async def on_store(self, call: Coroutine[Any, Any, Any]) -> Any:
         return await call
 
     def finish(self, grant: Grant) -> None:
@@ -477,8 +477,8 @@ class _ThreadConnection(_Connection):
     async def blocking(self, work: Callable[..., Any], *args: Any) -> Any:
         return work(self.sock, *args)
 
-    async def on_store(self, call: Awaitable[Any]) -> Any:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self.listener._loop))  # type: ignore
+    async def on_store(self, call: Coroutine[Any, Any, Any]) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self.listener._loop))
 
     def finish(self, grant: Grant) -> None:
         self.listener.grants.finish(grant)
@@ -493,8 +493,9 @@ class _ThreadConnection(_Connection):
 def _landing(grant: PutGrant, position: int) -> tuple[memoryview, Any]:
     """Where block ``position`` of a Put is received (writable) and what the store is given (read-only): a staged
     range of the pool, or memory of the node's own taken now (never all at once from what was announced)."""
-    if grant.targets is not None:
-        return memoryview(grant.targets[position]).cast("B"), grant.blocks[position]  # type: ignore[index]
+    targets, blocks = grant.targets, grant.blocks
+    if targets is not None and blocks is not None:  # staged: the two are set together (``PutGrant``)
+        return memoryview(targets[position]).cast("B"), blocks[position]
     owned = bytearray(grant.sizes[position])
     return memoryview(owned), memoryview(owned).toreadonly()
 

@@ -29,7 +29,7 @@ from kvstore.keys import block_key
 from kvstore.shm.node.operations import NodeChecks, store_then
 from kvstore.shm.node.pool import SharedPool
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.server.service import CallFailed
+from kvstore.server.failure import CallFailed
 from kvstore.validation import BlockChecker, CheckedBlocks
 from kvstore.wire import parse_request
 

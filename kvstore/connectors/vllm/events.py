@@ -239,7 +239,7 @@ class ConnectorEvents:
                         missed[i] = subscriber.num_missed
                         self.node_event_removed_all(i)
                     for _, batch in batches:
-                        self.apply(batch.events, i)  # type: ignore[attr-defined]
+                        self.apply(batch.events, i)
         finally:
             for subscriber in subscribers:
                 subscriber.close()

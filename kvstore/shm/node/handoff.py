@@ -119,7 +119,7 @@ class HandoffServer:
             if channels > MAX_CHANNELS:
                 await loop.sock_sendall(conn, pack_refusal(f"at most {MAX_CHANNELS} control channels"))
                 return
-            granted = self._redeem(grant, channels) if channels else self._redeem(grant)  # type: ignore[call-arg]
+            granted = self._redeem(grant, channels) if channels else self._redeem(grant)
             if granted is None:
                 await loop.sock_sendall(conn, pack_refusal("unknown, used or lapsed grant"))
                 return

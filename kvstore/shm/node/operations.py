@@ -15,13 +15,13 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import Any, AsyncIterator, Callable, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 import grpc
 
 from kvstore.config import Config
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
-from kvstore.keys import Namespace, block_key
+from kvstore.keys import BlockHash, Namespace, block_key
 from kvstore.shm.frames import GET_SHARED, KINDS, LOOKUP, PUT_SHARED
 from kvstore.shm.node.plane import SharedMemoryNode
 from kvstore.shm.node.sessions import Session
@@ -45,7 +45,8 @@ class CallScope(Protocol):
 
     async def __aenter__(self) -> CallScope: ...
 
-    async def __aexit__(self, *exc: object) -> bool: ...
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        traceback: object) -> bool: ...
 
 
 class NodeChecks(Protocol):
@@ -56,7 +57,7 @@ class NodeChecks(Protocol):
 
     def namespace(self, wire: bytes, principal: Any) -> Namespace: ...
 
-    def hashes(self, block_hashes: Sequence[bytes]) -> Sequence[bytes]: ...
+    def hashes(self, block_hashes: Sequence[bytes]) -> Sequence[BlockHash]: ...
 
     def reserve(self, namespace: Namespace, incoming_bytes: int) -> contextlib.AbstractContextManager[None]: ...
 
@@ -275,14 +276,19 @@ class SameHostOperations:
         return grpc.StatusCode.OK.value[0], reply.SerializeToString(), fds
 
 
-async def store_then(put: Any, then: Callable[[], None]) -> int:
+async def store_then(put: Awaitable[int], then: Callable[[], None]) -> int:
     """Await a store put; run ``then`` once it has ended, also when the caller is cancelled first (a put runs to
     its end, so what it reads must stay until then). Same-host and bulk Puts free their staged ranges with it."""
     task = asyncio.ensure_future(put)
     try:
-        return await asyncio.shield(task)  # type: ignore[no-any-return]
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
-        task.add_done_callback(lambda t: (t.cancelled() or t.exception(), then()))
+        def ended(task: asyncio.Future[int]) -> None:
+            if not task.cancelled():
+                task.exception()  # observed: the caller that would have had it went away
+            then()
+
+        task.add_done_callback(ended)
         raise
     finally:
         if task.done():

@@ -26,7 +26,7 @@ import logging
 import os
 import resource
 import socket
-from typing import Any, Callable, Coroutine, Hashable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -95,7 +95,7 @@ class Copies(NamedTuple):
     """The node's copies of a Put's blocks: ``blocks`` to give the store, and ``close`` to call once the store's put
     has ended (it frees the pool ranges the store did not take)."""
 
-    blocks: list[Buffer]
+    blocks: Sequence[Buffer]
     close: Callable[[], None]
 
 
@@ -417,7 +417,7 @@ class SharedMemoryNode:
         source = np.frombuffer(session.put_segment.view, dtype=np.uint8)
         staging = self.pool.stage(tag, sizes) if self.pool is not None else None
         if staging is not None:
-            blocks: list[Buffer] = staging.blocks  # type: ignore[assignment]
+            blocks = staging.blocks
             targets = staging.targets
             close = staging.close
         else:

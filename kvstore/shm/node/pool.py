@@ -533,7 +533,7 @@ class SharedPool:
         order = put_order(keys, values, metas)
         need = sum(self.footprint(_nbytes(values[i])) for i in order)
         freed = sum(self.footprint(r.nbytes) for r in (self._records.get(keys[i]) for i in order) if r is not None)
-        free = self.capacity_bytes - self._stored_bytes  # type: ignore[operator]
+        free = (self.capacity_bytes or 0) - self._stored_bytes  # never None here: set at init
         if need > free + freed:
             raise TierFullError(f"shared pool {self.name}: batch needs {need} bytes, {free} free")
         placed: list[tuple[int, Place, int, bool]] = []  # (position, place, nbytes, staged)
@@ -621,8 +621,8 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
 
 
-def _nbytes(value: object) -> int:
+def _nbytes(value: Buffer) -> int:
     try:
-        return memoryview(value).nbytes  # type: ignore[arg-type]
+        return memoryview(value).nbytes
     except TypeError:
         raise InvalidArgumentError(f"a value must be bytes-like, got {type(value).__name__}") from None

@@ -35,7 +35,7 @@ import heapq
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 from kvstore.errors import ResourceExhaustedError
 from kvstore.shm.allocator import RangeAllocator
@@ -276,7 +276,7 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
     # ------------------------------------------------------------------ leases
@@ -406,8 +406,8 @@ class SessionTable:
             _, lease_id, session_id = heapq.heappop(self._expiry)
             session = self._sessions.get(session_id)
             lease = session.leases.pop(lease_id, None) if session is not None else None
-            if lease is not None:
-                self._end(session, lease)  # type: ignore[arg-type]
+            if session is not None and lease is not None:
+                self._end(session, lease)
                 num_expired += 1
         if num_expired:
             logger.debug("%d same-host leases expired", num_expired)
