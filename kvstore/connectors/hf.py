@@ -47,11 +47,11 @@ from kvstore.connectors.hf_model import (  # the public names are re-exported: k
     DEFAULT_BLOCK_SIZE,
     ModelShape,
     TokenIds,
-    _cache_keyword,
-    _token_list,
     adapter_id,
+    cache_keyword,
     model_namespace,
     model_shape,
+    token_list,
 )
 from kvstore.connectors.hf_results import ConnectorStats, GenerationResult, LoadResult
 from kvstore.errors import DestinationMismatchError, InvalidArgumentError
@@ -143,7 +143,7 @@ class HFConnector:
             raise InvalidArgumentError(f"load_timeout_s must be > 0, got {load_timeout_s}")
         self._model = model
         self._client = client
-        self._cache_kw = _cache_keyword(model)
+        self._cache_kw = cache_keyword(model)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.shape = model_shape(model.config)
         self.namespace = model_namespace(
@@ -197,7 +197,7 @@ class HFConnector:
         Raises:
             InvalidArgumentError: on a batch > 1 or malformed ids.
         """
-        return hash_blocks(self.namespace, _token_list(token_ids))
+        return hash_blocks(self.namespace, token_list(token_ids))
 
     def _max_cached_blocks(self, num_tokens: int) -> int:
         # Leave at least one prompt token to compute: its logits give the first new token.
@@ -235,7 +235,7 @@ class HFConnector:
         Raises:
             InvalidArgumentError: on a batch > 1 or malformed ids (never for store failures).
         """
-        ids = _token_list(token_ids)
+        ids = token_list(token_ids)
         started = time.perf_counter()
         cache = self.new_cache()
         num_blocks = self._max_cached_blocks(len(ids))
@@ -320,7 +320,7 @@ class HFConnector:
         Raises:
             InvalidArgumentError: on a batch > 1 or malformed ids.
         """
-        ids = _token_list(token_ids)
+        ids = token_list(token_ids)
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         return _Snapshot(ids, layers, self._agentic(session_id, ttl_s))
 
@@ -436,7 +436,7 @@ class HFConnector:
 
     def _prefill_logits(self, token_ids: TokenIds, cache: Any | None) -> tuple[torch.Tensor, Any]:
         """:meth:`prefill`, returning the ``[vocab_size]`` logits of the last prompt position instead."""
-        ids = _token_list(token_ids)
+        ids = token_list(token_ids)
         cache = self.new_cache() if cache is None else cache
         num_cached = cache.get_seq_length()
         if num_cached >= len(ids):
@@ -508,7 +508,7 @@ class HFConnector:
         """
         if max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        ids = _token_list(token_ids)
+        ids = token_list(token_ids)
         started = time.perf_counter()
         if use_store:
             loaded = self.load(ids, session_id=session_id, ttl_s=ttl_s)

@@ -45,7 +45,6 @@ import torch
 import xxhash
 
 from kvstore.codec import Layout, dtype_name, torch_dtype
-from kvstore.connectors.vllm.loading import item_type
 from kvstore.errors import InvalidArgumentError
 
 
@@ -68,6 +67,20 @@ BACKEND_FAMILIES: dict[str, KVFamily] = {
     "TRITON_ATTN": KVFamily.SPLIT_CHANNELS,
 }
 """Non-MLA attention backends whose page layout the connector knows (vLLM 0.32), by ``get_name()``."""
+
+_ITEM_TYPES: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+"""The numpy type each block is viewed as, by its dtype's item size: a copy moves bits, so any type of the
+size does (numpy has no bfloat16 or float8)."""
+
+
+def item_type(itemsize: int) -> type[np.generic]:
+    """The numpy integer type of ``itemsize`` bytes, used to move elements of any dtype of that size.
+
+    Raises:
+        KeyError: for an item size other than 1, 2, 4 or 8.
+    """
+    return _ITEM_TYPES[itemsize]
+
 
 _BYTE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """KV dtypes that are copied as ``uint8`` (``index_copy_`` has no float8 kernels on every device)."""
@@ -295,7 +308,7 @@ class PagedKV:
             unit_ids: as :meth:`scatter`.
             arrays: the kvstore blocks, ``[num_blocks, *block_shape]`` (one array, any strides: a view of a
                 leased segment) or one ``block_shape`` array per block, of the integer type of the cache
-                dtype's item size (``kvstore.connectors.vllm.loading.item_type``): bits are moved, not values.
+                dtype's item size (``item_type``): bits are moved, not values.
             units_per_kv_block: as :meth:`scatter`.
             first_units: as :meth:`scatter`.
 

@@ -24,26 +24,12 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from kvstore.codec import BlockHeader, DTYPES, LikeBlocks, decode_header, verify_block
+from kvstore.connectors.vllm.layout import PageFormat, item_type
 from kvstore.errors import CodecError
 
 if TYPE_CHECKING:
     from kvstore.api import Buffer
     from kvstore.blocklease import BlockLease
-    from kvstore.connectors.vllm.layout import PageFormat
-
-_ITEM_TYPES = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-"""The numpy type each block is viewed as, by its dtype's item size: a copy moves bits, so any type of the
-size does (numpy has no bfloat16 or float8)."""
-
-
-def item_type(itemsize: int) -> type[np.generic]:
-    """The numpy integer type of ``itemsize`` bytes, used to move elements of any dtype of that size.
-
-    Raises:
-        KeyError: for an item size other than 1, 2, 4 or 8.
-    """
-    return _ITEM_TYPES[itemsize]
-
 
 @dataclass(slots=True)
 class LeasedBlocks:
