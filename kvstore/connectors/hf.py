@@ -43,6 +43,11 @@ from typing import Any, Sequence
 import torch
 
 from kvstore.api import BlockClient
+from kvstore.codec import Layout, dtype_name
+from kvstore.connectors.kit.fetch import fetch_handler
+from kvstore.connectors.kit.saves import SaveQueue
+from kvstore.connectors.kit.spec import BlockSpec
+from kvstore.connectors.kit.stores import agentic
 from kvstore.connectors.hf_model import (  # the public names are re-exported: kvstore.connectors.hf is their old home
     DEFAULT_BLOCK_SIZE,
     ModelShape,
@@ -54,7 +59,7 @@ from kvstore.connectors.hf_model import (  # the public names are re-exported: k
     token_list,
 )
 from kvstore.connectors.hf_results import ConnectorStats, GenerationResult, LoadResult
-from kvstore.errors import DestinationMismatchError, InvalidArgumentError
+from kvstore.errors import InvalidArgumentError
 from kvstore.keys import BlockHash, HashAlgorithm, hash_blocks
 
 try:  # transformers is the optional ``hf`` extra
@@ -162,10 +167,12 @@ class HFConnector:
         self._device: torch.device = next(model.parameters()).device
         self._stats = ConnectorStats()
         self._lock = threading.Lock()
-        self._pending: set[concurrent.futures.Future[int]] = set()
+        self._block_spec = BlockSpec(dtype_name(self._dtype), Layout.KV, (self.shape.num_layers, 2,
+                                     self.shape.num_kv_heads, block_size, self.shape.head_dim))
+        self._fetch_blocks = fetch_handler(client, self._block_spec)
         # Loads run on their own pool so a hung store costs at most load_timeout_s per request.
         self._load_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-hf-load")
-        self._save_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-hf-save")
+        self._saves = SaveQueue(name="kvstore-hf-save")
         self._closed = False
 
     @property
@@ -209,13 +216,7 @@ class HFConnector:
 
     def _agentic(self, session_id: str | None, ttl_s: float | None) -> dict[str, Any]:
         """The ``session_id`` and ``ttl_s`` keywords of a store call: the call's, else the connector's TTL."""
-        extra: dict[str, Any] = {}
-        if session_id:
-            extra["session_id"] = session_id
-        ttl = self._ttl_s if ttl_s is None else ttl_s
-        if ttl:
-            extra["ttl_s"] = ttl
-        return extra
+        return agentic(session_id, self._ttl_s if ttl_s is None else ttl_s)
 
     def load(self, token_ids: TokenIds, *, session_id: str | None = None, ttl_s: float | None = None) -> LoadResult:
         """Fetch the longest cached prefix of a prompt and build a cache from it.
@@ -270,47 +271,25 @@ class HFConnector:
             self._stats.num_load_failures += int(fell_back)
         return LoadResult(cache, num_cached, time.perf_counter() - started, fell_back)
 
-    def _fetch(self, hashes: Sequence[BlockHash], agentic: dict[str, Any] | None = None) -> tuple[torch.Tensor, int]:
+    def _fetch(self, hashes: Sequence[BlockHash], extra: dict[str, Any] | None = None) -> tuple[torch.Tensor, int]:
         """The cached prefix of ``hashes`` copied into one new ``[num_layers, 2, num_kv_heads, tokens, head_dim]``
         tensor of the model's dtype and device, and how many blocks it holds.
 
-        Through ``get_into``, so each block is copied once, straight into its
-        slice (from shared memory when the node is on this host): the cache
-        never aliases fetched or stored bytes. A block of another shape or dtype
-        ends the prefix and is counted, with those after it, as rejected.
-        A client without ``get_into`` is read through ``get_tensors``.
+        Through ``kvstore.connectors.kit.fetch`` (``get_into`` for every kvstore client), so each block is copied
+        once, straight into its slice (from shared memory when the node is on this host): the cache never
+        aliases fetched or stored bytes. A block of another shape or dtype, or a corrupt one, ends the prefix
+        and is counted, with those after it, as rejected.
         """
         bs = self.block_size
         kv = torch.empty((self.shape.num_layers, 2, self.shape.num_kv_heads, len(hashes) * bs, self.shape.head_dim),
                          dtype=self._dtype, device=self._device)
         views = [kv[:, :, :, i * bs:(i + 1) * bs] for i in range(len(hashes))]
-        get_into = getattr(self._client, "get_into", None)
-        extra = agentic or {}
-        if get_into is None:
-            blocks = self._valid_prefix(list(self._client.get_tensors(self.namespace, hashes, **extra))[: len(hashes)])
-            for view, block in zip(views, blocks):
-                view.copy_(block)
-            return kv, len(blocks)
-        try:
-            return kv, int(get_into(self.namespace, hashes, views, **extra))
-        except DestinationMismatchError as exc:
-            logger.warning("dropping fetched block %s onward: %s", exc.num_blocks, exc)
+        fetched = self._fetch_blocks.fetch(self.namespace, hashes, views, extra or {})
+        if fetched.bad is not None:
+            logger.warning("dropping fetched block %s onward: %s", fetched.num_good, fetched.bad)
             with self._lock:
-                self._stats.num_rejected_blocks += exc.num_found - exc.num_blocks
-            return kv, exc.num_blocks
-
-    def _valid_prefix(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
-        expected = (self.shape.num_layers, 2, self.shape.num_kv_heads, self.block_size, self.shape.head_dim)
-        for i, block in enumerate(blocks):
-            if tuple(block.shape) != expected or block.dtype != self._dtype:
-                logger.warning(
-                    "dropping fetched block %s onward: shape %s %s, expected %s %s",
-                    i, list(block.shape), block.dtype, list(expected), self._dtype,
-                )
-                with self._lock:
-                    self._stats.num_rejected_blocks += len(blocks) - i
-                return blocks[:i]
-        return blocks
+                self._stats.num_rejected_blocks += fetched.num_found - fetched.num_good
+        return kv, fetched.num_good
 
     def snapshot(self, token_ids: TokenIds, cache: Any, *, session_id: str | None = None,
                  ttl_s: float | None = None) -> _Snapshot:
@@ -354,15 +333,9 @@ class HFConnector:
             done: concurrent.futures.Future[int] = concurrent.futures.Future()
             done.set_result(self._save_now(snap))
             return done
-        future = self._save_pool.submit(self._save_now, snap)
-        with self._lock:
-            self._pending.add(future)
-        future.add_done_callback(self._forget)
+        future = self._saves.submit(lambda: self._save_now(snap))
+        assert future is not None  # an unbounded queue refuses nothing
         return future
-
-    def _forget(self, future: concurrent.futures.Future[int]) -> None:
-        with self._lock:
-            self._pending.discard(future)
 
     def _save_now(self, snap: _Snapshot) -> int:
         try:
@@ -411,11 +384,8 @@ class HFConnector:
         Raises:
             TimeoutError: if ``timeout_s`` seconds pass first.
         """
-        with self._lock:
-            pending = list(self._pending)
-        _, not_done = concurrent.futures.wait(pending, timeout=timeout_s)
-        if not_done:
-            raise TimeoutError(f"{len(not_done)} kvstore saves still running after {timeout_s} s")
+        if not self._saves.drain(timeout_s):
+            raise TimeoutError(f"kvstore saves still running after {timeout_s} s")
 
     def prefill(self, token_ids: TokenIds, cache: Any | None = None) -> tuple[int, Any]:
         """Run the model on the tokens the cache lacks and return the greedy first token.
@@ -542,7 +512,7 @@ class HFConnector:
         if self._closed:
             return
         self._closed = True
-        self._save_pool.shutdown(wait=True)
+        self._saves.close()
         self._load_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> HFConnector:

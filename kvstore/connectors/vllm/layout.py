@@ -45,6 +45,8 @@ import torch
 import xxhash
 
 from kvstore.codec import Layout, dtype_name, torch_dtype
+from kvstore.connectors.kit.spec import BlockSpec
+from kvstore.connectors.kit.leased import item_type
 from kvstore.errors import InvalidArgumentError
 
 
@@ -67,20 +69,6 @@ BACKEND_FAMILIES: dict[str, KVFamily] = {
     "TRITON_ATTN": KVFamily.SPLIT_CHANNELS,
 }
 """Non-MLA attention backends whose page layout the connector knows (vLLM 0.32), by ``get_name()``."""
-
-_ITEM_TYPES: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-"""The numpy type each block is viewed as, by its dtype's item size: a copy moves bits, so any type of the
-size does (numpy has no bfloat16 or float8)."""
-
-
-def item_type(itemsize: int) -> type[np.generic]:
-    """The numpy integer type of ``itemsize`` bytes, used to move elements of any dtype of that size.
-
-    Raises:
-        KeyError: for an item size other than 1, 2, 4 or 8.
-    """
-    return _ITEM_TYPES[itemsize]
-
 
 _BYTE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """KV dtypes that are copied as ``uint8`` (``index_copy_`` has no float8 kernels on every device)."""
@@ -126,6 +114,10 @@ class PageFormat:
         return (f"{self.backend}/{self.family}/{self.interior}/L{self.num_layers}/H{self.num_kv_heads}"
                 f"/D{self.head_size}/N{self.unit_tokens}/{self.dtype}/kv={self.cache_dtype}"
                 + (f"/scales={self.scales}" if self.scales else ""))
+
+    def block_spec(self, block_tokens: int) -> BlockSpec:
+        """What one kvstore block of ``block_tokens`` tokens holds: this format's dtype, layout and block shape."""
+        return BlockSpec(self.dtype, self.layout, self.block_shape(block_tokens))
 
     def block_shape(self, block_tokens: int) -> tuple[int, ...]:
         """Shape of one kvstore block of ``block_tokens`` tokens: ``[L, 2, H, T, D]`` or ``[L, 1, T, C]``."""

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from vllm import SamplingParams
+from vllm.v1.request import Request
 
 from kvstore.config import Config, MemoryTierConfig, StoreConfig
 from kvstore.connectors.vllm.config import parse_config

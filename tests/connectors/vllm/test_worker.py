@@ -29,6 +29,7 @@ from tests.support.server import ThreadedServer, finished_calls, make_config
 from tests.connectors.vllm.support import (
     WORKER_HEAD_SIZE as D,
     WORKER_LAYERS as LAYERS,
+    WORKER_RANK as RANK,
     H,
     cpu_caches,
     cpu_worker,
@@ -109,7 +110,7 @@ def _units_equal(a: list[torch.Tensor], a_ids: list[int], b: list[torch.Tensor],
 
 
 @pytest.mark.parametrize("client", [EmbeddedStore, GetOnly])
-def test_saved_blocks_load_into_other_blocks_of_anothercpu_worker(store: EmbeddedStore, client: Any) -> None:
+def test_saved_blocks_load_into_other_blocks_of_another_worker(store: EmbeddedStore, client: Any) -> None:
     source, target = cpu_caches(1), cpu_caches(2)
     saver, loader = cpu_worker(store, source), cpu_worker(store if client is EmbeddedStore else client(store), target)
     _save(saver, [3, 4, 9, 1, 0, 7, 12, 13])  # 4 kvstore blocks
