@@ -159,7 +159,7 @@ def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
     if header is None or verify:
         header = verify_block(block) if verify else decode_header(block)
     dtype = torch_dtype(header.dtype)
-    if block_mismatch(header, str(destination.dtype).removeprefix("torch."), tuple(destination.shape)):
+    if block_mismatch(header, _dtype_name(destination.dtype), tuple(destination.shape)):
         raise DestinationMismatchError(
             f"block {position} is {header.dtype} {list(header.shape)}, its destination "
             f"{str(destination.dtype).removeprefix('torch.')} {list(destination.shape)}", position, num_found)
@@ -176,6 +176,17 @@ def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
         source = byte_view(block)
     destination.copy_(source[header.header_nbytes:header.nbytes].view(dtype).view(header.shape))
     return header
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+"""The name of each torch dtype a destination had (``bfloat16``): a codec name where the codec has the dtype."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _memcpy_into(destination: torch.Tensor, payload: memoryview) -> None:
