@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,7 +70,8 @@ def test_every_handler_ends_the_prefix_at_a_block_that_does_not_fit(store: Embed
         got = fetched.arrays if how == "lease" else fetched.tensors
         assert got is not None
         for block, want in zip(got, blocks):
-            assert torch.equal(torch.tensor(block).view(torch.bfloat16), want)  # a copy: leased memory is read-only
+            copied = torch.from_numpy(np.array(block)) if isinstance(block, np.ndarray) else block  # leased: read-only
+            assert torch.equal(copied.view(torch.bfloat16), want)
     finally:
         fetched.release()
 
