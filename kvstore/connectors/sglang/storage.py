@@ -35,6 +35,8 @@ from kvstore.connectors.kit.stores import StoreHealth, open_block_store
 from kvstore.connectors.sglang.config import SGLangStorageConfig, parse_config
 from kvstore.connectors.sglang.pages import PageFormat, block_hashes, page_format, page_view, storage_namespace
 from kvstore.connectors.sglang.stores import CounterBox, StorageCounters, clear_namespace
+from kvstore.errors import CodecError
+from kvstore.keys import BlockHash, Namespace
 
 if TYPE_CHECKING:  # SGLang is untyped to mypy (kvstore.connectors.kit.bases): the base's calls this class makes
     from kvstore.connectors.kit.bases import EngineBase
@@ -49,8 +51,6 @@ if TYPE_CHECKING:  # SGLang is untyped to mypy (kvstore.connectors.kit.bases): t
             """Keep a named host pool."""
 else:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
-from kvstore.errors import CodecError
-from kvstore.keys import BlockHash, Namespace
 
 logger = logging.getLogger(__name__)
 
