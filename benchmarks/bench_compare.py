@@ -80,7 +80,7 @@ class ServiceWorker:
         from kvstore.client import KVStoreClient
         from kvstore.codec import encode_block
         from kvstore.keys import Namespace
-        from kvstore.server.app import tune_malloc
+        from kvstore.server.process import tune_malloc
         from tests.support.kvnode import KVNode
 
         bench_service = _load(_checkout() / "benchmarks" / "bench_service.py", "bench_service_of_checkout")

@@ -33,7 +33,7 @@ def _real_blocks(cache_dir: Path, train_s: float, num_blocks: int):  # type: ign
     import torch
     from transformers import DynamicCache
 
-    from benchmarks.bench_encoding_quality import _data, trained_model
+    from benchmarks.bench_encoding_quality import text_split, trained_model
 
     cached = sorted(cache_dir.glob("llama-shakespeare-*/config.json"), key=lambda p: p.stat().st_mtime)
     if cached:  # the newest model bench_encoding_quality trained: its KV is what is measured, whatever its budget
@@ -43,7 +43,7 @@ def _real_blocks(cache_dir: Path, train_s: float, num_blocks: int):  # type: ign
     else:
         model, _ = trained_model(cache_dir, train_s)
     model = model.to(torch.bfloat16)
-    _, held_out = _data()
+    _, held_out = text_split()
     blocks = []
     for i in range(num_blocks):
         ids = held_out[i * 4 * BLOCK_TOKENS: i * 4 * BLOCK_TOKENS + BLOCK_TOKENS].unsqueeze(0)

@@ -54,7 +54,8 @@ CONTROLS = ("fp8_e4m3", "int8")
 model's sensitivity from a defect of the encoding."""
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
+def text_split() -> tuple[torch.Tensor, torch.Tensor]:
+    """The benchmark's text as byte tokens (int64): its first 90 % to train on, the rest held out."""
     raw = torch.frombuffer(bytearray(TEXT.read_bytes()), dtype=torch.uint8).long()
     split = int(len(raw) * 0.9)
     return raw[:split], raw[split:]
@@ -71,7 +72,7 @@ def trained_model(cache_dir: Path, train_s: float, seed: int = 0):  # type: igno
             (path / "training.json").read_text())
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
-    train, held_out = _data()
+    train, held_out = text_split()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     generator = torch.Generator().manual_seed(seed)
     seq, batch = TRAIN_SEQ_TOKENS, 8
@@ -264,7 +265,7 @@ def main() -> None:
     if args.train_only:
         return
     model = model.to(getattr(torch, args.dtype))
-    _, held_out = _data()
+    _, held_out = text_split()
     prompts = _prompts(held_out, args.prompts)
     rows = evaluate(model, prompts)
     raw = rows[0]["perplexity"]

@@ -94,7 +94,7 @@ class _Node:
             "store.memory.capacity_bytes": STORE_MEMORY_BYTES,
         }
         code = (
-            "import sys; from kvstore.config import load_config; from kvstore.server.app import run; "
+            "import sys; from kvstore.config import load_config; from kvstore.server.process import run; "
             f"sys.exit(run(load_config(overrides={overrides!r})))"
         )
         self._proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)

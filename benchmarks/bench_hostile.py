@@ -9,7 +9,7 @@ client keeps reading its prefix and checking every byte:
 * without a token (UNAUTHENTICATED), and with a token in other tenants' namespaces (PERMISSION_DENIED);
 * Gets of a cached prefix of 8 blocks of 512 KiB (8 layers, 8 KV heads, head_dim 128, 16 tokens, fp16) whose callers stop reading.
 
-Each attack runs in rounds; a node keeps some freed heap for reuse by design (``kvstore.server.app.tune_malloc``),
+Each attack runs in rounds; a node keeps some freed heap for reuse by design (``kvstore.server.process.tune_malloc``),
 so what matters is that the RSS after a round does not grow with the rounds or the number of calls. Issue 18
 measured 238 MB to 2.3 GB for 250 refused 4 MB Lookups before the fix.
 

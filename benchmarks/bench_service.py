@@ -8,7 +8,7 @@ process with a synchronous client, one call at a time:
   protobuf), the same ``max_message_bytes`` and the same chunking: Get streams
   a stored ``bytes`` object in chunks, Put streams chunks in and joins them,
   Empty answers an empty message; it tunes malloc as ``kvstore serve`` does
-  (``kvstore.server.app.tune_malloc``), so both servers allocate alike. The
+  (``kvstore.server.process.tune_malloc``), so both servers allocate alike. The
   goal is against its plain Get, a streaming handler whose status is a batch
   of its own; ``GetLast`` sends the last chunk with the status, as the node's
   Get does (``KVStoreServicer.add_to_server``). A second pass of the same six
@@ -74,7 +74,7 @@ def run_echo_server(max_message_bytes: int) -> None:
     """Serve ``bench.Echo`` (Get, Put, Empty) on a free loopback port; prints the port, runs until killed."""
     import grpc
 
-    from kvstore.server.app import tune_malloc
+    from kvstore.server.process import tune_malloc
     from kvstore.wire import channel_options, chunk_bytes_for
 
     tune_malloc()  # as `kvstore serve` does, so that both servers allocate alike
@@ -276,7 +276,7 @@ def main() -> int:
     from tests.support.kvnode import KVNode
     from tests.support.redis import RedisProcess
 
-    from kvstore.server.app import tune_malloc
+    from kvstore.server.process import tune_malloc
 
     tune_malloc()  # the clients' process allocates like the servers (see the module docstring)
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -89,7 +89,7 @@ def main() -> int:
     from kvstore.shm.client.control import CHANNELS_ENV
     from kvstore.codec import encode_block, verify_block
     from kvstore.keys import Namespace, hash_blocks
-    from kvstore.server.app import tune_malloc
+    from kvstore.server.process import tune_malloc
     from kvstore.validation import BlockChecker
     from tests.support.kvnode import KVNode
     from tests.support.redis import RedisProcess

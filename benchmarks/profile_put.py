@@ -143,7 +143,7 @@ def main() -> int:
     from kvstore.client import KVStoreClient
     from kvstore.client import core as client_core
     from kvstore.keys import Namespace
-    from kvstore.server.app import tune_malloc
+    from kvstore.server.process import tune_malloc
     from kvstore.shm.client.control import ControlChannels
     from kvstore.shm.client.link import SharedSession
     from tests.support.kvnode import KVNode
@@ -161,7 +161,7 @@ def main() -> int:
             return [*line[:at], str(Path(__file__).resolve()), "--serve-timed", *line[at + 2:]]
 
     client_timers = Timers()
-    client_timers.wrap(client_core._Client, "put", "client: put (all below, and the node)")
+    client_timers.wrap(client_core.ClientCore, "put", "client: put (all below, and the node)")
     client_timers.wrap(client_core, "blocks_for_put", "client: blocks_for_put (type, dtype, shape checks)")
     client_timers.wrap(client_core, "check_put", "client: check_put (hashes, priority)")
     client_timers.wrap(SharedSession, "stage", "client: stage (copy + header + checksum)")

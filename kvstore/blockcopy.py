@@ -17,10 +17,10 @@ from kvstore.codec import (
     CHECKSUM_SPAN,
     BlockHeader,
     Layout,
-    _check_shape,
     as_block,
     blank_header,
     check_one_shape,
+    check_shape,
     decode_header,
     dtype_name,
     encode_block,
@@ -116,7 +116,7 @@ def blocks_for_put(blocks: Sequence[object], layout: Layout | str) -> list[Block
         if kind == seen:
             continue
         dtype_name(block.dtype)
-        _check_shape(layout, tuple(block.shape))
+        check_shape(layout, tuple(block.shape))
         like = like and seen is None
         seen = kind
     if not like:

@@ -214,7 +214,7 @@ def _register(module_name: str, subparsers: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from kvstore.config import load_config
     from kvstore.errors import ConfigError
-    from kvstore.server.app import run
+    from kvstore.server.process import run
 
     overrides = {
         "server.host": args.host,

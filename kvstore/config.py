@@ -344,7 +344,11 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
-    """Per-request and per-tenant limits enforced by the server (``kvstore.server.limits``, ``docs/security.md``).
+    """Per-request and per-tenant limits enforced by the server (``docs/security.md``).
+
+    The server's modules that enforce them: ``kvstore.server.inflight`` (calls in flight),
+    ``kvstore.server.quota`` (bytes per tenant), ``kvstore.server.budgets`` (bytes of replies and Put
+    bodies in flight) and ``kvstore.server.watchdog`` (stream length).
 
     Each breach has its status: too many hashes is INVALID_ARGUMENT; a block over
     ``store.max_block_bytes``, too many calls in flight, or a Put over the quota
@@ -366,10 +370,10 @@ class LimitsConfig:
             in-flight slot until the call's deadline or connection ends (``docs/security.md``).
         connection_reply_bytes: bytes of Get replies one connection may have in flight
             (read, not yet sent and acknowledged by gRPC); a Get past it waits, without reading
-            or pinning anything, until earlier replies end (``kvstore.server.limits.ReplyBudget``).
+            or pinning anything, until earlier replies end (``kvstore.server.budgets.ReplyBudget``).
         tenant_reply_bytes: the same over every connection of one tenant (``cache_salt``).
         connection_put_bytes: bytes of Put bodies one connection's Puts may hold while the node receives
-            them; a Put past it waits before it reads on (``kvstore.server.put_budget.PutBudget``).
+            them; a Put past it waits before it reads on (``kvstore.server.budgets.PutBudget``).
         tenant_put_bytes: the same over every connection of one tenant.
     """
 

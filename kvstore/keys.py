@@ -28,13 +28,12 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, NewType, Sequence
+from typing import Any, Iterable, Iterator, NewType, Sequence, cast, overload
 
 import numpy as np
 import xxhash
 
-from kvstore.codec import DTYPES, Layout, dtype_name
-from kvstore.encoding.spec import encoding_of
+from kvstore.blockformat import DTYPES, Layout, dtype_name, encoding_of
 from kvstore.errors import InvalidArgumentError, UnknownDtypeError
 
 BlockHash = NewType("BlockHash", bytes)
@@ -201,7 +200,7 @@ def namespace_dtype(dtype: object) -> str:
             an engine's short name such as ``fp16``).
     """
     try:
-        return dtype_name(dtype)  # type: ignore[arg-type]
+        return dtype_name(dtype)
     except UnknownDtypeError:
         pass
     except (AttributeError, TypeError):
@@ -279,7 +278,7 @@ def hash_blocks(
             length, or an extra key that is not bytes-like or is 2^32 bytes or longer.
     """
     ids = token_bytes(token_ids)
-    previous = namespace.root if parent is None else parent
+    previous: bytes = namespace.root if parent is None else parent
     if len(previous) != namespace.hash_bytes:
         raise InvalidArgumentError(f"parent hash must be {namespace.hash_bytes} bytes, got {len(previous)}")
     block_nbytes = namespace.block_size * 4
@@ -311,7 +310,7 @@ def _extra_suffixes(extra_keys: Sequence[bytes | None] | None, num_blocks: int) 
         if extra is None:
             continue
         try:
-            raw = memoryview(extra).tobytes()  # type: ignore[arg-type]
+            raw = memoryview(extra).tobytes()
         except TypeError:
             raise InvalidArgumentError(
                 f"extra key of block {i} must be bytes, got {type(extra).__name__}"
@@ -417,14 +416,14 @@ def block_key(namespace: Namespace, block_hash: bytes) -> BlockKey:
     return BlockKey(namespace.tag + block_hash)
 
 
-def _as_bytes(block_hash: object) -> bytes:
+def _as_bytes(block_hash: Any) -> bytes:
     """The bytes of a bytes-like hash.
 
     Raises:
         InvalidArgumentError: if it is not bytes-like.
     """
     try:
-        return memoryview(block_hash).tobytes()  # type: ignore[arg-type]
+        return memoryview(block_hash).tobytes()
     except TypeError:
         raise InvalidArgumentError(f"a block hash must be bytes, got {type(block_hash).__name__}"
                                    " (hashes come from kvstore.hash_blocks)") from None
@@ -486,13 +485,13 @@ def _check_each_hash(namespace: Namespace, block_hashes: Iterable[object]) -> No
         _check_one_hash(namespace, index, block_hash)
 
 
-def _check_one_hash(namespace: Namespace, index: int, block_hash: object) -> None:
+def _check_one_hash(namespace: Namespace, index: int, block_hash: Any) -> None:
     """Raise :class:`InvalidArgumentError` naming hash ``index`` if it is not bytes-like of the namespace's length."""
     if isinstance(block_hash, str):
         raise InvalidArgumentError(f"block hash {index}: expected bytes, got str (a hex string? "
                                    f"use bytes.fromhex({block_hash[:12]!r}...))")
     try:
-        nbytes = memoryview(block_hash).nbytes  # type: ignore[arg-type]
+        nbytes = memoryview(block_hash).nbytes
     except TypeError:
         raise InvalidArgumentError(f"block hash {index}: expected bytes, got {type(block_hash).__name__}"
                                    " (hashes come from kvstore.hash_blocks)") from None
@@ -519,7 +518,7 @@ def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[Bloc
     if type(block_hashes) is list and len(block_hashes) < _PACKED_MIN_HASHES:  # a Get's few hashes: the hot path
         keys = [tag + h for h in block_hashes if type(h) is bytes and len(h) == width]
         if len(keys) == len(block_hashes):
-            return keys  # type: ignore[return-value]
+            return cast(list[BlockKey], keys)  # keys by construction; BlockKey(k) each would cost a call per key
     if isinstance(block_hashes, PackedHashes):
         if block_hashes.width != width and len(block_hashes):
             block_key(namespace, block_hashes[0])  # raises, naming the lengths
@@ -531,10 +530,11 @@ def block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[Bloc
         hashes = [h if type(h) is bytes else _as_bytes(h) for h in hashes]
     if len(hashes) >= _PACKED_MIN_HASHES and set(map(len, hashes)) == {width}:
         packed = tag + tag.join(hashes)  # tag h0 tag h1 ...: the keys, end to end
-        return np.frombuffer(packed, dtype=f"V{len(tag) + width}").tolist()  # type: ignore[no-any-return]
+        packed_keys: list[BlockKey] = np.frombuffer(packed, dtype=f"V{len(tag) + width}").tolist()
+        return packed_keys
     if set(map(len, hashes)) - {width}:
         _check_each_hash(namespace, hashes)  # raises, naming the first hash of the wrong length
-    return [tag + h for h in hashes]  # type: ignore[misc]
+    return cast(list[BlockKey], [tag + h for h in hashes])
 
 
 _PACKED_MIN_HASHES = 16
@@ -546,7 +546,8 @@ def _keys_of_packed(tag: bytes, data: bytes, width: int) -> list[BlockKey]:
     keys = np.empty((len(data) // width, len(tag) + width), dtype=np.uint8)
     keys[:, : len(tag)] = np.frombuffer(tag, dtype=np.uint8)
     keys[:, len(tag):] = np.frombuffer(data, dtype=np.uint8).reshape(-1, width)
-    return keys.view(f"V{len(tag) + width}").ravel().tolist()  # type: ignore[no-any-return]
+    result: list[BlockKey] = keys.view(f"V{len(tag) + width}").ravel().tolist()
+    return result
 
 
 class PackedHashes(Sequence[bytes]):
@@ -576,13 +577,20 @@ class PackedHashes(Sequence[bytes]):
     def __len__(self) -> int:
         return len(self.data) // self.width
 
-    def __getitem__(self, index: int | slice) -> bytes | PackedHashes:  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> PackedHashes: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | PackedHashes:
+        """Hash ``index`` (``bytes``), or a slice of them (another :class:`PackedHashes`)."""
         width = self.width
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
             if step == 1:
                 return PackedHashes(self.data[start * width: max(start, stop) * width], width)
-            return PackedHashes(b"".join(self[i] for i in range(start, stop, step)), width)  # type: ignore[misc]
+            return PackedHashes(b"".join(self[i] for i in range(start, stop, step)), width)
         position = range(len(self))[index]  # IndexError past either end, negative indices count from the end
         return self.data[position * width: (position + 1) * width]
 

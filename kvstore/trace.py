@@ -225,7 +225,7 @@ def _first_line(path: str | os.PathLike[str]) -> str:
     return ""
 
 
-def _is_session(path: str | os.PathLike[str]) -> bool:
+def is_session_file(path: str | os.PathLike[str]) -> bool:
     """Whether a file holds an agentic session: its first line is, or starts, a JSON document with ``requests``."""
     line = _first_line(path).strip()
     if not line.startswith("{"):
@@ -267,7 +267,7 @@ def iter_trace(path: str | os.PathLike[str], format: str = "auto",
                                        f"are read from a directory")
         yield from merge_sessions(sorted(Path(path).glob("*.json")))
         return
-    if format == "weka" or (format == "auto" and _is_session(path)):
+    if format == "weka" or (format == "auto" and is_session_file(path)):
         yield from read_session(path).requests
         return
     parser = _PARSERS.get(format)

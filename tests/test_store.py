@@ -18,6 +18,7 @@ from kvstore.keys import block_key, block_keys, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
+from tests.support.clock import FakeClock
 from tests.support.store import (
     BLOCK_SIZE, NS, PAGE, SharedMemoryTier, disk_footprint, held_keys, heap_tier, make_blocks, memory_tier,
 )
@@ -648,20 +649,21 @@ async def test_close_reads_priorities_after_retentions_end(tmp_path) -> None:
     (priority back to 10) is flushed as a 90 and evicts a priority-60 disk block."""
     config = StoreConfig(demote_min_priority=50, default_priority=10)
     hashes, blocks = make_blocks(4, seed=25)
+    clock = FakeClock()
 
     def tiers():
-        return [memory_tier(2), LMDBTier(tmp_path / "d", 2 * disk_footprint())]
+        return [memory_tier(2), LMDBTier(tmp_path / "d", 2 * disk_footprint(), clock=clock)]
 
-    store = TieredStore(tiers(), config)
+    store = TieredStore(tiers(), config, clock=clock)
     await store.start()
     await store.put(NS, hashes[0:1], blocks[0:1], priority=60)
     await store.put(NS, hashes[1:2], blocks[1:2], priority=60)
     await store.put(NS, hashes[2:3], blocks[2:3], priority=90, retention_s=0.05)  # B
     await store.put(NS, hashes[3:4], blocks[3:4], priority=90)  # C; the 60s are on disk now, disk full
     assert len(store.index.policies[1]) == 2
-    await asyncio.sleep(0.1)  # B is priority 10 now
+    clock.advance(0.1)  # B is priority 10 now
     await store.close()
-    store = TieredStore(tiers(), config)
+    store = TieredStore(tiers(), config, clock=clock)
     await store.start()
     present = [(await store.lookup(NS, [h])).num_blocks for h in hashes]
     await store.close()
@@ -675,18 +677,19 @@ async def test_close_flushes_each_volatile_tier_straight_to_disk(tmp_path) -> No
     drops memory2's low-priority block, though the disk has room for everything."""
     config = StoreConfig(demote_min_priority=50, default_priority=10)
     hashes, blocks = make_blocks(2, seed=24)
+    clock = FakeClock()
 
     def tiers():
-        return [memory_tier(1), memory_tier(1), LMDBTier(tmp_path / "d", 8 * disk_footprint())]
+        return [memory_tier(1), memory_tier(1), LMDBTier(tmp_path / "d", 8 * disk_footprint(), clock=clock)]
 
-    store = TieredStore(tiers(), config)
+    store = TieredStore(tiers(), config, clock=clock)
     await store.start()
     await store.put(NS, hashes[1:], blocks[1:], priority=90, retention_s=0.05)  # B: reverts to 10 soon
     await store.put(NS, hashes[:1], blocks[:1], priority=90)  # A: pushes B into memory2
     assert len(store.index.policies[1]) == 1 and len(store.index.policies[2]) == 0
-    await asyncio.sleep(0.1)  # B is now priority 10, below the floor; the disk has room for 8 blocks
+    clock.advance(0.1)  # B is now priority 10, below the floor; the disk has room for 8 blocks
     await store.close()
-    store = TieredStore(tiers(), config)
+    store = TieredStore(tiers(), config, clock=clock)
     await store.start()
     present = [(await store.lookup(NS, [h])).num_blocks for h in hashes]
     await store.close()
@@ -753,17 +756,18 @@ async def test_a_restart_keeps_a_chains_tail_before_its_head(tmp_path) -> None:
     chain's blocks back in key order, and one eviction could take a head and with it the whole prefix."""
     first, second = make_blocks(4, seed=21), make_blocks(4, seed=22)
     extra = make_blocks(1, seed=23)
+    clock = FakeClock()
     for restart in (False, True):
         path = tmp_path / f"disk-{restart}"
-        store = TieredStore([LMDBTier(path, 8 * disk_footprint())])
+        store = TieredStore([LMDBTier(path, 8 * disk_footprint(), clock=clock)], clock=clock)
         await store.start()
         await store.put(NS, *first)
-        await asyncio.sleep(0.01)
+        clock.advance(0.01)
         await store.put(NS, *second)
         assert await store.get(NS, first[0][:2]) and await store.get(NS, second[0][:3])  # reads, head first
         if restart:
             await store.close()
-            store = TieredStore([LMDBTier(path, 8 * disk_footprint())])
+            store = TieredStore([LMDBTier(path, 8 * disk_footprint(), clock=clock)], clock=clock)
             await store.start()
         await store.put(NS, *extra)  # room for one more: one victim, the first chain's tail
         assert (await store.lookup(NS, first[0])).num_blocks == 3, f"restart={restart}"  # observed with: 0

@@ -11,7 +11,8 @@ import pytest
 
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
-from tests.support.store import NS, disk_footprint, held_keys, make_blocks, memory_tier, writer_held
+from tests.support.clock import turns_until
+from tests.support.store import NS, disk_footprint, held_keys, make_blocks, memory_tier, writer_held, writes_queued
 
 
 async def test_evicted_key_keeps_no_lease(tmp_path) -> None:
@@ -45,7 +46,6 @@ async def test_promoted_back_block_is_evictable(tmp_path) -> None:
 
 
 # End to end through a real server: after one demote/promote cycle the memory tier refuses every new put.
-import time
 
 from kvstore.client import KVStoreClient
 from tests.support.server import ThreadedServer, kv_blocks, make_config, namespace
@@ -65,10 +65,8 @@ def test_server_still_takes_puts_after_blocks_were_promoted_back(tmp_path) -> No
             assert kv.put(ns, second, second_t) == 7          # demotes `first` to disk
             assert kv.lookup(ns, first).tiers == ("disk",) * 7
             assert len(kv.get(ns, first)) == 7                # promotes `first` back (evicts `second`)
-            for _ in range(100):
-                if kv.lookup(ns, first).tiers == ("memory",) * 7:
-                    break
-                time.sleep(0.02)
+            server.call(server.server.store.drain())          # the promotions have run
+            assert kv.lookup(ns, first).tiers == ("memory",) * 7
             third, third_t = kv_blocks(ns, 7, num_layers=4, num_kv_heads=8, head_dim=512, first_token=20_000)
             # no reader holds anything, `first` is evictable -> this must succeed
             assert kv.put(ns, third, third_t) == 7            # raises ResourceExhaustedError
@@ -110,8 +108,7 @@ async def test_a_victim_leased_while_it_is_demoted_does_not_fail_the_put(tmp_pat
 
     async with writer_held(disk):
         put = asyncio.ensure_future(store.put(NS, hashes[4:], blocks[4:]))  # evicts A, whose demotion waits
-        while disk._writer._work_queue.empty():  # A's demotion has reached the held writer: the put waits on it
-            await asyncio.sleep(0.001)
+        await turns_until(lambda: writes_queued(disk) > 0)  # A's demotion has reached the held writer: the put waits
         read = asyncio.ensure_future(reader())
         await reading.wait()
     try:

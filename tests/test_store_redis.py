@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from typing import Callable
 
 from kvstore.keys import block_key
 from kvstore.store import TieredStore
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.redis import RedisTier
+from tests.support.clock import FakeClock
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401
 from tests.support.store import NS, PAGE, disk_footprint, make_blocks, memory_tier, redis_config, store_key
 
 
-def store_with_redis(url: str, mode: str, num_blocks: int = 8) -> TieredStore:
+def store_with_redis(url: str, mode: str, num_blocks: int = 8,
+                     breaker_clock: Callable[[], float] = time.monotonic) -> TieredStore:
     config = redis_config(url, mode)
-    return TieredStore([memory_tier(num_blocks)], config, shared=RedisTier(config.redis))
+    return TieredStore([memory_tier(num_blocks)], config, shared=RedisTier(config.redis, breaker_clock=breaker_clock))
 
 
 async def test_write_through_put_on_one_node_hits_on_another(redis_server: RedisProcess) -> None:
@@ -59,14 +63,16 @@ async def test_write_back_demotes_evicted_blocks_to_redis(redis_server: RedisPro
 
 
 async def test_redis_killed_mid_loop_never_reaches_the_caller(redis_server: RedisProcess) -> None:
-    async with store_with_redis(redis_server.url, "write_through", num_blocks=64) as store:
+    clock = FakeClock()
+    async with store_with_redis(redis_server.url, "write_through", num_blocks=64, breaker_clock=clock) as store:
         raw = redis_server.client()
         for round_ in range(12):
             if round_ == 4:
                 redis_server.kill()
             if round_ == 8:
                 redis_server.start()
-                await asyncio.sleep(0.3)  # past breaker_reset_s: the next call is the trial
+            if round_ >= 8:
+                clock.advance(0.3)  # past breaker_reset_s: the round's first call may be the trial
             hashes, blocks = make_blocks(2, seed=round_)
             assert await store.put(NS, hashes, blocks) == 2
             assert await store.get(NS, hashes) == blocks  # the memory tier keeps answering

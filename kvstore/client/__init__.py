@@ -3,10 +3,12 @@
 Both implement :class:`kvstore.api.BlockClient`, so a connector takes either
 or the embedded store, and both are written once: every call's requests, its
 merge over nodes, the retries (:class:`Retry`, :class:`Backoff`), the fan-out
-and the nodes' membership are one piece of code with no I/O (``_Client``),
-which yields the I/O it needs; each client is a thin transport that performs
-it, in threads or on an asyncio loop, as redis-py shares its commands between
-its two clients. Every call has a deadline (``timeout_s``, covering all
+and the nodes' membership are one piece of code with no I/O
+(:class:`~kvstore.client.core.ClientCore`, whose calls are plans of
+:mod:`kvstore.client.plan`), which yields the I/O it needs; each client is a
+thin transport that performs it (:class:`~kvstore.client.plan.Transport`), in
+threads or on an asyncio loop, as redis-py shares its commands between its two
+clients. Every call has a deadline (``timeout_s``, covering all
 its retries and, with several nodes, all of its fan-out), the number of calls
 in flight is bounded (``max_inflight``), and calls that are safe to repeat are
 retried on UNAVAILABLE with exponential backoff and full jitter (the AWS

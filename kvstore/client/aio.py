@@ -4,31 +4,39 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 
 from kvstore.status import DeadlineExceededError
-from kvstore.client.calls import (
-    _REPLY_STREAM,
-    _RETURNED,
-    _UNARY,
-    _Attempt,
-    _BulkLink,
-    _Link,
-    _Outcome,
-    _Pause,
-    _Plan,
-    _Slot,
-    _Step,
-    _Together,
+from kvstore.client.plan import (
+    REPLY_STREAM,
+    RETURNED,
+    UNARY,
+    Attempt,
+    BulkOf,
+    Outcome,
+    Pause,
+    Plan,
+    SessionOf,
+    Slot,
+    Step,
+    Together,
 )
-from kvstore.client.core import _Client
+from kvstore.client.core import ClientCore
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.api import Block, Buffer, LookupResult, StoreStats
+    from kvstore.blocklease import BlockLease
+    from kvstore.explain import BlockExplanation
+    from kvstore.keys import BlockHash, Namespace
 
 _T = TypeVar("_T")
 
 
-class AsyncKVStoreClient(_Client):
+class AsyncKVStoreClient(ClientCore):
     """The asyncio client: the same methods as :class:`KVStoreClient`, each returning an awaitable, the same policies.
 
     Use from one event loop; the channels are opened on the first call. With
@@ -39,67 +47,103 @@ class AsyncKVStoreClient(_Client):
 
     _aio = True
 
+    if TYPE_CHECKING:  # the API's results, as awaitables (ClientCore's methods return Any): for type checkers only
+
+        def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                   ttl_s: float | None = None, request_id: str | None = None) -> Awaitable[LookupResult]: ...
+
+        def explain(self, namespace: Namespace | None, block_hashes: Sequence[BlockHash] = (), *,
+                    request_id: str | None = None
+                    ) -> Awaitable[tuple[list[BlockExplanation], Namespace | None, Namespace | None]]: ...
+
+        def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                ttl_s: float | None = None) -> Awaitable[list[Buffer]]: ...
+
+        def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *,
+                        session_id: str | None = None, ttl_s: float | None = None) -> Awaitable[list[torch.Tensor]]: ...
+
+        def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],
+                     destinations: Sequence[torch.Tensor], *, verify: bool | None = None,
+                     session_id: str | None = None, ttl_s: float | None = None) -> Awaitable[int]: ...
+
+        def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                 ttl_s: float | None = None) -> Awaitable[BlockLease]: ...
+
+        def put(self, namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Sequence[Block], *,
+                priority: int | None = None, retention_s: float | None = None, session_id: str | None = None,
+                ttl_s: float | None = None) -> Awaitable[int]: ...
+
+        def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Awaitable[int]: ...
+
+        def clear(self, namespace: Namespace) -> Awaitable[int]: ...
+
+        def stats(self) -> Awaitable[StoreStats]: ...
+
+        def node_stats(self) -> Awaitable[dict[str, StoreStats]]: ...
+
+        def health(self, service: str = "") -> Awaitable[str]: ...
+
     def _start(self) -> None:
         self._aslots: asyncio.Semaphore | None = None
         self._slots_pid = -1
         self._probes: set[asyncio.Task[None]] = set()
 
-    def _run(self, plan: _Plan) -> Awaitable[Any]:
+    def execute(self, plan: Plan) -> Awaitable[Any]:
+        """Perform ``plan`` on the running loop (:class:`~kvstore.client.plan.Transport`): an awaitable of it."""
         return self._drive(self._call(plan))
 
-    async def _drive(self, step: _Step[_T]) -> _T:
+    async def _drive(self, step: Step[_T]) -> _T:
         """Perform the I/O ``step`` yields, on the running loop, until it returns."""
-        outcome = _Outcome()
+        outcome = Outcome()
         try:
-            while (op := outcome.send_into(step)) is not _RETURNED:
+            while (op := outcome.send_into(step)) is not RETURNED:
                 try:
                     outcome.value = await self._perform(op)
                 except asyncio.CancelledError:
                     raise  # the caller's cancellation is not the call's outcome
                 except BaseException as exc:  # noqa: BLE001 - sent back into the step, which decides
                     outcome.error = exc
-            return outcome.value  # type: ignore[no-any-return]
+            result: _T = outcome.value
+            return result
         finally:
             step.close()
 
     async def _perform(self, op: Any) -> Any:
-        if type(op) is _Attempt:
+        if type(op) is Attempt:
             return await self._attempt(op)
-        if type(op) is _Link:
-            link = self._links[op.node]
-            assert link is not None
+        if type(op) is SessionOf:
+            link = op.link
             session = link.current()
             if session is not None or link.settled():
                 return session
             return await asyncio.to_thread(link.ensure, op.timeout_s)  # attaching blocks (a handoff, a Unix socket)
-        if type(op) is _BulkLink:
-            bulk_link = self._bulk_links[op.node]
-            assert bulk_link is not None
+        if type(op) is BulkOf:
+            bulk_link = op.link
             if bulk_link.settled():
                 return bulk_link.current()
             return await asyncio.to_thread(bulk_link.ensure, op.timeout_s)  # a Capabilities call, once
-        if type(op) is _Slot:
+        if type(op) is Slot:
             return await self._acquire_slot()
-        if type(op) is _Pause:
+        if type(op) is Pause:
             await asyncio.sleep(op.seconds)
             return None
-        if type(op) is _Together:
+        if type(op) is Together:
             return await asyncio.gather(*(self._drive(part) for part in op.parts), return_exceptions=True)
-        task = asyncio.get_running_loop().create_task(self._drive(self._probe(op.node_id)))  # _Probe
+        task = asyncio.get_running_loop().create_task(self._drive(self._probe(op.node_id)))  # Probe
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
         return None
 
-    async def _attempt(self, op: _Attempt) -> Any:
-        """One attempt of one node's part: the asyncio transport of :class:`_Rpc`."""
+    async def _attempt(self, op: Attempt) -> Any:
+        """One attempt of one node's part: the asyncio transport of :class:`~kvstore.client.plan.Rpc`."""
         rpc = op.rpc
         call = rpc.method(self._channels[op.node])
-        if rpc.kind == _UNARY:
+        if rpc.kind == UNARY:
             if rpc.wait_for_ready:
                 return rpc.read(await call(rpc.request, timeout=op.timeout_s, metadata=self.metadata,
                                            wait_for_ready=True))
             return rpc.read(await call(rpc.request, timeout=op.timeout_s, metadata=self.metadata))
-        if rpc.kind == _REPLY_STREAM:
+        if rpc.kind == REPLY_STREAM:
             assembler = rpc.read()
             stream = call(rpc.request, timeout=op.timeout_s, metadata=self.metadata)
             try:

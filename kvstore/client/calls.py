@@ -1,19 +1,28 @@
-"""Every call of a client, described once as data with no I/O: each node's part (:class:`Rpc`), the whole call
-(:class:`Plan`), the I/O a call asks its transport for, and the builders of each kvstore method's parts."""
+"""The builders of each kvstore method's parts (:class:`~kvstore.client.plan.Rpc`), and the merges of the nodes'
+results: what ``kvstore.client.core`` puts in its plans (``kvstore.client.plan``).
+
+A part carries each path it can take: gRPC (its request and reply), the
+same-host data plane (:attr:`~kvstore.client.plan.Rpc.shared`: the attempt's
+part rewritten for a session) and the bulk path (:attr:`~kvstore.client.plan.Rpc.bulk`).
+A Get is one builder, :func:`get_rpc`, whatever its blocks become: a
+:class:`Delivery` says that once per medium (:data:`AS_BYTES`,
+:data:`AS_TENSORS`, :data:`AS_LEASE`, :class:`IntoTensors`).
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, Generator, Iterator, NamedTuple, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from kvstore.api import Block, Buffer
-from kvstore.blockcopy import Copied
-from kvstore.codec import encode_blocks
-from kvstore.errors import DestinationMismatchError, InvalidArgumentError, KVStoreError
+from kvstore.blocklease import BlockLease
+from kvstore.blockcopy import Copied, copy_into_destinations
+from kvstore.codec import decode_block, encode_blocks
+from kvstore.errors import DestinationMismatchError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.routing import Partition
 from kvstore.shm.frames import GET_SHARED, LOOKUP, PUT_SHARED
@@ -22,6 +31,7 @@ from kvstore.bulk.client import calls as bulk_calls
 from kvstore.bulk.client.link import BulkLink, Endpoint
 from kvstore.bulk.client.transfer import put_sizes
 from kvstore.client.channel import TargetChannel
+from kvstore.client.plan import REPLY_STREAM, REQUEST_STREAM, UNARY, RequestStream, Rpc
 from kvstore.wire import (
     BlockAssembler,
     cached_namespace_pb,
@@ -32,160 +42,25 @@ from kvstore.wire import (
 )
 from kvstore.v1 import kvstore_pb2 as pb
 
+if TYPE_CHECKING:
+    import torch
+
 _T = TypeVar("_T")
 
 _NO_BLOCK_LIMIT = sys.maxsize
-
-_UNARY, _REPLY_STREAM, _REQUEST_STREAM = range(3)
-
-
-class _RequestStream:
-    """The serialized messages of a Put, remembering an error raised while making them.
-
-    gRPC pulls a request iterator on its own side of the call and reports an
-    error raised there only as UNKNOWN (sync) or a cancellation of the call
-    (asyncio); the caller gets the real error back from :meth:`raise_error`.
-
-    Args:
-        messages: the serialized messages (:func:`kvstore.wire.put_requests`).
-    """
-
-    def __init__(self, messages: Iterator[bytes]) -> None:
-        self._messages = messages
-        self.error: Exception | None = None
-
-    def __iter__(self) -> _RequestStream:
-        return self
-
-    def __next__(self) -> bytes:
-        try:
-            return next(self._messages)
-        except StopIteration:
-            raise
-        except Exception as exc:
-            self.error = exc
-            raise
-
-    def raise_error(self) -> None:
-        """Raise the error of making the messages, if there was one.
-
-        Raises:
-            KVStoreError: that error, if it was one of kvstore's.
-            InvalidArgumentError: for any other error (a request that cannot be serialized).
-        """
-        if isinstance(self.error, KVStoreError):
-            raise self.error
-        if self.error is not None:
-            raise InvalidArgumentError(f"cannot serialize the Put request: {self.error!r}") from self.error
 
 
 def _assembler(num_blocks: int) -> BlockAssembler:
     return BlockAssembler(_NO_BLOCK_LIMIT, max(1, num_blocks), copy=False)  # one-chunk blocks stay views
 
 
-
-class _Rpc(NamedTuple):
-    """One node's part of a call: what one attempt sends, and how its reply becomes a result.
-
-    Attributes:
-        kind: ``_UNARY``, ``_REPLY_STREAM`` (Get) or ``_REQUEST_STREAM`` (Put).
-        method: the channel's multicallable for the call (``TargetChannel`` -> callable).
-        request: the request (a message or serialized bytes); for ``_REQUEST_STREAM``,
-            a function making a fresh :class:`_RequestStream` for each attempt.
-        read: ``reply -> result``; for ``_REPLY_STREAM``, a function making a fresh
-            assembler (``add_reply``, ``finish``) for each attempt.
-        rescue: ``error -> result`` for a status that is an answer (health's NOT_FOUND), else ``None``.
-        wait_for_ready: wait for the channel's connection within the deadline (a probe of a down node).
-        shared: for a call the same-host data plane can carry, ``session -> (rpc, done)`` making this
-            attempt's part on it (``None`` when it cannot take this one: gRPC then); ``done`` (or ``None``)
-            is called once the attempt's outcome is known (a Put's staged range is given back).
-        bulk: for a call the bulk path can carry (``kvstore.bulk``), ``(link, endpoint) -> rpc`` making this
-            attempt's part on it (a ``BulkGet`` or ``BulkPut`` whose method then moves the bytes).
-    """
-
-    kind: int
-    method: Callable[[TargetChannel], Any]
-    request: Any
-    read: Callable[..., Any]
-    rescue: Callable[[grpc.RpcError], Any] | None = None
-    wait_for_ready: bool = False
-    shared: Callable[[SharedSession], tuple[_Rpc, Callable[[], None] | None] | None] | None = None
-    bulk: Callable[[BulkLink, Endpoint], _Rpc] | None = None
-
-
-class _Plan(NamedTuple):
-    """A whole call: each node's part, and how the per-node results (``None``: no part, or down) merge."""
-
-    rpcs: dict[int, _Rpc]
-    merge: Callable[[list[Any]], Any]
-
-
-# The I/O a call asks its transport for, yielded by the generators below (the logic is written once, without I/O;
-# each client's transport performs these, synchronously in threads or on an asyncio loop).
-class _Attempt(NamedTuple):
-    node: int
-    rpc: _Rpc
-    timeout_s: float
-
-
-class _Pause(NamedTuple):
-    seconds: float
-
-
-class _Together(NamedTuple):
-    parts: list[Generator[Any, Any, Any]]  # run at once; the transport sends back each one's result or exception
-    deadline: float  # of the call (time.monotonic()): a part not started by then is a miss
-
-
-class _Slot(NamedTuple):
-    pass  # take an in-flight slot; the transport sends back its release
-
-
-class _Probe(NamedTuple):
-    node_id: str  # start a health probe of a down node in the background
-
-
-class _Link(NamedTuple):
-    node: int  # the node's same-host session, attached first if it is time to try; the transport sends back it or None
-    timeout_s: float  # the longest an attach may take (what is left of the call's deadline)
-
-
-class _BulkLink(NamedTuple):
-    node: int  # the node's bulk endpoint, asked for first if it is time to; the transport sends back it or None
-    timeout_s: float  # the longest asking may take (what is left of the call's deadline)
-
-
-_SLOT = _Slot()
-_Step = Generator[Any, Any, _T]
-_RETURNED = object()
-
-
-class _Outcome:
-    """What the last I/O a step asked for gave, a value or an error, to send into the step (each transport's loop)."""
-
-    __slots__ = ("value", "error")
-
-    def __init__(self) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def send_into(self, step: _Step[Any]) -> Any:
-        """Resume ``step`` with this outcome; returns the next I/O it asks for, or ``_RETURNED`` (its result is
-        then :attr:`value`)."""
-        value, error = self.value, self.error
-        self.value, self.error = None, None
-        try:
-            return step.throw(error) if error is not None else step.send(value)
-        except StopIteration as stop:
-            self.value = stop.value
-            return _RETURNED
-
-
-def _stub(name: str) -> Callable[[TargetChannel], Any]:
+def stub(name: str) -> Callable[[TargetChannel], Any]:
+    """The method of :class:`Rpc` for the kvstore RPC ``name`` (e.g. ``"Lookup"``): its multicallable on a channel."""
     return lambda channel: getattr(channel.stub, name)
 
 
-def _health(channel: TargetChannel) -> Any:
+def health_method(channel: TargetChannel) -> Any:
+    """The method of :class:`Rpc` for ``grpc.health.v1``'s Check: its multicallable on ``channel``."""
     return channel.health_stub.Check
 
 
@@ -214,11 +89,11 @@ def _control_or(session: SharedSession, kind: int, reply_type: type, grpc_method
     return lambda channel: control.method(kind, reply_type, channel.aio)
 
 
-_UNCLEAR_CODES = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+UNCLEAR_CODES = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
                             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 """Statuses after which a same-host call may still be running on the node (its staged range is not reused)."""
 
-_MAX_SHARED_TRIES = 2
+MAX_SHARED_TRIES = 2
 """Attempts of one call on the same-host path that the node answered "no such session" before it goes over gRPC."""
 
 
@@ -238,24 +113,40 @@ class _Then:
         return self._then(self._assembler.finish())
 
 
-def _health_name(reply: health_pb2.HealthCheckResponse) -> str:
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+def health_name(reply: health_pb2.HealthCheckResponse) -> str:
+    """The name of a health reply's status (``SERVING``, ``NOT_SERVING``, ...)."""
+    name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return name
 
 
-_SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+_SERVICE_UNKNOWN: str = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
 
 
-def _unknown_service(exc: grpc.RpcError) -> str:
-    """grpc.health.v1 answers NOT_FOUND for a service it does not know: an answer, not a failure."""
-    if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+def unknown_service(exc: grpc.RpcError) -> str:
+    """A health call's rescue (:attr:`Rpc.rescue`): ``grpc.health.v1`` answers NOT_FOUND for a service it does not
+    know, an answer (``SERVICE_UNKNOWN``), not a failure.
+
+    Raises:
+        grpc.RpcError: ``exc``, for any other status.
+    """
+    if exc.code() == grpc.StatusCode.NOT_FOUND:
         return _SERVICE_UNKNOWN
     raise exc
 
 
-def _lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash], session_id: str = "", ttl_s: float = 0.0,
-                request_id: str = "") -> _Rpc:
-    """A Lookup: over a same-host session's control channels where it has them, else over gRPC (with the agentic
-    fields, ``docs/agentic.md``)."""
+def lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash], session_id: str = "", ttl_s: float = 0.0,
+                request_id: str = "") -> Rpc:
+    """A Lookup: over a same-host session's control channels where it has them, else over gRPC.
+
+    Args:
+        namespace: the namespace's message (:func:`kvstore.wire.cached_namespace_pb`).
+        block_hashes: the node's hashes, in prefix order.
+        session_id, ttl_s: the agentic fields (``docs/agentic.md``): a session, a TTL in seconds (0: none).
+        request_id: a name for the request, for ``explain`` later (``""``: none).
+
+    Returns:
+        The part, whose result is a :class:`~kvstore.api.LookupResult`.
+    """
     request = request_with_hashes(pb.LookupRequest, namespace, block_hashes)
     if session_id:
         request.agent_session_id = session_id
@@ -264,31 +155,145 @@ def _lookup_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash], sess
     if request_id:
         request.request_id = request_id
 
-    def shared(session: SharedSession) -> tuple[_Rpc, None] | None:
+    def shared(session: SharedSession) -> tuple[Rpc, None] | None:
         if session.control is None:
             return None
-        return _Rpc(_UNARY, _control_or(session, LOOKUP, pb.LookupResponse, _stub("Lookup")), request,
-                    lookup_from_pb), None
+        return Rpc(UNARY, _control_or(session, LOOKUP, pb.LookupResponse, stub("Lookup")), request,
+                   lookup_from_pb), None
 
-    return _Rpc(_UNARY, _stub("Lookup"), request, lookup_from_pb, shared=shared)
+    return Rpc(UNARY, stub("Lookup"), request, lookup_from_pb, shared=shared)
 
 
-def _get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], session_id: str = "",
-             ttl_s: float = 0.0) -> _Rpc:
+class Delivery(Protocol):
+    """What a Get makes of its blocks, on each path they can come by: one handler per medium.
+
+    The blocks come assembled from gRPC's messages (read-only views of them),
+    received from the bulk path (each in a buffer of its own), or in place on
+    the same-host path (a ``GetSharedResponse`` naming where they lie under
+    the node's lease). :data:`AS_BYTES`, :data:`AS_TENSORS`, :data:`AS_LEASE`
+    and :class:`IntoTensors` are the client's.
+    """
+
+    def received(self, blocks: list[Buffer]) -> Any:
+        """The result of blocks that came over gRPC or the bulk path, in prefix order."""
+        ...
+
+    def shared(self, session: SharedSession, reply: pb.GetSharedResponse, started: float) -> Any:
+        """The result of a same-host reply (``started``: the ``time.monotonic()`` the request was made at).
+
+        Raises:
+            UseGrpc: when the blocks cannot be used (no room, the lease ran out): the Get goes over gRPC.
+        """
+        ...
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        """The bulk path's call of this Get (``aio``: made by the asyncio client)."""
+        ...
+
+
+class _AsBytes:
+    """The blocks as they are: gRPC's views, or ``bytes`` copied once from shared memory (:meth:`ClientCore.get`)."""
+
+    __slots__ = ()
+
+    def received(self, blocks: list[Buffer]) -> list[Buffer]:
+        return blocks
+
+    shared = staticmethod(SharedSession.take_bytes)  # the method itself: no call in between on the hot path
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        return bulk_calls.get_blocks(link, endpoint, list, aio)
+
+
+class _AsTensors:
+    """The blocks decoded into CPU tensors, checksums verified (:meth:`ClientCore.get_tensors`)."""
+
+    __slots__ = ()
+
+    def received(self, blocks: list[Buffer]) -> list[torch.Tensor]:
+        return [decode_block(b, copy=False) for b in blocks]
+
+    def shared(self, session: SharedSession, reply: pb.GetSharedResponse, started: float) -> list[torch.Tensor]:
+        return session.take_tensors(reply, True, started)
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        return bulk_calls.get_blocks(link, endpoint, self.received, aio)
+
+
+class _AsLease:
+    """The blocks in place under a lease (:meth:`ClientCore.read`): received buffers need no lease."""
+
+    __slots__ = ()
+
+    def received(self, blocks: list[Buffer]) -> BlockLease:
+        return BlockLease(blocks, [])
+
+    shared = staticmethod(SharedSession.lease)
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        return bulk_calls.get_blocks(link, endpoint, self.received, aio)
+
+
+AS_BYTES: Delivery = _AsBytes()
+"""A Get's blocks as a list of :data:`~kvstore.api.Buffer` (gRPC's assembled list itself, with no wrapper)."""
+AS_TENSORS: Delivery = _AsTensors()
+"""A Get's blocks as a list of CPU tensors (``decode_block``, checksums verified)."""
+AS_LEASE: Delivery = _AsLease()
+"""A Get's blocks as a :class:`~kvstore.blocklease.BlockLease`."""
+
+
+class IntoTensors:
+    """A Get's blocks copied into the caller's tensors (:meth:`ClientCore.get_into`); the result a :class:`Copied`.
+
+    Args:
+        destinations: one tensor per hash of the node's part.
+        verify_received: check the checksums of what came over gRPC or the bulk path.
+        verify_shared: check the checksums of what the node wrote in shared memory.
+        layout: the namespace's layout (``kv`` or ``mla``), for the bulk path's checks.
+    """
+
+    __slots__ = ("destinations", "verify_received", "verify_shared", "layout")
+
+    def __init__(self, destinations: Sequence[torch.Tensor], verify_received: bool, verify_shared: bool,
+                 layout: str) -> None:
+        self.destinations = destinations
+        self.verify_received = verify_received
+        self.verify_shared = verify_shared
+        self.layout = layout
+
+    def received(self, blocks: list[Buffer]) -> Copied:
+        """Copy received blocks into the destinations (:func:`~kvstore.blockcopy.copy_into_destinations`)."""
+        return copy_into_destinations(blocks, self.destinations, self.verify_received)
+
+    def shared(self, session: SharedSession, reply: pb.GetSharedResponse, started: float) -> Copied:
+        """Copy a same-host reply's blocks into the destinations (:meth:`SharedSession.copy_into`)."""
+        return session.copy_into(reply, self.destinations, self.verify_shared, started)
+
+    def bulk(self, link: BulkLink, endpoint: Endpoint, aio: bool) -> bulk_calls.BulkCall:
+        """The bulk path's Get, each block received straight into its destination."""
+        return bulk_calls.get_into(link, endpoint, self.destinations, self.layout, self.verify_received, aio)
+
+
+def get_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], delivery: Delivery, session_id: str = "",
+            ttl_s: float = 0.0) -> Rpc:
+    """A Get, on whichever path carries it (same host, bulk, gRPC), whose blocks go through ``delivery``.
+
+    Args:
+        namespace: namespace of the blocks.
+        block_hashes: the node's hashes, in prefix order.
+        delivery: what the blocks become (:data:`AS_BYTES`, :data:`AS_TENSORS`, :data:`AS_LEASE`,
+            :class:`IntoTensors`).
+        session_id, ttl_s: the agentic fields (``docs/agentic.md``).
+    """
     num_blocks = len(block_hashes)
-    return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes, session_id, ttl_s),
-                lambda: _assembler(num_blocks), bulk=_bulk_get(namespace, block_hashes, list, session_id, ttl_s))
-
-
-def _get_then(namespace: Namespace, block_hashes: Sequence[BlockHash], then: Callable[[list[Buffer]], Any],
-              shared: Callable[[SharedSession, pb.GetSharedResponse, float], Any], session_id: str = "",
-              ttl_s: float = 0.0) -> _Rpc:
-    """A Get over gRPC or the bulk path whose blocks go through ``then``, or on the same-host path through ``shared``."""
-    num_blocks = len(block_hashes)
-    return _Rpc(_REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes, session_id, ttl_s),
-                lambda: _Then(_assembler(num_blocks), then),
-                shared=_shared_get(cached_namespace_pb(namespace), block_hashes, shared, session_id, ttl_s),
-                bulk=_bulk_get(namespace, block_hashes, then, session_id, ttl_s))
+    if delivery is AS_BYTES:  # the assembler's list is the result
+        read: Callable[[], Any] = lambda: _assembler(num_blocks)  # noqa: E731
+    else:
+        received = delivery.received
+        read = lambda: _Then(_assembler(num_blocks), received)  # noqa: E731
+    return Rpc(REPLY_STREAM, _get_call, encode_get_request(namespace, block_hashes, session_id, ttl_s), read,
+               shared=_shared_get(cached_namespace_pb(namespace), block_hashes, delivery.shared, session_id, ttl_s),
+               bulk=_bulk_get(namespace, block_hashes, delivery, session_id, ttl_s))
 
 
 def _bulk_get_request(namespace: Namespace, block_hashes: Sequence[BlockHash], session_id: str,
@@ -302,25 +307,13 @@ def _bulk_get_request(namespace: Namespace, block_hashes: Sequence[BlockHash], s
     return request
 
 
-def _bulk_get(namespace: Namespace, block_hashes: Sequence[BlockHash], then: Callable[[list[Buffer]], Any],
-              session_id: str = "", ttl_s: float = 0.0) -> Callable[[BulkLink, Endpoint], _Rpc]:
-    """A Get on the bulk path whose blocks (each in a buffer of its own) go through ``then``."""
+def _bulk_get(namespace: Namespace, block_hashes: Sequence[BlockHash], delivery: Delivery, session_id: str,
+              ttl_s: float) -> Callable[[BulkLink, Endpoint], Rpc]:
+    """The :attr:`Rpc.bulk` of a Get: its bulk call, whose blocks go through ``delivery``."""
 
-    def make(link: BulkLink, endpoint: Endpoint) -> _Rpc:
+    def make(link: BulkLink, endpoint: Endpoint) -> Rpc:
         request = _bulk_get_request(namespace, block_hashes, session_id, ttl_s)
-        return _Rpc(_UNARY, lambda channel: bulk_calls.get_blocks(link, endpoint, then, channel.aio), request, _same)
-
-    return make
-
-
-def _bulk_get_into(namespace: Namespace, block_hashes: Sequence[BlockHash], destinations: Sequence[Any],
-                   verify: bool, session_id: str = "", ttl_s: float = 0.0) -> Callable[[BulkLink, Endpoint], _Rpc]:
-    """A Get on the bulk path received straight into the caller's tensors (a :class:`Copied`)."""
-
-    def make(link: BulkLink, endpoint: Endpoint) -> _Rpc:
-        request = _bulk_get_request(namespace, block_hashes, session_id, ttl_s)
-        return _Rpc(_UNARY, lambda channel: bulk_calls.get_into(link, endpoint, destinations, namespace.layout, verify,
-                                                                channel.aio), request, _same)
+        return Rpc(UNARY, lambda channel: delivery.bulk(link, endpoint, channel.aio), request, _same)
 
     return make
 
@@ -330,11 +323,12 @@ def _same(result: _T) -> _T:
 
 
 def _shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
-                use: Callable[[SharedSession, pb.GetSharedResponse, float], Any], session_id: str = "",
-                ttl_s: float = 0.0) -> Callable[[SharedSession], Any]:
-    """A GetShared on a session, whose reply (and the time it was asked for) goes through ``use``."""
+                use: Callable[[SharedSession, pb.GetSharedResponse, float], Any], session_id: str,
+                ttl_s: float) -> Callable[[SharedSession], tuple[Rpc, None]]:
+    """The :attr:`Rpc.shared` of a Get: a GetShared on a session, whose reply (and the ``time.monotonic()`` it was
+    asked at) goes through ``use``."""
 
-    def make(session: SharedSession) -> tuple[_Rpc, None]:
+    def make(session: SharedSession) -> tuple[Rpc, None]:
         request = request_with_hashes(pb.GetSharedRequest, namespace, block_hashes)
         request.session_id = session.session_id
         request.in_place = session.in_place
@@ -344,15 +338,24 @@ def _shared_get(namespace: pb.Namespace, block_hashes: Sequence[BlockHash],
             request.ttl_s = ttl_s
         started = time.monotonic()
         method = _control_or(session, GET_SHARED, pb.GetSharedResponse, _get_shared_call)
-        return _Rpc(_UNARY, method, request, lambda reply: use(session, reply, started)), None
+        return Rpc(UNARY, method, request, lambda reply: use(session, reply, started)), None
 
     return make
 
 
-def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Sequence[Block], chunk_bytes: int,
-             priority: int | None, retention_s: float | None, session_id: str = "", ttl_s: float = 0.0) -> _Rpc:
-    """A Put: over gRPC, its blocks encoded once on the first attempt; on the same-host path, staged straight
-    from the caller's memory (their dtypes and shapes were checked beforehand: encoding cannot fail)."""
+def put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Sequence[Block], chunk_bytes: int,
+             priority: int | None, retention_s: float | None, session_id: str = "", ttl_s: float = 0.0) -> Rpc:
+    """A Put, whose result is how many blocks were newly stored: over gRPC, its blocks encoded once on the first
+    attempt; on the same-host path, staged straight from the caller's memory; on the bulk path, sent from it.
+
+    Args:
+        namespace: namespace of the blocks.
+        block_hashes: the node's hashes, one per block.
+        blocks: encoded blocks or tensors, their dtypes and shapes checked beforehand (encoding cannot fail).
+        chunk_bytes: the largest chunk of a gRPC message, bytes.
+        priority, retention_s: the retention priority and how long it holds, seconds (``None``: the node's default).
+        session_id, ttl_s: the agentic fields (``docs/agentic.md``).
+    """
     encoded: list[list[bytes]] = []
 
     def messages() -> Iterator[bytes]:
@@ -361,10 +364,10 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
         yield from put_requests(namespace, block_hashes, encoded[0], chunk_bytes, priority=priority,
                                 retention_s=retention_s, session_id=session_id, ttl_s=ttl_s)
 
-    def requests() -> _RequestStream:
-        return _RequestStream(messages())
+    def requests() -> RequestStream:
+        return RequestStream(messages())
 
-    def shared(session: SharedSession) -> tuple[_Rpc, Callable[[], None]] | None:
+    def shared(session: SharedSession) -> tuple[Rpc, Callable[[], None]] | None:
         staged = session.stage(blocks, namespace.layout)
         if staged is None:  # no room in the put segment now: over gRPC
             return None
@@ -374,17 +377,17 @@ def _put_rpc(namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Se
         request.sizes.extend(staged.sizes)
         _put_options(request, priority, retention_s, session_id, ttl_s)
         method = _control_or(session, PUT_SHARED, pb.PutResponse, _put_shared_call)
-        return (_Rpc(_UNARY, method, request, lambda reply: int(reply.num_stored)),
+        return (Rpc(UNARY, method, request, lambda reply: int(reply.num_stored)),
                 lambda: session.unstage(staged))
 
-    def bulk(link: BulkLink, endpoint: Endpoint) -> _Rpc:
+    def bulk(link: BulkLink, endpoint: Endpoint) -> Rpc:
         items, sizes = put_sizes(blocks, namespace.layout)
         request = request_with_hashes(pb.BulkPutRequest, cached_namespace_pb(namespace), block_hashes)
         request.sizes.extend(sizes)
         _put_options(request, priority, retention_s, session_id, ttl_s)
-        return _Rpc(_UNARY, lambda channel: bulk_calls.put(link, endpoint, items, channel.aio), request, _same)
+        return Rpc(UNARY, lambda channel: bulk_calls.put(link, endpoint, items, channel.aio), request, _same)
 
-    return _Rpc(_REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored), shared=shared, bulk=bulk)
+    return Rpc(REQUEST_STREAM, _put_call, requests, lambda reply: int(reply.num_stored), shared=shared, bulk=bulk)
 
 
 def _put_options(request: Any, priority: int | None, retention_s: float | None, session_id: str,
@@ -400,7 +403,7 @@ def _put_options(request: Any, priority: int | None, retention_s: float | None, 
         request.ttl_s = ttl_s
 
 
-def _merge_copied(partition: Partition | None, results: list[Copied | None]) -> int:
+def merge_copied(partition: Partition | None, results: list[Copied | None]) -> int:
     """The blocks a Get into caller tensors filled, in prefix order, from each node's :class:`Copied`.
 
     Raises:
@@ -420,14 +423,17 @@ def _merge_copied(partition: Partition | None, results: list[Copied | None]) -> 
     return num_copied
 
 
-def _delete_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> _Rpc:
-    return _Rpc(_UNARY, _stub("Delete"), request_with_hashes(pb.DeleteRequest, namespace, block_hashes),
-                lambda reply: int(reply.num_deleted))
+def delete_rpc(namespace: pb.Namespace, block_hashes: Sequence[BlockHash]) -> Rpc:
+    """A Delete of ``block_hashes`` from ``namespace`` (its message), whose result is how many were found."""
+    return Rpc(UNARY, stub("Delete"), request_with_hashes(pb.DeleteRequest, namespace, block_hashes),
+               lambda reply: int(reply.num_deleted))
 
 
-def _total(results: list[int | None]) -> int:
+def total(results: list[int | None]) -> int:
+    """A :attr:`Plan.merge`: the sum of the nodes' counts (a node with no part, or down, counts nothing)."""
     return sum(r for r in results if r is not None)
 
 
-def _first(results: list[_T | None]) -> _T:
-    return results[0]  # type: ignore[return-value]
+def first(results: list[_T]) -> _T:
+    """A :attr:`Plan.merge` of a plan of one node (the first): its result."""
+    return results[0]

@@ -8,14 +8,13 @@ import os
 import ssl
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, NoReturn, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from kvstore.api import Block, Buffer, StoreStats
-from kvstore.blockcopy import blocks_for_put, check_destinations, copy_into_destinations
-from kvstore.codec import decode_block
+from kvstore.api import Block, StoreStats
+from kvstore.blockcopy import blocks_for_put, check_destinations
 from kvstore.encoding import encode_for_put
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockHash, Namespace, check_block_hashes
@@ -28,44 +27,36 @@ from kvstore.routing import (
     Partition,
     RendezvousRouter,
 )
-from kvstore.shm.client.link import BlockLease, SharedMemoryLink, SharedSession, UseGrpc
+from kvstore.blocklease import BlockLease
+from kvstore.shm.client.link import SharedMemoryLink, UseGrpc
 from kvstore.bulk.client.link import BulkLink
 from kvstore.status import DeadlineExceededError, error_of
 from kvstore.validation import check_count, check_put, check_seconds, check_session_id, check_ttl_s
 from kvstore.wire import cached_namespace_pb, chunk_bytes_for, explanation_from_pb, stats_from_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.calls import (
-    _MAX_SHARED_TRIES,
-    _SLOT,
-    _UNARY,
-    _UNCLEAR_CODES,
-    _Attempt,
-    _BulkLink,
-    _Link,
-    _Pause,
-    _Plan,
-    _Probe,
-    _Rpc,
-    _Step,
-    _Together,
-    _delete_rpc,
-    _first,
-    _get_rpc,
-    _get_then,
-    _health,
-    _health_name,
-    _lookup_rpc,
-    _merge_copied,
-    _bulk_get_into,
-    _put_rpc,
-    _shared_get,
-    _stub,
-    _total,
-    _unknown_service,
+    AS_BYTES,
+    AS_LEASE,
+    AS_TENSORS,
+    MAX_SHARED_TRIES,
+    UNCLEAR_CODES,
+    IntoTensors,
+    delete_rpc,
+    first,
+    get_rpc,
+    health_method,
+    health_name,
+    lookup_rpc,
+    merge_copied,
+    put_rpc,
+    stub,
+    total,
+    unknown_service,
 )
+from kvstore.client.plan import SLOT, UNARY, Attempt, BulkOf, Pause, Plan, Probe, Rpc, SessionOf, Step, Together
 from kvstore.client.channel import DEFAULT_MAX_MESSAGE_BYTES, FALSE_WORDS, TargetChannel, resolve_targets
 from kvstore.client.retry import DEFAULT_BACKOFF_S, DEFAULT_MAX_BACKOFF_S, DEFAULT_RETRIES, Backoff, Retry
-from kvstore.client.stats import _merge_health, merge_store_stats
+from kvstore.client.stats import merge_health, merge_store_stats
 
 if TYPE_CHECKING:
     import torch
@@ -81,8 +72,8 @@ MAX_TIMEOUT_S = 1e9
 in nanoseconds since the epoch, overflows 64 bits (from about 7.4e9 s from now)."""
 
 
-def _raise_typed(exc: grpc.RpcError) -> None:
-    raise error_of(exc.code(), exc.details()) from None  # type: ignore[attr-defined]
+def _raise_typed(exc: grpc.RpcError) -> NoReturn:
+    raise error_of(exc.code(), exc.details()) from None
 
 
 
@@ -123,16 +114,19 @@ class _Settings(NamedTuple):
         )
 
 
-class _Client:
+class ClientCore:
     """What :class:`KVStoreClient` and :class:`AsyncKVStoreClient` share: every setting, every call's request and
     merge, the retries, the fan-out over nodes and their membership, written once.
 
     The logic is a generator per call that yields the I/O it needs (an attempt on
     a node, a pause, parts run at once, a slot, a probe) and is sent back the
-    outcome; each client's transport (:meth:`_run`) performs the I/O, the
-    synchronous one in the calling thread and worker threads, the asyncio one
-    on its loop. The public methods return the transport's result: a value
-    from :class:`KVStoreClient`, an awaitable from :class:`AsyncKVStoreClient`.
+    outcome (``kvstore.client.plan``); each client is the
+    :class:`~kvstore.client.plan.Transport` that performs the I/O
+    (:meth:`execute`), the synchronous one in the calling thread and worker
+    threads, the asyncio one on its loop. The public methods return the
+    transport's result: a value from :class:`KVStoreClient`, an awaitable from
+    :class:`AsyncKVStoreClient`. The constructor's arguments are
+    :class:`KVStoreClient`'s.
     """
 
     _aio = False
@@ -202,8 +196,12 @@ class _Client:
     def _start(self) -> None:
         """Set up the transport (each client's own)."""
 
-    def _run(self, plan: _Plan) -> Any:
-        """Perform ``plan`` (see the class docstring); each client's transport."""
+    def execute(self, plan: Plan) -> Any:
+        """Perform ``plan`` (:meth:`kvstore.client.plan.Transport.execute`); each client's transport.
+
+        Returns:
+            The plan's merged result (:class:`KVStoreClient`), or an awaitable of it (:class:`AsyncKVStoreClient`).
+        """
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the API
@@ -231,10 +229,10 @@ class _Client:
         request = check_session_id(request_id)
         ns = cached_namespace_pb(namespace)
         if self._single:
-            return self._run(_Plan({0: _lookup_rpc(ns, block_hashes, session, ttl, request)}, _first))
+            return self.execute(Plan({0: lookup_rpc(ns, block_hashes, session, ttl, request)}, first))
         partition = self.router.split(block_hashes)
-        return self._run(_Plan({j: _lookup_rpc(ns, partition.sub_list(j, block_hashes), session, ttl, request)
-                                for j in partition.nodes_with_blocks()}, partition.merge_lookup))
+        return self.execute(Plan({j: lookup_rpc(ns, partition.sub_list(j, block_hashes), session, ttl, request)
+                                  for j in partition.nodes_with_blocks()}, partition.merge_lookup))
 
     def explain(self, namespace: Namespace | None, block_hashes: Sequence[BlockHash] = (), *,
                 request_id: str | None = None) -> Any:
@@ -257,8 +255,8 @@ class _Client:
             check_block_hashes(namespace, block_hashes)
             request.namespace.CopyFrom(cached_namespace_pb(namespace))
             request.block_hashes.extend(bytes(h) for h in block_hashes)
-        rpc = _Rpc(_UNARY, _stub("Explain"), request, explanation_from_pb)
-        return self._run(_Plan({0: rpc}, _first))
+        rpc = Rpc(UNARY, stub("Explain"), request, explanation_from_pb)
+        return self.execute(Plan({0: rpc}, first))
 
     def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
             ttl_s: float | None = None) -> Any:
@@ -277,28 +275,26 @@ class _Client:
             InvalidArgumentError: on a malformed hash or namespace, too many hashes, or a bad session id or TTL.
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
-        return self._run(self._get_plan(namespace, block_hashes, check_session_id(session_id), check_ttl_s(ttl_s)))
+        return self.execute(self._get_plan(namespace, block_hashes, check_session_id(session_id), check_ttl_s(ttl_s)))
 
     def _get_plan(self, namespace: Namespace, block_hashes: Sequence[BlockHash], session_id: str = "",
-                  ttl_s: float = 0.0) -> _Plan:
+                  ttl_s: float = 0.0) -> Plan:
         check_block_hashes(namespace, block_hashes)
 
-        def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
-            return _get_rpc(namespace, hashes, session_id, ttl_s)._replace(
-                shared=_shared_get(cached_namespace_pb(namespace), hashes, SharedSession.take_bytes, session_id,
-                                   ttl_s))
+        def rpc(hashes: Sequence[BlockHash]) -> Rpc:
+            return get_rpc(namespace, hashes, AS_BYTES, session_id, ttl_s)
 
         return self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks)
 
-    def _per_node(self, block_hashes: Sequence[BlockHash], rpc: Callable[..., _Rpc],
+    def _per_node(self, block_hashes: Sequence[BlockHash], rpc: Callable[..., Rpc],
                   merge: Callable[[Partition], Callable[[list[Any]], Any]], *per_block: Sequence[Any],
-                  single: Callable[[list[Any]], Any] = _first) -> _Plan:
+                  single: Callable[[list[Any]], Any] = first) -> Plan:
         """A plan that asks each owner for its blocks: ``rpc(hashes, *per_block items)`` per node, merged."""
         if self._single:
-            return _Plan({0: rpc(block_hashes, *per_block)}, single)
+            return Plan({0: rpc(block_hashes, *per_block)}, single)
         partition = self.router.split(block_hashes)
-        return _Plan({j: rpc(partition.sub_list(j, block_hashes), *(partition.sub_list(j, items) for items in per_block))
-                      for j in partition.nodes_with_blocks()}, merge(partition))
+        return Plan({j: rpc(partition.sub_list(j, block_hashes), *(partition.sub_list(j, items) for items in per_block))
+                     for j in partition.nodes_with_blocks()}, merge(partition))
 
     def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
                     ttl_s: float | None = None) -> Any:
@@ -317,15 +313,10 @@ class _Client:
         check_block_hashes(namespace, block_hashes)
         session_id, ttl_s = check_session_id(session_id), check_ttl_s(ttl_s)
 
-        def decode(blocks: list[Buffer]) -> list[Any]:
-            return [decode_block(b, copy=False) for b in blocks]
+        def rpc(hashes: Sequence[BlockHash]) -> Rpc:
+            return get_rpc(namespace, hashes, AS_TENSORS, session_id, ttl_s)
 
-        def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
-            return _get_then(namespace, hashes, decode,
-                             lambda session, reply, started: session.take_tensors(reply, True, started), session_id,
-                             ttl_s)
-
-        return self._run(self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks))
+        return self.execute(self._per_node(block_hashes, rpc, lambda partition: partition.merge_blocks))
 
     def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash], destinations: Sequence[torch.Tensor],
                  *, verify: bool | None = None, session_id: str | None = None, ttl_s: float | None = None) -> Any:
@@ -371,13 +362,11 @@ class _Client:
         shared = False if verify is None else bool(verify)
         agent, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
 
-        def rpc(hashes: Sequence[BlockHash], targets: Sequence[Any]) -> _Rpc:
-            return _get_then(namespace, hashes, lambda blocks: copy_into_destinations(blocks, targets, over_grpc),
-                             lambda session, reply, started: session.copy_into(reply, targets, shared, started),
-                             agent, ttl)._replace(bulk=_bulk_get_into(namespace, hashes, targets, over_grpc, agent, ttl))
+        def rpc(hashes: Sequence[BlockHash], targets: Sequence[Any]) -> Rpc:
+            return get_rpc(namespace, hashes, IntoTensors(targets, over_grpc, shared, namespace.layout), agent, ttl)
 
-        return self._run(self._per_node(block_hashes, rpc, lambda partition: functools.partial(_merge_copied, partition),
-                                        destinations, single=functools.partial(_merge_copied, None)))
+        return self.execute(self._per_node(block_hashes, rpc, lambda partition: functools.partial(merge_copied, partition),
+                                        destinations, single=functools.partial(merge_copied, None)))
 
     def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
              ttl_s: float | None = None) -> Any:
@@ -397,14 +386,14 @@ class _Client:
         check_block_hashes(namespace, block_hashes)
         agent, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
 
-        def rpc(hashes: Sequence[BlockHash]) -> _Rpc:
-            return _get_then(namespace, hashes, lambda blocks: BlockLease(blocks, []), SharedSession.lease, agent, ttl)
+        def rpc(hashes: Sequence[BlockHash]) -> Rpc:
+            return get_rpc(namespace, hashes, AS_LEASE, agent, ttl)
 
         def merge(partition: Partition) -> Callable[[list[Any]], BlockLease]:
             return lambda results: BlockLease.merge(
                 partition.merge_blocks([None if r is None else r.blocks for r in results]), results)
 
-        return self._run(self._per_node(block_hashes, rpc, merge))
+        return self.execute(self._per_node(block_hashes, rpc, merge))
 
     def put(
         self,
@@ -449,20 +438,20 @@ class _Client:
         blocks = blocks_for_put(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
         blocks = encode_for_put(blocks, namespace)  # a lossy namespace's tensors, encoded here (kvstore.encoding)
 
-        def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> _Rpc:
-            return _put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s, session, ttl)
+        def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> Rpc:
+            return put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s, session, ttl)
 
-        return self._run(self._per_node(block_hashes, rpc, lambda partition: _total, blocks))
+        return self.execute(self._per_node(block_hashes, rpc, lambda partition: total, blocks))
 
     def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Any:
         """Delete blocks from every tier of their owners; returns how many were found (down nodes are skipped)."""
         check_block_hashes(namespace, block_hashes)
         ns = cached_namespace_pb(namespace)
         if self._single:
-            return self._run(_Plan({0: _delete_rpc(ns, block_hashes)}, _first))
+            return self.execute(Plan({0: delete_rpc(ns, block_hashes)}, first))
         partition = self.router.split(block_hashes)
-        return self._run(_Plan({j: _delete_rpc(ns, partition.sub_list(j, block_hashes))
-                                for j in partition.nodes_with_blocks()}, _total))
+        return self.execute(Plan({j: delete_rpc(ns, partition.sub_list(j, block_hashes))
+                                  for j in partition.nodes_with_blocks()}, total))
 
     def clear(self, namespace: Namespace) -> Any:
         """Delete every block of ``namespace`` on every node; returns how many local blocks went.
@@ -470,14 +459,14 @@ class _Client:
         A node that is down keeps its local blocks (no error); clear again once
         it is back. The shared tier's are gone for every node at once (``docs/redis.md``).
         """
-        rpc = _Rpc(_UNARY, _stub("Clear"), pb.ClearRequest(namespace=cached_namespace_pb(namespace)),
+        rpc = Rpc(UNARY, stub("Clear"), pb.ClearRequest(namespace=cached_namespace_pb(namespace)),
                    lambda reply: int(reply.num_deleted))
-        return self._run(_Plan(dict.fromkeys(range(len(self._channels)), rpc), _total))
+        return self.execute(Plan(dict.fromkeys(range(len(self._channels)), rpc), total))
 
     def stats(self) -> Any:
         """Per-tier stats: the node's, or with several nodes the tier-by-tier sum (:func:`merge_store_stats`)
         over the nodes that answered (empty when none did)."""
-        return self._run(self._stats_plan(lambda by_node: merge_store_stats(list(by_node.values()))))
+        return self.execute(self._stats_plan(lambda by_node: merge_store_stats(list(by_node.values()))))
 
     def node_stats(self) -> Any:
         """Per-tier stats of each node that answered, by target.
@@ -485,12 +474,12 @@ class _Client:
         Raises:
             UnavailableError: with one target, if the node cannot be reached within the deadline.
         """
-        return self._run(self._stats_plan(lambda by_node: by_node))
+        return self.execute(self._stats_plan(lambda by_node: by_node))
 
-    def _stats_plan(self, finish: Callable[[dict[str, StoreStats]], Any]) -> _Plan:
-        rpc = _Rpc(_UNARY, _stub("Stats"), pb.StatsRequest(), stats_from_pb)
+    def _stats_plan(self, finish: Callable[[dict[str, StoreStats]], Any]) -> Plan:
+        rpc = Rpc(UNARY, stub("Stats"), pb.StatsRequest(), stats_from_pb)
         node_ids = self.router.node_ids
-        return _Plan(dict.fromkeys(range(len(self._channels)), rpc),
+        return Plan(dict.fromkeys(range(len(self._channels)), rpc),
                      lambda results: finish({node_ids[j]: r for j, r in enumerate(results) if r is not None}))
 
     def health(self, service: str = "") -> Any:
@@ -509,8 +498,8 @@ class _Client:
             KVStoreError: with one target, the typed error of any other failed status
                 (e.g. UNAUTHENTICATED).
         """
-        rpc = _Rpc(_UNARY, _health, health_pb2.HealthCheckRequest(service=service), _health_name, _unknown_service)
-        return self._run(_Plan(dict.fromkeys(range(len(self._channels)), rpc), _merge_health))
+        rpc = Rpc(UNARY, health_method, health_pb2.HealthCheckRequest(service=service), health_name, unknown_service)
+        return self.execute(Plan(dict.fromkeys(range(len(self._channels)), rpc), merge_health))
 
     def shared_memory(self) -> tuple[str, ...]:
         """Per node, in router order: ``"attached"``, ``"unknown"`` (not tried yet), or why it is off
@@ -557,14 +546,14 @@ class _Client:
 
     # ------------------------------------------------------------------ the logic of a call (no I/O)
 
-    def _call(self, plan: _Plan) -> _Step[Any]:
+    def _call(self, plan: Plan) -> Step[Any]:
         """A whole call under one deadline and one in-flight slot: with one target its errors raise; with several,
         the nodes' parts run at once and a node that cannot be reached is marked down and is a miss."""
         deadline = time.monotonic() + self.timeout_s
         if self._closed:
             raise UnavailableError(f"the client of {', '.join(self.targets)} is closed")
         results: list[Any] = [None] * len(self._channels)
-        release = yield _SLOT
+        release = yield SLOT
         try:
             if self._single:
                 for node, rpc in plan.rpcs.items():
@@ -574,8 +563,8 @@ class _Client:
                 due = self.membership.due_probes()
                 live = [node for node in plan.rpcs if self.membership.is_up(self.router.node_ids[node])]
             for node_id in due:
-                yield _Probe(node_id)
-            outcomes = yield _Together([self._on_node(node, plan.rpcs[node], deadline) for node in live], deadline)
+                yield Probe(node_id)
+            outcomes = yield Together([self._on_node(node, plan.rpcs[node], deadline) for node in live], deadline)
             for node, outcome in zip(live, outcomes):
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -584,7 +573,7 @@ class _Client:
         finally:
             release()
 
-    def _attempts(self, node: int, rpc: _Rpc, deadline: float) -> _Step[Any]:
+    def _attempts(self, node: int, rpc: Rpc, deadline: float) -> Step[Any]:
         """One node's part, attempted until it succeeds, under the deadline and :attr:`retry`.
 
         Raises:
@@ -593,34 +582,37 @@ class _Client:
         """
         attempt = 0
         shared_tries = 0
-        bulk_link = self._bulk_links[node] if rpc.bulk is not None else None
+        make_shared, make_bulk = rpc.shared, rpc.bulk
+        link = self._links[node] if make_shared is not None else None
+        bulk_link = self._bulk_links[node] if make_bulk is not None else None
         while True:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 raise DeadlineExceededError(f"deadline of {self.timeout_s} s passed after {attempt} attempts")
             chosen, done, session = rpc, None, None
-            if rpc.shared is not None and self._links[node] is not None and shared_tries < _MAX_SHARED_TRIES:
-                session = yield _Link(node, remaining_s)
-                made = None if session is None else rpc.shared(session)
+            if make_shared is not None and link is not None and shared_tries < MAX_SHARED_TRIES:
+                session = yield SessionOf(link, remaining_s)
+                made = None if session is None else make_shared(session)
                 if made is not None:
                     chosen, done = made
-            if chosen is rpc and bulk_link is not None:  # another host (or no session): the bulk path, if offered
-                endpoint = yield _BulkLink(node, remaining_s)
+            if chosen is rpc and make_bulk is not None and bulk_link is not None:  # another host, or no session:
+                endpoint = yield BulkOf(bulk_link, remaining_s)  # the bulk path, if the node offers one
                 if endpoint is not None:
-                    chosen = rpc.bulk(bulk_link, endpoint)  # type: ignore[misc]
+                    chosen = make_bulk(bulk_link, endpoint)
             clear = False  # whether the attempt's outcome is known (a staged range may be reused)
             try:
-                result = yield _Attempt(node, chosen, remaining_s)
+                result = yield Attempt(node, chosen, remaining_s)
                 clear = True
                 return result
             except UseGrpc:  # the same-host or bulk path declined this call (no room now): the rest goes over gRPC
-                clear, shared_tries, bulk_link = True, _MAX_SHARED_TRIES, None
+                clear, shared_tries, bulk_link = True, MAX_SHARED_TRIES, None
                 continue
             except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
-                clear = code not in _UNCLEAR_CODES
+                code = exc.code()
+                clear = code not in UNCLEAR_CODES
                 if chosen is not rpc and code == grpc.StatusCode.FAILED_PRECONDITION:
-                    self._links[node].lost(session)  # type: ignore[union-attr]  # the node forgot it: attach again
+                    if link is not None:  # the node forgot the session: attach again
+                        link.lost(session)
                     shared_tries += 1
                     continue
                 if rpc.rescue is not None:
@@ -631,22 +623,22 @@ class _Client:
                 if self._closed:  # close() ended the call: gRPC says CANCELLED, "Channel closed!"
                     raise UnavailableError(f"the client of {', '.join(self.targets)} was closed during the call") \
                         from None
-                code = exc.code()  # type: ignore[attr-defined]
+                code = exc.code()
                 pause_s = self.retry.pause_s(attempt, code)
                 if pause_s is None:
                     _raise_typed(exc)
-                pause_s = min(pause_s, deadline - time.monotonic())  # type: ignore[type-var]
+                pause_s = min(pause_s, deadline - time.monotonic())
                 logger.debug("retrying after %s in %.3f s (attempt %d)", code.name, pause_s, attempt + 1)
-                yield _Pause(max(0.0, pause_s))
+                yield Pause(max(0.0, pause_s))
                 attempt += 1
             finally:
                 if done is not None:
                     if clear:
                         done()
-                    else:  # the node may still be copying out of the staged range: never reuse it, nor the session
-                        self._links[node].lost(session)  # type: ignore[union-attr]
+                    elif link is not None:  # the node may still be copying out of the staged range: never reuse
+                        link.lost(session)  # it, nor the session
 
-    def _on_node(self, node: int, rpc: _Rpc, deadline: float) -> _Step[Any]:
+    def _on_node(self, node: int, rpc: Rpc, deadline: float) -> Step[Any]:
         """One node's part of a fanned-out call; ``None`` (and the node marked down) if it cannot be reached."""
         node_id = self.router.node_ids[node]
         if time.monotonic() >= deadline:  # queued behind busy workers until the deadline: not the node's fault
@@ -666,11 +658,11 @@ class _Client:
             logger.info("kvstore node %s is up again", node_id)
         return result
 
-    def _probe(self, node_id: str) -> _Step[None]:
+    def _probe(self, node_id: str) -> Step[None]:
         """Health-check a down node (waiting for its connection up to ``probe_timeout_s``) and report the result."""
-        rpc = _Rpc(_UNARY, _health, health_pb2.HealthCheckRequest(), lambda reply: reply.status, wait_for_ready=True)
+        rpc = Rpc(UNARY, health_method, health_pb2.HealthCheckRequest(), lambda reply: reply.status, wait_for_ready=True)
         try:
-            status = yield _Attempt(self.router.index(node_id), rpc, self.probe_timeout_s)
+            status = yield Attempt(self.router.index(node_id), rpc, self.probe_timeout_s)
             ok = status == health_pb2.HealthCheckResponse.SERVING
         except Exception as exc:  # noqa: BLE001 - a background probe reports every failure as "still down"
             logger.debug("probe of kvstore node %s failed: %s", node_id, exc)

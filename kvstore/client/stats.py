@@ -55,8 +55,15 @@ _TIER_FIELDS = ("blocks", "bytes", "capacity_bytes", "logical_bytes", "hits", "m
                 "corrupt_records", "pinned_bytes")
 
 
-def _merge_health(statuses: Sequence[str | None]) -> str:
-    """``SERVING`` if any node serves, else the first answer; raises if no node answered."""
+def merge_health(statuses: Sequence[str | None]) -> str:
+    """Several nodes' health statuses as one: ``SERVING`` if any node serves, else the first answer.
+
+    Args:
+        statuses: each node's status name, ``None`` for a node that did not answer.
+
+    Raises:
+        UnavailableError: if no node answered.
+    """
     answered = [s for s in statuses if s is not None]
     if not answered:
         raise UnavailableError("no kvstore node answered the health check")

@@ -7,28 +7,36 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import grpc
 
 from kvstore.errors import UnavailableError
 from kvstore.status import DeadlineExceededError
-from kvstore.client.calls import (
-    _REPLY_STREAM,
-    _RETURNED,
-    _UNARY,
-    _Attempt,
-    _BulkLink,
-    _Link,
-    _Outcome,
-    _Pause,
-    _Plan,
-    _Slot,
-    _Step,
-    _Together,
+from kvstore.client.plan import (
+    REPLY_STREAM,
+    RETURNED,
+    UNARY,
+    Attempt,
+    BulkOf,
+    Outcome,
+    Pause,
+    Plan,
+    SessionOf,
+    Slot,
+    Step,
+    Together,
 )
-from kvstore.client.core import _Client
+from kvstore.client.core import ClientCore
 from kvstore.client.retry import InflightSlots
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.api import Block, Buffer, LookupResult, StoreStats
+    from kvstore.blocklease import BlockLease
+    from kvstore.explain import BlockExplanation
+    from kvstore.keys import BlockHash, Namespace
 
 _T = TypeVar("_T")
 
@@ -38,7 +46,7 @@ _GRACE_S = 0.5
 """How long past a call's deadline its caller waits for a node's part to finish, seconds (each part has the deadline itself)."""
 
 
-class KVStoreClient(_Client):
+class KVStoreClient(ClientCore):
     """A synchronous, thread-safe client of one kvstore node or several; a :class:`~kvstore.api.BlockClient`.
 
     With several targets, blocks are spread over the nodes by rendezvous hashing
@@ -82,53 +90,89 @@ class KVStoreClient(_Client):
 
     _aio = False
 
+    if TYPE_CHECKING:  # the API's results (ClientCore's methods return Any): for type checkers only
+
+        def lookup(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                   ttl_s: float | None = None, request_id: str | None = None) -> LookupResult: ...
+
+        def explain(self, namespace: Namespace | None, block_hashes: Sequence[BlockHash] = (), *,
+                    request_id: str | None = None
+                    ) -> tuple[list[BlockExplanation], Namespace | None, Namespace | None]: ...
+
+        def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                ttl_s: float | None = None) -> list[Buffer]: ...
+
+        def get_tensors(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *,
+                        session_id: str | None = None, ttl_s: float | None = None) -> list[torch.Tensor]: ...
+
+        def get_into(self, namespace: Namespace, block_hashes: Sequence[BlockHash],
+                     destinations: Sequence[torch.Tensor], *, verify: bool | None = None,
+                     session_id: str | None = None, ttl_s: float | None = None) -> int: ...
+
+        def read(self, namespace: Namespace, block_hashes: Sequence[BlockHash], *, session_id: str | None = None,
+                 ttl_s: float | None = None) -> BlockLease: ...
+
+        def put(self, namespace: Namespace, block_hashes: Sequence[BlockHash], blocks: Sequence[Block], *,
+                priority: int | None = None, retention_s: float | None = None, session_id: str | None = None,
+                ttl_s: float | None = None) -> int: ...
+
+        def delete(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> int: ...
+
+        def clear(self, namespace: Namespace) -> int: ...
+
+        def stats(self) -> StoreStats: ...
+
+        def node_stats(self) -> dict[str, StoreStats]: ...
+
+        def health(self, service: str = "") -> str: ...
+
     def _start(self) -> None:
         self._pid = os.getpid()
         self._slots = InflightSlots(self.max_inflight)
         self._executor: ThreadPoolExecutor | None = None
 
-    def _run(self, plan: _Plan) -> Any:
+    def execute(self, plan: Plan) -> Any:
+        """Perform ``plan`` in this thread and worker threads (:class:`~kvstore.client.plan.Transport`); its result."""
         return self._drive(self._call(plan))
 
-    def _drive(self, step: _Step[_T]) -> _T:
+    def _drive(self, step: Step[_T]) -> _T:
         """Perform the I/O ``step`` yields, in this thread, until it returns."""
-        outcome = _Outcome()
+        outcome = Outcome()
         try:
-            while (op := outcome.send_into(step)) is not _RETURNED:
+            while (op := outcome.send_into(step)) is not RETURNED:
                 try:
                     outcome.value = self._perform(op)
                 except BaseException as exc:  # noqa: BLE001 - sent back into the step, which decides
                     outcome.error = exc
-            return outcome.value  # type: ignore[no-any-return]
+            result: _T = outcome.value
+            return result
         finally:
             step.close()
 
     def _perform(self, op: Any) -> Any:
-        if type(op) is _Attempt:
+        if type(op) is Attempt:
             return self._attempt(op)
-        if type(op) is _Link:
-            return self._links[op.node].ensure(op.timeout_s)  # type: ignore[union-attr]
-        if type(op) is _BulkLink:
-            return self._bulk_links[op.node].ensure(op.timeout_s)  # type: ignore[union-attr]
-        if type(op) is _Slot:
+        if type(op) is SessionOf or type(op) is BulkOf:
+            return op.link.ensure(op.timeout_s)
+        if type(op) is Slot:
             return self._acquire_slot()
-        if type(op) is _Pause:
+        if type(op) is Pause:
             time.sleep(op.seconds)
             return None
-        if type(op) is _Together:
+        if type(op) is Together:
             return self._together(op.parts, op.deadline)
-        self._pool().submit(self._drive, self._probe(op.node_id))  # _Probe
+        self._pool().submit(self._drive, self._probe(op.node_id))  # Probe
         return None
 
-    def _attempt(self, op: _Attempt) -> Any:
-        """One attempt of one node's part: the synchronous transport of :class:`_Rpc`."""
+    def _attempt(self, op: Attempt) -> Any:
+        """One attempt of one node's part: the synchronous transport of :class:`~kvstore.client.plan.Rpc`."""
         rpc = op.rpc
         call = rpc.method(self._channels[op.node])
-        if rpc.kind == _UNARY:
+        if rpc.kind == UNARY:
             if rpc.wait_for_ready:
                 return rpc.read(call(rpc.request, timeout=op.timeout_s, metadata=self.metadata, wait_for_ready=True))
             return rpc.read(call(rpc.request, timeout=op.timeout_s, metadata=self.metadata))
-        if rpc.kind == _REPLY_STREAM:
+        if rpc.kind == REPLY_STREAM:
             assembler = rpc.read()
             stream = call(rpc.request, timeout=op.timeout_s, metadata=self.metadata)
             try:
@@ -174,7 +218,7 @@ class KVStoreClient(_Client):
                 )
             return self._executor
 
-    def _together(self, parts: list[_Step[Any]], deadline: float) -> list[Any]:
+    def _together(self, parts: list[Step[Any]], deadline: float) -> list[Any]:
         """Run the parts at once: the first in this thread, the rest in worker threads; each one's result or
         exception, in order. A part still queued behind busy workers when the deadline has passed is a miss."""
         if not parts:
@@ -191,7 +235,7 @@ class KVStoreClient(_Client):
                     outcomes.append(None)
         return outcomes
 
-    def _outcome(self, part: _Step[Any]) -> Any:
+    def _outcome(self, part: Step[Any]) -> Any:
         try:
             return self._drive(part)
         except BaseException as exc:  # noqa: BLE001 - returned, and raised by the call that gathers it

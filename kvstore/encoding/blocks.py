@@ -12,8 +12,25 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Sequence
 
-from kvstore.codec import BlockHeader, Layout, _check_shape, dtype_name, encode_header, header_nbytes
-from kvstore.encoding.spec import Encoding, PayloadPlan, check_encodable, encoding_of, payload_plan
+from kvstore.blockformat import (
+    BlockHeader,
+    Layout,
+    check_shape,
+    decode_header,
+    dtype_name,
+    encode_header,
+    header_nbytes,
+    torch_dtype,
+)
+from kvstore.encoding.spec import (
+    Encoding,
+    PayloadPlan,
+    ScalesPlan,
+    check_encodable,
+    encoding_of,
+    payload_plan,
+    scales_plan,
+)
 from kvstore.errors import InvalidArgumentError, UnknownDtypeError
 
 if TYPE_CHECKING:
@@ -65,7 +82,7 @@ def encode_lossy(block: torch.Tensor, layout: Layout | str, encoding: Encoding |
     if name not in ENCODABLE_DTYPES:
         raise UnknownDtypeError(f"{lossy.value} encodes {', '.join(ENCODABLE_DTYPES)} blocks, got {name}")
     shape = tuple(int(d) for d in block.shape)
-    _check_shape(layout, shape)
+    check_shape(layout, shape)
     group = check_encodable(lossy, layout.value, shape)
     plan = payload_plan(lossy, layout.value, shape, group)
     head = header_nbytes(len(shape), encoded=True)
@@ -93,8 +110,6 @@ def decode_payload(buf: bytes | bytearray | memoryview, header: BlockHeader) -> 
         A tensor of ``header.dtype`` and ``header.shape``.
     """
     import torch
-
-    from kvstore.codec import torch_dtype
 
     out = torch.empty(header.shape, dtype=torch_dtype(header.dtype))
     decode_block_into(buf, header, out)
@@ -153,7 +168,6 @@ def read_scales(buf: bytes | bytearray | memoryview, header: BlockHeader) -> tor
     raw = bytearray(memoryview(buf).cast("B")[header.header_nbytes:header.header_nbytes + plan.scales_nbytes])
     if encoding.version == 2:
         from kvstore.encoding.kernels_v2 import STEP_TABLE
-        from kvstore.encoding.spec import scales_plan
 
         sp = scales_plan(encoding, header.layout.value, header.shape)
         rows = torch.frombuffer(raw, dtype=torch.float32, count=sp.rows)
@@ -163,20 +177,20 @@ def read_scales(buf: bytes | bytearray | memoryview, header: BlockHeader) -> tor
     return torch.frombuffer(raw, dtype=dtype)
 
 
-def _group_scales(rows: torch.Tensor, steps: torch.Tensor, sp: object, header: BlockHeader) -> torch.Tensor:
+def _group_scales(rows: torch.Tensor, steps: torch.Tensor, sp: ScalesPlan, header: BlockHeader) -> torch.Tensor:
     """Each layout-2 group's row scale ``S``, in the steps' order (keys' groups, then values')."""
     import torch
 
     if header.layout is Layout.KV:
         num_layers, _, num_heads = header.shape[:3]
         by_row = rows.view(num_layers, 2, num_heads)
-        keys = by_row[:, 0].reshape(-1).repeat_interleave(sp.key_groups // (num_layers * num_heads))  # type: ignore[attr-defined]
-        values = by_row[:, 1].reshape(-1).repeat_interleave(sp.value_groups // (num_layers * num_heads))  # type: ignore[attr-defined]
+        keys = by_row[:, 0].reshape(-1).repeat_interleave(sp.key_groups // (num_layers * num_heads))
+        values = by_row[:, 1].reshape(-1).repeat_interleave(sp.value_groups // (num_layers * num_heads))
         return torch.cat((keys, values))
-    return rows.repeat_interleave(sp.key_groups // header.shape[0])  # type: ignore[attr-defined]
+    return rows.repeat_interleave(sp.key_groups // header.shape[0])
 
 
-def encode_for_put(blocks: Sequence[object], namespace: Namespace) -> list[object]:
+def encode_for_put(blocks: Sequence[object], namespace: Namespace) -> Sequence[object]:
     """The blocks of a put, each tensor encoded under the namespace's ``kv_encoding``; without one, ``blocks``.
 
     Encoded bytes pass through (the node checks that their encoding is the
@@ -187,7 +201,31 @@ def encode_for_put(blocks: Sequence[object], namespace: Namespace) -> list[objec
     """
     encoding = encoding_of(getattr(namespace, "kv_encoding", ""))
     if encoding is None:
-        return blocks  # type: ignore[return-value]
+        return blocks
     import torch
 
     return [encode_lossy(b, namespace.layout, encoding) if isinstance(b, torch.Tensor) else b for b in blocks]
+
+
+def warm_up(encoding: Encoding | str, dtype: torch.dtype | None = None, layout: str = "kv") -> None:
+    """Compile (or load from numba's cache) the CPU kernels ``encoding`` runs for blocks of ``dtype`` (``None``:
+    bfloat16): an encode and decodes of a tiny block, from writable and read-only memory, as the put and get
+    paths hold it.
+
+    numba compiles a kernel on its first call in a process, which takes seconds on a cold cache: a connector
+    calls this when it starts, so that the first load does not spend them inside its timeout. A no-op for
+    encodings without CPU kernels, or without numba.
+    """
+    import torch
+
+    from kvstore.encoding.dispatch import FAST_ENCODINGS, fast_kernels
+
+    lossy = encoding if isinstance(encoding, Encoding) else encoding_of(encoding)
+    if lossy not in FAST_ENCODINGS or fast_kernels() is None:
+        return
+    dtype = torch.bfloat16 if dtype is None else dtype
+    shape = (1, 2, 1, 2, 8) if layout == "kv" else (1, 1, 2, 8)
+    block = encode_lossy(torch.zeros(shape, dtype=dtype), layout, lossy)
+    header = decode_header(block)
+    for source in (block, bytes(block)):
+        decode_block_into(source, header, torch.empty(shape, dtype=dtype))

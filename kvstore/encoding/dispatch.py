@@ -15,7 +15,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from kvstore.encoding import kernels, kernels_v2
+import kvstore.encoding.kernels as kernels
+import kvstore.encoding.kernels_v2 as kernels_v2
 from kvstore.encoding.scales import max_row_scale
 from kvstore.encoding.spec import Encoding, PayloadPlan, key_group, scales_plan, value_group
 from kvstore.errors import InvalidArgumentError
@@ -31,32 +32,10 @@ def fast_kernels() -> ModuleType | None:
     if os.environ.get("KVSTORE_ENCODING_KERNELS", "") == "torch":
         return None
     try:
-        from kvstore.encoding import fast
+        import kvstore.encoding.fast as fast
     except ImportError:  # numba is a dependency; a host without it gets the torch kernels
         return None
     return fast
-
-
-def warm_up(encoding: Encoding | str, dtype: torch.dtype = torch.bfloat16, layout: str = "kv") -> None:
-    """Compile (or load from numba's cache) the CPU kernels ``encoding`` runs for blocks of ``dtype``: an encode
-    and decodes of a tiny block, from writable and read-only memory, as the put and get paths hold it.
-
-    numba compiles a kernel on its first call in a process, which takes seconds on a cold cache: a connector
-    calls this when it starts, so that the first load does not spend them inside its timeout. A no-op for
-    encodings without CPU kernels, or without numba.
-    """
-    from kvstore.codec import decode_header
-    from kvstore.encoding.blocks import decode_block_into, encode_lossy
-    from kvstore.encoding.spec import encoding_of
-
-    lossy = encoding if isinstance(encoding, Encoding) else encoding_of(encoding)
-    if lossy not in FAST_ENCODINGS or fast_kernels() is None:
-        return
-    shape = (1, 2, 1, 2, 8) if layout == "kv" else (1, 1, 2, 8)
-    block = encode_lossy(torch.zeros(shape, dtype=dtype), layout, lossy)
-    header = decode_header(block)
-    for source in (block, bytes(block)):
-        decode_block_into(source, header, torch.empty(shape, dtype=dtype))
 
 
 def _words(tensor: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

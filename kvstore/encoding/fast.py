@@ -39,7 +39,7 @@ _F16_UP = np.float32(2.0 ** 112)
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _load_row(words16, words32, kind, start, count, out, bits):  # type: ignore[no-untyped-def]
+def _load_row(words16, words32, kind, start, count, out, bits):
     """``count`` elements from ``start`` into ``out`` (float32; ``bits``: its view as uint32, made once by the
     caller: a view made here, in the loop over rows, stops LLVM vectorizing); returns False if one is not finite
     (a float16 Inf or NaN loads as a finite 65536 .. 131008: caught by the range)."""
@@ -67,7 +67,7 @@ def _load_row(words16, words32, kind, start, count, out, bits):  # type: ignore[
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _store_row(values, bits, kind, words16, words32, start, count):  # type: ignore[no-untyped-def]
+def _store_row(values, bits, kind, words16, words32, start, count):
     """``values`` (float32, finite, within the dtype's range; ``bits``: their uint32 view) into the block's words,
     rounded half to even."""
     if kind == KIND_FLOAT32:
@@ -94,7 +94,7 @@ def _store_row(values, bits, kind, words16, words32, start, count):  # type: ign
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _largest(values, bits, word, word_float):  # type: ignore[no-untyped-def]
+def _largest(values, bits, word, word_float):
     """The largest of ``values`` (float32, >= 0, finite; ``bits`` their uint32 view): an integer max on the bits,
     which orders them as their values, and vectorizes where a float max does not (``word``: a 1-element scratch,
     ``word_float`` its float32 view)."""
@@ -107,7 +107,7 @@ def _largest(values, bits, word, word_float):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _steps_of(need, row_scale, table, ratio, ratio_bits, q, inverse):  # type: ignore[no-untyped-def]
+def _steps_of(need, row_scale, table, ratio, ratio_bits, q, inverse):
     """Each group's step: ``q[g]``, the largest ``q`` in ``[0, 255]`` with ``table[q] = 2^(-q/16) >= need[g] /
     row_scale`` (what torch's ``searchsorted`` on the reversed table gives; 255 for a zero ratio), and
     ``inverse[g] = 1 / (row_scale * table[q])`` (0 for a zero step).
@@ -137,7 +137,7 @@ def _steps_of(need, row_scale, table, ratio, ratio_bits, q, inverse):  # type: i
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _row_groups(r, kv, num_layers, num_heads, num_tokens, width, key_group, value_group):  # type: ignore[no-untyped-def]
+def _row_groups(r, kv, num_layers, num_heads, num_tokens, width, key_group, value_group):
     """Row ``r``'s ``(is_value, groups, first group's index in the steps)``."""
     key_groups = (num_tokens // key_group) * width
     value_groups = num_tokens * (width // value_group)
@@ -156,7 +156,7 @@ bits), no signed zeros; no flag that changes a finite result (no reassociation, 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=_FASTMATH, error_model="numpy")
 def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, width, key_group, value_group,
-              asymmetric, cap, table, row_scales, steps, zeros, data):  # type: ignore[no-untyped-def]
+              asymmetric, cap, table, row_scales, steps, zeros, data):
     """``int8_v2`` / ``int4_v2`` encode of a block (``spec.py``'s layout 2); returns False on a non-finite value.
 
     Args:
@@ -291,7 +291,7 @@ def encode_v2(words16, words32, kind, num_layers, num_heads, kv, num_tokens, wid
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 def decode_v2(row_scales, steps, zeros, data, kind, num_layers, num_heads, kv, num_tokens, width, key_group,
-              value_group, asymmetric, table, words16, words32):  # type: ignore[no-untyped-def]
+              value_group, asymmetric, table, words16, words32):
     """The inverse of :func:`encode_v2`, into the block's words (``x = c * s``, or ``(c - z) * s``, in float32,
     rounded once to the dtype). The row scales must have been checked (``scales.check_scales``)."""
     per_row = num_tokens * width
@@ -340,7 +340,7 @@ def decode_v2(row_scales, steps, zeros, data, kind, num_layers, num_heads, kv, n
 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=_FASTMATH, error_model="numpy")
-def encode_fp8(words16, words32, kind, rows, per_row, cap, row_scales, data):  # type: ignore[no-untyped-def]
+def encode_fp8(words16, words32, kind, rows, per_row, cap, row_scales, data):
     """``fp8_e4m3`` encode (the first layout: one float32 scale per row, ``max|row| / 448``); False on a
     non-finite value. e4m3 codes are rounded half to even from float32, saturating at +-448, as torch's."""
     buf = np.empty(per_row, np.float32)
@@ -384,7 +384,7 @@ def encode_fp8(words16, words32, kind, rows, per_row, cap, row_scales, data):  #
 
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-def decode_fp8(row_scales, data, kind, rows, per_row, words16, words32):  # type: ignore[no-untyped-def]
+def decode_fp8(row_scales, data, kind, rows, per_row, words16, words32):
     """``fp8_e4m3`` decode: each code's e4m3 value (its NaN bytes read as +-480) times its row's scale in
     float32, rounded once to the dtype. The row scales must have been checked."""
     buf = np.empty(per_row, np.float32)

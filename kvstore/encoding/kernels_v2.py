@@ -118,9 +118,9 @@ def encode_v2(block: torch.Tensor, layout: str, encoding: Encoding, cap: float, 
             scaled = (part * b.view(b.shape + (1,) * (part.dim() - 2))).mul_(inv.unsqueeze(axis))
         else:
             scaled = part * inv.unsqueeze(axis)
-        if asymmetric:
+        if zeros is not None:  # asymmetric
             z = torch.floor(8.0 - (lo + hi) * 0.5 * inv).clamp_(-128.0, 127.0)
-            zeros[offset:offset + count].copy_(z.flatten())  # type: ignore[index]
+            zeros[offset:offset + count].copy_(z.flatten())
             scaled.add_(z.unsqueeze(axis)).round_().clamp_(0.0, 15.0)
         else:
             scaled.round_().clamp_(-127.0, 127.0)
@@ -160,8 +160,8 @@ def decode_v2(payload: torch.Tensor, layout: str, encoding: Encoding, plan: Payl
         rs = shaped[:, i] if layout == "kv" else shaped
         s = rs.view(rs.shape + (1,) * (len(group_shape) - 2)) * table[steps[offset:offset + count]].view(group_shape)
         axis = -2 if i == 0 else -1
-        if asymmetric:
-            part.sub_(zeros[offset:offset + count].view(group_shape).unsqueeze(axis))  # type: ignore[index]
+        if zeros is not None:  # asymmetric
+            part.sub_(zeros[offset:offset + count].view(group_shape).unsqueeze(axis))
         part.mul_(s.unsqueeze(axis))
         offset += count
     out.copy_(x)

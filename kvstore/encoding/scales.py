@@ -19,10 +19,15 @@ finite value. Encoders cap their scales the same way (:func:`max_row_scale`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kvstore.encoding.spec import Encoding, payload_plan, scales_plan
 from kvstore.errors import BadScalesError
+
+if TYPE_CHECKING:
+    from kvstore.blockformat import BlockHeader
 
 DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
 """The largest finite value of each dtype a lossy block may have (``torch.finfo(dtype).max``)."""
@@ -34,22 +39,22 @@ def max_row_scale(encoding: Encoding, dtype: str) -> float:
     return float(np.float32(DTYPE_MAX[dtype] / encoding.code_span * (1 - 2.0 ** -20)))
 
 
-def check_scales(header: object, block: bytes | bytearray | memoryview) -> None:
+def check_scales(header: BlockHeader, block: bytes | bytearray | memoryview) -> None:
     """Check the scales section of a lossy block (``header.encoding`` set) against the module's bounds.
 
     Args:
-        header: the block's parsed :class:`~kvstore.codec.BlockHeader`.
+        header: the block's parsed :class:`~kvstore.blockformat.BlockHeader`.
         block: the whole block (header and payload).
 
     Raises:
         BadScalesError: (an ``InvalidArgumentError``: gRPC INVALID_ARGUMENT) naming the first bad field, its
             index and value, and the bound.
     """
-    encoding = Encoding(header.encoding)  # type: ignore[attr-defined]
-    dtype = header.dtype  # type: ignore[attr-defined]
-    layout = header.layout.value  # type: ignore[attr-defined]
-    shape = header.shape  # type: ignore[attr-defined]
-    start = header.header_nbytes  # type: ignore[attr-defined]
+    encoding = Encoding(header.encoding)
+    dtype = header.dtype
+    layout = header.layout.value
+    shape = header.shape
+    start = header.header_nbytes
     limit = DTYPE_MAX[dtype]
     view = memoryview(block).cast("B")
     if encoding.version == 2 or not encoding.grouped:
@@ -58,9 +63,10 @@ def check_scales(header: object, block: bytes | bytearray | memoryview) -> None:
         scales = np.frombuffer(view, dtype="<f4", count=rows, offset=start).astype(np.float64)
         _check("row scale", scales, 0.0, limit / encoding.code_span, encoding, dtype)
         return
-    plan = payload_plan(encoding, layout, shape, header.group)  # type: ignore[attr-defined]
+    plan = payload_plan(encoding, layout, shape, header.group)
     wide = np.frombuffer(view, dtype="<f2", count=plan.scales_nbytes // 2, offset=start).astype(np.float64)
     code_max = (1 << encoding.bits) - 1
+    parts: tuple[tuple[str, np.ndarray], ...]
     if layout == "kv":
         num_layers, _, num_heads, num_tokens, head_dim = shape
         per = num_layers * num_heads * head_dim

@@ -63,7 +63,7 @@ def resolve_policy_name(name: str) -> str:
 
 def make_policy(name: str, *, default_priority: int = DEFAULT_PRIORITY, capacity_bytes: int = 0,
                 demotes: bool = False, clock: Callable[[], float] | None = None,
-                pin_group: Callable[[Hashable], Hashable] | None = None) -> PriorityLRUPolicy:
+                pin_group: Callable[[Hashable], Hashable] | None = None) -> PriorityLRUPolicy[Hashable]:
     """A new, empty eviction policy for one tier.
 
     Args:

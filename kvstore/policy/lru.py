@@ -8,7 +8,7 @@ from collections import OrderedDict, deque
 from functools import partial
 from itertools import accumulate, islice, repeat
 from operator import or_
-from typing import Callable, Hashable, Iterator, Sequence
+from typing import Callable, Generic, Hashable, Iterator, Sequence
 
 from kvstore.policy.base import DEFAULT_PRIORITY, MAX_PRIORITY, PIN_LEVEL, K, check_priority, check_ttl
 
@@ -16,7 +16,7 @@ def _zero() -> float:
     return 0.0
 
 
-class PriorityLRUPolicy:
+class PriorityLRUPolicy(Generic[K]):
     """LRU within each priority level, lowest level first: TensorRT-LLM's retention semantics.
 
     Memory: one ``OrderedDict`` node per key in its level, holding its size (size
@@ -597,7 +597,7 @@ class PriorityLRUPolicy:
         return chosen
 
 
-class LRUPolicy(PriorityLRUPolicy):
+class LRUPolicy(PriorityLRUPolicy[K]):
     """Plain LRU: every block at one priority, whatever the caller asked for (a baseline for tests and
     comparisons; the simulator's ``lru`` is :class:`PriorityLRUPolicy`, as the node's)."""
 

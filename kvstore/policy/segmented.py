@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from itertools import repeat
 from operator import or_
-from typing import Callable, Hashable, Iterator, Sequence
+from typing import Callable, Generic, Hashable, Iterator, Sequence
 
 from kvstore.policy.base import DEFAULT_PRIORITY, PIN_LEVEL, K, check_ttl
 from kvstore.policy.lru import PriorityLRUPolicy
@@ -20,7 +20,7 @@ SCORE_HALF_LIFE_TURNOVERS = 8
 """``AdaptivePolicy`` scores halve every this many turnovers (a turnover: a tier's capacity in accessed bytes)."""
 
 
-class _Segments:
+class _Segments(Generic[K]):
     """Segmented LRU over ``(key, nbytes)`` entries: a probation and a protected segment, least recent first.
 
     A new entry joins probation; a touch moves a probation entry to protected,
@@ -37,15 +37,15 @@ class _Segments:
     __slots__ = ("probation", "protected", "protected_bytes", "target")
 
     def __init__(self, target: int | None) -> None:
-        self.probation: OrderedDict[Hashable, int] = OrderedDict()
-        self.protected: OrderedDict[Hashable, int] = OrderedDict()
+        self.probation: OrderedDict[K, int] = OrderedDict()
+        self.protected: OrderedDict[K, int] = OrderedDict()
         self.protected_bytes = 0
         self.target = target
 
     def __contains__(self, key: object) -> bool:
         return key in self.probation or key in self.protected
 
-    def touch(self, key: Hashable) -> int:
+    def touch(self, key: K) -> int:
         """Record a use of a tracked ``key``; returns its bytes. Raises ``KeyError`` if it is not tracked."""
         probation = self.probation
         size = probation.get(key)
@@ -68,7 +68,7 @@ class _Segments:
             probation[key] = size
             self.protected_bytes -= size
 
-    def remove(self, key: Hashable) -> int | None:
+    def remove(self, key: K) -> int | None:
         """Forget ``key``; its bytes, or ``None`` if it was not tracked."""
         size = self.probation.pop(key, None)
         if size is None:
@@ -87,13 +87,13 @@ class _Segments:
         else:
             self._demote_overflow()
 
-    def items(self) -> Iterator[tuple[Hashable, int]]:
+    def items(self) -> Iterator[tuple[K, int]]:
         """``(key, nbytes)`` in eviction order: probation, then protected, least recent first."""
         yield from self.probation.items()
         yield from self.protected.items()
 
 
-class _Shadow:
+class _Shadow(Generic[K]):
     """A metadata-only cache of the same capacity that runs the policy ``AdaptivePolicy`` is not running.
 
     It sees every access the tier's policy sees (touches and inserts, keys and
@@ -104,17 +104,17 @@ class _Shadow:
 
     __slots__ = ("segments", "nbytes", "capacity_bytes", "_held", "parked")
 
-    def __init__(self, segments: _Segments, nbytes: int, capacity_bytes: int, held: set[Hashable]) -> None:
+    def __init__(self, segments: _Segments[K], nbytes: int, capacity_bytes: int, held: set[K]) -> None:
         self.segments = segments
         self.nbytes = nbytes
         self.capacity_bytes = capacity_bytes
         self._held = held
-        self.parked: OrderedDict[Hashable, int] = OrderedDict()
+        self.parked: OrderedDict[K, int] = OrderedDict()
         """Held keys met at probation's front while evicting, in their order there: they stay the shadow's, at its
         front, until the tier releases a hold (:meth:`unpark`), so that evicting past them does not walk them again
         (a put's held prefix: thousands of keys, once per new block before)."""
 
-    def access(self, key: Hashable, nbytes: int) -> bool:
+    def access(self, key: K, nbytes: int) -> bool:
         """Record an access of ``key``; whether the shadow held it."""
         segments = self.segments
         probation = segments.probation
@@ -137,7 +137,7 @@ class _Shadow:
             self.trim()
         return False
 
-    def touch_parked(self, key: Hashable) -> None:
+    def touch_parked(self, key: K) -> None:
         """An access of a parked key: where a touch puts a key of probation."""
         self.segments.probation[key] = self.parked.pop(key)
         self.segments.touch(key)
@@ -175,7 +175,7 @@ class _Shadow:
             self.nbytes -= self.segments.remove(key) or 0
 
 
-class SegmentedLRUPolicy(PriorityLRUPolicy):
+class SegmentedLRUPolicy(PriorityLRUPolicy[K]):
     """``PriorityLRUPolicy`` whose default priority level is a segmented LRU (``_Segments``).
 
     Blocks at the default priority start in probation; a block used again moves
@@ -208,8 +208,8 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
             raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
         self.capacity_bytes = capacity_bytes
         target = None if protected_fraction is None else int(capacity_bytes * protected_fraction)
-        self._segments = _Segments(target)
-        self._levels[self.default_priority] = self._segments.probation  # type: ignore[assignment]
+        self._segments: _Segments[K] = _Segments(target)
+        self._levels[self.default_priority] = self._segments.probation
 
     def __contains__(self, key: object) -> bool:
         return (key in self._levels[self._priority.get(key, self.default_priority)] or key in self._segments.protected
@@ -344,7 +344,7 @@ class SegmentedLRUPolicy(PriorityLRUPolicy):
         return size
 
 
-class AdaptivePolicy(SegmentedLRUPolicy):
+class AdaptivePolicy(SegmentedLRUPolicy[K]):
     """The default: LRU, or segmented LRU when a shadow of segmented LRU shows it would hit more. Needs no tuning.
 
     The tier runs one of two policies over its default priority level, plain
@@ -416,7 +416,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
     def _swap(self) -> None:
         """The tier takes the shadow's policy, and the shadow restarts from the tier's contents and old policy."""
         segments = self._segments
-        old = _Segments(segments.target)
+        old: _Segments[K] = _Segments(segments.target)
         old.probation.update((key, size) for key, size in self._ordered() if key not in segments.protected)
         old.protected.update(segments.protected)
         old.protected_bytes = segments.protected_bytes
@@ -579,7 +579,7 @@ class AdaptivePolicy(SegmentedLRUPolicy):
         self._accessed, self._tier_score, self._shadow_score = accessed, tier_score, shadow_score
 
 
-class SessionPolicy(AdaptivePolicy):
+class SessionPolicy(AdaptivePolicy[K]):
     """The ``session`` policy of one tier: the adaptive policy's order, with the store's sessions on top.
 
     The session mechanisms work across tiers, in

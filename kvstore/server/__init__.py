@@ -1,6 +1,7 @@
 """The kvstore gRPC service: ``KVStoreServer`` (``kvstore.server.app``) and its parts.
 
-Modules: ``app`` (server, graceful shutdown, ``serve``/``run``), ``servicer`` (the
+Modules: ``app`` (the server's composition, graceful shutdown), ``process`` (the
+process's tuning, ``serve``/``run``), ``servicer`` (the
 thin ``kvstore.v1.KVStore`` servicer), ``errors`` (the one error <-> status
 mapping), ``wire`` (message conversions and chunking, shared with the clients),
 ``metrics`` (Prometheus) and ``logs`` (structured logging). Names are imported
@@ -16,8 +17,12 @@ __all__ = ["KVStoreServer", "run", "serve"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name == "KVStoreServer":
         from kvstore.server import app
 
-        return getattr(app, name)
+        return app.KVStoreServer
+    if name in __all__:
+        from kvstore.server import process
+
+        return getattr(process, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ from kvstore.config import Config
 from kvstore.errors import KVStoreError
 from kvstore.server.auth import Authenticator, Principal
 from kvstore.status import status_of
-from kvstore.server.limits import InflightLimiter
+from kvstore.server.inflight import InflightLimiter
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -49,9 +49,7 @@ from kvstore.api import StoreStats
 from kvstore.misses import REUSE_GAP_BUCKETS_S
 
 if TYPE_CHECKING:
-    from kvstore.server.budget import ByteBudget
-    from kvstore.server.limits import ReplyBudget
-    from kvstore.server.put_budget import PutBudget
+    from kvstore.server.budgets import ByteBudget, PutBudget, ReplyBudget
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +60,8 @@ LATENCY_BUCKETS_S = (
 
 SCRAPE_TIMEOUT_S = 5.0
 """Seconds a scrape waits for the store's loop to report its stats."""
+
+T = TypeVar("T")
 
 
 class StoreCollector(Collector):
@@ -76,14 +76,15 @@ class StoreCollector(Collector):
         self._stats = stats
 
     @staticmethod
-    def on_loop(loop: asyncio.AbstractEventLoop, stats: Callable[[], StoreStats]) -> Callable[[], StoreStats]:
+    def on_loop(loop: asyncio.AbstractEventLoop, stats: Callable[[], T]) -> Callable[[], T]:
         """Wrap ``stats`` so that it runs on ``loop`` (the store's owner) and the caller waits for it.
 
         The store's counters and index belong to its loop; reading them from the
-        HTTP thread directly could see a dict change size mid-iteration.
+        HTTP thread directly could see a dict change size mid-iteration. ``stats``
+        may return anything (the store's stats, the same-host plane's counts).
         """
 
-        def call() -> StoreStats:
+        def call() -> T:
             try:
                 running = asyncio.get_running_loop()
             except RuntimeError:
@@ -91,7 +92,7 @@ class StoreCollector(Collector):
             if running is loop:  # already on the owner (e.g. a test calling generate_latest)
                 return stats()
 
-            async def collect() -> StoreStats:
+            async def collect() -> T:
                 return stats()
 
             return asyncio.run_coroutine_threadsafe(collect(), loop).result(SCRAPE_TIMEOUT_S)
@@ -218,15 +219,15 @@ class SharedMemoryCollector(Collector):
 
 
 class BudgetCollector(Collector):
-    """A byte budget's waits and held bytes (``kvstore.server.budget.ByteBudget``), read at scrape time.
+    """A byte budget's waits and held bytes (``kvstore.server.budgets.ByteBudget``), read at scrape time.
 
     Exports ``kvstore_<kind>_budget_waits_total{outcome}``, ``kvstore_<kind>_budget_wait_seconds`` (a
     histogram) and ``kvstore_<kind>_budget_held_bytes``.
 
     Args:
         budget: the servicer's budget; counted on the server's loop, read here from the HTTP thread (copies).
-        kind: ``"reply"`` (:class:`~kvstore.server.limits.ReplyBudget`) or ``"put"``
-            (:class:`~kvstore.server.put_budget.PutBudget`), the metrics' infix.
+        kind: ``"reply"`` (:class:`~kvstore.server.budgets.ReplyBudget`) or ``"put"``
+            (:class:`~kvstore.server.budgets.PutBudget`), the metrics' infix.
         waiters: what waits, for the help texts (``"Gets"``, ``"Put blocks"``).
         holders: what holds the bytes, for the help texts (``"Get replies"``, ``"Put bodies being received"``).
     """

@@ -28,9 +28,9 @@ from kvstore.errors import InvalidArgumentError, KVStoreError, UnavailableError
 from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace
 from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
-from kvstore.server.limits import ReplyBudget, TenantQuota
+from kvstore.server.budgets import PutBudget, ReplyBudget
 from kvstore.server.metrics import ServiceMetrics
-from kvstore.server.put_budget import PutBudget
+from kvstore.server.quota import TenantQuota
 from kvstore.server.tenants import TenantTags
 from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
 from kvstore.store import TieredStore
@@ -145,8 +145,8 @@ class NodeService:
             authentication is on).
         namespaces: validated namespaces of authorized calls, by their wire form.
         quota: the per-tenant byte quota, ``None`` without one.
-        replies: the budget of Get replies in flight (``kvstore.server.limits.ReplyBudget``).
-        puts: the budget of Put bytes being received (``kvstore.server.put_budget.PutBudget``).
+        replies: the budget of Get replies in flight (``kvstore.server.budgets.ReplyBudget``).
+        puts: the budget of Put bytes being received (``kvstore.server.budgets.PutBudget``).
         chunk_bytes: the block bytes one Get reply message carries.
         same_host: the same-host operations (``kvstore.shm.node.operations``), ``None`` when the node offers
             no same-host data plane.

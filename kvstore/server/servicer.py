@@ -10,7 +10,7 @@ are parsed inside it, so a malformed message is INVALID_ARGUMENT (not gRPC's
 UNKNOWN) and is parsed only after the caller was admitted. With authentication
 on, every namespace must be one of the caller's tenants (``cache_salt``;
 PERMISSION_DENIED otherwise), and with ``limits.tenant_quota_bytes`` a Put must
-fit the tenant's quota (``kvstore.server.limits.TenantQuota``). Get and Put
+fit the tenant's quota (``kvstore.server.quota.TenantQuota``). Get and Put
 stream their blocks, chunked and reassembled by ``kvstore.wire``; the same-host
 methods' bytes move through ``kvstore.shm``.
 """
@@ -33,7 +33,8 @@ from kvstore.keys import Namespace, block_key
 from kvstore.server.admission import Ticket
 from kvstore.server.auth import Principal
 from kvstore.status import FailedPreconditionError, status_of
-from kvstore.server.limits import ReplyBudget, StreamWatch, StreamWatchdog
+from kvstore.server.budgets import ReplyBudget
+from kvstore.server.watchdog import StreamWatch, StreamWatchdog
 from kvstore.server.service import NodeService
 from kvstore.wire import (
     BlockAssembler,
@@ -493,7 +494,7 @@ class _Call:
         return self._ticket.peer if self._ticket is not None and self._ticket.peer else self._context.peer()
 
     def reply_turn(self, budget: ReplyBudget, tenant: str, num_blocks: int) -> Awaitable[None] | None:
-        """Take a Get's turn under ``budget`` (``kvstore.server.limits.ReplyBudget``): ``None`` when admitted
+        """Take a Get's turn under ``budget`` (``kvstore.server.budgets.ReplyBudget``): ``None`` when admitted
         now, else the wait to await; what it is charged is released when the call ends."""
         peer = self.peer()
         estimate = budget.estimate(num_blocks)

@@ -18,7 +18,7 @@ from kvstore.errors import InvalidArgumentError
 from kvstore.data import bundled_trace
 from kvstore.sim.replay import POLICIES, SimResult, resolve, simulate
 from kvstore.tiers.lmdb import usable_bytes
-from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, _is_session, read_session, read_trace
+from kvstore.trace import FORMATS, MOONCAKE_BLOCK_TOKENS, is_session_file, read_session, read_trace
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ def _block_tokens_of(path: str, format: str, given: int | None) -> int:
     first = path
     if os.path.isdir(path):
         first = next(iter(sorted(Path(path).glob("*.json"))), path)
-    if os.path.isfile(first) and (format == "weka" or (format == "auto" and _is_session(first))):
+    if os.path.isfile(first) and (format == "weka" or (format == "auto" and is_session_file(first))):
         return read_session(first).block_tokens
     return MOONCAKE_BLOCK_TOKENS
 

@@ -89,8 +89,12 @@ class Tier(Protocol):
     """
 
     name: str
-    capacity_bytes: int | None
     persistent: bool
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """Bytes the tier may hold, or ``None`` when it manages its own capacity (Redis); an attribute will do."""
+        ...
 
     def footprint(self, nbytes: int) -> int:
         """Bytes of capacity a value of ``nbytes`` occupies (e.g. rounded up to pages)."""

@@ -32,12 +32,12 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence, overload
 
 import numpy as np
 import xxhash
 
-from kvstore.codec import DTYPES, MAGIC
+from kvstore.blockformat import DTYPES, MAGIC
 from kvstore.errors import CodecError, InvalidArgumentError
 
 FRAME_MAGIC = b"KVZ\x01"
@@ -89,13 +89,14 @@ def _unshuffle(data: bytes, width: int, nbytes: int) -> bytes:
     out = planes[0].astype(wide)
     for i in range(1, width):
         out |= planes[i].astype(wide) << (8 * i)
-    return out.tobytes() + data[whole:nbytes]
+    unshuffled: bytes = out.tobytes()
+    return unshuffled + data[whole:nbytes]
 
 
 _LOCAL = threading.local()
 
 
-def _zstd_decompressor():  # type: ignore[no-untyped-def]
+def _zstd_decompressor() -> Any:
     """This thread's ``ZstdDecompressor`` (its objects are not shared between threads; making one costs ~15 us)."""
     decompressor = getattr(_LOCAL, "zstd", None)
     if decompressor is None:
@@ -134,6 +135,12 @@ class Compressor:
     def enabled(self) -> bool:
         """Whether blocks are compressed on the way in."""
         return self.codec is not Codec.NONE
+
+    @overload
+    def pack(self, block: bytes) -> bytes: ...
+
+    @overload
+    def pack(self, block: bytes | memoryview) -> bytes | memoryview: ...
 
     def pack(self, block: bytes | memoryview) -> bytes | memoryview:
         """The value to store for ``block``: a frame when compression is on and saves enough, else ``block``.
@@ -180,6 +187,14 @@ def block_nbytes(value: bytes | memoryview) -> int:
     if view.nbytes >= _FRAME.size and view[:4] == FRAME_MAGIC:
         return int.from_bytes(view[8:16], "little")
     return view.nbytes
+
+
+@overload
+def unpack(value: bytes) -> bytes: ...
+
+
+@overload
+def unpack(value: bytes | memoryview) -> bytes | memoryview: ...
 
 
 def unpack(value: bytes | memoryview) -> bytes | memoryview:
@@ -243,7 +258,7 @@ def unpack_or_keep(value: bytes) -> bytes:
     """:func:`unpack`, or the value as it is when it is a frame that does not decompress: its verification then
     fails (a frame is not a block), so a tier counts and drops it as any corrupt value."""
     try:
-        return unpack(value)  # type: ignore[return-value]
+        return unpack(value)
     except CodecError:
         return value
 
@@ -257,5 +272,5 @@ async def pack_all(compressor: Compressor, values: Sequence[bytes]) -> Sequence[
     if not compressor.enabled:
         return values
     if sum(len(v) for v in values) < OFFLOAD_BYTES:
-        return [compressor.pack(v) for v in values]  # type: ignore[misc]
-    return await asyncio.to_thread(lambda: [compressor.pack(v) for v in values])  # type: ignore[misc]
+        return [compressor.pack(v) for v in values]
+    return await asyncio.to_thread(lambda: [compressor.pack(v) for v in values])

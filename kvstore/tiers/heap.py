@@ -94,7 +94,7 @@ class HeapTier:
         if capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
-        self.capacity_bytes: int | None = capacity_bytes
+        self.capacity_bytes: int = capacity_bytes
         self._framing = framing
         self._index: dict[BlockKey, _Record] = {}
         self._stored_bytes = 0  # footprints of the blocks in the index
@@ -203,7 +203,7 @@ class HeapTier:
         need = sum(self.footprint(len(b)) for b in blocks)
         freed = sum(self.footprint(len(r.message) - r.start) for r in (self._index.get(keys[i]) for i in order)
                     if r is not None)
-        free = self.capacity_bytes - self._stored_bytes  # type: ignore[operator]
+        free = self.capacity_bytes - self._stored_bytes
         if need > free + freed:
             raise TierFullError(f"heap tier {self.name}: batch needs {need} bytes, {free} free")
         records = [self._record(block, metas[i]) for i, block in zip(order, blocks)]  # every copy, then publish

@@ -1,6 +1,8 @@
 """The disk tier: encoded blocks in an LMDB environment that survives restarts with their priority and recency.
 
-The environment's layout and records (disk format :data:`DISK_FORMAT`): :mod:`kvstore.tiers.lmdb_records`.
+The environment's layout and records (disk format :data:`DISK_FORMAT`): :mod:`kvstore.tiers.lmdb_records`; the
+transactions that read and write them, and the count of bytes held: :mod:`kvstore.tiers.lmdb_txns`. This module is
+the Tier the store sees: its threads, its pending recency updates, and the records it stops serving.
 
 Every LMDB call runs off the event loop: writes in one dedicated writer thread
 (one write transaction per put or delete batch, so writers never wait on
@@ -22,7 +24,7 @@ maps, so the tier protects itself in three places:
   meta page is valid); the tier opens that, so the node always starts. A file
   of disk format 1 (codec version 1 blocks, no key binding) is dropped, logged;
 * on every read, a record must end with its key and its block must pass
-  :func:`kvstore.codec.verify_block` (the checksum covers header and payload);
+  :func:`kvstore.blockformat.verify_block` (the checksum covers header and payload);
   one that fails is a miss, is deleted and is counted as ``corrupt_records``;
 * a record LMDB cannot read or delete (``MDB_CORRUPTED`` and the like, from a
   file changed while the node runs) is a miss for that record alone, is counted
@@ -59,16 +61,28 @@ import lmdb
 
 from kvstore.tiers.compression import Codec, Compressor, pack_all
 from kvstore.config import DiskTierConfig
-from kvstore.errors import CodecError, InvalidArgumentError, UnavailableError
+from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
 from kvstore.policy import DEFAULT_PRIORITY
 from kvstore.tiers.base import CHAIN_STEP_S, BlockMeta, ResidentEntry, TierFullError, done, put_order, touch_meta
 # the public names are re-exported: kvstore.tiers.lmdb is their old home
-from kvstore.tiers.lmdb_records import (_PAGE_HEADER_BYTES, _RECORD_ERRORS, DISK_FILL_FRACTION, DISK_FORMAT, MAX_KEY_BYTES,
-                                        MIN_FREE_BYTES, MIN_MAP_BYTES, RECORD_OVERHEAD_BYTES, _block_of, _lock_directory,
-                                        _pack_meta, _unpack_meta, default_map_size_bytes, prepare_directory, scan_records,
-                                        usable_bytes)
+from kvstore.tiers.lmdb_records import (
+    DISK_FILL_FRACTION,
+    DISK_FORMAT,
+    MAX_KEY_BYTES,
+    MIN_FREE_BYTES,
+    MIN_MAP_BYTES,
+    PAGE_HEADER_BYTES,
+    RECORD_ERRORS,
+    RECORD_OVERHEAD_BYTES,
+    default_map_size_bytes,
+    lock_directory,
+    prepare_directory,
+    scan_records,
+    usable_bytes,
+)
 from kvstore.tiers.lmdb_repair import check_and_repair, drop_other_format, repair
+from kvstore.tiers.lmdb_txns import BlockTransactions
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +154,7 @@ class LMDBTier:
             raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
         self.capacity_bytes: int | None = capacity_bytes
+        self._capacity = capacity_bytes
         self.path = os.fspath(path)
         self.sync = sync
         self.map_size_bytes = default_map_size_bytes(capacity_bytes) if map_size_bytes is None else map_size_bytes
@@ -149,16 +164,14 @@ class LMDBTier:
         if free_bytes < MIN_FREE_BYTES:  # LMDB maps its files: growing one on a full disk is a SIGBUS, not an error
             raise UnavailableError(f"cannot open LMDB environment at {self.path}: {free_bytes} bytes free on its "
                                    f"filesystem, fewer than {MIN_FREE_BYTES}")
-        self._lock_fd = _lock_directory(self.path)
-        self._corrupt_records = 0
+        self._lock_fd = lock_directory(self.path)
         self._unreadable_records = 0
-        self._repaired_records = 0
         self._set_aside: set[BlockKey] = set()  # records LMDB could not read or delete: not served until a restart
         try:
             self._prepare_file()
             try:
                 self._open_environment()
-            except _RECORD_ERRORS as exc:  # the file passed the check, and LMDB refuses it all the same
+            except RECORD_ERRORS as exc:  # the file passed the check, and LMDB refuses it all the same
                 if hasattr(self, "_env"):
                     self._env.close()
                 self._repair([f"LMDB refused to open it: {exc}"])
@@ -176,7 +189,7 @@ class LMDBTier:
         self._closed = False
         logger.info(
             "disk tier %s at %s: map %s bytes, %s of %s bytes used",
-            name, self.path, self._env.info()["map_size"], self._used_bytes, capacity_bytes,
+            name, self.path, self._env.info()["map_size"], self.used_bytes, capacity_bytes,
         )
 
     @classmethod
@@ -211,8 +224,9 @@ class LMDBTier:
         self._meta = self._env.open_db(b"meta")
         self._info = self._env.open_db(b"info")
         self._check_format()
-        self.page_bytes: int = self._env.stat()["psize"]
-        self._used_bytes = self._scan_used_bytes()
+        self._txns = BlockTransactions(self._env, self._blocks, self._meta, name=self.name,
+                                       capacity_bytes=self._capacity, compressor=self._compressor)
+        self.page_bytes = self._txns.page_bytes
 
     def _prepare_file(self) -> None:
         """Check ``data.mdb`` before LMDB maps it; repair a damaged one (:func:`~kvstore.tiers.lmdb_repair.check_and_repair`)."""
@@ -239,13 +253,12 @@ class LMDBTier:
         ``ceil((nbytes + 40 + 16) / page_bytes)`` pages, plus
         :data:`RECORD_OVERHEAD_BYTES` for its leaf nodes in ``blocks`` and ``meta``.
         """
-        pages = -(-(nbytes + MAX_KEY_BYTES + _PAGE_HEADER_BYTES) // self.page_bytes)
-        return pages * self.page_bytes + RECORD_OVERHEAD_BYTES
+        return self._txns.footprint(nbytes)
 
     @property
     def used_bytes(self) -> int:
         """Sum of :meth:`footprint` over the blocks held, bytes."""
-        return self._used_bytes
+        return self._txns.used_bytes
 
     def counters(self) -> dict[str, int]:
         """Event counts since start.
@@ -256,8 +269,8 @@ class LMDBTier:
         file) and ``repaired_records`` (blocks whose meta record was lost, kept
         at the default priority; :meth:`resident`).
         """
-        return {"corrupt_records": self._corrupt_records, "unreadable_records": self._unreadable_records,
-                "repaired_records": self._repaired_records}
+        return {"corrupt_records": self._txns.corrupt_records, "unreadable_records": self._unreadable_records,
+                "repaired_records": self._txns.repaired_records}
 
     async def pack_values(self, values: Sequence[bytes]) -> Sequence[bytes]:
         """The values as :meth:`put` stores them: compressed frames where the tier compresses and that saves
@@ -277,7 +290,7 @@ class LMDBTier:
         self._check_open()
         if not keys:
             return []
-        found = await self._run(self._readers, self._contains_txn, list(keys))
+        found = await self._run(self._readers, self._txns.contains, list(keys))
         return [hit and key not in self._set_aside for key, hit in zip(keys, found)]
 
     async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
@@ -295,7 +308,7 @@ class LMDBTier:
         self._check_open()
         if not keys:
             return []
-        values, corrupt, unreadable = await self._run(self._readers, self._get_txn, list(keys), self._set_aside.copy())
+        values, corrupt, unreadable = await self._run(self._readers, self._txns.get, list(keys), self._set_aside.copy())
         now = self._clock()
         for position, (key, value) in enumerate(zip(keys, values)):
             if value is not None:  # the keys of a read are a prefix in order: its head is the most recent
@@ -303,7 +316,7 @@ class LMDBTier:
         if unreadable:
             self._set_apart(unreadable)
         if corrupt:
-            await self._write(self._drop_corrupt_txn, corrupt, on_success=self._deleted)
+            await self._write(self._txns.drop_corrupt, corrupt, on_success=self._deleted)
         return values
 
     def _set_apart(self, keys: Iterable[BlockKey], *, count: bool = True) -> None:
@@ -348,7 +361,7 @@ class LMDBTier:
         if not keys:
             return []
         batch = [(keys[i], values[i], metas[i]) for i in order]
-        failed = await self._write(self._put_txn, batch)
+        failed = await self._write(self._txns.put, batch)
         self._set_aside.difference_update(key for key, _, _ in batch if key not in failed)
         self._set_apart(failed)
         return [key not in failed for key in keys]
@@ -367,7 +380,7 @@ class LMDBTier:
             return done()
         for key in keys:
             self._touched.pop(key, None)
-        return self._write(self._delete_txn, list(keys), on_success=self._delete_failed)
+        return self._write(self._txns.delete, list(keys), on_success=self._delete_failed)
 
     async def set_pins(self, keys: Sequence[BlockKey], pins: Sequence[tuple[float, float]]) -> None:
         """Record the TTL of blocks this tier holds, ``(ttl_s, pinned_until)`` each, in their meta records: a TTL
@@ -379,21 +392,7 @@ class LMDBTier:
         """
         self._check_open()
         if keys:
-            await self._write(self._pins_txn, list(keys), list(pins))
-
-    def _pins_txn(self, keys: list[BlockKey], pins: list[tuple[float, float]],
-                  touched: Mapping[BlockKey, float]) -> None:
-        def set_one(txn: lmdb.Transaction, i: int) -> int:
-            parsed = _unpack_meta(txn.get(keys[i], db=self._meta))
-            if parsed is not None:
-                meta, nbytes = parsed
-                ttl_s, until = pins[i]
-                last = max(meta.last_access, touched.get(keys[i], 0.0))
-                txn.put(keys[i], _pack_meta(BlockMeta(meta.priority, meta.expires_at, last, ttl_s, until), nbytes),
-                        db=self._meta)
-            return 0
-
-        self._transact(keys, set_one, touched)
+            await self._write(self._txns.set_pins, list(keys), list(pins))
 
     async def resident(self) -> list[ResidentEntry]:
         """Every block held, with its meta as of the last get; records that do not pair up are repaired or dropped.
@@ -415,7 +414,7 @@ class LMDBTier:
         entries, junk, repairs = await self._run(self._readers, scan_records, self._env, self._blocks, self._meta,
                                                  self._compressor.enabled)
         if junk or repairs:
-            await self._write(self._repair_txn, junk, repairs)
+            await self._write(self._txns.repair, junk, repairs)
             entries += [ResidentEntry(key, nbytes, BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0)) for key, nbytes in repairs]
         touched, set_aside = self._touched, self._set_aside
         return [
@@ -435,7 +434,7 @@ class LMDBTier:
         self._closed = True
         touched, self._touched = self._touched, {}
         try:
-            await asyncio.wrap_future(self._writer.submit(self._close_txn, touched))
+            await asyncio.wrap_future(self._writer.submit(self._txns.flush, touched))
         finally:
             await asyncio.to_thread(self._shutdown)
             os.close(self._lock_fd)  # releases the directory for the next process
@@ -507,221 +506,6 @@ class LMDBTier:
                 if self._touched.get(key, 0.0) < when:
                     self._touched[key] = when
             raise
-
-    # -- transactions (worker threads) ----------------------------------------------------
-
-    def _scan_used_bytes(self) -> int:
-        used = 0
-        with self._env.begin(db=self._meta, buffers=True) as txn:
-            for _, raw in txn.cursor():
-                parsed = _unpack_meta(raw)
-                if parsed is not None:
-                    used += self.footprint(parsed[1])
-        return used
-
-    def _contains_txn(self, keys: list[BlockKey]) -> list[bool]:
-        try:
-            with self._env.begin(db=self._blocks, buffers=True) as txn:
-                return [txn.get(key) is not None for key in keys]
-        except _RECORD_ERRORS:
-            pass
-        found = []
-        for key in keys:  # a damaged page on the way to one of them: each alone
-            try:
-                with self._env.begin(db=self._blocks, buffers=True) as txn:
-                    found.append(txn.get(key) is not None)
-            except _RECORD_ERRORS:
-                found.append(False)
-        return found
-
-    def _get_txn(self, keys: list[BlockKey], set_aside: set[BlockKey]
-                 ) -> tuple[list[bytes | None], list[BlockKey], list[BlockKey]]:
-        """The checked block of each key (``None`` for a miss); the keys of corrupt records; of unreadable ones."""
-        corrupt: list[BlockKey] = []
-        try:
-            with self._env.begin(db=self._blocks, buffers=True) as txn:
-                return [None if key in set_aside else self._read(txn, key, corrupt) for key in keys], corrupt, []
-        except _RECORD_ERRORS as exc:  # a damaged page on the way to some record: read each alone
-            logger.warning("disk tier %s: a read of %s blocks failed (%s); reading each alone", self.name, len(keys), exc)
-        values: list[bytes | None] = []
-        corrupt, unreadable = [], []
-        for key in keys:
-            if key in set_aside:
-                values.append(None)
-                continue
-            try:
-                with self._env.begin(db=self._blocks, buffers=True) as txn:
-                    values.append(self._read(txn, key, corrupt))
-            except _RECORD_ERRORS as exc:
-                logger.warning("disk tier %s: block %s cannot be read: %s", self.name, key.hex(), exc)
-                unreadable.append(key)
-                values.append(None)
-        return values, corrupt, unreadable
-
-    def _read(self, txn: lmdb.Transaction, key: BlockKey, corrupt: list[BlockKey]) -> bytes | None:
-        """One key's checked block, copied out of the map; a record that fails its check is added to ``corrupt``."""
-        record = txn.get(key)
-        if record is None:
-            return None
-        try:
-            return _block_of(key, record)
-        except CodecError as exc:
-            logger.warning("disk tier %s: corrupt block %s: %s", self.name, key.hex(), exc)
-            corrupt.append(key)
-            return None
-
-    def _repair_txn(self, junk: list[BlockKey], repairs: list[tuple[BlockKey, int]],
-                    touched: Mapping[BlockKey, float]) -> None:
-        """Delete ``junk`` records, and give each block of ``repairs`` a new meta record at the default priority."""
-        unique = list(dict.fromkeys(junk))
-        keys = unique + [key for key, _ in repairs]
-        dropped: list[BlockKey] = []
-
-        def fix_one(txn: lmdb.Transaction, i: int) -> int:
-            if i < len(unique):
-                key = unique[i]
-                logger.warning("disk tier %s: junk record %s deleted", self.name, key.hex())
-                dropped.append(key)
-                return self._remove(txn, key)
-            key, nbytes = repairs[i - len(unique)]
-            held = self._held_nbytes(txn, key)
-            txn.put(key, _pack_meta(BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), nbytes), db=self._meta)
-            return self.footprint(nbytes) - (0 if held is None else self.footprint(held))
-
-        failed = set(self._transact(keys, fix_one, touched))
-        self._corrupt_records += len(set(dropped) - failed)
-        self._repaired_records += len({key for key, _ in repairs} - failed)
-        if repairs:
-            logger.warning("disk tier %s: %s blocks had lost their meta record; kept at the default priority",
-                           self.name, len(repairs))
-
-    def _held_nbytes(self, txn: lmdb.Transaction, key: BlockKey) -> int | None:
-        """nbytes the accounting counts for ``key``: from its meta record, ``None`` if it has none."""
-        parsed = _unpack_meta(txn.get(key, db=self._meta))
-        return None if parsed is None else parsed[1]
-
-    def _remove(self, txn: lmdb.Transaction, key: BlockKey) -> int:
-        """Delete both records of ``key``; return the change of used bytes (<= 0)."""
-        held = self._held_nbytes(txn, key)
-        txn.delete(key, db=self._blocks)
-        txn.delete(key, db=self._meta)
-        return 0 if held is None else -self.footprint(held)
-
-    def _flush_touched(self, txn: lmdb.Transaction, touched: Mapping[BlockKey, float], skip: Any = ()) -> None:
-        for key, when in touched.items():
-            if key in skip:
-                continue
-            parsed = _unpack_meta(txn.get(key, db=self._meta))
-            if parsed is not None and parsed[0].last_access < when:
-                meta, nbytes = parsed
-                txn.put(key, _pack_meta(touch_meta(meta, when), nbytes), db=self._meta)
-
-    def _transact(self, keys: list[BlockKey], apply: Callable[[lmdb.Transaction, int], int],
-                  touched: Mapping[BlockKey, float]) -> list[BlockKey]:
-        """Run ``apply(txn, i)`` for every key (it returns the change of used bytes) in one write transaction that
-        also saves the pending recency updates; returns the keys that could not be written.
-
-        That is none, unless a damaged page stops the transaction (``MDB_CORRUPTED``
-        and the like, from a file changed while the node runs): then each key is
-        written in a transaction of its own, and those that fail are returned.
-
-        Raises:
-            TierFullError: raised by ``apply`` in the one transaction (nothing is written).
-            lmdb.Error: any other LMDB failure.
-        """
-        try:
-            with self._env.begin(write=True, buffers=True) as txn:
-                delta = sum(apply(txn, i) for i in range(len(keys)))
-                self._flush_touched(txn, touched, skip=set(keys))
-        except _RECORD_ERRORS as exc:
-            logger.warning("disk tier %s: a write of %s blocks failed (%s); writing each alone", self.name, len(keys), exc)
-        else:
-            self._used_bytes += delta
-            return []
-        failed: list[BlockKey] = []
-        for i, key in enumerate(keys):
-            try:
-                with self._env.begin(write=True, buffers=True) as txn:
-                    delta = apply(txn, i)
-            except (*_RECORD_ERRORS, TierFullError, lmdb.MapFullError) as exc:
-                logger.warning("disk tier %s: block %s cannot be written: %s", self.name, key.hex(), exc)
-                failed.append(key)
-            else:
-                self._used_bytes += delta
-        for key, when in touched.items():  # recency is advisory: what cannot be saved is dropped
-            try:
-                with self._env.begin(write=True, buffers=True) as txn:
-                    self._flush_touched(txn, {key: when})
-            except _RECORD_ERRORS:
-                pass
-        return failed
-
-    def _put_txn(self, batch: list[tuple[BlockKey, bytes, BlockMeta]], touched: Mapping[BlockKey, float]
-                 ) -> list[BlockKey]:
-        """Write a put batch; returns the keys a damaged page kept from being written (see :meth:`_transact`)."""
-        assert self.capacity_bytes is not None
-        capacity = self.capacity_bytes
-        pending = [0]  # footprint bytes the transaction adds so far
-
-        def put_one(txn: lmdb.Transaction, i: int) -> int:
-            key, value, meta = batch[i]
-            value = self._compressor.pack(value)
-            nbytes = memoryview(value).nbytes
-            held = self._held_nbytes(txn, key)
-            delta = self.footprint(nbytes) - (0 if held is None else self.footprint(held))
-            if delta > 0 and self._used_bytes + pending[0] + delta > capacity:
-                raise TierFullError(f"disk tier {self.name}: {delta} more bytes needed, "
-                                    f"{capacity - self._used_bytes - pending[0]} of {capacity} free")
-            pending[0] += delta
-            txn.put(key, b"".join((value, key)), db=self._blocks)  # the block, then its key (module docstring)
-            txn.put(key, _pack_meta(meta, nbytes), db=self._meta)
-            return delta
-
-        try:
-            return self._transact([key for key, _, _ in batch], put_one, touched)
-        except lmdb.MapFullError as exc:
-            logger.warning("disk tier %s: LMDB map full (%s); batch of %s blocks refused", self.name, exc, len(batch))
-            raise TierFullError(f"disk tier {self.name}: LMDB map is full") from exc
-        finally:
-            pending[0] = 0
-
-    def _delete_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]) -> list[BlockKey]:
-        """Delete both records of each key; returns the keys a damaged page kept from being deleted."""
-        unique = list(dict.fromkeys(keys))
-        return self._transact(unique, lambda txn, i: self._remove(txn, unique[i]), touched)
-
-    def _drop_corrupt_txn(self, keys: list[BlockKey], touched: Mapping[BlockKey, float]
-                          ) -> tuple[list[BlockKey], list[BlockKey]]:
-        """Delete the records of ``keys`` that are still corrupt; returns their keys, and those LMDB could not delete."""
-        unique = list(dict.fromkeys(keys))
-        dropped: list[BlockKey] = []
-
-        def drop_one(txn: lmdb.Transaction, i: int) -> int:
-            key = unique[i]
-            record = txn.get(key, db=self._blocks)
-            if record is None:
-                return 0
-            try:
-                _block_of(key, record)
-                return 0  # replaced by a good block since it was read
-            except CodecError:
-                pass
-            dropped.append(key)
-            return self._remove(txn, key)
-
-        failed = self._transact(unique, drop_one, touched)
-        dropped = [key for key in dict.fromkeys(dropped) if key not in failed]
-        self._corrupt_records += len(dropped) + len(failed)
-        return dropped, failed
-
-    def _close_txn(self, touched: Mapping[BlockKey, float]) -> None:
-        if not touched:
-            return
-        try:
-            with self._env.begin(write=True, buffers=True) as txn:
-                self._flush_touched(txn, touched)
-        except lmdb.Error as exc:  # recency is advisory: losing it must not stop the close
-            logger.warning("disk tier %s: recency of %s blocks not saved on close: %s", self.name, len(touched), exc)
 
     def _shutdown(self) -> None:
         self._writer.shutdown(wait=True)

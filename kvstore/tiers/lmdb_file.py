@@ -101,7 +101,7 @@ class Snapshot:
     main_tree: TreeRecord
 
 
-class _File:
+class PageFile:
     """``data.mdb`` read by page with ``os.pread``: a page past the end of the file is :class:`DamagedFile`."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -110,9 +110,15 @@ class _File:
         self.page_bytes = 0
 
     def close(self) -> None:
+        """Close the file."""
         os.close(self.fd)
 
     def read(self, offset: int, nbytes: int, what: str) -> bytes:
+        """``nbytes`` at ``offset``.
+
+        Raises:
+            DamagedFile: naming ``what``, if they lie past the end of the file.
+        """
         if offset < 0 or offset + nbytes > self.size:
             raise DamagedFile(f"{what} lies past the end of the file ({self.size} bytes)")
         data = os.pread(self.fd, nbytes, offset)
@@ -121,10 +127,11 @@ class _File:
         return data
 
     def page(self, pgno: int) -> bytes:
+        """Page ``pgno`` (:attr:`page_bytes` set first, from a meta page)."""
         return self.read(pgno * self.page_bytes, self.page_bytes, f"page {pgno}")
 
 
-def _read_meta(file: _File, slot: int, page_bytes: int) -> Snapshot:
+def _read_meta(file: PageFile, slot: int, page_bytes: int) -> Snapshot:
     """Meta page ``slot`` as ``mdb_env_read_header`` reads it (meta 1 sits one page of meta 0's size further).
 
     Raises:
@@ -153,14 +160,16 @@ def _read_meta(file: _File, slot: int, page_bytes: int) -> Snapshot:
 
 def read_snapshots(path: str | os.PathLike[str]) -> list[Snapshot]:
     """The readable meta pages of ``path``, newest first (the first is the one LMDB uses, when both are readable)."""
-    file = _File(path)
+    file = PageFile(path)
     try:
-        return _snapshots(file, [])
+        return snapshots_of(file, [])
     finally:
         file.close()
 
 
-def _snapshots(file: _File, problems: list[str]) -> list[Snapshot]:
+def snapshots_of(file: PageFile, problems: list[str]) -> list[Snapshot]:
+    """The meta pages of ``file`` that read, newest first (as ``mdb_env_pick_meta`` picks them); each one that does
+    not is appended to ``problems``."""
     found: list[Snapshot] = []
     page_bytes = 4096
     for slot in range(NUM_METAS):
@@ -203,7 +212,7 @@ def check_data_file(path: str | os.PathLike[str]) -> list[str]:
     return problems
 
 
-def _page_nodes(page: bytes, pgno: int, page_bytes: int, what: str) -> tuple[list[tuple[bytes, int, object]], bool]:
+def page_nodes(page: bytes, pgno: int, page_bytes: int, what: str) -> tuple[list[tuple[bytes, int, bytes | int]], bool]:
     """The nodes of a branch or leaf page: ``(key, flags, data)`` (leaf; ``data`` is the value, or for a big node its
     size and overflow page as 12 bytes) or ``(key, 0, child page)`` (branch); and whether it is a leaf.
 
@@ -220,7 +229,7 @@ def _page_nodes(page: bytes, pgno: int, page_bytes: int, what: str) -> tuple[lis
         raise DamagedFile(f"{what}: free space from {lower} to {upper}")
     num_keys = (lower - PAGE_HEADER_BYTES) >> 1
     is_leaf = kind == P_LEAF
-    nodes: list[tuple[bytes, int, object]] = []
+    nodes: list[tuple[bytes, int, bytes | int]] = []
     for offset in struct.unpack_from(f"<{num_keys}H", page, PAGE_HEADER_BYTES):
         if offset % 2 or offset < upper or offset + NODE_HEADER_BYTES > page_bytes:
             raise DamagedFile(f"{what}: a node at offset {offset}")
@@ -265,9 +274,9 @@ def salvage_records(path: str | os.PathLike[str], trees: Container[bytes] | None
     Raises:
         OSError: if the file cannot be opened.
     """
-    file = _File(path)
+    file = PageFile(path)
     try:
-        snapshots = _snapshots(file, [])
+        snapshots = snapshots_of(file, [])
         if not snapshots:
             return
         snapshot = snapshots[0]
@@ -280,7 +289,7 @@ def salvage_records(path: str | os.PathLike[str], trees: Container[bytes] | None
         file.close()
 
 
-def _salvage_names(file: _File, snapshot: Snapshot) -> list[tuple[bytes, TreeRecord]]:
+def _salvage_names(file: PageFile, snapshot: Snapshot) -> list[tuple[bytes, TreeRecord]]:
     names = []
     for key, value in _salvage_tree(file, snapshot, snapshot.main_tree, main=True):
         if len(value) == _DB.size:
@@ -288,7 +297,7 @@ def _salvage_names(file: _File, snapshot: Snapshot) -> list[tuple[bytes, TreeRec
     return names
 
 
-def _salvage_tree(file: _File, snapshot: Snapshot, tree: TreeRecord, *, main: bool = False) -> Iterator[tuple[bytes, bytes]]:
+def _salvage_tree(file: PageFile, snapshot: Snapshot, tree: TreeRecord, *, main: bool = False) -> Iterator[tuple[bytes, bytes]]:
     if tree.root == P_INVALID:
         return
     page_bytes = file.page_bytes
@@ -300,19 +309,19 @@ def _salvage_tree(file: _File, snapshot: Snapshot, tree: TreeRecord, *, main: bo
             continue
         visited.add(pgno)
         try:
-            nodes, is_leaf = _page_nodes(file.page(pgno), pgno, page_bytes, f"page {pgno}")
+            nodes, is_leaf = page_nodes(file.page(pgno), pgno, page_bytes, f"page {pgno}")
         except DamagedFile:
             continue
         if not is_leaf:
-            stack.extend((child, depth + 1) for _, _, child in reversed(nodes))  # type: ignore[misc]
+            stack.extend((child, depth + 1) for _, _, child in reversed(nodes) if isinstance(child, int))
             continue
         for key, flags, data in nodes:
-            if main != bool(flags & F_SUBDATA) or flags & ~(F_BIGDATA | F_SUBDATA):
+            if not isinstance(data, bytes) or main != bool(flags & F_SUBDATA) or flags & ~(F_BIGDATA | F_SUBDATA):
                 continue
             if not flags & F_BIGDATA:
-                yield key, data  # type: ignore[misc]
+                yield key, data
                 continue
-            size, first = struct.unpack("<IQ", data)  # type: ignore[arg-type]
+            size, first = struct.unpack("<IQ", data)
             try:
                 head = file.read(first * page_bytes, _OVERFLOW.size, f"page {first}")
                 self_pgno, _, page_flags, num_pages = _OVERFLOW.unpack(head)

@@ -29,7 +29,7 @@ from typing import Any
 import lmdb
 
 from kvstore.tiers.compression import block_nbytes, unpack
-from kvstore.codec import verify_block
+from kvstore.blockformat import verify_block
 from kvstore.errors import CodecError, ConfigError, UnavailableError
 from kvstore.policy import MAX_PRIORITY
 from kvstore.keys import BlockKey
@@ -68,12 +68,14 @@ MIN_MAP_BYTES = FLOOR_SLACK_BYTES
 QUARANTINE_DIR = "quarantine"
 """Where a damaged data file is kept for an operator to look at: the latest only, and only while the filesystem
 keeps room for the new file to grow to its map size."""
-_REBUILD_DIR = ".rebuild"
+REBUILD_DIR = ".rebuild"
+"""Where a repair writes the environment it rebuilds (inside the tier's directory), before it replaces the old one."""
 
-_PAGE_HEADER_BYTES = 16  # LMDB's PAGEHDRSZ: the first overflow page of a value starts with a page header
+PAGE_HEADER_BYTES = 16
+"""LMDB's ``PAGEHDRSZ``: the first overflow page of a value starts with a page header."""
 
-_RECORD_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.InvalidError,
-                  lmdb.IncompatibleError, lmdb.BadTxnError)
+RECORD_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.InvalidError,
+                 lmdb.IncompatibleError, lmdb.BadTxnError)
 """LMDB errors that mean a page of the file is not what LMDB wrote: the records they stop are lost, the tier is not."""
 
 MIN_FREE_BYTES = 1 << 20
@@ -153,7 +155,7 @@ def prepare_directory(path: str, map_size_bytes: int) -> None:
         )
 
 
-def _lock_directory(path: str) -> int:
+def lock_directory(path: str) -> int:
     """Take an exclusive ``flock`` on ``path/kvstore.lock``; returns its descriptor.
 
     Each tier keeps its own byte count and eviction index, so two processes (or
@@ -178,12 +180,13 @@ _PIN = struct.Struct("<dd")
 """ttl_s f64, pinned_until f64: what a ``meta`` record of a block with a TTL has after :data:`_META`."""
 
 
-def _pack_meta(meta: BlockMeta, nbytes: int) -> bytes:
+def pack_meta(meta: BlockMeta, nbytes: int) -> bytes:
+    """The ``meta`` record of a block of ``nbytes`` (see the module docstring): :data:`_PIN` follows only with a TTL."""
     packed = _META.pack(meta.priority, meta.expires_at, meta.last_access, nbytes)
     return packed + _PIN.pack(meta.ttl_s, meta.pinned_until) if meta.ttl_s > 0 else packed
 
 
-def _unpack_meta(raw: bytes | memoryview | None) -> tuple[BlockMeta, int] | None:
+def unpack_meta(raw: bytes | memoryview | None) -> tuple[BlockMeta, int] | None:
     """The meta and nbytes of a ``meta`` record, or ``None`` for a missing or malformed one."""
     if raw is None or len(raw) not in (_META.size, _META.size + _PIN.size):
         return None
@@ -194,7 +197,7 @@ def _unpack_meta(raw: bytes | memoryview | None) -> tuple[BlockMeta, int] | None
     return BlockMeta(priority, expires_at, last_access, ttl_s, pinned_until), nbytes
 
 
-def _block_of(key: bytes, record: bytes | memoryview) -> bytes:
+def block_of_record(key: bytes, record: bytes | memoryview) -> bytes:
     """The block a ``blocks`` record holds, copied out and checked: the record ends with ``key``, the block verifies.
 
     Raises:
@@ -215,7 +218,8 @@ def _ends_with(record: bytes | memoryview, key: bytes) -> bool:
     return view.nbytes > len(key) and view[view.nbytes - len(key):] == key
 
 
-def _remove_environment_files(path: str) -> None:
+def remove_environment_files(path: str) -> None:
+    """Delete an environment's ``data.mdb`` and ``lock.mdb`` in ``path``, those that exist."""
     for name in ("data.mdb", "lock.mdb"):
         try:
             os.unlink(os.path.join(path, name))
@@ -235,9 +239,9 @@ def scan_records(env: lmdb.Environment, blocks_db: Any, meta_db: Any, frames: bo
     junk: list[BlockKey] = []
     repairs: list[tuple[BlockKey, int]] = []
     with env.begin(buffers=True) as txn:
-        for key, raw in txn.cursor(db=meta_db):
-            key = BlockKey(bytes(key))
-            parsed = _unpack_meta(raw)
+        for raw_key, raw in txn.cursor(db=meta_db):
+            key = BlockKey(bytes(raw_key))
+            parsed = unpack_meta(raw)
             record = txn.get(key, db=blocks_db)
             if parsed is not None and record is not None and len(record) == parsed[1] + len(key):
                 entries.append(ResidentEntry(key, parsed[1], parsed[0],  # the stored length: a frame's own
@@ -246,9 +250,9 @@ def scan_records(env: lmdb.Environment, blocks_db: Any, meta_db: Any, frames: bo
                 repairs.append((key, len(record) - len(key)))
             else:
                 junk.append(key)
-        for key, record in txn.cursor(db=blocks_db):
-            if txn.get(key, db=meta_db) is None:
-                key = BlockKey(bytes(key))
+        for raw_key, record in txn.cursor(db=blocks_db):
+            if txn.get(raw_key, db=meta_db) is None:
+                key = BlockKey(bytes(raw_key))
                 if _ends_with(record, key):
                     repairs.append((key, len(record) - len(key)))
                 else:

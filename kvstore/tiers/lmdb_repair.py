@@ -16,13 +16,13 @@ from kvstore.policy import DEFAULT_PRIORITY
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.lmdb_file import check_data_file, salvage_records
 from kvstore.tiers.lmdb_records import (
-    _REBUILD_DIR,
     DISK_FORMAT,
     QUARANTINE_DIR,
-    _block_of,
-    _pack_meta,
-    _remove_environment_files,
-    _unpack_meta,
+    REBUILD_DIR,
+    block_of_record,
+    pack_meta,
+    remove_environment_files,
+    unpack_meta,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def check_and_repair(path: str, map_size_bytes: int, name: str) -> None:
         name: the tier's name, for the log.
     """
     data_file = os.path.join(path, "data.mdb")
-    shutil.rmtree(os.path.join(path, _REBUILD_DIR), ignore_errors=True)  # left by a crash mid-repair
+    shutil.rmtree(os.path.join(path, REBUILD_DIR), ignore_errors=True)  # left by a crash mid-repair
     if _file_bytes(data_file) == 0:
         return  # none yet (LMDB creates it), or an empty one LMDB treats as new
     started = time.monotonic()
@@ -65,7 +65,7 @@ def repair(path: str, map_size_bytes: int, name: str, problems: list[str]) -> No
     Arguments as :func:`check_and_repair`'s; ``problems`` are what the check (or LMDB) found.
     """
     data_file = os.path.join(path, "data.mdb")
-    rebuild = os.path.join(path, _REBUILD_DIR)
+    rebuild = os.path.join(path, REBUILD_DIR)
     os.makedirs(rebuild)
     try:
         kept, lost = _salvage_into(data_file, rebuild, map_size_bytes)
@@ -80,7 +80,7 @@ def repair(path: str, map_size_bytes: int, name: str, problems: list[str]) -> No
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
     moved = os.path.join(quarantine, f"data-{stamp}.mdb")
     os.replace(data_file, moved)
-    _remove_environment_files(path)
+    remove_environment_files(path)
     if kept:
         os.replace(os.path.join(rebuild, "data.mdb"), data_file)
     shutil.rmtree(rebuild, ignore_errors=True)
@@ -113,14 +113,14 @@ def _salvage_into(data_file: str, directory: str, map_size_bytes: int) -> tuple[
         for record in salvage_records(data_file, {b"blocks"}):  # one block at a time
             found += 1
             try:
-                block = _block_of(record.key, record.value)
+                block = block_of_record(record.key, record.value)
             except CodecError:
                 continue
-            parsed = _unpack_meta(metas.pop(record.key, None))
+            parsed = unpack_meta(metas.pop(record.key, None))
             stored = len(record.value) - len(record.key)  # the block, or its compressed frame
             if parsed is None or parsed[1] != stored:  # the meta is gone: the block is still good
                 parsed = BlockMeta(DEFAULT_PRIORITY, 0.0, 0.0), stored
-            batch.append((record.key, record.value, _pack_meta(*parsed)))
+            batch.append((record.key, record.value, pack_meta(*parsed)))
             if len(batch) >= 256:
                 kept += _write_salvaged(env, blocks_db, meta_db, batch)
                 batch = []
@@ -166,21 +166,21 @@ def drop_other_format(env: lmdb.Environment, blocks_db: Any, meta_db: Any, info_
         num_records = txn.stat(blocks_db)["entries"] + txn.stat(meta_db)["entries"]
         if found is None and not num_records:
             txn.put(b"format", DISK_FORMAT, db=info_db)
-            return
+            return False
     if found == DISK_FORMAT:
-        return
+        return False
     env.close()
     if found is None:  # format 1: blocks of codec version 1, which this build does not read
         logger.warning("disk tier %s at %s holds %s records of disk format 1 (codec version 1 blocks, whose "
                        "checksum did not cover the header); dropped, the tier starts empty",
                        name, path, num_records)
-        _remove_environment_files(path)
+        remove_environment_files(path)
     else:  # a newer kvstore's: kept aside, not deleted, for that version to use again
         quarantine = os.path.join(path, QUARANTINE_DIR)
         os.makedirs(quarantine, exist_ok=True)
         moved = os.path.join(quarantine, f"data-format-{found.decode(errors='replace')}.mdb")
         os.replace(os.path.join(path, "data.mdb"), moved)
-        _remove_environment_files(path)
+        remove_environment_files(path)
         logger.error("disk tier %s at %s is of disk format %r, which this build does not read; moved to %s, "
                      "the tier starts empty", name, path, found, moved)
     return True

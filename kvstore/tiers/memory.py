@@ -55,7 +55,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 import torch
 
 from kvstore.blockcopy import TensorBlock, encode_batch_into
-from kvstore.codec import ALIGNMENT
+from kvstore.blockformat import ALIGNMENT
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
@@ -482,8 +482,8 @@ class MemoryTier:
         """
         self._check_open()
         order = put_order(keys, values, metas)
-        views = [values[i] if type(values[i]) is TensorBlock else memoryview(values[i]).cast("B") for i in order]
-        sizes = [len(v) if type(v) is TensorBlock else v.nbytes for v in views]  # type: ignore[union-attr]
+        views = [v if isinstance(v := values[i], TensorBlock) else memoryview(v).cast("B") for i in order]
+        sizes = [len(v) if isinstance(v, TensorBlock) else v.nbytes for v in views]
         page_bytes = self.page_bytes
         pages_needed = [-(-n // page_bytes) for n in sizes]
         self._make_room(sum(pages_needed), [keys[i] for i in order])
@@ -636,14 +636,15 @@ class MemoryTier:
         """A batch of like tensors, each in one run, evenly spaced (one run cut block by block): encoded in place
         with one header build (``kvstore.blockcopy.encode_batch_into``); whether it was that batch."""
         first = views[0] if views else None
-        if type(first) is not TensorBlock or len(views) < 2:
+        if not isinstance(first, TensorBlock) or len(views) < 2:
             return False
-        if not all(type(v) is TensorBlock and v.header is first.header and len(runs) == 1  # type: ignore[union-attr]
-                   for v, runs in zip(views, reserved)):
-            return False
+        tensors = []
+        for v, runs in zip(views, reserved):
+            if not isinstance(v, TensorBlock) or v.header is not first.header or len(runs) != 1:
+                return False
+            tensors.append(v.tensor)
         offsets = [runs[0][0] * self.page_bytes for runs in reserved]
-        return encode_batch_into([v.tensor for v in views], first.header.layout, host, flat,  # type: ignore[union-attr]
-                                 offsets)
+        return encode_batch_into(tensors, first.header.layout, host, flat, offsets)
 
     def _copy_out_all(
         self, pool: tuple[torch.Tensor, memoryview | None], records: Sequence[_Record | None]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import redis.exceptions as rexc
 from redis.utils import HIREDIS_AVAILABLE
@@ -33,12 +33,34 @@ from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.logical import block_logical_nbytes
 from kvstore.tiers.base import BlockMeta, ResidentEntry
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
-from kvstore.tiers.redis_connection import (_UNREACHABLE, _both, _RoundTripFailed, check_url, config_get_max_bulk_len,
-                                            make_client, mget, pipelined, read_password, redacted_url, scan, set_many)
+from kvstore.tiers.redis_connection import (
+    RoundTripFailed,
+    await_both,
+    check_url,
+    config_get_max_bulk_len,
+    make_client,
+    mget,
+    pipelined,
+    read_password,
+    redacted_url,
+    scan,
+    set_many,
+)
 # CHUNK_BYTES and the other sizes are re-exported from their old home
-from kvstore.tiers.redis_values import (_CORRUPT, _FOREIGN, CHUNK_BYTES, DEFAULT_PROTO_MAX_BULK_LEN, DEFAULT_VALUE_BYTES_HINT,
-                                        SCAN_COUNT, VERIFY_OFFLOAD_BYTES, _by_namespace, _chunks_by_bytes, _generation_of,
-                                        _verify_all)
+from kvstore.tiers.redis_link import RedisLink
+from kvstore.tiers.redis_values import (
+    CHUNK_BYTES,
+    CORRUPT,
+    DEFAULT_PROTO_MAX_BULK_LEN,
+    DEFAULT_VALUE_BYTES_HINT,
+    FOREIGN,
+    SCAN_COUNT,
+    VERIFY_OFFLOAD_BYTES,
+    chunks_by_bytes,
+    generation_of,
+    positions_by_namespace,
+    verify_all,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +76,8 @@ class RedisTier:
     Args:
         cfg: the ``store.redis`` config section; ``cfg.url`` must be set.
         name: tier name in stats and metrics.
+        breaker_clock: monotonic time of the circuit breaker, seconds (``breaker_reset_s`` runs on it);
+            ``time.monotonic`` unless a test injects one.
 
     Attributes:
         name: tier name.
@@ -73,7 +97,8 @@ class RedisTier:
     capacity_bytes: int | None = None
     persistent = False
 
-    def __init__(self, cfg: RedisTierConfig, *, name: str = "redis") -> None:
+    def __init__(self, cfg: RedisTierConfig, *, name: str = "redis",
+                 breaker_clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.cfg = cfg
         self.mode = cfg.mode
@@ -83,23 +108,18 @@ class RedisTier:
         self._prefix = cfg.prefix
         self._px_ms = max(1, round(cfg.ttl_s * 1000)) if cfg.ttl_s > 0 else None
         self._op_bound_s = 2 * (cfg.connect_timeout_s + 2 * cfg.socket_timeout_s)
-        self._breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
-        self._client: Any = self._make_client()
-        self._client_stale = False
-        self._old_clients: set[asyncio.Task[None]] = set()
+        self._breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, clock=breaker_clock)
         self._server_max_value_bytes: int | None = None
         self._value_bytes_hint = DEFAULT_VALUE_BYTES_HINT
         self._closed = False
         self._generations: dict[bytes, int] = {}  # namespace tag -> newest generation seen
-        self.state = "up"
-        """``up``, or ``down`` from a failed round trip until one succeeds (:class:`~kvstore.tiers.base.ReachableTier`)."""
-        self.last_error = ""
-        """The last failure and when it happened (UTC), e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``."""
         self._counts = dict.fromkeys(
             ("written", "written_logical_bytes", "written_stored_bytes", "skipped_writes", "oversized", "oom_rejected", "errors",
              "timeouts", "breaker_open", "corrupt_records", "foreign_records", "stale_generation"),
             0,
         )
+        self._link = RedisLink(cfg, name, self._breaker, self._counts,
+                               lambda: make_client(cfg, self._scheme, self._password), self._op_bound_s)
         if not HIREDIS_AVAILABLE:
             logger.warning("redis tier %s: hiredis is not installed; replies are parsed in Python (slower)", name)
         logger.info(
@@ -116,8 +136,15 @@ class RedisTier:
     def _redacted_url(self) -> str:
         return redacted_url(self.cfg.url)
 
-    def _make_client(self) -> Any:
-        return make_client(self.cfg, self._scheme, self._password)
+    @property
+    def state(self) -> str:
+        """``up``, or ``down`` from a failed round trip until one succeeds (:class:`~kvstore.tiers.base.ReachableTier`)."""
+        return self._link.state
+
+    @property
+    def last_error(self) -> str:
+        """The last failure and when it happened (UTC), e.g. ``ConnectionError: ... (at 2026-01-02T03:04:05Z)``."""
+        return self._link.last_error
 
     # -- key encoding ---------------------------------------------------------------
 
@@ -188,25 +215,25 @@ class RedisTier:
         found = [False] * len(keys)
         if not keys:
             return found
-        if not self._admit():
+        if not self._link.admit():
             return found
         try:
-            for tag, positions in _by_namespace(keys).items():
+            for tag, positions in positions_by_namespace(keys).items():
                 for _ in range(2):  # once more if the namespace turns out to have moved on (cleared elsewhere)
                     generation = self.generation(tag)
                     names = [self.redis_key(keys[i], generation) for i in positions]
-                    replies, seen = await self._round_trip(
-                        _both(pipelined(self._client, "exists", names), self._read_generation(tag)),
+                    replies, seen = await self._link.round_trip(
+                        await_both(pipelined(self._link.client, "exists", names), self._read_generation(tag)),
                         self._op_bound_s)
                     if not self._stale(tag, generation, seen):
                         break
                 self._count_reply_errors(replies)
                 for i, reply in zip(positions, replies):
                     found[i] = isinstance(reply, int) and reply > 0
-        except _RoundTripFailed as exc:
-            self._on_failure(exc)
+        except RoundTripFailed as exc:
+            self._link.on_failure(exc)
             return [False] * len(keys)
-        self._on_success()
+        self._link.on_success()
         return found
 
     async def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
@@ -222,11 +249,11 @@ class RedisTier:
         """
         self._check_open()
         results: list[bytes | None] = [None] * len(keys)
-        if not keys or not self._admit():
+        if not keys or not self._link.admit():
             return results
-        failure: _RoundTripFailed | None = None
+        failure: RoundTripFailed | None = None
         corrupt: list[str] = []
-        for tag, positions in _by_namespace(keys).items():
+        for tag, positions in positions_by_namespace(keys).items():
             for _ in range(2):  # once more if the namespace turns out to have moved on (cleared elsewhere)
                 generation = self.generation(tag)
                 names = [self.redis_key(keys[i], generation) for i in positions]
@@ -240,13 +267,13 @@ class RedisTier:
                 results[i] = value
             if failure is not None:
                 break
-        self._on_outcome(failure)
+        self._link.on_outcome(failure)
         if corrupt:
             await self._drop_corrupt(corrupt)
         return results
 
     async def _mget_chunks(self, names: list[str], tag: bytes
-                           ) -> tuple[list[bytes | None], list[int], int | None, _RoundTripFailed | None]:
+                           ) -> tuple[list[bytes | None], list[int], int | None, RoundTripFailed | None]:
         """``MGET`` of ``names`` in chunks, the namespace's generation read beside the first.
 
         A chunk of at least :data:`VERIFY_OFFLOAD_BYTES` is checksummed in a
@@ -259,18 +286,18 @@ class RedisTier:
         values: list[bytes | None] = [None] * len(names)
         per_chunk = max(1, CHUNK_BYTES // self._value_bytes_hint)
         seen: int | None = None
-        failure: _RoundTripFailed | None = None
+        failure: RoundTripFailed | None = None
         verdicts: list[tuple[int, Awaitable[list[int]] | list[int]]] = []
         for start in range(0, len(names), per_chunk):
             chunk = names[start:start + per_chunk]
             try:
                 if start == 0:
-                    fetched, seen = await self._round_trip(
-                        _both(mget(self._client, self.cfg.cluster, chunk), self._read_generation(tag)),
+                    fetched, seen = await self._link.round_trip(
+                        await_both(mget(self._link.client, self.cfg.cluster, chunk), self._read_generation(tag)),
                         self._op_bound_s)
                 else:
-                    fetched = await self._round_trip(mget(self._client, self.cfg.cluster, chunk), self._op_bound_s)
-            except _RoundTripFailed as exc:
+                    fetched = await self._link.round_trip(mget(self._link.client, self.cfg.cluster, chunk), self._op_bound_s)
+            except RoundTripFailed as exc:
                 failure = exc
                 break
             sizes = [len(v) for v in fetched if v is not None]
@@ -279,16 +306,16 @@ class RedisTier:
             fetched = [None if v is None else unpack_or_keep(v) for v in fetched]  # frames: their blocks
             values[start:start + len(chunk)] = fetched
             if sum(sizes) >= VERIFY_OFFLOAD_BYTES:  # checksum in a thread while the next chunk arrives
-                verdicts.append((start, asyncio.ensure_future(asyncio.to_thread(_verify_all, fetched))))
+                verdicts.append((start, asyncio.ensure_future(asyncio.to_thread(verify_all, fetched))))
             else:
-                verdicts.append((start, _verify_all(fetched)))
+                verdicts.append((start, verify_all(fetched)))
         corrupt: list[int] = []
         for start, verdict in verdicts:
             found = verdict if isinstance(verdict, list) else await verdict
             for j, outcome in enumerate(found):
-                if outcome == _CORRUPT:
+                if outcome == CORRUPT:
                     corrupt.append(start + j)
-                elif outcome == _FOREIGN:  # a miss, left for the node of the release that wrote it
+                elif outcome == FOREIGN:  # a miss, left for the node of the release that wrote it
                     values[start + j] = None
                     self._counts["foreign_records"] += 1
         return values, corrupt, seen, failure
@@ -329,16 +356,16 @@ class RedisTier:
             return stored
         logical = [block_logical_nbytes(value) for value in values]  # for the counters, before compression
         values = await pack_all(self._compressor, values)  # compressed where that saves (kvstore.tiers.compression)
-        groups = _by_namespace(keys)
+        groups = positions_by_namespace(keys)
         written_under = {tag: (generations or {}).get(tag, self.generation(tag)) for tag in groups}  # before any await
-        if not self._admit():
+        if not self._link.admit():
             self._counts["skipped_writes"] += len(keys)
             return stored
-        failure: _RoundTripFailed | None = None
+        failure: RoundTripFailed | None = None
         try:
             limit_bytes = await self._max_value_bytes()
-        except _RoundTripFailed as exc:
-            self._on_failure(exc)
+        except RoundTripFailed as exc:
+            self._link.on_failure(exc)
             self._counts["skipped_writes"] += len(keys)
             return stored
         num_oversized = sum(len(value) > limit_bytes for value in values)
@@ -359,7 +386,7 @@ class RedisTier:
                 await self._unlink_quietly([self.redis_key(keys[i], generation) for i in items if stored[i]])
                 for i in items:
                     stored[i] = False
-        self._on_outcome(failure)
+        self._link.on_outcome(failure)
         num_written = sum(stored)
         self._counts["written"] += num_written
         self._counts["written_logical_bytes"] += sum(n for n, ok in zip(logical, stored) if ok)
@@ -378,23 +405,23 @@ class RedisTier:
 
     async def _set_chunks(self, items: list[int], keys: Sequence[BlockKey], values: Sequence[bytes],
                           generation: int, tag: bytes, stored: list[bool], expiries: list[int | None] | None = None
-                          ) -> tuple[_RoundTripFailed | None, int | None]:
+                          ) -> tuple[RoundTripFailed | None, int | None]:
         """``SET`` ``values[i]`` for each of ``items`` under ``generation``, in chunks, the namespace's generation
         read beside the last; marks ``stored``. Returns the failure, if any, and the generation seen. ``expiries``:
         each block's ``PX`` (:meth:`_expiries`), else ``ttl_s``'s."""
-        chunks = _chunks_by_bytes([len(values[i]) for i in items], CHUNK_BYTES)
+        chunks = chunks_by_bytes([len(values[i]) for i in items], CHUNK_BYTES)
         seen: int | None = None
         for n, chunk in enumerate(chunks):
             batch = [items[j] for j in chunk]
-            work = set_many(self._client, [self.redis_key(keys[i], generation) for i in batch],
+            work = set_many(self._link.client, [self.redis_key(keys[i], generation) for i in batch],
                             [values[i] for i in batch],
                             self._px_ms if expiries is None else [expiries[i] for i in batch])
             try:
                 if n == len(chunks) - 1:
-                    replies, seen = await self._round_trip(_both(work, self._read_generation(tag)), self._op_bound_s)
+                    replies, seen = await self._link.round_trip(await_both(work, self._read_generation(tag)), self._op_bound_s)
                 else:
-                    replies = await self._round_trip(work, self._op_bound_s)
-            except _RoundTripFailed as exc:
+                    replies = await self._link.round_trip(work, self._op_bound_s)
+            except RoundTripFailed as exc:
                 return exc, seen
             for i, reply in zip(batch, replies):
                 stored[i] = reply is True
@@ -409,14 +436,14 @@ class RedisTier:
             UnavailableError: if the tier is closed.
         """
         self._check_open()
-        if not keys or not self._admit():
+        if not keys or not self._link.admit():
             return
         try:
             await self._unlink([self.redis_key(k) for k in keys])
-        except _RoundTripFailed as exc:
-            self._on_failure(exc)
+        except RoundTripFailed as exc:
+            self._link.on_failure(exc)
         else:
-            self._on_success()
+            self._link.on_success()
 
     async def resident(self) -> list[ResidentEntry]:
         """Always ``[]``: the store does not index the shared tier, it asks Redis (see the class docstring).
@@ -432,9 +459,7 @@ class RedisTier:
         if self._closed:
             return
         self._closed = True
-        await self._close_client(self._client)
-        if self._old_clients:
-            await asyncio.gather(*self._old_clients, return_exceptions=True)
+        await self._link.close()
         logger.info("redis tier %s closed", self.name)
 
     # -- extras used by the store -----------------------------------------------------
@@ -449,13 +474,13 @@ class RedisTier:
             UnavailableError: if the tier is closed.
         """
         self._check_open()
-        self._refresh_client()
+        self._link.refresh_client()
         try:
-            ok = await self._round_trip(self._client.ping(), self._op_bound_s)
-        except _RoundTripFailed as exc:
-            self._on_failure(exc)
+            ok = await self._link.round_trip(self._link.client.ping(), self._op_bound_s)
+        except RoundTripFailed as exc:
+            self._link.on_failure(exc)
             return False
-        self._on_success()
+        self._link.on_success()
         return bool(ok)
 
     async def check_at_start(self) -> bool:
@@ -495,17 +520,17 @@ class RedisTier:
             UnavailableError: if the tier is closed, the breaker is open, or Redis cannot be reached.
         """
         self._check_open()
-        if not self._admit():
+        if not self._link.admit():
             raise UnavailableError(
                 f"redis tier {self.name}: Redis at {self._redacted_url()} is down (circuit breaker open; last error: "
                 f"{self.last_error or 'none'}); its blocks of the namespace were not cleared: retry once it answers")
         try:
-            generation = int(await self._round_trip(self._client.incr(self.generation_key(tag)), self._op_bound_s))
-        except _RoundTripFailed as exc:
-            self._on_failure(exc)
+            generation = int(await self._link.round_trip(self._link.client.incr(self.generation_key(tag)), self._op_bound_s))
+        except RoundTripFailed as exc:
+            self._link.on_failure(exc)
             raise UnavailableError(f"redis tier {self.name}: clearing namespace {tag.hex()} in Redis at "
                                    f"{self._redacted_url()} failed: {exc}") from exc
-        self._on_success()
+        self._link.on_success()
         self._generations[tag] = max(self.generation(tag), generation)
         logger.info("redis tier %s: namespace %s is at generation %d", self.name, tag.hex(), generation)
         return generation
@@ -524,32 +549,32 @@ class RedisTier:
             UnavailableError: if the tier is closed.
         """
         self._check_open()
-        if not self._admit():
+        if not self._link.admit():
             return 0
         pattern = self.namespace_pattern(tag)
         num_removed = 0
         try:
             if self.cfg.cluster:
-                await self._round_trip(self._client.initialize(), self._op_bound_s)
-                targets: list[Any] = list(self._client.get_primaries())
+                await self._link.round_trip(self._link.client.initialize(), self._op_bound_s)
+                targets: list[Any] = list(self._link.client.get_primaries())
             else:
                 targets = [None]
             for node in targets:
                 cursor = 0
                 while True:
-                    cursor, names = await self._round_trip(scan(self._client, node, cursor, pattern, SCAN_COUNT),
+                    cursor, names = await self._link.round_trip(scan(self._link.client, node, cursor, pattern, SCAN_COUNT),
                                                            self._op_bound_s)
-                    old = [name for name in names if _generation_of(name) < generation]
+                    old = [name for name in names if generation_of(name) < generation]
                     if old:
                         num_removed += sum(r for r in await self._unlink(old) if isinstance(r, int))
                     if cursor == 0:
                         break
-        except _RoundTripFailed as exc:
-            self._on_failure(exc)
+        except RoundTripFailed as exc:
+            self._link.on_failure(exc)
             logger.warning("redis tier %s: sweeping %s stopped after %d keys: %s", self.name, pattern, num_removed,
                            exc)
             return num_removed
-        self._on_success()
+        self._link.on_success()
         logger.info("redis tier %s: swept %d keys of %s before generation %d", self.name, num_removed, pattern,
                     generation)
         return num_removed
@@ -560,7 +585,7 @@ class RedisTier:
 
     async def _read_generation(self, tag: bytes) -> int:
         """The namespace's generation in Redis (its key missing reads 0)."""
-        raw = await self._client.get(self.generation_key(tag))
+        raw = await self._link.client.get(self.generation_key(tag))
         return int(raw) if raw is not None else 0
 
     def _stale(self, tag: bytes, used: int, seen: int | None) -> bool:
@@ -575,8 +600,8 @@ class RedisTier:
         if names:
             try:
                 await self._unlink(names)
-            except _RoundTripFailed as exc:
-                self._on_failure(exc)
+            except RoundTripFailed as exc:
+                self._link.on_failure(exc)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -584,89 +609,13 @@ class RedisTier:
         if self._closed:
             raise UnavailableError(f"redis tier {self.name} is closed")
 
-    def _admit(self) -> bool:
-        """Ask the breaker; count a short-circuited call; swap in a fresh client after a failure."""
-        if not self._breaker.allow():
-            self._counts["breaker_open"] += 1
-            return False
-        self._refresh_client()
-        return True
-
-    def _on_outcome(self, failure: _RoundTripFailed | None) -> None:
-        if failure is None:
-            self._on_success()
-        else:
-            self._on_failure(failure)
-
-    def _on_success(self) -> None:
-        if self._breaker.state is not BreakerState.CLOSED:
-            logger.info("redis tier %s: Redis answers again; circuit breaker closed", self.name)
-        self._breaker.record_success()
-        self.state = "up"
-
-    def _on_failure(self, failure: _RoundTripFailed) -> None:
-        self.state = "down"
-        self.last_error = f"{failure} (at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})"
-        if self.cfg.cluster:
-            self._client_stale = True  # also after an error reply: a failed initialize() leaves it unusable
-        if not failure.unreachable:
-            # An error reply: the server is up, so the breaker counts a success.
-            self._breaker.record_success()
-            return
-        was_open = self._breaker.state is BreakerState.OPEN
-        self._breaker.record_failure()
-        if not was_open and self._breaker.state is BreakerState.OPEN:
-            logger.warning(
-                "redis tier %s: %s consecutive failures (last: %s); circuit breaker open for %ss",
-                self.name, self._breaker.num_consecutive_failures, failure, self.cfg.breaker_reset_s,
-            )
-
-    def _refresh_client(self) -> None:
-        """Replace a cluster client that failed: its slot map and node connections may be stale."""
-        if not self._client_stale:
-            return
-        self._client_stale = False
-        old, self._client = self._client, self._make_client()
-        task = asyncio.ensure_future(self._close_client(old))
-        self._old_clients.add(task)
-        task.add_done_callback(self._old_clients.discard)
-
-    async def _close_client(self, client: Any) -> None:
-        try:
-            await asyncio.wait_for(client.aclose(), self._op_bound_s)
-        except Exception as exc:  # noqa: BLE001 - closing is best effort
-            logger.debug("redis tier %s: closing a client: %s", self.name, exc)
-
-    async def _round_trip(self, work: Awaitable[_T], bound_s: float) -> _T:
-        """Await one round trip under ``bound_s`` seconds; every error becomes :class:`_RoundTripFailed`, counted."""
-        try:
-            return await asyncio.wait_for(work, bound_s)
-        except rexc.ResponseError as exc:
-            if isinstance(exc, rexc.ClusterError):  # CLUSTERDOWN and friends: unusable
-                return self._failed(exc, unreachable=True)
-            # A whole-command error reply (e.g. NOAUTH, NOPERM): the server is up.
-            logger.warning("redis tier %s: error reply: %s", self.name, exc)
-            return self._failed(exc, unreachable=False)
-        except _UNREACHABLE as exc:
-            if isinstance(exc, (asyncio.TimeoutError, rexc.TimeoutError)):
-                self._counts["timeouts"] += 1
-            logger.debug("redis tier %s: %s: %s", self.name, type(exc).__name__, exc)
-            return self._failed(exc, unreachable=True)
-        except Exception as exc:  # noqa: BLE001 - a cache must not fail its caller
-            logger.warning("redis tier %s: unexpected error from redis-py", self.name, exc_info=True)
-            return self._failed(exc, unreachable=True)
-
-    def _failed(self, exc: Exception, *, unreachable: bool) -> Any:
-        self._counts["errors"] += 1
-        raise _RoundTripFailed(f"{type(exc).__name__}: {exc}", unreachable=unreachable) from exc
-
     async def _unlink(self, names: Sequence[str | bytes]) -> list[Any]:
         """Pipelined ``UNLINK`` of ``names``; error replies are counted, a failed round trip raises.
 
         Raises:
-            _RoundTripFailed: if the round trip failed.
+            RoundTripFailed: if the round trip failed.
         """
-        replies = await self._round_trip(pipelined(self._client, "unlink", names), self._op_bound_s)
+        replies = await self._link.round_trip(pipelined(self._link.client, "unlink", names), self._op_bound_s)
         self._count_reply_errors(replies)
         return replies
 
@@ -686,8 +635,8 @@ class RedisTier:
                        ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
         try:
             await self._unlink(names)
-        except _RoundTripFailed as exc:
-            self._on_failure(exc)
+        except RoundTripFailed as exc:
+            self._link.on_failure(exc)
 
     async def _max_value_bytes(self) -> int:
         """``min(max_value_bytes, proto-max-bulk-len)``; the server's limit is read once, when allowed."""
@@ -696,6 +645,6 @@ class RedisTier:
         return min(self.cfg.max_value_bytes, self._server_max_value_bytes)
 
     async def _read_proto_max_bulk_len(self) -> int:
-        value = await self._round_trip(config_get_max_bulk_len(self._client, self.cfg.cluster, self.name),
+        value = await self._link.round_trip(config_get_max_bulk_len(self._link.client, self.cfg.cluster, self.name),
                                        self._op_bound_s)
         return DEFAULT_PROTO_MAX_BULK_LEN if value is None else value

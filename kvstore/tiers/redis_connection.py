@@ -19,7 +19,7 @@ from kvstore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_UNREACHABLE = (
+UNREACHABLE_ERRORS = (
     rexc.ConnectionError,  # includes AuthenticationError, BusyLoadingError, MaxConnectionsError
     rexc.TimeoutError,
     rexc.ClusterError,  # includes ClusterDownError, MasterDownError
@@ -30,8 +30,9 @@ _UNREACHABLE = (
 """Errors that mean the server could not be reached or answered nothing useful: they count against the breaker."""
 
 
-class _RoundTripFailed(Exception):
-    """Internal: one round trip failed; it never leaves the tier.
+class RoundTripFailed(Exception):
+    """One round trip to Redis failed: what the connection helpers raise, and the tier turns into a miss or an
+    ``UnavailableError``; it never leaves the tier.
 
     Attributes:
         unreachable: whether it counts against the breaker (a connection error or
@@ -47,14 +48,15 @@ _A = TypeVar("_A")
 _B = TypeVar("_B")
 
 
-async def _both(first: Awaitable[_A], second: Awaitable[_B]) -> tuple[_A, _B]:
+async def await_both(first: Awaitable[_A], second: Awaitable[_B]) -> tuple[_A, _B]:
     """Await two commands sent at once (on two connections, or nodes); raises the first one's error, if any,
     after both have ended."""
     a, b = await asyncio.gather(first, second, return_exceptions=True)
-    for outcome in (a, b):
-        if isinstance(outcome, BaseException):
-            raise outcome
-    return a, b  # type: ignore[return-value]
+    if isinstance(a, BaseException):
+        raise a
+    if isinstance(b, BaseException):
+        raise b
+    return a, b
 
 
 def check_url(cfg: RedisTierConfig) -> str:
@@ -133,9 +135,8 @@ def make_client(cfg: RedisTierConfig, scheme: str, password: str) -> Any:
 
 async def mget(client: Any, cluster: bool, names: list[str]) -> list[bytes | None]:
     """``MGET`` of ``names`` (in a cluster ``mget_nonatomic``: one ``MGET`` per slot, pipelined per node)."""
-    if cluster:
-        return await client.mget_nonatomic(names)
-    return await client.mget(names)
+    values: list[bytes | None] = await (client.mget_nonatomic(names) if cluster else client.mget(names))
+    return values
 
 
 async def set_many(client: Any, names: list[str], values: list[bytes],
@@ -146,7 +147,8 @@ async def set_many(client: Any, names: list[str], values: list[bytes],
     each = px_ms if isinstance(px_ms, (list, tuple)) else [px_ms] * len(names)
     for name, value, px in zip(names, values, each):
         pipe.set(name, value, px=px)
-    return await pipe.execute(raise_on_error=False)
+    replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies
 
 
 async def pipelined(client: Any, command: str, names: Sequence[str | bytes]) -> list[Any]:
@@ -154,7 +156,8 @@ async def pipelined(client: Any, command: str, names: Sequence[str | bytes]) -> 
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.execute_command(command.upper(), name)
-    return await pipe.execute(raise_on_error=False)
+    replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies
 
 
 async def scan(client: Any, node: Any, cursor: int, pattern: str, count: int) -> tuple[int, list[bytes]]:
@@ -184,7 +187,9 @@ async def config_get_max_bulk_len(client: Any, cluster: bool, name: str) -> int 
         logger.info("redis tier %s: cannot read proto-max-bulk-len (%s); assuming 512 MiB", name, exc)
         return None
     value = reply.get("proto-max-bulk-len", reply.get(b"proto-max-bulk-len")) if isinstance(reply, dict) else None
+    if value is None:
+        return None
     try:
-        return int(value)  # type: ignore[arg-type]
+        return int(value)
     except (TypeError, ValueError):
         return None

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvstore.codec import verify_block
+from kvstore.blockformat import verify_block
 from kvstore.errors import CodecError, UnsupportedVersionError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 
@@ -63,12 +63,13 @@ SCAN_COUNT = 1000
 DEFAULT_PROTO_MAX_BULK_LEN = 512 * MiB
 """Redis' default ``proto-max-bulk-len``, used when ``CONFIG GET`` is not allowed."""
 
-_GOOD, _CORRUPT, _FOREIGN = 0, 1, 2
-"""Verdicts of :func:`_verify_all` on one value."""
+GOOD, CORRUPT, FOREIGN = 0, 1, 2
+"""Verdicts of :func:`verify_all` on one value: intact (or a miss), corrupt (to delete), another release's (a miss
+kept)."""
 
 
-def _verify_all(values: Sequence[bytes | None]) -> list[int]:
-    """Each value's verdict (:func:`kvstore.codec.verify_block`): good (a ``None`` miss too), corrupt, or foreign.
+def verify_all(values: Sequence[bytes | None]) -> list[int]:
+    """Each value's verdict (:func:`kvstore.blockformat.verify_block`): good (a ``None`` miss too), corrupt, or foreign.
 
     A foreign value is a kvstore block of another format version, written by a
     node of another release sharing this Redis: a miss, but not deleted, since
@@ -77,21 +78,21 @@ def _verify_all(values: Sequence[bytes | None]) -> list[int]:
     verdicts = []
     for value in values:
         if value is None:
-            verdicts.append(_GOOD)
+            verdicts.append(GOOD)
             continue
         try:
             verify_block(value)
         except UnsupportedVersionError:
-            verdicts.append(_FOREIGN)
+            verdicts.append(FOREIGN)
         except CodecError:
-            verdicts.append(_CORRUPT)
+            verdicts.append(CORRUPT)
         else:
-            verdicts.append(_GOOD)
+            verdicts.append(GOOD)
     return verdicts
 
 
 
-def _by_namespace(keys: Sequence[BlockKey]) -> dict[bytes, list[int]]:
+def positions_by_namespace(keys: Sequence[BlockKey]) -> dict[bytes, list[int]]:
     """The positions of ``keys`` by namespace tag, in order (a store's call has one namespace)."""
     groups: dict[bytes, list[int]] = {}
     for i, key in enumerate(keys):
@@ -99,7 +100,7 @@ def _by_namespace(keys: Sequence[BlockKey]) -> dict[bytes, list[int]]:
     return groups
 
 
-def _generation_of(name: bytes | str) -> int:
+def generation_of(name: bytes | str) -> int:
     """The generation field of a block's Redis key (``<prefix>:<tag>:<generation>:<hash>``); a key of another form
     (the generation key itself, an older release's ``<prefix>:<tag>:<hash>``) reads as the newest, -1 for old keys."""
     parts = (name.decode() if isinstance(name, bytes) else name).split(":")
@@ -110,7 +111,7 @@ def _generation_of(name: bytes | str) -> int:
     return 1 << 62
 
 
-def _chunks_by_bytes(sizes: Sequence[int], limit_bytes: int) -> list[range]:
+def chunks_by_bytes(sizes: Sequence[int], limit_bytes: int) -> list[range]:
     """Cut ``range(len(sizes))`` into consecutive runs of at most ``limit_bytes`` (at least one item each)."""
     chunks: list[range] = []
     start, total = 0, 0

@@ -8,7 +8,14 @@ from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import Namespace
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import cached_namespace_pb
-from kvstore.wire.protobuf import _iter_fields, _tag, _varint, encode_with_data, parse_request, split_data_field
+from kvstore.wire.protobuf import (
+    encode_varint,
+    encode_with_data,
+    field_tag,
+    iter_fields,
+    parse_request,
+    split_data_field,
+)
 
 _CHUNK_DATA_FIELD = pb.BlockChunk.DESCRIPTOR.fields_by_name["data"].number
 _PUT_DATA_FIELD = pb.PutRequest.DESCRIPTOR.fields_by_name["data"].number
@@ -53,9 +60,9 @@ class ChunkHead(NamedTuple):
 _BLOCK_CHUNK = pb.BlockChunk.DESCRIPTOR.fields_by_name
 _CHUNK_OFFSET, _CHUNK_TOTAL, _CHUNK_LAST = (_BLOCK_CHUNK[name].number for name in ("offset", "total_bytes", "last"))
 _CHUNK_OFFSET_TAG, _CHUNK_TOTAL_TAG, _CHUNK_LAST_TAG = (
-    _tag(number, 0) for number in (_CHUNK_OFFSET, _CHUNK_TOTAL, _CHUNK_LAST)
+    field_tag(number, 0) for number in (_CHUNK_OFFSET, _CHUNK_TOTAL, _CHUNK_LAST)
 )
-_CHUNK_DATA_TAG = _tag(_CHUNK_DATA_FIELD, 2)
+_CHUNK_DATA_TAG = field_tag(_CHUNK_DATA_FIELD, 2)
 _UINT64_MASK = (1 << 64) - 1
 _TOTAL_TAG_BYTE = _CHUNK_TOTAL_TAG[0]
 _LAST_THEN_DATA = _CHUNK_LAST_TAG + b"\x01" + _CHUNK_DATA_TAG
@@ -69,14 +76,14 @@ def encode_block_chunk(offset: int, total_bytes: int, data: bytes | memoryview, 
     out, as proto3 serializers do. A whole block in one chunk is
     ``reply_head(len(data)) + data`` (:func:`reply_head`).
     """
-    parts = []
+    parts: list[bytes | memoryview] = []
     if offset:
-        parts += (_CHUNK_OFFSET_TAG, _varint(offset))
+        parts += (_CHUNK_OFFSET_TAG, encode_varint(offset))
     if total_bytes:
-        parts += (_CHUNK_TOTAL_TAG, _varint(total_bytes))
+        parts += (_CHUNK_TOTAL_TAG, encode_varint(total_bytes))
     if last:
         parts += (_CHUNK_LAST_TAG, b"\x01")
-    parts += (_CHUNK_DATA_TAG, _varint(len(data)), data)
+    parts += (_CHUNK_DATA_TAG, encode_varint(len(data)), data)
     return b"".join(parts)
 
 
@@ -94,15 +101,20 @@ def reply_head(nbytes: int, chunk_bytes: int) -> bytes | None:
     """
     if nbytes > chunk_bytes:
         return None
-    total = _CHUNK_TOTAL_TAG + _varint(nbytes) if nbytes else b""
-    return b"".join((total, _CHUNK_LAST_TAG, b"\x01", _CHUNK_DATA_TAG, _varint(nbytes)))
+    return _one_chunk_head(nbytes)
+
+
+def _one_chunk_head(nbytes: int) -> bytes:
+    """:func:`reply_head` of a block of ``nbytes`` that fits its chunk."""
+    total = _CHUNK_TOTAL_TAG + encode_varint(nbytes) if nbytes else b""
+    return b"".join((total, _CHUNK_LAST_TAG, b"\x01", _CHUNK_DATA_TAG, encode_varint(nbytes)))
 
 
 _READY_HEADS: dict[int, tuple[int, bytes]] = {}
 """Message length -> ``(block length, head)`` of a one-chunk reply of that length, as :func:`reply_head` writes it."""
 
 
-def _ready_reply(message: bytes) -> tuple[int, int] | None:
+def _ready_reply(message: bytes | memoryview) -> tuple[int, int] | None:
     """``(total_bytes, data start)`` of a message laid out as :func:`reply_head` writes it; ``None`` for any other.
 
     Such a message of ``L`` bytes carries exactly one block length ``n`` (``L``
@@ -114,13 +126,13 @@ def _ready_reply(message: bytes) -> tuple[int, int] | None:
     if known is None:
         for width in range(1, 11):  # the varint width of n, which the head holds twice
             nbytes = size - 4 - 2 * width
-            if nbytes > 0 and len(_varint(nbytes)) == width:
+            if nbytes > 0 and len(encode_varint(nbytes)) == width:
                 break
         else:
             return None
         if len(_READY_HEADS) >= 1024:
             _READY_HEADS.clear()
-        known = _READY_HEADS[size] = (nbytes, reply_head(nbytes, nbytes))  # type: ignore[assignment]
+        known = _READY_HEADS[size] = (nbytes, _one_chunk_head(nbytes))
     nbytes, head = known
     if type(message) is bytes:
         found = message.startswith(head)
@@ -129,7 +141,7 @@ def _ready_reply(message: bytes) -> tuple[int, int] | None:
     return (nbytes, len(head)) if found else None
 
 
-def decode_block_chunk(message: bytes) -> tuple[ChunkHead, memoryview]:
+def decode_block_chunk(message: bytes | memoryview) -> tuple[ChunkHead, memoryview]:
     """Parse a serialized ``BlockChunk``: its small fields, and its data as a view of ``message``.
 
     Follows protobuf's rules: fields in any order, the last occurrence wins,
@@ -145,7 +157,7 @@ def decode_block_chunk(message: bytes) -> tuple[ChunkHead, memoryview]:
         return ChunkHead(0, total, True), view[start:]
     offset = total_bytes = last = 0
     data = view[0:0]
-    for number, _, _, value in _iter_fields(view):
+    for number, _, _, value in iter_fields(view):
         if isinstance(value, memoryview):
             if number == _CHUNK_DATA_FIELD:
                 data = value
@@ -388,10 +400,10 @@ class BlockAssembler:
                 f"block {len(self.blocks)} is truncated: {self._received} of {self._total} bytes arrived"
             )
         parts = self._parts
-        if len(parts) == 1 and type(parts[0]) is bytes:
+        if len(parts) == 1:
             block = parts[0]
-        elif len(parts) == 1:
-            block = parts[0].tobytes() if self.copy else parts[0]  # type: ignore[union-attr]
+            if self.copy and isinstance(block, memoryview):
+                block = block.tobytes()
         else:
             block = b"".join(parts)
         self.blocks.append(block)

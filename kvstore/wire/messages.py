@@ -10,13 +10,13 @@ import grpc
 import numpy as np
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.codec import Layout, dtype_name
+from kvstore.blockformat import Layout, dtype_name
 from kvstore.errors import InvalidArgumentError
 from kvstore.explain import BlockExplanation
 from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, PackedHashes
 from kvstore.status import RemoteError
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire.protobuf import _read_varint, _tag, _varint, parse_request
+from kvstore.wire.protobuf import encode_varint, field_tag, parse_request, read_varint
 
 GET_METHOD = "/kvstore.v1.KVStore/Get"
 PUT_METHOD = "/kvstore.v1.KVStore/Put"
@@ -206,8 +206,8 @@ def request_with_hashes(message_type: type[_R], namespace: pb.Namespace, block_h
 
 
 _REQUEST_FIELDS = pb.GetRequest.DESCRIPTOR.fields_by_name
-_REQUEST_NAMESPACE_TAG = _tag(_REQUEST_FIELDS["namespace"].number, 2)
-_REQUEST_HASH_TAG = _tag(_REQUEST_FIELDS["block_hashes"].number, 2)
+_REQUEST_NAMESPACE_TAG = field_tag(_REQUEST_FIELDS["namespace"].number, 2)
+_REQUEST_HASH_TAG = field_tag(_REQUEST_FIELDS["block_hashes"].number, 2)
 _NAMESPACE_TAG_BYTE = _REQUEST_NAMESPACE_TAG[0]
 _HASH_TAG_BYTE = _REQUEST_HASH_TAG[0]
 
@@ -230,9 +230,9 @@ class HashRequest(NamedTuple):
     request_id: str = ""
 
 
-_SESSION_TAG = _tag(3, 2)  # LookupRequest / GetRequest agent_session_id
-_TTL_TAG = _tag(4, 1)  # ttl_s, a double
-_REQUEST_ID_TAG = _tag(5, 2)  # LookupRequest request_id
+_SESSION_TAG = field_tag(3, 2)  # LookupRequest / GetRequest agent_session_id
+_TTL_TAG = field_tag(4, 1)  # ttl_s, a double
+_REQUEST_ID_TAG = field_tag(5, 2)  # LookupRequest request_id
 _DOUBLE = struct.Struct("<d")
 
 
@@ -243,12 +243,12 @@ def agentic_fields(session_id: str = "", ttl_s: float = 0.0, request_id: str = "
     parts = []
     if session_id:
         data = session_id.encode("utf-8")
-        parts += [_SESSION_TAG, _varint(len(data)), data]
+        parts += [_SESSION_TAG, encode_varint(len(data)), data]
     if ttl_s:
         parts += [_TTL_TAG, _DOUBLE.pack(ttl_s)]
     if request_id:
         data = request_id.encode("utf-8")
-        parts += [_REQUEST_ID_TAG, _varint(len(data)), data]
+        parts += [_REQUEST_ID_TAG, encode_varint(len(data)), data]
     return b"".join(parts)
 
 
@@ -267,7 +267,7 @@ def _agentic(message: bytes, pos: int, end: int) -> tuple[str, float, str] | Non
                 continue
             if tag not in (_SESSION_TAG[0], _REQUEST_ID_TAG[0]):
                 return None
-            length, start = _read_varint(view, pos + 1)
+            length, start = read_varint(view, pos + 1)
             if start + length > end:
                 return None
             text = bytes(view[start:start + length]).decode("utf-8")
@@ -330,7 +330,7 @@ def _uniform_hash_request(message: bytes) -> HashRequest | None:
         length, start = message[head + 1], head + 2
     else:
         try:
-            length, start = _read_varint(memoryview(message), head + 1)
+            length, start = read_varint(memoryview(message), head + 1)
         except InvalidArgumentError:
             return None
         if start > head + 6:  # a length over 5 bytes long: protobuf refuses it, and so must this
@@ -381,7 +381,7 @@ def cached_namespace_pb(namespace: Namespace) -> pb.Namespace:
 @functools.lru_cache(maxsize=256)
 def _namespace_field(namespace: Namespace) -> bytes:
     wire = cached_namespace_pb(namespace).SerializeToString()
-    return b"".join((_REQUEST_NAMESPACE_TAG, _varint(len(wire)), wire))
+    return b"".join((_REQUEST_NAMESPACE_TAG, encode_varint(len(wire)), wire))
 
 
 def encode_get_request(namespace: Namespace, block_hashes: Sequence[bytes], session_id: str = "",
@@ -404,14 +404,15 @@ def encode_get_request(namespace: Namespace, block_hashes: Sequence[bytes], sess
     """
     prefix = agentic_fields(session_id, ttl_s) if session_id or ttl_s else b""
     if len(block_hashes) > _HAND_CODED_MAX_HASHES:
-        return prefix + request_with_hashes(pb.GetRequest, cached_namespace_pb(namespace),
-                                            block_hashes).SerializeToString()
+        serialized: bytes = request_with_hashes(pb.GetRequest, cached_namespace_pb(namespace),
+                                                block_hashes).SerializeToString()
+        return prefix + serialized
     head = prefix + _namespace_field(namespace)
     lengths = set(map(len, block_hashes))
     if len(lengths) == 1:
-        separator = _REQUEST_HASH_TAG + _varint(lengths.pop())
+        separator = _REQUEST_HASH_TAG + encode_varint(lengths.pop())
         return b"".join((head, separator, separator.join(block_hashes)))
-    return b"".join([head, *(_REQUEST_HASH_TAG + _varint(len(h)) + bytes(h) for h in block_hashes)])
+    return b"".join([head, *(_REQUEST_HASH_TAG + encode_varint(len(h)) + bytes(h) for h in block_hashes)])
 
 
 def identity(message: bytes) -> bytes:

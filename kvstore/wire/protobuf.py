@@ -11,7 +11,7 @@ from kvstore.errors import InvalidArgumentError
 _ONE_BYTE_VARINTS = tuple(bytes((value,)) for value in range(0x80))
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
     """``value`` (>= 0) as a protobuf base-128 varint."""
     if value < 0x80:
         return _ONE_BYTE_VARINTS[value]
@@ -25,7 +25,7 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+def read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     """The varint at ``buf[pos]`` and the position after it.
 
     Raises:
@@ -45,8 +45,10 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _tag(number: int, wire_type: int) -> bytes:
-    return _varint(number << 3 | wire_type)
+def field_tag(number: int, wire_type: int) -> bytes:
+    """The key of field ``number`` with ``wire_type`` (0: varint, 1: 64-bit, 2: length-delimited, 5: 32-bit), as
+    the varint that starts the field on the wire."""
+    return encode_varint(number << 3 | wire_type)
 
 
 def encode_with_data(head: bytes, field_number: int, data: bytes | memoryview) -> bytes:
@@ -57,10 +59,10 @@ def encode_with_data(head: bytes, field_number: int, data: bytes | memoryview) -
         field_number: number of the ``data`` field.
         data: the field's value; copied once, into the result.
     """
-    return b"".join((head, _varint(field_number << 3 | 2), _varint(len(data)), data))
+    return b"".join((head, encode_varint(field_number << 3 | 2), encode_varint(len(data)), data))
 
 
-def _iter_fields(view: memoryview) -> Iterator[tuple[int, int, int, int | memoryview | None]]:
+def iter_fields(view: memoryview) -> Iterator[tuple[int, int, int, int | memoryview | None]]:
     """Each top-level field of a serialized message, in order: ``(number, start, end, value)``.
 
     ``view[start:end]`` is the whole field, tag included; ``value`` is the
@@ -73,13 +75,13 @@ def _iter_fields(view: memoryview) -> Iterator[tuple[int, int, int, int | memory
     pos, end = 0, len(view)
     while pos < end:
         start = pos
-        tag, pos = _read_varint(view, pos)
+        tag, pos = read_varint(view, pos)
         wire_type = tag & 7
         value: int | memoryview | None = None
         if wire_type == 0:
-            value, pos = _read_varint(view, pos)
+            value, pos = read_varint(view, pos)
         elif wire_type == 2:
-            length, pos = _read_varint(view, pos)
+            length, pos = read_varint(view, pos)
             value = view[pos: pos + length]
             pos += length
         elif wire_type == 1:
@@ -110,7 +112,7 @@ def split_data_field(message: bytes, field_number: int) -> tuple[bytes, memoryvi
     view = memoryview(message)
     kept: list[memoryview] = []
     data = view[0:0]
-    for number, start, end, value in _iter_fields(view):
+    for number, start, end, value in iter_fields(view):
         if number == field_number and isinstance(value, memoryview):
             data = value
         else:
@@ -129,8 +131,10 @@ def parse_request(message_type: type[_M], raw: bytes | _M) -> _M:
         InvalidArgumentError: if the bytes are not a well-formed ``message_type``.
     """
     if isinstance(raw, Message):
-        return raw  # type: ignore[return-value]
+        message: _M = raw
+        return message
     try:
-        return message_type.FromString(raw)  # type: ignore[attr-defined,no-any-return]
+        parsed: _M = message_type.FromString(raw)
     except Exception as exc:  # google.protobuf.message.DecodeError, or a non-bytes value
         raise InvalidArgumentError(f"malformed {message_type.__name__}: {exc}") from None
+    return parsed

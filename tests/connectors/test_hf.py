@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -247,16 +246,19 @@ def test_stalled_store_times_out_and_falls_back(store):
         conn.generate(ids, 2)
         conn.flush()
 
-        stalling = threading.Event()
+        stalling, released = threading.Event(), threading.Event()
 
         async def stall() -> None:
             stalling.set()
-            time.sleep(1.5)  # blocks the store's event loop: every call waits behind it
+            released.wait(30)  # blocks the store's event loop until the test lets go: every call waits behind it
 
         staller = threading.Thread(target=store.run, args=(stall(),))
         staller.start()
         assert stalling.wait(30)
-        result = conn.generate(ids, MAX_NEW_TOKENS, save=False)
+        try:
+            result = conn.generate(ids, MAX_NEW_TOKENS, save=False)  # its load gives up after load_timeout_s
+        finally:
+            released.set()
         staller.join()
         assert conn.stats().num_load_failures == 1
     assert result.fell_back and result.num_cached_tokens == 0

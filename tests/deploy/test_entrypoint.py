@@ -104,7 +104,7 @@ def test_image_start_command_serves_and_stops_cleanly(tmp_path: Path) -> None:
             assert process.poll() is None, (
                 f"`{' '.join(argv)}` exited with {process.returncode} before serving:\n{_tail(stderr)}")
             assert time.monotonic() < deadline, f"not SERVING on {target} after {STARTUP_TIMEOUT_S} s:\n{_tail(stderr)}"
-            time.sleep(0.2)
+            time.sleep(0.2)  # polling the container's port: the process offers nothing to wait on
 
         # The image's HEALTHCHECK, run as Docker runs it (sh -c, the container's env).
         check = subprocess.run(["sh", "-c", healthcheck_command(instructions)], env=env, cwd=tmp_path,

@@ -79,7 +79,7 @@ def rounds(attack, num_rounds: int = 3) -> list[Figures]:  # type: ignore[no-unt
 
 
 # glibc's own malloc settings: `kvstore serve` otherwise keeps up to 1 GiB of freed heap for reuse
-# (`kvstore.server.app.tune_malloc`), so its RSS would follow the allocator's high-water mark, not what an
+# (`kvstore.server.process.tune_malloc`), so its RSS would follow the allocator's high-water mark, not what an
 # attack leaves pinned, which is what these tests measure.
 GLIBC_DEFAULTS = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Iterator
 
 import grpc
@@ -14,11 +13,14 @@ from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
 from kvstore.security import bearer_metadata
 from kvstore.status import DeadlineExceededError
-from kvstore.server.limits import InflightLimiter, StreamWatchdog, TenantQuota
+from kvstore.server.inflight import InflightLimiter
+from kvstore.server.quota import TenantQuota
+from kvstore.server.watchdog import StreamWatchdog
 from kvstore.wire import namespace_to_pb, put_requests
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.support.clock import FakeClock, turns_until
 from tests.support.server import ThreadedServer, encoded, kv_blocks
 from tests.support.waiting import wait_until
 
@@ -72,33 +74,42 @@ def test_tenant_quota_sums_namespaces_and_holds_puts_in_progress() -> None:
 
 
 async def test_stream_watchdog_ends_a_stream_past_its_limit_and_only_that_one() -> None:
-    watchdog = StreamWatchdog(0.2)
+    clock = FakeClock()
+    watchdog = StreamWatchdog(0.2, clock=clock, sleep=clock.sleep)
     assert watchdog.check_every_s == 0.05
+    release_quick = asyncio.Event()
 
-    async def stream(seconds: float) -> str:
+    async def stream(until: asyncio.Event) -> str:
         async with watchdog.watch("Get"):
-            await asyncio.sleep(seconds)
+            await until.wait()
         return "done"
 
-    start = time.monotonic()
-    stalled, quick = asyncio.create_task(stream(30)), asyncio.create_task(stream(0.01))
+    stalled = asyncio.create_task(stream(asyncio.Event()))  # never set: a reader that stalls
+    quick = asyncio.create_task(stream(release_quick))
+    await turns_until(lambda: watchdog.num_open == 2 and clock.num_sleeping == 1)
+    clock.advance(0.15)  # within the limit: both still run
+    await turns_until(lambda: clock.num_sleeping == 1)
+    release_quick.set()
     assert await quick == "done"
+    assert not stalled.done()
+    clock.advance(0.1)  # 0.25 s: past the limit
     with pytest.raises(DeadlineExceededError, match=r"Get stream took longer than limits.max_stream_s=0.2 s"):
         await stalled
-    assert 0.2 <= time.monotonic() - start < 2
     assert not stalled.cancelled() and stalled.cancelling() == 0  # the watchdog's cancellation became the error
     assert watchdog.num_open == 0
+    watchdog.close()
 
 
 async def test_a_watch_opened_soon_starts_at_the_first_wait_and_ends_a_stalled_stream() -> None:
-    watchdog = StreamWatchdog(0.2)
+    clock = FakeClock()
+    watchdog = StreamWatchdog(0.2, clock=clock, sleep=clock.sleep)
 
-    async def stream(seconds: float | None) -> str:
+    async def stream(until: asyncio.Event | None) -> str:
         watch = watchdog.watch("Get").open_soon()
         assert watchdog.num_open == 0  # not yet: the watch starts once the task first waits
         try:
-            if seconds is not None:
-                await asyncio.sleep(seconds)
+            if until is not None:
+                await until.wait()
         except asyncio.CancelledError:
             if watch.close(asyncio.CancelledError):
                 raise watch.error() from None
@@ -109,22 +120,27 @@ async def test_a_watch_opened_soon_starts_at_the_first_wait_and_ends_a_stalled_s
     assert await stream(None) == "done"  # left before it ever waited: never watched, nothing left behind
     await asyncio.sleep(0)  # one turn of the loop, the turn in which open_soon's (cancelled) open would have run
     assert watchdog.num_open == 0
+    stalled = asyncio.create_task(stream(asyncio.Event()))
+    await turns_until(lambda: watchdog.num_open == 1 and clock.num_sleeping == 1)
+    clock.advance(0.2)
     with pytest.raises(DeadlineExceededError, match="max_stream_s=0.2"):
-        await stream(30)
-    assert await stream(0.01) == "done"
+        await stalled
+    released = asyncio.Event()
+    released.set()
+    assert await stream(released) == "done"
     assert watchdog.num_open == 0
     watchdog.close()
 
 
-@pytest.mark.slow
 async def test_stream_watchdog_leaves_an_outside_cancellation_alone_and_stops_when_idle() -> None:
-    watchdog = StreamWatchdog(10)
+    clock = FakeClock()
+    watchdog = StreamWatchdog(10, clock=clock, sleep=clock.sleep)
     inside = asyncio.Event()
 
     async def stream() -> None:
         async with watchdog.watch("Put"):
             inside.set()
-            await asyncio.sleep(30)
+            await asyncio.Event().wait()  # stalls until cancelled
 
     task = asyncio.create_task(stream())
     await inside.wait()
@@ -133,8 +149,9 @@ async def test_stream_watchdog_leaves_an_outside_cancellation_alone_and_stops_wh
     with pytest.raises(asyncio.CancelledError):
         await task
     assert task.cancelled() and watchdog.num_open == 0
-    await asyncio.sleep(watchdog.check_every_s * 1.5)
-    assert asyncio.all_tasks() == {asyncio.current_task()}  # no stream open: the timer ended itself
+    await turns_until(lambda: clock.num_sleeping == 1)
+    clock.advance(watchdog.check_every_s)
+    await turns_until(lambda: asyncio.all_tasks() == {asyncio.current_task()})  # no stream open: the timer ended
     async with watchdog.watch("Get"):  # and starts again with the next stream
         assert len(asyncio.all_tasks()) == 2
     watchdog.close()

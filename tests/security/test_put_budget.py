@@ -1,5 +1,5 @@
 """Bounded bytes per caller, on the way in: Put bodies being received count against a per-connection and a
-per-tenant budget (``kvstore.server.put_budget.PutBudget``); a Put past it waits before it reads on."""
+per-tenant budget (``kvstore.server.budgets.PutBudget``); a Put past it waits before it reads on."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.keys import Namespace
-from kvstore.server.put_budget import PutBudget
+from kvstore.server.budgets import PutBudget
 from kvstore.wire import PUT_METHOD, identity, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.support.server import ThreadedServer, kv_blocks, make_config, scrape

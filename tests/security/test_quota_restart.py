@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
-from kvstore.server.limits import TenantQuota
+from kvstore.server.quota import TenantQuota
 from kvstore.server.tenants import LEDGER_FILE, TenantTags
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from tests.support.security import TOKEN_A, TOKEN_B, auth_config, client_of, sha_namespace

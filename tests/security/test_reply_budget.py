@@ -1,5 +1,5 @@
 """Bounded bytes per caller: Get replies in flight count against a per-connection and a per-tenant budget
-(``kvstore.server.limits.ReplyBudget``); stalled readers wait their turn and a well-behaved client is served."""
+(``kvstore.server.budgets.ReplyBudget``); stalled readers wait their turn and a well-behaved client is served."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace
-from kvstore.server.limits import ReplyBudget
+from kvstore.server.budgets import ReplyBudget
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import namespace_to_pb
@@ -79,7 +79,7 @@ def test_waits_for_the_budget_are_counted_and_timed_in_the_metrics() -> None:
     from prometheus_client import generate_latest
 
     from kvstore.server.metrics import ServiceMetrics
-    from kvstore.server.put_budget import PutBudget
+    from kvstore.server.budgets import PutBudget
 
     budget = ReplyBudget(per_connection_bytes=10, per_tenant_bytes=100)
     metrics = ServiceMetrics()

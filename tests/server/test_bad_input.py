@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import threading
 from typing import Callable, Iterator
 
 import grpc
@@ -202,12 +202,17 @@ def test_put_stream_past_its_deadline_stores_nothing(stub: pb_grpc.KVStoreStub, 
     hashes, tensors = kv_blocks(ns, 2, first_token=8000)
     messages = _messages(ns, hashes, encode_blocks_of(ns, tensors), 4096)
 
+    released = threading.Event()
+
     def stalling() -> Iterator[pb.PutRequest]:
         yield from messages[:-1]
-        time.sleep(1.5)  # the deadline passes mid-stream
+        released.wait(30)  # the deadline passes mid-stream: the call ends while the sender waits here
         yield messages[-1]
 
-    code, _ = _code_of(lambda: stub.Put(stalling(), timeout=0.5))
+    try:
+        code, _ = _code_of(lambda: stub.Put(stalling(), timeout=0.5))
+    finally:
+        released.set()
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert client.lookup(ns, hashes).num_blocks == 0
     _unchanged(client, server, stored, before)

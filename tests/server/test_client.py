@@ -53,7 +53,7 @@ def test_unavailable_is_retried_and_invalid_argument_is_not(fresh_server: Thread
 
 @pytest.mark.slow
 def test_inflight_calls_are_bounded(server: ThreadedServer) -> None:
-    from kvstore.client import calls as client_module
+    from kvstore.client import calls, plan
     from kvstore.codec import encode_block
     from kvstore.v1 import kvstore_pb2 as pb
     from kvstore.wire import put_requests
@@ -73,9 +73,9 @@ def test_inflight_calls_are_bounded(server: ThreadedServer) -> None:
         def put_for_long(channel: object) -> object:  # the holder's own deadline, past the other call's
             return lambda requests, timeout, metadata: channel.stub.Put(requests, timeout=30, metadata=metadata)
 
-        holder_call = client_module._Rpc(client_module._REQUEST_STREAM, put_for_long,
-                                         lambda: client_module._RequestStream(iter(slow_stream())), lambda reply: reply)
-        holder = threading.Thread(target=lambda: kv._run(client_module._Plan({0: holder_call}, client_module._first)))
+        holder_call = plan.Rpc(plan.REQUEST_STREAM, put_for_long, lambda: plan.RequestStream(iter(slow_stream())),
+                               lambda reply: reply)
+        holder = threading.Thread(target=lambda: kv.execute(plan.Plan({0: holder_call}, calls.first)))
         holder.start()
         try:
             assert streaming.wait(30)

@@ -77,7 +77,7 @@ def _in_child(work: Callable[[], bytes], *, use_multiprocessing: bool) -> bytes:
         os.close(write_fd)
         deadline = time.monotonic() + 60
         while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # polling the child's exit: os.waitpid takes no timeout
         hung = time.monotonic() >= deadline
         if hung:
             os.kill(pid, 9)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.client import calls as client_module
+from kvstore.client import calls, plan
 from kvstore.cli import main
 from kvstore.client import MAX_TIMEOUT_S, AsyncKVStoreClient, KVStoreClient
 from kvstore.errors import InvalidArgumentError
@@ -147,9 +147,9 @@ async def test_async_put_turns_a_failing_request_stream_into_an_error_not_a_canc
     ns = namespace()
     hashes, _ = kv_blocks(ns, 1)
     not_bytes: Any = _Unsizable(b"\0" * 64)  # len() of it fails inside the request stream
-    rpc = client_module._put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
+    rpc = calls.put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
     async with AsyncKVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False, bulk=False) as kv:  # gRPC's Put
-        task = asyncio.ensure_future(kv._run(client_module._Plan({0: rpc}, client_module._first)))
+        task = asyncio.ensure_future(kv.execute(plan.Plan({0: rpc}, calls.first)))
         with pytest.raises(InvalidArgumentError, match="Put request"):
             await task
         assert not task.cancelled()
@@ -159,10 +159,10 @@ def test_put_turns_a_failing_request_stream_into_an_error(server: ThreadedServer
     ns = namespace()
     hashes, _ = kv_blocks(ns, 1)
     not_bytes: Any = _Unsizable(b"\0" * 64)  # len() of it fails inside the request stream
-    rpc = client_module._put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
+    rpc = calls.put_rpc(ns, hashes, [not_bytes], chunk_bytes_for(4 << 20), None, None)
     with KVStoreClient(server.target, timeout_s=30.0, retries=0, shared_memory=False, bulk=False) as client:  # gRPC's Put
         with pytest.raises(InvalidArgumentError, match="Put request"):
-            client._run(client_module._Plan({0: rpc}, client_module._first))
+            client.execute(plan.Plan({0: rpc}, calls.first))
 
 
 # ---------------------------------------------------------------------- client settings

@@ -61,7 +61,7 @@ def test_a_get_stream_ended_by_the_client_is_counted_with_its_code(how: str) -> 
         expected = "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"
         deadline = time.monotonic() + 10
         while sum(_get_codes(server).values()) < CALLS and time.monotonic() < deadline:  # handlers finish after
-            time.sleep(0.02)
+            time.sleep(0.02)  # polling the node's counts: a handler's end offers the client nothing to wait on
         codes = _get_codes(server)
         assert "INTERNAL" not in codes, codes
         assert codes.get(expected) == CALLS, codes
@@ -79,6 +79,8 @@ def _codes(server, method):
 
 
 def _wait_for_count(server, method, count):
+    """Poll the node's counts of ``method`` until they add up to ``count`` (a handler counts its call when it
+    ends, after the client saw the call end, and offers nothing to wait on), for at most 10 s."""
     deadline = time.monotonic() + 10
     while sum(_codes(server, method).values()) < count and time.monotonic() < deadline:
         time.sleep(0.02)

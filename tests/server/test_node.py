@@ -219,7 +219,7 @@ def test_during_the_shutdown_delay_health_reports_not_serving_then_the_port_clos
             os.kill(node.pid, signal.SIGTERM)  # type: ignore[arg-type]
             deadline = time.monotonic() + 2.5
             while kv.health() == "SERVING" and time.monotonic() < deadline:
-                time.sleep(0.05)
+                time.sleep(0.05)  # polling the node's health: the signal's effect is seen only by probing
             assert kv.health() == "NOT_SERVING"
             with pytest.raises(UnavailableError, match="shutting down"):
                 kv.lookup(ns, hashes)

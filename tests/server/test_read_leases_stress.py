@@ -111,6 +111,8 @@ def inflight(server: ThreadedServer) -> dict[str, int]:
 
 
 def wait_until(predicate: Any, timeout_s: float = 2.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passed: the node's leases and slots (on its loop) end
+    when gRPC is done with a call, which offers nothing to wait on."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -289,7 +291,8 @@ def test_cancelled_and_expired_streams_release_leases_and_slots() -> None:
                     list(stream)
                 assert info.value.code() == grpc.StatusCode.CANCELLED
                 stream, _ = stall(channel, server, ns, streamed, timeout=0.2)
-                time.sleep(0.3)  # the deadline passes while the reader is stalled
+                assert stream.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # waits for the call's end: the deadline
+                # passes while the reader is stalled
                 with pytest.raises(grpc.RpcError) as info:
                     list(stream)
                 assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -161,8 +161,6 @@ def test_cancelled_get_leaves_no_lease_behind() -> None:
 @pytest.mark.slow
 def test_a_stream_over_max_stream_s_ends_with_deadline_exceeded_and_frees_its_blocks() -> None:
     """A stalled reader with no deadline held its Get's leases for ever: nothing else could be stored."""
-    import time
-
     from kvstore.codec import encode_block
 
     server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "64MiB", "limits.max_stream_s": 1.0}))
@@ -176,7 +174,8 @@ def test_a_stream_over_max_stream_s_ends_with_deadline_exceeded_and_frees_its_bl
                                                                 ("grpc.http2.bdp_probe", 0)])
             stream = pb_grpc.KVStoreStub(channel).Get(pb.GetRequest(namespace=namespace_to_pb(ns), block_hashes=old))
             next(stream)  # then stall: the server blocks in context.write, its leases held
-            time.sleep(1.5)
+            # the watchdog ends the call after max_stream_s (real time: the node is real); wait for its count
+            assert finished_calls(server, "Get", 1, code="DEADLINE_EXCEEDED") == 1
             with pytest.raises(grpc.RpcError) as info:
                 list(stream)
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -9,7 +9,7 @@ the node answered with.
 The node's resident set (``VmRSS`` of ``/proc/<pid>/status``) is read before an
 attack, sampled while it runs (its peak), and read once the attackers have
 gone; a node keeps some freed heap for reuse by design
-(``kvstore.server.app.tune_malloc``), so "after" is the figure that shows
+(``kvstore.server.process.tune_malloc``), so "after" is the figure that shows
 whether anything stayed pinned.
 """
 

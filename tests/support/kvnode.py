@@ -181,7 +181,7 @@ class KVNode(OwnedProcess):
             if self._proc is not None and self._proc.poll() is not None:
                 self._forget()
                 raise RuntimeError(f"kvstore serve exited ({self.returncode}):\n{self.log_tail()}")
-            time.sleep(0.05)
+            time.sleep(0.05)  # polling the node's log for its "serving" line: another process
         self.kill()
         raise RuntimeError(f"kvstore serve logged no 'serving' line in time:\n{self.log_tail()}")
 
@@ -196,7 +196,7 @@ class KVNode(OwnedProcess):
                         return
                 if not self.is_running:
                     break
-                time.sleep(0.05)
+                time.sleep(0.05)  # polling the node's health: another process
         self.kill()
         raise RuntimeError(f"kvstore serve on {self.target} did not report SERVING:\n{self.log_tail()}")
 

@@ -18,10 +18,10 @@ from kvstore.tiers.lmdb_file import (
     F_BIGDATA,
     NUM_METAS,
     P_INVALID,
+    PageFile,
     TreeRecord,
-    _File,
-    _page_nodes,
-    _snapshots,
+    page_nodes,
+    snapshots_of,
 )
 
 
@@ -84,9 +84,9 @@ def page_map(path: str | Path) -> PageMap:
     Raises:
         kvstore.tiers.lmdb_file.DamagedFile: if the file is not clean.
     """
-    file = _File(path)
+    file = PageFile(path)
     try:
-        snapshot = _snapshots(file, [])[0]
+        snapshot = snapshots_of(file, [])[0]
         file.page_bytes = snapshot.page_bytes
         result = PageMap(snapshot.page_bytes, file.size // snapshot.page_bytes)
         main_records = _walk(file, snapshot.main_tree, (), result, b"")
@@ -101,7 +101,7 @@ def page_map(path: str | Path) -> PageMap:
         file.close()
 
 
-def _walk(file: _File, tree: TreeRecord, above: tuple[int, ...], result: PageMap, name: bytes,
+def _walk(file: PageFile, tree: TreeRecord, above: tuple[int, ...], result: PageMap, name: bytes,
           *, with_overflow: bool = False) -> dict[bytes, tuple]:
     found: dict[bytes, tuple] = {}
     result.tree_pages[name] = []
@@ -112,7 +112,7 @@ def _walk(file: _File, tree: TreeRecord, above: tuple[int, ...], result: PageMap
         pgno, path = stack.pop()
         result.tree_pages[name].append(pgno)
         page = file.page(pgno)
-        nodes, is_leaf = _page_nodes(page, pgno, file.page_bytes, f"page {pgno}")
+        nodes, is_leaf = page_nodes(page, pgno, file.page_bytes, f"page {pgno}")
         path = (*path, pgno)
         if not is_leaf:
             stack.extend((child, path) for _, _, child in reversed(nodes))

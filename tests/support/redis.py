@@ -281,7 +281,7 @@ class RedisProcess(OwnedProcess):
                 raise RuntimeError(f"redis-server on port {self.port} exited ({proc.returncode}):\n{self.log_tail()}")
             if self.ping():
                 return
-            time.sleep(0.02)
+            time.sleep(0.02)  # polling redis-server's port: another process
         self.kill()
         raise RuntimeError(f"redis-server on port {self.port} did not answer PING:\n{self.log_tail()}")
 
@@ -436,7 +436,7 @@ class RedisClusterProcess:
             infos = [self._cluster_info(node) for node in self.nodes if node.is_running]
             if infos and all(i.get("cluster_state") == "ok" and i.get("cluster_slots_ok") == "16384" for i in infos):
                 return
-            time.sleep(0.1)
+            time.sleep(0.1)  # polling CLUSTER INFO: the nodes agree on their own time
         raise RuntimeError(f"cluster on ports {self.ports} not ok after waiting")
 
     def flushall(self) -> None:

@@ -149,6 +149,6 @@ def finished_calls(server: ThreadedServer, method: str, expected: float, code: s
     deadline = time.monotonic() + timeout_s
     count = scrape(server).get(name, 0.0)
     while count < expected and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(0.02)  # polling /metrics: the count comes after the call's end, with nothing to wait on
         count = scrape(server).get(name, 0.0)
     return count

@@ -14,6 +14,7 @@ from kvstore.errors import ConfigError, UnavailableError
 from kvstore.keys import Namespace, block_key
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
 from kvstore.tiers.redis import CHUNK_BYTES, RedisTier
+from tests.support.clock import FakeClock
 from tests.support.redis import (  # noqa: F401 - fixtures are used by name
     BlackHole,
     RedisClusterProcess,
@@ -322,7 +323,8 @@ async def test_oom_from_a_full_server_refuses_the_put_without_raising() -> None:
 
 async def test_redis_killed_mid_loop_opens_the_breaker_and_writes_resume_after_restart() -> None:
     with RedisProcess() as server:
-        tier = RedisTier(tier_config(server.url, breaker_failures=3, breaker_reset_s=0.2))
+        clock = FakeClock()
+        tier = RedisTier(tier_config(server.url, breaker_failures=3, breaker_reset_s=0.2), breaker_clock=clock)
         try:
             value = make_block(1)
             for i in range(60):
@@ -343,12 +345,12 @@ async def test_redis_killed_mid_loop_opens_the_breaker_and_writes_resume_after_r
             assert not await tier.ping()
 
             server.start()  # same port
-            deadline = time.monotonic() + 10.0  # generous: correctness, not speed
-            resumed = False
-            while time.monotonic() < deadline and not resumed:
-                resumed = await tier.put([make_key(500)], [value], [meta()]) == [True]
-                await asyncio.sleep(0.05)
-            assert resumed
+            for _ in range(10):  # each try past breaker_reset_s: its call is the trial
+                clock.advance(0.2)
+                if await tier.put([make_key(500)], [value], [meta()]) == [True]:
+                    break
+            else:
+                pytest.fail("writes did not resume after Redis restarted")
             assert tier.breaker_state is BreakerState.CLOSED
             assert await tier.get([make_key(500)]) == [value]
         finally:
@@ -438,7 +440,7 @@ async def test_a_killed_cluster_node_fails_soft_and_the_tier_recovers() -> None:
             while time.monotonic() < deadline:
                 if await tier.put(keys, values, [meta()] * 30) == [True] * 30:
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # polling: the cluster offers nothing to wait on until node 1 serves again
             assert await tier.get(keys) == values
         finally:
             await tier.close()
@@ -525,16 +527,8 @@ async def test_a_closed_tier_raises_unavailable(redis_server: RedisProcess) -> N
 # -- the circuit breaker, pure logic with a fake clock -----------------------------------------
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 100.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
 def test_breaker_opens_after_n_consecutive_failures_only() -> None:
-    breaker = CircuitBreaker(3, 1.0, clock=FakeClock())
+    breaker = CircuitBreaker(3, 1.0, clock=FakeClock(100.0))
     for _ in range(5):  # failures interrupted by a success never add up
         breaker.record_failure()
         breaker.record_failure()
@@ -549,7 +543,7 @@ def test_breaker_opens_after_n_consecutive_failures_only() -> None:
 
 
 def test_breaker_half_open_admits_one_trial_after_reset_s() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     breaker = CircuitBreaker(1, 2.0, clock=clock)
     breaker.record_failure()
     clock.now_s += 1.999
@@ -564,7 +558,7 @@ def test_breaker_half_open_admits_one_trial_after_reset_s() -> None:
 
 
 def test_breaker_failed_trial_reopens_for_another_reset_s() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     breaker = CircuitBreaker(2, 1.0, clock=clock)
     breaker.record_failure()
     breaker.record_failure()
@@ -579,7 +573,7 @@ def test_breaker_failed_trial_reopens_for_another_reset_s() -> None:
 
 
 def test_breaker_trial_that_never_reports_expires() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     breaker = CircuitBreaker(1, 1.0, clock=clock)
     breaker.record_failure()
     clock.now_s += 1.0
@@ -591,7 +585,7 @@ def test_breaker_trial_that_never_reports_expires() -> None:
 
 
 def test_breaker_late_failures_while_open_restart_the_wait() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     breaker = CircuitBreaker(1, 1.0, clock=clock)
     breaker.record_failure()
     clock.now_s += 0.8
@@ -603,7 +597,7 @@ def test_breaker_late_failures_while_open_restart_the_wait() -> None:
 
 
 def test_breaker_with_no_threshold_never_opens_and_rejects_negative_reset() -> None:
-    breaker = CircuitBreaker(0, 1.0, clock=FakeClock())
+    breaker = CircuitBreaker(0, 1.0, clock=FakeClock(100.0))
     for _ in range(100):
         breaker.record_failure()
     assert breaker.state is BreakerState.CLOSED and breaker.allow()

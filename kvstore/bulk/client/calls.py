@@ -112,13 +112,13 @@ def _get_reply(sock: socket.socket, deadline: float) -> pb.BulkGetResponse:
         _, body, _ = reply_head(sock, deadline)
     except TransferCut as cut:  # the node closed an idle connection, or went away, before answering
         raise UseGrpc(f"the bulk connection ended before the reply: {cut}") from None
-    reply = parse_reply(pb.BulkGetResponse, body)
+    reply: pb.BulkGetResponse = parse_reply(pb.BulkGetResponse, body)
     if reply.no_room:
         raise UseGrpc("the node's bulk grants are all taken now")
     return reply
 
 
-def get_into(link: BulkLink, endpoint: Endpoint, destinations: Sequence[torch.Tensor], layout: Layout, verify: bool,
+def get_into(link: BulkLink, endpoint: Endpoint, destinations: Sequence[torch.Tensor], layout: Layout | str, verify: bool,
              aio: bool) -> BulkCall:
     """A Get into the caller's tensors (``BulkGetRequest`` -> :class:`~kvstore.blockcopy.Copied`)."""
 

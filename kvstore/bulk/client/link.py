@@ -85,7 +85,7 @@ class BulkLink:
     """
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: Sequence[tuple[str, str]] = (), options: Sequence[tuple[str, Any]] = (),
+                 metadata: Sequence[tuple[str, str | bytes]] = (), options: Sequence[tuple[str, Any]] = (),
                  ssl_context: ssl.SSLContext | None = None) -> None:
         self.target = target
         self._credentials = credentials
@@ -149,7 +149,7 @@ class BulkLink:
                 reply = pb_grpc.KVStoreStub(channel).Capabilities(pb.CapabilitiesRequest(), timeout=max(0.01, timeout_s),
                                                                   metadata=self._metadata)
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     raise _Off("the node predates the bulk path", permanent=True) from None
                 raise
         finally:
@@ -189,7 +189,7 @@ class BulkLink:
             OSError: if a new connection cannot be opened within ``timeout_s`` (at most
                 :data:`CONNECT_TIMEOUT_S`), or its TLS handshake fails.
         """
-        stale = []
+        stale: list[socket.socket] = []
         with self._lock:
             now = time.monotonic()
             while self._pid == os.getpid() and self._idle:

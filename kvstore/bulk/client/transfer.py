@@ -103,7 +103,7 @@ def reply_head(sock: socket.socket, deadline: float) -> tuple[int, bytes, int]:
     return code, bytes(body), data_bytes
 
 
-def receive_into(sock: socket.socket, sizes: Sequence[int], destinations: Sequence[torch.Tensor], layout: Layout,
+def receive_into(sock: socket.socket, sizes: Sequence[int], destinations: Sequence[torch.Tensor], layout: Layout | str,
                  verify: bool, deadline: float) -> Received:
     """Receive a Get's blocks (its reply already read up to the data) into ``destinations``, in order.
 
@@ -188,7 +188,7 @@ def receive_blocks(sock: socket.socket, sizes: Sequence[int], deadline: float) -
     return blocks, None
 
 
-def put_sizes(blocks: Sequence[Block], layout: Layout) -> tuple[list[Any], list[int]]:
+def put_sizes(blocks: Sequence[Block], layout: Layout | str) -> tuple[list[Any], list[int]]:
     """A Put's blocks as they are sent (:class:`~kvstore.blockcopy.TensorBlock` s and encoded bytes), and each
     one's encoded length, bytes; no payload is read yet."""
     items = tensor_blocks(blocks, layout)

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import grpc
 
@@ -389,7 +389,7 @@ def _copied_rest(source: _Source, destinations: Sequence[torch.Tensor], start: i
     return Copied(start + rest.num_copied, start + rest.num_found, error)
 
 
-def _map_or_close(mapper: weakref.WeakMethod[Callable[[Any, list[int]], None]], reply: Any, fds: list[int]) -> None:
+def _map_or_close(mapper: weakref.WeakMethod[Any], reply: Any, fds: list[int]) -> None:
     """Hand a reply's descriptors to its session's slab mapping, or close them if the session is gone."""
     map_slabs = mapper()
     if map_slabs is not None:
@@ -424,7 +424,7 @@ class SharedMemoryLink:
     """
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: Sequence[tuple[str, str]] = (), options: Sequence[tuple[str, Any]] = ()) -> None:
+                 metadata: Sequence[tuple[str, str | bytes]] = (), options: Sequence[tuple[str, Any]] = ()) -> None:
         self.target = target
         self._credentials = credentials
         self._metadata = tuple(metadata)
@@ -521,7 +521,7 @@ class SharedMemoryLink:
             capabilities = stub.Capabilities(pb.CapabilitiesRequest(), timeout=max(0.01, timeout_s),
                                              metadata=self._metadata)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise _Off("the node predates the same-host data plane", permanent=True) from None
             raise
         if not capabilities.HasField("shared_memory"):
@@ -648,19 +648,19 @@ _LINKS: weakref.WeakSet[SharedMemoryLink] = weakref.WeakSet()
 """This process's links, for the fork hook."""
 
 
-def _grpc_fork_support_on() -> bool:
-    """Whether gRPC Python's fork support is on (it parks its threads before a fork); ``False`` if gRPC won't say."""
-    from grpc._cython import cygrpc
-
-    check = getattr(cygrpc, "is_fork_support_enabled", None)
-    return bool(check()) if check is not None else False
+_GRPC_FORK_SUPPORT = os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "").lower() in ("1", "true", "yes")
+"""Whether gRPC Python's fork support is on (it parks its threads before a fork). No public gRPC call says so
+(only the private ``grpc._cython.cygrpc.is_fork_support_enabled()``); gRPC reads its documented switch
+``GRPC_ENABLE_FORK_SUPPORT`` (``doc/fork_support.md``) once, when ``grpc`` is imported (just above), and takes
+``1``, ``true`` or ``yes`` in any case as on (checked against grpcio 1.85 for each value), so this reads it likewise,
+right after that import."""
 
 
 def _before_fork() -> None:
     """``os.register_at_fork`` hook: with gRPC's fork support off, end this process's sessions first
     (:meth:`SharedMemoryLink.end_for_fork`)."""
     links = list(_LINKS)
-    if links and not _grpc_fork_support_on():
+    if links and not _GRPC_FORK_SUPPORT:
         for link in links:
             link.end_for_fork()
 
@@ -677,5 +677,5 @@ class _Off(Exception):
 def _detail(exc: BaseException) -> str:
     """``CODE: details`` of a status, ``Type: message`` of any other error (why a link is off)."""
     if isinstance(exc, grpc.RpcError):
-        return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"

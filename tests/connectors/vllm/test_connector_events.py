@@ -266,7 +266,7 @@ def follow_the_nodes_stream(ns: Namespace, blocks: list[bytes], overrides: dict[
             got.extend(events.take())
             if condition():
                 return True
-            time.sleep(0.02)
+            time.sleep(0.02)  # polling the event subscriber: events arrive from the node's publisher thread
         return False
 
     try:
