@@ -59,10 +59,10 @@ class VLLMConnectorConfig:
             ``WAITING_FOR_REMOTE_KVS`` and keeps running the others, a worker
             thread fetches and scatters, and ``get_finished`` reports the finished
             receives (``docs/vllm.md``). Off: the step that needs a load waits for it.
-        hold_s: seconds the scheduler's lookup holds the hit for the worker's load: the hit blocks are
-            pinned (the lookup's ``ttl_s``, ``docs/agentic.md``) so an eviction between the lookup and the
-            load cannot take them; a request's own ``ttl_s`` holds them instead where it sets one. 0: not
-            held. A block gone by the load all the same is counted (``lost_blocks``) and recomputed.
+        hit_pin_s: seconds the scheduler's lookup pins the blocks it found, for the worker's load (the
+            lookup's ``ttl_s``, ``docs/agentic.md``), so an eviction between the lookup and the load takes
+            other blocks; a request's own ``ttl_s`` pins them instead where it sets one. 0: no pin. A block
+            gone by the load all the same is counted (``lost_blocks``) and recomputed.
         down_backoff_s: after a store call fails, seconds during which the
             connector does not call the store at all (misses, no saves), so an
             unreachable node does not cost every request a timeout. It doubles
@@ -104,7 +104,7 @@ class VLLMConnectorConfig:
     save_decode_blocks: bool = True
     load_failure_policy: str = "recompute"
     load_async: bool = False
-    hold_s: float = 5.0
+    hit_pin_s: float = 5.0
     down_backoff_s: float = 5.0
     max_pending_save_bytes: int = 1 * GiB
     tls_ca_file: str | None = None
@@ -123,7 +123,7 @@ class VLLMConnectorConfig:
                 f"must be one of {[a.value for a in HashAlgorithm]}, got {self.hash_algorithm!r}")
         require(self.load_failure_policy in ("recompute", "fail"), "load_failure_policy",
                 f"must be 'recompute' or 'fail', got {self.load_failure_policy!r}")
-        require(math.isfinite(self.hold_s) and self.hold_s >= 0, "hold_s", "must be a number >= 0")
+        require(math.isfinite(self.hit_pin_s) and self.hit_pin_s >= 0, "hit_pin_s", "must be a number >= 0")
         require(self.max_pending_save_bytes > 0, "max_pending_save_bytes", "must be > 0")
         require(self.kv_encoding in ("", *(e.value for e in Encoding)), "kv_encoding",
                 f"must be one of {[e.value for e in Encoding]} or '' (exact), got {self.kv_encoding!r}")

@@ -32,7 +32,7 @@ COUNTERS: dict[str, str] = {
     "load_failed_blocks": "Blocks that failed to load (store down or slow, a miss after the lookup, a corrupt or "
                           "mismatched block); vLLM recomputes them.",
     "lost_blocks": "Blocks a lookup found that were gone by the load (evicted or deleted in between despite the "
-                   "lookup's hold, hold_s); among load_failed_blocks.",
+                   "lookup's pin, hit_pin_s); among load_failed_blocks.",
     "saved_blocks": "Blocks sent to kvstore by finished saves (already cached ones included).",
     "saved_tokens": "Tokens those blocks hold.",
     "save_failed_blocks": "Blocks whose save failed, timed out, or was dropped (store down, save queue full).",

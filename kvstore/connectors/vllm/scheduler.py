@@ -265,8 +265,8 @@ class SchedulerSide:
         load is asynchronous (``load_async``).
 
         Never the request's last token. One Lookup per worker namespace; a
-        failure or timeout is a miss. With several ranks their lookups go out together; each holds the hit for the
-        worker's load (``hold_s``, or the request's ``ttl_s``).
+        failure or timeout is a miss. With several ranks their lookups go out together; each pins the hit for the
+        worker's load (``hit_pin_s``, or the request's ``ttl_s``).
         """
         if not self._cacheable(request):
             return 0, False
@@ -317,10 +317,10 @@ class SchedulerSide:
 
     def _lookup(self, client: BlockClient, namespace: Namespace, hashes: Sequence[BlockHash],
                 state: _RequestState) -> LookupResult:
-        """One Lookup, naming the request (``kvstore explain --request-id``) and its session, and holding the hit
-        for the load: pinned for the request's TTL, else for ``hold_s`` (``docs/agentic.md``)."""
+        """One Lookup, naming the request (``kvstore explain --request-id``) and its session, and pinning the hit
+        for the load: for the request's TTL, else for ``hit_pin_s`` (``docs/agentic.md``)."""
         extra = {"request_id": str(state.request.request_id)[:256],
-                 **agentic(state.session_id, state.ttl_s or self.config.hold_s)}
+                 **agentic(state.session_id, state.ttl_s or self.config.hit_pin_s)}
         return client.lookup(namespace, hashes, **extra)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:

@@ -1,9 +1,9 @@
-"""A hit is held from the scheduler's lookup to the worker's load, and every rank's lookup goes out at once.
+"""A hit is pinned from the scheduler's lookup to the worker's load, and every rank's lookup goes out at once.
 
 Through a real embedded store and its lookup endpoint (the scheduler's Lookups
 cross gRPC, the worker reads in process): puts that fill the store between the
 lookup and the load evict other blocks, not the looked-up prefix
-(``hold_s``, the lookup's ``ttl_s`` pin); without the hold the prefix is
+(``hit_pin_s``, the lookup's ``ttl_s`` pin); without the pin the prefix is
 evicted, and the load counts it as lost rather than recomputing it silently.
 """
 
@@ -48,12 +48,12 @@ def _put(store: EmbeddedStore, tokens: list[int], num_blocks: int) -> None:
     store.put(_namespace(), hashes, [torch.randn(WORKER_FORMAT.block_shape(VLLM_BLOCK)).bfloat16() for _ in hashes])
 
 
-def _load_after_evictions(store: EmbeddedStore, endpoint: LookupEndpoint, hold_s: float, first_token: int) -> Any:
+def _load_after_evictions(store: EmbeddedStore, endpoint: LookupEndpoint, hit_pin_s: float, first_token: int) -> Any:
     """Look a 6-block prompt up, fill the store past its capacity with other blocks, then load the prompt; the
     worker's counts."""
     tokens = list(range(first_token, first_token + NUM_PROMPT_BLOCKS * VLLM_BLOCK + 8))
     _put(store, tokens, NUM_PROMPT_BLOCKS)
-    side = SchedulerSide(parse_config({"hold_s": hold_s}), WORKER_IDENTITY, VLLM_BLOCK, load=True, save=False)
+    side = SchedulerSide(parse_config({"hit_pin_s": hit_pin_s}), WORKER_IDENTITY, VLLM_BLOCK, load=True, save=False)
     side.set_ranks([RankInfo(0, 0, WORKER_FORMAT, endpoint.target, endpoint.token)])
     request = vllm_request(f"r{first_token}", tokens)
     assert side.get_num_new_matched_tokens(request, 0) == (NUM_PROMPT_BLOCKS * VLLM_BLOCK, False)
@@ -72,15 +72,15 @@ def _load_after_evictions(store: EmbeddedStore, endpoint: LookupEndpoint, hold_s
     return stats.data, errors
 
 
-def test_a_held_hit_survives_evictions_between_lookup_and_load_and_a_lost_one_is_counted() -> None:
+def test_a_pinned_hit_survives_evictions_between_lookup_and_load_and_a_lost_one_is_counted() -> None:
     config = Config(store=StoreConfig(memory=MemoryTierConfig(capacity_bytes=CAPACITY_BLOCKS * (BLOCK_BYTES + 4096),
                                                               page_bytes=4096)))
     with EmbeddedStore(config.store) as store:
         endpoint = LookupEndpoint(store, config)
         try:
-            held, errors = _load_after_evictions(store, endpoint, hold_s=60, first_token=1)
-            assert held["loaded_blocks"] == NUM_PROMPT_BLOCKS and held["lost_blocks"] == 0 and not errors
-            lost, errors = _load_after_evictions(store, endpoint, hold_s=0, first_token=10_000)
+            pinned, errors = _load_after_evictions(store, endpoint, hit_pin_s=60, first_token=1)
+            assert pinned["loaded_blocks"] == NUM_PROMPT_BLOCKS and pinned["lost_blocks"] == 0 and not errors
+            lost, errors = _load_after_evictions(store, endpoint, hit_pin_s=0, first_token=10_000)
             assert lost["loaded_blocks"] == 0 and lost["lost_blocks"] == NUM_PROMPT_BLOCKS
             assert lost["load_failed_blocks"] == NUM_PROMPT_BLOCKS and len(errors) == NUM_PROMPT_BLOCKS
         finally:
@@ -103,8 +103,8 @@ class _Meeting:
         """Nothing to close."""
 
 
-def test_every_ranks_lookup_goes_out_at_once_and_holds_the_hit() -> None:
-    side = SchedulerSide(parse_config({"target": "127.0.0.1:1", "hold_s": 7}), replace(WORKER_IDENTITY, tp_size=2),
+def test_every_ranks_lookup_goes_out_at_once_and_pins_the_hit() -> None:
+    side = SchedulerSide(parse_config({"target": "127.0.0.1:1", "hit_pin_s": 7}), replace(WORKER_IDENTITY, tp_size=2),
                          VLLM_BLOCK, load=True, save=False)
     side.set_ranks([RankInfo(0, 0, WORKER_FORMAT), RankInfo(0, 1, WORKER_FORMAT)])
     barrier = threading.Barrier(2, timeout=10)
@@ -117,5 +117,5 @@ def test_every_ranks_lookup_goes_out_at_once_and_holds_the_hit() -> None:
     assert [call["ttl_s"] for rank in ranks for call in rank.calls] == [7, 7]
     request = vllm_request("s", tokens, extra_args={"kv_transfer_params": {"kvstore": {"ttl_s": 300}}})
     side.get_num_new_matched_tokens(request, 0)
-    assert [rank.calls[-1]["ttl_s"] for rank in ranks] == [300, 300]  # the request's own TTL holds it instead
+    assert [rank.calls[-1]["ttl_s"] for rank in ranks] == [300, 300]  # the request's own TTL pins it instead
     side.close()
