@@ -93,15 +93,16 @@ class HFConnector:
     ``load_timeout_s`` is logged, counted (:attr:`ConnectorStats.num_load_failures`)
     and replaced by a full prefill; a save that raises is logged and counted.
 
-    Loads go through ``client.get_into`` (:class:`~kvstore.api.BlockClient`):
+    Loads go through ``client.get_into`` (:class:`~kvstore.api.BlockClient`, by ``kvstore.connectors.kit.fetch``):
     the blocks are copied once, each into its slice of one new tensor of the
     model's dtype and device, from shared memory when the node is on this host
     (``docs/shared-memory.md``), else from the gRPC messages or the embedded
     store's memory. The cache is built from that fresh memory, so a cache changed
     in place by decoding or ``model.generate`` never writes into fetched or stored blocks.
-    Saves hold references to the per-layer K/V tensors taken right after
-    prefill; ``DynamicLayer.update`` replaces (``torch.cat``) rather than writes
-    those tensors, so later decoding does not change what is saved.
+    Saves (on one background thread, ``kvstore.connectors.kit.saves.SaveQueue``)
+    keep references to the per-layer K/V tensors taken right after prefill;
+    ``DynamicLayer.update`` replaces (``torch.cat``) rather than writes those
+    tensors, so later decoding does not change what is saved.
 
     Args:
         model: a transformers causal LM using ``DynamicCache`` (batch size 1).

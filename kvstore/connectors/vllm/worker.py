@@ -24,15 +24,17 @@ The hit path on a CPU cache, with a client that can ``read`` (every kvstore
 client, and the embedded store): the prefix is leased where it is, in the
 node's shared-memory segment (same host) or the embedded store's own memory;
 its headers are checked as a batch and its payloads viewed as numpy arrays, with
-no copy (``kvstore.connectors.vllm.loading``); and ``PagedKV.scatter_arrays``
+no copy (``kvstore.connectors.kit.leased``); and ``PagedKV.scatter_arrays``
 copies them straight into the paged cache, one strided copy per layer: the
 scatter is this side's one copy. The lease is released after the scatter; one
 that ran out meanwhile (the node may have reused its range) fails the whole
 load, so it is recomputed, never served half-written. Checksums are checked as
 the client checks them: what crossed a network (gRPC) is, what the node
 validated at put time and serves from its memory is not (``docs/shared-memory.md``).
-On a CUDA cache the blocks go through ``get_into`` into one pinned staging
-tensor ``[num_blocks, *block_shape]`` and from there to the device. A corrupt
+The fetch is chosen once, by the client and the cache's device
+(``kvstore.connectors.kit.fetch.fetch_handler``). On a CUDA cache the blocks go
+through ``get_into`` into one pinned staging tensor ``[num_blocks,
+*block_shape]`` and from there to the device. A corrupt
 block in a staged fetch makes the worker fetch the encoded blocks to find which one it was.
 
 Saves (``wait_for_save``, after the forward pass): the blocks of the step's
