@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -203,29 +203,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         starts = self._page_starts(pool, host_indices, len(keys)) if pool is not None else None
         if pool is None or starts is None:
             return [False] * len(keys)
-        started = time.perf_counter()
         hashes = block_hashes(keys)
         extra = self._agentic(extra_info)
-        copied = 0
-        try:
-            for first in range(0, len(keys), MAX_PAGES_PER_CALL):
-                chunk = starts[first:first + MAX_PAGES_PER_CALL]
-                chunk_hashes = hashes[first:first + len(chunk)]
-                if pool.fmt.native:
-                    num = self._fetch(pool, chunk_hashes, [page_view(self.mem_pool_host, pool.fmt, s) for s in chunk],
-                                      extra, copied)
-                else:
-                    num = self._get_flat(pool, chunk_hashes, chunk, extra, copied)
-                copied += num
-                if num < len(chunk):
-                    break
-        except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
-            copied = exc.num_copied if isinstance(exc, BadPageError) else copied  # the pages before a bad one
-            self._failed("get", exc, copied)
-            self._count_read(pool, copied, len(keys), time.perf_counter() - started)
-            return [i < copied for i in range(len(keys))]
-        self.health.succeeded()
-        self._count_read(pool, copied, len(keys), time.perf_counter() - started)
+
+        def copy(first: int, end: int) -> int:
+            if pool.fmt.native:
+                pages = [page_view(self.mem_pool_host, pool.fmt, start) for start in starts[first:end]]
+                return self._fetch(pool, hashes[first:end], pages, extra, first)
+            return self._get_flat(pool, hashes[first:end], starts[first:end], extra, first)
+
+        copied = self._read(pool, len(keys), copy)
         return [i < copied for i in range(len(keys))]
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
@@ -268,24 +255,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return [None] * len(keys)
         targets = list(target_locations) if target_locations is not None else [
             self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        started = time.perf_counter()
-        copied = 0
-        try:
-            views = [t.view(pool.fmt.shape) for t in targets]
-            hashes = block_hashes(keys)
-            for first in range(0, len(keys), MAX_PAGES_PER_CALL):
-                chunk = views[first:first + MAX_PAGES_PER_CALL]
-                num = self._fetch(pool, hashes[first:first + len(chunk)], chunk, self._agentic(None), copied)
-                copied += num
-                if num < len(chunk):
-                    break
-        except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
-            copied = exc.num_copied if isinstance(exc, BadPageError) else copied  # the pages before a bad one
-            self._failed("get", exc, copied)
-            self._count_read(pool, copied, len(keys), time.perf_counter() - started)
-            return [t if i < copied else None for i, t in enumerate(targets)]
-        self.health.succeeded()
-        self._count_read(pool, copied, len(keys), time.perf_counter() - started)
+
+        def copy(first: int, end: int) -> int:
+            pages = [t.view(pool.fmt.shape) for t in targets[first:end]]
+            return self._fetch(pool, block_hashes(keys[first:end]), pages, self._agentic(None), first)
+
+        copied = self._read(pool, len(keys), copy)
         return [t if i < copied else None for i, t in enumerate(targets)]
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -390,6 +365,30 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return None
         starts: list[int] = host_indices[0:num_pages * size:size].tolist()
         return starts
+
+    def _read(self, pool: _Pool, num_pages: int, copy: Callable[[int, int], int]) -> int:
+        """Read pages ``[0, num_pages)`` by ``copy(first, end)`` (pages copied of ``[first, end)``), at most
+        :data:`MAX_PAGES_PER_CALL` a call, until one comes short; count them. Returns the pages copied.
+
+        A failure is logged, counted and starts the backoff (never raised into SGLang's storage threads);
+        the pages copied before it count.
+        """
+        started = time.perf_counter()
+        copied = 0
+        try:
+            for first in range(0, num_pages, MAX_PAGES_PER_CALL):
+                end = min(num_pages, first + MAX_PAGES_PER_CALL)
+                num = copy(first, end)
+                copied += num
+                if num < end - first:
+                    break
+        except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
+            copied = exc.num_copied if isinstance(exc, BadPageError) else copied  # the pages before a bad one
+            self._failed("get", exc, copied)
+        else:
+            self.health.succeeded()
+        self._count_read(pool, copied, num_pages, time.perf_counter() - started)
+        return copied
 
     def _fetch(self, pool: _Pool, hashes: Sequence[BlockHash], pages: Sequence[torch.Tensor], extra: dict[str, Any],
                num_before: int) -> int:
