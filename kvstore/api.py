@@ -176,7 +176,7 @@ class BlockClient(Protocol):
         """The longest cached prefix of ``block_hashes``."""
         ...
 
-    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> list[Buffer]:
+    def get(self, namespace: Namespace, block_hashes: Sequence[BlockHash]) -> Sequence[Buffer]:
         """Encoded blocks of the longest cached prefix, in order; stops at the first miss (see :data:`Buffer`).
 
         ``lookup``, ``get`` and ``put`` also take the keywords ``session_id`` and ``ttl_s`` (``docs/agentic.md``).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence, Union, cast
 
 from kvstore.codec import (
     CHECKSUM_SPAN,
@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from kvstore.api import Block, Buffer
 
 
+PutBlock = Union[bytes, bytearray, memoryview, "torch.Tensor"]
+"""A block of a put as :func:`blocks_for_put` checks it: encoded bytes of any bytes-like type, or a tensor."""
+
 _CHECKSUM_FIELD = struct.Struct("<Q")
 """A header's checksum field (at ``CHECKSUM_SPAN[0]``)."""
 
@@ -58,6 +61,33 @@ def check_destinations(destinations: Sequence[Any], num_hashes: int) -> None:
                                        f"{type(destination).__name__}")
 
 
+def block_mismatch(header: BlockHeader, dtype: str, shape: tuple[int, ...] | None = None,
+                   layout: Layout | str | None = None) -> str:
+    """How a block does not fit a destination of ``dtype`` (and ``shape``, and ``layout``, where given); ``""`` if
+    it fits. The one check of a block against what it is copied into, or stored under.
+
+    Args:
+        header: the block's parsed header.
+        dtype: the destination's codec dtype name, e.g. ``bfloat16``.
+        shape: the destination's shape, e.g. ``[num_layers, 2, num_kv_heads, block_size, head_dim]``; not
+            compared when ``None``.
+        layout: the destination's layout (a :class:`~kvstore.codec.Layout` or its value); not compared when ``None``.
+
+    Returns:
+        ``""``, or the block's then the destination's kind, e.g. ``"float16/kv [2, 2, 4, 16, 8], not bfloat16/kv
+        [2, 2, 4, 16, 8]"`` (the layout only where compared, the shape only where given).
+    """
+    if (header.dtype == dtype and (shape is None or header.shape == shape)
+            and (layout is None or header.layout is layout or header.layout.value == layout)):
+        return ""
+    wanted = layout.value if isinstance(layout, Layout) else layout
+    kind = f"{header.dtype}" + (f"/{header.layout.value}" if layout is not None else "")
+    other = f"{dtype}" + (f"/{wanted}" if layout is not None else "")
+    if shape is not None:
+        kind, other = f"{kind} {list(header.shape)}", f"{other} {list(shape)}"
+    return f"{kind}, not {other}"
+
+
 def blocks_for_put(blocks: Sequence[object], layout: Layout | str) -> list[Block]:
     """The blocks of a put, checked as encoding would check them but not encoded (no copy): what a transport takes.
 
@@ -75,7 +105,8 @@ def blocks_for_put(blocks: Sequence[object], layout: Layout | str) -> list[Block
     if isinstance(blocks, (bytes, bytearray, memoryview, str)):
         raise InvalidArgumentError(f"expected a sequence of blocks, got {type(blocks).__name__} (one block? pass [block])")
     layout = Layout(layout)
-    checked = [block if type(block) is bytes else as_block(block, index=i) for i, block in enumerate(blocks)]
+    checked: list[PutBlock] = [block if type(block) is bytes else as_block(block, index=i)
+                               for i, block in enumerate(blocks)]
     seen, like = None, True  # like: every block a tensor of one dtype and shape (so of one shape: nothing to compare)
     for block in checked:
         if isinstance(block, (bytes, bytearray, memoryview)):
@@ -90,7 +121,7 @@ def blocks_for_put(blocks: Sequence[object], layout: Layout | str) -> list[Block
         seen = kind
     if not like:
         check_one_shape(checked, layout)
-    return checked  # type: ignore[return-value]
+    return cast("list[Block]", checked)  # a bytearray or memoryview block is taken as its bytes, uncopied
 
 
 def byte_view(buffer: Buffer) -> torch.Tensor:
@@ -128,7 +159,7 @@ def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
     if header is None or verify:
         header = verify_block(block) if verify else decode_header(block)
     dtype = torch_dtype(header.dtype)
-    if destination.dtype != dtype or tuple(destination.shape) != header.shape:
+    if block_mismatch(header, _dtype_name(destination.dtype), tuple(destination.shape)):
         raise DestinationMismatchError(
             f"block {position} is {header.dtype} {list(header.shape)}, its destination "
             f"{str(destination.dtype).removeprefix('torch.')} {list(destination.shape)}", position, num_found)
@@ -145,6 +176,17 @@ def copy_block_into(block: Buffer, destination: torch.Tensor, *, verify: bool,
         source = byte_view(block)
     destination.copy_(source[header.header_nbytes:header.nbytes].view(dtype).view(header.shape))
     return header
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+"""The name of each torch dtype a destination had (``bfloat16``): a codec name where the codec has the dtype."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _memcpy_into(destination: torch.Tensor, payload: memoryview) -> None:
@@ -274,8 +316,9 @@ def copy_lent_into(blocks: Sequence[Buffer], destinations: Sequence[torch.Tensor
     """
     if pool is None or offsets is None:
         return copy_into_destinations(blocks, destinations, verify)
-    if not verify:
-        copied = copy_batch_into(blocks, destinations, pool, offsets)  # type: ignore[arg-type]
+    views = [block for block in blocks if isinstance(block, memoryview)]  # a tier's lease: views of its pool
+    if not verify and len(views) == len(blocks):
+        copied = copy_batch_into(views, destinations, pool, offsets)
         if copied is not None:
             return copied
     sources = [pool[offset:offset + len(block)] for offset, block in zip(offsets, blocks)]
@@ -361,8 +404,9 @@ def encode_batch_into(blocks: Sequence[Block], layout: Layout | str, target: mem
     if not isinstance(first, torch.Tensor) or first.numel() == 0:
         return False
     dtype, shape, device = first.dtype, first.shape, first.device
-    if not all(isinstance(b, torch.Tensor) and b.dtype == dtype and b.shape == shape and b.device == device
-               for b in blocks):
+    tensors = [b for b in blocks if isinstance(b, torch.Tensor) and b.dtype == dtype and b.shape == shape
+               and b.device == device]
+    if len(tensors) != num_blocks:
         return False
     step = offsets[1] - offsets[0]
     head = header_nbytes(first.dim())
@@ -378,15 +422,15 @@ def encode_batch_into(blocks: Sequence[Block], layout: Layout | str, target: mem
     payloads = target_bytes.as_strided((num_blocks, nbytes - head), (step, 1), base + head)
     rows = payloads.view(dtype).view(num_blocks, *shape)
     pack_into, digest = _CHECKSUM_FIELD.pack_into, xxhash.xxh3_64_intdigest
-    stacked = _stacked(blocks)  # type: ignore[arg-type]
+    stacked = _stacked(tensors)
     per_copy = max(1, _COPY_CHUNK_BYTES // nbytes) if stacked is not None else 1
-    for first in range(0, num_blocks, per_copy):
-        last = min(num_blocks, first + per_copy)
+    for begin in range(0, num_blocks, per_copy):
+        end = min(num_blocks, begin + per_copy)
         if stacked is not None:
-            rows[first:last].copy_(stacked[first:last])
+            rows[begin:end].copy_(stacked[begin:end])
         else:
-            rows[first].copy_(blocks[first].detach())  # type: ignore[union-attr]
-        for offset in offsets[first:last]:
+            rows[begin].copy_(tensors[begin].detach())
+        for offset in offsets[begin:end]:
             pack_into(target, offset + at, digest(target[offset:offset + nbytes]))
     return True
 
@@ -520,4 +564,4 @@ _MAX_KINDS = 64
 def encoded_values(values: Sequence[Buffer | TensorBlock]) -> list[Buffer]:
     """``values`` with each :class:`TensorBlock` as its :meth:`~TensorBlock.encoded` bytes: for a tier that stores
     bytes, or for what outlives the put."""
-    return [v.encoded() if type(v) is TensorBlock else v for v in values]  # type: ignore[union-attr]
+    return [v.encoded() if isinstance(v, TensorBlock) else v for v in values]

@@ -9,7 +9,7 @@ import operator
 from typing import Sequence
 
 from kvstore.api import Block, Buffer
-from kvstore.blockcopy import TensorBlock
+from kvstore.blockcopy import TensorBlock, block_mismatch
 from kvstore.codec import BlockHeader, Layout, LikeBlocks, decode_header, verify_block
 from kvstore.encoding.scales import check_scales
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError
@@ -248,7 +248,8 @@ class BlockChecker:
                     _check_scales(position, like.header, block)
                 return
         header = check_block(self.namespace, position, block, self.max_block_bytes)
-        self._like = LikeBlocks(header, block)  # type: ignore[arg-type]
+        assert isinstance(block, (bytes, bytearray, memoryview))  # check_block refuses any other
+        self._like = LikeBlocks(header, block)
 
     def _check_tensor(self, position: int, block: TensorBlock) -> None:
         if len(block) > self.max_block_bytes:
@@ -261,7 +262,7 @@ class BlockChecker:
             self._tensor_header = block.header
 
 
-class CheckedBlocks(list):  # type: ignore[type-arg]
+class CheckedBlocks(list[object]):
     """A put's blocks that a :class:`BlockChecker` of ``namespace`` checked one by one as they were made: the
     node's own copies, which no other process can write (views of ranges of the shared pool, sealed against
     every writer but the node, or of memory of the node's own), so checking them again would find the same,
@@ -299,7 +300,7 @@ def check_blocks(namespace: Namespace, blocks: Sequence[object], max_block_bytes
 
 def namespace_mismatch(namespace: Namespace, header: BlockHeader) -> str:
     """How a block's header contradicts its namespace (dtype, layout, tokens per block); ``""`` if it does not."""
-    if header.dtype != namespace.dtype or header.layout.value != namespace.layout:
+    if block_mismatch(header, namespace.dtype, layout=namespace.layout):
         return (f"{header.dtype}/{header.layout.value} does not match the namespace's "
                 f"{namespace.dtype}/{namespace.layout}")
     if header.encoding != namespace.kv_encoding:  # exact and lossy blocks never mix (docs/encodings.md)

@@ -43,18 +43,23 @@ from typing import Any, Sequence
 import torch
 
 from kvstore.api import BlockClient
+from kvstore.codec import Layout, dtype_name
+from kvstore.connectors.kit.fetch import fetch_handler
+from kvstore.connectors.kit.saves import SaveQueue
+from kvstore.connectors.kit.spec import BlockSpec
+from kvstore.connectors.kit.stores import agentic
 from kvstore.connectors.hf_model import (  # the public names are re-exported: kvstore.connectors.hf is their old home
     DEFAULT_BLOCK_SIZE,
     ModelShape,
     TokenIds,
-    _cache_keyword,
-    _token_list,
     adapter_id,
+    cache_keyword,
     model_namespace,
     model_shape,
+    token_list,
 )
 from kvstore.connectors.hf_results import ConnectorStats, GenerationResult, LoadResult
-from kvstore.errors import DestinationMismatchError, InvalidArgumentError
+from kvstore.errors import InvalidArgumentError
 from kvstore.keys import BlockHash, HashAlgorithm, hash_blocks
 
 try:  # transformers is the optional ``hf`` extra
@@ -88,15 +93,16 @@ class HFConnector:
     ``load_timeout_s`` is logged, counted (:attr:`ConnectorStats.num_load_failures`)
     and replaced by a full prefill; a save that raises is logged and counted.
 
-    Loads go through ``client.get_into`` (:class:`~kvstore.api.BlockClient`):
+    Loads go through ``client.get_into`` (:class:`~kvstore.api.BlockClient`, by ``kvstore.connectors.kit.fetch``):
     the blocks are copied once, each into its slice of one new tensor of the
     model's dtype and device, from shared memory when the node is on this host
     (``docs/shared-memory.md``), else from the gRPC messages or the embedded
     store's memory. The cache is built from that fresh memory, so a cache changed
     in place by decoding or ``model.generate`` never writes into fetched or stored blocks.
-    Saves hold references to the per-layer K/V tensors taken right after
-    prefill; ``DynamicLayer.update`` replaces (``torch.cat``) rather than writes
-    those tensors, so later decoding does not change what is saved.
+    Saves (on one background thread, ``kvstore.connectors.kit.saves.SaveQueue``)
+    keep references to the per-layer K/V tensors taken right after prefill;
+    ``DynamicLayer.update`` replaces (``torch.cat``) rather than writes those
+    tensors, so later decoding does not change what is saved.
 
     Args:
         model: a transformers causal LM using ``DynamicCache`` (batch size 1).
@@ -143,7 +149,7 @@ class HFConnector:
             raise InvalidArgumentError(f"load_timeout_s must be > 0, got {load_timeout_s}")
         self._model = model
         self._client = client
-        self._cache_kw = _cache_keyword(model)
+        self._cache_kw = cache_keyword(model)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.shape = model_shape(model.config)
         self.namespace = model_namespace(
@@ -162,10 +168,12 @@ class HFConnector:
         self._device: torch.device = next(model.parameters()).device
         self._stats = ConnectorStats()
         self._lock = threading.Lock()
-        self._pending: set[concurrent.futures.Future[int]] = set()
+        self._block_spec = BlockSpec(dtype_name(self._dtype), Layout.KV, (self.shape.num_layers, 2,
+                                     self.shape.num_kv_heads, block_size, self.shape.head_dim))
+        self._fetch_blocks = fetch_handler(client, self._block_spec)
         # Loads run on their own pool so a hung store costs at most load_timeout_s per request.
         self._load_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-hf-load")
-        self._save_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-hf-save")
+        self._saves = SaveQueue(name="kvstore-hf-save")
         self._closed = False
 
     @property
@@ -197,7 +205,7 @@ class HFConnector:
         Raises:
             InvalidArgumentError: on a batch > 1 or malformed ids.
         """
-        return hash_blocks(self.namespace, _token_list(token_ids))
+        return hash_blocks(self.namespace, token_list(token_ids))
 
     def _max_cached_blocks(self, num_tokens: int) -> int:
         # Leave at least one prompt token to compute: its logits give the first new token.
@@ -209,13 +217,7 @@ class HFConnector:
 
     def _agentic(self, session_id: str | None, ttl_s: float | None) -> dict[str, Any]:
         """The ``session_id`` and ``ttl_s`` keywords of a store call: the call's, else the connector's TTL."""
-        extra: dict[str, Any] = {}
-        if session_id:
-            extra["session_id"] = session_id
-        ttl = self._ttl_s if ttl_s is None else ttl_s
-        if ttl:
-            extra["ttl_s"] = ttl
-        return extra
+        return agentic(session_id, self._ttl_s if ttl_s is None else ttl_s)
 
     def load(self, token_ids: TokenIds, *, session_id: str | None = None, ttl_s: float | None = None) -> LoadResult:
         """Fetch the longest cached prefix of a prompt and build a cache from it.
@@ -235,7 +237,7 @@ class HFConnector:
         Raises:
             InvalidArgumentError: on a batch > 1 or malformed ids (never for store failures).
         """
-        ids = _token_list(token_ids)
+        ids = token_list(token_ids)
         started = time.perf_counter()
         cache = self.new_cache()
         num_blocks = self._max_cached_blocks(len(ids))
@@ -270,47 +272,25 @@ class HFConnector:
             self._stats.num_load_failures += int(fell_back)
         return LoadResult(cache, num_cached, time.perf_counter() - started, fell_back)
 
-    def _fetch(self, hashes: Sequence[BlockHash], agentic: dict[str, Any] | None = None) -> tuple[torch.Tensor, int]:
+    def _fetch(self, hashes: Sequence[BlockHash], extra: dict[str, Any] | None = None) -> tuple[torch.Tensor, int]:
         """The cached prefix of ``hashes`` copied into one new ``[num_layers, 2, num_kv_heads, tokens, head_dim]``
         tensor of the model's dtype and device, and how many blocks it holds.
 
-        Through ``get_into``, so each block is copied once, straight into its
-        slice (from shared memory when the node is on this host): the cache
-        never aliases fetched or stored bytes. A block of another shape or dtype
-        ends the prefix and is counted, with those after it, as rejected.
-        A client without ``get_into`` is read through ``get_tensors``.
+        Through ``kvstore.connectors.kit.fetch`` (``get_into`` for every kvstore client), so each block is copied
+        once, straight into its slice (from shared memory when the node is on this host): the cache never
+        aliases fetched or stored bytes. A block of another shape or dtype, or a corrupt one, ends the prefix
+        and is counted, with those after it, as rejected.
         """
         bs = self.block_size
         kv = torch.empty((self.shape.num_layers, 2, self.shape.num_kv_heads, len(hashes) * bs, self.shape.head_dim),
                          dtype=self._dtype, device=self._device)
         views = [kv[:, :, :, i * bs:(i + 1) * bs] for i in range(len(hashes))]
-        get_into = getattr(self._client, "get_into", None)
-        extra = agentic or {}
-        if get_into is None:
-            blocks = self._valid_prefix(list(self._client.get_tensors(self.namespace, hashes, **extra))[: len(hashes)])
-            for view, block in zip(views, blocks):
-                view.copy_(block)
-            return kv, len(blocks)
-        try:
-            return kv, int(get_into(self.namespace, hashes, views, **extra))
-        except DestinationMismatchError as exc:
-            logger.warning("dropping fetched block %s onward: %s", exc.num_blocks, exc)
+        fetched = self._fetch_blocks.fetch(self.namespace, hashes, views, extra or {})
+        if fetched.bad is not None:
+            logger.warning("dropping fetched block %s onward: %s", fetched.num_good, fetched.bad)
             with self._lock:
-                self._stats.num_rejected_blocks += exc.num_found - exc.num_blocks
-            return kv, exc.num_blocks
-
-    def _valid_prefix(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
-        expected = (self.shape.num_layers, 2, self.shape.num_kv_heads, self.block_size, self.shape.head_dim)
-        for i, block in enumerate(blocks):
-            if tuple(block.shape) != expected or block.dtype != self._dtype:
-                logger.warning(
-                    "dropping fetched block %s onward: shape %s %s, expected %s %s",
-                    i, list(block.shape), block.dtype, list(expected), self._dtype,
-                )
-                with self._lock:
-                    self._stats.num_rejected_blocks += len(blocks) - i
-                return blocks[:i]
-        return blocks
+                self._stats.num_rejected_blocks += fetched.num_found - fetched.num_good
+        return kv, fetched.num_good
 
     def snapshot(self, token_ids: TokenIds, cache: Any, *, session_id: str | None = None,
                  ttl_s: float | None = None) -> _Snapshot:
@@ -320,7 +300,7 @@ class HFConnector:
         Raises:
             InvalidArgumentError: on a batch > 1 or malformed ids.
         """
-        ids = _token_list(token_ids)
+        ids = token_list(token_ids)
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         return _Snapshot(ids, layers, self._agentic(session_id, ttl_s))
 
@@ -354,15 +334,9 @@ class HFConnector:
             done: concurrent.futures.Future[int] = concurrent.futures.Future()
             done.set_result(self._save_now(snap))
             return done
-        future = self._save_pool.submit(self._save_now, snap)
-        with self._lock:
-            self._pending.add(future)
-        future.add_done_callback(self._forget)
+        future = self._saves.submit(lambda: self._save_now(snap))
+        assert future is not None  # an unbounded queue refuses nothing
         return future
-
-    def _forget(self, future: concurrent.futures.Future[int]) -> None:
-        with self._lock:
-            self._pending.discard(future)
 
     def _save_now(self, snap: _Snapshot) -> int:
         try:
@@ -411,11 +385,8 @@ class HFConnector:
         Raises:
             TimeoutError: if ``timeout_s`` seconds pass first.
         """
-        with self._lock:
-            pending = list(self._pending)
-        _, not_done = concurrent.futures.wait(pending, timeout=timeout_s)
-        if not_done:
-            raise TimeoutError(f"{len(not_done)} kvstore saves still running after {timeout_s} s")
+        if not self._saves.drain(timeout_s):
+            raise TimeoutError(f"kvstore saves still running after {timeout_s} s")
 
     def prefill(self, token_ids: TokenIds, cache: Any | None = None) -> tuple[int, Any]:
         """Run the model on the tokens the cache lacks and return the greedy first token.
@@ -436,7 +407,7 @@ class HFConnector:
 
     def _prefill_logits(self, token_ids: TokenIds, cache: Any | None) -> tuple[torch.Tensor, Any]:
         """:meth:`prefill`, returning the ``[vocab_size]`` logits of the last prompt position instead."""
-        ids = _token_list(token_ids)
+        ids = token_list(token_ids)
         cache = self.new_cache() if cache is None else cache
         num_cached = cache.get_seq_length()
         if num_cached >= len(ids):
@@ -508,7 +479,7 @@ class HFConnector:
         """
         if max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        ids = _token_list(token_ids)
+        ids = token_list(token_ids)
         started = time.perf_counter()
         if use_store:
             loaded = self.load(ids, session_id=session_id, ttl_s=ttl_s)
@@ -542,7 +513,7 @@ class HFConnector:
         if self._closed:
             return
         self._closed = True
-        self._save_pool.shutdown(wait=True)
+        self._saves.close()
         self._load_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> HFConnector:

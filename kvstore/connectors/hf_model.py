@@ -64,7 +64,7 @@ def model_shape(config: Any) -> ModelShape:
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_heads)
     sliding: int | None = None
     probe = DynamicCache(config=config)
-    windows = [int(layer.sliding_window) for layer in probe.layers if getattr(layer, "is_sliding", False)]
+    windows = [int(getattr(layer, "sliding_window")) for layer in probe.layers if getattr(layer, "is_sliding", False)]
     if windows:
         sliding = min(windows)
     return ModelShape(str(getattr(text, "model_type", "") or ""), num_layers, num_kv_heads, head_dim, sliding)
@@ -165,7 +165,7 @@ def adapter_id(model: Any, adapter: str | tuple[str, str] | None) -> str:
     raise InvalidArgumentError(f"adapter must be a name or a (name, version) pair of strings, got {adapter!r}")
 
 
-def _token_list(token_ids: TokenIds) -> list[int]:
+def token_list(token_ids: TokenIds) -> list[int]:
     """Token ids as a flat list, batch size 1.
 
     Raises:
@@ -192,7 +192,7 @@ def _token_list(token_ids: TokenIds) -> list[int]:
     return [int(t) for t in array.tolist()]
 
 
-def _cache_keyword(model: Any) -> str:
+def cache_keyword(model: Any) -> str:
     """The forward keyword that takes the KV cache: ``cache`` (5.24) or ``past_key_values`` (earlier 5.x)."""
     params = inspect.signature(model.forward).parameters
     for name in ("cache", "past_key_values"):

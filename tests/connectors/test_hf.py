@@ -284,7 +284,7 @@ def test_prompt_shorter_than_a_block_works_and_stores_nothing(store):
 
 
 def test_cache_keyword_follows_the_installed_transformers():
-    from kvstore.connectors.hf import _cache_keyword
+    from kvstore.connectors.hf_model import cache_keyword
 
     class EarlierFiveX:  # transformers 5.0 spelled the keyword past_key_values
         def forward(self, input_ids=None, past_key_values=None, use_cache=None):
@@ -294,10 +294,10 @@ def test_cache_keyword_follows_the_installed_transformers():
         def forward(self, input_ids=None):
             return None
 
-    assert _cache_keyword(tiny_model()) == "cache"  # 5.24: cache=, past_key_values= deprecated
-    assert _cache_keyword(EarlierFiveX()) == "past_key_values"
+    assert cache_keyword(tiny_model()) == "cache"  # 5.24: cache=, past_key_values= deprecated
+    assert cache_keyword(EarlierFiveX()) == "past_key_values"
     with pytest.raises(InvalidArgumentError, match="neither"):
-        _cache_keyword(NoCache())
+        cache_keyword(NoCache())
 
 
 def test_sliding_window_past_the_window_still_matches(store):

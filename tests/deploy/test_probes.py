@@ -176,7 +176,7 @@ def test_the_compose_vllm_workers_reach_a_tls_node_with_their_token(vllm_tls_dir
     import json
 
     from kvstore.connectors.vllm.config import parse_config
-    from kvstore.connectors.vllm.stores import open_client
+    from kvstore.connectors.kit.stores import open_client
     from kvstore.errors import KVStoreError
     from kvstore.keys import Namespace, hash_blocks
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from kvstore.config import build
+from kvstore.connectors.kit.settings import check_store_settings, require, split_targets
 from kvstore.errors import ConfigError
 from kvstore.security import read_bearer_token
 
@@ -71,26 +72,13 @@ class SGLangStorageConfig:
     token_env: str = "KVSTORE_TOKEN"
 
     def __post_init__(self) -> None:
-        _require(all(t.strip() for t in self.target.split(",")) or not self.target, "target",
-                 f"must be host:port or a comma-separated list of them, got {self.target!r}")
-        _require(not (self.target and self.config), "config",
-                 "configures the embedded store, which is not used when 'target' names kvstore nodes")
-        _require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", "must be a number > 0")
-        _require(self.priority is None or 0 <= self.priority <= 100, "priority", "must be in [0, 100]")
-        _require(self.retention_s is None or self.retention_s >= 0, "retention_s", "must be >= 0")
-        _require(self.ttl_s is None or 0 <= self.ttl_s < math.inf, "ttl_s", "must be a finite number >= 0")
-        _require(self.model_id is None or bool(self.model_id), "model_id", "must not be empty")
-        _require(math.isfinite(self.down_backoff_s) and self.down_backoff_s >= 0, "down_backoff_s",
-                 "must be a number >= 0")
-        _require(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_cert_file",
-                 "a client certificate and its key (tls_key_file) must be given together")
-        _require(not (self.target == "" and (self.tls_ca_file or self.tls_cert_file or self.token_file)), "target",
-                 "TLS and token settings apply to kvstore nodes; name them in 'target'")
+        check_store_settings(self)
+        require(self.ttl_s is None or 0 <= self.ttl_s < math.inf, "ttl_s", "must be a finite number >= 0")
 
     @property
     def targets(self) -> tuple[str, ...]:
         """The nodes' ``host:port``, in order; empty for the embedded store."""
-        return tuple(t.strip() for t in self.target.split(",")) if self.target else ()
+        return split_targets(self.target)
 
     def bearer_token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The bearer token to send: ``token_file``'s content, else ``token_env``'s value, else ``None``.
@@ -99,11 +87,6 @@ class SGLangStorageConfig:
             ConfigError: if ``token_file`` cannot be read or is empty.
         """
         return read_bearer_token(EXTRA_CONFIG, self.token_file, self.token_env, environ)
-
-
-def _require(condition: bool, name: str, message: str) -> None:
-    if not condition:
-        raise ConfigError(name, message)
 
 
 def parse_config(extra: Mapping[str, Any] | None) -> SGLangStorageConfig:

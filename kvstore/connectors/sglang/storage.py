@@ -12,7 +12,7 @@ Every method runs on SGLang's storage threads (prefetch and backup) and never
 raises into them: a store that is down, slow (past ``timeout_s``) or refusing
 turns a read into a miss and a write into ``False``; the failure is logged,
 counted, and starts a backoff during which the store is not called at all
-(``kvstore.connectors.vllm.stores.StoreHealth``, the vLLM connector's rule).
+(``kvstore.connectors.kit.stores.StoreHealth``, every connector's rule).
 Settings errors, a hybrid model's extra pools and an unsupported pool are
 refused at start-up instead, with an error that names the cause.
 """
@@ -21,17 +21,36 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 from kvstore.api import BlockClient
+from kvstore.codec import Layout
+from kvstore.connectors.kit.fetch import FetchHandler, fetch_handler
+from kvstore.connectors.kit.spec import BlockSpec
+from kvstore.connectors.kit.stores import StoreHealth, open_block_store
 from kvstore.connectors.sglang.config import SGLangStorageConfig, parse_config
 from kvstore.connectors.sglang.pages import PageFormat, block_hashes, page_format, page_view, storage_namespace
-from kvstore.connectors.sglang.stores import CounterBox, StorageCounters, clear_namespace, open_block_store
-from kvstore.connectors.vllm.stores import StoreHealth
-from kvstore.keys import Namespace
+from kvstore.connectors.sglang.stores import CounterBox, StorageCounters, clear_namespace
+from kvstore.errors import CodecError
+from kvstore.keys import BlockHash, Namespace
+
+if TYPE_CHECKING:  # SGLang is untyped to mypy (kvstore.connectors.kit.bases): the base's calls this class makes
+    from kvstore.connectors.kit.bases import EngineBase
+
+    class HiCacheStorage(EngineBase):
+        """SGLang's ``HiCacheStorage``, as far as this backend calls it."""
+
+        def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+            """Keep the host pool."""
+
+        def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+            """Keep a named host pool."""
+else:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +58,27 @@ MAX_PAGES_PER_CALL = 256
 """Pages one store call names at most (a node's ``max_hashes_per_request`` is 8,192 by default; SGLang sends 128)."""
 
 _KV_POOL = "kv"
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """The registered host pool as the store sees it: the rank's namespace, the page format, and its fetch."""
+
+    namespace: Namespace
+    fmt: PageFormat
+    fetch: FetchHandler
+
+
+class BadPageError(CodecError):
+    """A page the store returned is corrupt or not of the pool's format: it and the pages after it are misses.
+
+    Attributes:
+        num_copied: pages of the call copied into the host pool before it.
+    """
+
+    def __init__(self, message: str, num_copied: int) -> None:
+        super().__init__(message)
+        self.num_copied = num_copied
 
 
 class HybridModelError(ValueError):
@@ -63,7 +103,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         ConfigError: naming the key, on an unknown setting or a bad value.
     """
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None, *,
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict[str, Any]] = None, *,
                  store: BlockClient | None = None) -> None:
         self.storage_config = storage_config
         self.config: SGLangStorageConfig = parse_config(storage_config.extra_config)
@@ -74,6 +114,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.namespace: Namespace | None = None
         self.page_format: PageFormat | None = None
         self.mem_pool_host: Any = None
+        self._pool: _Pool | None = None
         self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._prefetch_pgs: list[int] = []
         self._backup_pgs: list[int] = []
@@ -94,6 +135,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.namespace = storage_namespace(fmt, self.storage_config, model_id=self.config.model_id,
                                            tenant=self.config.tenant,
                                            format_tag=getattr(mem_pool_host, "storage_format_tag", None))
+        self._pool = _Pool(self.namespace, fmt, fetch_handler(self.store, BlockSpec(fmt.dtype, Layout(fmt.layout),
+                                                                                  fmt.shape)))
         logger.info("kvstore HiCache backend: %s pages of %s, %d bytes each (%s)", fmt.order, fmt.shape,
                     fmt.page_bytes, "one copy" if fmt.native else "through flat pages")
 
@@ -129,14 +172,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
         0 while the store is down or on a failure (logged, counted).
         """
-        if not keys or not self._ready("exists"):
+        pool = self._ready("exists") if keys else None
+        if pool is None:
             return 0
         hashes = block_hashes(keys)
         found = 0
         try:
             for start in range(0, len(hashes), MAX_PAGES_PER_CALL):
                 chunk = hashes[start:start + MAX_PAGES_PER_CALL]
-                num = self.store.lookup(self.namespace, chunk, **self._agentic(extra_info, ttl=False)).num_blocks
+                num = self.store.lookup(pool.namespace, chunk, **self._agentic(extra_info, ttl=False)).num_blocks
                 found += num
                 if num < len(chunk):
                     break
@@ -155,33 +199,20 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """
         if not keys:
             return []
-        if not self._ready("get"):
+        pool = self._ready("get")
+        starts = self._page_starts(pool, host_indices, len(keys)) if pool is not None else None
+        if pool is None or starts is None:
             return [False] * len(keys)
-        fmt = self.page_format
-        starts = self._page_starts(host_indices, len(keys))
-        if starts is None:
-            return [False] * len(keys)
-        started = time.perf_counter()
         hashes = block_hashes(keys)
-        copied = 0
-        try:
-            for first in range(0, len(keys), MAX_PAGES_PER_CALL):
-                chunk = starts[first:first + MAX_PAGES_PER_CALL]
-                if fmt.native:
-                    num = self.store.get_into(self.namespace, hashes[first:first + len(chunk)],
-                                              [page_view(self.mem_pool_host, fmt, s) for s in chunk],
-                                              **self._agentic(extra_info))
-                else:
-                    num = self._get_flat(hashes[first:first + len(chunk)], chunk, self._agentic(extra_info))
-                copied += num
-                if num < len(chunk):
-                    break
-        except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
-            self._failed("get", exc, copied)
-            self._count_read(copied, len(keys), time.perf_counter() - started)  # the pages before the failure
-            return [i < copied for i in range(len(keys))]
-        self.health.succeeded()
-        self._count_read(copied, len(keys), time.perf_counter() - started)
+        extra = self._agentic(extra_info)
+
+        def copy(first: int, end: int) -> int:
+            if pool.fmt.native:
+                pages = [page_view(self.mem_pool_host, pool.fmt, start) for start in starts[first:end]]
+                return self._fetch(pool, hashes[first:end], pages, extra, first)
+            return self._get_flat(pool, hashes[first:end], starts[first:end], extra, first)
+
+        copied = self._read(pool, len(keys), copy)
         return [i < copied for i in range(len(keys))]
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
@@ -194,17 +225,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return []
         if not self._writer():
             return [True] * len(keys)
-        if not self._ready("put"):
+        pool = self._ready("put")
+        starts = self._page_starts(pool, host_indices, len(keys)) if pool is not None else None
+        if pool is None or starts is None:
             return [False] * len(keys)
-        fmt = self.page_format
-        starts = self._page_starts(host_indices, len(keys))
-        if starts is None:
-            return [False] * len(keys)
-        if fmt.native:
-            pages = [page_view(self.mem_pool_host, fmt, s) for s in starts]
+        if pool.fmt.native:
+            pages = [page_view(self.mem_pool_host, pool.fmt, s) for s in starts]
         else:
-            pages = [self.mem_pool_host.get_data_page(s, flat=True).view(fmt.shape) for s in starts]
-        return [self._put(keys, pages, self._agentic(extra_info))] * len(keys)
+            pages = [self.mem_pool_host.get_data_page(s, flat=True).view(pool.fmt.shape) for s in starts]
+        return [self._put(pool, keys, pages, self._agentic(extra_info))] * len(keys)
 
     # ------------------------------------------------------------------ the older, copying interface
 
@@ -221,29 +250,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """
         if not keys:
             return []
-        if not self._ready("get"):
+        pool = self._ready("get")
+        if pool is None:
             return [None] * len(keys)
-        fmt = self.page_format
         targets = list(target_locations) if target_locations is not None else [
             self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        started = time.perf_counter()
-        copied = 0
-        try:
-            views = [t.view(fmt.shape) for t in targets]
-            hashes = block_hashes(keys)
-            for first in range(0, len(keys), MAX_PAGES_PER_CALL):
-                chunk = views[first:first + MAX_PAGES_PER_CALL]
-                num = self.store.get_into(self.namespace, hashes[first:first + len(chunk)], chunk,
-                                          **self._agentic(None))
-                copied += num
-                if num < len(chunk):
-                    break
-        except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
-            self._failed("get", exc, copied)
-            self._count_read(copied, len(keys), time.perf_counter() - started)  # the pages before the failure
-            return [t if i < copied else None for i, t in enumerate(targets)]
-        self.health.succeeded()
-        self._count_read(copied, len(keys), time.perf_counter() - started)
+
+        def copy(first: int, end: int) -> int:
+            pages = [t.view(pool.fmt.shape) for t in targets[first:end]]
+            return self._fetch(pool, block_hashes(keys[first:end]), pages, self._agentic(None), first)
+
+        copied = self._read(pool, len(keys), copy)
         return [t if i < copied else None for i, t in enumerate(targets)]
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -258,15 +275,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return True
         if not self._writer():
             return True
-        if not self._ready("put") or values is None or len(values) != len(keys):
+        pool = self._ready("put")
+        if pool is None or values is None or len(values) != len(keys):
             return False
         try:
-            pages = [v.reshape(self.page_format.shape) for v in values]
+            pages = [v.reshape(pool.fmt.shape) for v in values]
         except (RuntimeError, ValueError) as exc:
             logger.error("kvstore HiCache backend: a page does not have %d elements of %s: %s",
-                         self._page_numel(), self.page_format.shape, exc)
+                         _page_numel(pool.fmt), pool.fmt.shape, exc)
             return False
-        return self._put(keys, pages, self._agentic(None))
+        return self._put(pool, keys, pages, self._agentic(None))
 
     def exists(self, key: str) -> bool:
         """Whether the page of ``key`` is stored (``False`` on a failure)."""
@@ -306,9 +324,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             ``prefetch_pgs`` / ``backup_pgs``: pages per read / write call; ``prefetch_bandwidth`` /
             ``backup_bandwidth``: GiB/s of each call.
         """
-        taken = {"prefetch_pgs": list(self._prefetch_pgs), "backup_pgs": list(self._backup_pgs),
-                 "prefetch_bandwidth": list(self._prefetch_bandwidth),
-                 "backup_bandwidth": list(self._backup_bandwidth)}
+        taken: dict[str, list[Any]] = {"prefetch_pgs": list(self._prefetch_pgs), "backup_pgs": list(self._backup_pgs),
+                                       "prefetch_bandwidth": list(self._prefetch_bandwidth),
+                                       "backup_bandwidth": list(self._backup_bandwidth)}
         for values in (self._prefetch_pgs, self._backup_pgs, self._prefetch_bandwidth, self._backup_bandwidth):
             values.clear()
         return taken
@@ -324,40 +342,79 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ internals
 
-    def _ready(self, what: str) -> bool:
-        if self.namespace is None:
+    def _ready(self, what: str) -> _Pool | None:
+        """The registered pool, if SGLang registered one and the store is up (else counted, and ``None``)."""
+        if self._pool is None:
             logger.error("kvstore HiCache backend: %s before SGLang registered its host pool", what)
             self.counters.add(errors=1)
-            return False
+            return None
         if not self.health.up():
             self.counters.add(skipped_calls=1)
-            return False
-        return True
+            return None
+        return self._pool
 
     def _writer(self) -> bool:
         return bool(getattr(self.storage_config, "is_storage_writer", True))
 
-    def _page_numel(self) -> int:
-        count = 1
-        for dim in self.page_format.shape:
-            count *= dim
-        return count
-
-    def _page_starts(self, host_indices: torch.Tensor, num_pages: int) -> list[int] | None:
-        size = self.page_format.page_size
+    def _page_starts(self, pool: _Pool, host_indices: torch.Tensor, num_pages: int) -> list[int] | None:
+        size = pool.fmt.page_size
         if host_indices.numel() < num_pages * size:
             logger.error("kvstore HiCache backend: %d host slots for %d pages of %d tokens",
                          host_indices.numel(), num_pages, size)
             self.counters.add(errors=1)
             return None
-        return host_indices[0:num_pages * size:size].tolist()
+        starts: list[int] = host_indices[0:num_pages * size:size].tolist()
+        return starts
 
-    def _get_flat(self, hashes: Sequence[bytes], starts: Sequence[int], agentic: dict[str, Any]) -> int:
-        pool, shape = self.mem_pool_host, self.page_format.shape
-        pages = [pool.get_dummy_flat_data_page() for _ in starts]
-        num = self.store.get_into(self.namespace, list(hashes), [p.view(shape) for p in pages], **agentic)
+    def _read(self, pool: _Pool, num_pages: int, copy: Callable[[int, int], int]) -> int:
+        """Read pages ``[0, num_pages)`` by ``copy(first, end)`` (pages copied of ``[first, end)``), at most
+        :data:`MAX_PAGES_PER_CALL` a call, until one comes short; count them. Returns the pages copied.
+
+        A failure is logged, counted and starts the backoff (never raised into SGLang's storage threads);
+        the pages copied before it count.
+        """
+        started = time.perf_counter()
+        copied = 0
+        try:
+            for first in range(0, num_pages, MAX_PAGES_PER_CALL):
+                end = min(num_pages, first + MAX_PAGES_PER_CALL)
+                num = copy(first, end)
+                copied += num
+                if num < end - first:
+                    break
+        except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
+            copied = exc.num_copied if isinstance(exc, BadPageError) else copied  # the pages before a bad one
+            self._failed("get", exc, copied)
+        else:
+            self.health.succeeded()
+        self._count_read(pool, copied, num_pages, time.perf_counter() - started)
+        return copied
+
+    def _fetch(self, pool: _Pool, hashes: Sequence[BlockHash], pages: Sequence[torch.Tensor], extra: dict[str, Any],
+               num_before: int) -> int:
+        """Copy the stored prefix of ``hashes`` into ``pages`` (``kvstore.connectors.kit.fetch``); how many.
+
+        Raises:
+            BadPageError: at a page that is corrupt or not of the pool's format (the pages before it are copied).
+        """
+        fetched = pool.fetch.fetch(pool.namespace, hashes, pages, extra)
+        if fetched.bad is not None:
+            raise BadPageError(f"page {num_before + fetched.num_good} is {fetched.bad}", num_before + fetched.num_good)
+        return fetched.num_good
+
+    def _get_flat(self, pool: _Pool, hashes: Sequence[BlockHash], starts: Sequence[int], extra: dict[str, Any],
+                  num_before: int) -> int:
+        host, shape = self.mem_pool_host, pool.fmt.shape
+        pages = [host.get_dummy_flat_data_page() for _ in starts]
+        try:
+            num = self._fetch(pool, hashes, [p.view(shape) for p in pages], extra, num_before)
+        except BadPageError as exc:
+            num = exc.num_copied - num_before
+            for start, page in zip(starts[:num], pages[:num]):
+                host.set_from_flat_data_page(start, page)
+            raise
         for start, page in zip(starts[:num], pages[:num]):
-            pool.set_from_flat_data_page(start, page)
+            host.set_from_flat_data_page(start, page)
         return num
 
     def _agentic(self, extra_info: Any, *, ttl: bool = True) -> dict[str, Any]:
@@ -379,12 +436,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 logger.warning("kvstore HiCache backend: ttl_s %r ignored (seconds > 0)", ttl_s)
         return extra
 
-    def _put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], agentic: dict[str, Any]) -> bool:
+    def _put(self, pool: _Pool, keys: Sequence[str], pages: Sequence[torch.Tensor], agentic: dict[str, Any]) -> bool:
         started = time.perf_counter()
         hashes = block_hashes(keys)
         try:
             for first in range(0, len(keys), MAX_PAGES_PER_CALL):
-                self.store.put(self.namespace, hashes[first:first + MAX_PAGES_PER_CALL],
+                self.store.put(pool.namespace, hashes[first:first + MAX_PAGES_PER_CALL],
                                list(pages[first:first + MAX_PAGES_PER_CALL]), priority=self.config.priority,
                                retention_s=self.config.retention_s, **agentic)
         except Exception as exc:  # noqa: BLE001 - never raise into SGLang's storage threads
@@ -392,15 +449,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return False
         self.health.succeeded()
         elapsed_s = time.perf_counter() - started
-        num_bytes = len(keys) * self.page_format.page_bytes
+        num_bytes = len(keys) * pool.fmt.page_bytes
         self.counters.add(written_pages=len(keys), written_bytes=num_bytes)
         if self._metrics:
             self._backup_pgs.append(len(keys))
             self._backup_bandwidth.append(num_bytes / max(elapsed_s, 1e-9) / (1 << 30))
         return True
 
-    def _count_read(self, copied: int, asked: int, elapsed_s: float) -> None:
-        num_bytes = copied * self.page_format.page_bytes
+    def _count_read(self, pool: _Pool, copied: int, asked: int, elapsed_s: float) -> None:
+        num_bytes = copied * pool.fmt.page_bytes
         self.counters.add(hit_pages=copied, miss_pages=asked - copied, read_bytes=num_bytes)
         if self._metrics:
             self._prefetch_pgs.append(copied)
@@ -411,3 +468,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.counters.add(errors=1)
         self.health.failed(f"HiCache {what}", exc)
         return done
+
+
+def _page_numel(fmt: PageFormat) -> int:
+    """Elements of one page of ``fmt``."""
+    count = 1
+    for dim in fmt.shape:
+        count *= dim
+    return count

@@ -1,38 +1,11 @@
-"""The SGLang backend's way to the store: a client of ``kvstore serve`` nodes, or an embedded store; and its counts."""
+"""The SGLang backend's counts, and the one call it makes beyond :class:`~kvstore.api.BlockClient` (``clear``)."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, fields
-from typing import Any
 
-from kvstore.api import BlockClient
-from kvstore.client import KVStoreClient
-from kvstore.config import load_config
-from kvstore.connectors.sglang.config import SGLangStorageConfig
-from kvstore.embedded import open_store
-from kvstore.security import bearer_metadata, channel_credentials
-
-MAX_BACKOFF_FACTOR = 16
-"""The longest backoff of a down node, in multiples of ``down_backoff_s`` (as the vLLM connector's)."""
-
-
-def open_block_store(config: SGLangStorageConfig) -> BlockClient:
-    """A client of the configured nodes (deadline, TLS, token, down-node backoff), or an embedded store.
-
-    Raises:
-        ConfigError: on an unreadable TLS or token file, or a bad embedded-store config.
-    """
-    if not config.targets:
-        return open_store(load_config(config.config))
-    credentials = None
-    if config.tls_ca_file or config.tls_cert_file:
-        credentials = channel_credentials(config.tls_ca_file, cert_file=config.tls_cert_file,
-                                          key_file=config.tls_key_file)
-    token = config.bearer_token()
-    return KVStoreClient(list(config.targets), timeout_s=config.timeout_s, credentials=credentials,
-                         metadata=bearer_metadata(token) if token else (), down_backoff_s=config.down_backoff_s,
-                         max_down_backoff_s=config.down_backoff_s * MAX_BACKOFF_FACTOR)
+from kvstore.keys import Namespace
 
 
 @dataclass(slots=True)
@@ -81,6 +54,7 @@ class CounterBox:
             return StorageCounters(**self._counts.as_dict())
 
 
-def clear_namespace(store: Any, namespace: Any) -> int:
+def clear_namespace(store: object, namespace: Namespace) -> int:
     """Delete every page of ``namespace`` (``clear`` of the embedded store or the client); returns how many."""
-    return int(store.clear(namespace))
+    clear = getattr(store, "clear")
+    return int(clear(namespace))

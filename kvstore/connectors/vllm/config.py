@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from kvstore.config import GiB, build
+from kvstore.connectors.kit.settings import check_store_settings, require, split_targets
 from kvstore.encoding.spec import Encoding
 from kvstore.errors import ConfigError
 from kvstore.security import read_bearer_token
@@ -58,6 +59,10 @@ class VLLMConnectorConfig:
             ``WAITING_FOR_REMOTE_KVS`` and keeps running the others, a worker
             thread fetches and scatters, and ``get_finished`` reports the finished
             receives (``docs/vllm.md``). Off: the step that needs a load waits for it.
+        hit_pin_s: seconds the scheduler's lookup pins the blocks it found, for the worker's load (the
+            lookup's ``ttl_s``, ``docs/agentic.md``), so an eviction between the lookup and the load takes
+            other blocks; a request's own ``ttl_s`` pins them instead where it sets one. 0: no pin. A block
+            gone by the load all the same is counted (``lost_blocks``) and recomputed.
         down_backoff_s: after a store call fails, seconds during which the
             connector does not call the store at all (misses, no saves), so an
             unreachable node does not cost every request a timeout. It doubles
@@ -99,6 +104,7 @@ class VLLMConnectorConfig:
     save_decode_blocks: bool = True
     load_failure_policy: str = "recompute"
     load_async: bool = False
+    hit_pin_s: float = 5.0
     down_backoff_s: float = 5.0
     max_pending_save_bytes: int = 1 * GiB
     tls_ca_file: str | None = None
@@ -111,33 +117,21 @@ class VLLMConnectorConfig:
     events_replay: str = ""
 
     def __post_init__(self) -> None:
-        _require(all(t.strip() for t in self.target.split(",")) or not self.target, "target",
-                 f"must be host:port or a comma-separated list of them, got {self.target!r}")
-        _require(not (self.target and self.config), "config",
-                 "configures the embedded store, which is not used when 'target' names kvstore nodes")
-        _require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", "must be a number > 0")
-        _require(self.block_size is None or self.block_size > 0, "block_size", "must be > 0")
-        _require(self.hash_algorithm in {a.value for a in HashAlgorithm}, "hash_algorithm",
-                 f"must be one of {[a.value for a in HashAlgorithm]}, got {self.hash_algorithm!r}")
-        _require(self.model_id is None or bool(self.model_id), "model_id", "must not be empty")
-        _require(self.priority is None or 0 <= self.priority <= 100, "priority", "must be in [0, 100]")
-        _require(self.retention_s is None or self.retention_s >= 0, "retention_s", "must be >= 0")
-        _require(self.load_failure_policy in ("recompute", "fail"), "load_failure_policy",
-                 f"must be 'recompute' or 'fail', got {self.load_failure_policy!r}")
-        _require(math.isfinite(self.down_backoff_s) and self.down_backoff_s >= 0, "down_backoff_s",
-                 "must be a number >= 0")
-        _require(self.max_pending_save_bytes > 0, "max_pending_save_bytes", "must be > 0")
-        _require(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_cert_file",
-                 "a client certificate and its key (tls_key_file) must be given together")
-        _require(not (self.target == "" and (self.tls_ca_file or self.tls_cert_file or self.token_file)), "target",
-                 "TLS and token settings apply to kvstore nodes; name them in 'target' (or KVSTORE_TARGET)")
-        _require(self.kv_encoding in ("", *(e.value for e in Encoding)), "kv_encoding",
-                 f"must be one of {[e.value for e in Encoding]} or '' (exact), got {self.kv_encoding!r}")
+        check_store_settings(self, "'target' (or KVSTORE_TARGET)")
+        require(self.block_size is None or self.block_size > 0, "block_size", "must be > 0")
+        require(self.hash_algorithm in {a.value for a in HashAlgorithm}, "hash_algorithm",
+                f"must be one of {[a.value for a in HashAlgorithm]}, got {self.hash_algorithm!r}")
+        require(self.load_failure_policy in ("recompute", "fail"), "load_failure_policy",
+                f"must be 'recompute' or 'fail', got {self.load_failure_policy!r}")
+        require(math.isfinite(self.hit_pin_s) and self.hit_pin_s >= 0, "hit_pin_s", "must be a number >= 0")
+        require(self.max_pending_save_bytes > 0, "max_pending_save_bytes", "must be > 0")
+        require(self.kv_encoding in ("", *(e.value for e in Encoding)), "kv_encoding",
+                f"must be one of {[e.value for e in Encoding]} or '' (exact), got {self.kv_encoding!r}")
 
     @property
     def targets(self) -> tuple[str, ...]:
         """The nodes' ``host:port``, in order; empty for the embedded store."""
-        return tuple(t.strip() for t in self.target.split(",")) if self.target else ()
+        return split_targets(self.target)
 
     @property
     def embedded(self) -> bool:
@@ -151,11 +145,6 @@ class VLLMConnectorConfig:
             ConfigError: if ``token_file`` cannot be read or is empty.
         """
         return read_bearer_token(EXTRA_CONFIG, self.token_file, self.token_env, environ)
-
-
-def _require(condition: bool, name: str, message: str) -> None:
-    if not condition:
-        raise ConfigError(name, message)
 
 
 def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> VLLMConnectorConfig:

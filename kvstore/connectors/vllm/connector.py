@@ -7,12 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
 from kvstore.connectors.vllm.config import parse_config
 from kvstore.connectors.vllm.events import open_connector_events
@@ -28,6 +23,12 @@ try:  # vLLM 0.32 and later split the external hit by source; 0.30 and 0.31 neve
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - vLLM < 0.32
     CacheHitSource = None
+
+if TYPE_CHECKING:  # vLLM is untyped to mypy (kvstore.connectors.kit.bases)
+    from kvstore.connectors.kit.bases import EngineBase as KVConnectorBase_V1
+    from kvstore.connectors.kit.bases import EngineBase as KVConnectorHandshakeMetadata
+else:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorHandshakeMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -63,7 +63,7 @@ class _Saved:
     order: int  # when its save was planned: a request's blocks in prefix order, parents first
     keys: tuple[bytes, ...]  # each rank's ``tag + hash``, the first rank's first
     stored: BlockStored  # its BlockStored without tokens (a template: ``medium`` and the tokens are set per send)
-    tokens: array  # its tokens, 4 bytes each (``_compact``): a move announces the block again
+    tokens: array[int]  # its tokens, 4 bytes each (``_compact``): a move announces the block again
     medium: str | None = None  # announced in this medium; None: not announced (not every shard is stored yet)
     waiting: set[bytes] = field(default_factory=set)  # keys the node has not reported stored yet
     first_medium: str | None = None  # where the node holds the first rank's shard
@@ -73,7 +73,7 @@ class _Saved:
         return msgspec.structs.replace(self.stored, medium=self.medium, token_ids=self.tokens.tolist())
 
 
-def _compact(tokens: Sequence[int]) -> array:
+def _compact(tokens: Sequence[int]) -> array[int]:
     """Token ids as an array of 4-byte unsigned ints (8-byte signed for ids that do not fit)."""
     try:
         return array("I", tokens)
@@ -205,6 +205,7 @@ class ConnectorEvents:
     # ------------------------------------------------------------------ the node's stream (a thread)
 
     def _follow(self, streams: Callable[[], list[EventStream]]) -> None:
+        from kvstore.events.schema import KVEventBatch
         from kvstore.events.subscriber import EventStreamError, EventSubscriber
 
         backoff_s = 1.0
@@ -363,15 +364,10 @@ def discover_streams(settings: Any) -> list[EventStream]:
     Raises:
         grpc.RpcError: if a node cannot be asked (down): the caller asks again later.
     """
+    from kvstore.connectors.kit.stores import channel_security
     from kvstore.events.discovery import discover_events
-    from kvstore.security import bearer_metadata, channel_credentials
 
-    credentials = None
-    if settings.tls_ca_file or settings.tls_cert_file:
-        credentials = channel_credentials(settings.tls_ca_file, cert_file=settings.tls_cert_file,
-                                          key_file=settings.tls_key_file)
-    token = settings.bearer_token()
-    metadata = bearer_metadata(token) if token else ()
+    credentials, metadata, token = channel_security(settings)
     found = [discover_events(target, credentials=credentials, metadata=metadata, timeout_s=max(1.0, settings.timeout_s),
                              token=token or None)
              for target in settings.targets]

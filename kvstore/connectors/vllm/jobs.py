@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvstore.keys import BlockHash
+
+if TYPE_CHECKING:  # vLLM is untyped to mypy (kvstore.connectors.kit.bases)
+    from kvstore.connectors.kit.bases import EngineBase as KVConnectorMetadata
+    from kvstore.connectors.kit.bases import EngineBase as KVConnectorWorkerMetadata
+else:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 RankKey = tuple[int, int]
 """``(pp_rank, tp_rank)`` of a worker."""
@@ -38,7 +45,7 @@ class LoadJob:
     req_id: str
     tenant: TenantKey
     first_block: int
-    hashes: dict[RankKey, list[bytes]]
+    hashes: dict[RankKey, list[BlockHash]]
     skip_tokens: int
     block_ids: list[int]
     session_id: str = ""
@@ -63,7 +70,7 @@ class SaveJob:
 
     req_id: str
     tenant: TenantKey
-    hashes: dict[RankKey, list[bytes]]
+    hashes: dict[RankKey, list[BlockHash]]
     block_ids: list[int]
     at_finish: bool = False
     session_id: str = ""

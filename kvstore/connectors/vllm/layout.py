@@ -45,7 +45,8 @@ import torch
 import xxhash
 
 from kvstore.codec import Layout, dtype_name, torch_dtype
-from kvstore.connectors.vllm.loading import item_type
+from kvstore.connectors.kit.spec import BlockSpec
+from kvstore.connectors.kit.leased import item_type
 from kvstore.errors import InvalidArgumentError
 
 
@@ -113,6 +114,10 @@ class PageFormat:
         return (f"{self.backend}/{self.family}/{self.interior}/L{self.num_layers}/H{self.num_kv_heads}"
                 f"/D{self.head_size}/N{self.unit_tokens}/{self.dtype}/kv={self.cache_dtype}"
                 + (f"/scales={self.scales}" if self.scales else ""))
+
+    def block_spec(self, block_tokens: int) -> BlockSpec:
+        """What one kvstore block of ``block_tokens`` tokens holds: this format's dtype, layout and block shape."""
+        return BlockSpec(self.dtype, self.layout, self.block_shape(block_tokens))
 
     def block_shape(self, block_tokens: int) -> tuple[int, ...]:
         """Shape of one kvstore block of ``block_tokens`` tokens: ``[L, 2, H, T, D]`` or ``[L, 1, T, C]``."""
@@ -295,7 +300,7 @@ class PagedKV:
             unit_ids: as :meth:`scatter`.
             arrays: the kvstore blocks, ``[num_blocks, *block_shape]`` (one array, any strides: a view of a
                 leased segment) or one ``block_shape`` array per block, of the integer type of the cache
-                dtype's item size (``kvstore.connectors.vllm.loading.item_type``): bits are moved, not values.
+                dtype's item size (``item_type``): bits are moved, not values.
             units_per_kv_block: as :meth:`scatter`.
             first_units: as :meth:`scatter`.
 

@@ -12,9 +12,13 @@ them with its own throughput line ("KV Transfer metrics: ...") and feeds them to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+if TYPE_CHECKING:  # vLLM is untyped to mypy (kvstore.connectors.kit.bases)
+    from kvstore.connectors.kit.bases import EngineBase as KVConnectorPromMetrics
+    from kvstore.connectors.kit.bases import EngineBase as KVConnectorStats
+else:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 COUNTERS: dict[str, str] = {
     "lookups": "Lookups sent to kvstore (one per request scheduled with a prompt beyond vLLM's local hit).",
@@ -27,6 +31,8 @@ COUNTERS: dict[str, str] = {
     "loaded_tokens": "Tokens those blocks hold (whole kvstore blocks, vLLM's local part included).",
     "load_failed_blocks": "Blocks that failed to load (store down or slow, a miss after the lookup, a corrupt or "
                           "mismatched block); vLLM recomputes them.",
+    "lost_blocks": "Blocks a lookup found that were gone by the load (evicted or deleted in between despite the "
+                   "lookup's pin, hit_pin_s); among load_failed_blocks.",
     "saved_blocks": "Blocks sent to kvstore by finished saves (already cached ones included).",
     "saved_tokens": "Tokens those blocks hold.",
     "save_failed_blocks": "Blocks whose save failed, timed out, or was dropped (store down, save queue full).",

@@ -35,13 +35,15 @@ token ids are placeholders).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from kvstore.api import BlockClient, LookupResult
 from kvstore.client import KVStoreClient
+from kvstore.connectors.kit.stores import StoreHealth, agentic, open_client
 from kvstore.connectors.vllm.config import VLLMConnectorConfig
 from kvstore.connectors.vllm.events import ConnectorEvents
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, LoadJob, RankKey, SaveJob, TenantKey
@@ -54,9 +56,8 @@ from kvstore.connectors.vllm.namespaces import (
     request_spans,
     storage_namespace,
 )
-from kvstore.connectors.vllm.stores import StoreHealth, open_client
 from kvstore.errors import KVStoreError
-from kvstore.keys import HashAlgorithm
+from kvstore.keys import BlockHash, HashAlgorithm, Namespace
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class SchedulerSide:
         self.health = StoreHealth(config.down_backoff_s)
         self.ranks: list[RankInfo] = []
         self._clients: dict[RankKey, BlockClient] = {}
+        self._lookups: concurrent.futures.ThreadPoolExecutor | None = None  # one thread per rank, with several
         self._requests: dict[str, _RequestState] = {}
         self._finish_saves: list[SaveJob] = []
         self._hash_algorithm = HashAlgorithm(config.hash_algorithm)
@@ -212,6 +214,8 @@ class SchedulerSide:
                 self._clients[key] = remote
             else:
                 self._clients[key] = open_client(self.config, target=rank.lookup_target, token=rank.lookup_token)
+        if len(self.ranks) > 1:
+            self._lookups = concurrent.futures.ThreadPoolExecutor(len(self.ranks), thread_name_prefix="kvstore-lookup")
         logger.info("kvstore connector: %d worker(s), block size %d tokens (vLLM's %d), %s", len(self.ranks),
                     self.block_size, self.vllm_block_size,
                     "embedded stores" if self.config.embedded else f"nodes {','.join(self.config.targets)}")
@@ -226,6 +230,8 @@ class SchedulerSide:
             except Exception:  # noqa: BLE001 - shutting down
                 logger.debug("closing a kvstore client failed", exc_info=True)
         self._clients.clear()
+        if self._lookups is not None:
+            self._lookups.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ per request
 
@@ -259,7 +265,8 @@ class SchedulerSide:
         load is asynchronous (``load_async``).
 
         Never the request's last token. One Lookup per worker namespace; a
-        failure or timeout is a miss.
+        failure or timeout is a miss. With several ranks their lookups go out together; each pins the hit for the
+        worker's load (``hit_pin_s``, or the request's ``ttl_s``).
         """
         if not self._cacheable(request):
             return 0, False
@@ -280,8 +287,9 @@ class SchedulerSide:
         started = time.monotonic()
         hashes = state.keys.hashes(request.all_token_ids, max_blocks)
         try:
-            results = [self._lookup(self._clients[(r.pp_rank, r.tp_rank)], namespace, chain[first:], state)
-                       for r, namespace, chain in zip(self.ranks, state.keys.namespaces, hashes)]
+            results = self._lookup_ranks([(self._clients[(r.pp_rank, r.tp_rank)], namespace, chain[first:])
+                                          for r, namespace, chain in zip(self.ranks, state.keys.namespaces, hashes)],
+                                         state)
         except (KVStoreError, TimeoutError, OSError) as exc:
             self.health.failed("lookup", exc)
             self.stats.add("lookup_errors")
@@ -298,15 +306,22 @@ class SchedulerSide:
         state.lookup = (num_computed_tokens, num_tokens, hit.tiers)
         return num_tokens, self.config.load_async
 
-    @staticmethod
-    def _lookup(client: BlockClient, namespace: Any, hashes: list[Any], state: _RequestState) -> LookupResult:
-        """One Lookup, naming the request (``kvstore explain --request-id``) and its session and TTL when set."""
-        extra: dict[str, Any] = {"request_id": str(state.request.request_id)[:256]}
-        if state.session_id:
-            extra["session_id"] = state.session_id
-        if state.ttl_s:
-            extra["ttl_s"] = state.ttl_s
-        return client.lookup(namespace, hashes, **extra)  # type: ignore[call-arg]
+    def _lookup_ranks(self, calls: Sequence[tuple[BlockClient, Namespace, Sequence[BlockHash]]],
+                      state: _RequestState) -> list[LookupResult]:
+        """Every rank's Lookup, sent together (one thread each) when there are several; the first failure raises."""
+        if self._lookups is None or len(calls) == 1:
+            return [self._lookup(client, namespace, hashes, state) for client, namespace, hashes in calls]
+        futures = [self._lookups.submit(self._lookup, client, namespace, hashes, state)
+                   for client, namespace, hashes in calls]
+        return [future.result() for future in futures]
+
+    def _lookup(self, client: BlockClient, namespace: Namespace, hashes: Sequence[BlockHash],
+                state: _RequestState) -> LookupResult:
+        """One Lookup, naming the request (``kvstore explain --request-id``) and its session, and pinning the hit
+        for the load: for the request's TTL, else for ``hit_pin_s`` (``docs/agentic.md``)."""
+        extra = {"request_id": str(state.request.request_id)[:256],
+                 **agentic(state.session_id, state.ttl_s or self.config.hit_pin_s)}
+        return client.lookup(namespace, hashes, **extra)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """The external tokens of the request's last lookup by vLLM's ``CacheHitSource`` value (``host``, ``disk``, ...)."""
@@ -362,7 +377,7 @@ class SchedulerSide:
         hashes = state.keys.hashes(request.all_token_ids, end_block)
         state.load_job = LoadJob(
             req_id=request.request_id, tenant=state.tenant, first_block=first_block,
-            hashes={(r.pp_rank, r.tp_rank): [bytes(h) for h in chain[first_block:end_block]]
+            hashes={(r.pp_rank, r.tp_rank): [BlockHash(bytes(h)) for h in chain[first_block:end_block]]
                     for r, chain in zip(self.ranks, hashes)},
             skip_tokens=local - first_block * self.block_size,
             block_ids=list(block_ids[local // self.vllm_block_size: end // self.vllm_block_size]),
@@ -384,12 +399,12 @@ class SchedulerSide:
                 state.load_job = None
         if self.save and self.ranks:
             for req_id, num_computed in _scheduled(scheduler_output):
-                state = self._requests.get(req_id)
-                if state is None or not state.save or not self._cacheable(state.request):
+                saving = self._requests.get(req_id)
+                if saving is None or not saving.save or not self._cacheable(saving.request):
                     continue
                 computed = min(num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
-                               state.request.num_prompt_tokens)
-                job = self._save_job(state, computed // self.block_size, block_ids_of(req_id), at_finish=False)
+                               saving.request.num_prompt_tokens)
+                job = self._save_job(saving, computed // self.block_size, block_ids_of(req_id), at_finish=False)
                 if job is not None:
                     meta.saves.append(job)
         meta.saves.extend(self._finish_saves)
@@ -411,7 +426,7 @@ class SchedulerSide:
                               [chain[first:end_block] for chain in hashes])
         return SaveJob(
             req_id=state.request.request_id, tenant=state.tenant,
-            hashes={(r.pp_rank, r.tp_rank): [bytes(h) for h in chain[first:end_block]]
+            hashes={(r.pp_rank, r.tp_rank): [BlockHash(bytes(h)) for h in chain[first:end_block]]
                     for r, chain in zip(self.ranks, hashes)},
             block_ids=list(block_ids[first * ratio: end_block * ratio]), at_finish=at_finish,
             session_id=state.session_id, ttl_s=state.ttl_s,

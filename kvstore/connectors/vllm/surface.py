@@ -166,8 +166,9 @@ def check_hooks(release: tuple[int, int] | None, connector: type | None = None) 
         connector: the class to check; ``KVStoreConnector`` when ``None``.
     """
     if connector is None:
-        from kvstore.connectors.vllm.connector import KVStoreConnector as connector
+        from kvstore.connectors.vllm.connector import KVStoreConnector as ours_by_default
 
+        connector = ours_by_default
     KVStoreConnector = connector
     base = getattr(importlib.import_module(BASE_CLASS[0]), BASE_CLASS[1])
     defined: dict[str, Any] = {}  # what the connector's own classes define, a subclass's over its parent's
@@ -209,10 +210,10 @@ def check_hooks(release: tuple[int, int] | None, connector: type | None = None) 
             problems.append(f"KVStoreConnector.{name}{inspect.signature(getattr(KVStoreConnector, name))}: "
                             f"positional parameters differ from vLLM's {inspect.signature(getattr(base, name))}")
         extra = inspect.signature(getattr(KVStoreConnector, name)).parameters
-        for param in extra.values():
-            if (param.name not in dict(base_params) and param.default is inspect.Parameter.empty
-                    and param.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)):
-                problems.append(f"KVStoreConnector.{name}: requires {param.name!r}, which vLLM does not pass")
+        for own in extra.values():
+            if (own.name not in dict(base_params) and own.default is inspect.Parameter.empty
+                    and own.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)):
+                problems.append(f"KVStoreConnector.{name}: requires {own.name!r}, which vLLM does not pass")
     for name in sorted(getattr(base, "__abstractmethods__", ())):
         if name not in defined:
             problems.append(f"KVStoreConnector does not define {name}, abstract in {BASE_CLASS[1]}")

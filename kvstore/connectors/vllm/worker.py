@@ -24,15 +24,17 @@ The hit path on a CPU cache, with a client that can ``read`` (every kvstore
 client, and the embedded store): the prefix is leased where it is, in the
 node's shared-memory segment (same host) or the embedded store's own memory;
 its headers are checked as a batch and its payloads viewed as numpy arrays, with
-no copy (``kvstore.connectors.vllm.loading``); and ``PagedKV.scatter_arrays``
+no copy (``kvstore.connectors.kit.leased``); and ``PagedKV.scatter_arrays``
 copies them straight into the paged cache, one strided copy per layer: the
 scatter is this side's one copy. The lease is released after the scatter; one
 that ran out meanwhile (the node may have reused its range) fails the whole
 load, so it is recomputed, never served half-written. Checksums are checked as
 the client checks them: what crossed a network (gRPC) is, what the node
 validated at put time and serves from its memory is not (``docs/shared-memory.md``).
-On a CUDA cache the blocks go through ``get_into`` into one pinned staging
-tensor ``[num_blocks, *block_shape]`` and from there to the device. A corrupt
+The fetch is chosen once, by the client and the cache's device
+(``kvstore.connectors.kit.fetch.fetch_handler``). On a CUDA cache the blocks go
+through ``get_into`` into one pinned staging tensor ``[num_blocks,
+*block_shape]`` and from there to the device. A corrupt
 block in a staged fetch makes the worker fetch the encoded blocks to find which one it was.
 
 Saves (``wait_for_save``, after the forward pass): the blocks of the step's
@@ -47,29 +49,29 @@ copy. Saves are dropped (and counted) while the store is down or when
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from kvstore.api import BlockClient, Buffer
-from kvstore.blocklease import BlockLease
-from kvstore.codec import decode_block, torch_dtype, verify_block
+from kvstore.api import BlockClient
+from kvstore.codec import torch_dtype
+from kvstore.connectors.kit.fetch import Fetched, fetch_handler
+from kvstore.connectors.kit.saves import SaveQueue
+from kvstore.connectors.kit.stores import StoreHealth, agentic, open_client
 from kvstore.connectors.vllm.config import VLLMConnectorConfig
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadJob, RankKey, SaveJob, TenantKey
 from kvstore.connectors.vllm.layout import PagedKV
-from kvstore.connectors.vllm.loading import LeasedBlocks, view_leased
 from kvstore.connectors.vllm.metrics import KVStoreConnectorStats
 from kvstore.connectors.vllm.namespaces import ModelIdentity, RankInfo, storage_namespace
-from kvstore.connectors.vllm.stores import LookupEndpoint, StoreHealth, embedded_config, open_client
+from kvstore.connectors.vllm.stores import LookupEndpoint, embedded_config
 from kvstore.embedded import EmbeddedStore
-from kvstore.errors import CodecError, DestinationMismatchError, KVStoreError
-from kvstore.keys import HashAlgorithm, Namespace
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockHash, HashAlgorithm, Namespace
 
 logger = logging.getLogger(__name__)
 
@@ -80,35 +82,17 @@ SHUTDOWN_DRAIN_S = 10.0
 """Longest wait at shutdown for saves already queued, seconds."""
 
 
-@dataclass(slots=True)
-class _Put:
-    namespace: Namespace
-    hashes: list[bytes]
-    blocks: torch.Tensor
-    nbytes: int
-    agentic: dict[str, Any] = field(default_factory=dict)  # session_id and ttl_s, where the request set them
+def _log_failed_delete(future: concurrent.futures.Future[int]) -> None:
+    """Log a delete of a bad block that failed (the block stays a miss: it fails its checks again)."""
+    exc = future.exception()
+    if exc is not None:
+        logger.warning("deleting a bad kvstore block failed: %s", exc)
 
 
-@dataclass(slots=True)
-class _Staged:
-    """A load's blocks copied by ``get_into``: ``[num_good, *block_shape]``, and why the next one is bad (or ``None``)."""
-
-    blocks: torch.Tensor
-    bad: str | None
-
-
-@dataclass(slots=True)
-class _Leased:
-    """A load's blocks in place under the client's lease (``read``), checked and viewed as arrays."""
-
-    lease: BlockLease
-    blocks: LeasedBlocks
-
-
-def _release_late(future: concurrent.futures.Future[Any]) -> None:
+def _release_late(future: concurrent.futures.Future[Fetched]) -> None:
     """Give back the lease of a fetch that ended after its load was given up."""
-    if not future.cancelled() and future.exception() is None and isinstance(future.result(), _Leased):
-        future.result().lease.release()
+    if not future.cancelled() and future.exception() is None:
+        future.result().release()
 
 
 @dataclass(slots=True)
@@ -122,23 +106,6 @@ class _AsyncLoad:
     writing: bool = False
     abandoned: bool = False
     done: bool = False
-
-
-@dataclass(slots=True)
-class _Delete:
-    namespace: Namespace
-    hashes: list[bytes]
-
-
-def agentic(session_id: str, ttl_s: float) -> dict[str, Any]:
-    """The keywords of a store call that carry a request's session and TTL, only those it set
-    (``docs/agentic.md``)."""
-    extra: dict[str, Any] = {}
-    if session_id:
-        extra["session_id"] = session_id
-    if ttl_s:
-        extra["ttl_s"] = ttl_s
-    return extra
 
 
 class WorkerSide:
@@ -173,6 +140,8 @@ class WorkerSide:
         self.units_per_kv_block = self.block_size // paged.page_format.unit_tokens
         self._block_shape = paged.page_format.block_shape(self.block_size)
         self._block_dtype = torch_dtype(paged.page_format.dtype)
+        self._fetch_blocks = fetch_handler(client, paged.page_format.block_spec(self.block_size),
+                                           in_place=paged.device.type == "cpu", pin_memory=paged.device.type == "cuda")
         self._hash_algorithm = HashAlgorithm(config.hash_algorithm)
         if config.kv_encoding and self._block_dtype in (torch.float16, torch.bfloat16, torch.float32):
             from kvstore.encoding import warm_up  # numba's first compile here, not in the first load's timeout
@@ -188,11 +157,7 @@ class WorkerSide:
         self._async_lock = threading.Lock()
         self._finished_sending: set[str] = set()
         self._fetcher = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_FETCHES, thread_name_prefix="kvstore-load")
-        self._pending_bytes = 0
-        self._pending_lock = threading.Condition()
-        self._tasks: queue.Queue[_Put | _Delete | None] = queue.Queue()
-        self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
-        self._saver.start()
+        self._saves = SaveQueue(self.health, config.max_pending_save_bytes)
         self._closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -278,7 +243,7 @@ class WorkerSide:
         """A fetch thread's load: fetch, then write unless the load was given up meanwhile (never raises)."""
         job = load.job
         num_blocks = len(job.hashes[self.rank])
-        fetched: list[Buffer] | _Staged | _Leased | None = None
+        fetched: Fetched | None = None
         try:
             fetched = self._fetch(job)
         except (KVStoreError, OSError) as exc:
@@ -287,8 +252,8 @@ class WorkerSide:
             logger.exception("kvstore load of request %s failed", job.req_id)
         with load.lock:
             if load.abandoned:  # reported as failed at its deadline: vLLM may have reused its blocks
-                if isinstance(fetched, _Leased):
-                    fetched.lease.release()
+                if fetched is not None:
+                    fetched.release()
                 return
             if fetched is None:
                 self._fail(job, 0, num_blocks)
@@ -348,107 +313,63 @@ class WorkerSide:
         return {"loads": len(loads), "writing": sum(load.writing and not load.done for load in loads),
                 "failed_blocks": failed_blocks}
 
-    def _fetch(self, job: LoadJob) -> list[Buffer] | _Staged | _Leased:
-        """The job's blocks: leased in place when the client can ``read`` and the cache is on the CPU, else copied
-        into a staging tensor when it has ``get_into``, else encoded buffers."""
-        namespace, hashes = self.namespace(job.tenant), job.hashes[self.rank]
-        read = getattr(self.client, "read", None) if self.paged.device.type == "cpu" else None
-        if read is not None:
-            lease = read(namespace, hashes, **agentic(job.session_id, job.ttl_s))
-            try:
-                return _Leased(lease, view_leased(lease, self.paged.page_format, self._block_shape))
-            except BaseException:
-                lease.release()
-                raise
-        return self._fetch_copied(job, namespace, hashes)
+    def _fetch(self, job: LoadJob) -> Fetched:
+        """The job's blocks, by the fetch this worker's client and cache take (``kvstore.connectors.kit.fetch``):
+        leased in place on a CPU cache, else copied into a staging tensor, else decoded."""
+        return self._fetch_blocks.fetch(self.namespace(job.tenant), job.hashes[self.rank], None,
+                                        agentic(job.session_id, job.ttl_s))
 
-    def _fetch_copied(self, job: LoadJob, namespace: Namespace, hashes: list[bytes]) -> list[Buffer] | _Staged:
-        """The job's blocks copied into a staging tensor when the client has ``get_into``, else encoded buffers."""
-        get_into = getattr(self.client, "get_into", None)
-        extra = agentic(job.session_id, job.ttl_s)
-        if get_into is None:
-            return self.client.get(namespace, hashes, **extra)
-        staging = torch.empty((len(hashes), *self._block_shape), dtype=self._block_dtype,
-                              pin_memory=self.paged.device.type == "cuda")
-        try:
-            num_blocks = get_into(namespace, hashes, list(staging), **extra)  # checksums: as the client checks them
-        except DestinationMismatchError as exc:
-            return _Staged(staging[:exc.num_blocks], f"not of this worker's page format ({exc})")
-        except CodecError:  # a corrupt block: fetch the encoded blocks to find which (rare: blocks are checked at put)
-            return self.client.get(namespace, hashes)
-        return _Staged(staging[:num_blocks], None)
-
-    def _write(self, job: LoadJob, fetched: list[Buffer] | _Staged | _Leased) -> None:
+    def _write(self, job: LoadJob, fetched: Fetched) -> None:
         """Write the good prefix of the fetched blocks into vLLM's cache; report the rest, delete the bad one."""
-        if isinstance(fetched, _Leased):
-            try:
-                viewed = fetched.blocks
-                self._write_good(job, viewed.arrays, viewed.bad, fetched.lease.valid)
-            finally:
-                fetched.lease.release()
-            return
-        if isinstance(fetched, _Staged):
-            good: Any = fetched.blocks
-            bad = fetched.bad
-        else:
-            good, bad = self._check(fetched[: len(job.hashes[self.rank])])
-        self._write_good(job, good, bad)
+        try:
+            self._write_good(job, fetched)
+        finally:
+            fetched.release()
 
-    def _check(self, buffers: list[Buffer]) -> tuple[list[torch.Tensor], str | None]:
-        """The fetched blocks decoded up to the first corrupt or mismatched one, and what was wrong with it."""
-        fmt = self.paged.page_format
-        good: list[torch.Tensor] = []
-        for buffer in buffers:
-            try:
-                header = verify_block(buffer)
-            except CodecError as exc:
-                return good, f"corrupt ({exc})"
-            if header.dtype != fmt.dtype or header.layout is not fmt.layout or header.shape != self._block_shape:
-                return good, (f"of {header.dtype}/{header.layout.value} {list(header.shape)}, not "
-                              f"{fmt.dtype}/{fmt.layout.value} {list(self._block_shape)}")
-            try:
-                good.append(decode_block(buffer, verify=False))
-            except CodecError as exc:  # a lossy block's scales out of range (kvstore.encoding.scales): a miss
-                return good, f"corrupt ({exc})"
-        return good, None
-
-    def _write_good(self, job: LoadJob, good: Sequence[torch.Tensor] | torch.Tensor | np.ndarray | list[np.ndarray],
-                    bad: str | None, still_valid: Callable[[], bool] | None = None) -> None:
+    def _write_good(self, job: LoadJob, fetched: Fetched) -> None:
         """Scatter the checked blocks (each ``block_shape``) into the job's vLLM blocks; delete the bad one, if any.
 
-        ``good`` is tensors, or numpy arrays over leased memory (``kvstore.connectors.vllm.loading``); with
-        ``still_valid``, a lease that ran out during the scatter (its memory may hold another Get's bytes)
-        fails the whole load, so it is recomputed, never served half-written.
+        The blocks are tensors, or numpy arrays over leased memory (``kvstore.connectors.kit.leased``); a lease
+        that ran out during the scatter (its memory may hold another Get's bytes) fails the whole load, so it is
+        recomputed, never served half-written. Blocks the lookup found and the store no longer had (evicted or
+        deleted in between) are counted as ``lost_blocks``.
         """
         expected = job.hashes[self.rank]
         fmt = self.paged.page_format
-        if bad is not None:
-            index = len(good)
+        num_good = fetched.num_good
+        if fetched.bad is not None:
             logger.warning("kvstore block %d of request %s is %s: recomputing it, and deleting it from the store",
-                           job.first_block + index, job.req_id, bad)
-            self._tasks.put(_Delete(self.namespace(job.tenant), [expected[index]]))
-        if len(good):
+                           job.first_block + num_good, job.req_id, fetched.bad)
+            self._delete(self.namespace(job.tenant), [expected[num_good]])
+        if num_good:
             skip_units = job.skip_tokens // fmt.unit_tokens
-            num_units = len(good) * self.units_per_kv_block - skip_units
+            num_units = num_good * self.units_per_kv_block - skip_units
             units = self.paged.units_of(job.block_ids)[:num_units]
-            first_units = [skip_units] + [0] * (len(good) - 1)
+            first_units = [skip_units] + [0] * (num_good - 1)
             try:
-                if isinstance(good, np.ndarray) or (isinstance(good, list) and isinstance(good[0], np.ndarray)):
-                    self.paged.scatter_arrays(units, good, self.units_per_kv_block, first_units)
+                if fetched.arrays is not None:
+                    self.paged.scatter_arrays(units, fetched.arrays, self.units_per_kv_block, first_units)
                 else:
-                    self.paged.scatter(units, good, self.units_per_kv_block, first_units)
+                    assert fetched.tensors is not None
+                    self.paged.scatter(units, fetched.tensors, self.units_per_kv_block, first_units)
             except Exception:  # noqa: BLE001 - never leave a half-written load counted as loaded
                 logger.exception("writing kvstore blocks of request %s into vLLM's cache failed", job.req_id)
                 self._fail(job, 0, len(expected))
                 return
-            if still_valid is not None and not still_valid():
+            if not fetched.still_valid():
                 logger.warning("the lease on kvstore blocks of request %s ran out while they were copied: "
                                "recomputing them", job.req_id)
                 self._fail(job, 0, len(expected))
                 return
-            self._count(loaded_blocks=len(good), loaded_tokens=len(good) * self.block_size)
-        if len(good) < len(expected):
-            self._fail(job, len(good), len(expected))
+            self._count(loaded_blocks=num_good, loaded_tokens=num_good * self.block_size)
+        if fetched.num_found < len(expected):
+            lost = len(expected) - fetched.num_found
+            logger.warning("kvstore blocks %d-%d of request %s were found by its lookup but gone at its load "
+                           "(evicted or deleted in between): recomputing them", job.first_block + fetched.num_found,
+                           job.first_block + len(expected) - 1, job.req_id)
+            self._count(lost_blocks=lost)
+        if num_good < len(expected):
+            self._fail(job, num_good, len(expected))
 
     def _fail(self, job: LoadJob, first_bad: int, num_blocks: int) -> None:
         """Report the vLLM blocks of kvstore blocks ``first_bad`` onwards of a load as not loaded."""
@@ -497,42 +418,38 @@ class WorkerSide:
                 self._count(save_failed_blocks=len(hashes))
                 continue
             nbytes = blocks.numel() * blocks.element_size()
-            with self._pending_lock:
-                if self._pending_bytes + nbytes > self.config.max_pending_save_bytes:
-                    logger.warning("kvstore save queue is full (%d bytes waiting): dropping %d blocks of request %s",
-                                   self._pending_bytes, len(hashes), job.req_id)
-                    self._count(save_failed_blocks=len(hashes))
-                    continue
-                self._pending_bytes += nbytes
-            self._tasks.put(_Put(self.namespace(job.tenant), hashes, blocks, nbytes, agentic(job.session_id, job.ttl_s)))
+            put = self._put(self.namespace(job.tenant), hashes, blocks, agentic(job.session_id, job.ttl_s))
+            future = self._saves.submit(put, nbytes)
+            if future is None:
+                logger.warning("kvstore save queue is full (%d bytes waiting): dropping %d blocks of request %s",
+                               self._saves.pending_bytes, len(hashes), job.req_id)
+                self._count(save_failed_blocks=len(hashes))
+                continue
+            future.add_done_callback(functools.partial(self._saved, len(hashes)))
 
-    def _save_loop(self) -> None:
-        while (task := self._tasks.get()) is not None:
+    def _put(self, namespace: Namespace, hashes: list[BlockHash], blocks: torch.Tensor,
+             extra: dict[str, Any]) -> Callable[[], int]:
+        """The put of a save's copied blocks ``[num_blocks, *block_shape]``, counted when it is done."""
+        def put() -> int:
             started = time.monotonic()
-            try:
-                if isinstance(task, _Delete):
-                    self.client.delete(task.namespace, task.hashes)
-                    continue
-                if not self.health.up():
-                    self._count(save_failed_blocks=len(task.hashes))
-                    continue
-                self.client.put(task.namespace, task.hashes, list(task.blocks), priority=self.config.priority,
-                                retention_s=self.config.retention_s, **task.agentic)
-                self.health.succeeded()
-                self._count(saved_blocks=len(task.hashes), saved_tokens=len(task.hashes) * self.block_size)
-                self._observe("save_seconds", time.monotonic() - started)
-            except Exception as exc:  # noqa: BLE001 - the thread must survive any store failure
-                if isinstance(task, _Put):
-                    self.health.failed("save", exc)
-                    self._count(save_failed_blocks=len(task.hashes))
-                else:
-                    logger.warning("deleting a bad kvstore block failed: %s", exc)
-            finally:
-                if isinstance(task, _Put):
-                    with self._pending_lock:
-                        self._pending_bytes -= task.nbytes
-                        self._pending_lock.notify_all()
-                self._tasks.task_done()
+            stored = self.client.put(namespace, hashes, list(blocks), priority=self.config.priority,
+                                     retention_s=self.config.retention_s, **extra)
+            self._count(saved_blocks=len(hashes), saved_tokens=len(hashes) * self.block_size)
+            self._observe("save_seconds", time.monotonic() - started)
+            return stored
+
+        return put
+
+    def _saved(self, num_blocks: int, future: concurrent.futures.Future[int]) -> None:
+        """Count a save that failed, or was not sent while the store was down (the queue logged the failure)."""
+        if future.exception() is not None:
+            self._count(save_failed_blocks=num_blocks)
+
+    def _delete(self, namespace: Namespace, hashes: list[BlockHash]) -> None:
+        """Delete a bad block from the store, after the saves queued before it (never raises)."""
+        future = self._saves.submit(lambda: self.client.delete(namespace, hashes), guarded=False)
+        assert future is not None  # no staged bytes: never refused
+        future.add_done_callback(_log_failed_delete)
 
     def take_finished_sending(self) -> set[str]:
         """Requests whose end-of-request save has been copied out, so vLLM may free their blocks."""
@@ -541,11 +458,7 @@ class WorkerSide:
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued save and delete has reached the store (or failed); returns whether all did."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        waiter = threading.Thread(target=self._tasks.join, daemon=True)
-        waiter.start()
-        waiter.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return not waiter.is_alive()
+        return self._saves.drain(timeout_s)
 
     def take_stats(self) -> KVStoreConnectorStats | None:
         """This worker's counts since the last call."""
@@ -557,10 +470,8 @@ class WorkerSide:
         if self._closed:
             return
         self._closed = True
-        if not self.drain(SHUTDOWN_DRAIN_S):
+        if not self._saves.close(SHUTDOWN_DRAIN_S):  # no torch call left running at exit
             logger.warning("kvstore saves still queued at shutdown were dropped")
-        self._tasks.put(None)
-        self._saver.join(SHUTDOWN_DRAIN_S)  # its loop ends at the None: no torch call left running at exit
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         if self.endpoint is not None:
             self.endpoint.close()

@@ -22,22 +22,12 @@ from kvstore.connectors.vllm.layout import (
     canonical_view,
     check_kv_cache_config,
 )
-
-NUM_UNITS, H, N, D = 12, 2, 32, 16
-
-
-def _format(family: KVFamily, dtype: str = "bfloat16", heads: int = H, head_size: int = D) -> PageFormat:
-    return PageFormat(backend="TEST", family=family.value, interior="canonical", num_layers=2, num_kv_heads=heads,
-                      head_size=head_size, unit_tokens=N, dtype=dtype, cache_dtype="auto")
-
-
-def _random_cache(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return torch.randn(*shape).to(dtype)
+from tests.connectors.vllm.support import D, H, N, NUM_UNITS, page_format, random_cache
 
 
 def test_cpu_view_matches_the_cpu_backends_own_k_and_v() -> None:
     """``cpu_attn.py`` views [B, H, N, 2D] as [B, H, 2N, D] and chunks dim 2: K rows, then V rows."""
-    kv = _random_cache(NUM_UNITS, H, N, 2 * D)
+    kv = random_cache(NUM_UNITS, H, N, 2 * D)
     view = canonical_view(kv, KVFamily.SPLIT_TOKENS, H, D, N)
     key_cache, value_cache = kv.view(NUM_UNITS, H, 2 * N, D).chunk(2, dim=2)
     assert view.shape == (NUM_UNITS, 2, H, N, D)
@@ -49,9 +39,9 @@ def test_cpu_view_matches_the_cpu_backends_own_k_and_v() -> None:
 def test_split_channel_view_matches_flash_attentions_k_and_v(physical: str) -> None:
     """FlashAttention splits ``kv_cache.transpose(1, 2)`` along the last dim: K is C[:D], V is C[D:]."""
     if physical == "HND":
-        kv = _random_cache(NUM_UNITS, H, N, 2 * D)
+        kv = random_cache(NUM_UNITS, H, N, 2 * D)
     else:  # LBNHC: tokens outside heads in memory, the same logical [B, H, N, C]
-        kv = _random_cache(NUM_UNITS, N, H, 2 * D).permute(0, 2, 1, 3)
+        kv = random_cache(NUM_UNITS, N, H, 2 * D).permute(0, 2, 1, 3)
     view = canonical_view(kv, KVFamily.SPLIT_CHANNELS, H, D, N)
     key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)  # [B, N, H, D] each, as flash_attn.py
     assert torch.equal(view[:, 0], key_cache.transpose(1, 2)) and torch.equal(view[:, 1], value_cache.transpose(1, 2))
@@ -59,15 +49,15 @@ def test_split_channel_view_matches_flash_attentions_k_and_v(physical: str) -> N
 
 @pytest.mark.parametrize("shape", [(NUM_UNITS, N, 3 * D), (NUM_UNITS, 1, N, 3 * D)])
 def test_latent_view(shape: tuple[int, ...]) -> None:
-    kv = _random_cache(*shape)
+    kv = random_cache(*shape)
     view = canonical_view(kv, KVFamily.LATENT, 1, 3 * D, N)
     assert view.shape == (NUM_UNITS, 1, N, 3 * D) and torch.equal(view.reshape(kv.shape), kv)
 
 
 def test_views_refuse_layouts_they_do_not_know() -> None:
     with pytest.raises(UnsupportedModelError, match="not"):
-        canonical_view(_random_cache(NUM_UNITS, H, N, 3 * D), KVFamily.SPLIT_TOKENS, H, D, N)
-    nhd = _random_cache(NUM_UNITS, N, H, 2 * D).permute(0, 2, 1, 3)
+        canonical_view(random_cache(NUM_UNITS, H, N, 3 * D), KVFamily.SPLIT_TOKENS, H, D, N)
+    nhd = random_cache(NUM_UNITS, N, H, 2 * D).permute(0, 2, 1, 3)
     with pytest.raises(UnsupportedModelError, match="head-major"):
         canonical_view(nhd, KVFamily.SPLIT_TOKENS, H, D, N)  # the CPU backend only reads LBHNC
 
@@ -83,11 +73,11 @@ def test_gather_then_scatter_moves_exactly_the_blocks(family: KVFamily, units_pe
     content = head_size if family is KVFamily.LATENT else 2 * D
 
     def caches() -> list[torch.Tensor]:
-        return [_random_cache(NUM_UNITS, heads, N, content, dtype=torch.float32).to(dtype) for _ in range(2)]
+        return [random_cache(NUM_UNITS, heads, N, content, dtype=torch.float32).to(dtype) for _ in range(2)]
 
     source, target = caches(), caches()
     before = [t.clone() for t in target]
-    fmt = _format(family, dtype=str(dtype).removeprefix("torch."), heads=heads, head_size=head_size)
+    fmt = page_format(family, dtype=str(dtype).removeprefix("torch."), heads=heads, head_size=head_size)
     make = lambda layers: PagedKV(fmt, [canonical_view(t, family, heads, head_size, N) for t in layers],  # noqa: E731
                                   units_per_block)
     src, dst = make(source), make(target)
@@ -108,8 +98,8 @@ def test_gather_then_scatter_moves_exactly_the_blocks(family: KVFamily, units_pe
 
 def test_gathered_block_layout_is_layers_then_k_and_v() -> None:
     """A kvstore block is [L, 2, H, T, D]: K of layer 1, head 0, token t is what the CPU view holds there."""
-    layers = [_random_cache(NUM_UNITS, H, N, 2 * D) for _ in range(2)]
-    fmt = _format(KVFamily.SPLIT_TOKENS)
+    layers = [random_cache(NUM_UNITS, H, N, 2 * D) for _ in range(2)]
+    fmt = page_format(KVFamily.SPLIT_TOKENS)
     paged = PagedKV(fmt, [canonical_view(t, KVFamily.SPLIT_TOKENS, H, D, N) for t in layers], 1)
     block = paged.gather([7, 3], 2)[0]  # one block of 2 units: tokens 0..31 from unit 7, 32..63 from unit 3
     key_cache = layers[1].view(NUM_UNITS, H, 2 * N, D)[:, :, :N]
@@ -119,8 +109,8 @@ def test_gathered_block_layout_is_layers_then_k_and_v() -> None:
 
 
 def test_scatter_refuses_a_wrong_number_of_units() -> None:
-    fmt = _format(KVFamily.SPLIT_TOKENS)
-    paged = PagedKV(fmt, [canonical_view(_random_cache(NUM_UNITS, H, N, 2 * D), KVFamily.SPLIT_TOKENS, H, D, N)
+    fmt = page_format(KVFamily.SPLIT_TOKENS)
+    paged = PagedKV(fmt, [canonical_view(random_cache(NUM_UNITS, H, N, 2 * D), KVFamily.SPLIT_TOKENS, H, D, N)
                           for _ in range(2)], 1)
     blocks = paged.gather([0, 1], 2)
     with pytest.raises(ValueError, match="destination units"):

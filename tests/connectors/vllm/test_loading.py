@@ -18,8 +18,7 @@ from kvstore.connectors.vllm.layout import KVFamily, PagedKV, PageFormat, canoni
 from kvstore.connectors.vllm.loading import view_leased
 from kvstore.embedded import EmbeddedStore
 from kvstore.keys import Namespace
-from tests.connectors.vllm.test_layout import NUM_UNITS, _format, _random_cache
-from tests.connectors.vllm.test_worker import FORMAT, RANK, _caches, _worker
+from tests.connectors.vllm.support import NUM_UNITS, WORKER_FORMAT as FORMAT, WORKER_RANK as RANK, cpu_caches, cpu_worker, page_format, random_cache
 from tests.support.server import ThreadedServer, make_config
 from tests.support.waiting import wait_until
 
@@ -108,7 +107,7 @@ def test_a_checked_lease_compares_headers_so_another_shape_still_ends_the_prefix
 
 @pytest.mark.parametrize("units", [[5, 6, 7, 8], [9, 2, 14, 3]], ids=["a run", "scattered"])
 def test_scatter_arrays_writes_exactly_the_units_named(units: list[int]) -> None:
-    caches = _caches(5)
+    caches = cpu_caches(5)
     paged = PagedKV(FORMAT, [canonical_view(c, KVFamily.SPLIT_TOKENS, H, D, N) for c in caches], 1)
     before = [c.clone() for c in caches]
     blocks = torch.stack(_blocks(6, 4))
@@ -124,7 +123,7 @@ def test_scatter_arrays_writes_exactly_the_units_named(units: list[int]) -> None
 
 def test_a_lease_that_ran_out_during_the_scatter_is_recomputed_whole() -> None:
     with EmbeddedStore(StoreConfig(memory=MemoryTierConfig(capacity_bytes=16 << 20))) as store:
-        saver = _worker(store, _caches(1))
+        saver = cpu_worker(store, cpu_caches(1))
         namespace = saver.namespace(TenantKey())
         store.put(namespace, HASHES[:2], [torch.randn(LAYERS, 2, H, 2 * N, D).bfloat16() for _ in range(2)])
 
@@ -139,7 +138,7 @@ def test_a_lease_that_ran_out_during_the_scatter_is_recomputed_whole() -> None:
                 lease.expires_at = time.monotonic() - 1.0
                 return lease
 
-        loader = _worker(RunsOut(), _caches(2))
+        loader = cpu_worker(RunsOut(), cpu_caches(2))
         job = LoadJob("l", TenantKey(), 0, {RANK: HASHES[:2]}, 0, [5, 6, 10, 11])
         loader.start_load(KVStoreConnectorMetadata(loads=[job]))
         assert loader.take_load_errors() == {5, 6, 10, 11}
@@ -157,10 +156,10 @@ def test_whole_vllm_blocks_gather_and_scatter_by_numpy_in_every_family(family: K
     head_size = 3 * D if family is KVFamily.LATENT else D
     heads = 1 if family is KVFamily.LATENT else H
     content = head_size if family is KVFamily.LATENT else 2 * D
-    source, target = ([_random_cache(NUM_UNITS, heads, N, content, dtype=torch.float32).to(dtype) for _ in range(2)]
+    source, target = ([random_cache(NUM_UNITS, heads, N, content, dtype=torch.float32).to(dtype) for _ in range(2)]
                       for _ in range(2))
     before = [t.clone() for t in target]
-    fmt = _format(family, dtype=str(dtype).removeprefix("torch."), heads=heads, head_size=head_size)
+    fmt = page_format(family, dtype=str(dtype).removeprefix("torch."), heads=heads, head_size=head_size)
     src, dst = (PagedKV(fmt, [canonical_view(t, family, heads, head_size, N) for t in layers], 1)
                 for layers in (source, target))
     blocks = src.gather(ids[0], 1)

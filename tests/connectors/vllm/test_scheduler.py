@@ -7,7 +7,6 @@ requests are vLLM's own ``Request`` objects.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from kvstore.connectors.vllm.stores import LookupEndpoint
 from kvstore.embedded import EmbeddedStore
 from kvstore.errors import UnavailableError
 from kvstore.keys import HashAlgorithm, hash_blocks
+from tests.connectors.vllm.support import scheduler_output, vllm_request
 
 VLLM_BLOCK = 32
 FORMAT = PageFormat(backend="CPU_ATTN", family="split_tokens", interior="cpu_attn:isa=vec", num_layers=2,
@@ -51,11 +51,6 @@ def _scheduler(store: Any, *, block_size: int | None = None, load: bool = True, 
     return side
 
 
-def _request(req_id: str, tokens: list[int], **kwargs: Any) -> Request:
-    params = SamplingParams(max_tokens=8, extra_args=kwargs.pop("extra_args", None))
-    return Request(req_id, list(tokens), params, None, **kwargs)
-
-
 def _put(store: Any, tokens: list[int], num_blocks: int, *, block_size: int = VLLM_BLOCK, salt: str = "") -> None:
     """Store the first ``num_blocks`` blocks of ``tokens`` under the scheduler's namespace."""
     embedded, _ = store
@@ -66,23 +61,13 @@ def _put(store: Any, tokens: list[int], num_blocks: int, *, block_size: int = VL
     embedded.put(namespace, hashes, blocks)
 
 
-def _output(new: list[tuple[str, int, int]] = (), cached: list[tuple[str, int, int]] = ()) -> SimpleNamespace:
-    """A ``SchedulerOutput`` with the fields the connector reads: ``(req_id, computed before, scheduled)``."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
-                                              num_computed_tokens=[c for _, c, _ in cached]),
-        num_scheduled_tokens={r: n for r, _, n in [*new, *cached]},
-    )
-
-
 def test_whole_blocks_past_the_local_hit_and_never_the_last_token(store: Any) -> None:
     tokens = list(range(1000, 1192))  # exactly 6 blocks
     _put(store, tokens, 6)
     side = _scheduler(store)
-    assert side.get_num_new_matched_tokens(_request("a", tokens), 0) == (160, False)  # 5 blocks: not the last
-    assert side.get_num_new_matched_tokens(_request("b", tokens), 64) == (96, False)  # past vLLM's 2 local blocks
-    assert side.get_num_new_matched_tokens(_request("c", tokens), 160) == (0, False)
+    assert side.get_num_new_matched_tokens(vllm_request("a", tokens), 0) == (160, False)  # 5 blocks: not the last
+    assert side.get_num_new_matched_tokens(vllm_request("b", tokens), 64) == (96, False)  # past vLLM's 2 local blocks
+    assert side.get_num_new_matched_tokens(vllm_request("c", tokens), 160) == (0, False)
     stats = side.take_stats()
     assert stats is not None and stats.data["lookups"] == 2 and stats.data["hit_blocks"] == 5 + 3
 
@@ -91,9 +76,9 @@ def test_the_hit_stops_at_the_first_missing_block(store: Any) -> None:
     tokens = list(range(2000, 2200))
     _put(store, tokens, 3)
     side = _scheduler(store)
-    assert side.get_num_new_matched_tokens(_request("a", tokens), 0) == (96, False)
-    assert side.get_num_new_matched_tokens(_request("b", tokens), 32) == (64, False)
-    assert side.get_num_new_matched_tokens(_request("c", list(range(1, 200))), 0) == (0, False)
+    assert side.get_num_new_matched_tokens(vllm_request("a", tokens), 0) == (96, False)
+    assert side.get_num_new_matched_tokens(vllm_request("b", tokens), 32) == (64, False)
+    assert side.get_num_new_matched_tokens(vllm_request("c", list(range(1, 200))), 0) == (0, False)
 
 
 def test_the_load_plan_names_the_allocated_vllm_blocks(store: Any) -> None:
@@ -101,73 +86,73 @@ def test_the_load_plan_names_the_allocated_vllm_blocks(store: Any) -> None:
     tokens = list(range(3000, 3200))
     _put(store, tokens, 3, block_size=64)
     side = _scheduler(store, block_size=64)
-    request = _request("r", tokens)
+    request = vllm_request("r", tokens)
     assert side.get_num_new_matched_tokens(request, 32) == (160, False)
     side.update_state_after_alloc(request, [40, 41, 42, 43, 44, 45, 46], 160)
-    meta = side.build_meta(_output(new=[("r", 32, 200 - 192)]), lambda _: [40, 41, 42, 43, 44, 45, 46])
+    meta = side.build_meta(scheduler_output(new=[("r", 32, 200 - 192)]), lambda _: [40, 41, 42, 43, 44, 45, 46])
     (job,) = meta.loads
     assert (job.first_block, job.skip_tokens, job.block_ids) == (0, 32, [41, 42, 43, 44, 45])
     assert len(job.hashes[(0, 0)]) == 3
     assert meta.saves == []  # the loaded blocks are in the store already
-    assert side.build_meta(_output(), lambda _: []).loads == []  # a load is planned once
+    assert side.build_meta(scheduler_output(), lambda _: []).loads == []  # a load is planned once
 
 
 def test_no_load_when_vllm_takes_no_external_tokens(store: Any) -> None:
     tokens = list(range(3500, 3700))
     _put(store, tokens, 2)
     side = _scheduler(store)
-    request = _request("r", tokens)
+    request = vllm_request("r", tokens)
     assert side.get_num_new_matched_tokens(request, 0) == (64, False)
     side.update_state_after_alloc(request, [1, 2, 3, 4, 5, 6, 7], 0)
-    assert side.build_meta(_output(), lambda _: []).loads == []
+    assert side.build_meta(scheduler_output(), lambda _: []).loads == []
 
 
 def test_prompt_blocks_are_saved_in_the_step_that_completes_them(store: Any) -> None:
     side = _scheduler(store)
-    request = _request("r", list(range(4000, 4200)))
+    request = vllm_request("r", list(range(4000, 4200)))
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)
     blocks = [10, 11, 12, 13, 14, 15, 16]
-    first = side.build_meta(_output(new=[("r", 0, 80)]), lambda _: blocks)  # chunked prefill: 80 tokens
+    first = side.build_meta(scheduler_output(new=[("r", 0, 80)]), lambda _: blocks)  # chunked prefill: 80 tokens
     assert [(s.block_ids, s.at_finish) for s in first.saves] == [([10, 11], False)]
-    second = side.build_meta(_output(cached=[("r", 80, 120)]), lambda _: blocks)  # the rest of the prompt
+    second = side.build_meta(scheduler_output(cached=[("r", 80, 120)]), lambda _: blocks)  # the rest of the prompt
     assert [s.block_ids for s in second.saves] == [[12, 13, 14, 15]]
-    assert side.build_meta(_output(cached=[("r", 200, 1)]), lambda _: blocks).saves == []  # decoding
+    assert side.build_meta(scheduler_output(cached=[("r", 200, 1)]), lambda _: blocks).saves == []  # decoding
 
 
 def test_generated_blocks_are_saved_once_when_the_request_ends(store: Any) -> None:
     side = _scheduler(store)
-    request = _request("r", list(range(5000, 5200)))
+    request = vllm_request("r", list(range(5000, 5200)))
     side.get_num_new_matched_tokens(request, 0)
     blocks = list(range(20, 28))
-    side.build_meta(_output(new=[("r", 0, 200)]), lambda _: blocks)  # saves prompt blocks 0..5
+    side.build_meta(scheduler_output(new=[("r", 0, 200)]), lambda _: blocks)  # saves prompt blocks 0..5
     for token in range(60):  # 60 generated tokens: 259 of 260 tokens computed
         request.append_output_token_ids(7 + token)
     request.num_computed_tokens = 259
     assert side.request_finished(request, blocks) is True  # vLLM keeps the blocks until the copy
-    (job,) = side.build_meta(_output(), lambda _: []).saves
+    (job,) = side.build_meta(scheduler_output(), lambda _: []).saves
     assert job.at_finish and job.block_ids == [26, 27] and len(job.hashes[(0, 0)]) == 2
-    assert side.request_finished(_request("other", [1, 2, 3]), [5]) is False  # nothing to save
+    assert side.request_finished(vllm_request("other", [1, 2, 3]), [5]) is False  # nothing to save
 
 
 def test_roles_and_per_request_options(store: Any) -> None:
     tokens = list(range(6000, 6200))
     _put(store, tokens, 6)
     producer = _scheduler(store, load=False)
-    request = _request("p", tokens)
+    request = vllm_request("p", tokens)
     assert producer.get_num_new_matched_tokens(request, 0) == (0, False)
     assert producer.take_stats() is None  # no lookup at all
-    assert producer.build_meta(_output(new=[("p", 0, 200)]), lambda _: list(range(7))).saves  # saves blocks
+    assert producer.build_meta(scheduler_output(new=[("p", 0, 200)]), lambda _: list(range(7))).saves  # saves blocks
 
     consumer = _scheduler(store, save=False)
-    request = _request("c", tokens)
+    request = vllm_request("c", tokens)
     assert consumer.get_num_new_matched_tokens(request, 0) == (192, False)
-    assert consumer.build_meta(_output(new=[("c", 0, 200)]), lambda _: list(range(7))).saves == []
+    assert consumer.build_meta(scheduler_output(new=[("c", 0, 200)]), lambda _: list(range(7))).saves == []
     assert consumer.request_finished(request, list(range(7))) is False
 
     both = _scheduler(store)
-    opt_out = _request("o", tokens, extra_args={"kv_transfer_params": {"kvstore": {"load": False, "save": False}}})
+    opt_out = vllm_request("o", tokens, extra_args={"kv_transfer_params": {"kvstore": {"load": False, "save": False}}})
     assert both.get_num_new_matched_tokens(opt_out, 0) == (0, False)
-    assert both.build_meta(_output(new=[("o", 0, 200)]), lambda _: list(range(7))).saves == []
+    assert both.build_meta(scheduler_output(new=[("o", 0, 200)]), lambda _: list(range(7))).saves == []
 
 
 def test_requests_given_as_embeddings_are_neither_looked_up_nor_saved(store: Any) -> None:
@@ -187,8 +172,8 @@ def test_a_failed_lookup_is_a_miss_and_the_store_is_left_alone_for_a_while(store
 
     side = _scheduler(store, down_backoff_s=3600)
     side._clients[(0, 0)] = Down()
-    assert side.get_num_new_matched_tokens(_request("a", PROMPT), 0) == (0, False)
-    assert side.get_num_new_matched_tokens(_request("b", PROMPT), 0) == (0, False)
+    assert side.get_num_new_matched_tokens(vllm_request("a", PROMPT), 0) == (0, False)
+    assert side.get_num_new_matched_tokens(vllm_request("b", PROMPT), 0) == (0, False)
     assert len(calls) == 1  # the second request did not wait for a down node
     stats = side.take_stats()
     assert stats is not None and stats.data["lookup_errors"] == 2
@@ -198,12 +183,12 @@ def test_a_failed_load_lowers_the_saved_mark_so_the_recomputed_blocks_are_saved(
     tokens = list(range(7000, 7200))
     _put(store, tokens, 6)
     side = _scheduler(store)
-    request = _request("r", tokens)
+    request = vllm_request("r", tokens)
     assert side.get_num_new_matched_tokens(request, 0) == (192, False)
     side.update_state_after_alloc(request, list(range(7)), 192)
-    side.build_meta(_output(new=[("r", 0, 8)]), lambda _: list(range(7)))
+    side.build_meta(scheduler_output(new=[("r", 0, 8)]), lambda _: list(range(7)))
     side.load_failed({"r": 4})  # blocks 4 and 5 did not load: vLLM recomputes from token 128
-    meta = side.build_meta(_output(cached=[("r", 128, 72)]), lambda _: list(range(7)))
+    meta = side.build_meta(scheduler_output(cached=[("r", 128, 72)]), lambda _: list(range(7)))
     assert [s.block_ids for s in meta.saves] == [[4, 5]]
 
 
@@ -211,7 +196,7 @@ def test_hit_sources_follow_the_tiers(store: Any) -> None:
     tokens = list(range(8000, 8200))
     _put(store, tokens, 4)
     side = _scheduler(store)
-    request = _request("r", tokens)
+    request = vllm_request("r", tokens)
     num_tokens, _ = side.get_num_new_matched_tokens(request, 32)
     assert side.hit_sources(request, num_tokens) == {"host": 96}  # the embedded store's memory tier
 
@@ -221,8 +206,8 @@ def test_external_tokens_that_are_not_whole_kvstore_blocks_are_recomputed(store:
     tokens = list(range(9000, 9200))
     _put(store, tokens, 3, block_size=64)
     side = _scheduler(store, block_size=64)
-    request = _request("r", tokens)
+    request = vllm_request("r", tokens)
     assert side.get_num_new_matched_tokens(request, 0) == (192, False)
     side.update_state_after_alloc(request, list(range(7)), 160)  # 2.5 kvstore blocks
-    (job,) = side.build_meta(_output(new=[("r", 0, 8)]), lambda _: list(range(7))).loads
+    (job,) = side.build_meta(scheduler_output(new=[("r", 0, 8)]), lambda _: list(range(7))).loads
     assert job.hashes == {} and job.block_ids == [0, 1, 2, 3, 4]

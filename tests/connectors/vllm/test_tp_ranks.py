@@ -23,7 +23,7 @@ from kvstore.connectors.vllm.namespaces import RankInfo
 from kvstore.connectors.vllm.scheduler import SchedulerSide
 from tests.connectors.vllm.harness import REPO_ROOT
 from tests.connectors.vllm.rank_worker import FORMAT, N, identity, shard
-from tests.connectors.vllm.test_scheduler import _output, _request
+from tests.connectors.vllm.support import scheduler_output, vllm_request
 from tests.support.kvnode import KVNode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -61,9 +61,9 @@ def _run_ranks(node: KVNode, job: str, hashes: dict[int, list[bytes]], block_ids
 
 
 def _plan_save(side: SchedulerSide, req_id: str, tokens: list[int]) -> dict[int, list[bytes]]:
-    request = _request(req_id, tokens)
+    request = vllm_request(req_id, tokens)
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)  # a miss: prefilled, then saved
-    (job,) = side.build_meta(_output(new=[(req_id, 0, len(tokens))]), lambda _: SAVED_IDS).saves
+    (job,) = side.build_meta(scheduler_output(new=[(req_id, 0, len(tokens))]), lambda _: SAVED_IDS).saves
     return {tp: job.hashes[(0, tp)] for tp in (0, 1)}
 
 
@@ -74,10 +74,10 @@ def test_every_rank_saves_and_loads_its_own_shard(node: KVNode) -> None:
         assert hashes[0] != hashes[1]  # each rank's blocks have keys of their own
         assert {r["saved"] for r in _run_ranks(node, "save", hashes, SAVED_IDS[:6]).values()} == {6}
         # the second engine: its scheduler finds the prefix on both ranks, and each rank loads its shard
-        request = _request("b", PROMPT)
+        request = vllm_request("b", PROMPT)
         assert side.get_num_new_matched_tokens(request, 0) == (6 * N, False)
         side.update_state_after_alloc(request, LOADED_IDS, 6 * N)
-        (job,) = side.build_meta(_output(new=[("b", 6 * N, 8)]), lambda _: LOADED_IDS).loads
+        (job,) = side.build_meta(scheduler_output(new=[("b", 6 * N, 8)]), lambda _: LOADED_IDS).loads
         loaded = _run_ranks(node, "load", {tp: job.hashes[(0, tp)] for tp in (0, 1)}, job.block_ids)
         for tp in (0, 1):
             assert loaded[tp]["errors"] == []
@@ -94,6 +94,6 @@ def test_a_prefix_one_rank_lacks_is_a_miss_for_both(node: KVNode) -> None:
         tokens = list(range(1000, 1200))
         hashes = _plan_save(side, "c", tokens)
         _run_ranks(node, "save", {0: hashes[0]}, SAVED_IDS[:6])  # rank 1 never saved it
-        assert side.get_num_new_matched_tokens(_request("d", tokens), 0) == (0, False)
+        assert side.get_num_new_matched_tokens(vllm_request("d", tokens), 0) == (0, False)
     finally:
         side.close()

@@ -21,23 +21,20 @@ from kvstore.blocklease import BlockLease
 from kvstore.client import KVStoreClient
 from kvstore.codec import encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
-from kvstore.connectors.vllm.config import parse_config
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, LoadJob, SaveJob, TenantKey
-from kvstore.connectors.vllm.layout import KVFamily, PagedKV, PageFormat, canonical_view
-from kvstore.connectors.vllm.namespaces import ModelIdentity
 from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.embedded import EmbeddedStore
 from kvstore.errors import UnavailableError
 from tests.support.server import ThreadedServer, finished_calls, make_config
+from tests.connectors.vllm.support import (
+    WORKER_HEAD_SIZE as D,
+    WORKER_LAYERS as LAYERS,
+    WORKER_RANK as RANK,
+    H,
+    cpu_caches,
+    cpu_worker,
+)
 from tests.support.waiting import wait_until
-
-NUM_BLOCKS, H, N, D, LAYERS = 16, 2, 32, 32, 2
-FORMAT = PageFormat(backend="CPU_ATTN", family="split_tokens", interior="cpu_attn:isa=vec", num_layers=LAYERS,
-                    num_kv_heads=H, head_size=D, unit_tokens=N, dtype="bfloat16", cache_dtype="auto")
-IDENTITY = ModelIdentity(model_id="m", revision="", config_digest="c", act_dtype="bfloat16", quantization="",
-                         tp_size=1, pp_size=1)
-RANK = (0, 0)
-
 
 class Proxy:
     """A block client that forwards to the store, but can corrupt, replace or hold back what ``get`` returns."""
@@ -93,17 +90,6 @@ def store() -> Any:
         yield store
 
 
-def _caches(seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(NUM_BLOCKS, H, N, 2 * D, generator=generator).bfloat16() for _ in range(LAYERS)]
-
-
-def _worker(client: Any, caches: list[torch.Tensor], **extra: Any) -> WorkerSide:
-    paged = PagedKV(FORMAT, [canonical_view(c, KVFamily.SPLIT_TOKENS, H, D, N) for c in caches], 1)
-    config = parse_config({"block_size": 64, "timeout_s": 5, **extra})  # kvstore blocks of 2 vLLM blocks
-    return WorkerSide(config, IDENTITY, paged, RANK, 32, client)
-
-
 HASHES = [bytes([i]) * 16 for i in range(4)]  # stand-ins: the worker stores whatever hashes the scheduler names
 
 
@@ -125,8 +111,8 @@ def _units_equal(a: list[torch.Tensor], a_ids: list[int], b: list[torch.Tensor],
 
 @pytest.mark.parametrize("client", [EmbeddedStore, GetOnly])
 def test_saved_blocks_load_into_other_blocks_of_another_worker(store: EmbeddedStore, client: Any) -> None:
-    source, target = _caches(1), _caches(2)
-    saver, loader = _worker(store, source), _worker(store if client is EmbeddedStore else client(store), target)
+    source, target = cpu_caches(1), cpu_caches(2)
+    saver, loader = cpu_worker(store, source), cpu_worker(store if client is EmbeddedStore else client(store), target)
     _save(saver, [3, 4, 9, 1, 0, 7, 12, 13])  # 4 kvstore blocks
     before = [t.clone() for t in target]
     assert _load(loader, [5, 6, 10, 11, 2, 8, 14, 15]) == set()
@@ -141,8 +127,8 @@ def test_loads_through_a_same_host_node_come_from_shared_memory_and_match_the_sa
     node = ThreadedServer(make_config())
     try:
         with KVStoreClient(node.target, retries=0) as saver_client, KVStoreClient(node.target, retries=0) as client:
-            source, target = _caches(1), _caches(2)
-            saver, loader = _worker(saver_client, source), _worker(client, target)
+            source, target = cpu_caches(1), cpu_caches(2)
+            saver, loader = cpu_worker(saver_client, source), cpu_worker(client, target)
             _save(saver, [3, 4, 9, 1, 0, 7, 12, 13])
             assert _load(loader, [5, 6, 10, 11, 2, 8, 14, 15]) == set()
             assert _units_equal(source, [3, 4, 9, 1, 0, 7, 12, 13], target, [5, 6, 10, 11, 2, 8, 14, 15])
@@ -156,19 +142,19 @@ def test_loads_through_a_same_host_node_come_from_shared_memory_and_match_the_sa
 
 
 def test_a_block_partly_in_vllms_local_cache_is_written_only_past_it(store: EmbeddedStore) -> None:
-    source, target = _caches(1), _caches(2)
-    _save(_worker(store, source), [3, 4, 9, 1], HASHES[:2])
+    source, target = cpu_caches(1), cpu_caches(2)
+    _save(cpu_worker(store, source), [3, 4, 9, 1], HASHES[:2])
     before = [t.clone() for t in target]
-    assert _load(_worker(store, target), [6, 7, 8], HASHES[:2], skip_tokens=32) == set()  # vLLM has tokens 0..31
+    assert _load(cpu_worker(store, target), [6, 7, 8], HASHES[:2], skip_tokens=32) == set()  # vLLM has tokens 0..31
     assert _units_equal(source, [4, 9, 1], target, [6, 7, 8])
     assert _units_equal(before, [5], target, [5])
 
 
 def test_a_miss_after_the_lookup_reports_the_missing_blocks_and_writes_nothing_for_them(store: EmbeddedStore) -> None:
-    source, target = _caches(1), _caches(2)
-    _save(_worker(store, source), [3, 4, 9, 1], HASHES[:2])  # only 2 of the 4 blocks are in the store
+    source, target = cpu_caches(1), cpu_caches(2)
+    _save(cpu_worker(store, source), [3, 4, 9, 1], HASHES[:2])  # only 2 of the 4 blocks are in the store
     before = [t.clone() for t in target]
-    loader = _worker(store, target)
+    loader = cpu_worker(store, target)
     assert _load(loader, [5, 6, 10, 11, 2, 8, 14, 15]) == {2, 8, 14, 15}
     assert _units_equal(source, [3, 4, 9, 1], target, [5, 6, 10, 11])
     assert _units_equal(before, [2, 8, 14, 15], target, [2, 8, 14, 15])
@@ -183,8 +169,8 @@ def test_a_miss_after_the_lookup_reports_the_missing_blocks_and_writes_nothing_f
 @pytest.mark.parametrize("damage", ["checksum", "shape", "dtype"])
 def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: EmbeddedStore, damage: str,
                                                                    client: type[Proxy]) -> None:
-    source, target = _caches(1), _caches(2)
-    saver = _worker(store, source)
+    source, target = cpu_caches(1), cpu_caches(2)
+    saver = cpu_worker(store, source)
     _save(saver, [3, 4, 9, 1, 0, 7], HASHES[:3])
     proxy = client(store)
 
@@ -200,7 +186,7 @@ def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: Embedded
 
     proxy.edit = edit
     before = [t.clone() for t in target]
-    loader = _worker(proxy, target)
+    loader = cpu_worker(proxy, target)
     assert _load(loader, [5, 6, 10, 11, 2, 8], HASHES[:3]) == {10, 11, 2, 8}  # block 1 and all after it
     assert _units_equal(source, [3, 4], target, [5, 6])
     assert _units_equal(before, [10, 11, 2, 8], target, [10, 11, 2, 8])
@@ -210,12 +196,12 @@ def test_a_corrupt_or_mismatched_block_is_recomputed_and_deleted(store: Embedded
 
 
 def test_a_load_that_hangs_is_given_up_after_the_timeout(store: EmbeddedStore) -> None:
-    _save(_worker(store, _caches(1)), [3, 4, 9, 1], HASHES[:2])
+    _save(cpu_worker(store, cpu_caches(1)), [3, 4, 9, 1], HASHES[:2])
     proxy = Proxy(store)
     proxy.gate = threading.Event()  # the store never answers until the test ends
-    target = _caches(2)
+    target = cpu_caches(2)
     before = [t.clone() for t in target]
-    loader = _worker(proxy, target, timeout_s=0.2, down_backoff_s=3600)
+    loader = cpu_worker(proxy, target, timeout_s=0.2, down_backoff_s=3600)
     try:
         assert _load(loader, [5, 6, 10, 11], HASHES[:2]) == {5, 6, 10, 11}
         assert _units_equal(before, [5, 6, 10, 11], target, [5, 6, 10, 11])
@@ -231,7 +217,7 @@ def test_saves_are_dropped_and_counted_while_the_store_is_down(store: EmbeddedSt
         def put(self, *args: Any, **kwargs: Any) -> int:
             raise UnavailableError("node down")
 
-    worker = _worker(Down(store), _caches(1), down_backoff_s=3600)
+    worker = cpu_worker(Down(store), cpu_caches(1), down_backoff_s=3600)
     _save(worker, [3, 4], HASHES[:1])
     _save(worker, [9, 1], HASHES[1:2], at_finish=True)
     assert worker.take_finished_sending() == {"s"}  # vLLM may free the blocks whatever happened to the put
@@ -242,7 +228,7 @@ def test_saves_are_dropped_and_counted_while_the_store_is_down(store: EmbeddedSt
 def test_saves_past_the_pending_limit_are_dropped(store: EmbeddedStore) -> None:
     proxy = Proxy(store)
     block_bytes = LAYERS * 2 * H * 64 * D * 2
-    worker = _worker(proxy, _caches(1), max_pending_save_bytes=block_bytes)
+    worker = cpu_worker(proxy, cpu_caches(1), max_pending_save_bytes=block_bytes)
     hold = threading.Event()
     proxy.put = lambda *a, **k: hold.wait() or 1  # the first put waits, so the queue stays full
     job = lambda i: SaveJob(f"s{i}", TenantKey(), {RANK: [HASHES[i]]}, [2 * i, 2 * i + 1])  # noqa: E731
@@ -254,7 +240,7 @@ def test_saves_past_the_pending_limit_are_dropped(store: EmbeddedStore) -> None:
 
 
 def test_a_job_with_nothing_to_fetch_reports_every_block(store: EmbeddedStore) -> None:
-    worker = _worker(store, _caches(1))
+    worker = cpu_worker(store, cpu_caches(1))
     job = LoadJob("l", TenantKey(), 0, {}, 0, [3, 4, 5])
     worker.start_load(KVStoreConnectorMetadata(loads=[job]))
     assert worker.take_load_errors() == {3, 4, 5}
@@ -274,11 +260,11 @@ def _load_async(worker: WorkerSide, block_ids: list[int], hashes: list[bytes] = 
 
 
 def test_an_asynchronous_load_returns_at_once_and_is_reported_when_written(store: EmbeddedStore) -> None:
-    source, target = _caches(1), _caches(2)
-    _save(_worker(store, source), [3, 4, 9, 1, 0, 7, 12, 13])
+    source, target = cpu_caches(1), cpu_caches(2)
+    _save(cpu_worker(store, source), [3, 4, 9, 1, 0, 7, 12, 13])
     proxy = Gated(store)
     proxy.gate = threading.Event()
-    loader = _worker(proxy, target, load_async=True)
+    loader = cpu_worker(proxy, target, load_async=True)
     _load_async(loader, [5, 6, 10, 11, 2, 8, 14, 15])  # returns while the store holds the fetch back
     assert loader.take_finished_recving() == set()
     assert loader.in_flight() == {"loads": 1, "writing": 0, "failed_blocks": 0}
@@ -293,12 +279,12 @@ def test_an_asynchronous_load_returns_at_once_and_is_reported_when_written(store
 
 
 def test_an_asynchronous_load_past_its_deadline_is_reported_failed_and_never_written(store: EmbeddedStore) -> None:
-    _save(_worker(store, _caches(1)), [3, 4, 9, 1], HASHES[:2])
+    _save(cpu_worker(store, cpu_caches(1)), [3, 4, 9, 1], HASHES[:2])
     proxy = Gated(store)
     proxy.gate = threading.Event()
-    target = _caches(2)
+    target = cpu_caches(2)
     before = [t.clone() for t in target]
-    loader = _worker(proxy, target, load_async=True, timeout_s=0.2, down_backoff_s=3600)
+    loader = cpu_worker(proxy, target, load_async=True, timeout_s=0.2, down_backoff_s=3600)
     _load_async(loader, [5, 6, 10, 11], HASHES[:2])
     wait_until(lambda: loader.take_finished_recving() == {"l"}, 30, "the load was given up at its deadline")
     assert loader.in_flight() == {"loads": 0, "writing": 0, "failed_blocks": 4}  # reported next, by vLLM's order
@@ -310,8 +296,8 @@ def test_an_asynchronous_load_past_its_deadline_is_reported_failed_and_never_wri
 
 
 def test_a_failed_asynchronous_load_reports_its_blocks_with_or_before_its_end(store: EmbeddedStore) -> None:
-    _save(_worker(store, _caches(1)), [3, 4], HASHES[:1])  # one of the two blocks is in the store
-    loader = _worker(store, _caches(2), load_async=True)
+    _save(cpu_worker(store, cpu_caches(1)), [3, 4], HASHES[:1])  # one of the two blocks is in the store
+    loader = cpu_worker(store, cpu_caches(2), load_async=True)
     _load_async(loader, [5, 6, 10, 11], HASHES[:2])
     errors: set[int] = set()
 
