@@ -509,6 +509,6 @@ def _held_bytes(lender: LeasingTier) -> Callable[[], int]:
     return lambda: lender.held_bytes
 
 
-def _tag_of(key: bytes) -> bytes:
+def _tag_of(key: BlockKey) -> bytes:
     """A tier key's namespace tag: what pinned bytes are counted by (tenant bounds)."""
     return key[:NAMESPACE_TAG_BYTES]

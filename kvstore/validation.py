@@ -262,7 +262,7 @@ class BlockChecker:
             self._tensor_header = block.header
 
 
-class CheckedBlocks(list[object]):
+class CheckedBlocks(list[Buffer]):
     """A put's blocks that a :class:`BlockChecker` of ``namespace`` checked one by one as they were made: the
     node's own copies, which no other process can write (views of ranges of the shared pool, sealed against
     every writer but the node, or of memory of the node's own), so checking them again would find the same,
@@ -277,7 +277,7 @@ class CheckedBlocks(list[object]):
         checker: the checker that checked them.
     """
 
-    def __init__(self, blocks: Sequence[object], checker: BlockChecker) -> None:
+    def __init__(self, blocks: Sequence[Buffer], checker: BlockChecker) -> None:
         super().__init__(blocks)
         self.namespace = checker.namespace
         self.max_block_bytes = checker.max_block_bytes

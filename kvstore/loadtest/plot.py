@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 import os
 from pathlib import Path
 
@@ -16,7 +17,7 @@ HIT_RATIO_PNG = "loadtest_hit_ratio.png"
 LATENCY_CDF_PNG = "loadtest_latency_cdf.png"
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot() -> Any:  # matplotlib.pyplot, imported on first use (it is optional)
     import matplotlib
 
     matplotlib.use("Agg")
