@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
