@@ -81,7 +81,7 @@ demo: setup
 
 # Two vLLM engines (CPU) and a `kvstore serve` node: the second engine loads the first's prefix KV.
 vllm-demo: setup-vllm
-	$(VLLM_PY) -m kvstore.demo.vllm_demo
+	$(VLLM_PY) -m kvstore.tools.demo.vllm_demo
 
 # `make test` runs its halves one after another, each from its own venv: every half runs and reports even when
 # an earlier one failed, and the target fails at the end if any did. A half is one `$(call test_half,NAME,PYTHON,PATHS)`

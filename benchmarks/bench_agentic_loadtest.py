@@ -31,12 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstore.client import AsyncKVStoreClient  # noqa: E402
-from kvstore.loadtest import LoadTestConfig, replay_loadtest  # noqa: E402
-from kvstore.loadtest.blocks import trace_block_hashes  # noqa: E402
-from kvstore.sim import simulate  # noqa: E402
-from kvstore.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
+from kvstore.tools.loadtest import LoadTestConfig, replay_loadtest  # noqa: E402
+from kvstore.tools.loadtest.blocks import trace_block_hashes  # noqa: E402
+from kvstore.tools.sim import simulate  # noqa: E402
+from kvstore.tools.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
 from kvstore.shm.node.pool import footprint  # noqa: E402
-from kvstore.trace import TraceRequest  # noqa: E402
+from kvstore.tools.trace import TraceRequest  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
 from tests.support.redis import RedisProcess  # noqa: E402
 

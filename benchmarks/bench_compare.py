@@ -78,7 +78,7 @@ class ServiceWorker:
 
         sys.path.insert(0, str(_checkout()))
         from kvstore.client import KVStoreClient
-        from kvstore.codec import encode_block
+        from kvstore.blocks.tensors import encode_block
         from kvstore.keys import Namespace
         from kvstore.server.process import tune_malloc
         from tests.support.kvnode import KVNode
@@ -198,7 +198,7 @@ class TtftWorker:
         from kvstore.client import KVStoreClient
         from kvstore.config import MemoryTierConfig, StoreConfig
         from kvstore.connectors.hf import HFConnector
-        from kvstore.demo.model import build_model, spec_from
+        from kvstore.tools.demo.model import build_model, spec_from
         from kvstore.embedded import open_store
 
         bench = _load(_checkout() / "benchmarks" / "bench_hf_ttft.py", "bench_hf_ttft_of_checkout")

@@ -78,9 +78,9 @@ async def _get_times(make_tier, blocks: list[bytes], rounds: int) -> tuple[float
 def main() -> None:
     import torch
 
-    from kvstore.codec import encode_block
+    from kvstore.blocks.tensors import encode_block
     from kvstore.config import RedisTierConfig
-    from kvstore.encoding import encode_lossy
+    from kvstore.blocks.encoding import encode_lossy
     from kvstore.tiers.compression import Codec, Compressor, unpack
     from kvstore.tiers.lmdb import LMDBTier
     from kvstore.tiers.redis import RedisTier

@@ -43,7 +43,7 @@ def main() -> None:
 
     import numpy as np
 
-    from kvstore.codec import Layout, encode_header
+    from kvstore.blocks.tensors import Layout, encode_header
     from kvstore.config import DiskTierConfig, MemoryTierConfig, StoreConfig
     from kvstore.embedded import open_store
     from kvstore.errors import ResourceExhaustedError

@@ -3,7 +3,7 @@ simulate``) on the bundled conversation trace and the three synthetic agentic wo
 
 A block's exact size is that of Llama-3.1-8B in bf16 (32 layers, 8 KV heads of
 128 channels: 128 KiB per token); each encoding's block takes the bytes
-``kvstore simulate --kv-encoding`` gives it (``kvstore.sim.cli.encoded_block_bytes``), so a byte
+``kvstore simulate --kv-encoding`` gives it (``kvstore.tools.sim.cli.encoded_block_bytes``), so a byte
 capacity holds more of its blocks. Capacities are the raw blocks that fit, as
 a fraction of the trace's distinct blocks (1 %, 5 %); the policy is LRU (fast enough to replay every
 trace in about a minute here).
@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_sim import AGENTIC  # noqa: E402
-from kvstore.sim import simulate  # noqa: E402
-from kvstore.sim.agentic import generate_agentic  # noqa: E402
-from kvstore.sim.cli import encoded_block_bytes  # noqa: E402
-from kvstore.trace import read_trace  # noqa: E402
+from kvstore.tools.sim import simulate  # noqa: E402
+from kvstore.tools.sim.agentic import generate_agentic  # noqa: E402
+from kvstore.tools.sim.cli import encoded_block_bytes  # noqa: E402
+from kvstore.tools.trace import read_trace  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # Llama-3.1-8B, bf16

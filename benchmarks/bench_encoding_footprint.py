@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.codec import encode_block  # noqa: E402
+from kvstore.blocks.tensors import encode_block  # noqa: E402
 from kvstore.config import DiskTierConfig, MemoryTierConfig, RedisTierConfig, StoreConfig  # noqa: E402
 from kvstore.embedded import EmbeddedStore  # noqa: E402
-from kvstore.encoding import Encoding, encode_lossy  # noqa: E402
+from kvstore.blocks.encoding import Encoding, encode_lossy  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
 from tests.support.redis import RedisProcess  # noqa: E402

@@ -4,7 +4,7 @@ error on blocks with outlier key channels, and stored bytes per block against bf
 Blocks are Llama-3-8B's (``[32, 2, 8, block_size, 128]`` bf16).
 
 * Speed: a batch of blocks, larger than the caches, is encoded
-  (``kvstore.encoding.encode_lossy``: header, payload and checksum, into a new
+  (``kvstore.blocks.encoding.encode_lossy``: header, payload and checksum, into a new
   buffer) and decoded into caller tensors (``decode_block_into``, what ``get_into``
   runs, the scales check included), and the same logical bytes are copied with
   ``Tensor.copy_``, in the same run, interleaved: each encode and decode between
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from kvstore.codec import decode_header, encode_block
-from kvstore.encoding import Encoding, encode_lossy
-from kvstore.encoding.blocks import decode_block_into
-from kvstore.encoding.dispatch import FAST_ENCODINGS, fast_kernels
+from kvstore.blocks.tensors import decode_header, encode_block
+from kvstore.blocks.encoding import Encoding, encode_lossy
+from kvstore.blocks.encoding.blocks import decode_block_into
+from kvstore.blocks.encoding.dispatch import FAST_ENCODINGS, fast_kernels
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = (32, 2, 8, 16, 128)

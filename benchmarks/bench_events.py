@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 import zmq
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import StoreConfig
 from kvstore.events.log import EventLog
 from kvstore.events.publisher import EventPublisher, PublisherSettings
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
 
 RESULTS = Path(__file__).parent / "results"

@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from kvstore.client import AsyncKVStoreClient, KVStoreClient  # noqa: E402
-from kvstore.codec import encode_block  # noqa: E402
+from kvstore.blocks.tensors import encode_block  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
 

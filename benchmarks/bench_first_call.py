@@ -45,7 +45,7 @@ namespace = Namespace(model="bench/first_call/" + sys.argv[3], dtype="float16", 
 shape = (8, 2, 8, 16, 64)  # 256 KiB of float16
 blocks_a = [(torch.full(shape, i, dtype=torch.float16) if tensors else None) for i in range(8)]
 if not tensors:
-    from kvstore.codec import encode_header
+    from kvstore.blocks.tensors import encode_header
     payload = bytes(2 * 8 * 2 * 8 * 16 * 64)
     blocks_a = [encode_header("float16", "kv", shape, payload) + payload for _ in range(8)]
 hashes_a = hash_blocks(namespace, list(range(8 * 16)))

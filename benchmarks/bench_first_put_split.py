@@ -17,7 +17,7 @@ import json, sys, time
 sys.path.insert(0, REPO)
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.codec import encode_header
+from kvstore.blocks.tensors import encode_header
 shape = (8, 2, 8, 16, 64)
 payload = bytes(2 * 8 * 2 * 8 * 16 * 64)
 blocks = [encode_header("float16", "kv", shape, payload) + payload for _ in range(8)]

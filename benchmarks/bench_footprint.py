@@ -2,7 +2,7 @@
 
 Issue 38's footprint goal: stored bytes / the blocks' own bytes <= 1.05 in every
 tier, for raw and encoded blocks of 16 KiB and up. For each kind of block (raw
-float16 blocks from 16 KiB to 2 MiB, and lossy-encoded ones: ``kvstore.encoding``),
+float16 blocks from 16 KiB to 2 MiB, and lossy-encoded ones: ``kvstore.blocks.encoding``),
 this puts ``--num-blocks`` distinct blocks straight into a fresh tier and reads
 what the tier then takes, from the tier's own memory or file, not its accounting:
 
@@ -16,7 +16,7 @@ what the tier then takes, from the tier's own memory or file, not its accounting
   its value and their entry), against a real ``redis-server`` on a loopback port.
 
 Beside each it gives the tier's own accounting (``footprint``, what the store counts against its capacity),
-over the same blocks. A block's own bytes are its encoded length (header and payload, ``kvstore.codec``);
+over the same blocks. A block's own bytes are its encoded length (header and payload, ``kvstore.blocks.tensors``);
 ``payload`` gives the ratio over the payload alone too.
 
     .venv/bin/python benchmarks/bench_footprint.py                 # all tiers (redis: if installed)
@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from kvstore.codec import decode_header, encode_block  # noqa: E402
+from kvstore.blocks.tensors import decode_header, encode_block  # noqa: E402
 from kvstore.keys import Namespace, block_key  # noqa: E402
 from kvstore.tiers.base import BlockMeta  # noqa: E402
 
@@ -78,7 +78,7 @@ def make_blocks(shape: Sequence[int], encoding: str, num_blocks: int, seed: int 
     for _ in range(num_blocks):
         tensor = torch.randn(*shape, generator=generator).to(torch.float16)
         if encoding:
-            from kvstore.encoding import encode_lossy
+            from kvstore.blocks.encoding import encode_lossy
             blocks.append(bytes(encode_lossy(tensor, "kv", encoding)))
         else:
             blocks.append(encode_block(tensor))

@@ -52,9 +52,9 @@ sys.path.insert(0, str(REPO))
 
 from kvstore.config import MemoryTierConfig, StoreConfig  # noqa: E402
 from kvstore.connectors.hf import HFConnector  # noqa: E402
-from kvstore.demo.model import build_model, spec_from  # noqa: E402
-from kvstore.demo.tokenizer import ByteTokenizer  # noqa: E402
-from kvstore.demo.workload import load_corpus  # noqa: E402
+from kvstore.tools.demo.model import build_model, spec_from  # noqa: E402
+from kvstore.tools.demo.tokenizer import ByteTokenizer  # noqa: E402
+from kvstore.tools.demo.workload import load_corpus  # noqa: E402
 from kvstore.embedded import open_store  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"

@@ -27,7 +27,8 @@ import tracemalloc
 from pathlib import Path
 
 from kvstore.keys import Namespace, block_key, hash_blocks
-from kvstore.misses import DEFAULT_HISTORY_BLOCKS, EVICTED, MissHistory
+from kvstore.config import DEFAULT_HISTORY_BLOCKS
+from kvstore.store.misses import EVICTED, MissHistory
 from kvstore.policy import PriorityLRUPolicy, make_policy
 from kvstore.policy.sessions import SessionTracker
 from kvstore.tiers.base import BlockMeta

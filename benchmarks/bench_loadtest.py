@@ -8,7 +8,7 @@ Run from the repository root::
 Starts ``kvstore serve`` with a memory tier of exactly 5,859 blocks (5,859 x the
 memory tier's footprint of one encoded block, 64,704 bytes) and no disk tier,
 replays the Mooncake conversation trace with one closed-loop worker (file
-order), and runs ``kvstore.sim`` with the LRU policy at 5,859 blocks on the same
+order), and runs ``kvstore.tools.sim`` with the LRU policy at 5,859 blocks on the same
 requests. The payload is the default 63 KiB (64,640-byte encoded blocks), and
 every got block is checked byte for byte.
 
@@ -30,11 +30,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.loadtest import LoadTestConfig, compare_with_simulator, replay_loadtest  # noqa: E402
-from kvstore.loadtest.blocks import PayloadFactory, loadtest_namespace  # noqa: E402
-from kvstore.loadtest.plot import plot_hit_ratio, plot_latency_cdf  # noqa: E402
+from kvstore.tools.loadtest import LoadTestConfig, compare_with_simulator, replay_loadtest  # noqa: E402
+from kvstore.tools.loadtest.blocks import PayloadFactory, loadtest_namespace  # noqa: E402
+from kvstore.tools.loadtest.plot import plot_hit_ratio, plot_latency_cdf  # noqa: E402
 from kvstore.shm.node.pool import footprint  # noqa: E402
-from kvstore.trace import read_trace  # noqa: E402
+from kvstore.tools.trace import read_trace  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
 
 TRACE = ROOT / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -1,7 +1,7 @@
 """Whether a same-host Put's staging pays for one pass: copy-then-checksum per block against a chunked copy that
 checksums each chunk while it is in cache (issue 33, "stage puts with one pass").
 
-The client stages a Put (``kvstore.blockcopy.encode_into``) by copying each tensor's payload into its put
+The client stages a Put (``kvstore.blocks.copying.encode_into``) by copying each tensor's payload into its put
 segment and then computing the header's xxh3-64 checksum over that copy: two reads of the payload, the second
 from a copy just written. This times, in one run and interleaved, on an anonymous mapping the size of the
 64 x 256 KiB batch of ``bench_shm.py``:

@@ -35,7 +35,7 @@ import redis.asyncio as aioredis  # noqa: E402
 import torch  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
 
-from kvstore.codec import encode_block  # noqa: E402
+from kvstore.blocks.tensors import encode_block  # noqa: E402
 from kvstore.config import RedisTierConfig  # noqa: E402
 from kvstore.keys import Namespace, block_key  # noqa: E402
 from kvstore.tiers.base import BlockMeta  # noqa: E402

@@ -13,7 +13,7 @@ order, it times each step a same-host call is made of, against one
   view of each block in the node's slabs;
 * ``get_into``: the same plus the one copy into the caller's tensor (what
   ``bench_peers`` times as a Get);
-* ``checksum``: xxh3-64 of the bytes (``kvstore.codec``), what the node runs
+* ``checksum``: xxh3-64 of the bytes (``kvstore.blocks.tensors``), what the node runs
   over every Put's blocks before storing them;
 * ``put``: ``client.put`` of new keys (staged in the pool by the client: one
   copy, then the node checks and indexes them).

@@ -90,7 +90,7 @@ def main() -> None:
     import torch
 
     from kvstore.client import KVStoreClient
-    from kvstore.codec import encode_block
+    from kvstore.blocks.tensors import encode_block
     from kvstore.keys import HashAlgorithm, Namespace, hash_blocks
     from kvstore.security import bearer_metadata, channel_credentials
     from tests.support.redis import make_tls_files

@@ -271,7 +271,7 @@ def main() -> int:
     import torch
 
     from kvstore.client import KVStoreClient
-    from kvstore.codec import encode_block
+    from kvstore.blocks.tensors import encode_block
     from kvstore.keys import Namespace
     from tests.support.kvnode import KVNode
     from tests.support.redis import RedisProcess

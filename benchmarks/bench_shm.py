@@ -84,10 +84,10 @@ def main() -> int:
     import redis
     import torch
 
-    from kvstore.blockcopy import encode_batch_into, encode_into
+    from kvstore.blocks.copying import encode_batch_into, encode_into
     from kvstore.client import KVStoreClient
     from kvstore.shm.client.control import CHANNELS_ENV
-    from kvstore.codec import encode_block, verify_block
+    from kvstore.blocks.tensors import encode_block, verify_block
     from kvstore.keys import Namespace, hash_blocks
     from kvstore.server.process import tune_malloc
     from kvstore.validation import BlockChecker

@@ -13,7 +13,7 @@ cannot rebuild (the session merges without ``--sessions``) keeps its recorded
 disk rows, and the page says so.
 
 Traces: the two bundled Mooncake traces, three synthetic agentic workloads
-(``kvstore.sim.agentic``, seeded), and with ``--sessions`` real agentic
+(``kvstore.tools.sim.agentic``, seeded), and with ``--sessions`` real agentic
 sessions merged two ways (all at once, and staggered), a seeded sample of them.
 
 Writes ``benchmarks/results/sim_results.{md,json}`` (and ``sim_results.png``).
@@ -37,17 +37,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.sim import SimResult, simulate  # noqa: E402
-from kvstore.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
-from kvstore.sim.cli import format_table, plot  # noqa: E402
-from kvstore.trace import TraceRequest, merge_sessions, read_trace  # noqa: E402
+from kvstore.tools.sim import SimResult, simulate  # noqa: E402
+from kvstore.tools.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
+from kvstore.tools.sim.cli import format_table, plot  # noqa: E402
+from kvstore.tools.trace import TraceRequest, merge_sessions, read_trace  # noqa: E402
 
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.25, 0.50)
 POLICIES = ("lru", "slru", "default", "belady")
 MOONSHOT_FRACTIONS = (0.01, 0.02, 0.05, 0.10)
 FLOOR = 0.995
 MOONSHOT = 0.25
-AGENTIC = {  # name: config; each a different shape (see kvstore.sim.agentic)
+AGENTIC = {  # name: config; each a different shape (see kvstore.tools.sim.agentic)
     "agentic_steady": AgenticConfig(num_sessions=40, duration_s=1800.0, turns=(5, 80), seed=1),
     "agentic_bursty": AgenticConfig(num_sessions=30, duration_s=300.0, turns=(5, 60), subagent_prob=0.1,
                                     max_subagents=4, seed=2),
@@ -199,7 +199,7 @@ def main() -> int:
         f"{provenance}, so the times are not speed figures: see `sim_speed.md`).{stale}\n\n"
         f"Capacities are fractions of each trace's distinct blocks (memory only). `default` is "
         f"`kvstore simulate --policy default` (the adaptive policy); the bound is Belady's MIN with bypass, "
-        f"exact for these traces (they have the chain property, `kvstore.sim.belady`). `gap closed` is "
+        f"exact for these traces (they have the chain property, `kvstore.tools.sim.belady`). `gap closed` is "
         f"(default - LRU) / (bound - LRU). The floor: default >= {FLOOR} x LRU; the moonshot: gap closed >= "
         f"{MOONSHOT} at 1-10 % on the Mooncake traces.\n\n"
         f"**Floor met at every point: {'yes' if floor_ok else 'no'}. Moonshot met at "

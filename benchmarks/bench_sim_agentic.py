@@ -7,7 +7,7 @@ Run from the repository root::
 
 Traces (``docs/agentic.md``):
 
-* the bundled agentic generator (``kvstore.sim.agentic``), its three shapes of ``benchmarks/bench_sim.py``
+* the bundled agentic generator (``kvstore.tools.sim.agentic``), its three shapes of ``benchmarks/bench_sim.py``
   (steady, bursty, one agent) at their seeds and at two more seeds, and the steady one at half and double the
   sessions;
 * kv-cache-tester-format sessions: the steady workload written as kv-cache-tester session files
@@ -40,9 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.sim import SimResult, simulate  # noqa: E402
-from kvstore.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
-from kvstore.trace import TraceRequest, merge_sessions, read_trace  # noqa: E402
+from kvstore.tools.sim import SimResult, simulate  # noqa: E402
+from kvstore.tools.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
+from kvstore.tools.trace import TraceRequest, merge_sessions, read_trace  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 ALL_POLICIES = ("lru", "default", "arc", "sae", "session", "belady")
@@ -226,7 +226,7 @@ def report(rows: list[dict[str, object]], meta: dict[str, dict[str, object]], su
         f"cores, shared with other work: the times are not speed figures).\n\n"
         f"Capacities are fractions of each trace's distinct blocks, memory only. `gap closed` is "
         f"(session - LRU) / (bound - LRU); the bound is Belady's MIN with bypass (exact on these traces). SAE is "
-        f"vLLM's session-aware eviction as its pull request describes it (`kvstore.sim.baselines`).\n\n"
+        f"vLLM's session-aware eviction as its pull request describes it (`kvstore.tools.sim.baselines`).\n\n"
         f"**Goals:** gap closed >= {GOAL_GAP} at 1, 5, 10 % on the agentic traces: met at "
         f"{summary['gap_goal_met']} of {summary['gap_goal_points']} points (mean gap closed by capacity: "
         + ", ".join(f"{float(k):.0%} {v:+.3f}" for k, v in means.items() if v is not None)

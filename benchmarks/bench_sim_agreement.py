@@ -31,11 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.loadtest import LoadTestConfig, compare_with_simulator, replay_loadtest  # noqa: E402
-from kvstore.loadtest.blocks import PayloadFactory, loadtest_namespace  # noqa: E402
+from kvstore.tools.loadtest import LoadTestConfig, compare_with_simulator, replay_loadtest  # noqa: E402
+from kvstore.tools.loadtest.blocks import PayloadFactory, loadtest_namespace  # noqa: E402
 from kvstore.shm.node.pool import footprint  # noqa: E402
 from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, default_map_size_bytes  # noqa: E402
-from kvstore.trace import read_trace  # noqa: E402
+from kvstore.tools.trace import read_trace  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
 
 TRACES = ("mooncake_conversation_trace", "mooncake_synthetic_trace")

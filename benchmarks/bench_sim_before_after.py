@@ -5,10 +5,10 @@ Run from the repository root::
 
     python benchmarks/bench_sim_before_after.py [--before 73f9e45] [--requests 4000] [--rounds 3]
 
-The ``kvstore`` package of ``--before`` (the last commit with ``kvstore/sim/model.py``) is unpacked with
+The ``kvstore`` package of ``--before`` (the last commit with ``kvstore/tools/sim/model.py``) is unpacked with
 ``git archive`` into a temporary directory, and two worker processes are started, one importing it and one
 importing this checkout. Each replays the first ``--requests`` requests of the conversation trace (the trace of
-``bench_sim_speed.py``) at 5 % of their distinct blocks, memory only, through ``kvstore.sim.simulate``; the two
+``bench_sim_speed.py``) at 5 % of their distinct blocks, memory only, through ``kvstore.tools.sim.simulate``; the two
 take turns, policy by policy, ``--rounds`` times, so that a change in the machine's load falls on both. Figures
 are the CPU time of ``simulate`` in the worker (``SimResult.cpu_s``), the median of the rounds; the hit counts of
 both are recorded, with the load average, in ``benchmarks/results/sim_before_after.{md,json}``.
@@ -33,8 +33,8 @@ POLICIES = ("lru", "slru", "default")
 
 _WORKER = r"""
 import json, sys
-from kvstore.sim import simulate
-from kvstore.trace import read_trace
+from kvstore.tools.sim import simulate
+from kvstore.tools.trace import read_trace
 requests = read_trace(sys.argv[1])[:int(sys.argv[2])]
 capacity = len({key for r in requests for key in r.block_ids}) // 20
 print(json.dumps({"ready": True, "capacity": capacity}), flush=True)

@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.sim import simulate  # noqa: E402
-from kvstore.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
-from kvstore.trace import TraceRequest, read_trace  # noqa: E402
+from kvstore.tools.sim import simulate  # noqa: E402
+from kvstore.tools.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
+from kvstore.tools.trace import TraceRequest, read_trace  # noqa: E402
 
 POLICIES = ("lru", "slru", "adaptive", "belady")
 COPIES = (1, 2, 4)

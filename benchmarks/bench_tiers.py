@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.codec import encode_block, header_nbytes  # noqa: E402
+from kvstore.blocks.tensors import encode_block, header_nbytes  # noqa: E402
 from kvstore.tiers.base import BlockMeta  # noqa: E402
 from kvstore.tiers.lmdb import LMDBTier  # noqa: E402
 from kvstore.tiers.memory import MemoryTier  # noqa: E402

@@ -78,7 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--settle-steps", type=int, default=4, help="steps after a load window, not measured")
     parser.add_argument("--rounds", type=int, default=1,
                         help="engines per mode, interleaved (sync, async, sync, async, ...)")
-    parser.add_argument("--model", default="default", help="kvstore.demo preset: default (~147M) or small")
+    parser.add_argument("--model", default="default", help="kvstore.tools.demo preset: default (~147M) or small")
     parser.add_argument("--dtype", default=default_dtype(), choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--quick", action="store_true", help=f"a smoke test: {QUICK}")
     parser.add_argument("--out", default=str(RESULTS / "bench_vllm_async"))
@@ -245,7 +245,7 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], load_before: st
 
 def kv_bytes_per_token(preset: str, dtype: str) -> int:
     """KV bytes one token takes in vLLM's cache (every layer, K and V)."""
-    from kvstore.demo.model import spec_from
+    from kvstore.tools.demo.model import spec_from
 
     spec = spec_from(preset)
     head_dim = spec.hidden_size // spec.num_heads

@@ -59,7 +59,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvstore.demo.model import spec_from  # noqa: E402
+from kvstore.tools.demo.model import spec_from  # noqa: E402
 from tests.connectors.vllm.harness import Engine, counter  # noqa: E402
 from tests.support.kvnode import KVNode  # noqa: E402
 
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--cached-tokens", type=int, default=1536)
-    parser.add_argument("--model", default="default", help="kvstore.demo preset: default (~147M) or small")
+    parser.add_argument("--model", default="default", help="kvstore.tools.demo preset: default (~147M) or small")
     parser.add_argument("--dtype", default=default_dtype(), choices=["bfloat16", "float32", "float16"],
                         help="model and KV dtype (default: bfloat16 where the CPU has AVX512-BF16, else float32: "
                              "bf16 matmuls are emulated, and take hours here, on CPUs without it)")

@@ -87,10 +87,10 @@ def _serve_timed(argv: list[str]) -> int:
     from kvstore.shm.node.operations import SameHostOperations
     from kvstore.shm.node.plane import SharedMemoryNode
     from kvstore.shm.node.pool import SharedPool
-    from kvstore.store import TieredStore
-    import kvstore.index as index
-    import kvstore.mover as mover
-    import kvstore.placement as placement
+    from kvstore.store.tiered import TieredStore
+    import kvstore.store.index as index
+    import kvstore.store.mover as mover
+    import kvstore.store.placement as placement
     import kvstore.tiers.heap as heap
     import kvstore.validation as validation
 

@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.codec import dtype_name  # noqa: E402
+from kvstore.blocks.tensors import dtype_name  # noqa: E402
 from kvstore.config import MemoryTierConfig, StoreConfig  # noqa: E402
 from kvstore.connectors.vllm.config import parse_config  # noqa: E402
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, LoadJob, TenantKey  # noqa: E402

@@ -98,7 +98,7 @@ class Tally:
             self.ops[name] += 1
 
     def error(self, name: str, exc: BaseException) -> str:
-        from kvstore.status import status_of
+        from kvstore.error_codes import status_of
 
         code = status_of(exc)[0].name if isinstance(exc, Exception) else type(exc).__name__
         with self.lock:
@@ -126,7 +126,7 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         from kvstore.client import KVStoreClient
-        from kvstore.codec import encode_block
+        from kvstore.blocks.tensors import encode_block
         from kvstore.errors import ResourceExhaustedError
         from kvstore.keys import hash_blocks
 
@@ -256,7 +256,7 @@ class Hostile(threading.Thread):
         import torch
 
         from kvstore.client import KVStoreClient
-        from kvstore.encoding import Encoding
+        from kvstore.blocks.encoding import Encoding
         from kvstore.keys import Namespace, hash_blocks
         from tests.support.poison import POISONS, poisoned, random_blocks
 

@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "BlockClient": "kvstore.api", "LookupResult": "kvstore.api", "StoreStats": "kvstore.api",
     "TierStats": "kvstore.api",
-    "Layout": "kvstore.codec", "decode_block": "kvstore.codec", "encode_block": "kvstore.codec",
+    "Layout": "kvstore.blocks.tensors", "decode_block": "kvstore.blocks.tensors", "encode_block": "kvstore.blocks.tensors",
     "Config": "kvstore.config", "StoreConfig": "kvstore.config", "load_config": "kvstore.config",
     "EmbeddedStore": "kvstore.embedded", "open_store": "kvstore.embedded",
     "CodecError": "kvstore.errors", "ConfigError": "kvstore.errors", "InvalidArgumentError": "kvstore.errors",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, Union, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.blocklease import BlockLease
+    from kvstore.blocks.lease import BlockLease
 
 from kvstore.keys import BlockHash, Namespace
 
@@ -118,11 +118,11 @@ class StoreStats:
             blocks is also a miss of every tier (``docs/service.md``, "Metrics").
         lookup_blocks_by_tenant: the same two counts, ``(hit, miss)``, by tenant: ``default`` for the
             namespaces without a ``cache_salt``, else ``t-`` and 8 hex digits of the salt's SHA-256 (a salt
-            may be a secret; ``kvstore.counts.tenant_label``), at most ``kvstore.counts.MAX_TENANTS`` of
+            may be a secret; ``kvstore.store.counts.tenant_label``), at most ``kvstore.store.counts.MAX_TENANTS`` of
             them and ``other`` for the rest. The node's own stats (``/metrics``); not sent by ``Stats``.
-        missed_blocks: blocks missed by cause (``kvstore.misses.CAUSES``): those of lookups, which sum to
+        missed_blocks: blocks missed by cause (``kvstore.store.misses.CAUSES``): those of lookups, which sum to
             ``lookup_miss_blocks``, and ``lease_lost``, the blocks gets asked for and did not get.
-        reuse_gap_counts: per bucket of ``kvstore.misses.REUSE_GAP_BUCKETS_S`` (then ``+Inf``), the missed blocks
+        reuse_gap_counts: per bucket of ``kvstore.store.misses.REUSE_GAP_BUCKETS_S`` (then ``+Inf``), the missed blocks
             requested that many seconds after their eviction: mass at short gaps says the cache is too small.
         reuse_gap_sum_s: the sum of those gaps, seconds.
         counters: node-wide counts of sessions and TTLs (``docs/agentic.md``): ``pinned_bytes``,
@@ -154,11 +154,11 @@ Buffer = Union[bytes, memoryview]
 ``KVStoreClient.get`` returns a block that arrived in one gRPC message as a
 view of that message (it holds the message alive); ``bytes(block)`` copies it.
 Both compare equal to ``bytes`` of the same content and decode with
-``kvstore.codec.decode_block``.
+``kvstore.blocks.tensors.decode_block``.
 """
 
 Block = Union[bytes, "torch.Tensor"]
-"""A block as the API takes it: encoded bytes (``kvstore.codec``) or a tensor to encode.
+"""A block as the API takes it: encoded bytes (``kvstore.blocks.tensors``) or a tensor to encode.
 
 Tensors are ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` for the ``kv``
 layout and ``[num_layers, 1, block_size, latent_dim]`` for ``mla``.

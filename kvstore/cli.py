@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from kvstore.client import KVStoreClient
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "kvstore.sim.cli", "kvstore.sim.trace_cli", "kvstore.loadtest.cli", "kvstore.demo.cli", "kvstore.events.cli",
-    "kvstore.explain_cli",
+    "kvstore.tools.sim.cli", "kvstore.tools.sim.trace_cli", "kvstore.tools.loadtest.cli", "kvstore.tools.demo.cli", "kvstore.events.cli",
+    "kvstore.tools.explain_cli",
 )
 """Modules that add subcommands through ``register(subparsers)``."""
 
@@ -261,7 +261,7 @@ def _stats(args: argparse.Namespace) -> int:
     from kvstore.client import KVStoreClient
     from kvstore.connection import Connection
     from kvstore.errors import ConfigError, InvalidArgumentError, KVStoreError
-    from kvstore.stats_view import FOOTNOTE, format_table, format_watch, stats_report
+    from kvstore.tools.stats_view import FOOTNOTE, format_table, format_watch, stats_report
 
     targets = args.target or [DEFAULT_TARGET]
     if args.count is not None and (args.count < 1 or args.watch is None):

@@ -27,7 +27,6 @@ from typing import Any, Mapping
 import yaml
 
 from kvstore.errors import ConfigError
-from kvstore.misses import DEFAULT_HISTORY_BLOCKS
 from kvstore.policy import DEFAULT_PRIORITY, POLICY_NAMES, resolve_policy_name
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -37,6 +36,9 @@ _UNITS = {
     "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB,
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+DEFAULT_HISTORY_BLOCKS = 65536
+"""Removals the miss history remembers by default (``store.miss_history_blocks``, ``kvstore.store.misses``)."""
 
 
 def parse_size(value: str | int | float) -> int:
@@ -264,7 +266,7 @@ class StoreConfig:
             ``kvstore simulate --policy`` takes (``docs/simulate.md``, ``docs/agentic.md``).
         pins: the bounds on TTLs.
         miss_history_blocks: removals of blocks remembered to name the cause of a later miss
-            (``kvstore.misses``; about 100 bytes each); 0 remembers none.
+            (``kvstore.store.misses``; about 100 bytes each); 0 remembers none.
     """
 
     memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)

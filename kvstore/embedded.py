@@ -10,17 +10,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar, cast
 
 from kvstore.api import Block, Buffer, LookupResult, StoreStats
-from kvstore.blockcopy import check_destinations, copy_lent_into, tensor_blocks
-from kvstore.blocklease import BlockLease
-from kvstore.codec import decode_block
-from kvstore.encoding import encode_for_put
+from kvstore.blocks.copying import check_destinations, copy_lent_into, tensor_blocks
+from kvstore.blocks.lease import BlockLease
+from kvstore.blocks.tensors import decode_block
+from kvstore.blocks.encoding import encode_for_put
 from kvstore.config import Config, StoreConfig, load_config
 from kvstore.errors import UnavailableError
 from kvstore.keys import BlockHash, Namespace
-from kvstore.factory import open_async_store
-from kvstore.explain import BlockExplanation
-from kvstore.reads import BlockRead
-from kvstore.store import TieredStore
+from kvstore.store.factory import open_async_store
+from kvstore.store.explain import BlockExplanation
+from kvstore.store.reads import BlockRead
+from kvstore.store.tiered import TieredStore
 
 if TYPE_CHECKING:
     import torch
@@ -176,7 +176,7 @@ class EmbeddedStore:
         read = self._store.read(namespace, block_hashes, session_id=session_id, ttl_s=ttl_s)
         blocks = self._open(read)
         try:
-            pool = cast("torch.Tensor | None", read.pool)  # a tier's page pool is a tensor (``TierLease.pool``)
+            pool = cast("torch.Tensor | None", read.pool)  # a tier's page pool is a tensor (``TierLoan.pool``)
             copied = copy_lent_into(blocks, destinations, bool(verify), pool, read.offsets)
         finally:
             self._close_read(read)
@@ -250,15 +250,15 @@ class EmbeddedStore:
         and ``ttl_s``: ``docs/agentic.md``).
 
         A tensor is encoded where the store keeps it: into the memory tier's pool, one copy of its payload and
-        its checksum taken there (``kvstore.blockcopy.TensorBlock``); into ``bytes`` for any other tier. A
-        namespace with a lossy KV encoding (``kvstore.encoding``) encodes each tensor first.
+        its checksum taken there (``kvstore.blocks.copying.TensorBlock``); into ``bytes`` for any other tier. A
+        namespace with a lossy KV encoding (``kvstore.blocks.encoding``) encodes each tensor first.
 
         Raises:
             InvalidArgumentError, UnknownDtypeError, ElementCountError: on a block that is not bytes, a tensor
                 or an array, or a tensor whose dtype or shape does not fit the codec and layout.
             As :meth:`TieredStore.put` otherwise.
         """
-        staged = tensor_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.encoding
+        staged = tensor_blocks(encode_for_put(blocks, namespace), namespace.layout)  # lossy: kvstore.blocks.encoding
         return self._call(self._store.put(namespace, block_hashes, staged,
                                           priority=priority, retention_s=retention_s, session_id=session_id,
                                           ttl_s=ttl_s))

@@ -61,7 +61,7 @@ class ElementCountError(CodecError):
 
 class BadScalesError(CodecError):
     """A lossy block's scales section holds a value that is not finite, negative, or large enough to decode beyond
-    the block's dtype (``kvstore.encoding.scales``); the message names the field."""
+    the block's dtype (``kvstore.blocks.encoding.scales``); the message names the field."""
 
 
 class ChecksumError(CodecError):

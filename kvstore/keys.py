@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, NewType, Sequence, cast, overload
 import numpy as np
 import xxhash
 
-from kvstore.blockformat import DTYPES, Layout, dtype_name, encoding_of
+from kvstore.blocks.format import DTYPES, Layout, dtype_name, encoding_of
 from kvstore.errors import InvalidArgumentError, UnknownDtypeError
 
 BlockHash = NewType("BlockHash", bytes)
@@ -89,9 +89,9 @@ class Namespace:
     Attributes:
         model: model name or path, e.g. ``meta-llama/Llama-3.1-8B``.
         revision: model revision (commit or tag).
-        dtype: KV dtype name, e.g. ``float16`` (see ``kvstore.codec.DTYPES``).
+        dtype: KV dtype name, e.g. ``float16`` (see ``kvstore.blocks.tensors.DTYPES``).
         layout: layout tag of the block bytes, e.g. ``kv`` or ``mla``
-            (see ``kvstore.codec.Layout``).
+            (see ``kvstore.blocks.tensors.Layout``).
         block_size: tokens per block.
         tp_size: tensor-parallel world size of the writer.
         tp_rank: tensor-parallel rank of the writer, ``0 <= tp_rank < tp_size``.
@@ -100,7 +100,7 @@ class Namespace:
             blocks and cannot probe each other's prefixes through timing.
         hash_algorithm: ``H`` of the chain.
         kv_encoding: the lossy KV encoding of the blocks (``fp8_e4m3``, ``int8``, ``int4``, ``int2``;
-            ``kvstore.encoding``), or ``""`` for exact blocks. It enters the root only when set, so an exact
+            ``kvstore.blocks.encoding``), or ``""`` for exact blocks. It enters the root only when set, so an exact
             namespace's keys are what they were before encodings existed, and exact and lossy blocks never
             share a key (``docs/encodings.md``).
 
@@ -213,7 +213,7 @@ def namespace_dtype(dtype: object) -> str:
 
 
 def namespace_layout(layout: object) -> str:
-    """The layout tag of a namespace: ``kv`` or ``mla`` (a :class:`~kvstore.codec.Layout` or its value).
+    """The layout tag of a namespace: ``kv`` or ``mla`` (a :class:`~kvstore.blocks.tensors.Layout` or its value).
 
     Raises:
         InvalidArgumentError: on any other value, naming the valid ones.

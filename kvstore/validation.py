@@ -9,9 +9,9 @@ import operator
 from typing import Sequence
 
 from kvstore.api import Block, Buffer
-from kvstore.blockcopy import TensorBlock, block_mismatch
-from kvstore.codec import BlockHeader, Layout, LikeBlocks, decode_header, verify_block
-from kvstore.encoding.scales import check_scales
+from kvstore.blocks.copying import TensorBlock, block_mismatch
+from kvstore.blocks.tensors import BlockHeader, Layout, LikeBlocks, decode_header, verify_block
+from kvstore.blocks.encoding.scales import check_scales
 from kvstore.errors import CodecError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import BlockHash, BlockKey, Namespace, check_block_hashes
 from kvstore.policy import MAX_PRIORITY, MIN_PRIORITY
@@ -34,7 +34,7 @@ def check_put(
     A bad argument must raise here: the Put messages are built lazily on
     gRPC's side of the call, where an error is lost (sync: UNKNOWN; asyncio: a
     cancellation). The blocks themselves are checked by
-    :func:`kvstore.blockcopy.blocks_for_put` (tensors) and the node (bytes).
+    :func:`kvstore.blocks.copying.blocks_for_put` (tensors) and the node (bytes).
 
     Args:
         namespace: namespace of the blocks.
@@ -169,13 +169,13 @@ def check_session_id(session_id: str | None) -> str:
 
 def check_block(namespace: Namespace, position: int, block: object, max_block_bytes: int) -> BlockHeader:
     """Check one encoded block of a put: bytes-like, within ``max_block_bytes``, intact, of the namespace, and (a
-    lossy block) with its scales in range (``kvstore.encoding.scales``: finite, non-negative, never decoding
+    lossy block) with its scales in range (``kvstore.blocks.encoding.scales``: finite, non-negative, never decoding
     beyond the dtype).
 
     Args:
         namespace: the put's namespace.
         position: the block's index in the put, for the message.
-        block: the encoded block (:mod:`kvstore.codec`).
+        block: the encoded block (:mod:`kvstore.blocks.tensors`).
         max_block_bytes: the largest block accepted, bytes (``store.max_block_bytes``).
 
     Returns:
@@ -212,7 +212,7 @@ def _check_scales(position: int, header: BlockHeader, block: bytes | bytearray |
 
 class BlockChecker:
     """Checks the blocks of one put one at a time, as :func:`check_block` does, parsing a header only where it
-    differs from the last one parsed (``kvstore.codec.LikeBlocks``): a batch of one dtype and shape parses one.
+    differs from the last one parsed (``kvstore.blocks.tensors.LikeBlocks``): a batch of one dtype and shape parses one.
 
     Args:
         namespace: the put's namespace.
@@ -228,7 +228,7 @@ class BlockChecker:
         self._tensor_header: BlockHeader | None = None
 
     def check(self, position: int, block: object) -> None:
-        """Check block ``position`` of the put; a :class:`~kvstore.blockcopy.TensorBlock` (a tensor the store
+        """Check block ``position`` of the put; a :class:`~kvstore.blocks.copying.TensorBlock` (a tensor the store
         encodes where it stores it) by its length and its header against the namespace.
 
         Raises:

@@ -1,5 +1,5 @@
-"""The batched Put steps: staging like tensors with one header (``kvstore.blockcopy.encode_batch_into``), checking
-like blocks with one header parse (``kvstore.codec.LikeBlocks``, ``kvstore.validation.BlockChecker``), each exactly
+"""The batched Put steps: staging like tensors with one header (``kvstore.blocks.copying.encode_batch_into``), checking
+like blocks with one header parse (``kvstore.blocks.tensors.LikeBlocks``, ``kvstore.validation.BlockChecker``), each exactly
 as strict as the per-block steps they stand in for."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import struct
 import pytest
 import torch
 
-from kvstore.blockcopy import encode_batch_into, encode_into, encoded_nbytes
-from kvstore.codec import LikeBlocks, encode_block, verify_block
+from kvstore.blocks.copying import encode_batch_into, encode_into, encoded_nbytes
+from kvstore.blocks.tensors import LikeBlocks, encode_block, verify_block
 from kvstore.errors import ChecksumError, CodecError, ElementCountError, InvalidArgumentError
 from kvstore.keys import Namespace
 from kvstore.validation import BlockChecker, CheckedBlocks, check_blocks
@@ -144,7 +144,7 @@ def test_checked_blocks_are_not_checked_again_only_for_their_own_namespace_and_l
 
 
 def test_blocks_for_put_checks_every_kind_of_block_once_and_still_refuses_a_later_bad_one() -> None:
-    from kvstore.blockcopy import blocks_for_put
+    from kvstore.blocks.copying import blocks_for_put
     from kvstore.errors import UnknownDtypeError
 
     tensors = _tensors(4)

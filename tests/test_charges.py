@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvstore.charges import NamespaceCharges
+from kvstore.store.charges import NamespaceCharges
 
 TAG_A, TAG_B = b"tag-aaaa", b"tag-bbbb"
 

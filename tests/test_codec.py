@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from kvstore.codec import (
+from kvstore.blocks.tensors import (
     ALIGNMENT,
     DTYPES,
     Layout,

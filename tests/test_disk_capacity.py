@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import DiskTierConfig, MemoryTierConfig, StoreConfig
 from kvstore.embedded import open_store
 from kvstore.keys import Namespace, hash_blocks

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.embedded import EmbeddedStore
 from kvstore.errors import UnavailableError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.misses import (
+from kvstore.store.misses import (
     AFTER_MISS,
     CAUSES,
     DELETED,

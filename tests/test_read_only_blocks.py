@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.codec import decode_block, encode_block, verify_block
+from kvstore.blocks.tensors import decode_block, encode_block, verify_block
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.embedded import open_store
 from kvstore.keys import Namespace, hash_blocks

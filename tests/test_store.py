@@ -10,12 +10,12 @@ import lmdb
 import pytest
 import torch
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import DiskTierConfig, MemoryTierConfig, StoreConfig
 from kvstore.embedded import open_store
 from kvstore.errors import ChecksumError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvstore.keys import block_key, block_keys, hash_blocks
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
 from tests.support.clock import FakeClock
@@ -312,7 +312,7 @@ def test_embedded_store_round_trip_and_fork(tmp_path) -> None:
 
 
 async def test_namespace_bytes_follow_puts_evictions_and_deletes(two_tier: TieredStore) -> None:
-    """Each block counts the most it may take in any local tier, whichever holds it (``kvstore.charges``)."""
+    """Each block counts the most it may take in any local tier, whichever holds it (``kvstore.store.charges``)."""
     store = two_tier
     other_ns = dataclasses.replace(NS, cache_salt="tenant-b")
     hashes, blocks = make_blocks(5)

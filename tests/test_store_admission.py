@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import block_keys, hash_blocks
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.heap import HeapTier
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.wire import reply_head

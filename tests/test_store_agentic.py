@@ -13,8 +13,8 @@ import pytest
 
 from kvstore.config import PinsConfig, StoreConfig
 from kvstore.keys import block_key
-from kvstore.misses import CAUSES
-from kvstore.store import TieredStore
+from kvstore.store.misses import CAUSES
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.redis import RedisTier
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401

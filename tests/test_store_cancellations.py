@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.config import RedisTierConfig, StoreConfig
 from kvstore.errors import ResourceExhaustedError
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.base import Tier
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier

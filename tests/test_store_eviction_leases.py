@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from tests.support.clock import turns_until
 from tests.support.store import NS, disk_footprint, held_keys, make_blocks, memory_tier, writer_held, writes_queued

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.redis import RedisTier
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import DiskTierConfig, MemoryTierConfig, StoreConfig
 from kvstore.embedded import EmbeddedStore, open_store
 from kvstore.keys import Namespace, block_key, hash_blocks

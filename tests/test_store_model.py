@@ -40,10 +40,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvstore.config import PinsConfig, StoreConfig
 from kvstore.errors import ResourceExhaustedError
-from kvstore.index import Entry, Index, PutStep, ReadStep
+from kvstore.store.index import Entry, Index, PutStep, ReadStep
 from kvstore.keys import block_key
 from kvstore.policy import make_policy
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.redis import RedisTier
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401

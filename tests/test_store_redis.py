@@ -8,7 +8,7 @@ import time
 from typing import Callable
 
 from kvstore.keys import block_key
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.redis import RedisTier
 from tests.support.clock import FakeClock
@@ -109,7 +109,7 @@ async def test_a_redis_block_that_does_not_fit_its_namespace_is_a_miss(redis_ser
     a node (a node of another version, a bad script), was served by Get and promoted; Put refuses it."""
     import torch
 
-    from kvstore.codec import encode_block
+    from kvstore.blocks.tensors import encode_block
 
     hashes, blocks = make_blocks(2)
     wrong = encode_block(torch.zeros(3, 2, 5, 7, 9, dtype=torch.float32))  # float32, 7 tokens: not NS's

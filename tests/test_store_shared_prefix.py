@@ -6,7 +6,7 @@ at Redis's first miss, cutting such a prefix short.
 """
 
 from kvstore.config import RedisTierConfig, StoreConfig
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.redis import RedisTier
 from tests.support.redis import RedisProcess, redis_server  # noqa: F401

@@ -1,4 +1,4 @@
-"""A put's tensors encoded where they are stored (``kvstore.blockcopy.TensorBlock``), through the embedded store:
+"""A put's tensors encoded where they are stored (``kvstore.blocks.copying.TensorBlock``), through the embedded store:
 into the memory tier's pool in place, into bytes for every other tier and for what outlives the put."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.blockcopy import TensorBlock, encoded_values, tensor_blocks
-from kvstore.codec import decode_block, encode_block
+from kvstore.blocks.copying import TensorBlock, encoded_values, tensor_blocks
+from kvstore.blocks.tensors import decode_block, encode_block
 from kvstore.config import DiskTierConfig, MemoryTierConfig, RedisTierConfig, StoreConfig
 from kvstore.embedded import EmbeddedStore
 from kvstore.errors import ElementCountError, InvalidArgumentError, ResourceExhaustedError

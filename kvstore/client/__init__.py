@@ -13,7 +13,7 @@ its retries and, with several nodes, all of its fan-out), the number of calls
 in flight is bounded (``max_inflight``), and calls that are safe to repeat are
 retried on UNAVAILABLE with exponential backoff and full jitter (the AWS
 Architecture Blog's "Exponential Backoff and Jitter"). Status errors are raised
-as kvstore's typed errors through the one mapping in ``kvstore.status``.
+as kvstore's typed errors through the one mapping in ``kvstore.error_codes``.
 
 Retried calls: lookup, get, delete, clear, stats, health and put. Put is
 idempotent because a block hash names its content (the chained hash of the

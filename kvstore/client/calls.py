@@ -19,9 +19,9 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from kvstore.api import Block, Buffer
-from kvstore.blocklease import BlockLease
-from kvstore.blockcopy import Copied, copy_into_destinations
-from kvstore.codec import decode_block, encode_blocks
+from kvstore.blocks.lease import BlockLease
+from kvstore.blocks.copying import Copied, copy_into_destinations
+from kvstore.blocks.tensors import decode_block, encode_blocks
 from kvstore.errors import DestinationMismatchError
 from kvstore.keys import BlockHash, Namespace
 from kvstore.routing import Partition
@@ -239,7 +239,7 @@ AS_BYTES: Delivery = _AsBytes()
 AS_TENSORS: Delivery = _AsTensors()
 """A Get's blocks as a list of CPU tensors (``decode_block``, checksums verified)."""
 AS_LEASE: Delivery = _AsLease()
-"""A Get's blocks as a :class:`~kvstore.blocklease.BlockLease`."""
+"""A Get's blocks as a :class:`~kvstore.blocks.lease.BlockLease`."""
 
 
 class IntoTensors:
@@ -262,7 +262,7 @@ class IntoTensors:
         self.layout = layout
 
     def received(self, blocks: list[Buffer]) -> Copied:
-        """Copy received blocks into the destinations (:func:`~kvstore.blockcopy.copy_into_destinations`)."""
+        """Copy received blocks into the destinations (:func:`~kvstore.blocks.copying.copy_into_destinations`)."""
         return copy_into_destinations(blocks, self.destinations, self.verify_received)
 
     def shared(self, session: SharedSession, reply: pb.GetSharedResponse, started: float) -> Copied:

@@ -14,8 +14,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from kvstore.api import Block, StoreStats
-from kvstore.blockcopy import blocks_for_put, check_destinations
-from kvstore.encoding import encode_for_put
+from kvstore.blocks.copying import blocks_for_put, check_destinations
+from kvstore.blocks.encoding import encode_for_put
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockHash, Namespace, check_block_hashes
 from kvstore.security import call_metadata
@@ -27,10 +27,10 @@ from kvstore.routing import (
     Partition,
     RendezvousRouter,
 )
-from kvstore.blocklease import BlockLease
+from kvstore.blocks.lease import BlockLease
 from kvstore.shm.client.link import SharedMemoryLink, UseGrpc
 from kvstore.bulk.client.link import BulkLink
-from kvstore.status import DeadlineExceededError, error_of
+from kvstore.error_codes import DeadlineExceededError, error_of
 from kvstore.validation import check_count, check_put, check_seconds, check_session_id, check_ttl_s
 from kvstore.wire import cached_namespace_pb, chunk_bytes_for, explanation_from_pb, stats_from_pb
 from kvstore.v1 import kvstore_pb2 as pb
@@ -239,7 +239,7 @@ class ClientCore:
         """Each block of a request on its node: a hit, or the cause of its miss (``kvstore explain``).
 
         Returns:
-            ``(blocks, namespace, near)``: a list of :class:`~kvstore.explain.BlockExplanation`, the
+            ``(blocks, namespace, near)``: a list of :class:`~kvstore.store.explain.BlockExplanation`, the
             namespace explained (a ``request_id``'s own), and the near namespace the node holds blocks of
             when some missed as ``other_namespace`` (else ``None``).
 
@@ -436,7 +436,7 @@ class ClientCore:
         priority, retention_s = check_put(namespace, block_hashes, blocks, priority, retention_s)
         session, ttl = check_session_id(session_id), check_ttl_s(ttl_s)
         blocks = blocks_for_put(blocks, namespace.layout)  # what encoding would refuse, refused now, before any call
-        blocks = encode_for_put(blocks, namespace)  # a lossy namespace's tensors, encoded here (kvstore.encoding)
+        blocks = encode_for_put(blocks, namespace)  # a lossy namespace's tensors, encoded here (kvstore.blocks.encoding)
 
         def rpc(hashes: Sequence[BlockHash], items: Sequence[Block]) -> Rpc:
             return put_rpc(namespace, hashes, items, self._chunk_bytes, priority, retention_s, session, ttl)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvstore.status import RETRYABLE_CODES
+from kvstore.error_codes import RETRYABLE_CODES
 
 DEFAULT_RETRIES = 3
 DEFAULT_BACKOFF_S = 0.05

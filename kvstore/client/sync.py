@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 import grpc
 
 from kvstore.errors import UnavailableError
-from kvstore.status import DeadlineExceededError
+from kvstore.error_codes import DeadlineExceededError
 from kvstore.client.plan import (
     REPLY_STREAM,
     RETURNED,
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvstore.api import Block, Buffer, LookupResult, StoreStats
-    from kvstore.blocklease import BlockLease
-    from kvstore.explain import BlockExplanation
+    from kvstore.blocks.lease import BlockLease
+    from kvstore.store.explain import BlockExplanation
     from kvstore.keys import BlockHash, Namespace
 
 _T = TypeVar("_T")

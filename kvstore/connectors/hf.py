@@ -16,7 +16,7 @@ Per request (:meth:`HFConnector.generate`)::
     save:    in a background thread, after the first token: slice the prompt's
              KV into full blocks and put those the store lacks
 
-Block layout is ``kv`` (``kvstore.codec``): ``[num_layers, 2, num_kv_heads,
+Block layout is ``kv`` (``kvstore.blocks.tensors``): ``[num_layers, 2, num_kv_heads,
 block_size, head_dim]``, K at index 0 and V at 1 of dim 1, i.e. the per-layer
 ``DynamicLayer.keys``/``values`` (``[batch=1, num_kv_heads, seq, head_dim]``,
 heads before ``repeat_kv``, so GQA/MQA store only the KV heads) cut along the
@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import torch
 
 from kvstore.api import BlockClient
-from kvstore.codec import Layout, dtype_name
+from kvstore.blocks.tensors import Layout, dtype_name
 from kvstore.connectors.kit.fetch import fetch_handler
 from kvstore.connectors.kit.saves import SaveQueue
 from kvstore.connectors.kit.spec import BlockSpec
@@ -157,7 +157,7 @@ class HFConnector:
             cache_salt=cache_salt, hash_algorithm=hash_algorithm, adapter=adapter, kv_encoding=kv_encoding,
         )
         if self.namespace.kv_encoding:  # numba's first compile of the kernels, here rather than in a load's timeout
-            from kvstore.encoding import warm_up
+            from kvstore.blocks.encoding import warm_up
 
             warm_up(self.namespace.kv_encoding, model.dtype)
         self.load_timeout_s = load_timeout_s

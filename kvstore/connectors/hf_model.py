@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kvstore.codec import dtype_name
+from kvstore.blocks.tensors import dtype_name
 from kvstore.errors import InvalidArgumentError
 from kvstore.keys import HashAlgorithm, Namespace
 

@@ -55,7 +55,7 @@ garbage collector, so a full log does not make the store's process collect more 
 
 
 class StoreObserver(Protocol):
-    """What the store's index tells about changes to the local tiers (``kvstore.index.Index.observer``).
+    """What the store's index tells about changes to the local tiers (``kvstore.store.index.Index.observer``).
 
     Every call runs on the store's loop, synchronously, inside the step that
     made the change; none may block or raise.

@@ -1,8 +1,8 @@
 """Eviction policies: pure ordering state that answers "which blocks, for N bytes?".
 
 A policy never touches a tier. The index asks it for victims, holds them while
-the mover demotes or drops them, then removes them (see ``kvstore.index``). The
-same code drives the offline simulator (``kvstore.sim``).
+the mover demotes or drops them, then removes them (see ``kvstore.store.index``). The
+same code drives the offline simulator (``kvstore.tools.sim``).
 
 Semantics follow TensorRT-LLM's KV-cache retention config
 (``tensorrt_llm.llmapi.KvCacheRetentionConfig``): a priority in ``[0, 100]``

@@ -21,7 +21,7 @@ import grpc
 from kvstore.config import Config
 from kvstore.errors import KVStoreError
 from kvstore.server.auth import Authenticator, Principal
-from kvstore.status import status_of
+from kvstore.error_codes import status_of
 from kvstore.server.inflight import InflightLimiter
 
 logger = logging.getLogger(__name__)

@@ -36,8 +36,8 @@ from kvstore.server.node_events import open_tenants_and_events
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.server.service import CallFailed, NodeService
 from kvstore.wire import channel_options, chunk_bytes_for, reply_head
-from kvstore.factory import open_async_store
-from kvstore.store import TieredStore
+from kvstore.store.factory import open_async_store
+from kvstore.store.tiered import TieredStore
 from kvstore.unix_sockets import SOCKET_MODE, claim_socket_path, remove_socket_path
 
 if TYPE_CHECKING:

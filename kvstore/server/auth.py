@@ -46,7 +46,7 @@ import yaml
 from kvstore.config import SecurityConfig
 from kvstore.errors import ConfigError
 from kvstore.security import AUTHORIZATION_KEY, BEARER_SCHEME, MIN_TOKEN_CHARS
-from kvstore.status import PermissionDeniedError, UnauthenticatedError
+from kvstore.error_codes import PermissionDeniedError, UnauthenticatedError
 
 logger = logging.getLogger(__name__)
 

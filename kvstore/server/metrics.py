@@ -19,7 +19,7 @@ Exported series (conventional ``_total``, ``_bytes`` and ``_seconds`` suffixes):
 * ``kvstore_tier_events_total{tier, event}``: the tiers' extra counters (e.g. Redis ``errors``).
 * ``kvstore_lookup_blocks_total{result}``: blocks asked for by lookups, ``hit`` (in the cached prefix)
   or ``miss``; ``hit / (hit + miss)`` is the traffic's prefix hit ratio; and
-  ``kvstore_tenant_lookup_blocks_total{tenant, result}`` the same by tenant (``kvstore.counts.tenant_label``).
+  ``kvstore_tenant_lookup_blocks_total{tenant, result}`` the same by tenant (``kvstore.store.counts.tenant_label``).
 * ``kvstore_tier_up{tier}``: 1 while the tier serves, 0 while it is down (the shared Redis tier).
 * ``kvstore_shm_sessions``, ``kvstore_shm_leases``, ``kvstore_shm_leased_bytes``: gauges of the same-host
   data plane (sessions open, leases in force and the bytes they hold), and
@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvstore.api import StoreStats
-from kvstore.misses import REUSE_GAP_BUCKETS_S
+from kvstore.store.misses import REUSE_GAP_BUCKETS_S
 
 if TYPE_CHECKING:
     from kvstore.server.budgets import ByteBudget, PutBudget, ReplyBudget

@@ -29,7 +29,7 @@ class TenantQuota:
 
     Notes:
         A block counts the same in every local tier, before and after a restart: the most capacity a block
-        of its length takes in any of the node's local tiers (``kvstore.charges``), whichever tier holds it
+        of its length takes in any of the node's local tiers (``kvstore.store.charges``), whichever tier holds it
         now (the memory tier rounds a block up to whole pages, LMDB to its pages). Blocks demoted to the
         shared Redis tier no longer count (Redis is bounded by its own ``maxmemory``). A namespace tag is a
         hash and names no tenant, so with a disk tier the pairs tenant → tag are kept on disk

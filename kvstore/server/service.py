@@ -33,8 +33,8 @@ from kvstore.server.failure import CallFailed
 from kvstore.server.metrics import ServiceMetrics
 from kvstore.server.quota import TenantQuota
 from kvstore.server.tenants import TenantTags
-from kvstore.status import DeadlineExceededError, UnauthenticatedError, status_of
-from kvstore.store import TieredStore
+from kvstore.error_codes import DeadlineExceededError, UnauthenticatedError, status_of
+from kvstore.store.tiered import TieredStore
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import (
     MAX_NAMESPACE_WIRE_BYTES,

@@ -3,7 +3,7 @@
 Every method runs inside :meth:`KVStoreServicer._call`, the one place that
 admits a gRPC call (``kvstore.server.admission``: token, in-flight slot),
 counts it in the metrics, logs it, and turns a raised kvstore error into its
-status code (``kvstore.status.status_of``), and then calls the node's service
+status code (``kvstore.error_codes.status_of``), and then calls the node's service
 (``kvstore.server.service.NodeService``), whose checks and operations a
 same-host session's control channels share. Requests arrive as raw bytes and
 are parsed inside it, so a malformed message is INVALID_ARGUMENT (not gRPC's
@@ -33,7 +33,7 @@ from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockHash, Namespace, block_key
 from kvstore.server.admission import Admission, Ticket
 from kvstore.server.auth import Principal
-from kvstore.status import FailedPreconditionError, status_of
+from kvstore.error_codes import FailedPreconditionError, status_of
 from kvstore.server.budgets import ReplyBudget
 from kvstore.server.watchdog import StreamWatch, StreamWatchdog
 from kvstore.server.metrics import ServiceMetrics
@@ -437,7 +437,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         Args:
             method: the call's method, as counted (``Get``).
             context: the call's.
-            exc: what ended it (``kvstore.status.status_of`` maps it).
+            exc: what ended it (``kvstore.error_codes.status_of`` maps it).
             start_s: when it began, ``time.perf_counter()`` seconds.
 
         Raises:
@@ -520,7 +520,7 @@ class GrpcCall:
     On entry it refuses the call while shutting down (UNAVAILABLE) and admits it
     (``kvstore.server.admission``: token, in-flight slot); on exit it releases
     the slot, counts the call in the metrics, and turns a raised kvstore error
-    into its status code (``kvstore.status.status_of``) with
+    into its status code (``kvstore.error_codes.status_of``) with
     ``context.abort`` (see :func:`_sheds_aborts`). A call that ended on the client's side (it went away, or
     its deadline passed) is counted as CANCELLED or DEADLINE_EXCEEDED and ends
     as cancelled, however the handler finished.

@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import Awaitable, Callable
 
-from kvstore.status import DeadlineExceededError
+from kvstore.error_codes import DeadlineExceededError
 
 
 class StreamWatchdog:
@@ -19,7 +19,7 @@ class StreamWatchdog:
     A stream runs inside ``async with watchdog.watch("Get"):``. One background
     task wakes every :attr:`check_every_s` seconds while streams are open and
     cancels each one past its limit, which then leaves the ``async with`` with
-    :class:`~kvstore.status.DeadlineExceededError`; so a stalled reader cannot
+    :class:`~kvstore.error_codes.DeadlineExceededError`; so a stalled reader cannot
     hold a Get's leases, or a Put's buffer, for ever. A stream may overrun the
     limit by up to :attr:`check_every_s`.
 

@@ -212,7 +212,7 @@ async def check_at_start(tier: Tier | None) -> None:
         await tier.check_at_start()
 
 
-class TierLease(NamedTuple):
+class TierLoan(NamedTuple):
     """Blocks read in place: views of a tier's own memory, valid until :attr:`release` is called.
 
     A named tuple rather than a dataclass: one is made on every Get.
@@ -231,7 +231,7 @@ class TierLease(NamedTuple):
         pool: a 1-D ``uint8`` tensor over the memory every value views (the
             page pool), where that is so, else ``None``: with :attr:`offsets`, a
             reader copies the blocks out with tensor views of it and no per-block
-            buffer wrapping (``kvstore.blockcopy.copy_lent_into``).
+            buffer wrapping (``kvstore.blocks.copying.copy_lent_into``).
         offsets: with :attr:`pool`, each value's offset in it, bytes.
     """
 
@@ -244,7 +244,7 @@ class TierLease(NamedTuple):
 
 
 @runtime_checkable
-class LeasingTier(Tier, Protocol):
+class LendingTier(Tier, Protocol):
     """A tier that can also lend its blocks without a copy (the host memory tier).
 
     The store uses it for the service's Get, which copies each block once, from
@@ -253,10 +253,10 @@ class LeasingTier(Tier, Protocol):
 
     Attributes:
         held_bytes: capacity bytes that blocks already deleted or replaced still
-            take because a lease (or a copy in flight) holds them; freed at its
+            take because a loan (or a copy in flight) holds them; freed at its
             release. The store counts them as used, so room for a put comes from
             evicting other blocks.
-        lends_references: ``True`` when a lease is a reference to immutable
+        lends_references: ``True`` when a loan is a reference to immutable
             values (the heap tier's ``bytes``), which stay valid however long they
             are held: the store then holds nothing it reads whole from this tier,
             so eviction may take a block still being read, whose memory is freed
@@ -269,7 +269,7 @@ class LeasingTier(Tier, Protocol):
     @property
     def held_bytes(self) -> int: ...
 
-    def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
+    def lend(self, keys: Sequence[BlockKey]) -> TierLoan | None:
         """Views of each key's value, pinned until ``release``; ``None`` when this tier cannot lend now.
 
         Raises:
@@ -294,11 +294,11 @@ class CompressingTier(Tier, Protocol):
 
 @runtime_checkable
 class TensorWritingTier(Tier, Protocol):
-    """A tier whose put also takes a put's tensors not yet encoded (:class:`kvstore.blockcopy.TensorBlock`) and
+    """A tier whose put also takes a put's tensors not yet encoded (:class:`kvstore.blocks.copying.TensorBlock`) and
     encodes each straight into its own memory: one copy of the payload and its checksum, where another tier
     needs the block encoded into ``bytes`` first and then copies it again (the host memory tier).
 
-    The mover hands any other tier :func:`kvstore.blockcopy.encoded_values`.
+    The mover hands any other tier :func:`kvstore.blocks.copying.encoded_values`.
 
     Attributes:
         writes_tensors: ``True``.

@@ -20,7 +20,7 @@ is what makes floating-point data compress; ``width`` is the block's dtype size
 (1 for a lossy encoding's codes). ``blosc2`` (its Zstd codec, level 1 by default) shuffles inside its own frame.
 The compressed bytes' own checksum is checked before they reach a decompressor,
 so damaged bytes on disk or in Redis never feed one; the tier then verifies
-the block's checksum too (``kvstore.codec.verify_block``, which covers every
+the block's checksum too (``kvstore.blocks.tensors.verify_block``, which covers every
 byte). A frame that fails either is a :class:`CodecError`: a corrupt record.
 """
 
@@ -37,7 +37,7 @@ from typing import Any, Sequence, overload
 import numpy as np
 import xxhash
 
-from kvstore.blockformat import DTYPES, MAGIC
+from kvstore.blocks.format import DTYPES, MAGIC
 from kvstore.errors import CodecError, InvalidArgumentError
 
 FRAME_MAGIC = b"KVZ\x01"

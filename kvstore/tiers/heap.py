@@ -20,8 +20,8 @@ then keeps that object itself, with no copy. Memory comes from the
 process's allocator; the tier counts each block's length plus
 :data:`BLOCK_OVERHEAD_BYTES` against its capacity.
 
-Leases. A ``bytes`` object cannot change, and lives as long as a reference to
-it does, so a lease here is just that reference: the tier lends by reference
+Loans. A ``bytes`` object cannot change, and lives as long as a reference to
+it does, so a loan here is just that reference: the tier lends by reference
 (:attr:`HeapTier.lends_references`), the store does not pin what it reads from
 it, and nothing is given back at the release. Eviction may thus take a block a
 Get is still sending; its memory is then freed when that Get ends, and until
@@ -29,9 +29,9 @@ then it is not counted in :attr:`HeapTier.used_bytes`. That excess is the
 blocks of the Gets in flight, which ``limits.max_inflight_per_connection``
 bounds per connection and ``limits.max_stream_s`` in time.
 
-Read-only. What the tier hands out (by :meth:`HeapTier.get` and in a lease)
+Read-only. What the tier hands out (by :meth:`HeapTier.get` and in a loan)
 is the stored ``bytes`` or a read-only view of it, never memory a caller can
-write; ``kvstore.codec.decode_block`` copies such memory into a tensor of its
+write; ``kvstore.blocks.tensors.decode_block`` copies such memory into a tensor of its
 own, so no tensor a caller writes reaches a stored block (``torch.frombuffer``
 alone would give a writable tensor over the ``bytes``).
 
@@ -51,7 +51,7 @@ from typing import Awaitable, NamedTuple, Sequence
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import BlockMeta, Buffer, Framing, ResidentEntry, TierFullError, TierLease, done, put_order
+from kvstore.tiers.base import BlockMeta, Buffer, Framing, ResidentEntry, TierFullError, TierLoan, done, put_order
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class _Record(NamedTuple):
 class HeapTier:
     """Encoded blocks in host memory, one ``bytes`` object each, in the server's framing.
 
-    Implements :class:`kvstore.tiers.base.LeasingTier`, lending by reference. It never evicts: a put
+    Implements :class:`kvstore.tiers.base.LendingTier`, lending by reference. It never evicts: a put
     that does not fit raises :class:`TierFullError` and stores nothing of its
     batch. A put of a key already held replaces its value and meta (last
     writer wins); within one batch the last occurrence of a key wins.
@@ -152,7 +152,7 @@ class HeapTier:
         return [None if r is None else r.message[r.start:] if r.start else r.message
                 for r in (index.get(key) for key in keys)]
 
-    def lease(self, keys: Sequence[BlockKey]) -> TierLease:
+    def lend(self, keys: Sequence[BlockKey]) -> TierLoan:
         """Each key's value by reference (the stored ``bytes``, or a read-only view into its framed value), and that.
 
         ``framed[i]`` is the stored framed value of key ``i`` (its head, then the
@@ -177,7 +177,7 @@ class HeapTier:
             else:
                 values.append(record.message)
                 framed.append(None)
-        return TierLease(values, _keep, framed)
+        return TierLoan(values, _keep, framed)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[Buffer], metas: Sequence[BlockMeta]) -> list[bool]:
         """Store each value with its meta, behind its framing head, replacing any value held under the same key.
@@ -230,7 +230,7 @@ class HeapTier:
         return [ResidentEntry(key, len(r.message) - r.start, r.meta) for key, r in self._index.items()]
 
     async def close(self) -> None:
-        """Drop every block; idempotent. Leased values stay valid for as long as their holders keep them."""
+        """Drop every block; idempotent. Lent values stay valid for as long as their holders keep them."""
         if self._closed:
             return
         self._closed = True
@@ -304,4 +304,4 @@ def _as_block(value: Buffer) -> bytes | memoryview:
 
 
 def _keep() -> None:
-    """The release of a heap lease: nothing to give back (see the module docstring)."""
+    """The release of a heap loan: nothing to give back (see the module docstring)."""

@@ -24,7 +24,7 @@ maps, so the tier protects itself in three places:
   meta page is valid); the tier opens that, so the node always starts. A file
   of disk format 1 (codec version 1 blocks, no key binding) is dropped, logged;
 * on every read, a record must end with its key and its block must pass
-  :func:`kvstore.blockformat.verify_block` (the checksum covers header and payload);
+  :func:`kvstore.blocks.format.verify_block` (the checksum covers header and payload);
   one that fails is a miss, is deleted and is counted as ``corrupt_records``;
 * a record LMDB cannot read or delete (``MDB_CORRUPTED`` and the like, from a
   file changed while the node runs) is a miss for that record alone, is counted
@@ -385,7 +385,7 @@ class LMDBTier:
     async def set_pins(self, keys: Sequence[BlockKey], pins: Sequence[tuple[float, float]]) -> None:
         """Record the TTL of blocks this tier holds, ``(ttl_s, pinned_until)`` each, in their meta records: a TTL
         given to (or renewed on) a block after it was written here is what a restart restores
-        (``kvstore.lifecycle.shut_down``). A key not held is skipped.
+        (``kvstore.store.lifecycle.shut_down``). A key not held is skipped.
 
         Raises:
             UnavailableError: if the tier is closed or LMDB fails other than on a record.

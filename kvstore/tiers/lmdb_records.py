@@ -3,7 +3,7 @@
 Layout of the environment (a directory holding ``data.mdb`` and ``lock.mdb``),
 disk format :data:`DISK_FORMAT`:
 
-* sub-database ``blocks``: key -> the encoded block (``kvstore.codec`` format),
+* sub-database ``blocks``: key -> the encoded block (``kvstore.blocks.tensors`` format),
   then the key itself. The trailing key binds the record to its key: a damaged
   page number that points a leaf at another block's pages yields a value that
   does not end with the key asked for, never another block;
@@ -29,7 +29,7 @@ from typing import Any
 import lmdb
 
 from kvstore.tiers.compression import block_nbytes, unpack
-from kvstore.blockformat import verify_block
+from kvstore.blocks.format import verify_block
 from kvstore.errors import CodecError, ConfigError, UnavailableError
 from kvstore.policy import MAX_PRIORITY
 from kvstore.keys import BlockKey

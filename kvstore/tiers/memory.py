@@ -14,7 +14,7 @@ a single copy, and otherwise gathers pages from the largest runs. Blocks of one
 size free holes of that size, which the next blocks of that size fill exactly.
 
 Puts of tensors. The embedded store hands the tier a put's tensors not yet
-encoded (``kvstore.blockcopy.TensorBlock``): each is encoded straight into its
+encoded (``kvstore.blocks.copying.TensorBlock``): each is encoded straight into its
 pages, its payload copied once from the caller's tensor and its checksum taken
 over that copy while it is in cache, instead of being encoded into ``bytes`` and
 copied again.
@@ -34,8 +34,8 @@ while a copy of them is in flight:
 * a caller cancelled during a threaded copy does not stop the thread, so the
   pages it reserved or pinned are freed or unpinned only when the thread ends.
 
-Read-only. A lease hands out read-only views of the host pool (its only way
-out without a copy); ``kvstore.codec.decode_block`` copies such a view into a
+Read-only. A loan hands out read-only views of the host pool (its only way
+out without a copy); ``kvstore.blocks.tensors.decode_block`` copies such a view into a
 tensor of its own, so no caller's write reaches the pool. :meth:`MemoryTier.get`
 returns copies.
 
@@ -54,12 +54,12 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 
 import torch
 
-from kvstore.blockcopy import TensorBlock, encode_batch_into
-from kvstore.blockformat import ALIGNMENT
+from kvstore.blocks.copying import TensorBlock, encode_batch_into
+from kvstore.blocks.format import ALIGNMENT
 from kvstore.config import MemoryTierConfig
 from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLease, done, put_order
+from kvstore.tiers.base import BlockMeta, Buffer, ResidentEntry, TierFullError, TierLoan, done, put_order
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ _T = TypeVar("_T")
 DEFAULT_PAGE_BYTES = 256
 """The pool's default page: its unit of allocation, bytes. Small, so a block's capacity is its own length within
 256 bytes (a 16 KiB block: 1.6 % over, ``benchmarks/bench_footprint.py``), and a multiple of 64, so every block
-and its payload (``kvstore.codec.ALIGNMENT``) start 64-byte aligned; 256 rather than 64 so a pool of up to 1 TiB
+and its payload (``kvstore.blocks.tensors.ALIGNMENT``) start 64-byte aligned; 256 rather than 64 so a pool of up to 1 TiB
 fits :data:`MAX_PAGES`."""
 
 MAX_PAGES = (1 << 32) - 1
@@ -273,7 +273,7 @@ class MemoryTier:
     """
 
     persistent = False
-    lends_references = False  # leases are views of pages the tier reuses: the store pins what it reads
+    lends_references = False  # loans are views of pages the tier reuses: the store pins what it reads
     writes_tensors = True  # a put's tensors are encoded straight into the pool (TensorWritingTier)
 
     def __init__(
@@ -310,7 +310,7 @@ class MemoryTier:
         if self.device.type == "cpu" and not self.pinned:
             self._pool.zero_()  # fault the pages in now: a steady footprint, and no page faults on puts
         self._flat = self._pool.view(-1)
-        # read-only: leases hand out slices of it; the tier writes through the writable one (and torch)
+        # read-only: loans hand out slices of it; the tier writes through the writable one (and torch)
         self._host_writable = self._host_view = None
         if self.device.type == "cpu":
             array = self._flat.numpy()
@@ -358,7 +358,7 @@ class MemoryTier:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of pages that blocks deleted or replaced still take, because a lease or a copy holds them."""
+        """Bytes of pages that blocks deleted or replaced still take, because a loan or a copy holds them."""
         return self._held_pages * self.page_bytes
 
     @property
@@ -402,11 +402,11 @@ class MemoryTier:
         copy = asyncio.get_running_loop().run_in_executor(None, self._copy_out_all, pool, records)
         return await _await_copy(copy, on_failure=unpin_all, on_success=unpin_all)
 
-    def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
-        """Each key's value as a read-only view of the host pool, pinned until the lease is released.
+    def lend(self, keys: Sequence[BlockKey]) -> TierLoan | None:
+        """Each key's value as a read-only view of the host pool, pinned until the loan is released.
 
-        The lease names the pool and each value's offset in it when every value is such a view
-        (:attr:`TierLease.pool`); the pool tensor is writable, so only a copy out of it may use it.
+        The loan names the pool and each value's offset in it when every value is such a view
+        (:attr:`TierLoan.pool`); the pool tensor is writable, so only a copy out of it may use it.
 
         A pinned value's pages are not reused (a delete or overwrite unpublishes
         it at once and frees its pages at the release), so the views stay valid
@@ -416,7 +416,7 @@ class MemoryTier:
         makes that rare).
 
         Returns:
-            The lease, or ``None`` for a GPU pool (use :meth:`get`).
+            The loan, or ``None`` for a GPU pool (use :meth:`get`).
 
         Raises:
             UnavailableError: if the tier is closed.
@@ -452,16 +452,16 @@ class MemoryTier:
                 self._unpin(record)
             pinned.clear()  # a second call releases nothing
 
-        return TierLease(values, release, None, self._flat if offsets else None, offsets or None)
+        return TierLoan(values, release, None, self._flat if offsets else None, offsets or None)
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes | TensorBlock],
                   metas: Sequence[BlockMeta]) -> list[bool]:
         """Store each value with its meta, replacing any value held under the same key.
 
         The batch takes one run of pages when a free run is long enough (so its blocks lie one after another,
-        and a Get of them is one strided copy), else a run per block. A :class:`~kvstore.blockcopy.TensorBlock`
+        and a Get of them is one strided copy), else a run per block. A :class:`~kvstore.blocks.copying.TensorBlock`
         is encoded straight into its pages: its payload copied once from the caller's tensor, its checksum
-        taken there (a batch of like tensors with one header build, ``kvstore.blockcopy.encode_batch_into``).
+        taken there (a batch of like tensors with one header build, ``kvstore.blocks.copying.encode_batch_into``).
 
         Args:
             keys: block keys.
@@ -634,7 +634,7 @@ class MemoryTier:
     def _encode_batch(self, flat: torch.Tensor, host: memoryview, reserved: Sequence[Sequence[tuple[int, int]]],
                       views: Sequence[memoryview | TensorBlock]) -> bool:
         """A batch of like tensors, each in one run, evenly spaced (one run cut block by block): encoded in place
-        with one header build (``kvstore.blockcopy.encode_batch_into``); whether it was that batch."""
+        with one header build (``kvstore.blocks.copying.encode_batch_into``); whether it was that batch."""
         first = views[0] if views else None
         if not isinstance(first, TensorBlock) or len(views) < 2:
             return False

@@ -1,11 +1,11 @@
-"""Tiers that keep only metadata: which keys they hold, and no bytes; the simulator's tiers (``kvstore.sim.node``).
+"""Tiers that keep only metadata: which keys they hold, and no bytes; the simulator's tiers (``kvstore.tools.sim.node``).
 
 A :class:`MetadataTier` is a bounded local tier whose every block takes one unit of capacity, whatever its length,
 so a capacity is a number of blocks. It stores no value: a get returns one shared placeholder (the value the first
 put of the key gave, not copied) for each key it holds. No method waits for anything; a tier built with ``yields``
 lets the event loop turn once per get and put, where a tier whose I/O runs in a thread would (LMDB's).
 :class:`LendingMetadataTier` also lends its blocks, as the node's memory tier does
-(``kvstore.tiers.base.LeasingTier``), so that a read takes the path it takes on a node, and a block a lease holds
+(``kvstore.tiers.base.LendingTier``), so that a read takes the path it takes on a node, and a block a loan holds
 keeps its capacity until the release.
 """
 
@@ -17,7 +17,7 @@ from typing import Awaitable, Sequence
 from kvstore.api import Buffer
 from kvstore.errors import InvalidArgumentError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError, TierLease
+from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError, TierLoan
 
 
 async def _nothing() -> None:
@@ -94,63 +94,63 @@ class MetadataTier:
 
 
 class LendingMetadataTier(MetadataTier):
-    """A :class:`MetadataTier` that lends its blocks (a :class:`~kvstore.tiers.base.LeasingTier`) as the node's
+    """A :class:`MetadataTier` that lends its blocks (a :class:`~kvstore.tiers.base.LendingTier`) as the node's
     memory tier does: views of memory it reuses (``lends_references`` ``False``), so the store holds what it reads
-    from it until the read ends. As there, a block deleted while a lease holds it keeps its unit of capacity
-    (:attr:`held_bytes`) until the lease is released, and a put that finds no unit free raises
+    from it until the read ends. As there, a block deleted while a loan holds it keeps its unit of capacity
+    (:attr:`held_bytes`) until the loan is released, and a put that finds no unit free raises
     :class:`~kvstore.tiers.base.TierFullError`."""
 
     lends_references = False
 
     def __init__(self, capacity_blocks: int, *, name: str) -> None:
         super().__init__(capacity_blocks, name=name)
-        self._leased: dict[BlockKey, list[int]] = {}  # per key resident and leased: [leases, retired]
-        self._num_zombies = 0  # blocks deleted or replaced while leased
+        self._lent: dict[BlockKey, list[int]] = {}  # per key resident and lent: [loans, retired]
+        self._num_zombies = 0  # blocks deleted or replaced while lent
 
     @property
     def held_bytes(self) -> int:
-        """Units of blocks deleted or replaced that a lease still holds (freed at its release)."""
+        """Units of blocks deleted or replaced that a loan still holds (freed at its release)."""
         return self._num_zombies
 
     async def put(self, keys: Sequence[BlockKey], values: Sequence[bytes], metas: Sequence[BlockMeta]) -> list[bool]:
         """As :meth:`MetadataTier.put`, within the units free.
 
         Raises:
-            TierFullError: if the units not held or leased cannot take the new keys.
+            TierFullError: if the units not held or lent cannot take the new keys.
         """
         held = self._values
         new = len({key for key in keys if key not in held})
         if len(held) + self._num_zombies + new > (self.capacity_bytes or 0):
             raise TierFullError(f"tier {self.name}: no unit free for {new} blocks")
-        if self._leased:
+        if self._lent:
             for key in keys:
                 self._retire(key)
         return await super().put(keys, values, metas)
 
     def delete(self, keys: Sequence[BlockKey]) -> Awaitable[None]:
-        """Forget each key; one a lease holds keeps its unit until the lease is released."""
-        if self._leased:
+        """Forget each key; one a loan holds keeps its unit until the loan is released."""
+        if self._lent:
             for key in keys:
                 self._retire(key)
         return super().delete(keys)
 
     def _retire(self, key: BlockKey) -> None:
-        record = self._leased.pop(key, None)
+        record = self._lent.pop(key, None)
         if record is not None:
             record[1] = 1
             self._num_zombies += 1
 
-    def lease(self, keys: Sequence[BlockKey]) -> TierLease | None:
-        """The placeholder of each key (``None`` for one not held), each held key leased until the release."""
+    def lend(self, keys: Sequence[BlockKey]) -> TierLoan | None:
+        """The placeholder of each key (``None`` for one not held), each held key lent until the release."""
         get = self._values.get
         values: list[Buffer | None] = [get(key) for key in keys]
-        leased = self._leased
+        lent = self._lent
         records = []
         for key, value in zip(keys, values):
             if value is not None:
-                record = leased.get(key)
+                record = lent.get(key)
                 if record is None:
-                    record = leased[key] = [0, 0]
+                    record = lent[key] = [0, 0]
                 record[0] += 1
                 records.append((key, record))
 
@@ -160,7 +160,7 @@ class LendingMetadataTier(MetadataTier):
                 if not record[0]:
                     if record[1]:
                         self._num_zombies -= 1
-                    elif leased.get(key) is record:
-                        del leased[key]
+                    elif lent.get(key) is record:
+                        del lent[key]
 
-        return TierLease(values, release)
+        return TierLoan(values, release)

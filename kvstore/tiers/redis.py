@@ -30,7 +30,7 @@ from kvstore.tiers.compression import Codec, Compressor, pack_all, unpack_or_kee
 from kvstore.config import RedisTierConfig
 from kvstore.errors import UnavailableError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
-from kvstore.logical import block_logical_nbytes
+from kvstore.tiers.logical import block_logical_nbytes
 from kvstore.tiers.base import BlockMeta, ResidentEntry
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
 from kvstore.tiers.redis_connection import (

@@ -4,7 +4,7 @@ Keys and values. A :data:`~kvstore.keys.BlockKey` (``namespace tag (8 bytes) ||
 block hash``) is stored under ``<prefix>:<tag hex>:<generation>:<block hash hex>``,
 e.g. ``kvstore:1f2e3d4c5b6a7988:0:00112233445566778899aabbccddeeff``, so one
 namespace can be found with ``SCAN MATCH <prefix>:<tag hex>:*``. The value is the
-block's codec bytes (:mod:`kvstore.codec`), header and checksum included; a get
+block's codec bytes (:mod:`kvstore.blocks.tensors`), header and checksum included; a get
 verifies the checksum, which covers every byte, and a corrupt value is a miss,
 is deleted and is counted; the store then checks the header against the
 request's namespace. A block of another codec version (a node of another
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvstore.blockformat import verify_block
+from kvstore.blocks.format import verify_block
 from kvstore.errors import CodecError, UnsupportedVersionError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 
@@ -69,7 +69,7 @@ kept)."""
 
 
 def verify_all(values: Sequence[bytes | None]) -> list[int]:
-    """Each value's verdict (:func:`kvstore.blockformat.verify_block`): good (a ``None`` miss too), corrupt, or foreign.
+    """Each value's verdict (:func:`kvstore.blocks.format.verify_block`): good (a ``None`` miss too), corrupt, or foreign.
 
     A foreign value is a kvstore block of another format version, written by a
     node of another release sharing this Redis: a miss, but not deleted, since

@@ -191,7 +191,7 @@ def iter_block_chunks(blocks: Sequence[bytes | memoryview], chunk_bytes: int,
         chunk_bytes: the largest ``data`` of one message, bytes (:func:`chunk_bytes_for`).
         framed: per block, its whole reply message when a tier holds it framed so
             (``reply_head(len(block), chunk_bytes) + block``, see
-            :attr:`kvstore.tiers.base.TierLease.framed`), sent as is; ``None``
+            :attr:`kvstore.tiers.base.TierLoan.framed`), sent as is; ``None``
             (or a ``None`` entry) to encode that block here, one copy.
     """
     for index, block in enumerate(blocks):

@@ -10,11 +10,11 @@ import grpc
 import numpy as np
 
 from kvstore.api import LookupResult, StoreStats, TierStats
-from kvstore.blockformat import Layout, dtype_name
+from kvstore.blocks.format import Layout, dtype_name
 from kvstore.errors import InvalidArgumentError
-from kvstore.explain import BlockExplanation
+from kvstore.store.explain import BlockExplanation
 from kvstore.keys import NAMESPACE_FIELD_MAX_BYTES, HashAlgorithm, Namespace, PackedHashes
-from kvstore.status import RemoteError
+from kvstore.error_codes import RemoteError
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.protobuf import encode_varint, field_tag, parse_request, read_varint
 
@@ -161,7 +161,7 @@ def stats_from_pb(message: pb.StatsResponse) -> StoreStats:
 
 def explanation_to_pb(blocks: Sequence[BlockExplanation], namespace: Namespace,
                       near: Namespace | None) -> pb.ExplainResponse:
-    """The wire reply of an Explain (``kvstore.explain``)."""
+    """The wire reply of an Explain (``kvstore.store.explain``)."""
     reply = pb.ExplainResponse(
         blocks=[pb.BlockExplanation(position=b.position, hit=b.hit, tier=b.tier, cause=b.cause, detail=b.detail,
                                     removed_s=b.removed_s, removed_from=b.removed_from, priority=b.priority,

@@ -28,9 +28,9 @@ from kvstore.bulk.client.transfer import Refused, receive_into, reply_head, requ
 from kvstore.bulk.frames import MAGIC, REDEEM, REPLY, REQUEST, TransferCut
 from kvstore.bulk.node.setup import bulk_refusal
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import load_config
-from kvstore.status import PermissionDeniedError
+from kvstore.error_codes import PermissionDeniedError
 from kvstore.keys import hash_blocks
 from kvstore.security import bearer_metadata
 from kvstore.v1 import kvstore_pb2 as pb

@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvstore.demo import main
-from kvstore.demo.tokenizer import ByteTokenizer
-from kvstore.demo.workload import conversation, load_corpus, passage_questions
+from kvstore.tools.demo import main
+from kvstore.tools.demo.tokenizer import ByteTokenizer
+from kvstore.tools.demo.workload import conversation, load_corpus, passage_questions
 from tests.support.demo import DEMO_LINE  # the README's sample output has this shape
 
 pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`

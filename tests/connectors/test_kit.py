@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.blockcopy import block_mismatch
-from kvstore.codec import Layout, decode_header, encode_block
+from kvstore.blocks.copying import block_mismatch
+from kvstore.blocks.tensors import Layout, decode_header, encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.connectors.kit.fetch import CopyHandler, DecodeHandler, LeaseHandler, fetch_handler, fetch_into
 from kvstore.connectors.kit.saves import SaveQueue, StoreDownError

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from kvstore.codec import encode_block
-from kvstore.encoding import Encoding, encode_lossy
-from kvstore.encoding.spec import encoded_fraction
+from kvstore.blocks.tensors import encode_block
+from kvstore.blocks.encoding import Encoding, encode_lossy
+from kvstore.blocks.encoding.spec import encoded_fraction
 from kvstore.errors import InvalidArgumentError
-from kvstore.sim.cli import add_arguments, encoded_block_bytes, run
+from kvstore.tools.sim.cli import add_arguments, encoded_block_bytes, run
 
 
 @pytest.mark.parametrize("encoding", list(Encoding), ids=lambda e: e.value)
@@ -55,7 +55,7 @@ def test_an_encoding_needs_the_exact_block_size() -> None:
 
 
 def test_loadtest_sizes_its_blocks_as_the_encoding_stores_them() -> None:
-    from kvstore.loadtest.cli import encoded_payload_bytes
+    from kvstore.tools.loadtest.cli import encoded_payload_bytes
 
     assert encoded_payload_bytes(64512, "", 512) == 64512
     assert encoded_payload_bytes(64512, "int8", 512) == 31744  # half, in multiples of 2 * 512

@@ -10,7 +10,7 @@ import pytest
 import torch
 import xxhash
 
-from kvstore.codec import (
+from kvstore.blocks.tensors import (
     FLAG_ENCODED,
     block_checksum,
     decode_block,
@@ -18,8 +18,8 @@ from kvstore.codec import (
     encode_block,
     verify_block,
 )
-from kvstore.encoding import Encoding, encode_lossy
-from kvstore.encoding.blocks import plan_of
+from kvstore.blocks.encoding import Encoding, encode_lossy
+from kvstore.blocks.encoding.blocks import plan_of
 from kvstore.errors import ChecksumError, CodecError, ElementCountError, UnknownEncodingError
 from kvstore.keys import Namespace, hash_blocks
 

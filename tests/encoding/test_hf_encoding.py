@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("transformers")
 
 from kvstore import StoreConfig, open_store
-from kvstore.codec import decode_header
+from kvstore.blocks.tensors import decode_header
 from kvstore.config import MemoryTierConfig
 from kvstore.connectors.hf import HFConnector
 from tests.support.hf import MAX_NEW_TOKENS, prompt, tiny_model

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.codec import decode_block, decode_header, verify_block
+from kvstore.blocks.tensors import decode_block, decode_header, verify_block
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.embedded import EmbeddedStore
-from kvstore.encoding import Encoding, encode_lossy
-from kvstore.encoding import dispatch
-from kvstore.encoding.blocks import decode_block_into
+from kvstore.blocks.encoding import Encoding, encode_lossy
+from kvstore.blocks.encoding import dispatch
+from kvstore.blocks.encoding.blocks import decode_block_into
 from kvstore.errors import InvalidArgumentError
 from kvstore.keys import Namespace, block_key, hash_blocks
 from tests.support.server import namespace
@@ -101,7 +101,7 @@ def test_the_cpu_kernels_give_torchs_bytes_and_values(encoding: Encoding, dtype:
 def test_the_steps_table_scales_by_octaves_exactly() -> None:
     """fast.py finds a group's step from the ratio's exponent and 16 comparisons, which holds because each octave
     of the table is the first one halved, exactly: ``table[16 a + b] == 2^-a * table[b]``."""
-    from kvstore.encoding.kernels_v2 import STEP_TABLE
+    from kvstore.blocks.encoding.kernels_v2 import STEP_TABLE
 
     for q in range(256):
         assert float(STEP_TABLE[q]) == 2.0 ** -(q // 16) * float(STEP_TABLE[q % 16])
@@ -132,7 +132,7 @@ def test_non_finite_values_are_refused_at_encode() -> None:
 def test_a_host_without_numba_encodes_with_torch() -> None:
     """numba is a dependency, but a host without it still encodes (torch kernels) and gets the same bytes."""
     code = ("import sys; sys.modules['numba'] = None\n"
-            "import torch\nfrom kvstore.encoding import encode_lossy, dispatch\n"
+            "import torch\nfrom kvstore.blocks.encoding import encode_lossy, dispatch\n"
             "x = torch.arange(2 * 2 * 2 * 16 * 64, dtype=torch.float32).reshape(2, 2, 2, 16, 64).sin()\n"
             "assert dispatch.fast_kernels() is None\n"
             "sys.stdout.buffer.write(bytes(encode_lossy(x.to(torch.bfloat16), 'kv', 'int8_v2')))\n")

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import decode_header, encode_block
+from kvstore.blocks.tensors import decode_header, encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.embedded import EmbeddedStore
-from kvstore.encoding import encode_lossy
+from kvstore.blocks.encoding import encode_lossy
 from kvstore.errors import InvalidArgumentError, UnknownEncodingError
 from kvstore.keys import Namespace, block_key, hash_blocks
 from kvstore.wire import namespace_from_pb, namespace_to_pb
@@ -111,6 +111,6 @@ def test_a_node_serves_lossy_blocks_over_both_data_paths(server: ThreadedServer,
 
 
 def encode_and_decode(x: torch.Tensor) -> torch.Tensor:
-    from kvstore.codec import decode_block
+    from kvstore.blocks.tensors import decode_block
 
     return decode_block(encode_lossy(x, "kv", "int8"))

@@ -1,15 +1,15 @@
 """Round trips of every lossy encoding, dtype and layout: dtype and shape restored, each element within the
-encoding's error bound as computed from the block's own scales (``kvstore.encoding``)."""
+encoding's error bound as computed from the block's own scales (``kvstore.blocks.encoding``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvstore.codec import decode_block, verify_block
-from kvstore.encoding import Encoding, encode_lossy, read_scales
-from kvstore.encoding.blocks import decode_block_into
-from kvstore.encoding.spec import key_group, value_group
+from kvstore.blocks.tensors import decode_block, verify_block
+from kvstore.blocks.encoding import Encoding, encode_lossy, read_scales
+from kvstore.blocks.encoding.blocks import decode_block_into
+from kvstore.blocks.encoding.spec import key_group, value_group
 from kvstore.errors import InvalidArgumentError, UnknownDtypeError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -137,7 +137,7 @@ def test_what_cannot_be_encoded_is_refused() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_rows_largest_magnitude_read_on_the_bits_is_abs_amax(dtype: torch.dtype) -> None:
-    from kvstore.encoding.kernels import abs_max_rows
+    from kvstore.blocks.encoding.kernels import abs_max_rows
 
     generator = torch.Generator().manual_seed(5)
     x = (torch.randn(6, 256, generator=generator) * torch.logspace(-6, 3, 6).unsqueeze(1)).to(dtype)

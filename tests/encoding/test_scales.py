@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import decode_block, decode_header, verify_block
+from kvstore.blocks.tensors import decode_block, decode_header, verify_block
 from kvstore.config import DiskTierConfig, MemoryTierConfig, RedisTierConfig, StoreConfig
 from kvstore.embedded import EmbeddedStore
-from kvstore.encoding import Encoding, encode_lossy
-from kvstore.encoding.blocks import decode_block_into, plan_of
-from kvstore.encoding.scales import check_scales
-from kvstore.encoding.spec import scales_plan
+from kvstore.blocks.encoding import Encoding, encode_lossy
+from kvstore.blocks.encoding.blocks import decode_block_into, plan_of
+from kvstore.blocks.encoding.scales import check_scales
+from kvstore.blocks.encoding.spec import scales_plan
 from kvstore.errors import BadScalesError, InvalidArgumentError
 from kvstore.keys import block_key, hash_blocks
 from kvstore.validation import check_block

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
-from kvstore.encoding import encode_lossy
+from kvstore.blocks.tensors import encode_block
+from kvstore.blocks.encoding import encode_lossy
 from kvstore.keys import hash_blocks
 from kvstore.tiers.lmdb import default_map_size_bytes
 from tests.support.server import ThreadedServer, kv_blocks, make_config, namespace, scrape

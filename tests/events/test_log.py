@@ -24,7 +24,7 @@ from kvstore.events.schema import (
 )
 from kvstore.events.subscriber import TierView
 from kvstore.keys import NAMESPACE_TAG_BYTES
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from tests.support.store import NS, disk_footprint, make_blocks, memory_tier
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.codec import decode_block, verify_block
+from kvstore.blocks.tensors import decode_block, verify_block
 from kvstore.errors import InvalidArgumentError
-from kvstore.loadtest.blocks import PayloadFactory, loadtest_namespace, trace_block_hashes, trace_tokens
+from kvstore.tools.loadtest.blocks import PayloadFactory, loadtest_namespace, trace_block_hashes, trace_tokens
 
 
 def test_hashes_are_deterministic_and_chained() -> None:

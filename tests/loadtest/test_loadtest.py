@@ -9,11 +9,11 @@ from typing import Iterator
 
 import pytest
 
-from kvstore.loadtest import LoadTestConfig, client_target_keyword, compare_with_simulator, replay_loadtest
-from kvstore.loadtest.cli import main
-from kvstore.sim import simulate
+from kvstore.tools.loadtest import LoadTestConfig, client_target_keyword, compare_with_simulator, replay_loadtest
+from kvstore.tools.loadtest.cli import main
+from kvstore.tools.sim import simulate
 from kvstore.shm.node.pool import footprint
-from kvstore.trace import TraceRequest, read_trace, write_trace
+from kvstore.tools.trace import TraceRequest, read_trace, write_trace
 from tests.support.kvnode import KVNode, free_port
 
 pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
@@ -217,7 +217,7 @@ def test_sim_capacity_node_reads_the_nodes_tier_and_agrees(tmp_path: Path, capsy
 
 def test_the_legend_explains_every_row_of_the_summary(big_node: KVNode, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from kvstore.loadtest.cli import SUMMARY_LEGEND
+    from kvstore.tools.loadtest.cli import SUMMARY_LEGEND
 
     trace = tmp_path / "trace.jsonl"
     write_trace(trace, read_trace(CONVERSATION)[:5])

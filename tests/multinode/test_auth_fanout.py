@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from kvstore.security import bearer_metadata
-from kvstore.status import RemoteError
+from kvstore.error_codes import RemoteError
 from tests.support.security import TOKEN_A, auth_config, sha_namespace
 from tests.support.server import ThreadedServer, kv_blocks
 

@@ -16,7 +16,7 @@ from kvstore.keys import HashAlgorithm
 from kvstore.security import bearer_metadata, main, token_sha256
 from kvstore.server.app import KVStoreServer
 from kvstore.server.auth import Authenticator, Principal, TokenEntry, parse_tokens
-from kvstore.status import PermissionDeniedError, UnauthenticatedError
+from kvstore.error_codes import PermissionDeniedError, UnauthenticatedError
 from kvstore.wire import namespace_to_pb, put_requests
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

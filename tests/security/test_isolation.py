@@ -8,7 +8,7 @@ import mmap
 import pytest
 import torch
 
-from kvstore.status import PermissionDeniedError
+from kvstore.error_codes import PermissionDeniedError
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES
 from kvstore.tiers.lmdb import MAX_KEY_BYTES, RECORD_OVERHEAD_BYTES, default_map_size_bytes
 from tests.support.server import ThreadedServer, encoded, kv_blocks

@@ -12,7 +12,7 @@ import pytest
 from kvstore.errors import ResourceExhaustedError
 from kvstore.keys import Namespace
 from kvstore.security import bearer_metadata
-from kvstore.status import DeadlineExceededError
+from kvstore.error_codes import DeadlineExceededError
 from kvstore.server.inflight import InflightLimiter
 from kvstore.server.quota import TenantQuota
 from kvstore.server.watchdog import StreamWatchdog

@@ -1,6 +1,6 @@
 """No code in the ``kvstore`` package can turn received or stored bytes into Python objects (an AST scan).
 
-KV blocks are raw bytes behind an explicit header (``kvstore.codec``); configuration
+KV blocks are raw bytes behind an explicit header (``kvstore.blocks.tensors``); configuration
 and token files are read with ``yaml.safe_load``. Pickle-family loaders run code
 chosen by whoever wrote the bytes, so a cache that other tenants or nodes write
 to must never use them.

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.keys import Namespace
 from kvstore.server.budgets import PutBudget
 from kvstore.wire import PUT_METHOD, identity, put_requests

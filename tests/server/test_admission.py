@@ -14,7 +14,7 @@ from kvstore.errors import ResourceExhaustedError
 from kvstore.security import bearer_metadata
 from kvstore.server.admission import OPEN_TICKET, Admission, Ticket
 from kvstore.server.auth import Authenticator, Principal
-from kvstore.status import UnauthenticatedError
+from kvstore.error_codes import UnauthenticatedError
 from kvstore.server.inflight import InflightLimiter
 from tests.support.security import TOKEN_A, TOKEN_ADMIN, TOKEN_B, auth_config
 from tests.support.server import make_config

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError
 from kvstore.keys import Namespace, block_key
 from kvstore.wire import namespace_to_pb, put_requests

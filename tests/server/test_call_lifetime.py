@@ -10,7 +10,7 @@ import threading
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.server.servicer import GrpcCall
 from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb

@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.client import InflightSlots, KVStoreClient, backoff_s
 from kvstore.errors import InvalidArgumentError, KVStoreError, ResourceExhaustedError, UnavailableError
-from kvstore.status import DeadlineExceededError, RemoteError, error_of, status_of
+from kvstore.error_codes import DeadlineExceededError, RemoteError, error_of, status_of
 from tests.support.redis import black_hole  # noqa: F401 - a fixture
 
 from tests.support.server import ThreadedServer, kv_blocks, namespace
@@ -54,7 +54,7 @@ def test_unavailable_is_retried_and_invalid_argument_is_not(fresh_server: Thread
 @pytest.mark.slow
 def test_inflight_calls_are_bounded(server: ThreadedServer) -> None:
     from kvstore.client import calls, plan
-    from kvstore.codec import encode_block
+    from kvstore.blocks.tensors import encode_block
     from kvstore.v1 import kvstore_pb2 as pb
     from kvstore.wire import put_requests
 
@@ -114,7 +114,7 @@ def test_backoff_is_exponential_with_full_jitter() -> None:
 import torch  # noqa: E402
 
 from kvstore.client import AsyncKVStoreClient  # noqa: E402
-from kvstore.codec import decode_block, encode_block  # noqa: E402
+from kvstore.blocks.tensors import decode_block, encode_block  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from kvstore.wire import chunk_bytes_for  # noqa: E402
 

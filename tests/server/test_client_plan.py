@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.client.calls import AS_BYTES, AS_LEASE, AS_TENSORS, IntoTensors, first, total
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.client.plan import RETURNED, SLOT, Attempt, Outcome, Pause, Plan, RequestStream, Rpc, Slot, Step, Transport
 from kvstore.client.stats import merge_health
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError

@@ -12,7 +12,7 @@ import torch
 from prometheus_client import generate_latest
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.support.server import MiB, ThreadedServer, make_config, namespace

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.wire import BlockAssembler, chunk_bytes_for, iter_block_chunks, namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 

@@ -7,7 +7,7 @@ import pytest
 import kvstore
 from kvstore.client import KVStoreClient
 from kvstore.errors import UnavailableError
-from kvstore.status import UnauthenticatedError
+from kvstore.error_codes import UnauthenticatedError
 from kvstore.security import bearer_metadata
 from tests.support.server import kv_blocks, namespace
 

@@ -53,9 +53,9 @@ async def test_refused_puts_are_exported_by_reason() -> None:
     import pytest
     import torch
 
-    from kvstore.codec import encode_block
+    from kvstore.blocks.tensors import encode_block
     from kvstore.errors import ResourceExhaustedError
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
     from tests.support.store import NS, make_blocks, memory_tier
 
     async with TieredStore([memory_tier(1)]) as store:  # two 4 KiB pages

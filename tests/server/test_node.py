@@ -151,10 +151,10 @@ def test_help_of_each_command_stands_on_its_own(command: str | None, capsys: pyt
 
 
 def test_subcommand_modules_are_registered() -> None:
-    assert "kvstore.sim.cli" in SUBCOMMAND_MODULES
+    assert "kvstore.tools.sim.cli" in SUBCOMMAND_MODULES
     choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert {"serve", "stats", "health"} <= set(choices)
-    assert "simulate" in choices  # registered by kvstore.sim.cli
+    assert "simulate" in choices  # registered by kvstore.tools.sim.cli
 
 
 def test_a_second_sigterm_cuts_the_grace_short_but_still_closes_the_store(tmp_path: Path) -> None:
@@ -166,7 +166,7 @@ def test_a_second_sigterm_cuts_the_grace_short_but_still_closes_the_store(tmp_pa
 
     import grpc
 
-    from kvstore.codec import encode_block
+    from kvstore.blocks.tensors import encode_block
     from kvstore.wire import encode_get_request, identity
 
     ns = namespace(layout="mla", dtype="uint8", block_size=1)

@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import StoreConfig
-from kvstore.status import PermissionDeniedError
+from kvstore.error_codes import PermissionDeniedError
 from kvstore.keys import block_keys
 from kvstore.wire import chunk_bytes_for, decode_block_chunk, namespace_to_pb, put_requests
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.lmdb import LMDBTier
 from kvstore.tiers.memory import MemoryTier
@@ -525,7 +525,7 @@ async def test_a_lease_outlives_the_tier_close_and_releases_cleanly() -> None:
     hashes, blocks = make_blocks(2)
     keys = block_keys(NS, hashes)
     await tier.put(keys, blocks, [BlockMeta()] * 2)
-    lease = tier.lease(keys)
+    lease = tier.lend(keys)
     await tier.close()
     assert [bytes(v) for v in lease.values] == blocks  # the pool stays alive for the views
     lease.release()

@@ -161,7 +161,7 @@ def test_cancelled_get_leaves_no_lease_behind() -> None:
 @pytest.mark.slow
 def test_a_stream_over_max_stream_s_ends_with_deadline_exceeded_and_frees_its_blocks() -> None:
     """A stalled reader with no deadline held its Get's leases for ever: nothing else could be stored."""
-    from kvstore.codec import encode_block
+    from kvstore.blocks.tensors import encode_block
 
     server = ThreadedServer(make_config(**{"store.memory.capacity_bytes": "64MiB", "limits.max_stream_s": 1.0}))
     try:
@@ -190,7 +190,7 @@ def test_a_stream_over_max_stream_s_ends_with_deadline_exceeded_and_frees_its_bl
 
 def test_a_get_whose_last_message_stalls_keeps_its_in_flight_slot_until_it_is_read() -> None:
     """The last message leaves with the status, after the handler returned: a reader that stops still holds a slot."""
-    from kvstore.codec import encode_block
+    from kvstore.blocks.tensors import encode_block
 
     server = ThreadedServer(make_config(**{"limits.max_inflight_per_connection": 2}))
     try:

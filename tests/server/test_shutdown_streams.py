@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.support.server import MiB, ThreadedServer, make_config, namespace
@@ -43,7 +43,7 @@ def test_blocks_being_streamed_at_shutdown_survive_a_restart(tmp_path):
 
 
 # The same at the store level, deterministic: close() while a read holds leases.
-from kvstore.store import TieredStore  # noqa: E402
+from kvstore.store.tiered import TieredStore  # noqa: E402
 from kvstore.tiers.lmdb import LMDBTier  # noqa: E402
 from tests.support.store import NS, disk_footprint, make_blocks, memory_tier  # noqa: E402
 

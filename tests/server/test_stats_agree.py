@@ -156,7 +156,7 @@ def test_lookups_are_counted_by_tenant_under_a_digest_of_the_salt() -> None:
 
     from kvstore import open_store
     from kvstore.config import MemoryTierConfig, StoreConfig
-    from kvstore.counts import TenantLookups
+    from kvstore.store.counts import TenantLookups
     from kvstore.server.metrics import ServiceMetrics
 
     ns = namespace()

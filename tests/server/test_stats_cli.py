@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.cli import main
 from kvstore.client import KVStoreClient
-from kvstore.stats_view import human_bytes, percent
+from kvstore.tools.stats_view import human_bytes, percent
 from tests.support.server import ThreadedServer, kv_blocks, make_config, namespace
 
 

@@ -98,7 +98,7 @@ def test_assembler_bounds_the_bytes_of_one_stream() -> None:
 import grpc  # noqa: E402
 
 from kvstore.api import LookupResult  # noqa: E402
-from kvstore.status import RemoteError  # noqa: E402
+from kvstore.error_codes import RemoteError  # noqa: E402
 from kvstore.wire import (  # noqa: E402
     decode_block_chunk,
     encode_block_chunk,

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.keys import hash_blocks
 from kvstore.security import bearer_metadata
 from kvstore.shm.client import control as control_module

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.keys import hash_blocks
 from kvstore.security import bearer_metadata
 from kvstore.shm.client.handoff import redeem_grant

@@ -1,5 +1,5 @@
 """A hostile same-host client's multi-block puts: the node checks each block of a batch of like blocks with one
-header parse (``kvstore.codec.LikeBlocks``) and each copy as it makes it (``kvstore.validation.BlockChecker``), so a
+header parse (``kvstore.blocks.tensors.LikeBlocks``) and each copy as it makes it (``kvstore.validation.BlockChecker``), so a
 bad block anywhere in a batch, of any kind, must still fail the whole put, name its position, store nothing of it,
 change nothing stored before, and leave the node healthy."""
 
@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.keys import hash_blocks
 from kvstore.wire import namespace_to_pb
 from tests.shm.test_hostile import A, put_shared
@@ -52,7 +52,7 @@ def _other_tokens(seed: int) -> bytes:  # a valid block of 32 tokens: another sh
 
 
 def _flip_padding(block: bytes) -> bytes:  # a header padding byte set, the checksum recomputed over it
-    from kvstore.codec import block_checksum
+    from kvstore.blocks.tensors import block_checksum
 
     head = bytearray(block[:128])
     head[127] = 1

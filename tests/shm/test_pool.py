@@ -31,7 +31,7 @@ async def test_each_slab_holds_one_namespace_and_is_sealed_against_every_other_w
     try:
         await pool.put([make_key(1, A), make_key(2, B)], [make_sized_block(1, 20_000), make_sized_block(2, 20_000)],
                        [meta(), meta()])
-        lease = pool.lease([make_key(1, A), make_key(2, B)])
+        lease = pool.lend([make_key(1, A), make_key(2, B)])
         assert lease.places is not None and lease.places[0].slab_id != lease.places[1].slab_id
         slab = pool.slab(lease.places[0].slab_id)
         assert slab is not None and slab.tag == A.tag
@@ -72,7 +72,7 @@ async def test_a_staged_block_is_stored_where_it_was_copied_and_the_rest_is_free
         await pool.put([make_key(i, A) for i in range(2)], staging.blocks[:2], [meta(), meta()])
         assert pool.counts.staged_adopted == 2
         staging.close()  # the third block was not stored: its range goes back
-        lease = pool.lease([make_key(0, A), make_key(1, A)])
+        lease = pool.lend([make_key(0, A), make_key(1, A)])
         assert lease.places == staging.places[:2]  # stored where they were copied: no copy of the pool's own
         assert [bytes(v) for v in lease.values] == values[:2]
         lease.release()
@@ -87,7 +87,7 @@ async def test_a_range_under_a_pin_is_not_reused_until_the_pin_goes() -> None:
     try:
         key = make_key(1, A)
         await pool.put([key], [make_sized_block(1, 30_000)], [meta()])
-        lease = pool.lease([key])
+        lease = pool.lend([key])
         held = bytes(lease.values[0])
         pool.delete([key])
         assert pool.held_bytes > 0
@@ -129,7 +129,7 @@ async def test_a_sparse_slab_is_compacted_for_another_namespace() -> None:
         await pool.put(others, [make_sized_block(i, size - 100) for i in range(len(others))], [meta()] * len(others))
         assert pool.counts.slabs_compacted + pool.counts.slabs_retired > 0
         assert pool.touched_bytes <= pool.touched_limit_bytes
-        lease = pool.lease(kept)
+        lease = pool.lend(kept)
         assert [bytes(v) for v in lease.values] == [values[0], values[-1]]  # moved, whole
         lease.release()
     finally:

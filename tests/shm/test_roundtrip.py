@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
-from kvstore.codec import DTYPES, Layout, encode_block
+from kvstore.blocks.tensors import DTYPES, Layout, encode_block
 from kvstore.errors import DestinationMismatchError, InvalidArgumentError
 from kvstore.keys import Namespace, hash_blocks
 from tests.support.server import ThreadedServer, finished_calls, make_config, namespace

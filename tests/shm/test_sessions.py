@@ -7,7 +7,7 @@ import pytest
 from kvstore.errors import ResourceExhaustedError
 from kvstore.shm.segment import Segment
 from kvstore.shm.node.sessions import SessionTable, UnknownSessionError
-from kvstore.status import PermissionDeniedError
+from kvstore.error_codes import PermissionDeniedError
 
 
 class Clock:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.sim.cli import main, parse_capacity, register
-from kvstore.trace import TraceRequest, write_trace
+from kvstore.tools.sim.cli import main, parse_capacity, register
+from kvstore.tools.trace import TraceRequest, write_trace
 
 pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
@@ -72,7 +72,7 @@ def test_the_node_takes_the_same_policy_names() -> None:
     from kvstore.config import StoreConfig, load_config
     from kvstore.errors import ConfigError
     from kvstore.policy import DEFAULT_POLICY, AdaptivePolicy, SegmentedLRUPolicy
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
     from kvstore.tiers.memory import MemoryTier
 
     assert StoreConfig().policy == "default" and DEFAULT_POLICY == "adaptive"
@@ -88,7 +88,7 @@ def test_the_node_takes_the_same_policy_names() -> None:
 
 def test_the_table_shows_capacities_as_given_explains_its_columns_and_progress_runs(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvstore.sim.cli import COLUMNS
+    from kvstore.tools.sim.cli import COLUMNS
 
     code = main(["--trace", str(TRACES / "mooncake_synthetic_trace.jsonl"), "--policy", "lru",
                  "--capacity", "5%,3GiB", "--disk-capacity", "25%", "--block-bytes", "512KiB", "--progress",

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import BlockMeta, LeasingTier, Tier, TierFullError
+from kvstore.tiers.base import BlockMeta, LendingTier, Tier, TierFullError
 from kvstore.tiers.metadata import LendingMetadataTier, MetadataTier
 
 A, B, C = BlockKey(b"a" * 24), BlockKey(b"b" * 24), BlockKey(b"c" * 24)
@@ -17,7 +17,7 @@ META = BlockMeta()
 def test_a_block_is_one_unit_and_no_bytes_are_kept() -> None:
     async def run() -> None:
         tier = MetadataTier(2, name="disk", yields=True)
-        assert isinstance(tier, Tier) and not isinstance(tier, LeasingTier)
+        assert isinstance(tier, Tier) and not isinstance(tier, LendingTier)
         assert tier.footprint(1) == tier.footprint(1 << 20) == 1
         value = b"x" * 100
         assert await tier.put([A, B], [value, value], [META, META]) == [True, True]
@@ -34,9 +34,9 @@ def test_a_block_is_one_unit_and_no_bytes_are_kept() -> None:
 def test_a_leased_block_keeps_its_unit_until_the_release() -> None:
     async def run() -> None:
         tier = LendingMetadataTier(2, name="memory")
-        assert isinstance(tier, LeasingTier) and not tier.lends_references
+        assert isinstance(tier, LendingTier) and not tier.lends_references
         await tier.put([A, B], [b"a", b"b"], [META, META])
-        lease = tier.lease([A, C])
+        lease = tier.lend([A, C])
         assert lease is not None and lease.values == [b"a", None]
         await tier.delete([A])
         assert tier.held_bytes == 1  # A is gone, and its unit is still taken
@@ -45,7 +45,7 @@ def test_a_leased_block_keeps_its_unit_until_the_release() -> None:
         lease.release()
         assert tier.held_bytes == 0
         assert await tier.put([C], [b"c"], [META]) == [True]
-        unleased = tier.lease([B])
+        unleased = tier.lend([B])
         assert unleased is not None
         unleased.release()
         await tier.delete([B])  # no lease left on it: its unit is free at once

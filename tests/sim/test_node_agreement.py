@@ -1,7 +1,7 @@
 """The simulator predicts a real node exactly: ``kvstore loadtest`` (one worker) against ``kvstore serve`` and
 ``kvstore simulate`` count the same hits, for every policy, in memory and in memory plus disk.
 
-The simulator runs the store itself over metadata-only tiers (``kvstore.sim.node``, ``docs/simulate.md``), so
+The simulator runs the store itself over metadata-only tiers (``kvstore.tools.sim.node``, ``docs/simulate.md``), so
 what this guards is the rest: the tiers' capacities in blocks, and the order of a client's calls and of the
 node's background work between them.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.loadtest import LoadTestConfig, replay_loadtest
-from kvstore.sim import SimNode, simulate
-from kvstore.sim.agentic import AgenticConfig, generate_agentic
+from kvstore.tools.loadtest import LoadTestConfig, replay_loadtest
+from kvstore.tools.sim import SimNode, simulate
+from kvstore.tools.sim.agentic import AgenticConfig, generate_agentic
 from kvstore.shm.node.pool import footprint
 from kvstore.tiers.lmdb import RECORD_OVERHEAD_BYTES, default_map_size_bytes
-from kvstore.trace import TraceRequest, read_trace
+from kvstore.tools.trace import TraceRequest, read_trace
 from tests.support.kvnode import KVNode
 
 pytestmark = pytest.mark.slow  # starts processes or servers, or takes seconds: outside `make test-fast`

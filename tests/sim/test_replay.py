@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.sim import SimNode, belady_bound, check_chains, simulate
-from kvstore.trace import TraceRequest, read_trace
+from kvstore.tools.sim import SimNode, belady_bound, check_chains, simulate
+from kvstore.tools.trace import TraceRequest, read_trace
 
 pytestmark = pytest.mark.slow  # starts processes or servers: outside `make test-fast`
 
@@ -189,8 +189,8 @@ def test_the_simulated_node_counts_tiers_per_request() -> None:
 
 _COUNTS = """
 import json, sys
-from kvstore.sim import simulate
-from kvstore.trace import read_trace
+from kvstore.tools.sim import simulate
+from kvstore.tools.trace import read_trace
 requests = read_trace(sys.argv[1])[:1500]
 print(json.dumps([simulate(requests, p, c).hit_blocks for p in ("lru", "slru", "adaptive", "belady")
                   for c in (50, 300)]))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.trace import TraceFormatError, TraceRequest, iter_trace, read_trace, write_trace
+from kvstore.tools.trace import TraceFormatError, TraceRequest, iter_trace, read_trace, write_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
 
@@ -79,11 +79,11 @@ def test_auto_detect_rejects_unknown_lines_and_bad_hex(tmp_path: Path) -> None:
 
 import json  # noqa: E402
 
-from kvstore.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
-from kvstore.sim.belady import check_chains  # noqa: E402
-from kvstore.sim.cli import main as simulate_main  # noqa: E402
-from kvstore.sim.trace_cli import main as trace_main  # noqa: E402
-from kvstore.trace import merge_sessions, read_session  # noqa: E402
+from kvstore.tools.sim.agentic import AgenticConfig, generate_agentic  # noqa: E402
+from kvstore.tools.sim.belady import check_chains  # noqa: E402
+from kvstore.tools.sim.cli import main as simulate_main  # noqa: E402
+from kvstore.tools.sim.trace_cli import main as trace_main  # noqa: E402
+from kvstore.tools.trace import merge_sessions, read_session  # noqa: E402
 
 
 def test_mooncake_reader_honours_block_tokens(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from kvstore.codec import Layout, encode_header
+from kvstore.blocks.tensors import Layout, encode_header
 from kvstore.keys import Namespace, block_key, hash_blocks
 from tests.support.lmdb_pages import PageMap, page_map
 
@@ -57,7 +57,7 @@ def chain_blocks(seed: int, chain: int, length: int, kv_encoding: str = "") -> t
     H is drawn once per chain (the blocks of one put share a shape), so blocks
     are 8 to 64 KiB: some share leaf pages and all have overflow pages. With
     ``kv_encoding``, the blocks are Gaussian float16 tensors under that lossy
-    encoding (``kvstore.encoding``), so damage can reach their scales and codes.
+    encoding (``kvstore.blocks.encoding``), so damage can reach their scales and codes.
     """
     rng = np.random.default_rng([seed, chain])
     tokens = rng.integers(0, 50_000, size=length * NAMESPACE.block_size)
@@ -67,7 +67,7 @@ def chain_blocks(seed: int, chain: int, length: int, kv_encoding: str = "") -> t
         if kv_encoding:
             import torch
 
-            from kvstore.encoding import encode_lossy
+            from kvstore.blocks.encoding import encode_lossy
 
             tensor = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(torch.float16)
             blocks.append(bytes(encode_lossy(tensor, Layout.KV, kv_encoding)))

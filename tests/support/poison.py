@@ -9,8 +9,8 @@ import struct
 
 import torch
 
-from kvstore.codec import block_checksum, decode_header
-from kvstore.encoding import Encoding, encode_lossy
+from kvstore.blocks.tensors import block_checksum, decode_header
+from kvstore.blocks.encoding import Encoding, encode_lossy
 
 SHAPE = (2, 2, 2, 16, 64)
 """``[num_layers, 2, num_kv_heads, block_size, head_dim]`` of the blocks poisoned by default."""
@@ -26,7 +26,7 @@ def random_blocks(num_blocks: int, seed: int = 0) -> list[torch.Tensor]:
 
 def reseal(block: bytearray) -> bytearray:
     """The block's checksum recomputed over its damaged bytes (in place; returned)."""
-    head = struct.unpack_from("<H", block, 10)[0]  # header_nbytes (kvstore/codec.py)
+    head = struct.unpack_from("<H", block, 10)[0]  # header_nbytes (kvstore/blocks/tensors.py)
     struct.pack_into("<Q", block, 20, block_checksum(block[:head], block[head:]))
     return block
 

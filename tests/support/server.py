@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Coroutine, TypeVar
 
 import torch
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import Config, load_config
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.server.app import KVStoreServer

@@ -18,10 +18,10 @@ import lmdb
 import pytest
 import torch
 
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import RedisTierConfig, StoreConfig
 from kvstore.keys import Namespace, block_key, hash_blocks
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
 from kvstore.tiers.lmdb import MAX_KEY_BYTES, RECORD_OVERHEAD_BYTES, LMDBTier
 from kvstore.tiers.memory import MemoryTier

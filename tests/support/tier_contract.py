@@ -25,7 +25,7 @@ import pytest
 import torch
 import xxhash
 
-from kvstore.codec import decode_block, encode_block, header_nbytes
+from kvstore.blocks.tensors import decode_block, encode_block, header_nbytes
 from kvstore.keys import BlockKey, Namespace, block_key
 from kvstore.tiers.base import BlockMeta, ResidentEntry, Tier, TierFullError
 
@@ -52,7 +52,7 @@ def make_tensor(seed: int, shape: tuple[int, ...] = SMALL_SHAPE, dtype: torch.dt
 
 
 def make_block(seed: int, shape: tuple[int, ...] = SMALL_SHAPE, dtype: torch.dtype = torch.float16) -> bytes:
-    """The encoded bytes (``kvstore.codec`` format) of :func:`make_tensor`."""
+    """The encoded bytes (``kvstore.blocks.tensors`` format) of :func:`make_tensor`."""
     return encode_block(make_tensor(seed, shape, dtype))
 
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from kvstore.codec import encode_block, verify_block
+from kvstore.blocks.tensors import encode_block, verify_block
 from kvstore.config import RedisTierConfig
-from kvstore.encoding import encode_lossy
+from kvstore.blocks.encoding import encode_lossy
 from kvstore.errors import CodecError
 from kvstore.tiers.compression import Codec, Compressor, is_frame, logical_nbytes, unpack, unpack_or_keep
 from kvstore.tiers.lmdb import LMDBTier

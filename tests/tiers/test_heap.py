@@ -9,8 +9,8 @@ import pytest
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.errors import ConfigError, InvalidArgumentError, UnavailableError
 from kvstore.wire import decode_block_chunk, encode_block_chunk, reply_head
-from kvstore.factory import open_async_store
-from kvstore.tiers.base import LeasingTier, TierFullError
+from kvstore.store.factory import open_async_store
+from kvstore.tiers.base import LendingTier, TierFullError
 from kvstore.tiers.heap import BLOCK_OVERHEAD_BYTES, HeapTier
 from kvstore.tiers.memory import MemoryTier
 from tests.support.tier_contract import TierContract, make_block, make_key, make_sized_block, meta
@@ -30,7 +30,7 @@ class TestHeapTierContract(TierContract):
 
 
 def test_a_heap_tier_is_a_leasing_tier():
-    assert isinstance(HeapTier(MiB), LeasingTier)
+    assert isinstance(HeapTier(MiB), LendingTier)
 
 
 def test_a_negative_capacity_is_refused():
@@ -47,13 +47,13 @@ async def test_a_block_is_stored_as_its_ready_reply_and_leased_without_a_copy():
     tier = HeapTier(MiB, framing=HEADS)
     block = make_block(0)
     await tier.put([make_key(0)], [memoryview(block)], [meta()])
-    lease = tier.lease([make_key(0), make_key(1)])
+    lease = tier.lend([make_key(0), make_key(1)])
     (reply, missing), (value, miss) = lease.framed, lease.values  # type: ignore[misc]
     assert missing is None and miss is None
     assert reply == encode_block_chunk(0, len(block), block, True)
     assert decode_block_chunk(reply)[1] == block == value
     assert isinstance(value, memoryview) and value.readonly and value.obj is reply  # a view of the reply itself
-    assert tier.lease([make_key(0)]).framed[0] is reply  # type: ignore[index]  # the same object on every read
+    assert tier.lend([make_key(0)]).framed[0] is reply  # type: ignore[index]  # the same object on every read
     lease.release()
     await tier.close()
 
@@ -67,7 +67,7 @@ async def test_a_block_already_behind_its_head_is_kept_without_a_copy_and_any_ot
     same_bytes_elsewhere = memoryview(b"".join((head, block, b"x")))[len(head):-1]  # not the tail of its bytes
     shifted = memoryview(b"".join((b"y" * len(head), block)))[len(head):]  # the tail, behind something else
     await tier.put([make_key(i) for i in range(3)], [tail, same_bytes_elsewhere, shifted], [meta()] * 3)
-    lease = tier.lease([make_key(i) for i in range(3)])
+    lease = tier.lend([make_key(i) for i in range(3)])
     assert lease.framed[0] is framed  # type: ignore[index]
     assert all(reply == encode_block_chunk(0, len(block), block, True) for reply in lease.framed)  # type: ignore[union-attr]
     assert lease.framed[1] is not same_bytes_elsewhere.obj and lease.framed[2] is not shifted.obj  # type: ignore[index]
@@ -79,7 +79,7 @@ async def test_a_block_over_one_message_is_stored_bare_and_a_bytes_value_is_kept
     tier = HeapTier(MiB, framing=HEADS)
     big = make_sized_block(0, CHUNK + 2)
     await tier.put([make_key(0)], [big], [meta()])
-    lease = tier.lease([make_key(0)])
+    lease = tier.lend([make_key(0)])
     assert lease.framed == [None] and lease.values[0] is big
     assert (await tier.get([make_key(0)]))[0] is big
     lease.release()
@@ -90,7 +90,7 @@ async def test_a_bare_tier_copies_only_what_is_not_bytes():
     tier = HeapTier(MiB)
     block = make_block(0)
     await tier.put([make_key(0), make_key(1)], [block, bytearray(block)], [meta()] * 2)
-    lease = tier.lease([make_key(0), make_key(1)])
+    lease = tier.lend([make_key(0), make_key(1)])
     assert lease.framed == [None, None]
     assert lease.values[0] is block and type(lease.values[1]) is bytes and lease.values[1] == block
     lease.release()
@@ -119,7 +119,7 @@ async def test_a_lease_is_a_reference_that_outlives_a_delete_and_a_replace():
     tier = HeapTier(tier_footprint(old), framing=HEADS)
     assert tier.lends_references
     await tier.put([make_key(1)], [old], [meta()])
-    lease = tier.lease([make_key(1), make_key(1)])
+    lease = tier.lend([make_key(1), make_key(1)])
     await tier.put([make_key(1)], [new], [meta()])  # the full tier takes the new value in the old one's room
     assert await tier.get([make_key(1)]) == [new] and tier.used_bytes == tier_footprint(new)
     await tier.delete([make_key(1)])
@@ -157,12 +157,12 @@ async def test_leases_outlive_a_close_and_releasing_after_it_is_harmless():
     tier = HeapTier(MiB, framing=HEADS)
     block = make_block(0)
     await tier.put([make_key(0)], [block], [meta()])
-    lease = tier.lease([make_key(0)])
+    lease = tier.lend([make_key(0)])
     await tier.close()
     assert lease.values[0] == block
     lease.release()
     with pytest.raises(UnavailableError):
-        tier.lease([make_key(0)])
+        tier.lend([make_key(0)])
 
 
 # -- which memory tier a store gets ----------------------------------------------------

@@ -320,19 +320,19 @@ async def test_a_cancelled_threaded_copy_keeps_its_pages_until_the_thread_ends(o
 
 # -- leases: blocks lent in place -----------------------------------------------------
 
-from kvstore.tiers.base import LeasingTier, TierLease  # noqa: E402
+from kvstore.tiers.base import LendingTier, TierLoan  # noqa: E402
 
 
 def test_a_memory_tier_is_a_leasing_tier():
-    assert isinstance(MemoryTier(MiB, page_bytes=PAGE), LeasingTier)
+    assert isinstance(MemoryTier(MiB, page_bytes=PAGE), LendingTier)
 
 
 async def test_a_lease_lends_views_of_the_pool_and_none_for_misses():
     tier = MemoryTier(MiB, page_bytes=PAGE)
     values = [_block_of_pages(0, 2), make_block(1)]
     await tier.put([make_key(0), make_key(1)], values, [meta()] * 2)
-    lease = tier.lease([make_key(0), make_key(9), make_key(1)])
-    assert isinstance(lease, TierLease)
+    lease = tier.lend([make_key(0), make_key(9), make_key(1)])
+    assert isinstance(lease, TierLoan)
     assert lease.values[1] is None
     for view, value in zip((lease.values[0], lease.values[2]), values):
         assert isinstance(view, memoryview)
@@ -346,7 +346,7 @@ async def test_a_lease_lends_views_of_the_pool_and_none_for_misses():
 async def test_leased_views_are_read_only():
     tier = MemoryTier(MiB, page_bytes=PAGE)
     await tier.put([make_key(0)], [make_block(0)], [meta()])
-    lease = tier.lease([make_key(0)])
+    lease = tier.lend([make_key(0)])
     try:
         assert lease.values[0].readonly
     finally:
@@ -359,7 +359,7 @@ async def test_a_lease_keeps_deleted_pages_until_it_is_released():
     tier = MemoryTier(2 * block_pages * PAGE, page_bytes=PAGE)
     old = _block_of_pages(1, block_pages)
     await tier.put([make_key(1)], [old], [meta()])
-    lease = tier.lease([make_key(1)])
+    lease = tier.lend([make_key(1)])
     await tier.delete([make_key(1)])
     assert await tier.contains([make_key(1)]) == [False]  # unpublished at once...
     assert tier.num_free_pages == tier.num_pages - block_pages  # ...but its pages stay taken
@@ -380,7 +380,7 @@ async def test_an_overwrite_during_a_lease_leaves_the_leased_view_unchanged():
     tier = MemoryTier(2 * block_pages * PAGE, page_bytes=PAGE)
     old, new = _block_of_pages(1, block_pages), _block_of_pages(2, block_pages)
     await tier.put([make_key(1)], [old], [meta()])
-    lease = tier.lease([make_key(1)])
+    lease = tier.lend([make_key(1)])
     assert await tier.put([make_key(1)], [new], [meta()]) == [True]
     assert await tier.get([make_key(1)]) == [new]
     assert lease.values[0] == old
@@ -396,7 +396,7 @@ async def test_a_full_pool_cannot_replace_a_leased_block_in_place():
     tier = MemoryTier(4 * PAGE, page_bytes=PAGE)
     keys = [make_key(0), make_key(1)]
     await tier.put(keys, [_block_of_pages(0, 2), _block_of_pages(1, 2)], [meta()] * 2)
-    lease = tier.lease(keys[:1])
+    lease = tier.lend(keys[:1])
     with pytest.raises(TierFullError):  # without the lease this reuses key 0's own pages
         await tier.put(keys[:1], [_block_of_pages(9, 2)], [meta()])
     assert await tier.get(keys[:1]) == [_block_of_pages(0, 2)] and lease.values[0] == _block_of_pages(0, 2)
@@ -411,7 +411,7 @@ async def test_releasing_a_lease_twice_releases_it_once():
     tier = MemoryTier(block_pages * PAGE, page_bytes=PAGE)
     value = _block_of_pages(1, block_pages)
     await tier.put([make_key(1)], [value], [meta()])
-    first, second = tier.lease([make_key(1)]), tier.lease([make_key(1)])
+    first, second = tier.lend([make_key(1)]), tier.lend([make_key(1)])
     first.release()
     first.release()  # harmless: it must not give back the pin of the second lease
     await tier.delete([make_key(1)])
@@ -430,7 +430,7 @@ async def test_one_key_leased_twice_in_one_batch_is_pinned_twice():
     tier = MemoryTier(2 * PAGE, page_bytes=PAGE)
     value = _block_of_pages(1, 2)
     await tier.put([make_key(1)], [value], [meta()])
-    lease = tier.lease([make_key(1), make_key(1)])
+    lease = tier.lend([make_key(1), make_key(1)])
     assert lease.values == [value, value]
     await tier.delete([make_key(1)])
     lease.release()
@@ -445,7 +445,7 @@ async def test_a_block_on_scattered_pages_is_leased_as_a_copy_and_pins_nothing()
     await tier.delete(keys[::2])  # 8 free pages, no two adjacent
     big = make_sized_block(100, 8 * PAGE - 64)
     await tier.put([make_key(100)], [big], [meta()])
-    lease = tier.lease([make_key(100), keys[1]])
+    lease = tier.lend([make_key(100), keys[1]])
     assert type(lease.values[0]) is bytes and lease.values[0] == big
     assert isinstance(lease.values[1], memoryview) and lease.values[1] == _block_of_pages(1, 1)
     await tier.delete([make_key(100)])
@@ -457,10 +457,10 @@ async def test_a_block_on_scattered_pages_is_leased_as_a_copy_and_pins_nothing()
 
 async def test_a_lease_of_nothing_but_misses_can_be_released():
     tier = MemoryTier(MiB, page_bytes=PAGE)
-    lease = tier.lease([make_key(0), make_key(1)])
+    lease = tier.lend([make_key(0), make_key(1)])
     assert lease.values == [None, None]
     lease.release()
-    assert tier.lease([]).values == []
+    assert tier.lend([]).values == []
     await tier.close()
 
 
@@ -468,12 +468,12 @@ async def test_leased_views_outlive_a_close_and_release_after_it_is_harmless():
     tier = MemoryTier(MiB, page_bytes=PAGE)
     value = make_block(0)
     await tier.put([make_key(0)], [value], [meta()])
-    lease = tier.lease([make_key(0)])
+    lease = tier.lend([make_key(0)])
     await tier.close()
     assert lease.values[0] == value
     lease.release()
     with pytest.raises(UnavailableError):
-        tier.lease([make_key(0)])
+        tier.lend([make_key(0)])
 
 
 @pytest.mark.cuda
@@ -481,7 +481,7 @@ async def test_leased_views_outlive_a_close_and_release_after_it_is_harmless():
 async def test_a_cuda_pool_does_not_lend():
     tier = MemoryTier(MiB, device="cuda:0", page_bytes=PAGE)
     await tier.put([make_key(0)], [make_block(0)], [meta()])
-    assert tier.lease([make_key(0)]) is None
+    assert tier.lend([make_key(0)]) is None
     assert await tier.get([make_key(0)]) == [make_block(0)]
     await tier.close()
 
@@ -524,7 +524,7 @@ async def test_a_batch_takes_one_run_and_a_lease_names_its_blocks_in_the_pool():
     blocks = [make_sized_block(i, 3000) for i in range(4)]
     keys = [make_key(i) for i in range(4)]
     await tier.put(keys, blocks, [meta()] * 4)
-    lease = tier.lease(keys)
+    lease = tier.lend(keys)
     try:
         assert lease.offsets is not None and lease.pool is not None
         step = tier.footprint(3000)
@@ -538,8 +538,8 @@ async def test_a_batch_takes_one_run_and_a_lease_names_its_blocks_in_the_pool():
 @pytest.mark.parametrize("offload_min_bytes", [1 << 62, 0], ids=["inline", "threads"])
 @pytest.mark.parametrize("num_blocks", [1, 3])
 async def test_tensors_are_encoded_in_the_pool_byte_for_byte_as_encode_block(offload_min_bytes, num_blocks):
-    from kvstore.blockcopy import tensor_blocks
-    from kvstore.codec import encode_block
+    from kvstore.blocks.copying import tensor_blocks
+    from kvstore.blocks.tensors import encode_block
 
     tier = MemoryTier(4 * MiB, pin_memory=False, offload_min_bytes=offload_min_bytes)
     tensors = [torch.randn(2, 2, 2, 16, 8).to(torch.bfloat16) for _ in range(num_blocks)]
@@ -550,8 +550,8 @@ async def test_tensors_are_encoded_in_the_pool_byte_for_byte_as_encode_block(off
 
 
 async def test_tensors_over_scattered_pages_are_encoded_once_then_copied():
-    from kvstore.blockcopy import tensor_blocks
-    from kvstore.codec import encode_block
+    from kvstore.blocks.copying import tensor_blocks
+    from kvstore.blocks.tensors import encode_block
 
     tensor = torch.randn(1, 2, 1, 16, 64)  # float32: 8 KiB of payload, 33 pages of 256 bytes with its header
     pages = -(-(len(encode_block(tensor))) // 256)

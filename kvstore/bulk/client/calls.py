@@ -28,12 +28,12 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from kvstore.blockcopy import Copied
+from kvstore.blocks.copying import Copied
 from kvstore.bulk.client.link import BulkLink, Endpoint
 from kvstore.bulk.client.transfer import (Refused, parse_reply, receive_blocks, receive_into, reply_head, request,
                                           send_put)
 from kvstore.bulk.frames import GET, PUT, TransferCut
-from kvstore.codec import Layout
+from kvstore.blocks.tensors import Layout
 from kvstore.shm.client.link import UseGrpc
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -120,7 +120,7 @@ def _get_reply(sock: socket.socket, deadline: float) -> pb.BulkGetResponse:
 
 def get_into(link: BulkLink, endpoint: Endpoint, destinations: Sequence[torch.Tensor], layout: Layout | str, verify: bool,
              aio: bool) -> BulkCall:
-    """A Get into the caller's tensors (``BulkGetRequest`` -> :class:`~kvstore.blockcopy.Copied`)."""
+    """A Get into the caller's tensors (``BulkGetRequest`` -> :class:`~kvstore.blocks.copying.Copied`)."""
 
     def transfer(sock: socket.socket, deadline: float) -> tuple[Copied, bool]:
         reply = _get_reply(sock, deadline)

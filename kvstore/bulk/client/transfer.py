@@ -8,10 +8,10 @@ that one and the destination is a contiguous CPU tensor, the payload is
 received with ``recv_into`` straight into the destination's memory, and its
 checksum taken there while it is in cache. Any other block (a lossy encoding,
 another shape, a destination on a GPU or with gaps) is received into a buffer
-of its own and copied from there (``kvstore.blockcopy.copy_block_into``).
+of its own and copied from there (``kvstore.blocks.copying.copy_block_into``).
 
 Put (:func:`send_put`): each tensor's header is built once per batch
-(``kvstore.blockcopy.tensor_blocks``), its checksum taken over the caller's
+(``kvstore.blocks.copying.tensor_blocks``), its checksum taken over the caller's
 tensor where it lies, and header and payload go out in one ``sendmsg`` from
 where they lie; the blocks travel a megabyte or so at a time, each sent right
 after its checksum, while it is in cache.
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import grpc
 
-from kvstore.blockcopy import Copied, TensorBlock, copy_block_into, tensor_blocks
+from kvstore.blocks.copying import Copied, TensorBlock, copy_block_into, tensor_blocks
 from kvstore.bulk.frames import MAGIC, MAX_BODY_BYTES, REPLY, REQUEST, TransferCut, recv_exactly_into, send_all
-from kvstore.codec import CHECKSUM_SPAN, Layout, block_checksum, blank_header, dtype_name, header_nbytes
+from kvstore.blocks.tensors import CHECKSUM_SPAN, Layout, block_checksum, blank_header, dtype_name, header_nbytes
 from kvstore.errors import ChecksumError, DestinationMismatchError, KVStoreError
-from kvstore.status import error_of
+from kvstore.error_codes import error_of
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,7 @@ class Refused(KVStoreError):
 
     Attributes:
         code: the status code.
-        error: the typed error of that status (``kvstore.status.error_of``).
+        error: the typed error of that status (``kvstore.error_codes.error_of``).
     """
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
@@ -61,7 +61,7 @@ class Refused(KVStoreError):
 
 
 class Received(NamedTuple):
-    """What a Get into tensors received: its :class:`~kvstore.blockcopy.Copied`, and the cut that ended it early
+    """What a Get into tensors received: its :class:`~kvstore.blocks.copying.Copied`, and the cut that ended it early
     (``None`` when every block arrived)."""
 
     copied: Copied
@@ -189,7 +189,7 @@ def receive_blocks(sock: socket.socket, sizes: Sequence[int], deadline: float) -
 
 
 def put_sizes(blocks: Sequence[Block], layout: Layout | str) -> tuple[list[Any], list[int]]:
-    """A Put's blocks as they are sent (:class:`~kvstore.blockcopy.TensorBlock` s and encoded bytes), and each
+    """A Put's blocks as they are sent (:class:`~kvstore.blocks.copying.TensorBlock` s and encoded bytes), and each
     one's encoded length, bytes; no payload is read yet."""
     items = tensor_blocks(blocks, layout)
     return items, [len(item) if type(item) is TensorBlock else memoryview(item).nbytes for item in items]

@@ -45,7 +45,7 @@ from kvstore.bulk.frames import (GET, GRANT_BYTES, MAGIC, MAX_TOKEN_BYTES, PUT, 
                                  recv_exactly_into, send_all, transfer_s)
 from kvstore.bulk.node.grants import GetGrant, Grant, GrantTable, PutGrant
 from kvstore.config import BulkConfig
-from kvstore.status import status_of
+from kvstore.error_codes import status_of
 from kvstore.v1 import kvstore_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class _Refusal(Exception):
 
     @classmethod
     def of(cls, exc: BaseException) -> _Refusal:
-        """The status of a raised error (``kvstore.status.status_of``)."""
+        """The status of a raised error (``kvstore.error_codes.status_of``)."""
         code, message = status_of(exc)
         if code is grpc.StatusCode.INTERNAL:
             logger.error("bulk Put failed", exc_info=exc)

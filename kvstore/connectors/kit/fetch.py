@@ -17,7 +17,7 @@ the good prefix, how many blocks the store had, and why the next one is bad.
   each checked (checksum, dtype, layout, shape) before it is decoded.
 
 Whatever the path, a block is used only if it fits its destination
-(``kvstore.blockcopy.block_mismatch``, the one check); the first that does not
+(``kvstore.blocks.copying.block_mismatch``, the one check); the first that does not
 (or is corrupt) ends the prefix.
 """
 
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from kvstore.api import BlockClient
-from kvstore.blocklease import BlockLease
-from kvstore.codec import decode_block, verify_block
+from kvstore.blocks.lease import BlockLease
+from kvstore.blocks.tensors import decode_block, verify_block
 from kvstore.connectors.kit.leased import view_in_place
 from kvstore.connectors.kit.spec import BlockSpec
 from kvstore.errors import CodecError, DestinationMismatchError
@@ -173,7 +173,7 @@ class DecodeHandler:
                 if bad is not None:
                     break
                 good.append(decode_block(buffer, verify=False))
-            except CodecError as exc:  # corrupt, or a lossy block's scales out of range (kvstore.encoding.scales)
+            except CodecError as exc:  # corrupt, or a lossy block's scales out of range (kvstore.blocks.encoding.scales)
                 bad = f"corrupt ({exc})"
                 break
         if destinations is not None:

@@ -10,7 +10,7 @@ side, with no staging tensor and no per-block decode.
 Checks: a prefix of like blocks has one header but for its checksum, so the
 first block's header is parsed and checked against the destination's
 :class:`~kvstore.connectors.kit.fetch.BlockSpec`, and every other block's
-header is compared with it as bytes (:class:`kvstore.codec.LikeBlocks`).
+header is compared with it as bytes (:class:`kvstore.blocks.tensors.LikeBlocks`).
 Checksums are checked only where the lease says the blocks crossed a network
 (``BlockLease.checked`` is ``False``, gRPC): what the node validated at put
 time and serves from its own memory is not checked again (``docs/shared-memory.md``).
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from kvstore.codec import DTYPES, BlockHeader, LikeBlocks, decode_header, verify_block
+from kvstore.blocks.tensors import DTYPES, BlockHeader, LikeBlocks, decode_header, verify_block
 from kvstore.errors import CodecError
 
 if TYPE_CHECKING:
     from kvstore.api import Buffer
-    from kvstore.blocklease import BlockLease
+    from kvstore.blocks.lease import BlockLease
     from kvstore.connectors.kit.spec import BlockSpec
 
 _ITEM_TYPES: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}

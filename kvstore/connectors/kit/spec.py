@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.blockcopy import block_mismatch
-from kvstore.codec import BlockHeader, Layout, torch_dtype
+from kvstore.blocks.copying import block_mismatch
+from kvstore.blocks.tensors import BlockHeader, Layout, torch_dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvstore.codec import dtype_name
+from kvstore.blocks.tensors import dtype_name
 from kvstore.keys import BlockHash, HashAlgorithm, Namespace
 
 NATIVE_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -83,7 +83,7 @@ class PageFormat:
 
 
 def _itemsize(dtype: str) -> int:
-    from kvstore.codec import DTYPES
+    from kvstore.blocks.tensors import DTYPES
 
     return DTYPES[dtype][1]
 

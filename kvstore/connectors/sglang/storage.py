@@ -28,7 +28,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 from kvstore.api import BlockClient
-from kvstore.codec import Layout
+from kvstore.blocks.tensors import Layout
 from kvstore.connectors.kit.fetch import FetchHandler, fetch_handler
 from kvstore.connectors.kit.spec import BlockSpec
 from kvstore.connectors.kit.stores import StoreHealth, open_block_store

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from kvstore.config import GiB, build
 from kvstore.connectors.kit.settings import check_store_settings, require, split_targets
-from kvstore.encoding.spec import Encoding
+from kvstore.blocks.encoding.spec import Encoding
 from kvstore.errors import ConfigError
 from kvstore.security import read_bearer_token
 from kvstore.keys import HashAlgorithm

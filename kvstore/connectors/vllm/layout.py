@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.codec import Layout, dtype_name, torch_dtype
+from kvstore.blocks.tensors import Layout, dtype_name, torch_dtype
 from kvstore.connectors.kit.spec import BlockSpec
 from kvstore.connectors.kit.leased import item_type
 from kvstore.errors import InvalidArgumentError

@@ -17,7 +17,7 @@ from kvstore.connectors.kit.spec import BlockSpec
 from kvstore.connectors.kit.leased import LeasedBlocks, view_in_place
 
 if TYPE_CHECKING:
-    from kvstore.blocklease import BlockLease
+    from kvstore.blocks.lease import BlockLease
     from kvstore.connectors.vllm.layout import PageFormat
 
 __all__ = ["LeasedBlocks", "view_leased"]

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import xxhash
 
-from kvstore.codec import dtype_name
+from kvstore.blocks.tensors import dtype_name
 from kvstore.keys import BlockHash, HashAlgorithm, KeySpan, Namespace, hash_blocks, span_extra_keys
 from kvstore.connectors.vllm.layout import PageFormat
 

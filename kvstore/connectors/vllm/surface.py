@@ -118,7 +118,7 @@ def connector_imports() -> Iterator[tuple[str, str, str]]:
         FileNotFoundError: if a module's source file is missing (the list here is out of date).
     """
     root = Path(__file__).resolve().parents[3]
-    for module in (*CONNECTOR_MODULES, "kvstore.demo.vllm_demo"):
+    for module in (*CONNECTOR_MODULES, "kvstore.tools.demo.vllm_demo"):
         path = root / (module.replace(".", "/") + ".py")
         if not path.is_file():
             raise FileNotFoundError(f"{module}: no source file {path}")

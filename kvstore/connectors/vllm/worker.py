@@ -4,7 +4,7 @@ Loads (``start_load_kv``, before the step's forward pass; synchronous unless
 ``load_async``, so vLLM calls it first and the step waits): the step's
 :class:`~kvstore.connectors.vllm.jobs.LoadJob` s are fetched concurrently, each
 within the connector's ``timeout_s`` of the step's start. Every fetched block
-is checked before it is used: its checksum (``kvstore.codec.verify_block``), its
+is checked before it is used: its checksum (``kvstore.blocks.tensors.verify_block``), its
 dtype, layout and shape against this worker's page format. The blocks are
 written up to the first one that is missing, late, corrupt or mismatched; every
 vLLM block from there on is reported by ``get_block_ids_with_load_errors``, so
@@ -59,7 +59,7 @@ from typing import Any, Callable
 import torch
 
 from kvstore.api import BlockClient
-from kvstore.codec import torch_dtype
+from kvstore.blocks.tensors import torch_dtype
 from kvstore.connectors.kit.fetch import Fetched, fetch_handler
 from kvstore.connectors.kit.saves import SaveQueue
 from kvstore.connectors.kit.stores import StoreHealth, agentic, open_client
@@ -144,7 +144,7 @@ class WorkerSide:
                                            in_place=paged.device.type == "cpu", pin_memory=paged.device.type == "cuda")
         self._hash_algorithm = HashAlgorithm(config.hash_algorithm)
         if config.kv_encoding and self._block_dtype in (torch.float16, torch.bfloat16, torch.float32):
-            from kvstore.encoding import warm_up  # numba's first compile here, not in the first load's timeout
+            from kvstore.blocks.encoding import warm_up  # numba's first compile here, not in the first load's timeout
 
             warm_up(config.kv_encoding, self._block_dtype, paged.page_format.layout.value)
         self._namespaces: dict[TenantKey, Namespace] = {}

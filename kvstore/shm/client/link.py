@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import grpc
 
-from kvstore.blocklease import BlockLease
-from kvstore.blockcopy import (Copied, byte_view, copy_batch_into, copy_block_into, copy_into_destinations,
+from kvstore.blocks.lease import BlockLease
+from kvstore.blocks.copying import (Copied, byte_view, copy_batch_into, copy_block_into, copy_into_destinations,
                                encode_batch_into, encode_into, encoded_nbytes)
-from kvstore.codec import Layout, decode_header, torch_dtype, verify_block
+from kvstore.blocks.tensors import Layout, decode_header, torch_dtype, verify_block
 from kvstore.errors import KVStoreError
 from kvstore.shm.allocator import RangeAllocator
 from kvstore.shm.client.control import ControlChannels, channels_wanted
@@ -293,7 +293,7 @@ class SharedSession:
 
     def stage(self, blocks: Sequence[Block], layout: Layout | str) -> Staged | None:
         """Write blocks encoded into a new range of the put segment (one copy of each payload, from any device):
-        a batch of like tensors with one header build for all (``kvstore.blockcopy.encode_batch_into``).
+        a batch of like tensors with one header build for all (``kvstore.blocks.copying.encode_batch_into``).
 
         Returns:
             Where they are, or ``None`` when the put segment has no room for them now.
@@ -363,7 +363,7 @@ class SharedSession:
 
 def _copy_runs(source: _Source, destinations: Sequence[torch.Tensor]) -> Copied | None:
     """Copy a reply's blocks with one strided ``copy_`` per run of them that lies in one buffer
-    (:func:`~kvstore.blockcopy.copy_batch_into`: a prefix put in one batch lies evenly spaced in one slab); ``None``
+    (:func:`~kvstore.blocks.copying.copy_batch_into`: a prefix put in one batch lies evenly spaced in one slab); ``None``
     (nothing copied) unless every run can be copied so."""
     raws, num_blocks = source.raws, len(source.views)
     runs, start = [], 0

@@ -25,8 +25,8 @@ from kvstore.keys import BlockHash, Namespace, block_key
 from kvstore.shm.frames import GET_SHARED, KINDS, LOOKUP, PUT_SHARED
 from kvstore.shm.node.plane import SharedMemoryNode
 from kvstore.shm.node.sessions import Session
-from kvstore.status import FailedPreconditionError
-from kvstore.store import TieredStore
+from kvstore.error_codes import FailedPreconditionError
+from kvstore.store.tiered import TieredStore
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.validation import BlockChecker, CheckedBlocks
 from kvstore.wire import decode_hash_request, parse_request

@@ -33,7 +33,7 @@ import numpy as np
 from kvstore.api import Buffer
 from kvstore.config import SharedMemoryConfig
 from kvstore.errors import InvalidArgumentError
-from kvstore.reads import BlockRead
+from kvstore.store.reads import BlockRead
 from kvstore.errors import ResourceExhaustedError
 from kvstore.shm.frames import MAX_CHANNELS, MAX_REPLY_DESCRIPTORS
 from kvstore.shm.host import BLOCK_ALIGNMENT, host_id

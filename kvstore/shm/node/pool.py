@@ -25,7 +25,7 @@ again). Writing into fresh ``memfd`` pages and sealing them after the client
 wrote them was measured as the alternative and costs 7-12x a copy in page
 faults on this kind of machine (``benchmarks/results/bench_shm.md``).
 
-Ranges are never reused under a reader: a lease (:meth:`SharedPool.lease`)
+Ranges are never reused under a reader: a loan (:meth:`SharedPool.lend`)
 pins the ranges it lends; a block deleted, replaced or evicted while pinned
 keeps its range until the last pin goes (:attr:`SharedPool.held_bytes`).
 
@@ -60,7 +60,7 @@ from kvstore.errors import InvalidArgumentError, UnavailableError
 from kvstore.keys import NAMESPACE_TAG_BYTES, BlockKey
 from kvstore.shm.allocator import RangeAllocator
 from kvstore.shm.segment import Segment
-from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError, TierLease, done, put_order
+from kvstore.tiers.base import BlockMeta, ResidentEntry, TierFullError, TierLoan, done, put_order
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class Staging:
 class SharedPool:
     """Encoded blocks in sealed shared-memory slabs, one namespace per slab (see the module docstring).
 
-    Implements :class:`kvstore.tiers.base.LeasingTier`, lending views it pins.
+    Implements :class:`kvstore.tiers.base.LendingTier`, lending views it pins.
     It never evicts: a put that does not fit raises :class:`TierFullError` and
     stores nothing of its batch. The last writer of a key wins.
 
@@ -471,7 +471,7 @@ class SharedPool:
                        else bytes(self._slabs[record.slab_id].view[record.offset:record.offset + record.nbytes]))
         return out
 
-    def lease(self, keys: Sequence[BlockKey]) -> TierLease:
+    def lend(self, keys: Sequence[BlockKey]) -> TierLoan:
         """Read-only views of each key's value, pinned until ``release``, with each block's :class:`Place`.
 
         ``places[i]`` is ``None`` for a miss. The views stay valid (their ranges
@@ -497,7 +497,7 @@ class SharedPool:
             pinned.append(where)
             values.append(slabs[record.slab_id].view[record.offset:record.offset + record.nbytes])
             places.append(Place(*where))
-        return TierLease(values, lambda: self._unpin(pinned), places=places)
+        return TierLoan(values, lambda: self._unpin(pinned), places=places)
 
     def _unpin(self, pinned: list[tuple[int, int]]) -> None:
         pins = self._pins

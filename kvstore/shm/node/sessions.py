@@ -40,7 +40,7 @@ from typing import Any, Callable, Hashable, Iterator
 from kvstore.errors import ResourceExhaustedError
 from kvstore.shm.allocator import RangeAllocator
 from kvstore.shm.segment import Segment
-from kvstore.status import FailedPreconditionError, PermissionDeniedError
+from kvstore.error_codes import FailedPreconditionError, PermissionDeniedError
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from vllm.v1.request import Request
 from kvstore.connectors.vllm.events import MEDIUM_PREFIX, ConnectorEvents
 from kvstore.events.log import EventLog
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.lmdb import LMDBTier
 from tests.support.store import disk_footprint, make_blocks, memory_tier
 

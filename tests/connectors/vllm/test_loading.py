@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.blocklease import BlockLease
+from kvstore.blocks.lease import BlockLease
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, LoadJob, TenantKey
 from kvstore.connectors.vllm.layout import KVFamily, PagedKV, PageFormat, canonical_view

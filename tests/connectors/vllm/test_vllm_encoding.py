@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvstore.client import KVStoreClient
-from kvstore.codec import decode_header
+from kvstore.blocks.tensors import decode_header
 from kvstore.keys import hash_blocks
 from tests.connectors.vllm.harness import BLOCK_SIZE, Engine, deltas, tokens, write_llama
 from tests.support.kvnode import KVNode

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kvstore.api import Buffer
-from kvstore.blockcopy import copy_into_destinations
-from kvstore.blocklease import BlockLease
+from kvstore.blocks.copying import copy_into_destinations
+from kvstore.blocks.lease import BlockLease
 from kvstore.client import KVStoreClient
-from kvstore.codec import encode_block
+from kvstore.blocks.tensors import encode_block
 from kvstore.config import MemoryTierConfig, StoreConfig
 from kvstore.connectors.vllm.jobs import KVStoreConnectorMetadata, LoadJob, SaveJob, TenantKey
 from kvstore.connectors.vllm.worker import WorkerSide
@@ -54,7 +54,7 @@ class Proxy:
         return self.edit(blocks) if self.edit else blocks
 
     def get_into(self, namespace: Any, hashes: Any, destinations: Any, *, verify: bool | None = None) -> int:
-        """The edited blocks copied as a gRPC client's ``get_into`` copies them (``kvstore.blockcopy``): bytes
+        """The edited blocks copied as a gRPC client's ``get_into`` copies them (``kvstore.blocks.copying``): bytes
         that crossed a network are checked unless the caller says otherwise."""
         copied = copy_into_destinations(self.get(namespace, hashes), destinations, True if verify is None else verify)
         if copied.error is not None:

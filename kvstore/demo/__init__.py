@@ -1,5 +1,0 @@
-"""The ``kvstore demo`` command: prefill reuse with an HF Llama on real text (``python -m kvstore.demo``)."""
-
-from kvstore.demo.cli import add_arguments, main, register, run
-
-__all__ = ["add_arguments", "main", "register", "run"]
