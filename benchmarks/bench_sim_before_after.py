@@ -5,7 +5,7 @@ Run from the repository root::
 
     python benchmarks/bench_sim_before_after.py [--before 73f9e45] [--requests 4000] [--rounds 3]
 
-The ``kvstore`` package of ``--before`` (the last commit with ``kvstore/tools/sim/model.py``) is unpacked with
+The ``kvstore`` package of ``--before`` (the last commit with ``kvstore/sim/model.py``) is unpacked with
 ``git archive`` into a temporary directory, and two worker processes are started, one importing it and one
 importing this checkout. Each replays the first ``--requests`` requests of the conversation trace (the trace of
 ``bench_sim_speed.py``) at 5 % of their distinct blocks, memory only, through ``kvstore.tools.sim.simulate``; the two
