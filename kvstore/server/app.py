@@ -33,7 +33,8 @@ from kvstore.server.health import NodeHealth
 from kvstore.server.logs import LIFECYCLE_LOGGER
 from kvstore.server.metrics import ServiceMetrics, StoreCollector
 from kvstore.server.node_events import open_tenants_and_events
-from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer
+from kvstore.server.call import SERVICE_NAME
+from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.service import CallFailed, NodeService
 from kvstore.wire import channel_options, chunk_bytes_for, reply_head
 from kvstore.store.factory import open_async_store

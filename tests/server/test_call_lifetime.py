@@ -11,7 +11,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.blocks.tensors import encode_block
-from kvstore.server.servicer import GrpcCall
+from kvstore.server.call import GrpcCall
 from kvstore.wire import namespace_to_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

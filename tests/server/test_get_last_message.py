@@ -97,7 +97,7 @@ def test_a_get_ended_by_its_client_while_its_last_message_waits_is_counted_as_su
 async def test_a_reply_grpc_reports_lost_is_counted_as_ended_by_the_client() -> None:
     """The accounting behind the test above, with no race: a task whose lost reply grpc.aio logged is counted
     CANCELLED, or DEADLINE_EXCEEDED once its deadline has passed; the log record becomes one DEBUG line."""
-    from kvstore.server import servicer as servicer_module
+    from kvstore.server import call as call_module
     from kvstore.server.metrics import ServiceMetrics
 
     class Context:
@@ -115,11 +115,11 @@ async def test_a_reply_grpc_reports_lost_is_counted_as_ended_by_the_client() -> 
         metrics = ServiceMetrics()
 
     lost = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, __file__, 0,
-                             f"{servicer_module.ReplyLostFilter.PREFIX}Get]", None, None)
+                             f"{call_module.ReplyLostFilter.PREFIX}Get]", None, None)
 
     async def call_whose_reply_is_lost(remaining: float | None) -> None:
-        servicer_module.REPLY_LOST.filter(lost)  # the record grpc.aio logs inside the call's task
-        call = servicer_module.GrpcCall(Servicer(), "Get", Context(remaining))  # type: ignore[arg-type]
+        call_module.REPLY_LOST.filter(lost)  # the record grpc.aio logs inside the call's task
+        call = call_module.GrpcCall(Servicer(), "Get", Context(remaining))  # type: ignore[arg-type]
         call._start_s = 0.0
         asyncio.current_task().add_done_callback(call._finish)  # type: ignore[union-attr]
 

@@ -141,7 +141,7 @@ def finished_calls(server: ThreadedServer, method: str, expected: float, code: s
     """``kvstore_requests_total{code, method}`` once it has reached ``expected`` (or after ``timeout_s``), calls.
 
     A call that succeeds is counted when gRPC is done sending its reply (see
-    ``kvstore.server.servicer.GrpcCall._finish``), so a client can hold the reply
+    ``kvstore.server.call.GrpcCall._finish``), so a client can hold the reply
     before the node has counted it: wait for the count, then assert on it
     (a count past ``expected`` is returned as it is, for the assert to show).
     """
